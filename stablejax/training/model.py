@@ -1,0 +1,355 @@
+"""A decoder-only GPT in Flax linen, with the outlier-safe model options.
+
+Default: Pre-LN blocks of RMSNorm -> causal self-attention (RoPE, ``jax.nn.dot_product_attention``)
+and RMSNorm -> SwiGLU MLP, a final RMSNorm and an untied output head. No biases.
+
+Options (``ModelConfig``):
+  * ``norm="ssnorm"``: Single-Scale RMSNorm, one scalar gain per norm (Outlier-Safe Pre-Training,
+    arXiv 2506.19697).
+  * ``emb_proj``: EmbProj (arXiv 2506.19697): an orthogonally initialised ``[D, D]`` projection
+    after the token embedding (``emb_proj_in``) and one after the final norm, right before the head
+    (``emb_proj_out``). Both are plain matrices (trained by Muon) and fold exactly into the
+    embedding table and the head (``stablejax.merge_emb_proj``): nothing non-linear sits between
+    a projection and the weight it merges into.
+  * ``post_ln``: Post-LN blocks ``x = norm(x + f(x))`` for comparison (no final norm then).
+  * ``qk_norm``: RMSNorm over the head dimension of queries and keys.
+  * ``tie_embeddings``: logits = h @ embedding.T, no ``lm_head``.
+  * ``embed_scale``: embeddings multiplied by sqrt(d_model).
+  * ``bitnet``: every block linear is a BitNet b1.58 quantisation-aware linear mixed with full
+    precision by ``bitnet_lambda`` (see ``stablejax.training.bitnet``). Embedding, EmbProj and
+    head stay full precision.
+
+Precision: parameters are created and stored in ``param_dtype`` (float32 by default); each call
+casts activations and a per-call copy of the weights to ``compute_dtype``. Norm statistics,
+softmax statistics (inside ``dot_product_attention``) and the logits are float32.
+
+Parameter layout (``scan_layers=True``; without scan ``blocks`` becomes ``block_0``, ``block_1``,
+... and the leading ``L`` axis disappears)::
+
+  tok_embed/embedding        [V, D]
+  emb_proj_in/kernel         [D, D]      (emb_proj)
+  blocks/attn_norm/scale     [L, D]      ([L] with ssnorm)
+  blocks/attn/{q,k,v,o}_proj/kernel  [L, D, D]
+  blocks/attn/{q,k}_norm/scale       [L, head_dim]   (qk_norm)
+  blocks/mlp_norm/scale      [L, D]
+  blocks/mlp/{gate,up}_proj/kernel   [L, D, F]
+  blocks/mlp/down_proj/kernel        [L, F, D]
+  final_norm/scale           [D]         (Pre-LN only)
+  emb_proj_out/kernel        [D, D]      (emb_proj)
+  lm_head/kernel             [D, V]      (untied only)
+
+Example::
+
+    cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4)
+    model = GPT(cfg)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 16), jnp.int32))["params"]
+    logits = model.apply({"params": params}, tokens)        # [B, T, V] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablejax.training.bitnet import bitnet_matmul
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_NORMS = ("rmsnorm", "ssnorm")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+  vocab_size: int = 256
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  d_ff: int = 0              # 0 -> SwiGLU hidden = multiple of 64 nearest 8/3 * d_model
+  max_seq_len: int = 256
+  rope_theta: float = 10000.0
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  norm: str = "rmsnorm"      # "rmsnorm" | "ssnorm" (Single-Scale RMSNorm, arXiv 2506.19697)
+  post_ln: bool = False      # Post-LN for comparison; Pre-LN default
+  emb_proj: bool = False     # EmbProj (arXiv 2506.19697)
+  embed_scale: bool = False  # multiply embeddings by sqrt(d_model)
+  bitnet: bool = False       # BitNet b1.58-style quantisation-aware linears mixed by lambda
+  compute_dtype: str = "bfloat16"   # "float32" | "bfloat16" | "float16"
+  param_dtype: str = "float32"      # "bfloat16" only to reproduce the underflow failure
+  init_std: float = 0.02
+  scan_layers: bool = True   # nn.scan over blocks: stacked [L, ...] params, fast compile
+  remat: bool = False        # rematerialise each block in the backward pass
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def ff_dim(self) -> int:
+    """SwiGLU hidden size: ``d_ff`` or the multiple of 64 nearest to 8/3 * d_model (at least 64)."""
+    if self.d_ff:
+      return self.d_ff
+    return max(64, 64 * int(round(8 * self.d_model / 3 / 64)))
+
+  def validate(self) -> None:
+    """Raises ValueError (one line naming the problem and the fix) for an unusable config."""
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model.{name}={value!r} must be a positive integer")
+    if not isinstance(self.d_ff, int) or self.d_ff < 0:
+      raise ValueError(f"model.d_ff={self.d_ff!r} must be a non-negative integer (0 = automatic)")
+    if self.d_model % self.n_heads:
+      divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
+      raise ValueError(
+          f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
+          f"choose n_heads in {divisors[-6:]} or change d_model")
+    if self.head_dim % 2:
+      raise ValueError(
+          f"model head_dim = d_model/n_heads = {self.head_dim} is odd but RoPE needs an even "
+          f"head dimension: change model.d_model or model.n_heads")
+    if self.norm not in _NORMS:
+      raise ValueError(f"model.norm={self.norm!r} is unknown: use one of {list(_NORMS)}")
+    for name in ("compute_dtype", "param_dtype"):
+      value = getattr(self, name)
+      if value not in _DTYPES:
+        raise ValueError(f"model.{name}={value!r} is unknown: use one of {list(_DTYPES)}")
+    if not self.init_std > 0:
+      raise ValueError(f"model.init_std={self.init_std!r} must be > 0 (e.g. 0.02)")
+    if not self.rope_theta > 0:
+      raise ValueError(f"model.rope_theta={self.rope_theta!r} must be > 0 (e.g. 10000.0)")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class Linear(nn.Module):
+  """A bias-free 2D linear layer; optionally BitNet-quantised and mixed by ``lam``."""
+  features: int
+  compute_dtype: Any
+  param_dtype: Any
+  kernel_init: Any
+  bitnet: bool = False
+
+  @nn.compact
+  def __call__(self, x, lam=None):
+    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+    if self.bitnet:
+      return bitnet_matmul(x, kernel, lam, self.compute_dtype)
+    return jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype))
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm with a vector gain (``single_scale=False``) or one scalar gain (SSNorm)."""
+  compute_dtype: Any
+  param_dtype: Any
+  single_scale: bool = False
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    shape = () if self.single_scale else (x.shape[-1],)
+    scale = self.param("scale", nn.initializers.ones, shape, self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(self.compute_dtype)
+
+
+def _rope(x, theta: float):
+  """Rotary position embedding (rotate-half form) on ``[B, T, H, hd]``; computed in float32."""
+  t, hd = x.shape[1], x.shape[-1]
+  inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+  angles = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]      # [T, hd/2]
+  cos = jnp.asarray(np.cos(angles))[None, :, None, :]
+  sin = jnp.asarray(np.sin(angles))[None, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _dtypes(cfg: ModelConfig):
+  return _DTYPES[cfg.compute_dtype], _DTYPES[cfg.param_dtype]
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, lam):
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    b, t, d = x.shape
+    h, hd = cfg.n_heads, cfg.head_dim
+    init = nn.initializers.normal(cfg.init_std)
+    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    lin = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet)
+    q = Linear(d, kernel_init=init, name="q_proj", **lin)(x, lam).reshape(b, t, h, hd)
+    k = Linear(d, kernel_init=init, name="k_proj", **lin)(x, lam).reshape(b, t, h, hd)
+    v = Linear(d, kernel_init=init, name="v_proj", **lin)(x, lam).reshape(b, t, h, hd)
+    if cfg.qk_norm:
+      single = cfg.norm == "ssnorm"
+      q = RMSNorm(cdt, pdt, single_scale=single, name="q_norm")(q)
+      k = RMSNorm(cdt, pdt, single_scale=single, name="k_norm")(k)
+    q = _rope(q, cfg.rope_theta)
+    k = _rope(k, cfg.rope_theta)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, lam):
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    init = nn.initializers.normal(cfg.init_std)
+    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    lin = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet)
+    gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x, lam)
+    up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x, lam)
+    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cdt)
+    return Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)(hidden, lam)
+
+
+class Block(nn.Module):
+  """One transformer block; returns ``(x, y)`` so it can be scanned (y: residual or None)."""
+  config: ModelConfig
+  collect: bool = False
+
+  @nn.compact
+  def __call__(self, x, lam):
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    single = cfg.norm == "ssnorm"
+    attn_norm = RMSNorm(cdt, pdt, single_scale=single, name="attn_norm")
+    mlp_norm = RMSNorm(cdt, pdt, single_scale=single, name="mlp_norm")
+    attn = Attention(cfg, name="attn")
+    mlp = MLP(cfg, name="mlp")
+    if cfg.post_ln:
+      x = attn_norm(x + attn(x, lam))
+      x = mlp_norm(x + mlp(x, lam))
+    else:
+      x = x + attn(attn_norm(x), lam)
+      x = x + mlp(mlp_norm(x), lam)
+    return x, (x.astype(jnp.float32) if self.collect else None)
+
+
+class GPT(nn.Module):
+  """Decoder-only transformer. See the module docstring for options and parameter names."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, *, bitnet_lambda=None, return_activations=False):
+    """Runs the model.
+
+    Args:
+      tokens: int32 ``[B, T]`` with ``T <= max_seq_len``.
+      bitnet_lambda: BitNet mixing weight in [0, 1] (a scalar, may be traced); ``None`` means 1.0
+        (fully quantised). Ignored unless ``config.bitnet``.
+      return_activations: also return ``{"residual": float32 [n_layers + 1, B, T, D]}``, the
+        residual stream after the embedding (and ``emb_proj_in``) and after each block.
+
+    Returns:
+      float32 logits ``[B, T, vocab_size]``, or ``(logits, activations)``.
+    """
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must be [batch, seq] int32, got shape {tokens.shape}")
+    if tokens.shape[1] > cfg.max_seq_len:
+      raise ValueError(
+          f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}: "
+          f"raise model.max_seq_len or shorten train.seq_len")
+    lam = jnp.asarray(1.0 if bitnet_lambda is None else bitnet_lambda, jnp.float32)
+
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(
+        cfg.init_std), param_dtype=pdt, dtype=cdt, name="tok_embed")
+    x = embed(tokens.astype(jnp.int32))
+    if cfg.embed_scale:
+      x = x * jnp.asarray(math.sqrt(cfg.d_model), cdt)
+    if cfg.emb_proj:
+      x = Linear(cfg.d_model, compute_dtype=cdt, param_dtype=pdt,
+                 kernel_init=nn.initializers.orthogonal(), name="emb_proj_in")(x)
+    x = x.astype(cdt)
+    residuals = [x.astype(jnp.float32)] if return_activations else None
+
+    block_cls = Block
+    if cfg.remat:
+      block_cls = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+                        in_axes=nn.broadcast, length=cfg.n_layers)
+      x, ys = scanned(cfg, collect=return_activations, name="blocks")(x, lam)
+      if return_activations:
+        residuals = jnp.concatenate([residuals[0][None], ys], axis=0)
+    else:
+      for i in range(cfg.n_layers):
+        x, y = block_cls(cfg, collect=return_activations, name=f"block_{i}")(x, lam)
+        if return_activations:
+          residuals.append(y)
+      if return_activations:
+        residuals = jnp.stack(residuals, axis=0)
+
+    if not cfg.post_ln:
+      x = RMSNorm(cdt, pdt, single_scale=cfg.norm == "ssnorm", name="final_norm")(x)
+    if cfg.emb_proj:
+      x = Linear(cfg.d_model, compute_dtype=cdt, param_dtype=pdt,
+                 kernel_init=nn.initializers.orthogonal(), name="emb_proj_out")(x)
+    x = x.astype(cdt)
+    if cfg.tie_embeddings:
+      logits = jnp.dot(x, embed.embedding.T.astype(cdt), preferred_element_type=jnp.float32)
+    else:
+      logits = _Head(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
+    logits = logits.astype(jnp.float32)
+    if return_activations:
+      return logits, {"residual": residuals}
+    return logits
+
+
+class _Head(nn.Module):
+  """Output head: kernel ``[D, vocab]`` under ``lm_head/kernel``; float32 logits."""
+  vocab_size: int
+  compute_dtype: Any
+  param_dtype: Any
+  init_std: float
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.normal(self.init_std),
+                        (x.shape[-1], self.vocab_size), self.param_dtype)
+    return jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype),
+                   preferred_element_type=jnp.float32)
+
+
+def count_params(params) -> int:
+  """Total number of parameter entries in a pytree."""
+  return int(sum(np.prod(np.shape(p)) for p in jax.tree_util.tree_leaves(params)))
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token: 6 N + 12 L D T (PaLM appendix B convention).
+
+  N counts the parameters used in matmuls: block linears, EmbProj and the head (the embedding
+  table when tied). The input-embedding lookup is a gather and is not counted; norms are
+  negligible and not counted. The attention term counts the full T x T score matrix (the causal
+  half is not subtracted), as in PaLM. BitNet's second (quantised) matmul is not counted.
+
+  Args:
+    cfg: the model config.
+    seq_len: training sequence length T.
+
+  Returns:
+    FLOPs per token for one forward + backward pass.
+  """
+  d, f, l = cfg.d_model, cfg.ff_dim, cfg.n_layers
+  n = l * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+  if cfg.emb_proj:
+    n += 2 * d * d
+  return float(6 * n + 12 * l * d * seq_len)
