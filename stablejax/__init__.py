@@ -12,6 +12,16 @@ __version__ = "0.1.0"
 # --- end model utilities ---
 
 # --- monitoring ---
+from stablejax.monitor import HealthThresholds
+from stablejax.monitor import StabilityMonitor
+from stablejax.monitor import grad_health_level
+from stablejax.monitor import movement_record
+from stablejax.monitor import movement_warnings
+from stablejax.monitor import param_dtypes
+from stablejax.monitor import param_movement
+from stablejax.monitor import per_layer_grad_norms
+from stablejax.monitor import stability_score
+from stablejax.monitor import tensorboard_scalars
 # --- end monitoring ---
 
 __all__ = [
@@ -23,5 +33,15 @@ __all__ = [
     # --- all model utilities ---
     # --- end all model utilities ---
     # --- all monitoring ---
+    "HealthThresholds",
+    "StabilityMonitor",
+    "grad_health_level",
+    "movement_record",
+    "movement_warnings",
+    "param_dtypes",
+    "param_movement",
+    "per_layer_grad_norms",
+    "stability_score",
+    "tensorboard_scalars",
     # --- end all monitoring ---
 ]
