@@ -1,0 +1,295 @@
+"""Run configuration: one dataclass per section, loaded from JSON, overridable from the command line.
+
+Unknown keys and values of the wrong type are errors (`ConfigError`, one line naming the key and
+the fix), never silently ignored: a typo in a learning-rate key must not train with the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from stablejax.training.data import DataConfig
+from stablejax.training.model import ModelConfig
+
+
+class ConfigError(ValueError):
+  """A bad configuration file, key or value; the message names the problem and the fix."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  steps: int = 300
+  batch_size: int = 16            # global batch (sequences per optimizer step, all devices)
+  seq_len: int = 128
+  seed: int = 0
+  eval_every: int = 100
+  eval_batches: int = 8
+  log_every: int = 10
+  grad_accum: int = 1             # micro-batches per step; the stability transforms see their mean
+  warmup_steps: int = 30
+  min_lr_ratio: float = 0.1       # cosine decays to learning_rate * min_lr_ratio
+  peak_flops_per_device: Optional[float] = None  # for MFU; None: known accelerators, measured on CPU
+  lambda_warmup_steps: int = 1000  # model.bitnet: quantisation strength ramps 0 -> 1 over these steps
+  lambda_schedule: str = "linear"  # "linear" or "cosine"
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+  name: str = "muon"              # "muon" (outlier-safe Muon + AdamW groups) or "adamw"
+  learning_rate: float = 0.02     # Muon matrices (muon) or every parameter (adamw)
+  adam_learning_rate: Optional[float] = None       # norms, biases, scalars (muon only)
+  embedding_learning_rate: Optional[float] = None  # token embedding (muon only)
+  head_learning_rate: Optional[float] = None       # output head (muon only)
+  weight_decay: float = 0.0
+  adam_weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  momentum: float = 0.95
+  ns_steps: int = 5
+  ns_coeffs: str = "standard"
+  ns_backend: str = "auto"
+  consistent_rms: Optional[float] = 0.2
+  outlier_threshold: float = 5.0
+  outlier_method: Optional[str] = "zscore"
+
+
+@dataclasses.dataclass
+class StabilityConfig:
+  zclip: bool = True
+  zclip_alpha: float = 0.97
+  z_thresh: float = 2.5
+  zclip_warmup_steps: int = 25
+  max_grad_norm: Optional[float] = 1.0
+  adagc: bool = True
+  adagc_beta: float = 0.98
+  adagc_lambda_rel: float = 1.05
+  adagc_lambda_abs: float = 1.0
+  adagc_warmup_steps: int = 100
+  skip_nonfinite: bool = True
+  skip_spikes: bool = True
+  spike_window: int = 128
+  spike_min_history: int = 64
+  spike_sigma: float = 6.0
+  spike_factor: Optional[float] = None
+  max_consecutive_skips: int = 16
+  z_loss: float = 1e-4
+  loss_scale_init: float = 2.0**10   # fp16 only (model.compute_dtype == "float16")
+  loss_scale_growth_interval: int = 200
+  loss_scale_growth_factor: float = 1.5
+  # Recovery.
+  recovery: bool = True
+  emergency_lr_factor: float = 0.2
+  max_rollbacks: int = 3
+  loss_window: int = 5               # logged train losses averaged by the explosion trigger
+  loss_explosion_factor: float = 3.0  # rollback when that mean exceeds factor x the best mean so far
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+  every: int = 100
+  keep: int = 3
+  async_save: bool = True
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+  tensorboard: bool = True
+  progress: bool = True
+  histogram_every: int = 100        # per-layer gradient-norm histograms (0 disables)
+  activation_every: int = 100       # residual-stream RMS/max, logit max, kurtosis (0 disables)
+  grad_norm_high: float = 5.0
+  grad_norm_critical: float = 10.0
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  data: int = -1                   # -1: every device not used by fsdp
+  fsdp: int = 1                    # parameters and optimizer state sharded over this axis
+  distributed: bool = False        # call jax.distributed.initialize() (multi-host)
+
+
+@dataclasses.dataclass
+class FaultsConfig:
+  """Deliberate faults, for testing that a setup survives them."""
+  nan_grad_steps: list[int] = dataclasses.field(default_factory=list)
+  garbage_batch_steps: list[int] = dataclasses.field(default_factory=list)
+  garbage_kind: str = "repeat"     # "repeat" (one token repeated) or "random" (random bytes)
+  grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
+  grad_scale_factor: float = 1e4
+  kill_at_step: Optional[int] = None        # SIGKILL just before this step runs
+  kill_during_save_step: Optional[int] = None  # SIGKILL while the checkpoint of this step is written
+
+
+@dataclasses.dataclass
+class Config:
+  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  stability: StabilityConfig = dataclasses.field(default_factory=StabilityConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+  """Checks `value` against the annotation `tp`; returns it (ints widen to floats)."""
+  origin = typing.get_origin(tp)
+  if origin in (Union, types.UnionType):
+    for arm in typing.get_args(tp):
+      try:
+        return _coerce(value, arm, key)
+      except ConfigError:
+        continue
+    raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected {_type_name(tp)}")
+  if tp is type(None):
+    if value is None:
+      return None
+    raise ConfigError(f"{key} must be null")
+  if origin is list:
+    (item_tp,) = typing.get_args(tp)
+    if not isinstance(value, list):
+      raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected a JSON list")
+    return [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected a number")
+    return float(value)
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected an integer")
+    return value
+  if tp is bool:
+    if not isinstance(value, bool):
+      raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected true or false")
+    return value
+  if tp is str:
+    if not isinstance(value, str):
+      raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected a string")
+    return value
+  if dataclasses.is_dataclass(tp):
+    if not isinstance(value, dict):
+      raise ConfigError(f"{key} must be a JSON object of {tp.__name__} fields")
+    return _build(tp, value, key)
+  raise ConfigError(f"{key}: unsupported annotation {tp}")
+
+
+def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  for key in raw:
+    if key not in hints:
+      where = f"{prefix}.{key}" if prefix else key
+      raise ConfigError(f"unknown config key '{where}': valid keys here are {', '.join(names)}")
+  kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()}
+  return cls(**kwargs)
+
+
+def config_from_dict(raw: dict) -> Config:
+  """Builds and validates a `Config` from a (possibly partial) nested dict."""
+  if not isinstance(raw, dict):
+    raise ConfigError("the config must be a JSON object with sections like 'model' and 'train'")
+  cfg = _build(Config, raw)
+  validate(cfg)
+  return cfg
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+  """Applies `section.key=value` overrides (value parsed as JSON, else taken as a string)."""
+  defaults = dataclasses.asdict(Config())
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. train.steps=100)")
+    dotted, text = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    node_default = defaults
+    for part in parts:
+      if not isinstance(node_default, dict) or part not in node_default:
+        raise ConfigError(f"--set {dotted}: no such config key; see configs/default.json for the keys")
+      node_default = node_default[part]
+    try:
+      value = json.loads(text)
+    except json.JSONDecodeError:
+      value = text  # bare strings need no quotes: --set data.train=/path/to/text
+    node = raw
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+    node[parts[-1]] = value
+  return raw
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+  raw: dict = {}
+  if path is not None:
+    path = Path(path)
+    if not path.is_file():
+      raise ConfigError(f"config file {path} does not exist: pass an existing --config (see configs/)")
+    try:
+      raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+      raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+  return config_from_dict(apply_overrides(raw, list(overrides)))
+
+
+def to_dict(cfg: Config) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def _positive(name: str, value: float, allow_zero: bool = False) -> None:
+  ok = value >= 0 if allow_zero else value > 0
+  if not ok or (isinstance(value, float) and not math.isfinite(value)):
+    bound = ">= 0" if allow_zero else "> 0"
+    raise ConfigError(f"{name}={value} must be {bound}")
+
+
+def validate(cfg: Config) -> None:
+  """Cross-field checks; each failure names the key and what to set instead."""
+  t, o, s = cfg.train, cfg.optimizer, cfg.stability
+  for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "grad_accum"):
+    _positive(f"train.{name}", getattr(t, name))
+  _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
+  if t.warmup_steps >= t.steps:
+    raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be below train.steps={t.steps}")
+  if t.batch_size % t.grad_accum:
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+  if t.seq_len > cfg.model.max_seq_len:
+    raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len")
+  if not 0 <= t.min_lr_ratio <= 1:
+    raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
+  if o.name not in ("muon", "adamw"):
+    raise ConfigError(f"optimizer.name={o.name!r} is not known: use \"muon\" or \"adamw\"")
+  for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate", "head_learning_rate"):
+    value = getattr(o, name)
+    if value is not None:
+      _positive(f"optimizer.{name}", value)
+  _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
+  _positive("optimizer.adam_weight_decay", o.adam_weight_decay, allow_zero=True)
+  if not 0 < s.emergency_lr_factor <= 1:
+    raise ConfigError(f"stability.emergency_lr_factor={s.emergency_lr_factor} must lie in (0, 1]")
+  _positive("stability.max_rollbacks", s.max_rollbacks, allow_zero=True)
+  _positive("stability.max_consecutive_skips", s.max_consecutive_skips)
+  _positive("checkpoint.every", cfg.checkpoint.every)
+  _positive("checkpoint.keep", cfg.checkpoint.keep)
+  if cfg.faults.garbage_kind not in ("repeat", "random"):
+    raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use \"repeat\" or \"random\"")
+  if cfg.mesh.fsdp < 1 or cfg.mesh.data == 0 or cfg.mesh.data < -1:
+    raise ConfigError(f"mesh.data={cfg.mesh.data}, mesh.fsdp={cfg.mesh.fsdp}: use fsdp >= 1 and data >= 1 or -1")
+  try:
+    cfg.model.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None

@@ -1,0 +1,446 @@
+"""The training run: set up, train with logging, eval, checkpoints and automatic recovery, summarise.
+
+Exit codes: 0 done, 2 bad config/data/checkpoints (raised as errors and reported by train.py),
+3 diverged beyond the recovery budget, 130 interrupted (SIGINT/SIGTERM; a checkpoint was saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import stablejax
+from stablejax.training import mesh as mesh_lib
+from stablejax.training.checkpoint import Checkpoints
+from stablejax.training.config import Config, ConfigError, to_dict
+from stablejax.training.data import build_data, garbage_batch
+from stablejax.training.logger import RunLogger
+from stablejax.training.model import GPT, count_params, model_flops_per_token
+from stablejax.training.optim import build_optimizer, learning_rates, lr_schedule, set_lr_scale
+from stablejax.training.recovery import Recovery, RollbackEvent
+from stablejax.training.step import TrainState, make_eval_step, make_train_step
+
+EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
+
+# bf16 dense peak per device, for MFU on accelerators we can name; CPUs are measured instead.
+PEAK_FLOPS = {"H100": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
+              "TPU v5 lite": 197e12, "TPU v5p": 459e12, "TPU v6 lite": 918e12}
+
+
+def measured_peak_flops(n: int = 1024, repeats: int = 5) -> float:
+  """Float32 matmul throughput of one device: an honest denominator for MFU on a CPU."""
+  a = jnp.ones((n, n), jnp.float32)
+  mm = jax.jit(lambda x: x @ x)
+  mm(a).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(repeats):
+    mm(a).block_until_ready()
+  return 2 * n**3 * repeats / (time.perf_counter() - t0)
+
+
+def peak_flops_per_device(cfg: Config) -> float:
+  if cfg.train.peak_flops_per_device:
+    return cfg.train.peak_flops_per_device
+  kind = jax.devices()[0].device_kind
+  for name, flops in PEAK_FLOPS.items():
+    if name.lower() in kind.lower():
+      return flops
+  return measured_peak_flops()
+
+
+def _fetch(tree) -> dict:
+  return {k: np.asarray(v).item() for k, v in jax.device_get(tree).items()}
+
+
+class Run:
+  """One training run in `out_dir`; `Run(cfg, out_dir, fresh).train()` returns the exit code."""
+
+  def __init__(self, cfg: Config, out_dir: Path, fresh: bool = False):
+    self.cfg = cfg
+    self.out_dir = Path(out_dir)
+    self.t_start = time.time()
+    mesh_lib.maybe_initialize_distributed(cfg.mesh)
+    self.is_main = jax.process_index() == 0
+    if fresh and self.is_main:
+      for name in ("checkpoints", "tensorboard", "metrics.jsonl", "summary.json", "report.png"):
+        path = self.out_dir / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    self.out_dir.mkdir(parents=True, exist_ok=True)
+
+    # Data first: a bad path is the commonest mistake and should fail before any compilation.
+    t = cfg.train
+    self.data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
+                           process_index=jax.process_index(), process_count=jax.process_count())
+    if self.data.vocab_size > cfg.model.vocab_size:
+      raise ConfigError(f"the data has {self.data.vocab_size} token ids but model.vocab_size="
+                        f"{cfg.model.vocab_size}: set model.vocab_size >= {self.data.vocab_size}")
+
+    self.mesh = mesh_lib.make_mesh(cfg.mesh)
+    mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
+    self.model = GPT(cfg.model)
+    self.tx = build_optimizer(cfg)
+    self.schedule = lr_schedule(cfg, 1.0)
+    self.bitnet_lambda = None
+    if cfg.model.bitnet:
+      self.bitnet_lambda = stablejax.lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
+
+    self.log = RunLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
+    self.recovery = Recovery(cfg.stability)
+    self.monitor = stablejax.StabilityMonitor(
+        thresholds=stablejax.HealthThresholds(high=cfg.logging.grad_norm_high,
+                                              critical=cfg.logging.grad_norm_critical))
+    self.checkpoints = Checkpoints(self.out_dir / "checkpoints", cfg.checkpoint.keep,
+                                   cfg.checkpoint.async_save)
+    self._compile()
+    self.stop_signal: Optional[int] = None
+
+  # ------------------------------------------------------------------ setup
+
+  def _init_state(self, rng) -> TrainState:
+    tokens = jnp.zeros((1, self.cfg.train.seq_len), jnp.int32)
+    params = self.model.init(rng, tokens)["params"]
+    loss_scale = None
+    if self.cfg.model.compute_dtype == "float16":
+      s = self.cfg.stability
+      loss_scale = stablejax.DynamicLossScale.create(
+          initial_scale=s.loss_scale_init, growth_interval=s.loss_scale_growth_interval,
+          growth_factor=s.loss_scale_growth_factor)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.tx.init(params), loss_scale=loss_scale)
+
+  def _compile(self) -> None:
+    cfg, mesh = self.cfg, self.mesh
+    rng = jax.random.PRNGKey(cfg.train.seed)
+    abstract = jax.eval_shape(self._init_state, rng)
+    self.state_sharding = mesh_lib.state_shardings(mesh, abstract)
+    self.abstract_state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_sharding)
+    self.init_state = jax.jit(self._init_state, out_shardings=self.state_sharding)
+    self.tokens_sharding = jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
+    batch_sharding = {"tokens": self.tokens_sharding, "grad_scale": mesh_lib.replicated(mesh)}
+    step_fn = make_train_step(self.model, self.tx, cfg, self.schedule, self.bitnet_lambda)
+    self.train_step = jax.jit(step_fn, in_shardings=(self.state_sharding, batch_sharding),
+                              out_shardings=(self.state_sharding, mesh_lib.replicated(mesh)),
+                              donate_argnums=0)
+    eval_fn = make_eval_step(self.model, cfg, self.bitnet_lambda)
+    self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding.params,
+                                                    mesh_lib.batch_sharding(mesh), None))
+    self.activation_stats = jax.jit(self._activation_stats)
+    self.grad_norms = jax.jit(self._grad_norms)
+
+  def _device_tokens(self, tokens: np.ndarray) -> jax.Array:
+    """Host batch [B, T+1] (this process's rows) -> global [grad_accum, B/accum, T+1] array."""
+    accum = self.cfg.train.grad_accum
+    local = tokens.reshape(accum, tokens.shape[0] // accum, tokens.shape[1])
+    return jax.make_array_from_process_local_data(self.tokens_sharding, local)
+
+  # ------------------------------------------------------------------ run
+
+  def train(self) -> int:
+    cfg = self.cfg
+    self.train_iter = self.data.train_iter()
+    self.state, meta = self._restore_or_init()
+    self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self.lr_scale = float(meta.get("lr_scale", 1.0))
+    self.recovery.load_state_dict(meta.get("recovery", {}))
+    if meta.get("monitor"):
+      self.monitor.load_state_dict(meta["monitor"])
+    step = int(meta.get("step", 0))
+    if step == 0 and not self.checkpoints.all_steps():
+      self._save(0)  # the initial state is good by definition: a rollback target from the start
+    self._banner(step)
+    val_batches = [jnp.asarray(b["tokens"]) for b in self.data.val_batches(cfg.train.eval_batches)]
+    self.val_batches = [jax.device_put(b, mesh_lib.batch_sharding(self.mesh)) for b in val_batches]
+    self._install_signal_handlers()
+
+    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (self.is_main and cfg.logging.progress),
+               dynamic_ncols=True, desc="train")
+    pending: Optional[tuple[int, Any]] = None
+    self.t_interval, self.tokens_interval = time.time(), 0
+    self.tokens_per_sec = float("nan")
+    exit_code = EXIT_OK
+    while step < cfg.train.steps:
+      if self.stop_signal is not None:
+        exit_code = self._interrupted(step)
+        break
+      self._maybe_kill(step, when="step")
+      batch = self._next_batch(step)
+      self.state, metrics = self.train_step(self.state, batch)
+      step += 1
+      self.tokens_interval += cfg.train.batch_size * cfg.train.seq_len
+      bar.update(1)
+
+      # Metrics of step s are read after step s+1 is dispatched, so the host never stalls the device.
+      cause = self._log(*pending, bar) if pending else None
+      pending = None
+      is_ckpt = step % cfg.checkpoint.every == 0 or step == cfg.train.steps
+      if step % cfg.train.log_every == 0 or is_ckpt:
+        pending = (step, metrics)
+      if is_ckpt and cause is None:
+        cause = self._log(*pending, bar)  # a checkpoint needs this step's health now
+        pending = None
+      if cause is None and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+        cause = self._evaluate(step)
+      if cause is None and self._diagnostics_due(step):
+        self._diagnostics(step)
+      if cause is None and is_ckpt:
+        self._save(step)
+      if cause is not None:
+        if not (cfg.stability.recovery and self.recovery.budget_left):
+          exit_code = self._diverged(step, cause)
+          break
+        step = self._rollback(step, cause)
+        bar.reset(total=cfg.train.steps)
+        bar.update(step)
+        pending = None
+    bar.close()
+    if exit_code == EXIT_OK:
+      self._evaluate(step, final=True)
+    return self._finish(step, exit_code)
+
+  # ------------------------------------------------------------------ batches and faults
+
+  def _next_batch(self, step: int) -> dict:
+    f = self.cfg.faults
+    tokens = next(self.train_iter)["tokens"]
+    self.batches_consumed += 1
+    if step in f.garbage_batch_steps:
+      tokens = garbage_batch(f.garbage_kind, tokens.shape[0], tokens.shape[1] - 1,
+                             self.data.vocab_size, seed=step)["tokens"]
+    grad_scale = 1.0
+    if step in f.nan_grad_steps:
+      grad_scale = float("nan")
+    elif step in f.grad_scale_steps:
+      grad_scale = f.grad_scale_factor
+    return {"tokens": self._device_tokens(np.asarray(tokens, np.int32)),
+            "grad_scale": jnp.float32(grad_scale)}
+
+  def _maybe_kill(self, step: int, when: str) -> None:
+    f = self.cfg.faults
+    target = f.kill_at_step if when == "step" else f.kill_during_save_step
+    if target is not None and step == target:
+      os.kill(os.getpid(), signal.SIGKILL)
+
+  # ------------------------------------------------------------------ logging
+
+  def _log(self, step: int, device_metrics, bar) -> Optional[str]:
+    record = {"step": step, **_fetch(device_metrics)}
+    now = time.time()
+    if self.tokens_interval:
+      self.tokens_per_sec = self.tokens_interval / max(now - self.t_interval, 1e-9)
+    self.t_interval, self.tokens_interval = now, 0
+    record["tokens_per_sec"] = self.tokens_per_sec
+    for line in self.monitor.update(step, record):
+      self.log.console(f"warning: step {step}: {line}")
+    record["stability_score"] = self.monitor.score()
+    record["health"] = self.monitor.health_level(record["grad_norm"])
+    self.log.record(record, stablejax.tensorboard_scalars(record))
+    skipped = sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
+    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
+                    skipped=skipped, refresh=False)
+    self.last_record = record
+    return self.recovery.check_train(record) if self.cfg.stability.recovery else None
+
+  def _evaluate(self, step: int, final: bool = False) -> Optional[str]:
+    losses = [self.eval_step(self.state.params, b, jnp.int32(step)) for b in self.val_batches]
+    val_loss = float(np.mean(jax.device_get(losses)))
+    self.last_val_loss = val_loss
+    self.log.record({"step": step, "val_loss": val_loss}, {"eval/val_loss": val_loss})
+    self.log.console(f"step {step}: val_loss {val_loss:.4f}" + (" (final)" if final else ""))
+    if final or not self.cfg.stability.recovery:
+      return None
+    return self.recovery.check_val(val_loss)
+
+  def _diagnostics_due(self, step: int) -> bool:
+    every = self.cfg.logging
+    return any(n and step % n == 0 for n in (every.activation_every, every.histogram_every))
+
+  def _activation_stats(self, params, tokens, step):
+    lam = self.bitnet_lambda(step) if self.bitnet_lambda is not None else jnp.float32(1.0)
+    kwargs = {"bitnet_lambda": lam} if self.cfg.model.bitnet else {}
+    logits, acts = self.model.apply({"params": params}, tokens[:, :-1], return_activations=True, **kwargs)
+    residual = acts["residual"]
+    return {"act_rms": jnp.sqrt(jnp.mean(jnp.square(residual))),
+            "act_max": jnp.max(jnp.abs(residual)),
+            "logit_max": jnp.max(jnp.abs(logits)),
+            "excess_kurtosis": stablejax.excess_kurtosis(residual)}
+
+  def _grad_norms(self, params, tokens):
+    loss_fn = lambda p: stablejax.cross_entropy_with_z_loss(  # noqa: E731
+        self.model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])[0]
+    return stablejax.per_layer_grad_norms(jax.grad(loss_fn)(params))
+
+  def _diagnostics(self, step: int) -> None:
+    """Activation statistics and per-layer gradient norms on a fixed validation batch."""
+    batch = self.val_batches[0]
+    record = {"step": step}
+    if self.cfg.logging.activation_every and step % self.cfg.logging.activation_every == 0:
+      record.update(_fetch(self.activation_stats(self.state.params, batch, jnp.int32(step))))
+      self.last_kurtosis = record["excess_kurtosis"]
+    if self.cfg.logging.histogram_every and step % self.cfg.logging.histogram_every == 0:
+      norms = _fetch(self.grad_norms(self.state.params, batch))
+      self.log.histogram("grads/layer_norms", list(norms.values()), step)
+      for name, value in norms.items():
+        record[f"grad_norm/{name}"] = value
+    self.log.record(record, {f"activations/{k}": v for k, v in record.items() if k != "step"})
+
+  def _banner(self, step: int) -> None:
+    if not self.is_main:
+      return
+    cfg = self.cfg
+    n_params = count_params(self.state.params)
+    lines = [
+        f"stablejax {stablejax.__version__}: {n_params / 1e6:.2f}M parameters "
+        f"({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), "
+        f"params {cfg.model.param_dtype}, compute {cfg.model.compute_dtype}",
+        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
+        f"({jax.process_count()} process(es)); mesh {dict(self.mesh.shape)}",
+        f"data: {json.dumps(self.data.stats, default=str)}",
+        f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
+        f"{cfg.train.steps} steps, warmup {cfg.train.warmup_steps}",
+        f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
+    ]
+    if cfg.optimizer.name == "muon":
+      lines.append(stablejax.describe_routing(self.state.params, self.tx_labels()))
+    for line in lines:
+      self.log.console(line)
+    for warning in self._lr_warnings():
+      self.log.console(f"warning: {warning}")
+
+  def tx_labels(self):
+    return stablejax.label_params(self.state.params)
+
+  def _lr_warnings(self) -> list[str]:
+    o = self.cfg.optimizer
+    if o.name == "adamw":
+      return stablejax.check_learning_rates(adam_lr=o.learning_rate)
+    return stablejax.check_learning_rates(
+        muon_lr=o.learning_rate, adam_lr=o.adam_learning_rate,
+        embedding_lr=o.embedding_learning_rate, head_lr=o.head_learning_rate)
+
+  # ------------------------------------------------------------------ checkpoints and recovery
+
+  def _meta(self, step: int) -> dict:
+    return {"step": step, "batches_consumed": self.batches_consumed, "lr_scale": self.lr_scale,
+            "recovery": self.recovery.state_dict(), "monitor": self.monitor.state_dict(),
+            "good": True}
+
+  def _save(self, step: int) -> None:
+    self.checkpoints.save(step, self.state, self.train_iter, self._meta(step))
+    self._maybe_kill(step, when="save")
+
+  def _restore_or_init(self) -> tuple[TrainState, dict]:
+    restored = self.checkpoints.restore(self.abstract_state, self.train_iter,
+                                        on_fallback=self._checkpoint_fallback)
+    if restored is None:
+      return self.init_state(jax.random.PRNGKey(self.cfg.train.seed)), {}
+    state, meta = restored
+    self.checkpoints.delete_after(int(meta["step"]))  # unusable newer steps, if any
+    return state, meta
+
+  def _checkpoint_fallback(self, step: int, reason: str) -> None:
+    self.log.console(f"warning: checkpoint {step} is unusable ({reason}); trying the previous one")
+    self.log.record({"step": step, "event": "fallback_checkpoint", "cause": reason})
+
+  def _rollback(self, step: int, cause: str) -> int:
+    """Restores the last good checkpoint with a lower LR and skips the data that led here."""
+    failed_batches = self.batches_consumed
+    self.state, meta = self._restore_or_init()
+    restored_step = int(meta.get("step", 0))
+    self.batches_consumed = int(meta.get("batches_consumed", 0))
+    first_skipped = self.batches_consumed
+    for _ in range(failed_batches - first_skipped):
+      next(self.train_iter)
+    self.batches_consumed = failed_batches
+    self.lr_scale *= self.cfg.stability.emergency_lr_factor
+    self.state = self.state.replace(opt_state=set_lr_scale(self.state.opt_state, self.lr_scale))
+    event = RollbackEvent(step=step, cause=cause, restored_step=restored_step,
+                          lr_scale=self.lr_scale, skipped_batches=(first_skipped, failed_batches))
+    self.recovery.record(event)
+    self.monitor.record_rollback(step, cause)
+    self.log.console(f"warning: rollback {self.recovery.rollbacks}/{self.cfg.stability.max_rollbacks}"
+                     f" at {event.describe()}")
+    self.log.record({"step": step, "event": "rollback", **dataclasses.asdict(event)},
+                    {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": self.lr_scale})
+    self.log.text("recovery/events", event.describe(), step)
+    return restored_step
+
+  def _diverged(self, step: int, cause: str) -> int:
+    self.log.record({"step": step, "event": "diverged", "cause": cause})
+    lines = [f"error: training diverged at step {step}: {cause}",
+             f"recovery budget used: {self.recovery.rollbacks} of {self.cfg.stability.max_rollbacks} rollbacks"]
+    lines += [f"  rollback {i + 1}: {e.describe()}" for i, e in enumerate(self.recovery.events)]
+    lines.append("try: a lower optimizer.learning_rate, a longer train.warmup_steps, or check the data"
+                 f" (see {self.out_dir / 'metrics.jsonl'})")
+    for line in lines:
+      self.log.console(line)
+    self.diverged_cause = cause
+    return EXIT_DIVERGED
+
+  def _install_signal_handlers(self) -> None:
+    def handler(signum, frame):
+      self.stop_signal = signum
+    for sig in (signal.SIGINT, signal.SIGTERM):
+      signal.signal(sig, handler)
+
+  def _interrupted(self, step: int) -> int:
+    name = signal.Signals(self.stop_signal).name
+    if self.recovery.healthy() and step not in self.checkpoints.all_steps():
+      self._save(step)
+    self.log.console(f"{name} at step {step}: checkpoint saved; run the same command to resume")
+    return EXIT_INTERRUPTED
+
+  # ------------------------------------------------------------------ summary
+
+  def _finish(self, step: int, exit_code: int) -> int:
+    self.checkpoints.close()
+    wall = time.time() - self.t_start
+    record = getattr(self, "last_record", {})
+    skipped = sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
+    flops = model_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+    peak = peak_flops_per_device(self.cfg) * jax.device_count()
+    summary = {
+        "final_val_loss": getattr(self, "last_val_loss", None),
+        "final_train_loss": record.get("loss"),
+        "steps": step,
+        "skipped_steps": skipped,
+        "rollbacks": self.recovery.rollbacks,
+        "tokens_per_sec": self.tokens_per_sec,
+        "mfu": flops * self.tokens_per_sec / peak if math.isfinite(self.tokens_per_sec) else None,
+        "stability_score": self.monitor.score(),
+        "excess_kurtosis": getattr(self, "last_kurtosis", None),
+        "wall_seconds": wall,
+        "exit_code": exit_code,
+        "events": [e.describe() for e in self.recovery.events],
+    }
+    if self.is_main:
+      text = json.dumps(summary, indent=2, default=float)
+      (self.out_dir / "summary.json").write_text(text + "\n")
+      if exit_code == EXIT_OK:
+        self.log.console(
+            f"done: {step} steps in {wall:.0f}s, val_loss {summary['final_val_loss']:.4f}, "
+            f"{skipped} skipped steps, {self.recovery.rollbacks} rollbacks, "
+            f"stability score {summary['stability_score']:.2f}; logs in {self.out_dir}")
+        for line in self.monitor.advice():
+          self.log.console(f"advice: {line}")
+    self.log.close()
+    return exit_code
+
+
+def write_config(cfg: Config, out_dir: Path) -> None:
+  if jax.process_index() == 0:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

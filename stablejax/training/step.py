@@ -1,0 +1,111 @@
+"""The pure training and evaluation steps.
+
+`train_step(state, batch) -> (state, metrics)` does gradient accumulation inside (so the stability
+transforms see the accumulated gradient), optional fp16 loss scaling, and fault injection through
+`batch["grad_scale"]` (1 normally; NaN or a large factor when a fault is configured for the step).
+Metrics stay on device; the loop fetches them every `log_every` steps, one step late.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+import stablejax
+from stablejax.training.config import Config
+
+
+class TrainState(flax.struct.PyTreeNode):
+  step: jax.Array                  # int32 optimizer steps taken (applied or skipped)
+  params: Any                      # float32 unless model.param_dtype says otherwise
+  opt_state: Any
+  loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
+
+
+def all_finite(tree) -> jax.Array:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
+
+
+def make_loss_fn(model, cfg: Config):
+  def loss_fn(params, tokens, bitnet_lambda):
+    kwargs = {"bitnet_lambda": bitnet_lambda} if cfg.model.bitnet else {}
+    logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
+    loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:], z_loss=cfg.stability.z_loss)
+    return loss, aux
+  return loss_fn
+
+
+def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Config,
+                    lr_schedule: optax.Schedule,
+                    bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None):
+  loss_fn = make_loss_fn(model, cfg)
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    lam = bitnet_lambda(state.step) if bitnet_lambda is not None else jnp.float32(1.0)
+    scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
+
+    def micro_grads(tokens):
+      def scaled(params):
+        loss, aux = loss_fn(params, tokens, lam)
+        return (loss * scale if scale is not None else loss), (loss, aux)
+      (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
+      return grads, loss, aux
+
+    # tokens: [grad_accum, micro_batch, seq_len + 1]; scan keeps one micro-batch live at a time.
+    def accumulate(carry, tokens):
+      grads, loss, aux = micro_grads(tokens)
+      total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
+      return (total, carry[1] + loss, carry[2] + aux["z_loss"]), None
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    (grads, loss, z_loss), _ = jax.lax.scan(
+        accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch["tokens"])
+    n = batch["tokens"].shape[0]
+    loss, z_loss = loss / n, z_loss / n
+    grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
+    if scale is not None:
+      grads = state.loss_scale.unscale(grads)
+    grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)
+
+    updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss)
+    params = optax.apply_updates(state.params, updates)
+    loss_scale = state.loss_scale
+    if loss_scale is not None:
+      loss_scale = loss_scale.adjust(all_finite(grads))
+
+    lr_scale = stablejax.training.optim.get_lr_scale(opt_state)
+    metrics = {
+        "loss": loss,
+        "z_loss": z_loss,
+        "grad_norm": optax.global_norm(grads),
+        "lr": lr_schedule(state.step) * lr_scale,
+        "lr_scale": lr_scale,
+        "params_finite": all_finite(params),
+        **stablejax.stability_metrics(opt_state),
+    }
+    if loss_scale is not None:
+      metrics["loss_scale"] = loss_scale.loss_scale
+    if bitnet_lambda is not None:
+      metrics["lambda"] = lam
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              loss_scale=loss_scale)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model, cfg: Config, bitnet_lambda=None):
+  loss_fn = make_loss_fn(model, cfg)
+
+  def eval_step(params, tokens, step):
+    lam = bitnet_lambda(step) if bitnet_lambda is not None else jnp.float32(1.0)
+    _, aux = loss_fn(params, tokens, lam)
+    return aux["cross_entropy"]
+
+  return eval_step

@@ -1,0 +1,54 @@
+"""Train a Pre-LN GPT with the stablejax stability stack.
+
+    python train.py                                   # configs/default.json into runs/default
+    python train.py --config configs/X.json --set train.steps=100 --set data.train=my.txt --out DIR
+
+A checkpoint in --out resumes the run; --fresh starts over. Exit codes: 0 done; 2 bad command line,
+config, data or checkpoints; 3 diverged beyond the recovery budget; 130 interrupted (checkpoint saved).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.json"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  def error(self, message):  # one line and exit code 2, like every other input error
+    print(f"error: {message} (see python train.py --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv):
+  parser = ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="JSON config file")
+  parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a config value (JSON-parsed), repeatable")
+  parser.add_argument("--out", default=None, help="run directory (default runs/<config name>)")
+  parser.add_argument("--fresh", action="store_true", help="delete checkpoints and logs in --out first")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  # Imported here so that --help and argument errors answer instantly.
+  from stablejax.training.checkpoint import CheckpointError
+  from stablejax.training.config import ConfigError, load_config
+  from stablejax.training.data import DataError
+  from stablejax.training.loop import Run, write_config
+
+  out = Path(args.out or Path("runs") / Path(args.config).stem)
+  try:
+    cfg = load_config(args.config, args.set)
+    write_config(cfg, out)
+    return Run(cfg, out, fresh=args.fresh).train()
+  except (ConfigError, DataError, CheckpointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())
