@@ -1,0 +1,16 @@
+"""Gradient-side stability transforms (optax ``GradientTransformation``s)."""
+
+from stablejax.transforms.adagc import AdaGCState
+from stablejax.transforms.adagc import adagc
+from stablejax.transforms.hybrid import HybridClipState
+from stablejax.transforms.hybrid import hybrid_clip
+from stablejax.transforms.loss_scaling import DynamicLossScale
+from stablejax.transforms.loss_scaling import all_finite
+from stablejax.transforms.metrics import register_state_metrics
+from stablejax.transforms.metrics import stability_metrics
+from stablejax.transforms.skipping import SkipNonFiniteState
+from stablejax.transforms.skipping import SkipSpikesState
+from stablejax.transforms.skipping import skip_nonfinite
+from stablejax.transforms.skipping import skip_spikes
+from stablejax.transforms.zclip import ZClipState
+from stablejax.transforms.zclip import zclip

@@ -1,0 +1,373 @@
+"""Wrappers that skip a bad step as if it never happened.
+
+:func:`skip_nonfinite` drops steps with NaN/Inf gradients, loss or updates;
+:func:`skip_spikes` drops steps whose loss or gradient norm is an outlier
+against a rolling window (the rule used by OLMo-core's ``SkipStepOptimizer``
+and MaxText's ``skip_step_on_spikes``; see also Molybog et al., "A Theory on
+Adam Instability in Large-Scale Machine Learning", arXiv:2304.09871, and
+Chowdhery et al., "PaLM", arXiv:2204.02311, section 5.1, on skipping batches
+around loss spikes).
+
+A skipped step returns zero updates and keeps the *entire* inner state (Adam
+moments, counts, ZClip/AdaGC statistics, Muon momentum) exactly as it was, so
+a run with a skipped step is identical to the run without that step. The inner
+update is always computed and the result chosen per leaf with ``jnp.where``:
+no Python branch on traced values, no host transfer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+import optax.tree
+
+from stablejax.transforms import _common
+
+_WATCHABLE = ("loss", "grad_norm")
+
+
+class SkipNonFiniteState(NamedTuple):
+  """State of :func:`skip_nonfinite`.
+
+  Attributes:
+    skipped: whether the last step was skipped (bool).
+    total_skips: number of skipped steps since init (int32).
+    consecutive_skips: number of skipped steps in a row, 0 after a good step.
+    needs_rollback: ``consecutive_skips >= max_consecutive`` (always False when
+      ``max_consecutive`` is None). Clears after the next good step.
+    inner_state: state of the wrapped transform (unchanged by skipped steps).
+  """
+
+  skipped: jax.Array
+  total_skips: jax.Array
+  consecutive_skips: jax.Array
+  needs_rollback: jax.Array
+  inner_state: Any
+
+
+class SkipSpikesState(NamedTuple):
+  """State of :func:`skip_spikes`.
+
+  Attributes:
+    skipped: whether the last step was skipped (bool).
+    total_skips: number of skipped steps since init (int32).
+    consecutive_skips: number of skipped steps in a row, 0 after a good step.
+    needs_rollback: ``consecutive_skips >= max_consecutive``.
+    loss_history: ring buffer (float32, ``[window]``) of recent losses.
+    loss_count: number of valid entries in ``loss_history`` (int32).
+    loss_next: ring-buffer position of the next loss (int32).
+    grad_norm_history: ring buffer of recent raw global gradient norms.
+    grad_norm_count: number of valid entries in ``grad_norm_history``.
+    grad_norm_next: ring-buffer position of the next gradient norm.
+    grad_norm: raw global gradient norm of the last step (float32).
+    inner_state: state of the wrapped transform (unchanged by skipped steps).
+  """
+
+  skipped: jax.Array
+  total_skips: jax.Array
+  consecutive_skips: jax.Array
+  needs_rollback: jax.Array
+  loss_history: jax.Array
+  loss_count: jax.Array
+  loss_next: jax.Array
+  grad_norm_history: jax.Array
+  grad_norm_count: jax.Array
+  grad_norm_next: jax.Array
+  grad_norm: jax.Array
+  inner_state: Any
+
+
+def _skip_counters(skip, state, max_consecutive):
+  """New (skipped, total, consecutive, needs_rollback) after this step."""
+  total = jnp.where(skip, _common.safe_increment(state.total_skips),
+                    state.total_skips)
+  consecutive = jnp.where(skip,
+                          _common.safe_increment(state.consecutive_skips),
+                          jnp.zeros([], jnp.int32))
+  if max_consecutive is None:
+    rollback = jnp.array(False)
+  else:
+    rollback = consecutive >= jnp.asarray(max_consecutive, jnp.int32)
+  return skip, total, consecutive, rollback
+
+
+def _apply_or_skip(skip, inner_updates, inner_new_state, inner_old_state):
+  """Zero updates and the old inner state if ``skip``; else the inner result."""
+  updates = jax.tree.map(
+      lambda u: jnp.where(skip, jnp.zeros_like(u), u), inner_updates)
+  inner_state = _common.select_tree(skip, inner_old_state, inner_new_state)
+  return updates, inner_state
+
+
+def _loss_all_finite(loss) -> jax.Array:
+  return jnp.all(jnp.isfinite(jnp.asarray(loss)))
+
+
+def _check_max_consecutive(max_consecutive):
+  _common.check("max_consecutive", max_consecutive,
+                lambda v: v >= 1 and float(v).is_integer(),
+                "use an integer >= 1, or None for no rollback flag")
+
+
+def skip_nonfinite(
+    inner: optax.GradientTransformation,
+    max_consecutive: Optional[int] = None,
+) -> optax.GradientTransformationExtraArgs:
+  """Skips every step with a NaN/Inf gradient, loss or update, exactly.
+
+  When any gradient entry, the ``loss=`` extra argument (if given) or any
+  update produced by ``inner`` is NaN/Inf, the step returns zero updates and
+  the whole inner state is kept as it was: the run is identical to one where
+  the step never happened. Checking ``inner``'s updates as well means no
+  non-finite update ever leaves this wrapper, even when the gradients were
+  finite (e.g. an overflow inside the inner transform). Unlike
+  :func:`optax.apply_if_finite` it never gives up and lets a non-finite update
+  through; instead it raises ``needs_rollback`` once ``max_consecutive`` steps
+  in a row were skipped, for the training loop to act on.
+
+  Extra arguments (``loss=`` and any other) are forwarded to ``inner`` (through
+  :func:`optax.with_extra_args_support`, so a plain ``GradientTransformation``
+  just ignores them).
+
+  Args:
+    inner: the transform (or chain) to protect.
+    max_consecutive: number of consecutive skips that raises
+      ``needs_rollback``; None never raises it.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`SkipNonFiniteState`.
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_ (arXiv:1710.03740), which skips the
+    weight update of a step whose gradients overflowed; compare
+    :func:`optax.apply_if_finite`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import stablejax
+    >>> tx = stablejax.skip_nonfinite(optax.adam(1e-3), max_consecutive=3)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, state,
+    ...                            params, loss=jnp.array(2.0))
+    >>> updates["w"].tolist(), bool(state.skipped)
+    ([0.0, 0.0], True)
+  """
+  _check_max_consecutive(max_consecutive)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return SkipNonFiniteState(
+        skipped=jnp.array(False),
+        total_skips=jnp.zeros([], jnp.int32),
+        consecutive_skips=jnp.zeros([], jnp.int32),
+        needs_rollback=jnp.array(False),
+        inner_state=inner.init(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    ok = _common.all_finite(updates)
+    loss = extra_args.get("loss")
+    if loss is not None:
+      ok = jnp.logical_and(ok, _loss_all_finite(loss))
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args)
+    ok = jnp.logical_and(ok, _common.all_finite(inner_updates))
+    skip = jnp.logical_not(ok)
+    new_updates, new_inner = _apply_or_skip(
+        skip, inner_updates, inner_state, state.inner_state)
+    skipped, total, consecutive, rollback = _skip_counters(
+        skip, state, max_consecutive)
+    return new_updates, SkipNonFiniteState(
+        skipped=skipped,
+        total_skips=total,
+        consecutive_skips=consecutive,
+        needs_rollback=rollback,
+        inner_state=new_inner,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def window_stats(history: jax.Array, count: jax.Array):
+  """Mean and population std of the first ``count`` entries of ``history``."""
+  valid = jnp.arange(history.shape[0]) < count
+  n = jnp.maximum(count, 1).astype(_common.STAT_DTYPE)
+  mean = jnp.sum(jnp.where(valid, history, 0.0)) / n
+  var = jnp.sum(jnp.where(valid, jnp.square(history - mean), 0.0)) / n
+  return mean, jnp.sqrt(var)
+
+
+def _spike_check(value, history, count, nxt, min_history, sigma, factor):
+  """Returns (is_bad, new_history, new_count, new_next) for one signal."""
+  window = history.shape[0]
+  mean, std = window_stats(history, count)
+  threshold = jnp.array(jnp.inf, _common.STAT_DTYPE)
+  if sigma is not None:
+    threshold = jnp.minimum(threshold, mean + _common.f32(sigma) * std)
+  if factor is not None:
+    threshold = jnp.minimum(threshold, _common.f32(factor) * mean)
+  active = count >= jnp.asarray(min_history, jnp.int32)
+  finite = jnp.isfinite(value)
+  outlier = jnp.logical_and(active, value > threshold)
+  bad = jnp.logical_or(~finite, outlier)
+  entry = jnp.where(active, jnp.minimum(value, threshold), value)
+  new_history = jnp.where(finite, history.at[nxt].set(entry), history)
+  new_count = jnp.where(finite, jnp.minimum(count + 1, window), count)
+  new_next = jnp.where(finite, (nxt + 1) % window, nxt)
+  return bad, new_history, new_count.astype(jnp.int32), new_next.astype(
+      jnp.int32)
+
+
+def skip_spikes(
+    inner: optax.GradientTransformation,
+    window: int = 128,
+    min_history: int = 64,
+    sigma: Optional[float] = 6.0,
+    factor: Optional[float] = None,
+    watch: Sequence[str] = ("loss", "grad_norm"),
+    max_consecutive: Optional[int] = 16,
+) -> optax.GradientTransformationExtraArgs:
+  """Skips a step whose loss or gradient norm spikes against a rolling window.
+
+  For each watched signal (the ``loss=`` extra argument and/or the raw global
+  norm of the incoming gradients, in float32) a ring buffer keeps the last
+  ``window`` values. Once it holds ``min_history`` values, a step is an
+  outlier when ``value - mean > sigma * std`` or, when ``factor`` is set,
+  ``value > factor * mean`` (either rule is enough; ``sigma=None`` leaves only
+  the factor rule, so ``sigma=None, factor=10`` is "skip if the gradient norm
+  is more than 10x the average"). A non-finite watched value also skips the
+  step. A skipped step returns zero updates and keeps the whole inner state.
+
+  The window never absorbs a non-finite value; an outlier enters clipped to
+  the threshold, so one spike does not inflate the statistics while a lasting
+  change of scale is absorbed over a few steps.
+
+  Args:
+    inner: the transform (or chain) to protect.
+    window: number of recent values kept per signal. Must be a Python int (it
+      is a shape); with :func:`optax.inject_hyperparams` pass
+      ``static_args=("window",)``.
+    min_history: number of values needed before skipping can start.
+    sigma: skip when ``value - mean > sigma * std``; None disables this rule.
+    factor: skip when ``value > factor * mean``; None (default) disables it.
+    watch: signals to watch, a subset of ``("loss", "grad_norm")``. Watching
+      ``"loss"`` requires ``update(..., loss=loss)`` (a non-scalar loss is
+      averaged).
+    max_consecutive: consecutive skips that raise ``needs_rollback``; None
+      never raises it.
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs` whose state is a
+    :class:`SkipSpikesState`.
+
+  References:
+    Chowdhery et al., `PaLM <https://arxiv.org/abs/2204.02311>`_
+    (arXiv:2204.02311), section 5.1; Molybog et al., `A Theory on Adam
+    Instability in Large-Scale Machine Learning
+    <https://arxiv.org/abs/2304.09871>`_ (arXiv:2304.09871).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import stablejax
+    >>> tx = stablejax.skip_spikes(optax.sgd(0.1), window=8, min_history=4,
+    ...                            watch=("grad_norm",), sigma=None, factor=10)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for _ in range(4):
+    ...   _, state = tx.update({"w": jnp.ones(2)}, state, params)
+    >>> updates, state = tx.update({"w": jnp.full(2, 100.0)}, state, params)
+    >>> bool(state.skipped), updates["w"].tolist()
+    (True, [0.0, 0.0])
+  """
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(
+        f"window={window!r} is invalid: use a Python int >= 1 (with "
+        "optax.inject_hyperparams pass static_args=('window',)).")
+  _common.check("min_history", min_history,
+                lambda v: 1 <= v <= window and float(v).is_integer(),
+                f"use an integer between 1 and window={window}")
+  _common.check("sigma", sigma, lambda v: v > 0,
+                "use a positive number of standard deviations, or None")
+  _common.check("factor", factor, lambda v: v > 0,
+                "use a positive multiple of the mean, or None")
+  if sigma is None and factor is None:
+    raise ValueError("sigma and factor are both None: set at least one rule, "
+                     "e.g. sigma=6.0 or factor=10.0.")
+  if isinstance(watch, str):
+    watch = (watch,)
+  watch = tuple(watch)
+  if not watch or any(w not in _WATCHABLE for w in watch):
+    raise ValueError(
+        f"watch={watch!r} is invalid: use a non-empty subset of {_WATCHABLE}.")
+  _check_max_consecutive(max_consecutive)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    empty = jnp.zeros([window], _common.STAT_DTYPE)
+    zero = jnp.zeros([], jnp.int32)
+    return SkipSpikesState(
+        skipped=jnp.array(False),
+        total_skips=zero,
+        consecutive_skips=zero,
+        needs_rollback=jnp.array(False),
+        loss_history=empty,
+        loss_count=zero,
+        loss_next=zero,
+        grad_norm_history=empty,
+        grad_norm_count=zero,
+        grad_norm_next=zero,
+        grad_norm=jnp.zeros([], _common.STAT_DTYPE),
+        inner_state=inner.init(params),
+    )
+
+  def update_fn(updates, state, params=None, **extra_args):
+    grad_norm = _common.global_norm_f32(updates)
+    skip = jnp.array(False)
+    loss_hist = (state.loss_history, state.loss_count, state.loss_next)
+    norm_hist = (state.grad_norm_history, state.grad_norm_count,
+                 state.grad_norm_next)
+    if "loss" in watch:
+      loss = extra_args.get("loss")
+      if loss is None:
+        raise ValueError(
+            "skip_spikes watches 'loss' but update() got no loss=: pass "
+            "loss=... or use watch=('grad_norm',).")
+      loss = jnp.mean(_common.f32(loss))
+      bad, *loss_hist = _spike_check(loss, *loss_hist, min_history, sigma,
+                                     factor)
+      skip = jnp.logical_or(skip, bad)
+    if "grad_norm" in watch:
+      bad, *norm_hist = _spike_check(grad_norm, *norm_hist, min_history,
+                                     sigma, factor)
+      skip = jnp.logical_or(skip, bad)
+
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args)
+    new_updates, new_inner = _apply_or_skip(
+        skip, inner_updates, inner_state, state.inner_state)
+    skipped, total, consecutive, rollback = _skip_counters(
+        skip, state, max_consecutive)
+    return new_updates, SkipSpikesState(
+        skipped=skipped,
+        total_skips=total,
+        consecutive_skips=consecutive,
+        needs_rollback=rollback,
+        loss_history=loss_hist[0],
+        loss_count=loss_hist[1],
+        loss_next=loss_hist[2],
+        grad_norm_history=norm_hist[0],
+        grad_norm_count=norm_hist[1],
+        grad_norm_next=norm_hist[2],
+        grad_norm=grad_norm,
+        inner_state=new_inner,
+    )
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

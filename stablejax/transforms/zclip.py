@@ -1,0 +1,263 @@
+"""ZClip: adaptive gradient clipping from z-scores of the global gradient norm.
+
+Kumar et al., "ZClip: Adaptive Spike Mitigation for LLM Pre-Training",
+arXiv:2504.02507. This module follows the behaviour of the authors' reference
+implementation (``ZClip`` in github.com/bluorion-com/ZClip, ``zclip.py``):
+
+* Warmup: the first ``warmup_steps`` raw global norms are collected while the
+  gradients are clipped to ``max_grad_norm`` (as ``clip_grad_norm_`` does:
+  scale ``min(1, max_grad_norm / (g + 1e-6))``). On the last warmup step the
+  EMA mean and variance are initialised with the mean and population variance
+  of the collected norms. Here they are accumulated with Welford's update, so
+  no buffer is kept in the state.
+* Afterwards ``z = (g - mean) / (std + eps)``. In ``"zscore"`` mode a step with
+  ``z > z_thresh`` gets the clip value ``(mean + z_thresh * std / (z / z_thresh))
+  * clip_factor`` (``"adaptive_scaling"``) or ``mean`` (``"mean"``). In
+  ``"percentile"`` mode the clip value ``mean + z_thresh * std`` is used
+  whenever ``g`` exceeds it. The clip actually applied is
+  ``min(clip value or g, max_grad_norm)``; gradients are scaled by
+  ``clip / (g + 1e-6)`` when ``g > clip``.
+* The EMA is updated with the clip value when one was computed, else with ``g``
+  (mean first, then the variance with the new mean), and not at all on a spike
+  when ``skip_update_on_spike``.
+
+Beyond the reference: a step whose global norm is not finite leaves the
+statistics, the warmup progress and the counters untouched (the EMA never
+absorbs a NaN/Inf, even without :func:`stablejax.skip_nonfinite`). The updates
+of such a step are not repaired: wrap the chain in
+:func:`stablejax.skip_nonfinite` to drop them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from stablejax.transforms import _common
+
+_MODES = ("zscore", "percentile")
+_CLIP_OPTIONS = ("adaptive_scaling", "mean")
+# clip_grad_norm_ and the reference both divide by (norm + 1e-6).
+_NORM_EPS = 1e-6
+
+
+class ZClipState(NamedTuple):
+  """State of :func:`zclip`.
+
+  Attributes:
+    count: number of steps with a finite global norm seen so far (int32); the
+      warmup lasts while ``count < warmup_steps``.
+    ema_mean: EMA of the gradient norm (during warmup: running mean of the
+      warmup norms).
+    ema_var: EMA of the variance (during warmup: running population variance).
+    grad_norm: raw global norm of the last step.
+    clipped_grad_norm: global norm after clipping, last step.
+    z: z-score of the last step (0 during warmup).
+    threshold: clip value in effect at the last step: ``max_grad_norm`` (or
+      ``inf``) during warmup; the applied clip when clipping; otherwise the
+      norm above which clipping would start (capped by ``max_grad_norm``).
+    was_clipped: whether the last step's gradients were scaled down.
+    is_spike: whether the last step was a spike (after warmup, ``z > z_thresh``
+      in ``"zscore"`` mode, ``g > mean + z_thresh * std`` in ``"percentile"``).
+    spike_count: total number of spikes (int32).
+    clip_count: total number of clipped steps (int32).
+  """
+
+  count: jax.Array
+  ema_mean: jax.Array
+  ema_var: jax.Array
+  grad_norm: jax.Array
+  clipped_grad_norm: jax.Array
+  z: jax.Array
+  threshold: jax.Array
+  was_clipped: jax.Array
+  is_spike: jax.Array
+  spike_count: jax.Array
+  clip_count: jax.Array
+
+
+def _validate(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode,
+              clip_option, clip_factor):
+  _common.check("alpha", alpha, lambda v: 0.0 < v < 1.0,
+                "use an EMA factor strictly between 0 and 1, e.g. 0.97")
+  _common.check("z_thresh", z_thresh, lambda v: v > 0,
+                "use a positive z-score threshold, e.g. 2.5")
+  _common.check("max_grad_norm", max_grad_norm, lambda v: v > 0,
+                "use a positive norm, or None to disable the ceiling")
+  _common.check("eps", eps, lambda v: v >= 0, "use a small non-negative value")
+  _common.check("warmup_steps", warmup_steps,
+                lambda v: v >= 1 and float(v).is_integer(),
+                "use an integer >= 1 (the EMA is initialised from warmup norms)")
+  _common.check("clip_factor", clip_factor, lambda v: v > 0,
+                "use a positive factor, e.g. 1.0")
+  if not isinstance(mode, str) or mode.lower() not in _MODES:
+    raise ValueError(
+        f"mode={mode!r} is invalid: use one of {', '.join(map(repr, _MODES))}.")
+  if mode.lower() == "zscore" and (
+      not isinstance(clip_option, str)
+      or clip_option.lower() not in _CLIP_OPTIONS):
+    raise ValueError(
+        f"clip_option={clip_option!r} is invalid: use one of "
+        f"{', '.join(map(repr, _CLIP_OPTIONS))}.")
+
+
+def zclip(
+    alpha: float = 0.97,
+    z_thresh: float = 2.5,
+    max_grad_norm: Optional[float] = 1.0,
+    eps: float = 1e-6,
+    warmup_steps: int = 25,
+    mode: str = "zscore",
+    clip_option: str = "adaptive_scaling",
+    clip_factor: float = 1.0,
+    skip_update_on_spike: bool = False,
+) -> optax.GradientTransformation:
+  """ZClip adaptive gradient clipping (z-score of the global gradient norm).
+
+  Tracks an EMA of the mean and variance of the global gradient norm and clips
+  steps whose norm is an outlier to an adaptive threshold, as in the
+  reference implementation (see the module docstring for the exact rules).
+  Norms and statistics are computed in float32; updates keep their dtype.
+  A step with a non-finite norm does not enter the statistics.
+
+  Args:
+    alpha: EMA smoothing factor for the mean and variance.
+    z_thresh: z-score above which a step is a spike (``"zscore"``), or number
+      of standard deviations above the mean for the clip (``"percentile"``).
+    max_grad_norm: ceiling applied on top of the adaptive clip and the clip
+      used during warmup; ``None`` disables it.
+    eps: added to the standard deviation in the z-score.
+    warmup_steps: number of (finite) steps whose norms initialise the EMA.
+    mode: ``"zscore"`` or ``"percentile"``.
+    clip_option: for ``"zscore"``: ``"adaptive_scaling"`` (clip to
+      ``mean + z_thresh * std / (z / z_thresh)``, times ``clip_factor``) or
+      ``"mean"`` (clip to the EMA mean). Ignored in ``"percentile"`` mode.
+    clip_factor: multiplier of the ``"adaptive_scaling"`` clip value.
+    skip_update_on_spike: if True, a spike does not update the EMA.
+
+  Returns:
+    An :class:`optax.GradientTransformation` whose state is a
+    :class:`ZClipState`.
+
+  References:
+    Kumar et al., `ZClip: Adaptive Spike Mitigation for LLM Pre-Training
+    <https://arxiv.org/abs/2504.02507>`_, 2025 (arXiv:2504.02507).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax
+    >>> import stablejax
+    >>> tx = optax.chain(stablejax.zclip(z_thresh=2.5), optax.adam(1e-3))
+    >>> params = {"w": jnp.ones(3)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.full(3, 2.0)}, state, params)
+    >>> float(state[0].grad_norm) > 3.4
+    True
+  """
+  _validate(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode,
+            clip_option, clip_factor)
+  mode = mode.lower()
+  clip_option = clip_option.lower() if isinstance(clip_option, str) else None
+
+  def init_fn(params):
+    del params
+    zero_f = jnp.zeros([], _common.STAT_DTYPE)
+    zero_i = jnp.zeros([], jnp.int32)
+    return ZClipState(
+        count=zero_i,
+        ema_mean=zero_f,
+        ema_var=zero_f,
+        grad_norm=zero_f,
+        clipped_grad_norm=zero_f,
+        z=zero_f,
+        threshold=zero_f,
+        was_clipped=jnp.array(False),
+        is_spike=jnp.array(False),
+        spike_count=zero_i,
+        clip_count=zero_i,
+    )
+
+  def update_fn(updates, state, params=None):
+    del params
+    a = _common.f32(alpha)
+    zt = _common.f32(z_thresh)
+    cf = _common.f32(clip_factor)
+    ceiling = (None if max_grad_norm is None else _common.f32(max_grad_norm))
+
+    g = _common.global_norm_f32(updates)
+    finite = jnp.isfinite(g)
+    in_warmup = state.count < jnp.asarray(warmup_steps, jnp.int32)
+    mean, var = state.ema_mean, state.ema_var
+
+    # Warmup: Welford accumulation of mean / population variance; fixed clip.
+    n_new = (state.count + 1).astype(_common.STAT_DTYPE)
+    warm_mean = mean + (g - mean) / n_new
+    warm_var = var + ((g - mean) * (g - warm_mean) - var) / n_new
+    if ceiling is None:
+      warm_scale = jnp.ones([], _common.STAT_DTYPE)
+      warm_threshold = jnp.array(jnp.inf, _common.STAT_DTYPE)
+    else:
+      warm_scale = jnp.minimum(1.0, ceiling / (g + _NORM_EPS))
+      warm_threshold = ceiling
+
+    # After warmup: z-score / percentile detection and adaptive clip value.
+    std = jnp.sqrt(var)
+    z = (g - mean) / (std + _common.f32(eps))
+    if mode == "percentile":
+      clip_value = mean + zt * std
+      spike = g > clip_value
+      detect_level = clip_value
+    else:
+      spike = z > zt
+      if clip_option == "adaptive_scaling":
+        clip_value = (mean + zt * std / (z / zt)) * cf
+      else:
+        clip_value = mean
+      detect_level = mean + zt * (std + _common.f32(eps))
+    adaptive = jnp.where(spike, clip_value, g)
+    if ceiling is None:
+      effective = adaptive
+      idle_threshold = detect_level
+    else:
+      effective = jnp.minimum(adaptive, ceiling)
+      idle_threshold = jnp.minimum(detect_level, ceiling)
+    post_scale = jnp.where(g > effective, effective / (g + _NORM_EPS), 1.0)
+    ema_mean = a * mean + (1.0 - a) * adaptive
+    ema_var = a * var + (1.0 - a) * jnp.square(adaptive - ema_mean)
+    keep_stats = jnp.logical_and(spike, jnp.asarray(skip_update_on_spike))
+    post_mean = jnp.where(keep_stats, mean, ema_mean)
+    post_var = jnp.where(keep_stats, var, ema_var)
+
+    scale = jnp.where(in_warmup, warm_scale, post_scale)
+    new_mean = jnp.where(in_warmup, warm_mean, post_mean)
+    new_var = jnp.where(in_warmup, warm_var, post_var)
+    is_spike = jnp.logical_and(~in_warmup, spike)
+    was_clipped = scale < 1.0
+    threshold = jnp.where(
+        in_warmup, warm_threshold, jnp.where(spike, effective, idle_threshold))
+
+    updates = jax.tree.map(lambda u: _common.scale_leaf(u, scale), updates)
+    new_state = ZClipState(
+        count=jnp.where(finite, _common.safe_increment(state.count),
+                        state.count),
+        ema_mean=jnp.where(finite, new_mean, mean),
+        ema_var=jnp.where(finite, new_var, var),
+        grad_norm=g,
+        clipped_grad_norm=g * scale,
+        z=jnp.where(in_warmup, 0.0, z).astype(_common.STAT_DTYPE),
+        threshold=threshold.astype(_common.STAT_DTYPE),
+        was_clipped=was_clipped,
+        is_spike=is_spike,
+        spike_count=jnp.where(is_spike,
+                              _common.safe_increment(state.spike_count),
+                              state.spike_count),
+        clip_count=jnp.where(was_clipped,
+                             _common.safe_increment(state.clip_count),
+                             state.clip_count),
+    )
+    return updates, new_state
+
+  return optax.GradientTransformation(init_fn, update_fn)
