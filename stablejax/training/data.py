@@ -1,0 +1,586 @@
+"""Training data: sources, document filter, seeded random windows, mixing and sharding with Grain.
+
+Sources (``DataConfig.train`` / ``DataConfig.val``: one entry or a list):
+  * ``"pydoc"``: the embedded corpus, the Python documentation text that ships with CPython
+    (``pydoc_data.topics``, ~0.46 MB); no download. Byte-level tokens, vocab 256.
+  * a text file or a folder of text files (``*.txt``, ``*.md``, ``*.rst``, ``*.text``, searched
+    recursively, sorted by path): UTF-8 bytes as tokens, vocab 256.
+  * a nanoGPT-style ``*.bin`` file: a flat ``uint16`` token array, memory-mapped (never loaded).
+    Vocab ``DataConfig.vocab_size`` or 50304 (GPT-2's 50257 padded to a multiple of 64).
+
+Documents and the filter. A *document* is: one topic of the embedded corpus; for text files,
+consecutive blank-line-separated paragraphs packed up to 64 KiB (so a file of up to 64 KiB is one
+document, a longer file several, and a paragraph longer than 64 KiB is cut into 64 KiB pieces);
+for ``.bin`` files, fixed chunks of 65536 tokens. A document is dropped when it holds a run of one
+repeated byte/token longer than ``filter_max_repeat`` (runs are measured within the document), or,
+for text, when its fraction of non-text bytes exceeds ``filter_max_nontext``. Non-text bytes are
+ASCII control bytes other than ``\\t \\n \\v \\f \\r`` plus bytes that are not part of valid UTF-8.
+Kept text documents are concatenated (files separated by a blank line); for ``.bin`` files windows
+are drawn only from runs of kept chunks. ``Data.stats`` reports the counts. The ``.bin`` filter
+pass reads the whole file once at start-up (and checks every token is below the vocabulary size);
+``filter_max_repeat=0`` skips it.
+
+Validation. Without ``val``, the last ``val_fraction`` of each train source's kept tokens (at
+least one window) is held out. Validation batches are fixed: non-overlapping windows of all val
+sources, taken evenly spaced (repeated cyclically if there are fewer windows than needed).
+
+Training windows (all Grain ``MapDataset`` transformations, so the whole pipeline is a pure
+function of the index and the seed):
+  1. per source, ``range(n_windows).shuffle(seed_i).repeat()``: each epoch visits every window
+     slot in a new order; ``random_map`` then jitters each window's start by a random offset in
+     ``[0, seq_len]`` (new each epoch), so window boundaries move between epochs;
+  2. ``MapDataset.mix(sources, weights)``: weighted interleaving; ``weights`` default to the
+     sources' train token counts (the mix then matches plain concatenation);
+  3. ``WindowShuffleMapDataset(window_size=shuffle_buffer)``: a shuffle buffer over the mixed
+     windows (index based: it stays the same whatever the process count);
+  4. ``batch(batch_size // process_count)`` then ``[process_index::process_count]``: global batch
+     ``b`` is made of windows ``b*B .. b*B + B - 1``; process ``p`` reads rows ``p*B/P ..
+     (p+1)*B/P - 1`` of it, so the processes' batches stacked in order equal the single-process
+     batch, and no process reads another's windows.
+
+The iterator (``Data.train_iter()``) is a Grain ``DatasetIterator`` whose state is
+``{"next_index": number_of_batches_consumed}``: ``get_state``/``set_state`` round-trip exactly
+and it checkpoints with Orbax through ``grain.checkpoint.CheckpointSave/CheckpointRestore``.
+
+Example::
+
+    data = build_data(DataConfig(train="pydoc"), seq_len=128, batch_size=16, seed=0)
+    it = data.train_iter()
+    batch = next(it)              # {"tokens": int32 [16, 129]}
+    val = data.val_batches(4)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import sys
+from typing import Any, Optional, Union
+
+import grain
+import numpy as np
+from grain.experimental import WindowShuffleMapDataset
+
+EMBEDDED = "pydoc"
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
+BIN_SUFFIX = ".bin"
+DEFAULT_BIN_VOCAB = 50304
+TEXT_DOC_BYTES = 1 << 16
+BIN_DOC_TOKENS = 1 << 16
+_BIN_BLOCK = 1 << 24       # tokens per block in the .bin filter pass (multiple of BIN_DOC_TOKENS)
+
+# Control bytes other than \t \n \v \f \r, and DEL.
+_CONTROL = np.zeros(256, bool)
+_CONTROL[list(range(0, 9)) + list(range(14, 32)) + [127]] = True
+_SURROGATE = re.compile("[\udc80-\udcff]")
+_PARAGRAPH = re.compile(rb".*?(?:\n[ \t\r\f\v]*\n\s*|\Z)", re.S)
+
+
+class DataError(Exception):
+  """A missing, empty, unreadable or unusable data source; one line naming the problem and fix."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+  train: Union[str, list[str]] = "pydoc"   # "pydoc", a path (text file/folder, .bin) or a list
+  val: Optional[Union[str, list[str]]] = None  # None -> last val_fraction of each train source
+  val_fraction: float = 0.05
+  weights: Optional[list[float]] = None    # mixing weights of the train sources; None: by size
+  shuffle_buffer: int = 256                # shuffle buffer over windows (<= 1 disables)
+  filter_max_repeat: int = 256             # max run of one repeated byte/token (0 disables)
+  filter_max_nontext: float = 0.3          # max fraction of non-text bytes (1.0 disables)
+  num_threads: int = 0                     # grain read threads (0: read in the calling thread)
+  vocab_size: int = 0                      # 0: 256 for text, 50304 for .bin sources
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+@dataclasses.dataclass
+class _Source:
+  name: str
+  kind: str                  # "pydoc" | "text" | "bin"
+  tokens: np.ndarray         # uint8 (text) or uint16 memmap (.bin)
+  ranges: list               # usable [start, end) ranges after filtering
+  stats: dict
+
+  @property
+  def usable(self) -> int:
+    return int(sum(e - s for s, e in self.ranges))
+
+
+def _as_list(value, key: str) -> list[str]:
+  if value is None:
+    return []
+  items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
+  if not items:
+    raise DataError(f"data.{key} is an empty list: give at least one source (e.g. \"pydoc\")")
+  for item in items:
+    if not isinstance(item, (str, os.PathLike)):
+      raise DataError(f"data.{key} entry {item!r} is not a string: give a path or \"pydoc\"")
+  return [os.fspath(i) for i in items]
+
+
+def _read_bytes(path: str) -> bytes:
+  try:
+    with open(path, "rb") as f:
+      return f.read()
+  except OSError as e:
+    raise DataError(f"cannot read data file {path!r} ({e.strerror or e}): check its permissions "
+                    f"or remove it from the data config") from None
+
+
+def _text_documents(raw: bytes) -> list[bytes]:
+  """Blank-line paragraphs packed into documents of at most TEXT_DOC_BYTES (lossless)."""
+  if len(raw) <= TEXT_DOC_BYTES:
+    return [raw]
+  docs, current, size = [], [], 0
+  for m in _PARAGRAPH.finditer(raw):
+    para = m.group(0)
+    if not para:
+      continue
+    while len(para) > TEXT_DOC_BYTES:
+      if current:
+        docs.append(b"".join(current))
+        current, size = [], 0
+      docs.append(para[:TEXT_DOC_BYTES])
+      para = para[TEXT_DOC_BYTES:]
+    if size + len(para) > TEXT_DOC_BYTES and current:
+      docs.append(b"".join(current))
+      current, size = [], 0
+    current.append(para)
+    size += len(para)
+  if current:
+    docs.append(b"".join(current))
+  return docs
+
+
+def _max_run(a: np.ndarray) -> int:
+  if a.size == 0:
+    return 0
+  breaks = np.flatnonzero(a[1:] != a[:-1])
+  bounds = np.concatenate([[-1], breaks, [a.size - 1]])
+  return int(np.diff(bounds).max())
+
+
+def _nontext_fraction(doc: bytes) -> float:
+  if not doc:
+    return 0.0
+  a = np.frombuffer(doc, np.uint8)
+  control = int(_CONTROL[a].sum())
+  invalid = len(_SURROGATE.findall(doc.decode("utf-8", errors="surrogateescape")))
+  return (control + invalid) / len(doc)
+
+
+def _filter_text(name: str, kind: str, files: list[list[bytes]], cfg: DataConfig) -> _Source:
+  """Filters documents (grouped per file) and concatenates the kept ones."""
+  kept, n_docs, drop_repeat, drop_nontext = [], 0, 0, 0
+  bytes_in = 0
+  for docs in files:
+    file_kept = []
+    for doc in docs:
+      n_docs += 1
+      bytes_in += len(doc)
+      a = np.frombuffer(doc, np.uint8)
+      if cfg.filter_max_repeat > 0 and _max_run(a) > cfg.filter_max_repeat:
+        drop_repeat += 1
+      elif cfg.filter_max_nontext < 1.0 and _nontext_fraction(doc) > cfg.filter_max_nontext:
+        drop_nontext += 1
+      else:
+        file_kept.append(doc)
+    if file_kept:
+      joined = b"".join(file_kept)
+      kept.append(joined if joined.endswith(b"\n\n") else joined.rstrip(b"\n") + b"\n\n")
+  tokens = np.frombuffer(b"".join(kept), np.uint8)
+  stats = dict(name=name, kind=kind, files=len(files), documents=n_docs,
+               kept=n_docs - drop_repeat - drop_nontext, dropped_repeat=drop_repeat,
+               dropped_nontext=drop_nontext, bytes_in=bytes_in, tokens=int(tokens.size))
+  if tokens.size == 0:
+    raise DataError(f"every document of {name!r} was dropped by the filter ({drop_repeat} long "
+                    f"repeats, {drop_nontext} non-text): check the data or relax "
+                    f"data.filter_max_repeat / data.filter_max_nontext")
+  return _Source(name, kind, tokens, [(0, int(tokens.size))], stats)
+
+
+def _load_pydoc(cfg: DataConfig) -> _Source:
+  try:
+    from pydoc_data.topics import topics  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise DataError("the embedded corpus needs CPython's pydoc_data module, which this Python "
+                    "lacks: point data.train at a text file instead") from None
+  files = [[(topics[k].rstrip("\n") + "\n\n").encode("utf-8")] for k in sorted(topics)]
+  return _filter_text(EMBEDDED, "pydoc", files, cfg)
+
+
+def _load_text_file(path: str, cfg: DataConfig) -> _Source:
+  raw = _read_bytes(path)
+  if not raw:
+    raise DataError(f"data file {path!r} is empty: give a file with text in it")
+  return _filter_text(path, "text", [_text_documents(raw)], cfg)
+
+
+def _load_text_folder(path: str, cfg: DataConfig) -> _Source:
+  found = []
+  for root, dirs, names in os.walk(path):
+    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    for n in sorted(names):
+      if not n.startswith(".") and n.lower().endswith(TEXT_SUFFIXES):
+        found.append(os.path.join(root, n))
+  if not found:
+    raise DataError(f"data folder {path!r} has no text files ({', '.join(TEXT_SUFFIXES)}): add "
+                    f"some, or name a .bin file directly")
+  files = []
+  for f in found:
+    raw = _read_bytes(f)
+    if raw:
+      files.append(_text_documents(raw))
+  if not files:
+    raise DataError(f"every text file in data folder {path!r} is empty: give files with text")
+  return _filter_text(path, "text", files, cfg)
+
+
+def _load_bin(path: str, cfg: DataConfig, vocab_size: int) -> _Source:
+  try:
+    size = os.path.getsize(path)
+    with open(path, "rb"):
+      pass
+  except OSError as e:
+    raise DataError(f"cannot read data file {path!r} ({e.strerror or e}): check its permissions"
+                    ) from None
+  if size == 0:
+    raise DataError(f"data file {path!r} is empty: give a nanoGPT uint16 token file")
+  if size % 2:
+    raise DataError(f"data file {path!r} has an odd byte count ({size}) so it is not a uint16 "
+                    f"token file: re-export it as nanoGPT-style uint16 tokens")
+  tokens = np.memmap(path, dtype=np.uint16, mode="r")
+  n = int(tokens.size)
+  n_docs = -(-n // BIN_DOC_TOKENS)
+  keep = np.ones(n_docs, bool)
+  max_token = None
+  if cfg.filter_max_repeat > 0:
+    max_token = 0
+    for start in range(0, n, _BIN_BLOCK):
+      block = np.asarray(tokens[start:start + _BIN_BLOCK])
+      max_token = max(max_token, int(block.max()))
+      pos = np.arange(block.size)
+      is_break = np.ones(block.size, bool)
+      is_break[1:] = (block[1:] != block[:-1]) | (pos[1:] % BIN_DOC_TOKENS == 0)
+      starts = np.flatnonzero(is_break)
+      lengths = np.diff(np.append(starts, block.size))
+      longest = np.zeros(-(-block.size // BIN_DOC_TOKENS), np.int64)
+      np.maximum.at(longest, starts // BIN_DOC_TOKENS, lengths)
+      keep[start // BIN_DOC_TOKENS: start // BIN_DOC_TOKENS + longest.size] = (
+          longest <= cfg.filter_max_repeat)
+    if max_token >= vocab_size:
+      raise DataError(f"data file {path!r} holds token id {max_token} >= vocab size "
+                      f"{vocab_size}: set data.vocab_size (and model.vocab_size) above it")
+  ranges = []
+  for i in np.flatnonzero(keep):
+    s, e = int(i) * BIN_DOC_TOKENS, min(n, (int(i) + 1) * BIN_DOC_TOKENS)
+    if ranges and ranges[-1][1] == s:
+      ranges[-1] = (ranges[-1][0], e)
+    else:
+      ranges.append((s, e))
+  dropped = int(n_docs - keep.sum())
+  stats = dict(name=path, kind="bin", files=1, documents=n_docs, kept=n_docs - dropped,
+               dropped_repeat=dropped, dropped_nontext=0, tokens=int(sum(e - s for s, e in ranges)),
+               max_token=max_token)
+  if not ranges:
+    raise DataError(f"every chunk of {path!r} was dropped by the repeat filter: check the data "
+                    f"or raise data.filter_max_repeat")
+  return _Source(path, "bin", tokens, ranges, stats)
+
+
+def _load(entry: str, cfg: DataConfig, key: str, bin_vocab: int) -> _Source:
+  if entry == EMBEDDED:
+    return _load_pydoc(cfg)
+  path = os.path.expanduser(entry)
+  if not os.path.exists(path):
+    raise DataError(f"data.{key}: {entry!r} does not exist: check the path, or use "
+                    f"\"{EMBEDDED}\" for the embedded corpus")
+  if os.path.isdir(path):
+    return _load_text_folder(path, cfg)
+  if path.lower().endswith(BIN_SUFFIX):
+    return _load_bin(path, cfg, bin_vocab)
+  return _load_text_file(path, cfg)
+
+
+def _split_tail(ranges: list, n_tail: int) -> tuple[list, list]:
+  """Splits usable ranges into (head, tail) where the tail holds the last n_tail tokens."""
+  head, tail, remaining = list(ranges), [], n_tail
+  while remaining > 0 and head:
+    s, e = head.pop()
+    if e - s <= remaining:
+      tail.insert(0, (s, e))
+      remaining -= e - s
+    else:
+      tail.insert(0, (e - remaining, e))
+      head.append((s, e - remaining))
+      remaining = 0
+  return head, tail
+
+
+def _window_table(ranges: list, window: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(range starts, range ends, cumulative window counts) for non-overlapping window slots."""
+  starts = np.array([s for s, _ in ranges], np.int64)
+  ends = np.array([e for _, e in ranges], np.int64)
+  counts = (ends - starts) // window
+  return starts, ends, np.cumsum(counts)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+
+class _WindowReader:
+  """Maps a window slot index (+ jitter) to its token window; picklable for grain workers."""
+
+  def __init__(self, tokens: np.ndarray, ranges: list, window: int):
+    self.tokens = tokens
+    self.window = window
+    self.starts, self.ends, self.cum = _window_table(ranges, window)
+    self.num_windows = int(self.cum[-1]) if self.cum.size else 0
+
+  def start_of(self, slot: int, jitter: int) -> int:
+    r = int(np.searchsorted(self.cum, slot, side="right"))
+    k = slot - (int(self.cum[r - 1]) if r else 0)
+    start = int(self.starts[r]) + k * self.window + jitter
+    return min(start, int(self.ends[r]) - self.window)
+
+  def read(self, start: int) -> np.ndarray:
+    return np.asarray(self.tokens[start:start + self.window], dtype=np.int32)
+
+
+class Data:
+  """Training and validation data built by ``build_data``.
+
+  Attributes:
+    vocab_size: 256 for byte-level text, ``DataConfig.vocab_size`` or 50304 for ``.bin`` data.
+    stats: ``{"sources": [per-source dict], "train_tokens", "val_tokens", "weights",
+      "batch_size", "local_batch_size", "seq_len"}``; each source dict has name, kind, files,
+      documents, kept, dropped_repeat, dropped_nontext, tokens, train_tokens, val_tokens.
+  """
+
+  def __init__(self, *, vocab_size: int, stats: dict, train_dataset: grain.MapDataset,
+               val_readers: list, batch_size: int, process_index: int, process_count: int,
+               num_threads: int):
+    self.vocab_size = vocab_size
+    self.stats = stats
+    self.train_dataset = train_dataset
+    self._val_readers = val_readers
+    self._batch_size = batch_size
+    self._process_index = process_index
+    self._process_count = process_count
+    self._num_threads = num_threads
+
+  def train_iter(self) -> grain.DatasetIterator:
+    """A fresh Grain iterator over this process's training batches, from the first batch.
+
+    Yields ``{"tokens": int32 [batch_size // process_count, seq_len + 1]}`` forever. Its state
+    is ``{"next_index": batches consumed}`` (``get_state``/``set_state``); setting a larger
+    ``next_index`` skips batches.
+    """
+    if self._num_threads > 0:
+      opts = grain.ReadOptions(num_threads=self._num_threads,
+                               prefetch_buffer_size=2 * self._num_threads)
+    else:
+      opts = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+    return iter(self.train_dataset.to_iter_dataset(opts))
+
+  def val_batches(self, num_batches: int) -> list[dict]:
+    """Fixed validation batches (same every call): this process's rows of ``num_batches`` batches."""
+    if num_batches < 1:
+      return []
+    slots = [(r, k) for r, reader in enumerate(self._val_readers)
+             for k in range(reader.num_windows)]
+    needed = num_batches * self._batch_size
+    if len(slots) >= needed:
+      picks = np.linspace(0, len(slots) - 1, needed).round().astype(np.int64)
+    else:
+      picks = np.arange(needed) % len(slots)
+    local = self._batch_size // self._process_count
+    batches = []
+    for b in range(num_batches):
+      rows = picks[b * self._batch_size + self._process_index * local:][:local]
+      tokens = np.stack([self._val_readers[slots[i][0]].read(
+          self._val_readers[slots[i][0]].start_of(slots[i][1], 0)) for i in rows])
+      batches.append({"tokens": tokens})
+    return batches
+
+
+def _seeds(seed: int, index: int) -> tuple[int, int]:
+  state = np.random.SeedSequence([int(seed) & 0xFFFFFFFF, index]).generate_state(2)
+  return int(state[0]), int(state[1])
+
+
+def _validate(cfg: DataConfig, seq_len: int, batch_size: int, process_index: int,
+              process_count: int) -> None:
+  if not isinstance(seq_len, int) or seq_len < 1:
+    raise DataError(f"train.seq_len={seq_len!r} must be a positive integer")
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise DataError(f"train.batch_size={batch_size!r} must be a positive integer")
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise DataError(f"process_index={process_index} is outside [0, {process_count})")
+  if batch_size % process_count:
+    raise DataError(f"train.batch_size={batch_size} is not divisible by the {process_count} "
+                    f"processes: use a multiple of {process_count}")
+  if cfg.val is None and not 0.0 < cfg.val_fraction < 1.0:
+    raise DataError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1) when data.val is "
+                    f"not given (e.g. 0.05)")
+  if cfg.filter_max_repeat < 0:
+    raise DataError(f"data.filter_max_repeat={cfg.filter_max_repeat} must be >= 0 (0 disables)")
+  if not 0.0 <= cfg.filter_max_nontext <= 1.0:
+    raise DataError(f"data.filter_max_nontext={cfg.filter_max_nontext} must be in [0, 1] "
+                    f"(1.0 disables)")
+  if cfg.num_threads < 0:
+    raise DataError(f"data.num_threads={cfg.num_threads} must be >= 0 (0 = no threads)")
+  if cfg.vocab_size < 0:
+    raise DataError(f"data.vocab_size={cfg.vocab_size} must be >= 0 (0 = automatic)")
+
+
+def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
+               process_index: int = 0, process_count: int = 1) -> Data:
+  """Loads, filters and splits the sources and builds the seeded window pipeline.
+
+  Args:
+    cfg: the data config.
+    seq_len: model sequence length; windows hold ``seq_len + 1`` tokens (inputs + next token).
+    batch_size: global batch size (all processes together).
+    seed: data seed; the same seed gives the same batches.
+    process_index: this host's index (``jax.process_index()``).
+    process_count: number of hosts (``jax.process_count()``); each reads
+      ``batch_size // process_count`` rows of every global batch.
+
+  Returns:
+    A ``Data``.
+
+  Raises:
+    DataError: a missing, empty or unreadable source, a folder without text files, a ``.bin``
+      file with an odd byte count, a corpus shorter than one window, bad weights.
+  """
+  _validate(cfg, seq_len, batch_size, process_index, process_count)
+  window = seq_len + 1
+  train_entries = _as_list(cfg.train, "train")
+  if not train_entries:
+    raise DataError("data.train is empty: give a path or \"pydoc\"")
+  val_entries = _as_list(cfg.val, "val")
+  all_entries = train_entries + val_entries
+  bin_vocab = cfg.vocab_size or DEFAULT_BIN_VOCAB
+  is_bin = [e != EMBEDDED and not os.path.isdir(os.path.expanduser(e))
+            and e.lower().endswith(BIN_SUFFIX) for e in all_entries]
+  if any(is_bin) and not all(is_bin):
+    raise DataError("data mixes .bin token files with byte-level text sources, whose token ids "
+                    "mean different things: use only one kind")
+  vocab_size = bin_vocab if any(is_bin) else (cfg.vocab_size or 256)
+  if not any(is_bin) and vocab_size < 256:
+    raise DataError(f"data.vocab_size={vocab_size} is below 256, too small for byte-level text: "
+                    f"use 0 (automatic) or >= 256")
+
+  train = [_load(e, cfg, "train", bin_vocab) for e in train_entries]
+  train_ranges, val_ranges = [], []
+  for src in train:
+    if cfg.val is None:
+      n_val = max(window, math.ceil(src.usable * cfg.val_fraction))
+      if src.usable - n_val < window:
+        raise DataError(f"data source {src.name!r} has {src.usable} usable tokens, too few to "
+                        f"hold out validation windows and still train with seq_len={seq_len}: "
+                        f"use more text, a smaller train.seq_len, or give data.val")
+      head, tail = _split_tail(src.ranges, n_val)
+      train_ranges.append(head)
+      val_ranges.append((src, tail))
+    else:
+      train_ranges.append(src.ranges)
+  if cfg.val is not None:
+    val_ranges = [(s, s.ranges) for s in (_load(e, cfg, "val", bin_vocab) for e in val_entries)]
+
+  train_readers = []
+  for src, ranges in zip(train, train_ranges):
+    reader = _WindowReader(src.tokens, ranges, window)
+    if reader.num_windows == 0:
+      raise DataError(f"data source {src.name!r} has {sum(e - s for s, e in ranges)} usable "
+                      f"train tokens, fewer than one window of seq_len+1={window}: use a longer "
+                      f"corpus or a smaller train.seq_len")
+    train_readers.append(reader)
+  val_readers = []
+  for src, ranges in val_ranges:
+    reader = _WindowReader(src.tokens, ranges, window)
+    if reader.num_windows == 0:
+      raise DataError(f"validation data {src.name!r} has {sum(e - s for s, e in ranges)} usable "
+                      f"tokens, fewer than one window of seq_len+1={window}: use a longer "
+                      f"corpus or a smaller train.seq_len")
+    val_readers.append(reader)
+
+  sizes = [sum(e - s for s, e in r) for r in train_ranges]
+  if cfg.weights is None:
+    weights = [float(s) for s in sizes]
+  else:
+    weights = [float(w) for w in cfg.weights]
+    if len(weights) != len(train):
+      raise DataError(f"data.weights has {len(weights)} entries but data.train has "
+                      f"{len(train)} sources: give one weight per source")
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+      raise DataError(f"data.weights={cfg.weights} must all be positive finite numbers")
+
+  per_source = []
+  for i, reader in enumerate(train_readers):
+    shuffle_seed, jitter_seed = _seeds(seed, i)
+
+    def to_window(slot, rng, reader=reader):
+      start = reader.start_of(int(slot), int(rng.integers(0, reader.window)))
+      return {"tokens": reader.read(start)}
+
+    ds = (grain.MapDataset.range(reader.num_windows)
+          .shuffle(seed=shuffle_seed)
+          .repeat()
+          .random_map(to_window, seed=jitter_seed))
+    per_source.append(ds)
+  ds = per_source[0] if len(per_source) == 1 else grain.MapDataset.mix(per_source, weights)
+  if cfg.shuffle_buffer > 1:
+    buffer_seed, _ = _seeds(seed, len(per_source) + 1)
+    ds = WindowShuffleMapDataset(ds, window_size=int(cfg.shuffle_buffer), seed=buffer_seed)
+  local = batch_size // process_count
+  ds = ds.batch(local, drop_remainder=True)
+  if process_count > 1:
+    ds = ds[process_index::process_count]
+
+  total_w = sum(weights)
+  source_stats = []
+  for i, src in enumerate(train):
+    st = dict(src.stats, train_tokens=sizes[i], weight=weights[i] / total_w)
+    if cfg.val is None:
+      st["val_tokens"] = sum(e - s for s, e in val_ranges[i][1])
+    source_stats.append(st)
+  stats = dict(
+      sources=source_stats,
+      val_sources=([dict(s.stats) for s, _ in val_ranges] if cfg.val is not None else []),
+      train_tokens=int(sum(sizes)),
+      val_tokens=int(sum(sum(e - s for s, e in r) for _, r in val_ranges)),
+      weights=[w / total_w for w in weights],
+      batch_size=batch_size, local_batch_size=local, seq_len=seq_len)
+  return Data(vocab_size=vocab_size, stats=stats, train_dataset=ds, val_readers=val_readers,
+              batch_size=batch_size, process_index=process_index, process_count=process_count,
+              num_threads=cfg.num_threads)
+
+
+def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
+  """A deliberately bad batch for fault injection.
+
+  Args:
+    kind: "repeat" (every position is one token, chosen from the seed) or "random" (uniform
+      random token ids, i.e. random bytes for vocab 256).
+    batch_size: rows.
+    seq_len: model sequence length (the batch has ``seq_len + 1`` columns like real batches).
+    vocab_size: token ids are drawn from ``[0, vocab_size)``.
+    seed: seed.
+
+  Returns:
+    ``{"tokens": int32 [batch_size, seq_len + 1]}``.
+  """
+  rng = np.random.default_rng(seed)
+  shape = (batch_size, seq_len + 1)
+  if kind == "repeat":
+    return {"tokens": np.full(shape, int(rng.integers(0, vocab_size)), np.int32)}
+  if kind == "random":
+    return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
+  raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
