@@ -60,8 +60,9 @@ class ZClipState(NamedTuple):
       ``inf``) during warmup; the applied clip when clipping; otherwise the
       norm above which clipping would start (capped by ``max_grad_norm``).
     was_clipped: whether the last step's gradients were scaled down.
-    is_spike: whether the last step was a spike (after warmup, ``z > z_thresh``
-      in ``"zscore"`` mode, ``g > mean + z_thresh * std`` in ``"percentile"``).
+    is_spike: whether the last step was a spike (after warmup, finite and
+      ``z > z_thresh`` in ``"zscore"`` mode, ``g > mean + z_thresh * std`` in
+      ``"percentile"``).
     spike_count: total number of spikes (int32).
     clip_count: total number of clipped steps (int32).
   """
@@ -234,7 +235,7 @@ def zclip(
     scale = jnp.where(in_warmup, warm_scale, post_scale)
     new_mean = jnp.where(in_warmup, warm_mean, post_mean)
     new_var = jnp.where(in_warmup, warm_var, post_var)
-    is_spike = jnp.logical_and(~in_warmup, spike)
+    is_spike = jnp.logical_and(jnp.logical_and(~in_warmup, spike), finite)
     was_clipped = scale < 1.0
     threshold = jnp.where(
         in_warmup, warm_threshold, jnp.where(spike, effective, idle_threshold))

@@ -1,0 +1,152 @@
+"""AdaGC against an independent float64 re-derivation of the paper's update."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stablejax
+
+STEPS = 300
+SHAPES = {"emb": (6, 4), "w": (4, 4), "b": (4,)}
+
+
+def _grad_sequence(seed):
+  """Per-tensor grads with different scales, a drift and per-tensor spikes."""
+  rng = np.random.default_rng(seed)
+  scales = {"emb": 0.3, "w": 0.8, "b": 0.05}
+  grads = {}
+  for k, shape in SHAPES.items():
+    g = rng.standard_normal((STEPS,) + shape) * scales[k]
+    g *= np.linspace(1.0, 0.5, STEPS).reshape((-1,) + (1,) * len(shape))
+    grads[k] = g
+  grads["w"][[5, 40, 41, 130, 260]] *= 20.0   # spikes in one tensor
+  grads["emb"][[90, 200]] *= 50.0
+  grads["b"][[150, 151, 152]] *= 8.0
+  return {k: v.astype(np.float32) for k, v in grads.items()}
+
+
+def reference_adagc(grads, beta, lambda_rel, lambda_abs, warmup_steps):
+  """Plain-Python AdaGC (float64). Returns per-step scales and gammas."""
+  gamma = {k: np.inf for k in grads}
+  scales, gammas = [], []
+  for t in range(STEPS):
+    g = {k: grads[k][t].astype(np.float64) for k in grads}
+    norm = {k: np.sqrt(np.sum(g[k]**2)) for k in g}
+    h = {}
+    if t < warmup_steps:
+      total = np.sqrt(sum(n**2 for n in norm.values()))
+      for k in g:
+        h[k] = min(1.0, lambda_abs / total)
+        clipped = np.sqrt(np.sum((h[k] * g[k])**2))
+        gamma[k] = min(gamma[k], clipped)
+    else:
+      for k in g:
+        h[k] = min(1.0, lambda_rel * gamma[k] / norm[k])
+        clipped = np.sqrt(np.sum((h[k] * g[k])**2))
+        gamma[k] = beta * gamma[k] + (1 - beta) * clipped
+    scales.append(dict(h))
+    gammas.append(dict(gamma))
+  return scales, gammas
+
+
+def _run(tx, grads):
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
+  state = tx.init(params)
+
+  def body(state, g):
+    updates, state = tx.update(g, state, params)
+    return state, (updates, state)
+
+  _, out = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, grads)
+  return out
+
+
+@pytest.mark.parametrize("beta,lambda_rel,lambda_abs,warmup_steps", [
+    (0.98, 1.05, 1.0, 20),
+    (0.9, 1.5, 0.5, 100),
+])
+def test_matches_reference(beta, lambda_rel, lambda_abs, warmup_steps):
+  grads = _grad_sequence(int(beta * 100))
+  ref_scales, ref_gammas = reference_adagc(grads, beta, lambda_rel, lambda_abs,
+                                           warmup_steps)
+  updates, states = _run(
+      stablejax.adagc(beta=beta, lambda_rel=lambda_rel, lambda_abs=lambda_abs,
+                      warmup_steps=warmup_steps), grads)
+  for k, shape in SHAPES.items():
+    h = np.array([s[k] for s in ref_scales]).reshape((-1,) + (1,) * len(shape))
+    np.testing.assert_allclose(updates[k], grads[k] * h, rtol=2e-5, atol=1e-8)
+    np.testing.assert_allclose(states.gamma[k], [g[k] for g in ref_gammas],
+                               rtol=2e-5)
+  h_all = np.array([[s[k] for k in SHAPES] for s in ref_scales])
+  clipped = h_all < 1.0
+  # The injected spikes were clipped after warmup, tensor by tensor.
+  assert clipped[warmup_steps:].sum() >= 5
+  assert not clipped[warmup_steps:].all(axis=1).all()
+  np.testing.assert_allclose(states.clipped_fraction, clipped.mean(axis=1))
+  norms = np.sqrt(sum((grads[k].astype(np.float64)**2).reshape(STEPS, -1)
+                      .sum(axis=1) for k in SHAPES))
+  np.testing.assert_allclose(states.grad_norm, norms, rtol=1e-5)
+  after = np.sqrt(sum(((grads[k] * h_all[:, i].reshape(
+      (-1,) + (1,) * len(SHAPES[k]))).astype(np.float64)**2).reshape(
+          STEPS, -1).sum(axis=1) for i, k in enumerate(SHAPES)))
+  np.testing.assert_allclose(states.clipped_grad_norm, after, rtol=2e-5)
+  np.testing.assert_array_equal(states.count, np.arange(1, STEPS + 1))
+
+
+def test_gamma_starts_infinite_per_leaf_float32():
+  params = {"a": jnp.zeros((2, 3), jnp.bfloat16), "b": [jnp.zeros(2)]}
+  state = stablejax.adagc().init(params)
+  gammas = jax.tree.leaves(state.gamma)
+  assert len(gammas) == 2
+  for g in gammas:
+    assert g.shape == () and g.dtype == jnp.float32 and np.isinf(g)
+
+
+def test_nonfinite_step_leaves_gamma_untouched_and_bf16_kept():
+  tx = stablejax.adagc(warmup_steps=2)
+  params = {"a": jnp.zeros(3, jnp.bfloat16), "b": jnp.zeros(2, jnp.bfloat16)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for v in (0.2, 0.3, 0.25):
+    g = {"a": jnp.full(3, v, jnp.bfloat16), "b": jnp.full(2, v, jnp.bfloat16)}
+    updates, state = update(g, state, params)
+    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+  bad = {"a": jnp.array([jnp.nan, 1, 1], jnp.bfloat16),
+         "b": jnp.ones(2, jnp.bfloat16)}
+  _, new_state = update(bad, state, params)
+  assert int(new_state.count) == int(state.count)
+  for old, new in zip(jax.tree.leaves(state.gamma),
+                      jax.tree.leaves(new_state.gamma)):
+    assert float(old) == float(new) and np.isfinite(float(new))
+
+
+def test_zero_gradient_tensor_is_not_nan():
+  tx = stablejax.adagc(warmup_steps=1)
+  params = {"a": jnp.zeros(3), "frozen": jnp.zeros(2)}
+  state = tx.init(params)
+  for _ in range(3):
+    updates, state = tx.update({"a": jnp.ones(3), "frozen": jnp.zeros(2)},
+                               state, params)
+  assert np.all(np.isfinite(updates["frozen"]))
+  assert np.all(updates["frozen"] == 0)
+
+
+def test_chain_with_optax_matches_manual():
+  tx = optax.chain(stablejax.adagc(warmup_steps=1, lambda_abs=0.5),
+                   optax.sgd(1.0))
+  params = {"a": jnp.zeros(4)}
+  state = tx.init(params)
+  updates, state = tx.update({"a": jnp.full(4, 1.0)}, state, params)
+  # Warmup global clip to 0.5, then SGD with lr 1 negates.
+  np.testing.assert_allclose(updates["a"], -0.25 * np.ones(4), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(beta=1.0), dict(lambda_rel=0.0), dict(lambda_abs=-1.0),
+    dict(warmup_steps=0),
+])
+def test_bad_arguments_raise(kwargs):
+  with pytest.raises(ValueError, match=next(iter(kwargs))):
+    stablejax.adagc(**kwargs)
