@@ -452,12 +452,14 @@ class StabilityMonitor:
     norm = "n/a" if g is None else f"{g:.4g}"
     if level == "healthy":
       return [f"step {step}: gradient health back to healthy (grad norm {norm})"]
-    detail = {
-        "low": f"grad norm < {t.low:g}",
-        "high": f"{t.high:g} < grad norm <= {t.critical:g}",
-        "critical": f"grad norm > {t.critical:g}",
-        "exploded": "non-finite grad norm or loss",
-    }[level]
+    if level == "low":
+      detail = f"grad norm < {t.low:g}"
+    elif level == "high":
+      detail = f"{t.high:g} < grad norm <= {t.critical:g}"
+    elif level == "critical":
+      detail = f"grad norm > {t.critical:g}"
+    else:
+      detail = "non-finite grad norm or loss"
     return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
 
   def _loss_plateau(self) -> bool:

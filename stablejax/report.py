@@ -1,0 +1,458 @@
+"""Run report: plots and a text summary of a run's ``metrics.jsonl``.
+
+Usage::
+
+  python -m stablejax.report RUN_DIR [--out PATH] [--window STEPS]
+
+Reads ``RUN_DIR/metrics.jsonl`` (train, eval and event records; see the
+metrics contract in ``docs/monitoring.md``), writes ``RUN_DIR/report.png``
+and prints a summary of the events: rollbacks, skipped steps, warnings, health
+levels, the stability score and the final losses. It reads whatever is there,
+so it works on a run that is still being written and on one that crashed: a
+truncated or malformed line is skipped and reported, unknown keys are ignored
+and every optional key may be missing.
+
+Panels: loss and val loss (with skipped steps and rollbacks marked); raw vs
+clipped gradient norm with the ZClip band (EMA mean +- std) and threshold;
+learning rate; stability score (the logged ``stability_score`` or, for runs
+that did not log it, the score replayed with :class:`StabilityMonitor`) with
+the target; window rates (spike, clip, skip); per-group update RMS
+(``muon/update_rms/*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from stablejax.monitor import StabilityMonitor, health_code
+
+METRICS_FILE = "metrics.jsonl"
+REPORT_FILE = "report.png"
+
+
+class ReportError(Exception):
+  """A run directory that cannot be reported on (missing or empty metrics)."""
+
+
+def read_metrics(path: Path) -> tuple[list[dict], int]:
+  """Reads a metrics.jsonl file leniently.
+
+  Args:
+    path: the file.
+
+  Returns:
+    ``(records, bad_lines)``: the JSON objects that parsed and carry an integer
+    ``step``, in file order, and how many non-empty lines were skipped
+    (truncated, malformed or without a step).
+  """
+  records, bad = [], 0
+  with open(path, "r", encoding="utf-8", errors="replace") as f:
+    for line in f:
+      line = line.strip()
+      if not line:
+        continue
+      try:
+        rec = json.loads(line)
+      except ValueError:
+        bad += 1
+        continue
+      if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)) \
+          or isinstance(rec.get("step"), bool):
+        bad += 1
+        continue
+      rec["step"] = int(rec["step"])
+      records.append(rec)
+  return records, bad
+
+
+def _num(value: Any) -> Optional[float]:
+  if value is None or isinstance(value, str):
+    return None
+  try:
+    return float(value)
+  except (TypeError, ValueError):
+    return None
+
+
+def _series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
+  """Steps and values of ``key``; a NaN point breaks the line where the step goes back (rollback)."""
+  xs, ys = [], []
+  for r in records:
+    v = _num(r.get(key))
+    if v is not None:
+      if xs and r["step"] < xs[-1]:
+        xs.append(float("nan"))
+        ys.append(float("nan"))
+      xs.append(r["step"])
+      ys.append(v)
+  return xs, ys
+
+
+def _break_rewinds(steps: Sequence[int], values: Sequence[float]) -> tuple[list[float], list[float]]:
+  xs, ys = [], []
+  for x, y in zip(steps, values):
+    if xs and x < xs[-1]:
+      xs.append(float("nan"))
+      ys.append(float("nan"))
+    xs.append(x)
+    ys.append(y)
+  return xs, ys
+
+
+def _is_train(r: dict) -> bool:
+  return "event" not in r and "val_loss" not in r
+
+
+def analyse(records: Sequence[dict], window: int = 100) -> dict[str, Any]:
+  """Replays the train records through a :class:`StabilityMonitor` and gathers events.
+
+  Args:
+    records: parsed metrics.jsonl records.
+    window: monitor window in steps.
+
+  Returns:
+    A dict with ``train`` / ``eval`` / ``events`` record lists, per-train-record
+    ``score`` and ``rates`` series (replayed), ``monitor_warnings``
+    (``[(step, line)]``), ``skip_steps`` (steps flagged skipped in train
+    records or by ``skip`` events), ``rollbacks`` (``[(step, cause)]``) and the
+    monitor ``summary``.
+  """
+  train = [r for r in records if _is_train(r)]
+  evals = [r for r in records if "val_loss" in r and "event" not in r]
+  events = [r for r in records if "event" in r]
+  mon = StabilityMonitor(window=window)
+  scores, rates, warnings = [], [], []
+  rollbacks = []
+  for r in records:  # file order: a rollback event counts for the train records after it
+    if r.get("event") == "rollback":
+      rollbacks.append((r["step"], str(r.get("cause", ""))))
+      mon.record_rollback(r["step"], str(r.get("cause", "")))
+    elif _is_train(r):
+      for line in mon.update(r["step"], r):
+        warnings.append((r["step"], line))
+      scores.append(mon.score())
+      rates.append(mon.rates())
+  skip_steps = set()
+  for r in train:
+    if any(bool(r.get(k)) for k in r if k.endswith("/skipped")):
+      skip_steps.add(r["step"])
+  for r in events:
+    if r.get("event") == "skip":
+      skip_steps.add(r["step"])
+  return {
+      "train": train,
+      "eval": evals,
+      "events": events,
+      "score": scores,
+      "rates": rates,
+      "monitor_warnings": warnings,
+      "skip_steps": sorted(skip_steps),
+      "rollbacks": rollbacks,
+      "summary": mon.summary(),
+  }
+
+
+def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Path:
+  """Draws the report figure (Agg backend, no pyplot state) and saves it as PNG.
+
+  Args:
+    analysis: the result of :func:`analyse`.
+    out_path: where to write the PNG.
+    title: figure title.
+
+  Returns:
+    ``out_path``.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  train, evals = analysis["train"], analysis["eval"]
+  fig = Figure(figsize=(14, 12), dpi=90)
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(3, 2)
+  fig.suptitle(title or "stablejax run report")
+  skip_steps = analysis["skip_steps"]
+  rollback_steps = [s for s, _ in analysis["rollbacks"]]
+
+  def mark_events(ax, label=True):
+    for i, s in enumerate(rollback_steps):
+      ax.axvline(s, color="tab:red", lw=1.2, ls="--", alpha=0.8,
+                 label="rollback" if label and i == 0 else None)
+    for i, s in enumerate(skip_steps):
+      ax.axvline(s, color="tab:orange", lw=0.8, alpha=0.35,
+                 label="skipped step" if label and i == 0 else None)
+
+  def finish(ax, title, ylabel=None, log=False):
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("step", fontsize=8)
+    if ylabel:
+      ax.set_ylabel(ylabel, fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.tick_params(labelsize=8)
+    if log and any(l.get_ydata().size and (l.get_ydata() > 0).any() for l in ax.get_lines()
+                   if hasattr(l.get_ydata(), "size")):
+      ax.set_yscale("log")
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+      ax.legend(fontsize=7, loc="best")
+    if not ax.has_data():
+      ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+  # 1. loss and val loss
+  ax = axes[0, 0]
+  xs, ys = _series(train, "loss")
+  if xs:
+    ax.plot(xs, ys, lw=1, label="train loss")
+    bad = [(r["step"], v) for r in train for v in [_num(r.get("loss"))]
+           if v is not None and not math.isfinite(v)]
+    if bad:
+      finite = [y for y in ys if math.isfinite(y)]
+      ypos = max(finite) if finite else 0.0
+      ax.plot([x for x, _ in bad], [ypos] * len(bad), "rx", label="non-finite loss")
+  xs, ys = _series(evals, "val_loss")
+  if xs:
+    ax.plot(xs, ys, "o-", ms=3, lw=1.2, label="val loss")
+  mark_events(ax)
+  finish(ax, "loss", "loss")
+
+  # 2. grad norm: raw vs clipped, ZClip band and threshold
+  ax = axes[0, 1]
+  raw_key = "zclip/grad_norm" if any("zclip/grad_norm" in r for r in train) else "grad_norm"
+  xs, ys = _series(train, raw_key)
+  if xs:
+    ax.plot(xs, [y if math.isfinite(y) else float("nan") for y in ys], lw=1, label="raw grad norm")
+  xs, ys = _series(train, "zclip/clipped_grad_norm")
+  if xs:
+    ax.plot(xs, ys, lw=1, label="clipped grad norm")
+  bx, lo, hi = [], [], []
+  for r in train:
+    m, s = _num(r.get("zclip/ema_mean")), _num(r.get("zclip/ema_std"))
+    if m is not None and s is not None and math.isfinite(m) and math.isfinite(s) and m > 0:
+      bx.append(r["step"])
+      lo.append(max(m - s, 1e-12))
+      hi.append(m + s)
+  if bx:
+    bxs, los = _break_rewinds(bx, lo)
+    _, his = _break_rewinds(bx, hi)
+    ax.fill_between(bxs, los, his, color="tab:green", alpha=0.2, label="ZClip EMA mean +- std")
+  xs, ys = _series(train, "zclip/threshold")
+  if xs:
+    ax.plot(xs, ys, color="k", lw=0.9, ls=":", label="ZClip threshold")
+  mark_events(ax, label=False)
+  finish(ax, "gradient norm", "global L2 norm", log=True)
+
+  # 3. learning rate
+  ax = axes[1, 0]
+  xs, ys = _series(train, "lr")
+  if xs:
+    ax.plot(xs, ys, lw=1.2, label="lr")
+  for key in sorted({k for r in train for k in r if k.startswith("lr/")}):
+    xs, ys = _series(train, key)
+    ax.plot(xs, ys, lw=1, label=key)
+  mark_events(ax, label=False)
+  finish(ax, "learning rate")
+
+  # 4. stability score
+  ax = axes[1, 1]
+  xs, ys = _series(train, "stability_score")
+  if xs:
+    ax.plot(xs, ys, lw=1.2, label="stability score (logged)")
+  else:
+    steps = [r["step"] for r in train]
+    if steps:
+      ax.plot(*_break_rewinds(steps, analysis["score"]), lw=1.2, label="stability score (replayed)")
+  if train:
+    ax.axhline(0.8, color="tab:red", lw=0.8, ls="--", label="target 0.8")
+    hx, hy = [], []
+    for r in train:
+      if isinstance(r.get("health"), str):
+        code = health_code(r["health"])
+        if math.isfinite(code) and code >= 1:
+          hx.append(r["step"])
+          hy.append(1.0 - 0.03 * code)
+    if hx:
+      ax.plot(hx, hy, "v", color="tab:purple", ms=4, label="grad health high/critical/exploded")
+  ax.set_ylim(-0.05, 1.05)
+  mark_events(ax, label=False)
+  finish(ax, "stability score")
+
+  # 5. window rates
+  ax = axes[2, 0]
+  steps = [r["step"] for r in train]
+  for key, label, style in (("zclip_spike_rate", "ZClip spike rate", "-"),
+                            ("zclip_clip_rate", "ZClip clip rate", "--"),
+                            ("skip_rate", "skipped-step rate", "-"),
+                            ("adagc_clip_rate", "AdaGC clipped tensors", "-."),
+                            ("muon_outlier_rate", "Muon outlier rate", "-"),
+                            ("muon_ns_instability_rate", "NS instability rate", ":"),
+                            ("muon_fallback_rate", "Muon fallbacks / step", "-")):
+    ys = [rt.get(key, float("nan")) for rt in analysis["rates"]]
+    if any(math.isfinite(y) for y in ys):
+      xs_k, ys_k = _break_rewinds(steps, ys)
+      ax.plot(xs_k, ys_k, lw=1, ls=style, label=label)
+  mark_events(ax, label=False)
+  finish(ax, "window rates (replayed monitor)")
+
+  # 6. per-group update RMS
+  ax = axes[2, 1]
+  for key in sorted({k for r in train for k in r if k.startswith("muon/update_rms/")}):
+    xs, ys = _series(train, key)
+    ax.plot(xs, ys, lw=1, label=key[len("muon/update_rms/"):])
+  mark_events(ax, label=False)
+  finish(ax, "update RMS per group", log=True)
+
+  fig.tight_layout(rect=(0, 0, 1, 0.97))
+  out_path = Path(out_path)
+  fig.savefig(out_path, format="png")
+  return out_path
+
+
+def _fmt(v: Optional[float]) -> str:
+  return "n/a" if v is None else f"{v:.4g}"
+
+
+def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int = 20) -> str:
+  """The text summary of events and final numbers.
+
+  Args:
+    analysis: the result of :func:`analyse`.
+    bad_lines: number of skipped lines to mention.
+    max_lines: maximum listed items per section.
+
+  Returns:
+    Multi-line text.
+  """
+  train, evals, events = analysis["train"], analysis["eval"], analysis["events"]
+  summ = analysis["summary"]
+  out = []
+  steps = [r["step"] for r in train]
+  out.append(f"train records: {len(train)} (steps {min(steps)}..{max(steps)})" if steps
+             else "train records: 0")
+  out.append(f"eval records: {len(evals)}; event records: {len(events)}")
+  if bad_lines:
+    out.append(f"skipped {bad_lines} unreadable line(s) (truncated or malformed; a run still "
+               "being written or one that crashed mid-line)")
+  losses = [(r["step"], _num(r.get("loss"))) for r in train if _num(r.get("loss")) is not None]
+  if losses:
+    out.append(f"final train loss: {_fmt(losses[-1][1])} at step {losses[-1][0]}")
+  vals = [(r["step"], _num(r.get("val_loss"))) for r in evals if _num(r.get("val_loss")) is not None]
+  if vals:
+    finite = [v for v in vals if math.isfinite(v[1])]
+    best = min(finite, key=lambda v: v[1]) if finite else None
+    out.append(f"final val loss: {_fmt(vals[-1][1])} at step {vals[-1][0]}"
+               + (f"; best {_fmt(best[1])} at step {best[0]}" if best else ""))
+  nonfinite = [r["step"] for r in train
+               if _num(r.get("loss")) is not None and not math.isfinite(_num(r.get("loss")))]
+  if nonfinite:
+    out.append(f"non-finite loss at {len(nonfinite)} logged step(s): {_list(nonfinite, max_lines)}")
+  total_skips = 0
+  if train:
+    for key in ("skip_nonfinite/total_skips", "skip_spikes/total_skips"):
+      v = _num(train[-1].get(key))
+      if v is not None and math.isfinite(v):
+        total_skips += int(v)
+  out.append(f"skipped steps: {total_skips} by the last logged counters; flagged at logged steps "
+             f"or skip events: {_list(analysis['skip_steps'], max_lines)}")
+  rbs = analysis["rollbacks"]
+  out.append(f"rollbacks: {len(rbs)}")
+  for s, cause in rbs[:max_lines]:
+    out.append(f"  step {s}: {cause}")
+  for kind in ("fallback_checkpoint",):
+    n = [r for r in events if r.get("event") == kind]
+    if n:
+      out.append(f"{kind} events: {len(n)} at steps {_list([r['step'] for r in n], max_lines)}")
+  logged_warnings = [r for r in events if r.get("event") == "warning"]
+  out.append(f"logged warnings: {len(logged_warnings)}")
+  for r in logged_warnings[:max_lines]:
+    out.append(f"  step {r['step']}: {r.get('cause', '')}")
+  if len(logged_warnings) > max_lines:
+    out.append(f"  ... {len(logged_warnings) - max_lines} more")
+  if not logged_warnings and analysis["monitor_warnings"]:
+    out.append(f"monitor warnings (replayed): {len(analysis['monitor_warnings'])}")
+    for _, line in analysis["monitor_warnings"][:max_lines]:
+      out.append(f"  {line}")
+  levels = summ.get("level_counts") or {}
+  if levels:
+    out.append("gradient health at logged steps: "
+               + ", ".join(f"{k} {levels[k]}" for k in
+                           ("low", "healthy", "high", "critical", "exploded") if k in levels)
+               + f"; max grad norm {_fmt(summ.get('max_grad_norm'))}")
+  logged_scores = [_num(r.get("stability_score")) for r in train if _num(r.get("stability_score")) is not None]
+  score = logged_scores[-1] if logged_scores else summ["score"]
+  out.append(f"stability score (last window): {score:.3f} (target {summ['score_target']:.2f})")
+  rates = summ.get("rates") or {}
+  shown = {k: v for k, v in rates.items() if k != "rollbacks"}
+  if shown:
+    out.append("rates (last window): " + ", ".join(f"{k} {v:.3g}" for k, v in shown.items()))
+  for line in summ.get("advice") or []:
+    out.append(f"advice: {line}")
+  return "\n".join(out)
+
+
+def _list(items: Sequence[Any], limit: int) -> str:
+  if not items:
+    return "none"
+  text = ", ".join(str(i) for i in items[:limit])
+  return text + (f", ... ({len(items)} total)" if len(items) > limit else "")
+
+
+def make_report(run_dir: Path, out_path: Optional[Path] = None, window: int = 100) -> tuple[Path, str]:
+  """Reads ``run_dir/metrics.jsonl``, writes the PNG and returns ``(png_path, summary_text)``.
+
+  Args:
+    run_dir: the run directory.
+    out_path: PNG path (default ``run_dir/report.png``).
+    window: monitor window in steps for the replayed rates and score.
+
+  Raises:
+    ReportError: the directory or metrics file is missing or has no records.
+  """
+  run_dir = Path(run_dir)
+  if not run_dir.is_dir():
+    raise ReportError(f"run directory {run_dir} does not exist; pass the directory a run wrote "
+                      f"{METRICS_FILE} into")
+  path = run_dir / METRICS_FILE
+  if not path.is_file():
+    raise ReportError(f"{path} not found; pass a run directory containing {METRICS_FILE}")
+  records, bad = read_metrics(path)
+  if not records:
+    raise ReportError(f"{path} has no readable records yet; wait for the first log step")
+  analysis = analyse(records, window=window)
+  out = plot_report(analysis, out_path or run_dir / REPORT_FILE, title=f"stablejax run: {run_dir.name}")
+  text = format_summary(analysis, bad_lines=bad)
+  return out, text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Command line entry point; returns the exit code (0 ok, 2 unusable run dir).
+
+  Args:
+    argv: arguments without the program name (default ``sys.argv[1:]``).
+  """
+  parser = argparse.ArgumentParser(prog="python -m stablejax.report",
+                                   description="Plot and summarise a stablejax run's metrics.jsonl.")
+  parser.add_argument("run_dir", help="run directory containing metrics.jsonl")
+  parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
+  parser.add_argument("--window", type=int, default=100,
+                      help="window in steps for the replayed rates and score (default 100)")
+  args = parser.parse_args(argv)
+  if args.window < 1:
+    print("error: --window must be a positive number of steps", file=sys.stderr)
+    return 2
+  try:
+    out, text = make_report(Path(args.run_dir), Path(args.out) if args.out else None, args.window)
+  except ReportError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(text)
+  print(f"report written to {out}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,141 @@
+"""Tests for stablejax.report: lenient metrics reading, the PNG, the summary and the CLI."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from stablejax import report
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _write_run(run_dir, n_steps=300, every=5, truncate=True, muon=True):
+  """A synthetic run: ZClip keys, a spike, a non-finite skip, a rollback, evals, update RMS."""
+  rng = np.random.default_rng(0)
+  lines = []
+  spikes = clips = skips = 0
+  steps = list(range(every, n_steps + 1, every))
+  if n_steps >= 200:  # rollback at 200 to the checkpoint of step 150: steps 155..200 run again
+    steps = [s for s in steps if s <= 200] + [s for s in steps if s > 150]
+  checkpoint = None
+  for i, step in enumerate(steps):
+    if i and step < steps[i - 1]:
+      spikes, clips, skips = checkpoint  # the optimizer state (and its counters) was restored
+    rerun = i and step <= 200 and steps.index(step) != i
+    loss = 5.0 * math.exp(-step / 150) + 1.0 + 0.02 * rng.standard_normal()
+    g = 1.0 + 0.1 * rng.standard_normal()
+    spike = step == 100
+    skipped = step == 150 and not rerun
+    if spike:
+      g, spikes, clips = 12.0, spikes + 1, clips + 1
+    if skipped:
+      g, loss, skips = float("nan"), float("nan"), skips + 1
+    rec = {
+        "step": step, "loss": loss, "lr": 1e-3 * min(1.0, step / 50), "grad_norm": g,
+        "tokens_per_sec": 1000.0, "zclip/grad_norm": g,
+        "zclip/clipped_grad_norm": min(g, 2.0) if math.isfinite(g) else g,
+        "zclip/threshold": 2.0, "zclip/ema_mean": 1.0, "zclip/ema_std": 0.1,
+        "zclip/is_spike": spike, "zclip/was_clipped": spike,
+        "zclip/spike_count": spikes, "zclip/clip_count": clips,
+        "skip_nonfinite/skipped": skipped, "skip_nonfinite/total_skips": skips,
+        "skip_nonfinite/consecutive_skips": int(skipped), "skip_nonfinite/needs_rollback": False,
+        "some_future_key": [1, 2, 3],
+    }
+    if muon:
+      rec.update({"muon/outlier_rate": 0.001, "muon/ns_instability_rate": 0.0,
+                  "muon/fallback_rate": 0.0, "muon/outlier_count": 3 * step, "muon/fallback_count": 0,
+                  "muon/update_rms/muon": 0.2, "muon/update_rms/adam": 1e-3,
+                  "muon/update_rms/embedding": 2e-3, "muon/update_rms/head": 1.5e-3})
+    lines.append(json.dumps(rec))
+    if step == 150:
+      checkpoint = (spikes, clips, skips)
+    if step % 50 == 0 and not rerun:
+      lines.append(json.dumps({"step": step, "val_loss": loss + 0.1 if math.isfinite(loss) else 9.0}))
+    if step == 200 and not rerun:
+      lines.append(json.dumps({"step": 200, "event": "rollback", "cause": "loss spike", "to_step": 150}))
+      lines.append(json.dumps({"step": 200, "event": "warning", "cause": "gradient health critical"}))
+  text = "\n".join(lines) + "\n"
+  if truncate:
+    text += '{"step": 305, "loss": 1.2, "grad_'  # a run killed mid-write
+  (run_dir / "metrics.jsonl").write_text(text)
+  return len(lines)
+
+
+def test_read_metrics_tolerates_truncated_and_malformed_lines(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 2.0}\nnot json\n["a list"]\n{"loss": 1}\n\n'
+                  '{"step": 2, "loss": NaN, "x": {"nested": 1}}\n{"step": 3, "lo')
+  records, bad = report.read_metrics(path)
+  assert [r["step"] for r in records] == [1, 2]
+  assert math.isnan(records[1]["loss"])
+  assert bad == 4  # "not json", the list, the record without a step, the truncated line
+
+
+def test_report_png_and_summary_on_truncated_run(tmp_path):
+  n = _write_run(tmp_path)
+  out, text = report.make_report(tmp_path)
+  assert out == tmp_path / "report.png"
+  data = out.read_bytes()
+  assert data[:8] == PNG_SIGNATURE
+  assert len(data) > 20_000
+  assert "skipped 1 unreadable line" in text
+  assert "rollbacks: 1" in text and "step 200: loss spike" in text
+  assert "skipped steps: 1 by the last logged counters" in text and "150" in text
+  assert "final train loss" in text and "final val loss" in text
+  assert "logged warnings: 1" in text
+  records, _ = report.read_metrics(tmp_path / "metrics.jsonl")
+  assert len(records) == n
+
+
+def test_analyse_replays_monitor_over_records(tmp_path):
+  _write_run(tmp_path, truncate=False)
+  records, _ = report.read_metrics(tmp_path / "metrics.jsonl")
+  analysis = report.analyse(records, window=100)
+  assert len(analysis["score"]) == len(analysis["train"]) == 70  # 60 + 10 re-run steps
+  assert analysis["rollbacks"] == [(200, "loss spike")]
+  assert analysis["skip_steps"] == [150]
+  # the spike at step 100 was counted by difference of spike_count over the 5-step interval
+  i100 = [r["step"] for r in analysis["train"]].index(100)
+  assert analysis["rates"][i100]["zclip_spike_rate"] == pytest.approx(1 / 96)  # 1 + 19*5 steps
+  levels = [line for _, line in analysis["monitor_warnings"] if "gradient health" in line]
+  assert any("critical" in l for l in levels) and any("exploded" in l for l in levels)
+  assert all(0.0 <= s <= 1.0 for s in analysis["score"])
+
+
+def test_report_without_optional_keys(tmp_path):
+  lines = [json.dumps({"step": s, "loss": 3.0 - 0.01 * s}) for s in range(1, 30)]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+  out, text = report.make_report(tmp_path)
+  assert out.read_bytes()[:8] == PNG_SIGNATURE
+  assert "rollbacks: 0" in text
+
+
+def test_main_exit_codes(tmp_path, capsys):
+  assert report.main([str(tmp_path / "nope")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error:") and "does not exist" in err and "\n" not in err
+  assert report.main([str(tmp_path)]) == 2
+  assert "not found" in capsys.readouterr().err
+  (tmp_path / "metrics.jsonl").write_text("")
+  assert report.main([str(tmp_path)]) == 2
+  assert "no readable records" in capsys.readouterr().err
+  _write_run(tmp_path, n_steps=60, muon=False)
+  out_png = tmp_path / "custom.png"
+  assert report.main([str(tmp_path), "--out", str(out_png)]) == 0
+  assert out_png.read_bytes()[:8] == PNG_SIGNATURE
+  assert "report written to" in capsys.readouterr().out
+
+
+def test_module_entry_point(tmp_path):
+  _write_run(tmp_path, n_steps=40)
+  proc = subprocess.run([sys.executable, "-m", "stablejax.report", str(tmp_path)],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr
+  assert (tmp_path / "report.png").read_bytes()[:8] == PNG_SIGNATURE
+  proc = subprocess.run([sys.executable, "-m", "stablejax.report", str(tmp_path / "missing")],
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 2 and proc.stderr.startswith("error:")
