@@ -1,0 +1,218 @@
+"""Newton-Schulz orthogonalisation: XLA reference, Pallas kernels, and a per-platform dispatcher.
+
+Muon (Jordan et al., https://github.com/KellerJordan/modded-nanogpt; Liu et al., arXiv 2502.16982)
+replaces a momentum matrix ``M`` by an approximation of its polar factor ``U V^T`` computed with a
+few quintic Newton-Schulz iterations ``X <- a X + (b A + c A A) X`` with ``A = X X^T``.
+
+Coefficient presets:
+
+* ``"standard"``: Jordan's fixed quintic (3.4445, -4.7750, 2.0315). It does not converge to
+  ``U V^T``; after 5 steps the singular values land in roughly [0.68, 1.13], which is what Muon
+  wants (a cheap, coarse polar factor).
+* ``"polar_express"``: the per-iteration optimal coefficients of Amsel et al., "The Polar Express:
+  Optimal Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv 2505.16932,
+  Algorithm 1 (degree 5): the eight published triples, each but the last divided by the paper's
+  safety factor (a / 1.01, b / 1.01^3, c / 1.01^5); iterations past the eighth repeat the last
+  triple (1.875, -1.25, 0.375), and the input is normalised by ``1.01 * ||X||_F`` as in the paper.
+
+Backends: ``"xla"`` is the plain ``jnp`` reference, ``"pallas"`` the kernels of
+:mod:`stablejax.muon._pallas_ns`, and ``"auto"`` decides per platform *at lowering time* with
+``jax.lax.platform_dependent``: the Triton kernel on CUDA, the Mosaic kernel on TPU, the reference
+elsewhere (CPU, ROCm) and for any shape the platform's kernel cannot tile. So a function jitted
+on a CPU machine and exported with ``jax.export`` for ``platforms=["cuda"]`` or ``["tpu"]``
+carries the kernel for that platform.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Sequence, Union
+
+import jax
+import jax.numpy as jnp
+
+from stablejax.muon import _pallas_ns
+
+STANDARD_COEFFS = (3.4445, -4.7750, 2.0315)
+
+# arXiv 2505.16932, Algorithm 1 (degree-5 Polar Express), before the safety factor.
+_POLAR_EXPRESS_RAW = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+_PE_SAFETY = 1.01
+POLAR_EXPRESS_COEFFS = tuple(
+    (a / _PE_SAFETY, b / _PE_SAFETY**3, c / _PE_SAFETY**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]
+) + (_POLAR_EXPRESS_RAW[-1],)
+
+CoeffsSpec = Union[str, Sequence[float], Sequence[Sequence[float]]]
+BACKENDS = ("auto", "xla", "pallas")
+
+
+def resolve_coeffs(coeffs: CoeffsSpec, steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
+  """Turns a ``coeffs`` argument into one ``(a, b, c)`` triple per step and a norm factor.
+
+  Args:
+    coeffs: "standard", "polar_express", one triple (used at every step), or a list of triples
+      (step ``i`` uses entry ``i``; steps beyond the list repeat its last entry).
+    steps: number of iterations (>= 0).
+
+  Returns:
+    ``(per_step_coeffs, norm_factor)``; the input is divided by ``norm_factor * ||X||_F``.
+  """
+  if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    raise ValueError(f"steps must be a non-negative int, got {steps!r}")
+  norm_factor = 1.0
+  if isinstance(coeffs, str):
+    if coeffs == "standard":
+      table = (STANDARD_COEFFS,)
+    elif coeffs == "polar_express":
+      table = POLAR_EXPRESS_COEFFS
+      norm_factor = _PE_SAFETY
+    else:
+      raise ValueError(
+          f"unknown coeffs preset {coeffs!r}; use 'standard', 'polar_express' or (a, b, c) tuples")
+  else:
+    try:
+      seq = [float(v) for v in coeffs]  # a single triple
+      table = (tuple(seq),)
+    except TypeError:
+      table = tuple(tuple(float(v) for v in triple) for triple in coeffs)
+    if not table or any(len(t) != 3 for t in table):
+      raise ValueError(
+          f"coeffs must be one (a, b, c) triple or a non-empty list of triples, got {coeffs!r}")
+  per_step = tuple(table[min(i, len(table) - 1)] for i in range(steps))
+  return per_step, norm_factor
+
+
+def _normalise(x, eps, norm_factor):
+  """Frobenius-normalises the last two axes, computing the norm in f32."""
+  xf = x.astype(jnp.float32)
+  norm = jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True))
+  return (xf / (norm * norm_factor + eps)).astype(x.dtype)
+
+
+def _mm(lhs, rhs, trans_rhs):
+  spec = "...ik,...jk->...ij" if trans_rhs else "...ik,...kj->...ij"
+  return jnp.einsum(spec, lhs, rhs, preferred_element_type=jnp.float32)
+
+
+def reference_iterations(x, coeffs):
+  """XLA reference of the iterations on a normalised ``[..., n, m]`` array (``n <= m``).
+
+  Every product accumulates in f32; ``A``, ``B`` and ``X`` are rounded to the input dtype after
+  each fused ``scale + product`` exactly as the Pallas kernel does.
+  """
+  dtype = x.dtype
+  for a, b, c in coeffs:
+    gram = _mm(x, x, True).astype(dtype)
+    poly = (b * gram.astype(jnp.float32) + c * _mm(gram, gram, True)).astype(dtype)
+    x = (a * x.astype(jnp.float32) + _mm(poly, x, False)).astype(dtype)
+  return x
+
+
+def _pallas_iterations(x, coeffs, platform, interpret):
+  batch_shape = x.shape[:-2]
+  flat = x.reshape((math.prod(batch_shape),) + x.shape[-2:])
+  out = _pallas_ns.ns_iterations(flat, coeffs, platform=platform, interpret=interpret)
+  return out.reshape(x.shape)
+
+
+def _interpret_platform():
+  return "mosaic" if jax.default_backend() == "tpu" else "triton"
+
+
+def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float = 1e-7,
+                  backend: str = "auto", interpret: bool = False):
+  """Approximate polar factor ``U V^T`` of the last two axes of ``x`` by Newton-Schulz.
+
+  Leading axes are batch axes: a scan-stacked ``[L, in, out]`` kernel is ``L`` independent
+  matrices and each slice is orthogonalised on its own (by every backend). A tall matrix is
+  transposed so the Gram matrix is built on the small side. The input is divided by its
+  Frobenius norm (per slice), then each step computes ``A = X X^T``, ``B = b A + c A A``,
+  ``X' = a X + B X`` in the input dtype with f32 accumulation.
+
+  Args:
+    x: array with ``ndim >= 2``; float32 or bfloat16 (any float dtype works with ``"xla"``).
+    steps: number of iterations.
+    coeffs: "standard" (3.4445, -4.7750, 2.0315), "polar_express" (arXiv 2505.16932), one
+      ``(a, b, c)`` tuple for every step, or a list of per-step tuples (the last one repeats).
+    eps: added to the Frobenius norm before dividing (a zero input maps to zero).
+    backend: "auto" (Pallas on CUDA/TPU chosen at lowering time, XLA elsewhere and for shapes
+      the kernel cannot tile), "xla" (reference), or "pallas" (kernel; warns and uses the
+      reference for an untileable shape or when no GPU/TPU backend is present and ``interpret``
+      is False).
+    interpret: run the Pallas kernel in interpret mode (works on CPU; slow, for testing).
+      Implies the kernel for ``backend="pallas"`` and ``"auto"``.
+
+  Returns:
+    Array of the same shape and dtype as ``x``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stablejax
+    >>> g = jax.random.normal(jax.random.key(0), (256, 512))
+    >>> o = stablejax.newton_schulz(g)
+    >>> s = jnp.linalg.svd(o, compute_uv=False)  # all in about [0.68, 1.13]
+  """
+  x = jnp.asarray(x)
+  if x.ndim < 2:
+    raise ValueError(f"newton_schulz needs an array with ndim >= 2, got shape {x.shape}")
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  per_step, norm_factor = resolve_coeffs(coeffs, steps)
+
+  transposed = x.shape[-2] > x.shape[-1]
+  if transposed:
+    x = jnp.swapaxes(x, -1, -2)
+  n, m = x.shape[-2:]
+  x = _normalise(x, eps, norm_factor)
+  itemsize = x.dtype.itemsize
+
+  def ref(y):
+    return reference_iterations(y, per_step)
+
+  def kernel_or_ref(platform, y):
+    if _pallas_ns.ns_tileable(n, m, platform, itemsize) and steps > 0:
+      return _pallas_iterations(y, per_step, platform, False)
+    return ref(y)
+
+  if backend == "xla" or steps == 0:
+    out = ref(x)
+  elif interpret:
+    platform = _interpret_platform()
+    if _pallas_ns.ns_tileable(n, m, platform, itemsize):
+      out = _pallas_iterations(x, per_step, platform, True)
+    else:
+      if backend == "pallas":
+        warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
+                      "using the XLA reference", stacklevel=2)
+      out = ref(x)
+  else:
+    current = jax.default_backend()
+    if backend == "pallas":
+      if current not in ("gpu", "cuda", "tpu"):
+        warnings.warn(f"newton_schulz: backend='pallas' has no kernel for the {current!r} backend "
+                      "(pass interpret=True to run it in interpret mode); the XLA reference is "
+                      "used unless the function is lowered for CUDA or TPU", stacklevel=2)
+      else:
+        platform = "mosaic" if current == "tpu" else "triton"
+        if not _pallas_ns.ns_tileable(n, m, platform, itemsize):
+          warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
+                        "using the XLA reference", stacklevel=2)
+    out = jax.lax.platform_dependent(
+        x,
+        cuda=functools.partial(kernel_or_ref, "triton"),
+        tpu=functools.partial(kernel_or_ref, "mosaic"),
+        default=ref,
+    )
+  if transposed:
+    out = jnp.swapaxes(out, -1, -2)
+  return out

@@ -1,0 +1,188 @@
+"""Newton-Schulz: reference numerics, optax parity, Pallas kernels (interpret mode), export lowering."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from optax.contrib._muon import orthogonalize_via_newton_schulz
+
+import stablejax
+from stablejax.muon import _pallas_ns
+from stablejax.muon.newton_schulz import POLAR_EXPRESS_COEFFS, STANDARD_COEFFS, resolve_coeffs
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _matrix(shape, seed=0, dtype=jnp.float32):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def _numpy_ns(x, coeffs, eps=1e-7, norm_factor=1.0):
+  """Float64 numpy re-derivation, independent of the jax code."""
+  x = np.asarray(x, np.float64)
+  tall = x.shape[0] > x.shape[1]
+  if tall:
+    x = x.T
+  x = x / (np.linalg.norm(x) * norm_factor + eps)
+  for a, b, c in coeffs:
+    gram = x @ x.T
+    x = a * x + (b * gram + c * gram @ gram) @ x
+  return x.T if tall else x
+
+
+def test_singular_values_after_five_standard_steps():
+  # Gaussian 96x192: condition number ~5.8, a reasonable spectrum for a gradient matrix.
+  x = _matrix((96, 192), seed=1)
+  out = stablejax.newton_schulz(x, backend="xla")
+  s = np.linalg.svd(np.asarray(out, np.float64), compute_uv=False)
+  assert s.min() > 0.66 and s.max() < 1.15, (s.min(), s.max())
+  # The singular vectors are those of the input: U^T out V is diagonal.
+  u, _, vt = np.linalg.svd(np.asarray(x, np.float64), full_matrices=False)
+  proj = u.T @ np.asarray(out, np.float64) @ vt.T
+  off = proj - np.diag(np.diag(proj))
+  assert np.abs(off).max() < 1e-3
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (128, 48), (3, 32, 40)])
+def test_reference_matches_numpy_and_optax(shape):
+  x = _matrix(shape, seed=2)
+  out = stablejax.newton_schulz(x, backend="xla", eps=1e-8)
+  if len(shape) == 2:
+    expected = _numpy_ns(x, [STANDARD_COEFFS] * 5, eps=1e-8)
+    optax_out = orthogonalize_via_newton_schulz(x, jnp.asarray(STANDARD_COEFFS), 5, eps=1e-8)
+  else:
+    expected = np.stack([_numpy_ns(s, [STANDARD_COEFFS] * 5, eps=1e-8) for s in x])
+    dims = __import__("optax").contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
+    optax_out = orthogonalize_via_newton_schulz(
+        x, jnp.asarray(STANDARD_COEFFS), 5, eps=1e-8, dimension_numbers=dims)
+  np.testing.assert_allclose(out, expected, atol=2e-5)
+  np.testing.assert_allclose(out, optax_out, atol=2e-5)
+
+
+def test_stacked_equals_per_slice():
+  x = _matrix((4, 48, 32), seed=3)
+  out = stablejax.newton_schulz(x, backend="xla")
+  for i in range(x.shape[0]):
+    np.testing.assert_allclose(out[i], stablejax.newton_schulz(x[i], backend="xla"), atol=1e-6)
+
+
+def test_coefficient_presets_and_lists():
+  per_step, factor = resolve_coeffs("standard", 3)
+  assert per_step == (STANDARD_COEFFS,) * 3 and factor == 1.0
+  per_step, factor = resolve_coeffs("polar_express", 10)
+  assert factor == 1.01 and len(per_step) == 10
+  # Paper, Algorithm 1: first triple 8.287.../1.01, ..., and the last one (1.875, -1.25, 0.375).
+  np.testing.assert_allclose(per_step[0], (8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3,
+                                           17.300387312530933 / 1.01**5))
+  assert per_step[7] == per_step[9] == (1.875, -1.25, 0.375)
+  custom = [(2.0, -1.5, 0.5), (1.875, -1.25, 0.375)]
+  assert resolve_coeffs(custom, 4)[0] == ((2.0, -1.5, 0.5),) + ((1.875, -1.25, 0.375),) * 3
+  x = _matrix((40, 72), seed=4)
+  out = stablejax.newton_schulz(x, steps=4, coeffs=custom, backend="xla")
+  np.testing.assert_allclose(out, _numpy_ns(x, resolve_coeffs(custom, 4)[0]), atol=2e-5)
+  pe = stablejax.newton_schulz(x, steps=8, coeffs="polar_express", backend="xla")
+  np.testing.assert_allclose(pe, _numpy_ns(x, POLAR_EXPRESS_COEFFS, norm_factor=1.01), atol=5e-5)
+  # Polar Express converges to the polar factor: singular values close to 1 after 8 steps.
+  s = np.linalg.svd(np.asarray(pe), compute_uv=False)
+  assert np.abs(s - 1).max() < 0.02
+  with pytest.raises(ValueError, match="coeffs"):
+    stablejax.newton_schulz(x, coeffs="bogus")
+  with pytest.raises(ValueError, match="triple"):
+    stablejax.newton_schulz(x, coeffs=[(1.0, 2.0)])
+  with pytest.raises(ValueError, match="backend"):
+    stablejax.newton_schulz(x, backend="cuda")
+  with pytest.raises(ValueError, match="ndim"):
+    stablejax.newton_schulz(jnp.ones(5))
+
+
+def test_zero_input_stays_zero():
+  out = stablejax.newton_schulz(jnp.zeros((16, 32)), backend="xla")
+  assert np.all(np.asarray(out) == 0)
+
+
+@pytest.mark.parametrize("platform", ["triton", "mosaic"])
+@pytest.mark.parametrize("shape", [(64, 128), (2, 64, 64), (128, 64)])
+# Interpret mode is slow on CPU: small shapes, 3 steps, jitted.
+def test_kernel_interpret_matches_reference_f32(platform, shape):
+  x = _matrix(shape, seed=5)
+  xx = x if shape[-2] <= shape[-1] else jnp.swapaxes(x, -1, -2)
+  xx = xx / (jnp.linalg.norm(xx, axis=(-2, -1), keepdims=True) + 1e-7)
+  flat = xx.reshape((-1,) + xx.shape[-2:])
+  assert _pallas_ns.ns_tileable(*flat.shape[-2:], platform)
+  run = jax.jit(lambda y: _pallas_ns.ns_iterations(y, (STANDARD_COEFFS,) * 3, platform=platform,
+                                                    interpret=True))
+  want = stablejax.newton_schulz(xx, steps=3, backend="xla").reshape(flat.shape)
+  got = run(flat)
+  np.testing.assert_allclose(got, want, atol=5e-6, rtol=1e-5)
+
+
+def test_public_pallas_interpret_f32_and_bf16():
+  x = _matrix((2, 64, 128), seed=6)
+  kernel = jax.jit(lambda y: stablejax.newton_schulz(y, backend="pallas", interpret=True))
+  np.testing.assert_allclose(kernel(x), stablejax.newton_schulz(x, backend="xla"), atol=5e-6,
+                             rtol=1e-5)
+  xb = x.astype(jnp.bfloat16)
+  got = kernel(xb)
+  want = stablejax.newton_schulz(xb, backend="xla")
+  assert got.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2)
+  # bf16 stays close to the f32 result too (input dtype compute, f32 accumulation).
+  np.testing.assert_allclose(np.asarray(got, np.float32), stablejax.newton_schulz(x, backend="xla"),
+                             atol=3e-2)
+
+
+def test_untileable_shape_warns_and_falls_back():
+  x = _matrix((24, 40), seed=7)  # 24 is not a multiple of 16/128: no kernel tiling
+  assert not _pallas_ns.ns_tileable(24, 40, "triton")
+  with pytest.warns(UserWarning, match="does not tile"):
+    out = stablejax.newton_schulz(x, backend="pallas", interpret=True)
+  np.testing.assert_allclose(out, stablejax.newton_schulz(x, backend="xla"), atol=1e-6)
+
+
+def test_pallas_without_accelerator_warns_on_cpu():
+  x = _matrix((64, 64), seed=8)
+  with pytest.warns(UserWarning, match="interpret=True"):
+    out = stablejax.newton_schulz(x, backend="pallas")
+  np.testing.assert_allclose(out, stablejax.newton_schulz(x, backend="xla"), atol=1e-6)
+
+
+def test_auto_on_cpu_is_the_reference_without_warning():
+  x = _matrix((64, 128), seed=9)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    out = jax.jit(stablejax.newton_schulz)(x)
+  np.testing.assert_allclose(out, stablejax.newton_schulz(x, backend="xla"), atol=1e-6)
+  text = jax.export.export(jax.jit(stablejax.newton_schulz), platforms=["cpu"])(x).mlir_module()
+  assert TRITON_CALL not in text and "tpu_custom_call" not in text
+
+
+def _export(platform, shape, dtype=jnp.float32):
+  exported = jax.export.export(
+      jax.jit(stablejax.newton_schulz), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+  )(jax.ShapeDtypeStruct(shape, dtype))
+  return exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_export_cuda_embeds_triton_kernel(dtype):
+  text = _export("cuda", (2, 256, 384), dtype)
+  assert TRITON_CALL in text
+  assert "tpu_custom_call" not in text
+  # 5 steps x 3 fused products.
+  assert text.count(f"custom_call @{TRITON_CALL}(") == 15
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_export_tpu_embeds_mosaic_kernel(dtype):
+  text = _export("tpu", (768, 384), dtype)  # tall: transposed to 384 x 768 before the kernel
+  assert "tpu_custom_call" in text
+  assert TRITON_CALL not in text
+  assert text.count("custom_call @tpu_custom_call(") == 15
+
+
+def test_export_untileable_shape_uses_reference_on_cuda():
+  text = _export("cuda", (24, 40))
+  assert TRITON_CALL not in text
