@@ -1,0 +1,391 @@
+"""Tests for stablejax.monitor: health levels, window rates, score, advice, movement, tags."""
+
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import stablejax
+from stablejax import monitor as mon
+from stablejax.monitor import HealthThresholds, StabilityMonitor
+
+
+# ---------------------------------------------------------------- health levels
+
+@pytest.mark.parametrize("norm, level", [
+    (0.0, "healthy"), (0.3, "healthy"), (5.0, "healthy"), (5.0001, "high"), (10.0, "high"),
+    (10.0001, "critical"), (1e6, "critical"), (float("nan"), "exploded"),
+    (float("inf"), "exploded"), (None, "exploded"), (np.float32(7.0), "high"),
+])
+def test_grad_health_level_defaults(norm, level):
+  assert stablejax.grad_health_level(norm) == level
+
+
+def test_grad_health_level_custom_thresholds_and_low():
+  t = HealthThresholds(high=1.0, critical=2.0, low=0.5)
+  assert [stablejax.grad_health_level(g, t) for g in (0.4, 0.5, 1.5, 2.5)] == [
+      "low", "healthy", "high", "critical"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(high=10.0, critical=5.0), dict(high=-1.0),
+                                    dict(low=6.0), dict(critical=float("inf"))])
+def test_health_thresholds_reject_bad_values(kwargs):
+  with pytest.raises(ValueError):
+    HealthThresholds(**kwargs)
+
+
+def test_level_warnings_on_entry_only():
+  m = StabilityMonitor(window=100)
+  norms = [1.0, 0.3, 6.0, 7.0, 12.0, float("nan"), 2.0, 2.0]
+  lines = {step: m.update(step, {"loss": 1.0, "grad_norm": g}) for step, g in enumerate(norms, 1)}
+  assert {s for s, l in lines.items() if l} == {3, 5, 6, 7}
+  assert "gradient health high" in lines[3][0] and "6" in lines[3][0]
+  assert "gradient health critical" in lines[5][0]
+  assert "gradient health exploded" in lines[6][0]
+  assert "back to healthy" in lines[7][0]
+  assert m.level == "healthy"
+  assert m.summary()["level_counts"] == {"healthy": 4, "high": 2, "critical": 1, "exploded": 1}
+  assert m.summary()["max_grad_norm"] == 12.0
+
+
+def test_non_finite_loss_is_exploded_and_low_level_optional():
+  m = StabilityMonitor(thresholds=HealthThresholds(low=0.5))
+  assert m.update(1, {"loss": float("nan"), "grad_norm": 1.0})[0].startswith(
+      "step 1: gradient health exploded")
+  assert "gradient health low" in m.update(2, {"loss": 1.0, "grad_norm": 0.1})[0]
+
+
+# ---------------------------------------------------------------- rates
+
+def _rec(spikes, clips, skips, is_spike=False, was_clipped=False, skipped=False, **extra):
+  r = {"loss": 1.0, "grad_norm": 1.0, "zclip/spike_count": spikes, "zclip/clip_count": clips,
+       "zclip/is_spike": is_spike, "zclip/was_clipped": was_clipped,
+       "skip_nonfinite/total_skips": skips, "skip_nonfinite/skipped": skipped}
+  r.update(extra)
+  return r
+
+
+def test_rates_from_counter_differences():
+  m = StabilityMonitor(window=100)
+  # first record: no baseline, the per-step flags count as one step (clipped, no spike, no skip)
+  m.update(10, _rec(0, 1, 0, was_clipped=True, **{"zclip/threshold": 1.5}))
+  m.update(20, _rec(2, 4, 1, **{"zclip/threshold": 2.0}))  # +2 spikes, +3 clips, +1 skip in 10 steps
+  m.update(30, _rec(2, 5, 1))                              # +0, +1, +0 in 10 steps
+  r = m.rates()
+  assert r["zclip_spike_rate"] == pytest.approx(2 / 21)
+  assert r["zclip_clip_rate"] == pytest.approx(5 / 21)
+  assert r["skip_nonfinite_rate"] == pytest.approx(1 / 21)
+  assert r["skip_rate"] == pytest.approx(1 / 21)
+  assert r["zclip_threshold"] == 2.0  # latest seen
+  assert r["rollbacks"] == 0.0
+  assert "muon_outlier_rate" not in r and "adagc_clip_rate" not in r  # no such keys were logged
+  # score by hand: 1 - 0.2 * (spike/0.2 + clip/0.5 + skip/0.05)
+  assert m.score() == pytest.approx(1 - (2 / 21 + 0.4 * 5 / 21 + 4 * 1 / 21))
+
+
+def test_window_drops_old_intervals():
+  m = StabilityMonitor(window=20)
+  m.update(10, _rec(0, 0, 0, is_spike=True))  # clock 1: flag spike
+  m.update(20, _rec(5, 0, 0))                 # clock 11: 5 spikes
+  m.update(30, _rec(6, 0, 0))                 # clock 21: 1 spike
+  m.update(40, _rec(6, 0, 0))                 # clock 31: 0 spikes; window (11, 31]
+  assert m.rates()["zclip_spike_rate"] == pytest.approx(1 / 20)
+
+
+def test_counter_going_back_uses_flags_after_rollback():
+  m = StabilityMonitor(window=100)
+  m.update(10, _rec(0, 0, 0))                  # 0 / 1 (flag)
+  m.update(20, _rec(3, 0, 0))                  # 3 / 10
+  m.record_rollback(20, "loss spike")
+  m.update(15, _rec(1, 0, 0, is_spike=True))   # step went back: flag, 1 / 1
+  m.update(25, _rec(1, 0, 0))                  # 0 / 10
+  r = m.rates()
+  assert r["zclip_spike_rate"] == pytest.approx(4 / 22)
+  assert r["rollbacks"] == 1.0
+  assert m.summary()["rollbacks"] == [{"step": 20, "cause": "loss spike"}]
+
+
+def test_sampled_rates_and_muon_fallbacks():
+  m = StabilityMonitor(window=100)
+  seq = [
+      (10, {"adagc/clipped_fraction": 0.5, "muon/outlier_rate": 0.02, "muon/ns_instability_rate": 0.0,
+            "muon/fallback_rate": 0.0, "muon/fallback_count": 0}),
+      (20, {"adagc/clipped_fraction": 0.25, "muon/outlier_rate": float("nan"),
+            "muon/ns_instability_rate": 0.1, "muon/fallback_rate": 0.5, "muon/fallback_count": 4}),
+      (30, {"adagc/clipped_fraction": 0.0, "muon/outlier_rate": 0.04,
+            "muon/ns_instability_rate": 0.2, "muon/fallback_rate": 0.0, "muon/fallback_count": 4}),
+  ]
+  for step, rec in seq:
+    m.update(step, rec)
+  r = m.rates()
+  assert r["adagc_clip_rate"] == pytest.approx(0.25)
+  assert r["muon_outlier_rate"] == pytest.approx(0.03)        # the NaN sample is ignored
+  assert r["muon_ns_instability_rate"] == pytest.approx(0.1)
+  assert r["muon_fallback_rate"] == pytest.approx(4 / 21)     # 0 (flag, 1 step) + 4 in 10 + 0 in 10
+  assert "zclip_spike_rate" not in r
+  expected = 1 - 0.2 * (0.25 / 1.0 + 0.03 / 0.05 + 0.1 / 0.05 + (4 / 21) / 0.01)
+  assert m.score() == pytest.approx(max(0.0, expected))
+
+
+def test_both_skip_wrappers_add_up():
+  m = StabilityMonitor(window=100)
+  m.update(0, {"skip_nonfinite/total_skips": 0, "skip_spikes/total_skips": 0})
+  m.update(10, {"skip_nonfinite/total_skips": 1, "skip_spikes/total_skips": 2})
+  r = m.rates()  # the first record has no flags, so only the 10-step interval counts
+  assert r["skip_nonfinite_rate"] == pytest.approx(1 / 10)
+  assert r["skip_spikes_rate"] == pytest.approx(2 / 10)
+  assert r["skip_rate"] == pytest.approx(3 / 10)
+
+
+# ---------------------------------------------------------------- score
+
+def test_score_edge_cases():
+  assert stablejax.stability_score({}) == 1.0
+  assert StabilityMonitor().score() == 1.0                         # no data
+  zeros = {k: 0.0 for k in mon.SCORE_BUDGETS}
+  assert stablejax.stability_score(zeros) == 1.0
+  maxed = {k: 1.0 for k in mon.SCORE_BUDGETS}
+  assert stablejax.stability_score(maxed) == 0.0
+  assert stablejax.stability_score({"zclip_spike_rate": float("nan")}) == 1.0
+  assert stablejax.stability_score({"zclip_spike_rate": None, "skip_rate": -1.0}) == 1.0
+  assert stablejax.stability_score({"skip_rate": float("inf")}) == 0.0
+  assert stablejax.stability_score({"unrelated": 5.0, "zclip_threshold": 9.0}) == 1.0
+
+
+@pytest.mark.parametrize("key, budget", list(mon.SCORE_BUDGETS.items()))
+def test_each_signal_at_its_budget_gives_the_target(key, budget):
+  assert stablejax.stability_score({key: budget}) == pytest.approx(0.8)
+  assert stablejax.stability_score({key: budget / 2}) == pytest.approx(0.9)
+
+
+def test_score_adds_signals():
+  assert stablejax.stability_score({"zclip_spike_rate": 0.1, "zclip_clip_rate": 0.25}) == \
+      pytest.approx(0.8)
+  assert stablejax.stability_score({"zclip_spike_rate": 0.3, "zclip_clip_rate": 0.6,
+                                    "muon_ns_instability_rate": 0.1}) == pytest.approx(1 - 0.94)
+  assert stablejax.stability_score({"zclip_spike_rate": 0.5, "zclip_clip_rate": 0.6,
+                                    "muon_ns_instability_rate": 0.1}) == 0.0  # 1 - 1.14, clamped
+
+
+def test_troubleshooting_rows():
+  advice = mon.troubleshooting_advice({"zclip_spike_rate": 0.25, "zclip_clip_rate": 0.6,
+                                       "muon_ns_instability_rate": 0.06}, loss_plateau=True)
+  assert len(advice) == 4
+  assert "lower the learning rates by 20%" in advice[0]
+  assert "z threshold" in advice[1]
+  assert "fewer NS steps" in advice[2]
+  assert "warmup" in advice[3]
+  assert mon.troubleshooting_advice({"zclip_spike_rate": 0.2}) == []  # the limit itself is fine
+
+
+def test_advice_is_rate_limited():
+  m = StabilityMonitor(window=10)
+  advice_steps = []
+  for step in range(1, 26):  # a spike every step
+    lines = m.update(step, _rec(step, step, 0, is_spike=True, was_clipped=True))
+    if any("stability score" in l for l in lines):
+      advice_steps.append(step)
+      assert "< target 0.80" in lines[-1] and "lower the learning rates by 20%" in lines[-1]
+  assert advice_steps == [1, 11, 21]
+  assert m.score() == 0.0
+
+
+def test_loss_plateau_adds_warmup_advice():
+  m = StabilityMonitor(window=10)
+  lines = []
+  for step in range(1, 31):
+    lines += m.update(step, {"loss": 2.0 + 0.001 * step, "grad_norm": 1.0})
+  assert any("warmup" in l for l in lines)
+  m2 = StabilityMonitor(window=10)
+  assert not any(m2.update(s, {"loss": 5.0 - 0.1 * s, "grad_norm": 1.0}) for s in range(1, 31))
+
+
+def test_missing_and_nonfinite_keys_are_tolerated():
+  m = StabilityMonitor()
+  assert m.update(1, {}) == []
+  assert m.update(2, {"zclip/spike_count": float("nan"), "adagc/clipped_fraction": "n/a"}) == []
+  assert m.level is None
+  assert m.score() == 1.0
+  assert m.rates() == {"rollbacks": 0.0}
+
+
+def test_state_dict_round_trip_through_json():
+  a = StabilityMonitor(window=30)
+  b = StabilityMonitor(window=30)
+  recs = [_rec(s // 7, s // 3, s // 20, **{"adagc/clipped_fraction": 0.1 * (s % 3),
+                                           "zclip/threshold": 1.0 + s})
+          for s in range(0, 120, 5)]
+  for i, r in enumerate(recs[:12]):
+    a.update(5 * i, {**r, "grad_norm": 6.0 if i == 7 else 1.0})
+  a.record_rollback(55, "test")
+  b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+  assert b.rates() == a.rates() and b.summary() == a.summary()
+  for i, r in enumerate(recs[12:], 12):
+    assert a.update(5 * i, r) == b.update(5 * i, r)
+  assert b.state_dict() == a.state_dict()
+  with pytest.raises(ValueError):
+    b.load_state_dict({"version": 99})
+
+
+@pytest.mark.parametrize("kwargs", [dict(window=0), dict(score_target=1.5), dict(advice_every=0),
+                                    dict(thresholds=(5, 10))])
+def test_monitor_rejects_bad_arguments(kwargs):
+  with pytest.raises(ValueError):
+    StabilityMonitor(**kwargs)
+
+
+# ---------------------------------------------------------------- parameter movement
+
+def test_param_movement_against_numpy():
+  prev = {"a": jnp.array([1.0, 2.0]), "b": {"kernel": jnp.array([[3.0]])},
+          "c": jnp.array([1.0, 1.0], jnp.bfloat16), "n": jnp.array([1, 2])}
+  new = {"a": jnp.array([1.5, 2.0]), "b": {"kernel": jnp.array([[3.0]])},
+         "c": jnp.array([1.0, 2.0], jnp.bfloat16), "n": jnp.array([5, 5])}
+  labels = {"a": "g", "b": {"kernel": "g"}, "c": "h", "n": "h"}
+  out = jax.jit(functools.partial(mon.param_movement, labels=labels))(prev, new)
+  assert set(out) == {"g", "h"}
+  g = out["g"]
+  assert float(g["rel_change"]) == pytest.approx(0.5 / math.sqrt(14), rel=1e-6)
+  rms_d, rms_p = math.sqrt(0.25 / 3), math.sqrt(14 / 3)
+  assert float(g["resolution_ratio"]) == pytest.approx(rms_d / (2.0 ** -23 * rms_p), rel=1e-5)
+  assert float(g["resolution_ratio_bf16"]) == pytest.approx(rms_d / (2.0 ** -7 * rms_p), rel=1e-5)
+  assert float(g["frozen_fraction"]) == pytest.approx(2 / 3)
+  assert float(g["param_rms"]) == pytest.approx(math.sqrt((2.25 + 4 + 9) / 3), rel=1e-6)
+  h = out["h"]  # the int leaf is ignored; bf16 resolution is the group's own
+  assert float(h["rel_change"]) == pytest.approx(1 / math.sqrt(2), rel=1e-6)
+  assert float(h["resolution_ratio"]) == pytest.approx(float(h["resolution_ratio_bf16"]))
+  by_callable = mon.param_movement(prev, new, labels=lambda p: "all")
+  assert float(by_callable["all"]["rel_change"]) == pytest.approx(
+      math.sqrt(1.25) / math.sqrt(16), rel=1e-6)
+  with pytest.raises(ValueError):
+    mon.param_movement({"a": prev["a"]}, new)
+
+
+def _mlp_params(dtype, key=0):
+  k1, k2 = jax.random.split(jax.random.PRNGKey(key))
+  return {
+      "mlp": {"fc1": {"kernel": jax.random.normal(k1, (4, 16)), "bias": jnp.zeros(16)},
+              "fc2": {"kernel": jax.random.normal(k2, (16, 1)), "bias": jnp.zeros(1)}},
+      "norm": {"scale": jnp.ones(16)},
+  } if dtype is None else jax.tree.map(lambda x: x.astype(dtype), _mlp_params(None, key))
+
+
+def _train(params, lr, steps=3):
+  """A 2-layer MLP with a norm-like scale, trained with optax.adam; returns the final params."""
+  x = jax.random.normal(jax.random.PRNGKey(1), (32, 4))
+  y = jnp.sin(x.sum(axis=1, keepdims=True))
+  tx = optax.adam(lr)
+
+  def loss_fn(p):
+    h = jnp.tanh(x @ p["mlp"]["fc1"]["kernel"] + p["mlp"]["fc1"]["bias"]) * p["norm"]["scale"]
+    return jnp.mean((h @ p["mlp"]["fc2"]["kernel"] + p["mlp"]["fc2"]["bias"] - y) ** 2)
+
+  @jax.jit
+  def run(p):
+    def body(carry, _):
+      p, s = carry
+      g = jax.grad(loss_fn)(p)
+      u, s = tx.update(g, s, p)
+      return (optax.apply_updates(p, u), s), None
+    (p, _), _ = jax.lax.scan(body, (p, tx.init(p)), None, length=steps)
+    return p
+  return run(params)
+
+
+def _check(params, lr):
+  new = _train(params, lr)
+  move = jax.device_get(jax.jit(mon.param_movement)(params, new))
+  return move, stablejax.movement_warnings(move, dtypes=stablejax.param_dtypes(new), step=3)
+
+
+def test_movement_flags_tiny_learning_rate():
+  move, lines = _check(_mlp_params(None), 1e-9)
+  assert len(lines) == 1
+  line = lines[0]
+  assert line.startswith("step 3: parameters are not moving:")
+  assert "learning rate too low" in line
+  assert "mlp" in line and "norm scales stuck at 1.000" in line
+  assert move["norm"]["rel_change"] < 1e-6
+
+
+def test_movement_flags_bf16_parameters_with_small_learning_rate():
+  move, lines = _check(_mlp_params(jnp.bfloat16), 1e-5)
+  assert len(lines) == 1
+  assert "parameters are not moving" in lines[0]
+  assert "underflow the low-precision parameters" in lines[0]
+  assert "norm scales stuck at 1.000" in lines[0]
+  assert move["norm"]["frozen_fraction"] == 1.0       # every update rounded away
+  assert move["norm"]["resolution_ratio"] < 1.0
+  # the same learning rate on fp32 parameters moves; only the bf16 what-if ratio is below 1
+  move32, lines32 = _check(_mlp_params(None), 1e-5)
+  assert lines32 == []
+  assert move32["norm"]["frozen_fraction"] == 0.0
+  assert move32["norm"]["resolution_ratio"] > 1.0 > move32["norm"]["resolution_ratio_bf16"]
+
+
+def test_movement_normal_learning_rate_is_not_flagged():
+  move, lines = _check(_mlp_params(None), 1e-2)
+  assert lines == []
+  assert all(m["rel_change"] > 1e-4 for m in move.values())
+  assert set(stablejax.movement_record(move)) >= {"param_move/mlp", "param_move/norm",
+                                                  "param_move/mlp/resolution_ratio_bf16"}
+
+
+def test_movement_warnings_nonfinite_and_without_dtypes():
+  lines = stablejax.movement_warnings({"mlp": {"rel_change": float("nan")},
+                                       "head": {"rel_change": 0.0, "resolution_ratio": 0.0}})
+  assert len(lines) == 2
+  assert "head" in lines[0] and "or updates underflowing" in lines[0]
+  assert "non-finite" in lines[1] and "mlp" in lines[1]
+
+
+@pytest.mark.parametrize("path, group", [
+    ("tok_embed/embedding", "embedding"), ("lm_head/kernel", "head"),
+    ("blocks/attn/q_proj/kernel", "attention"), ("blocks/attn_norm/scale", "norm"),
+    ("blocks/attn/q_norm/scale", "norm"), ("final_norm/scale", "norm"),
+    ("blocks/mlp/gate_proj/kernel", "mlp"), ("h/ln_1/scale", "norm"), ("foo/bar", "other"),
+])
+def test_default_groups(path, group):
+  assert mon.default_group(path) == group
+
+
+# ---------------------------------------------------------------- per-layer grad norms
+
+def test_per_layer_grad_norms_splits_stacked_layers():
+  w = np.arange(12, dtype=np.float32).reshape(3, 2, 2)
+  grads = {"blocks": {"mlp": {"kernel": jnp.asarray(w)}}, "lm_head": {"kernel": jnp.ones((2, 3))},
+           "step": jnp.array(3)}
+  out = jax.jit(stablejax.per_layer_grad_norms)(grads)
+  assert set(out) == {"blocks/0/mlp/kernel", "blocks/1/mlp/kernel", "blocks/2/mlp/kernel",
+                      "lm_head/kernel"}
+  for i in range(3):
+    assert float(out[f"blocks/{i}/mlp/kernel"]) == pytest.approx(np.linalg.norm(w[i]), rel=1e-6)
+  assert float(out["lm_head/kernel"]) == pytest.approx(math.sqrt(6), rel=1e-6)
+  flat = stablejax.per_layer_grad_norms(grads, stacked_names=())
+  assert float(flat["blocks/mlp/kernel"]) == pytest.approx(np.linalg.norm(w), rel=1e-6)
+
+
+# ---------------------------------------------------------------- TensorBoard tags
+
+def test_tensorboard_scalars_mapping():
+  rec = {"step": 5, "loss": 2.5, "lr": 1e-3, "grad_norm": 1.2, "tokens_per_sec": 100.0,
+         "zclip/grad_norm": 1.2, "zclip/was_clipped": True, "muon/update_rms/adam": 0.01,
+         "health": "critical", "stability_score": 0.7, "param_move/norm": 1e-4,
+         "param_move/norm/resolution_ratio": 3.0, "act_rms": 1.0, "logit_max": 20.0,
+         "lambda": 0.5, "note": "text", "mystery": 3}
+  tags = stablejax.tensorboard_scalars(rec, rates={"zclip_spike_rate": 0.1})
+  assert tags == {
+      "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 1.2, "train/tokens_per_sec": 100.0,
+      "stability/zclip/grad_norm": 1.2, "stability/zclip/was_clipped": 1.0,
+      "stability/muon/update_rms/adam": 0.01, "health/level": 2.0, "stability/score": 0.7,
+      "movement/norm": 1e-4, "movement/norm/resolution_ratio": 3.0, "activations/rms": 1.0,
+      "activations/logit_max": 20.0, "train/quant_lambda": 0.5, "other/mystery": 3.0,
+      "stability/rate/zclip_spike_rate": 0.1}
+  assert stablejax.tensorboard_scalars({"step": 50, "val_loss": 2.0}) == {"eval/loss": 2.0}
+  assert stablejax.tensorboard_scalars({"step": 50, "event": "rollback", "cause": "x"}) == {
+      "events/rollback": 1.0}
