@@ -85,9 +85,15 @@ class HealthThresholds:
           f"HealthThresholds.low must be in [0, high={self.high}) or None, got {self.low!r}")
 
 
+_SPECIAL_FLOATS = {"nan": float("nan"), "inf": float("inf"), "infinity": float("inf"),
+                   "-inf": float("-inf"), "-infinity": float("-inf")}
+
+
 def _as_float(value: Any) -> Optional[float]:
   """A Python float from a number, bool, numpy/jax scalar, or None if not numeric."""
-  if value is None or isinstance(value, str):
+  if isinstance(value, str):  # "NaN" / "Infinity" as some JSON writers spell them
+    return _SPECIAL_FLOATS.get(value.strip().lower())
+  if value is None:
     return None
   try:
     return float(value)

@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+import numpy as np
+
 from stablejax.monitor import StabilityMonitor, health_code
 
 METRICS_FILE = "metrics.jsonl"
@@ -70,8 +72,14 @@ def read_metrics(path: Path) -> tuple[list[dict], int]:
   return records, bad
 
 
+_SPECIAL_FLOATS = {"nan": float("nan"), "inf": float("inf"), "infinity": float("inf"),
+                   "-inf": float("-inf"), "-infinity": float("-inf")}
+
+
 def _num(value: Any) -> Optional[float]:
-  if value is None or isinstance(value, str):
+  if isinstance(value, str):
+    return _SPECIAL_FLOATS.get(value.strip().lower())
+  if value is None:
     return None
   try:
     return float(value)
@@ -194,8 +202,7 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
       ax.set_ylabel(ylabel, fontsize=8)
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=8)
-    if log and any(l.get_ydata().size and (l.get_ydata() > 0).any() for l in ax.get_lines()
-                   if hasattr(l.get_ydata(), "size")):
+    if log and any(np.any(np.asarray(l.get_ydata(), dtype=float) > 0) for l in ax.get_lines()):
       ax.set_yscale("log")
     handles, labels = ax.get_legend_handles_labels()
     if handles:
