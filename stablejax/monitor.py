@@ -438,18 +438,17 @@ class StabilityMonitor:
       g = _as_float(metrics.get(key))
       if g is not None:
         break
-    if g is None and loss is None:
-      return []
-    if g is None:
-      level = "exploded" if not math.isfinite(loss) else self._level
-      if level is None:
-        return []
-    else:
-      level = grad_health_level(g, self.thresholds)
-      if math.isfinite(g):
-        self._max_grad_norm = g if self._max_grad_norm is None else max(self._max_grad_norm, g)
-    if loss is not None and not math.isfinite(loss):
+    # a non-finite skip means this step's gradient was NaN/Inf; the optimizer-state norms then
+    # still show the last accepted step, so the flag decides.
+    skipped_nonfinite = (_as_float(metrics.get("skip_nonfinite/skipped")) or 0.0) > 0
+    if skipped_nonfinite or (loss is not None and not math.isfinite(loss)):
       level = "exploded"
+    elif g is not None:
+      level = grad_health_level(g, self.thresholds)
+    else:
+      return []
+    if g is not None and math.isfinite(g):
+      self._max_grad_norm = g if self._max_grad_norm is None else max(self._max_grad_norm, g)
     self._level_counts[level] = self._level_counts.get(level, 0) + 1
     old, self._level = self._level, level
     if level == old or (old is None and level == "healthy"):

@@ -58,6 +58,9 @@ def test_non_finite_loss_is_exploded_and_low_level_optional():
   assert m.update(1, {"loss": float("nan"), "grad_norm": 1.0})[0].startswith(
       "step 1: gradient health exploded")
   assert "gradient health low" in m.update(2, {"loss": 1.0, "grad_norm": 0.1})[0]
+  # a non-finite skip is exploded even though the state's norm is the last good step's
+  assert "exploded" in m.update(3, {"zclip/grad_norm": 1.0, "skip_nonfinite/skipped": True})[0]
+  assert m.update(4, {"loss": 1.0}) == [] and m.level == "exploded"  # no norm: level unchanged
 
 
 # ---------------------------------------------------------------- rates
@@ -389,3 +392,26 @@ def test_tensorboard_scalars_mapping():
   assert stablejax.tensorboard_scalars({"step": 50, "val_loss": 2.0}) == {"eval/loss": 2.0}
   assert stablejax.tensorboard_scalars({"step": 50, "event": "rollback", "cause": "x"}) == {
       "events/rollback": 1.0}
+
+
+# ---------------------------------------------------------------- with the real transforms
+
+def test_monitor_reads_real_stability_metrics():
+  tx = stablejax.skip_nonfinite(optax.chain(stablejax.zclip(warmup_steps=3), optax.sgd(0.1)))
+  params = {"w": jnp.ones(4)}
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  m = StabilityMonitor(window=100)
+  lines = {}
+  for step in range(1, 11):
+    g = {"w": jnp.full(4, jnp.nan if step == 5 else 0.25)}  # norm 0.5 < max_grad_norm 1
+    _, state = update(g, state, params)
+    if step % 3 == 1:  # logged at 1, 4, 7, 10: the NaN step 5 falls between two records
+      rec = {k: v.item() for k, v in jax.device_get(stablejax.stability_metrics(state)).items()}
+      lines[step] = m.update(step, {"loss": 1.0, **rec})
+  r = m.rates()
+  assert r["skip_nonfinite_rate"] == pytest.approx(1 / 10)  # 1 skip over 1 (flag) + 3 * 3 steps
+  assert r["zclip_spike_rate"] == 0.0 and r["zclip_clip_rate"] == 0.0
+  assert m.level == "healthy"  # the NaN step itself was not a logged step
+  assert lines[1] == lines[4] == lines[10] == []
+  assert len(lines[7]) == 1 and "skipped-step rate 0.143 > 0.05" in lines[7][0]  # 1 in 7 steps
