@@ -3,6 +3,20 @@
 __version__ = "0.1.0"
 
 # --- transforms (gradient-side stability) ---
+from stablejax.losses import cross_entropy_with_z_loss
+from stablejax.transforms.adagc import AdaGCState
+from stablejax.transforms.adagc import adagc
+from stablejax.transforms.hybrid import HybridClipState
+from stablejax.transforms.hybrid import hybrid_clip
+from stablejax.transforms.loss_scaling import DynamicLossScale
+from stablejax.transforms.metrics import register_state_metrics
+from stablejax.transforms.metrics import stability_metrics
+from stablejax.transforms.skipping import SkipNonFiniteState
+from stablejax.transforms.skipping import SkipSpikesState
+from stablejax.transforms.skipping import skip_nonfinite
+from stablejax.transforms.skipping import skip_spikes
+from stablejax.transforms.zclip import ZClipState
+from stablejax.transforms.zclip import zclip
 # --- end transforms ---
 
 # --- muon ---
@@ -27,6 +41,20 @@ from stablejax.monitor import tensorboard_scalars
 __all__ = [
     "__version__",
     # --- all transforms ---
+    "AdaGCState",
+    "DynamicLossScale",
+    "HybridClipState",
+    "SkipNonFiniteState",
+    "SkipSpikesState",
+    "ZClipState",
+    "adagc",
+    "cross_entropy_with_z_loss",
+    "hybrid_clip",
+    "register_state_metrics",
+    "skip_nonfinite",
+    "skip_spikes",
+    "stability_metrics",
+    "zclip",
     # --- end all transforms ---
     # --- all muon ---
     # --- end all muon ---
