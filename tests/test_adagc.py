@@ -150,3 +150,24 @@ def test_chain_with_optax_matches_manual():
 def test_bad_arguments_raise(kwargs):
   with pytest.raises(ValueError, match=next(iter(kwargs))):
     stablejax.adagc(**kwargs)
+
+
+def test_hybrid_clip_is_zclip_then_adagc():
+  grads = _grad_sequence(3)
+  kwargs_z = dict(alpha=0.9, z_thresh=2.0, max_grad_norm=3.0, warmup_steps=10)
+  kwargs_a = dict(beta=0.95, lambda_rel=1.1, lambda_abs=2.0, warmup_steps=15)
+  hybrid = stablejax.hybrid_clip(
+      **{f"zclip_{k}": v for k, v in kwargs_z.items()},
+      **{f"adagc_{k}": v for k, v in kwargs_a.items()})
+  chained = optax.chain(stablejax.zclip(**kwargs_z),
+                        stablejax.adagc(**kwargs_a))
+  u_h, s_h = _run(hybrid, grads)
+  u_c, s_c = _run(chained, grads)
+  assert isinstance(s_h, stablejax.HybridClipState)
+  for k in SHAPES:
+    np.testing.assert_array_equal(u_h[k], u_c[k])
+  assert int(s_h.zclip.spike_count[-1]) > 0
+  assert float(s_h.adagc.clipped_fraction.max()) > 0
+  for a, b in zip(jax.tree.leaves((s_h.zclip, s_h.adagc)),
+                  jax.tree.leaves(s_c)):
+    np.testing.assert_array_equal(a, b)

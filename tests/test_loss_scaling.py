@@ -17,6 +17,15 @@ def test_conservative_defaults():
   assert ls.loss_scale.dtype == jnp.float32 and ls.counter.dtype == jnp.int32
 
 
+def test_create_matches_constructor():
+  a = stablejax.DynamicLossScale.create(initial_scale=64.0, growth_interval=7,
+                                        growth_factor=2.0)
+  b = stablejax.DynamicLossScale(loss_scale=64.0, growth_interval=7,
+                                 growth_factor=2.0)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  assert float(a.loss_scale) == 64.0 and int(a.counter) == 0
+
+
 def test_growth_backoff_floor_sequence_under_jit():
   ls = stablejax.DynamicLossScale(loss_scale=8.0, growth_interval=3)
   adjust = jax.jit(lambda ls, ok: ls.adjust(ok))

@@ -55,7 +55,7 @@ CASES = [
          lambda: stablejax.hybrid_clip(zclip_warmup_steps=2,
                                        adagc_warmup_steps=2),
          lambda: optax.inject_hyperparams(stablejax.hybrid_clip)(
-             z_thresh=2.0, beta=0.95, zclip_warmup_steps=2,
+             zclip_z_thresh=2.0, adagc_beta=0.95, zclip_warmup_steps=2,
              adagc_warmup_steps=2)),
     Case("skip_nonfinite",
          lambda: stablejax.skip_nonfinite(optax.adam(1e-3), max_consecutive=2),
@@ -81,6 +81,7 @@ DOCUMENTED = [
     (stablejax.skip_spikes, True),
     (stablejax.cross_entropy_with_z_loss, True),
     (stablejax.DynamicLossScale, True),
+    (stablejax.DynamicLossScale.create, False),
     (stablejax.DynamicLossScale.scale, False),
     (stablejax.DynamicLossScale.unscale, False),
     (stablejax.DynamicLossScale.adjust, False),

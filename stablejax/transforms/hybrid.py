@@ -23,42 +23,44 @@ class HybridClipState(NamedTuple):
 
 
 def hybrid_clip(
-    alpha: float = 0.97,
-    z_thresh: float = 2.5,
-    max_grad_norm: Optional[float] = 1.0,
-    eps: float = 1e-6,
+    zclip_alpha: float = 0.97,
+    zclip_z_thresh: float = 2.5,
+    zclip_max_grad_norm: Optional[float] = 1.0,
+    zclip_eps: float = 1e-6,
     zclip_warmup_steps: int = 25,
-    mode: str = "zscore",
-    clip_option: str = "adaptive_scaling",
-    clip_factor: float = 1.0,
-    skip_update_on_spike: bool = False,
-    beta: float = 0.98,
-    lambda_rel: float = 1.05,
-    lambda_abs: float = 1.0,
+    zclip_mode: str = "zscore",
+    zclip_clip_option: str = "adaptive_scaling",
+    zclip_clip_factor: float = 1.0,
+    zclip_skip_update_on_spike: bool = False,
+    adagc_beta: float = 0.98,
+    adagc_lambda_rel: float = 1.05,
+    adagc_lambda_abs: float = 1.0,
     adagc_warmup_steps: int = 100,
 ) -> optax.GradientTransformation:
   """ZClip followed by AdaGC in one transform.
 
   ZClip removes global gradient-norm spikes; AdaGC then bounds each tensor
   against the EMA of its own clipped norms. Equivalent to
-  ``optax.chain(zclip(...), adagc(...))`` but with a named state. Both
-  warmups take their own argument because both transforms call it
-  ``warmup_steps``.
+  ``optax.chain(zclip(...), adagc(...))`` but with a named state. Every
+  argument is the same-named argument of :func:`stablejax.zclip` or
+  :func:`stablejax.adagc` with a ``zclip_`` / ``adagc_`` prefix, with the same
+  defaults.
 
   Args:
-    alpha: ZClip EMA factor.
-    z_thresh: ZClip z-score threshold.
-    max_grad_norm: ZClip norm ceiling (and warmup clip); None disables it.
-    eps: ZClip epsilon added to the standard deviation.
-    zclip_warmup_steps: ZClip ``warmup_steps``.
-    mode: ZClip mode, ``"zscore"`` or ``"percentile"``.
-    clip_option: ZClip clip option, ``"adaptive_scaling"`` or ``"mean"``.
-    clip_factor: ZClip multiplier of the adaptive clip value.
-    skip_update_on_spike: ZClip: do not update the EMA on a spike.
-    beta: AdaGC EMA factor.
-    lambda_rel: AdaGC relative threshold.
-    lambda_abs: AdaGC global clip during its warmup.
-    adagc_warmup_steps: AdaGC ``warmup_steps``.
+    zclip_alpha: ZClip EMA factor.
+    zclip_z_thresh: ZClip z-score threshold.
+    zclip_max_grad_norm: ZClip norm ceiling (and warmup clip); None disables
+      it.
+    zclip_eps: ZClip epsilon added to the standard deviation.
+    zclip_warmup_steps: ZClip warmup length.
+    zclip_mode: ZClip mode, ``"zscore"`` or ``"percentile"``.
+    zclip_clip_option: ZClip clip option, ``"adaptive_scaling"`` or ``"mean"``.
+    zclip_clip_factor: ZClip multiplier of the adaptive clip value.
+    zclip_skip_update_on_spike: ZClip: do not update the EMA on a spike.
+    adagc_beta: AdaGC EMA factor.
+    adagc_lambda_rel: AdaGC relative threshold.
+    adagc_lambda_abs: AdaGC global clip during its warmup.
+    adagc_warmup_steps: AdaGC warmup length.
 
   Returns:
     An :class:`optax.GradientTransformation` whose state is a
@@ -80,12 +82,13 @@ def hybrid_clip(
     >>> sorted(stablejax.stability_metrics(state))[:2]
     ['adagc/clipped_fraction', 'adagc/clipped_grad_norm']
   """
-  z = zclip(alpha=alpha, z_thresh=z_thresh, max_grad_norm=max_grad_norm,
-            eps=eps, warmup_steps=zclip_warmup_steps, mode=mode,
-            clip_option=clip_option, clip_factor=clip_factor,
-            skip_update_on_spike=skip_update_on_spike)
-  a = adagc(beta=beta, lambda_rel=lambda_rel, lambda_abs=lambda_abs,
-            warmup_steps=adagc_warmup_steps)
+  z = zclip(alpha=zclip_alpha, z_thresh=zclip_z_thresh,
+            max_grad_norm=zclip_max_grad_norm, eps=zclip_eps,
+            warmup_steps=zclip_warmup_steps, mode=zclip_mode,
+            clip_option=zclip_clip_option, clip_factor=zclip_clip_factor,
+            skip_update_on_spike=zclip_skip_update_on_spike)
+  a = adagc(beta=adagc_beta, lambda_rel=adagc_lambda_rel,
+            lambda_abs=adagc_lambda_abs, warmup_steps=adagc_warmup_steps)
 
   def init_fn(params):
     return HybridClipState(zclip=z.init(params), adagc=a.init(params))

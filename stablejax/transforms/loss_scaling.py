@@ -94,6 +94,36 @@ class DynamicLossScale:
     self.backoff_factor = float(backoff_factor)
     self.min_scale = float(min_scale)
 
+  @classmethod
+  def create(
+      cls,
+      initial_scale: float = 2.0**10,
+      growth_interval: int = 200,
+      growth_factor: float = 1.5,
+      backoff_factor: float = 0.5,
+      min_scale: float = 1.0,
+  ) -> "DynamicLossScale":
+    """Builds a fresh loss scale (counter 0); same as the constructor.
+
+    Args:
+      initial_scale: initial scale (default ``2**10``).
+      growth_interval: finite steps in a row after which the scale grows.
+      growth_factor: multiplier applied when growing.
+      backoff_factor: multiplier applied on overflow.
+      min_scale: floor of the scale.
+
+    Returns:
+      a ``DynamicLossScale``.
+
+    Example:
+      >>> import stablejax
+      >>> float(stablejax.DynamicLossScale.create(initial_scale=256.0).loss_scale)
+      256.0
+    """
+    return cls(loss_scale=initial_scale, growth_interval=growth_interval,
+               growth_factor=growth_factor, backoff_factor=backoff_factor,
+               min_scale=min_scale)
+
   # -- pytree protocol: arrays are leaves, the policy is static metadata. --
   def tree_flatten(self):
     aux = (self.growth_interval, self.growth_factor, self.backoff_factor,
