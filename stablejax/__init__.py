@@ -20,6 +20,13 @@ from stablejax.transforms.zclip import zclip
 # --- end transforms ---
 
 # --- muon ---
+from stablejax.muon.lr_check import check_learning_rates
+from stablejax.muon.muon import GroupUpdateRmsState
+from stablejax.muon.muon import OutlierSafeMuonState
+from stablejax.muon.muon import outlier_safe_muon
+from stablejax.muon.newton_schulz import newton_schulz
+from stablejax.muon.routing import describe_routing
+from stablejax.muon.routing import label_params
 # --- end muon ---
 
 # --- model utilities ---
@@ -57,6 +64,13 @@ __all__ = [
     "zclip",
     # --- end all transforms ---
     # --- all muon ---
+    "GroupUpdateRmsState",
+    "OutlierSafeMuonState",
+    "check_learning_rates",
+    "describe_routing",
+    "label_params",
+    "newton_schulz",
+    "outlier_safe_muon",
     # --- end all muon ---
     # --- all model utilities ---
     # --- end all model utilities ---
