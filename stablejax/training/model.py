@@ -177,6 +177,17 @@ def _dtypes(cfg: ModelConfig):
   return _DTYPES[cfg.compute_dtype], _DTYPES[cfg.param_dtype]
 
 
+def _f32_accum_dtype(dtype):
+  """Input dtype for dots that accumulate in float32.
+
+  XLA:CPU has no float16 x float16 -> float32 dot, so on CPU float16 inputs are upcast (fp16
+  compute is meant for GPUs; on CPU it only exists for tests).
+  """
+  if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    return jnp.float32
+  return dtype
+
+
 class Attention(nn.Module):
   config: ModelConfig
 
@@ -198,7 +209,9 @@ class Attention(nn.Module):
       k = RMSNorm(cdt, pdt, single_scale=single, name="k_norm")(k)
     q = _rope(q, cfg.rope_theta)
     k = _rope(k, cfg.rope_theta)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    adt = _f32_accum_dtype(cdt)
+    y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True)
+    y = y.astype(cdt)
     return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
 
 
@@ -304,7 +317,9 @@ class GPT(nn.Module):
                  kernel_init=nn.initializers.orthogonal(), name="emb_proj_out")(x)
     x = x.astype(cdt)
     if cfg.tie_embeddings:
-      logits = jnp.dot(x, embed.embedding.T.astype(cdt), preferred_element_type=jnp.float32)
+      hdt = _f32_accum_dtype(cdt)
+      logits = jnp.dot(x.astype(hdt), embed.embedding.T.astype(hdt),
+                       preferred_element_type=jnp.float32)
     else:
       logits = _Head(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
@@ -324,8 +339,8 @@ class _Head(nn.Module):
   def __call__(self, x):
     kernel = self.param("kernel", nn.initializers.normal(self.init_std),
                         (x.shape[-1], self.vocab_size), self.param_dtype)
-    return jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype),
-                   preferred_element_type=jnp.float32)
+    hdt = _f32_accum_dtype(self.compute_dtype)
+    return jnp.dot(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
 
 
 def count_params(params) -> int:
