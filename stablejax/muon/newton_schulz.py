@@ -147,7 +147,8 @@ def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float
       ``(a, b, c)`` tuple for every step, or a list of per-step tuples (the last one repeats).
     eps: added to the Frobenius norm before dividing (a zero input maps to zero).
     backend: "auto" (Pallas on CUDA/TPU chosen at lowering time, XLA elsewhere and for shapes
-      the kernel cannot tile), "xla" (reference), or "pallas" (kernel; warns and uses the
+      the kernel cannot tile; warns about such a shape when running on a GPU/TPU), "xla"
+      (reference), or "pallas" (kernel; warns and uses the
       reference for an untileable shape or when no GPU/TPU backend is present and ``interpret``
       is False).
     interpret: run the Pallas kernel in interpret mode (works on CPU; slow, for testing).
@@ -197,6 +198,11 @@ def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float
       out = ref(x)
   else:
     current = jax.default_backend()
+    if backend == "auto" and current in ("gpu", "cuda", "tpu"):
+      platform = "mosaic" if current == "tpu" else "triton"
+      if not _pallas_ns.ns_tileable(n, m, platform, itemsize):
+        warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
+                      "using the XLA reference", stacklevel=2)
     if backend == "pallas":
       if current not in ("gpu", "cuda", "tpu"):
         warnings.warn(f"newton_schulz: backend='pallas' has no kernel for the {current!r} backend "
