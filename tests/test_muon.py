@@ -276,3 +276,17 @@ def test_bad_arguments_raise_value_error():
   tx = stablejax.outlier_safe_muon(0.02, param_labels=lambda p: {"v": "muon"})
   with pytest.raises(ValueError, match="label it 'adam'"):
     tx.init({"v": jnp.zeros(4)})
+
+
+@pytest.mark.parametrize("platform,call", [("cuda", "__gpu$xla.gpu.triton"),
+                                           ("tpu", "tpu_custom_call")])
+def test_optimizer_step_exported_for_accelerators_embeds_ns_kernel(platform, call):
+  # The whole optimizer update, lowered on this CPU machine for CUDA / TPU, carries the kernel.
+  params = {"mlp": {"kernel": jnp.zeros((2, 128, 256))}, "ln": {"scale": jnp.ones(128)}}
+  tx = stablejax.outlier_safe_muon(2e-3)
+  state = tx.init(params)
+  exported = jax.export.export(
+      jax.jit(tx.update), platforms=[platform],
+      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+  )(params, state, params)
+  assert exported.mlir_module().count(f"custom_call @{call}(") == 15  # 5 steps x 3 products
