@@ -30,6 +30,11 @@ from stablejax.muon.routing import label_params
 # --- end muon ---
 
 # --- model utilities ---
+from stablejax.model_utils import init_new_token_embeddings
+from stablejax.model_utils import lambda_warmup
+from stablejax.model_utils import excess_kurtosis
+from stablejax.model_utils import merge_emb_proj
+from stablejax.model_utils import quantize_weights_rtn
 # --- end model utilities ---
 
 # --- monitoring ---
@@ -73,6 +78,11 @@ __all__ = [
     "outlier_safe_muon",
     # --- end all muon ---
     # --- all model utilities ---
+    "init_new_token_embeddings",
+    "lambda_warmup",
+    "excess_kurtosis",
+    "merge_emb_proj",
+    "quantize_weights_rtn",
     # --- end all model utilities ---
     # --- all monitoring ---
     "HealthThresholds",

@@ -215,8 +215,9 @@ def quantize_weights_rtn(params, bits: int = 4, *, exclude: Sequence[str] = ()) 
   the scale is ``max|w|`` over the ``in`` axis (axis -2) divided by ``2**(bits-1) - 1``; for
   embedding tables (path containing "embed", ``[..., vocab, D]``) each token row is a channel
   (axis -1). Values become ``clip(round(w / scale), -qmax, qmax) * scale``. Leading axes (the
-  stacked layer axis of scanned blocks) are independent channels too. Norm gains, scalars and
-  vectors are left alone, as are leaves whose path contains any string in ``exclude``.
+  stacked layer axis of scanned blocks) are independent channels too. Norm gains (leaves named
+  ``scale``, which are ``[L, D]`` in scanned models), scalars and vectors are left alone, as are
+  leaves whose path contains any string in ``exclude``.
 
   Args:
     params: parameter tree.
@@ -237,7 +238,8 @@ def quantize_weights_rtn(params, bits: int = 4, *, exclude: Sequence[str] = ()) 
 
   def quant(path, w):
     name = _path_str(path)
-    if getattr(w, "ndim", 0) < 2 or any(e in name for e in exclude):
+    leaf = name.rsplit("/", 1)[-1]
+    if getattr(w, "ndim", 0) < 2 or leaf == "scale" or any(e in name for e in exclude):
       return w
     axis = -1 if "embed" in name else -2
     w32 = jnp.asarray(w, jnp.float32)
