@@ -22,13 +22,15 @@ import numpy as np
 from tqdm import tqdm
 
 import stablejax
+from stablejax.model_utils import excess_kurtosis, lambda_warmup
 from stablejax.training import mesh as mesh_lib
 from stablejax.training.checkpoint import Checkpoints
 from stablejax.training.config import Config, ConfigError, to_dict
 from stablejax.training.data import build_data, garbage_batch
 from stablejax.training.logger import RunLogger
 from stablejax.training.model import GPT, count_params, model_flops_per_token
-from stablejax.training.optim import build_optimizer, learning_rates, lr_schedule, set_lr_scale
+from stablejax.training.optim import (build_optimizer, learning_rates, lr_schedule, main_optimizer,
+                                      set_lr_scale)
 from stablejax.training.recovery import Recovery, RollbackEvent
 from stablejax.training.step import TrainState, make_eval_step, make_train_step
 
@@ -90,11 +92,12 @@ class Run:
     self.mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
     self.model = GPT(cfg.model)
-    self.tx = build_optimizer(cfg)
+    self.main_tx = main_optimizer(cfg)
+    self.tx = build_optimizer(cfg, self.main_tx)
     self.schedule = lr_schedule(cfg, 1.0)
     self.bitnet_lambda = None
     if cfg.model.bitnet:
-      self.bitnet_lambda = stablejax.lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
+      self.bitnet_lambda = lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
 
     self.log = RunLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
     self.recovery = Recovery(cfg.stability)
@@ -140,6 +143,8 @@ class Run:
                                                     mesh_lib.batch_sharding(mesh), None))
     self.activation_stats = jax.jit(self._activation_stats)
     self.grad_norms = jax.jit(self._grad_norms)
+    self.param_movement = jax.jit(stablejax.param_movement)
+    self.previous_params = None
 
   def _device_tokens(self, tokens: np.ndarray) -> jax.Array:
     """Host batch [B, T+1] (this process's rows) -> global [grad_accum, B/accum, T+1] array."""
@@ -244,10 +249,11 @@ class Run:
     self.t_interval, self.tokens_interval = now, 0
     record["tokens_per_sec"] = self.tokens_per_sec
     for line in self.monitor.update(step, record):
-      self.log.console(f"warning: step {step}: {line}")
+      self.log.console(f"warning: {line}")
+      self.log.record({"step": step, "event": "warning", "cause": line})
     record["stability_score"] = self.monitor.score()
-    record["health"] = self.monitor.health_level(record["grad_norm"])
-    self.log.record(record, stablejax.tensorboard_scalars(record))
+    record["health"] = self.monitor.level
+    self.log.record(record, stablejax.tensorboard_scalars(record, rates=self.monitor.rates()))
     skipped = sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
                     skipped=skipped, refresh=False)
@@ -258,7 +264,8 @@ class Run:
     losses = [self.eval_step(self.state.params, b, jnp.int32(step)) for b in self.val_batches]
     val_loss = float(np.mean(jax.device_get(losses)))
     self.last_val_loss = val_loss
-    self.log.record({"step": step, "val_loss": val_loss}, {"eval/val_loss": val_loss})
+    record = {"step": step, "val_loss": val_loss}
+    self.log.record(record, stablejax.tensorboard_scalars(record))
     self.log.console(f"step {step}: val_loss {val_loss:.4f}" + (" (final)" if final else ""))
     if final or not self.cfg.stability.recovery:
       return None
@@ -276,7 +283,7 @@ class Run:
     return {"act_rms": jnp.sqrt(jnp.mean(jnp.square(residual))),
             "act_max": jnp.max(jnp.abs(residual)),
             "logit_max": jnp.max(jnp.abs(logits)),
-            "excess_kurtosis": stablejax.excess_kurtosis(residual)}
+            "excess_kurtosis": excess_kurtosis(residual[1:])}
 
   def _grad_norms(self, params, tokens):
     loss_fn = lambda p: stablejax.cross_entropy_with_z_loss(  # noqa: E731
@@ -290,12 +297,25 @@ class Run:
     if self.cfg.logging.activation_every and step % self.cfg.logging.activation_every == 0:
       record.update(_fetch(self.activation_stats(self.state.params, batch, jnp.int32(step))))
       self.last_kurtosis = record["excess_kurtosis"]
+      record.update(self._movement_check(step))
     if self.cfg.logging.histogram_every and step % self.cfg.logging.histogram_every == 0:
       norms = _fetch(self.grad_norms(self.state.params, batch))
       self.log.histogram("grads/layer_norms", list(norms.values()), step)
       for name, value in norms.items():
         record[f"grad_norm/{name}"] = value
-    self.log.record(record, {f"activations/{k}": v for k, v in record.items() if k != "step"})
+    self.log.record(record, stablejax.tensorboard_scalars(record))
+
+  def _movement_check(self, step: int) -> dict:
+    """Per-group relative parameter change since the previous check ("are parameters moving?")."""
+    previous, self.previous_params = self.previous_params, jax.tree.map(jnp.copy, self.state.params)
+    if previous is None:
+      return {}
+    movement = jax.device_get(self.param_movement(previous, self.state.params))
+    dtypes = stablejax.param_dtypes(self.state.params)
+    for line in stablejax.movement_warnings(movement, dtypes=dtypes, step=step):
+      self.log.console(f"warning: {line}")
+      self.log.record({"step": step, "event": "warning", "cause": line})
+    return stablejax.movement_record(movement)
 
   def _banner(self, step: int) -> None:
     if not self.is_main:
@@ -314,14 +334,11 @@ class Run:
         f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
     ]
     if cfg.optimizer.name == "muon":
-      lines.append(stablejax.describe_routing(self.state.params, self.tx_labels()))
+      lines.append(stablejax.describe_routing(self.state.params, self.main_tx))
     for line in lines:
       self.log.console(line)
     for warning in self._lr_warnings():
       self.log.console(f"warning: {warning}")
-
-  def tx_labels(self):
-    return stablejax.label_params(self.state.params)
 
   def _lr_warnings(self) -> list[str]:
     o = self.cfg.optimizer

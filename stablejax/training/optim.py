@@ -76,11 +76,13 @@ def clipping(cfg: Config) -> list[optax.GradientTransformation]:
   return []
 
 
-def build_optimizer(cfg: Config) -> optax.GradientTransformationExtraArgs:
+def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None
+                    ) -> optax.GradientTransformationExtraArgs:
+  """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it."""
   s = cfg.stability
   tx = optax.chain(
       *clipping(cfg),
-      main_optimizer(cfg),
+      main if main is not None else main_optimizer(cfg),
       optax.inject_hyperparams(optax.scale)(step_size=1.0),
   )
   if s.skip_spikes:
@@ -92,8 +94,11 @@ def build_optimizer(cfg: Config) -> optax.GradientTransformationExtraArgs:
   return optax.with_extra_args_support(tx)
 
 
+_INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
+
+
 def _is_lr_scale_state(node: Any) -> bool:
-  return isinstance(node, optax.InjectHyperparamsState) and "step_size" in node.hyperparams
+  return isinstance(node, _INJECT_STATES) and "step_size" in node.hyperparams
 
 
 def _map_lr_scale(opt_state, fn: Callable[[jax.Array], jax.Array]):

@@ -17,6 +17,8 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
+from stablejax.training.optim import get_lr_scale
+from stablejax.transforms.loss_scaling import all_finite
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -24,12 +26,6 @@ class TrainState(flax.struct.PyTreeNode):
   params: Any                      # float32 unless model.param_dtype says otherwise
   opt_state: Any
   loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
-
-
-def all_finite(tree) -> jax.Array:
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves)) if leaves else jnp.array(True)
 
 
 def make_loss_fn(model, cfg: Config):
@@ -79,7 +75,7 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
     if loss_scale is not None:
       loss_scale = loss_scale.adjust(all_finite(grads))
 
-    lr_scale = stablejax.training.optim.get_lr_scale(opt_state)
+    lr_scale = get_lr_scale(opt_state)
     metrics = {
         "loss": loss,
         "z_loss": z_loss,

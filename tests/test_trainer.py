@@ -1,0 +1,113 @@
+"""End-to-end tests of train.py on tiny configs: learning, files written, resume, devices, errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from trainer_utils import read_metrics, run_inprocess, run_subprocess, slow, summary, train_losses
+
+SUMMARY_KEYS = {"final_val_loss", "steps", "skipped_steps", "rollbacks", "tokens_per_sec", "mfu",
+                "stability_score", "wall_seconds"}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("clean")
+  assert run_inprocess(out) == 0
+  return out
+
+
+@slow
+def test_loss_decreases_and_files_are_written(clean_run):
+  losses = train_losses(clean_run)
+  steps = sorted(losses)
+  assert steps[0] == 2 and steps[-1] == 40
+  first, last = losses[steps[0]], np.mean([losses[s] for s in steps[-3:]])
+  assert first > 5.0  # about ln(256) at initialisation
+  assert last < first - 1.5, (first, last)
+  s = summary(clean_run)
+  assert SUMMARY_KEYS <= set(s)
+  assert s["steps"] == 40 and s["rollbacks"] == 0 and s["skipped_steps"] == 0
+  assert math.isfinite(s["final_val_loss"]) and s["final_val_loss"] < first - 1.0
+  assert 0.0 <= s["stability_score"] <= 1.0
+  assert (clean_run / "config.json").is_file()
+  assert any((clean_run / "tensorboard").iterdir())
+  assert sorted(int(p.name) for p in (clean_run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@slow
+def test_metrics_records_have_documented_keys(clean_run):
+  records = read_metrics(clean_run)
+  train = [r for r in records if "loss" in r and "event" not in r]
+  for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "zclip/grad_norm",
+              "zclip/threshold", "adagc/clipped_fraction", "skip_nonfinite/total_skips",
+              "skip_spikes/total_skips", "muon/outlier_rate", "muon/fallback_rate",
+              "stability_score", "health"):
+    assert key in train[-1], key
+  evals = [r for r in records if "val_loss" in r]
+  assert [r["step"] for r in evals] == [20, 40]
+  # warmup then cosine: lr rises over the first 4 steps and then falls
+  lrs = {r["step"]: r["lr"] for r in train}
+  assert lrs[4] > lrs[2] and lrs[40] < lrs[10]
+
+
+@slow
+def test_resume_after_stop_equals_uninterrupted_run(clean_run, tmp_path):
+  out = tmp_path / "resumed"
+  first = run_subprocess(out, "train.steps=40", "faults.kill_at_step=25", fresh=True)
+  assert first.returncode == -9, first.stderr[-2000:]
+  second = run_subprocess(out)
+  assert second.returncode == 0, second.stderr[-2000:]
+  assert "resuming at step 20" in second.stdout
+  assert train_losses(out) == train_losses(clean_run)
+  assert summary(out)["final_val_loss"] == summary(clean_run)["final_val_loss"]
+
+
+@slow
+def test_one_and_four_devices_agree(clean_run, tmp_path):
+  out = tmp_path / "four"
+  result = run_subprocess(out, "mesh.data=2", "mesh.fsdp=2", fresh=True, devices=4)
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert "mesh {'data': 2, 'fsdp': 2}" in result.stdout
+  one, four = train_losses(clean_run), train_losses(out)
+  assert one.keys() == four.keys()
+  np.testing.assert_allclose([four[s] for s in sorted(four)], [one[s] for s in sorted(one)],
+                             rtol=2e-3)
+
+
+BAD_INPUTS = [
+    (["--set", "train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["--set", "train.steps=\"many\""], "train.steps"),
+    (["--set", "optimizer.learning_rate=-0.1"], "optimizer.learning_rate=-0.1 must be > 0"),
+    (["--set", "data.train=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    (["--set", "nosuchsection.key=1"], "nosuchsection.key"),
+    (["--set", "model.n_heads=3"], "model.n_heads=3"),
+    (["--config", "/nonexistent.json"], "/nonexistent.json"),
+    (["--bogus-flag"], "--bogus-flag"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_INPUTS)
+def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+  import subprocess
+  import sys
+
+  from trainer_utils import ROOT, TRAIN
+  result = subprocess.run([sys.executable, str(TRAIN), *args, "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
+def test_empty_data_file_exits_2(tmp_path):
+  empty = tmp_path / "empty.txt"
+  empty.write_text("")
+  result = run_subprocess(tmp_path / "run", f"data.train=\"{empty}\"")
+  assert result.returncode == 2
+  assert str(empty) in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,78 @@
+"""Shared helpers for the end-to-end trainer tests: tiny configs and reading a run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "train.py"
+
+# A model small enough to compile in seconds and learn visibly in a few dozen steps on a CPU.
+TINY = [
+    "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
+    "model.compute_dtype=\"float32\"",
+    "train.seq_len=32", "train.batch_size=8", "train.steps=40", "train.warmup_steps=4",
+    "train.log_every=2", "train.eval_every=20", "train.eval_batches=2",
+    "optimizer.learning_rate=0.01", "optimizer.adam_learning_rate=0.01",
+    "optimizer.embedding_learning_rate=0.01", "optimizer.head_learning_rate=0.01",
+    "stability.spike_min_history=8", "stability.spike_window=16",
+    "stability.zclip_warmup_steps=5", "stability.adagc_warmup_steps=5",
+    "checkpoint.every=10", "checkpoint.async_save=false",
+    "logging.tensorboard=true", "logging.progress=false",
+    "logging.histogram_every=20", "logging.activation_every=20",
+]
+
+
+def sets(*overrides: str) -> list[str]:
+  args = []
+  for item in (*TINY, *overrides):
+    args += ["--set", item]
+  return args
+
+
+def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:
+  """Runs train.main in this process (no interpreter start-up cost)."""
+  sys.path.insert(0, str(ROOT))
+  try:
+    import train
+  finally:
+    sys.path.pop(0)
+  argv = sets(*overrides) + ["--out", str(out)] + (["--fresh"] if fresh else [])
+  return train.main(argv)
+
+
+def run_subprocess(out: Path, *overrides: str, fresh: bool = False, devices: int | None = None,
+                   extra_args: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+  env = dict(os.environ)
+  if devices is not None:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  cmd = [sys.executable, str(TRAIN), *sets(*overrides), "--out", str(out), *extra_args]
+  if fresh:
+    cmd.append("--fresh")
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def read_metrics(out: Path) -> list[dict]:
+  records = []
+  for line in (Path(out) / "metrics.jsonl").read_text().splitlines():
+    if line.strip():
+      records.append(json.loads(line))
+  return records
+
+
+def train_losses(out: Path) -> dict[int, float]:
+  """step -> loss of the train records (a step logged twice, e.g. after a resume, keeps the last)."""
+  return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r and "event" not in r}
+
+
+def summary(out: Path) -> dict:
+  return json.loads((Path(out) / "summary.json").read_text())
+
+
+slow = pytest.mark.slow
