@@ -417,26 +417,29 @@ def _seeds(seed: int, index: int) -> tuple[int, int]:
 def _validate(cfg: DataConfig, seq_len: int, batch_size: int, process_index: int,
               process_count: int) -> None:
   if not isinstance(seq_len, int) or seq_len < 1:
-    raise DataError(f"train.seq_len={seq_len!r} must be a positive integer")
+    raise DataError(f"train.seq_len={seq_len!r} is not a positive integer: use e.g. 128")
   if not isinstance(batch_size, int) or batch_size < 1:
-    raise DataError(f"train.batch_size={batch_size!r} must be a positive integer")
+    raise DataError(f"train.batch_size={batch_size!r} is not a positive integer: use e.g. 16")
   if process_count < 1 or not 0 <= process_index < process_count:
-    raise DataError(f"process_index={process_index} is outside [0, {process_count})")
+    raise DataError(f"process_index={process_index} is outside [0, {process_count}): pass "
+                    f"jax.process_index() and jax.process_count()")
   if batch_size % process_count:
     raise DataError(f"train.batch_size={batch_size} is not divisible by the {process_count} "
                     f"processes: use a multiple of {process_count}")
   if cfg.val is None and not 0.0 < cfg.val_fraction < 1.0:
-    raise DataError(f"data.val_fraction={cfg.val_fraction} must be in (0, 1) when data.val is "
-                    f"not given (e.g. 0.05)")
+    raise DataError(f"data.val_fraction={cfg.val_fraction} is outside (0, 1) and data.val is "
+                    f"not given: use e.g. 0.05, or give data.val")
   if cfg.filter_max_repeat < 0:
-    raise DataError(f"data.filter_max_repeat={cfg.filter_max_repeat} must be >= 0 (0 disables)")
+    raise DataError(f"data.filter_max_repeat={cfg.filter_max_repeat} is negative: use e.g. 256 "
+                    f"(0 disables)")
   if not 0.0 <= cfg.filter_max_nontext <= 1.0:
-    raise DataError(f"data.filter_max_nontext={cfg.filter_max_nontext} must be in [0, 1] "
-                    f"(1.0 disables)")
+    raise DataError(f"data.filter_max_nontext={cfg.filter_max_nontext} is outside [0, 1]: use "
+                    f"e.g. 0.3 (1.0 disables)")
   if cfg.num_threads < 0:
-    raise DataError(f"data.num_threads={cfg.num_threads} must be >= 0 (0 = no threads)")
+    raise DataError(f"data.num_threads={cfg.num_threads} is negative: use 0 (no threads) or more")
   if cfg.vocab_size < 0:
-    raise DataError(f"data.vocab_size={cfg.vocab_size} must be >= 0 (0 = automatic)")
+    raise DataError(f"data.vocab_size={cfg.vocab_size} is negative: use 0 (automatic) or the "
+                    f"tokenizer's vocabulary size")
 
 
 def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
@@ -520,7 +523,8 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
       raise DataError(f"data.weights has {len(weights)} entries but data.train has "
                       f"{len(train)} sources: give one weight per source")
     if not all(math.isfinite(w) and w > 0 for w in weights):
-      raise DataError(f"data.weights={cfg.weights} must all be positive finite numbers")
+      raise DataError(f"data.weights={cfg.weights} has a non-positive or non-finite entry: give "
+                      f"positive numbers")
 
   per_source = []
   for i, reader in enumerate(train_readers):

@@ -1,0 +1,245 @@
+"""Tests for the Grain data pipeline: determinism, state, sharding, filter, mixing, errors."""
+
+import os
+
+import grain
+import numpy as np
+import pytest
+
+from stablejax.training import data as data_lib
+from stablejax.training.data import DataConfig, DataError, build_data, garbage_batch
+
+SEQ = 32
+BS = 4
+
+
+def _take(it, n):
+  return [next(it)["tokens"] for _ in range(n)]
+
+
+def _words(rng, n_words, alphabet="abcdefghij klmnop"):
+  letters = np.array(list(alphabet))
+  return "".join(rng.choice(letters, size=n_words * 6)).encode()
+
+
+def test_pydoc_batches_shape_dtype_and_windows_are_corpus_slices():
+  d = build_data(DataConfig(), seq_len=SEQ, batch_size=BS, seed=0)
+  assert d.vocab_size == 256
+  src = d.stats["sources"][0]
+  assert src["name"] == "pydoc" and src["documents"] > 50 and src["kept"] == src["documents"]
+  assert d.stats["train_tokens"] + d.stats["val_tokens"] == src["tokens"]
+  corpus = bytes(data_lib._load_pydoc(DataConfig()).tokens)
+  batch = next(d.train_iter())["tokens"]
+  assert batch.shape == (BS, SEQ + 1) and batch.dtype == np.int32
+  for row in batch:
+    assert bytes(row.astype(np.uint8)) in corpus
+
+
+def test_determinism_and_seed_dependence():
+  a = _take(build_data(DataConfig(), seq_len=SEQ, batch_size=BS, seed=1).train_iter(), 5)
+  b = _take(build_data(DataConfig(), seq_len=SEQ, batch_size=BS, seed=1).train_iter(), 5)
+  c = _take(build_data(DataConfig(), seq_len=SEQ, batch_size=BS, seed=2).train_iter(), 5)
+  assert all((x == y).all() for x, y in zip(a, b))
+  assert not all((x == y).all() for x, y in zip(a, c))
+
+
+def test_state_round_trip_continues_with_same_batches():
+  d = build_data(DataConfig(shuffle_buffer=16), seq_len=SEQ, batch_size=BS, seed=3)
+  it = d.train_iter()
+  _take(it, 7)
+  state = it.get_state()
+  expected = _take(it, 5)
+  it2 = d.train_iter()
+  it2.set_state(state)
+  assert all((x == y).all() for x, y in zip(expected, _take(it2, 5)))
+  # A freshly built pipeline (a restarted process) restores the same way.
+  d3 = build_data(DataConfig(shuffle_buffer=16), seq_len=SEQ, batch_size=BS, seed=3)
+  it3 = d3.train_iter()
+  it3.set_state(state)
+  assert all((x == y).all() for x, y in zip(expected, _take(it3, 5)))
+
+
+def test_orbax_checkpoint_round_trip(tmp_path):
+  import orbax.checkpoint as ocp
+  d = build_data(DataConfig(), seq_len=SEQ, batch_size=BS, seed=4)
+  it = d.train_iter()
+  _take(it, 3)
+  mngr = ocp.CheckpointManager(tmp_path / "ckpt")
+  mngr.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
+  mngr.wait_until_finished()
+  expected = _take(it, 4)
+  it2 = d.train_iter()
+  restored = mngr.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(it2)))
+  assert restored["data"] is it2
+  assert all((x == y).all() for x, y in zip(expected, _take(it2, 4)))
+  mngr.close()
+
+
+def test_processes_together_equal_single_process_batch():
+  cfg = DataConfig(shuffle_buffer=8)
+  single = build_data(cfg, seq_len=SEQ, batch_size=BS, seed=5)
+  parts = [build_data(cfg, seq_len=SEQ, batch_size=BS, seed=5, process_index=p, process_count=2)
+           for p in range(2)]
+  want = _take(single.train_iter(), 4)
+  got = [_take(p.train_iter(), 4) for p in parts]
+  for b in range(4):
+    assert got[0][b].shape == (BS // 2, SEQ + 1)
+    np.testing.assert_array_equal(np.concatenate([got[0][b], got[1][b]]), want[b])
+  v_single = single.val_batches(2)
+  v_parts = [p.val_batches(2) for p in parts]
+  for b in range(2):
+    np.testing.assert_array_equal(
+        np.concatenate([v_parts[0][b]["tokens"], v_parts[1][b]["tokens"]]),
+        v_single[b]["tokens"])
+  with pytest.raises(DataError, match="divisible"):
+    build_data(cfg, seq_len=SEQ, batch_size=3, seed=0, process_index=0, process_count=2)
+
+
+def test_val_batches_fixed_and_from_held_out_tail(tmp_path):
+  rng = np.random.default_rng(0)
+  head = _words(rng, 2000, "abcdefgh ")
+  tail = _words(rng, 200, "XYZ ")
+  f = tmp_path / "t.txt"
+  f.write_bytes(head + tail)
+  frac = len(tail) / (len(head) + len(tail) + 2)   # +2: the "\n\n" appended to a file
+  d = build_data(DataConfig(train=str(f), val_fraction=frac), seq_len=SEQ, batch_size=BS, seed=0)
+  v1, v2 = d.val_batches(3), d.val_batches(3)
+  assert len(v1) == 3
+  for a, b in zip(v1, v2):
+    np.testing.assert_array_equal(a["tokens"], b["tokens"])
+  val_bytes = set(np.concatenate([v["tokens"].ravel() for v in v1]).tolist())
+  assert val_bytes <= set(b"XYZ \n")
+  train_bytes = set(np.concatenate(_take(d.train_iter(), 50)).ravel().tolist())
+  assert not train_bytes & set(b"XYZ")
+
+
+def test_filter_drops_planted_garbage_documents(tmp_path):
+  rng = np.random.default_rng(1)
+  folder = tmp_path / "corpus"
+  (folder / "sub").mkdir(parents=True)
+  good = [_words(rng, 300) for _ in range(3)]
+  (folder / "a.txt").write_bytes(good[0])
+  (folder / "sub" / "b.md").write_bytes(good[1])
+  (folder / "c.rst").write_bytes(good[2])
+  (folder / "repeat.txt").write_bytes(_words(rng, 50) + b"=" * 300 + _words(rng, 50))
+  (folder / "binary.txt").write_bytes(rng.integers(0, 256, size=3000, dtype=np.uint8).tobytes())
+  (folder / "ignored.dat").write_bytes(b"\x00" * 1000)
+  d = build_data(DataConfig(train=str(folder)), seq_len=SEQ, batch_size=BS, seed=0)
+  st = d.stats["sources"][0]
+  assert (st["files"], st["documents"], st["kept"]) == (5, 5, 3)
+  assert (st["dropped_repeat"], st["dropped_nontext"]) == (1, 1)
+  assert st["tokens"] == sum(len(g) + 2 for g in good)
+  # Disabling the filters keeps everything.
+  d2 = build_data(DataConfig(train=str(folder), filter_max_repeat=0, filter_max_nontext=1.0),
+                  seq_len=SEQ, batch_size=BS, seed=0)
+  assert d2.stats["sources"][0]["kept"] == 5
+  # A run at the threshold is kept, one above it is dropped.
+  assert data_lib._max_run(np.frombuffer(b"ab" + b"=" * 256 + b"c", np.uint8)) == 256
+  # Valid UTF-8 text in other scripts is text, not garbage.
+  assert data_lib._nontext_fraction("Grüße, 世界! ".encode() * 10) == 0.0
+
+
+def test_large_text_file_splits_into_paragraph_documents():
+  para = b"x" * 1000 + b"\n\n"
+  raw = para * 200 + b"y" * 70000
+  docs = data_lib._text_documents(raw)
+  assert b"".join(docs) == raw
+  assert all(len(doc) <= data_lib.TEXT_DOC_BYTES for doc in docs)
+  assert len(docs) >= 4
+
+
+def test_mixing_proportions_follow_weights(tmp_path):
+  rng = np.random.default_rng(2)
+  fa, fb = tmp_path / "a.txt", tmp_path / "b.txt"
+  fa.write_bytes(_words(rng, 3000, "abcdef "))
+  fb.write_bytes(_words(rng, 3000, "012345 "))
+  cfg = DataConfig(train=[str(fa), str(fb)], weights=[3.0, 1.0], shuffle_buffer=32)
+  d = build_data(cfg, seq_len=SEQ, batch_size=8, seed=0)
+  rows = np.concatenate(_take(d.train_iter(), 50))
+  from_b = np.mean([bool(set(r.tolist()) & set(b"012345")) for r in rows])
+  assert abs(from_b - 0.25) < 0.05
+  assert d.stats["weights"] == pytest.approx([0.75, 0.25])
+  # Default weights: by train size (here equal sizes -> about half each).
+  d2 = build_data(DataConfig(train=[str(fa), str(fb)]), seq_len=SEQ, batch_size=8, seed=0)
+  rows2 = np.concatenate(_take(d2.train_iter(), 50))
+  assert abs(np.mean([bool(set(r.tolist()) & set(b"012345")) for r in rows2]) - 0.5) < 0.06
+  with pytest.raises(DataError, match="one weight per source"):
+    build_data(DataConfig(train=[str(fa), str(fb)], weights=[1.0]), seq_len=SEQ, batch_size=8,
+               seed=0)
+  with pytest.raises(DataError, match="positive"):
+    build_data(DataConfig(train=[str(fa), str(fb)], weights=[1.0, 0.0]), seq_len=SEQ,
+               batch_size=8, seed=0)
+
+
+def test_bin_source_memmap_filter_and_val(tmp_path):
+  rng = np.random.default_rng(3)
+  n = 3 * data_lib.BIN_DOC_TOKENS
+  tokens = rng.integers(0, 50257, size=n).astype(np.uint16)
+  tokens[data_lib.BIN_DOC_TOKENS + 100: data_lib.BIN_DOC_TOKENS + 1000] = 7   # chunk 1: garbage
+  train_f, val_f = tmp_path / "train.bin", tmp_path / "val.bin"
+  tokens.tofile(train_f)
+  tokens[:5000].tofile(val_f)
+  d = build_data(DataConfig(train=str(train_f), val=str(val_f)), seq_len=SEQ, batch_size=BS,
+                 seed=0)
+  assert d.vocab_size == 50304
+  st = d.stats["sources"][0]
+  assert (st["documents"], st["kept"], st["dropped_repeat"]) == (3, 2, 1)
+  rows = np.concatenate(_take(d.train_iter(), 30))
+  windows = np.lib.stride_tricks.sliding_window_view(tokens, SEQ + 1)
+  for row in rows[:8]:
+    starts = np.flatnonzero((windows[:, 0] == row[0]) & (windows[:, 1] == row[1]))
+    assert any((windows[s] == row).all() for s in starts)
+    assert not (starts // data_lib.BIN_DOC_TOKENS == 1).all()   # never from the dropped chunk
+  val = d.val_batches(2)
+  assert val[0]["tokens"].shape == (BS, SEQ + 1)
+  assert all(v["tokens"].max() < 50257 for v in val)
+  with pytest.raises(DataError, match="vocab"):
+    build_data(DataConfig(train=str(train_f), vocab_size=1000), seq_len=SEQ, batch_size=BS,
+               seed=0)
+
+
+def test_garbage_batch():
+  rep = garbage_batch("repeat", 3, 8, 256, seed=0)["tokens"]
+  assert rep.shape == (3, 9) and rep.dtype == np.int32 and len(np.unique(rep)) == 1
+  rnd = garbage_batch("random", 3, 8, 256, seed=0)["tokens"]
+  assert rnd.shape == (3, 9) and rnd.min() >= 0 and rnd.max() < 256 and len(np.unique(rnd)) > 10
+  np.testing.assert_array_equal(rnd, garbage_batch("random", 3, 8, 256, seed=0)["tokens"])
+  with pytest.raises(ValueError, match="repeat"):
+    garbage_batch("zeros", 3, 8, 256, seed=0)
+
+
+def _err(cfg, seq_len=SEQ):
+  with pytest.raises(DataError) as e:
+    build_data(cfg, seq_len=seq_len, batch_size=BS, seed=0)
+  msg = str(e.value)
+  assert "\n" not in msg and ":" in msg
+  return msg
+
+
+def test_data_errors(tmp_path):
+  assert "does not exist" in _err(DataConfig(train=str(tmp_path / "nope.txt")))
+  assert "does not exist" in _err(DataConfig(val=str(tmp_path / "nope.txt")))
+  empty = tmp_path / "empty.txt"
+  empty.write_bytes(b"")
+  assert "is empty" in _err(DataConfig(train=str(empty)))
+  broken = tmp_path / "broken"
+  broken.mkdir()
+  (broken / "ok.txt").write_bytes(b"hello world " * 100)
+  os.symlink(tmp_path / "missing-target", broken / "dangling.txt")
+  assert "cannot read" in _err(DataConfig(train=str(broken)))
+  no_text = tmp_path / "notext"
+  no_text.mkdir()
+  (no_text / "x.dat").write_bytes(b"abc")
+  assert "no text files" in _err(DataConfig(train=str(no_text)))
+  odd = tmp_path / "odd.bin"
+  odd.write_bytes(b"\x01\x02\x03")
+  assert "odd byte count" in _err(DataConfig(train=str(odd)))
+  short = tmp_path / "short.txt"
+  short.write_bytes(b"tiny corpus\n")
+  assert "seq_len" in _err(DataConfig(train=str(short)))
+  assert "seq_len" in _err(DataConfig(train=str(short), val="pydoc"))
+  bin_ok = tmp_path / "ok.bin"
+  np.arange(1000, dtype=np.uint16).tofile(bin_ok)
+  assert "mixes .bin" in _err(DataConfig(train=[str(bin_ok), "pydoc"]))
+  assert "val_fraction" in _err(DataConfig(val_fraction=0.0))
+  assert "empty list" in _err(DataConfig(train=[]))
