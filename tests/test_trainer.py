@@ -80,7 +80,7 @@ def test_one_and_four_devices_agree(clean_run, tmp_path):
 
 
 BAD_INPUTS = [
-    (["--set", "train.stepz=3"], "unknown config key 'train.stepz'"),
+    (["--set", "train.stepz=3"], "train.stepz"),
     (["--set", "train.steps=\"many\""], "train.steps"),
     (["--set", "optimizer.learning_rate=-0.1"], "optimizer.learning_rate=-0.1 must be > 0"),
     (["--set", "data.train=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
@@ -111,3 +111,18 @@ def test_empty_data_file_exits_2(tmp_path):
   result = run_subprocess(tmp_path / "run", f"data.train=\"{empty}\"")
   assert result.returncode == 2
   assert str(empty) in result.stderr and "Traceback" not in result.stderr
+
+
+def test_unknown_key_in_config_file_exits_2(tmp_path):
+  import subprocess
+  import sys
+
+  from trainer_utils import ROOT, TRAIN
+  config = tmp_path / "bad.json"
+  config.write_text(json.dumps({"train": {"steps": 10, "learnin_rate": 0.1}}))
+  result = subprocess.run([sys.executable, str(TRAIN), "--config", str(config), "--out", str(tmp_path / "run")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("error: unknown config key 'train.learnin_rate': valid keys here are "
+                                   + result.stderr.split("valid keys here are ")[1].strip())
+  assert "steps" in result.stderr and "Traceback" not in result.stderr
