@@ -286,8 +286,9 @@ class StabilityMonitor:
 
   Feed it one train record every log interval with :meth:`update`; it returns
   new warning lines: a gradient health level entered (once, not repeated while
-  the level stays), the return to healthy, and (rate-limited to once per
-  ``advice_every`` steps) a stability score below ``score_target`` together
+  the level stays), the return to healthy, and (once a full ``window`` of steps
+  has been seen, then at most once per ``advice_every`` steps) a stability
+  score below ``score_target`` together
   with the troubleshooting advice, or a fired table row on its own.
 
   Counters (``zclip/spike_count``, ``zclip/clip_count``,
@@ -484,8 +485,8 @@ class StabilityMonitor:
     score = stability_score(rates)
     advice = troubleshooting_advice(rates, self._loss_plateau())
     below = score < self.score_target
-    if not below and not advice:
-      return []
+    if (not below and not advice) or self._clock < self.window:
+      return []  # rates over less than a window are too noisy to advise on
     if (self._last_advice_clock is not None
         and self._clock - self._last_advice_clock < self.advice_every):
       return []
