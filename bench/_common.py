@@ -1,0 +1,228 @@
+"""Shared bench helpers: the machine banner, configs, interleaved timing, tables.
+
+Every bench prints :func:`machine_lines` first, so a number is never separated from the machine
+it was measured on. Timings are medians over many repeats *after* compilation; compile time is
+measured on its own (``jit(...).lower(...).compile()``). Two or more variants are timed
+interleaved (A, B, A, B, ...) so that load from other processes on a shared machine hits all of
+them alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from stablejax.training.config import Config, config_from_dict
+
+
+# ----------------------------------------------------------------------------- machine
+
+
+def cpu_model() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def machine_lines() -> list[str]:
+  dev = jax.devices()[0]
+  try:
+    usable = len(os.sched_getaffinity(0))
+  except AttributeError:
+    usable = os.cpu_count()
+  try:
+    load = "load average %.2f %.2f %.2f" % os.getloadavg()
+  except OSError:
+    load = "load average n/a"
+  return [
+      f"machine: {platform.system()} {platform.machine()}, CPU {cpu_model()}, "
+      f"{os.cpu_count()} cores ({usable} usable), {load}",
+      f"jax {jax.__version__}, optax {optax.__version__}, backend {jax.default_backend()}, "
+      f"{jax.device_count()} x {dev.device_kind}, python {platform.python_version()}",
+  ]
+
+
+def print_machine() -> None:
+  for line in machine_lines():
+    print(line)
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+  out = copy.deepcopy(base)
+  for k, v in extra.items():
+    if isinstance(v, dict) and isinstance(out.get(k), dict):
+      out[k] = deep_merge(out[k], v)
+    else:
+      out[k] = copy.deepcopy(v)
+  return out
+
+
+def make_config(*parts: dict) -> Config:
+  raw: dict = {}
+  for part in parts:
+    raw = deep_merge(raw, part)
+  return config_from_dict(raw)
+
+
+# Every stability layer off: build_optimizer then gives chain(clip_by_global_norm?, main, lr_scale).
+NO_STABILITY = {"zclip": False, "adagc": False, "skip_nonfinite": False, "skip_spikes": False,
+                "recovery": False}
+
+
+def plain_adamw_chain(cfg: Config, max_grad_norm: float | None = 1.0):
+  """`clip_by_global_norm + AdamW`, the plain optax setup, with the trainer's LR schedule.
+
+  The trailing `inject_hyperparams(scale)(1.0)` is the trainer's LR-backoff multiplier
+  (`stablejax.training.optim`); the train step reads it, and the stability stack carries the same
+  one, so both sides of a comparison pay for it.
+  """
+  from stablejax.training.optim import lr_schedule
+  o = cfg.optimizer
+  parts = [] if max_grad_norm is None else [optax.clip_by_global_norm(max_grad_norm)]
+  parts += [optax.adamw(lr_schedule(cfg, o.learning_rate), b1=o.b1, b2=o.b2, eps=o.eps,
+                        weight_decay=o.adam_weight_decay),
+            optax.inject_hyperparams(optax.scale)(step_size=1.0)]
+  return optax.with_extra_args_support(optax.chain(*parts))
+
+
+# ----------------------------------------------------------------------------- train steps
+
+
+class CompiledStep:
+  """The trainer's `train_step` for one optimizer, jitted (with donation) and compiled.
+
+  Uses `stablejax.training.step.make_train_step` and `stablejax.training.model.GPT`, i.e. exactly
+  the step `train.py` runs, on one device.
+  """
+
+  def __init__(self, cfg: Config, tx, batch: dict, seed: int = 0):
+    from stablejax.training.model import GPT
+    from stablejax.training.optim import lr_schedule
+    from stablejax.training.step import TrainState, make_train_step
+    self.cfg, self.tx = cfg, tx
+    model = GPT(cfg.model)
+
+    def init(rng):
+      params = model.init(rng, jnp.zeros((1, cfg.train.seq_len), jnp.int32))["params"]
+      return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+
+    self.state = jax.jit(init)(jax.random.PRNGKey(seed))
+    step = make_train_step(model, tx, cfg, lr_schedule(cfg, 1.0))
+    t0 = time.perf_counter()
+    self.compiled = jax.jit(step, donate_argnums=0).lower(self.state, batch).compile()
+    self.compile_seconds = time.perf_counter() - t0
+    self.batch = batch
+    self.last_metrics = None
+
+  def run(self, n: int) -> float:
+    """Runs `n` steps back to back (dispatch is asynchronous), waits, returns seconds per step."""
+    t0 = time.perf_counter()
+    state, metrics = self.state, None
+    for _ in range(n):
+      state, metrics = self.compiled(state, self.batch)
+    jax.block_until_ready((state, metrics))
+    dt = (time.perf_counter() - t0) / n
+    self.state, self.last_metrics = state, metrics
+    return dt
+
+
+def fixed_batch(cfg: Config, seed: int = 0) -> dict:
+  """One real batch of the embedded corpus in the trainer's layout (grad_accum, B, T + 1)."""
+  from stablejax.training.data import build_data
+  t = cfg.train
+  data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed)
+  tokens = np.asarray(next(data.train_iter())["tokens"], np.int32)
+  tokens = tokens.reshape(t.grad_accum, t.batch_size // t.grad_accum, tokens.shape[1])
+  return {"tokens": jnp.asarray(tokens), "grad_scale": jnp.float32(1.0)}
+
+
+def interleaved(runners: dict[str, Callable[[], float]], rounds: int, warmup: int = 1
+                ) -> dict[str, list[float]]:
+  """Calls each runner in turn (A, B, A, B, ...) `rounds` times after `warmup` untimed rounds."""
+  for _ in range(warmup):
+    for fn in runners.values():
+      fn()
+  times: dict[str, list[float]] = {name: [] for name in runners}
+  for _ in range(rounds):
+    for name, fn in runners.items():
+      times[name].append(fn())
+  return times
+
+
+def median(xs: Sequence[float]) -> float:
+  return statistics.median(xs)
+
+
+def quartiles(xs: Sequence[float]) -> tuple[float, float]:
+  q = np.percentile(np.asarray(xs), [25, 75])
+  return float(q[0]), float(q[1])
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> tuple[float, float, float]:
+  """Median and quartiles of the per-round ratios num[i] / den[i] (pairs share machine load)."""
+  r = np.asarray(num) / np.asarray(den)
+  q = np.percentile(r, [25, 50, 75])
+  return float(q[1]), float(q[0]), float(q[2])
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+  cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+  lines = []
+  for j, row in enumerate(cells):
+    lines.append("  ".join(c.rjust(w) if j and _numeric(c) else c.ljust(w)
+                           for c, w in zip(row, widths)).rstrip())
+    if j == 0:
+      lines.append("  ".join("-" * w for w in widths))
+  return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Sequence[Any]], headers: Sequence[str]) -> str:
+  lines = ["| " + " | ".join(map(str, headers)) + " |",
+           "|" + "|".join("---" for _ in headers) + "|"]
+  lines += ["| " + " | ".join(_fmt(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def _fmt(c: Any) -> str:
+  if isinstance(c, float):
+    if c != c:
+      return "nan"
+    if abs(c) >= 1000:
+      return f"{c:,.0f}"
+    if abs(c) >= 10:
+      return f"{c:.1f}"
+    return f"{c:.3f}"
+  return str(c)
+
+
+def _numeric(s: str) -> bool:
+  try:
+    float(s.replace(",", "").rstrip("x%"))
+    return True
+  except ValueError:
+    return False
+
+
+def ms(seconds: float) -> str:
+  return f"{seconds * 1e3:.2f} ms"

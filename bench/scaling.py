@@ -1,0 +1,140 @@
+"""FSDP on 1, 2 and 4 simulated devices: the same losses, and per-device memory falling as 1/N.
+
+Usage:
+  python bench/scaling.py               # configs/default.json (Muon + stack), 6 steps per N
+  python bench/scaling.py --quick       # a smaller model, 3 steps
+  python bench/scaling.py --devices 1,2,4,8
+
+For each N a subprocess runs with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the
+trainer (`stablejax.training.loop.Run`, i.e. train.py) with ``mesh.fsdp=N, mesh.data=1``: the
+global batch is split over the N devices and every parameter and optimizer-state array is sharded
+over the fsdp axis (its largest axis that N divides; arrays with no such axis stay replicated).
+After training, it sums ``shard.data.nbytes`` over the ``addressable_shards`` that live on each
+device, for the parameters and the optimizer state, and reports the largest device. The train
+losses of every step are compared with N=1 (same seed, same data; only the reduction order of
+the sharded sums differs). The simulated devices share this machine's cores, so step times say
+nothing about real scaling and are not reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+DEFAULT_CONFIG = ROOT / "configs" / "default.json"
+QUICK_MODEL = {"model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
+               "train": {"seq_len": 64, "batch_size": 8}}
+
+
+def per_device_bytes(tree) -> dict:
+  """Bytes held on each device by the shards of the arrays in `tree`."""
+  import jax
+  out: dict = {}
+  for leaf in jax.tree.leaves(tree):
+    if not isinstance(leaf, jax.Array):
+      continue
+    for shard in leaf.addressable_shards:
+      out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+  return out
+
+
+def child(n: int, steps: int, quick: bool, out: str) -> None:
+  import jax
+  from bench import _common
+  from stablejax.training.loop import Run
+
+  assert jax.device_count() == n, (jax.device_count(), n)
+  base = json.loads(DEFAULT_CONFIG.read_text())
+  if quick:
+    base = _common.deep_merge(base, QUICK_MODEL)
+  cfg = _common.make_config(base, {
+      "mesh": {"fsdp": n, "data": 1},
+      "train": {"steps": steps, "warmup_steps": 1, "log_every": 1, "eval_every": steps,
+                "eval_batches": 2, "peak_flops_per_device": 1e12},
+      "checkpoint": {"every": steps, "async_save": False},
+      "logging": {"progress": False, "tensorboard": False, "histogram_every": 0,
+                  "activation_every": 0}})
+  with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    run = Run(cfg, Path(out), fresh=True)
+    code = run.train()
+  records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+  losses = [r["loss"] for r in records if "loss" in r]
+  params = per_device_bytes(run.state.params)
+  opt = per_device_bytes(run.state.opt_state)
+  total_params = sum(x.nbytes for x in jax.tree.leaves(run.state.params))
+  total_opt = sum(x.nbytes for x in jax.tree.leaves(run.state.opt_state) if isinstance(x, jax.Array))
+  print(json.dumps({
+      "n": n, "exit_code": code, "losses": losses, "val_loss": run.last_val_loss,
+      "mesh": dict(run.mesh.shape), "params_bytes": params, "opt_bytes": opt,
+      "global_params_bytes": total_params, "global_opt_bytes": total_opt,
+      "optimizer": cfg.optimizer.name}))
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true")
+  p.add_argument("--devices", default="1,2,4")
+  p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  steps = args.steps or (3 if args.quick else 6)
+  if args.child is not None:
+    child(args.child, steps, args.quick, args.child_out)
+    return 0
+
+  from bench import _common
+  _common.print_machine()
+  counts = [int(x) for x in args.devices.split(",")]
+  results = {}
+  with tempfile.TemporaryDirectory(prefix="stablejax_scaling_") as tmp:
+    for n in counts:
+      env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n}")
+      cmd = [sys.executable, __file__, "--child", str(n), "--steps", str(steps),
+             "--child-out", os.path.join(tmp, f"n{n}")] + (["--quick"] if args.quick else [])
+      proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=ROOT)
+      if proc.returncode != 0:
+        print(f"N={n} failed:\n{proc.stderr[-3000:]}")
+        return 1
+      results[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+
+  first = results[counts[0]]
+  base = json.loads(DEFAULT_CONFIG.read_text())
+  m = _common.deep_merge(base, QUICK_MODEL if args.quick else {})["model"]
+  print(f"model: GPT d_model {m['d_model']}, {m['n_layers']} layers, optimizer "
+        f"{first['optimizer']} with the stability stack; {steps} steps; global params "
+        f"{first['global_params_bytes'] / 2**20:.2f} MiB, optimizer state "
+        f"{first['global_opt_bytes'] / 2**20:.2f} MiB")
+  print()
+  rows = []
+  ref_loss = first["losses"]
+  ref_total = max(first["params_bytes"].values()) + max(first["opt_bytes"].values())
+  for n in counts:
+    r = results[n]
+    pmax, omax = max(r["params_bytes"].values()), max(r["opt_bytes"].values())
+    diff = max(abs(a - b) for a, b in zip(r["losses"], ref_loss))
+    rows.append([n, str(r["mesh"]), r["exit_code"], f"{r['losses'][-1]:.6f}", f"{diff:.2e}",
+                 f"{pmax / 2**20:.3f}", f"{omax / 2**20:.3f}", f"{(pmax + omax) / 2**20:.3f}",
+                 f"{(pmax + omax) / ref_total:.3f}", f"{counts[0] / n:.3f}"])
+  print(_common.table(rows, ["N", "mesh", "exit", f"loss step {steps}", "max |dloss| vs N=1",
+                             "params MiB/dev", "opt MiB/dev", "total MiB/dev", "total vs N=1",
+                             "ideal 1/N"]))
+  print()
+  print("losses per step: " + "; ".join(
+      f"N={n}: " + ", ".join(f"{x:.5f}" for x in results[n]["losses"]) for n in counts))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

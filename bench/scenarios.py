@@ -1,0 +1,382 @@
+"""Stability scenarios x defences: which setups survive which failures, on the same seeds and data.
+
+Usage:
+  python bench/scenarios.py                 # full matrix, 200 steps per run, 2 runs in parallel
+  python bench/scenarios.py --quick         # 60 steps per run (a smoke run of the whole matrix)
+  python bench/scenarios.py --jobs 1 --scenarios clean,nan_grads --defences none,stablejax
+
+Every run is a real trainer run (`stablejax.training.loop.Run`: the jitted train step, the data
+pipeline, evaluation, checkpoints, monitoring and recovery) of a small GPT on the embedded corpus
+(`pydoc`), same seed and data order in every cell. Each defence is a trainer config
+(`stability.*` and `optimizer.name`), except `optax.apply_if_finite`, which is no trainer option
+and is swapped in as the run's optimizer before compilation (the same step and loop run it).
+
+Defences (all AdamW unless named; only `stablejax` and `stablejax+muon` roll back):
+  none             plain AdamW, nothing else
+  clip1            optax.clip_by_global_norm(1.0) + AdamW
+  apply_if_finite  optax.apply_if_finite(AdamW, max_consecutive_errors=16)
+  zclip            stablejax.zclip + AdamW
+  adagc            stablejax.adagc + AdamW
+  spike_skip       stablejax.skip_spikes(AdamW)
+  stablejax        skip_nonfinite(skip_spikes(hybrid_clip + AdamW)) + rollback recovery
+  stablejax+muon   the same around outlier-safe Muon (the trainer's default optimizer)
+
+Scenarios: clean; lr10x (every learning rate x10); garbage (a batch of one repeated byte every
+`--garbage-every` steps); nan_grads (gradients multiplied by NaN at 6 random steps); fp16_aggressive
+(fp16 compute, loss scale 2**16 growing x2 every 100 steps) and fp16_conservative (2**10, x1.5
+every 200); bf16_params (parameters stored in bfloat16, LR / 10) with its fp32 reference
+fp32_small_lr; postln_deep and preln_deep (8 layers, Post-LN vs Pre-LN).
+
+Columns: status (ok: finished with a finite val loss; nan: finished with NaN/Inf; gave_up: the
+trainer stopped after its rollback budget, exit 3; crashed: an exception), final val loss (the last
+evaluation), spikes (loss-spike events on normal batches: a logged loss that is non-finite or more
+than 25% above the median of the previous 20 logged losses; consecutive spiking steps count once;
+the injected garbage batches' own losses are not counted), skipped steps (every skip the optimizer
+made, also on trajectories later rolled back), rollbacks, wall seconds of the whole run (with
+compilation) and the median milliseconds per train step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import contextlib
+import csv
+import io
+import json
+import math
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from bench import _common  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+LR = 3e-3          # AdamW (and the Muon run's AdamW groups)
+MUON_LR = 0.01     # Muon matrices
+
+BASE = {
+    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
+              "compute_dtype": "float32"},
+    "data": {"train": "pydoc"},
+    "optimizer": {"name": "adamw", "learning_rate": LR},
+    "stability": {"zclip_warmup_steps": 25, "adagc_warmup_steps": 50, "spike_window": 64,
+                  "spike_min_history": 32},
+    "train": {"batch_size": 8, "seq_len": 64, "seed": 0, "eval_batches": 4, "log_every": 1,
+              "peak_flops_per_device": 1e11},
+    "checkpoint": {"keep": 2},
+    "logging": {"tensorboard": False, "progress": False, "histogram_every": 0},
+}
+
+OFF = _common.NO_STABILITY
+DEFENCES = {
+    "none": {"stability": {**OFF, "max_grad_norm": None}},
+    "clip1": {"stability": {**OFF, "max_grad_norm": 1.0}},
+    "apply_if_finite": {"stability": {**OFF, "max_grad_norm": None}},  # + tx swap, see below
+    "zclip": {"stability": {**OFF, "zclip": True}},
+    "adagc": {"stability": {**OFF, "adagc": True}},
+    "spike_skip": {"stability": {**OFF, "max_grad_norm": None, "skip_spikes": True}},
+    "stablejax": {},
+    "stablejax+muon": {"optimizer": {"name": "muon", "learning_rate": MUON_LR,
+                                     "adam_learning_rate": LR, "embedding_learning_rate": LR,
+                                     "head_learning_rate": LR}},
+}
+
+DEEP = {"model": {"n_layers": 8}}
+SCENARIOS = {
+    "clean": {},
+    "lr10x": {"lr_factor": 10.0},
+    "garbage": {"garbage": True},
+    "nan_grads": {"nan": True},
+    "fp16_aggressive": {"model": {"compute_dtype": "float16"},
+                        "stability": {"loss_scale_init": 65536.0, "loss_scale_growth_factor": 2.0,
+                                      "loss_scale_growth_interval": 100}},
+    "fp16_conservative": {"model": {"compute_dtype": "float16"}},
+    "bf16_params": {"model": {"param_dtype": "bfloat16"}, "lr_factor": 0.1},
+    "fp32_small_lr": {"lr_factor": 0.1},
+    "postln_deep": {"model": {"n_layers": 8, "post_ln": True}},
+    "preln_deep": DEEP,
+}
+# The fp32 reference of bf16_params only needs to show what the same LR does without underflow.
+SCENARIO_DEFENCES = {"fp32_small_lr": ("none", "stablejax")}
+
+
+def scenario_config(scenario: str, defence: str, steps: int, garbage_every: int) -> dict:
+  spec = dict(SCENARIOS[scenario])
+  lr_factor = spec.pop("lr_factor", 1.0)
+  garbage, nan = spec.pop("garbage", False), spec.pop("nan", False)
+  raw = _common.deep_merge(BASE, DEFENCES[defence])
+  raw = _common.deep_merge(raw, spec)
+  warmup = max(2, steps // 10)
+  raw["train"].update(steps=steps, warmup_steps=warmup, eval_every=max(1, steps // 2))
+  raw["checkpoint"]["every"] = max(1, steps // 4)
+  raw["logging"]["activation_every"] = max(1, steps // 4)  # the parameter-movement check
+  for key in ("learning_rate", "adam_learning_rate", "embedding_learning_rate",
+              "head_learning_rate"):
+    if key in raw["optimizer"]:
+      raw["optimizer"][key] *= lr_factor
+  faults = {}
+  if garbage:
+    faults["garbage_batch_steps"] = list(range(2 * warmup, steps, garbage_every))
+  if nan:
+    import random
+    faults["nan_grad_steps"] = sorted(random.Random(0).sample(range(warmup, steps), 6))
+  raw["faults"] = faults
+  return raw
+
+
+def optax_apply_if_finite(cfg, main_tx):
+  import optax
+  return optax.with_extra_args_support(optax.apply_if_finite(
+      optax.chain(main_tx, optax.inject_hyperparams(optax.scale)(step_size=1.0)),
+      max_consecutive_errors=16))
+
+
+TX_SWAPS = {"apply_if_finite": optax_apply_if_finite}
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def _optax_skips(opt_state) -> int:
+  import jax
+  import optax
+  found = [int(s.total_notfinite) for s in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState))
+      if isinstance(s, optax.ApplyIfFiniteState)]
+  return sum(found)
+
+
+def count_spikes(losses: list[tuple[int, float]], fault_steps: set[int], window: int = 20,
+                 rel: float = 1.25) -> int:
+  """Spike events in a logged loss sequence (file order, so rolled-back steps are included)."""
+  history: list[float] = []
+  events, inside = 0, False
+  for step, loss in losses:
+    if step in fault_steps:
+      continue
+    spiking = not math.isfinite(loss) or (
+        len(history) >= window and loss > rel * statistics.median(history[-window:]))
+    if spiking and not inside:
+      events += 1
+    inside = spiking
+    if math.isfinite(loss) and not spiking:
+      history.append(loss)
+  return events
+
+
+def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir: str) -> dict:
+  """Runs one cell in this process; returns its row and loss curve."""
+  from stablejax.training.config import config_from_dict
+  from stablejax.training.loop import Run
+
+  raw = scenario_config(scenario, defence, steps, garbage_every)
+  out = Path(workdir) / f"{scenario}__{defence}"
+  result = {"scenario": scenario, "defence": defence, "status": "crashed", "val_loss": None,
+            "spikes": None, "skipped": None, "rollbacks": None, "wall_s": None, "ms_step": None,
+            "curve": [], "error": ""}
+  t0 = time.time()
+  log = io.StringIO()
+  try:
+    cfg = config_from_dict(raw)
+    swap = TX_SWAPS.get(defence)
+
+    class SwappedRun(Run):
+      def _compile(self):
+        if swap is not None:
+          self.tx = swap(self.cfg, self.main_tx)
+        super()._compile()
+
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+      run = SwappedRun(cfg, out, fresh=True)
+      code = run.train()
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+               if line.strip()]
+    train = [r for r in records if "loss" in r and "step" in r]
+    faults = set(raw["faults"].get("garbage_batch_steps", []))
+    losses = [(r["step"], float(r["loss"])) for r in train]
+    skipped = sum(1 for r in train if any(k.endswith("/skipped") and v for k, v in r.items()))
+    skipped += _optax_skips(run.state.opt_state)
+    val = summary.get("final_val_loss")
+    if code == 3:
+      status = "gave_up"
+    elif code == 0 and val is not None and math.isfinite(val):
+      status = "ok"
+    elif code == 0:
+      status = "nan"
+    else:
+      status = f"exit_{code}"
+    step_times = [cfg.train.batch_size * cfg.train.seq_len / r["tokens_per_sec"]
+                  for r in train[1:] if r.get("tokens_per_sec")]
+    result.update(status=status, val_loss=val, spikes=count_spikes(losses, faults),
+                  skipped=skipped, rollbacks=summary["rollbacks"],
+                  wall_s=summary["wall_seconds"],
+                  ms_step=1e3 * statistics.median(step_times) if step_times else None,
+                  curve=losses, warnings=sum(1 for r in records if r.get("event") == "warning"))
+  except Exception as e:  # a crashed cell is a result, not the end of the matrix
+    result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    result["wall_s"] = time.time() - t0
+    log.write(traceback.format_exc())
+  finally:
+    (Path(workdir) / f"{scenario}__{defence}.log").write_text(log.getvalue())
+    shutil.rmtree(out, ignore_errors=True)
+  return result
+
+
+def _worker_init(cache_dir: str | None) -> None:
+  if cache_dir:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+HEADERS = ["scenario", "defence", "status", "val_loss", "spikes", "skipped", "rollbacks",
+           "wall_s", "ms_step"]
+
+
+def _row(r: dict) -> list:
+  def num(x, fmt):
+    return "-" if x is None else (fmt % x if isinstance(x, float) else str(x))
+  return [r["scenario"], r["defence"], r["status"], num(r["val_loss"], "%.4f"), num(r["spikes"], "%d"),
+          num(r["skipped"], "%d"), num(r["rollbacks"], "%d"), num(r["wall_s"], "%.1f"),
+          num(r["ms_step"], "%.1f")]
+
+
+def write_csv(results: list[dict], path: Path, machine: list[str]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w", newline="") as f:
+    for line in machine:
+      f.write(f"# {line}\n")
+    w = csv.writer(f)
+    w.writerow(HEADERS + ["error"])
+    for r in results:
+      w.writerow(_row(r) + [r["error"]])
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  scenarios = list(dict.fromkeys(r["scenario"] for r in results))
+  defences = list(dict.fromkeys(r["defence"] for r in results))
+  colors = {d: plt.cm.tab10(i % 10) for i, d in enumerate(defences)}
+  cols = 3
+  rows = math.ceil(len(scenarios) / cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.2 * rows), squeeze=False)
+  for ax, scenario in zip(axes.flat, scenarios):
+    for r in results:
+      if r["scenario"] != scenario or not r["curve"]:
+        continue
+      y = np.array([loss for _, loss in r["curve"]], float)
+      x = np.arange(len(y))  # logged order: a rollback shows as extra steps, not a jump back
+      k = 5
+      smooth = np.convolve(np.where(np.isfinite(y), y, np.nan), np.ones(k) / k, mode="valid")
+      ax.plot(x[k - 1:], smooth, lw=1, color=colors[r["defence"]],
+              label=f"{r['defence']} ({r['status']})")
+      bad = ~np.isfinite(y)
+      if bad.any():
+        first = int(np.argmax(bad))
+        ax.axvline(first, color=colors[r["defence"]], ls=":", lw=0.8)
+    ax.set_title(scenario, fontsize=9)
+    ax.set_ylim(1.5, 6.5)
+    ax.set_xlabel("logged train step (incl. replays after rollback)", fontsize=7)
+    ax.set_ylabel("train loss (5-step mean)", fontsize=7)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6)
+  for ax in list(axes.flat)[len(scenarios):]:
+    ax.axis("off")
+  fig.suptitle(title, fontsize=9)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="60 steps per run instead of 200")
+  p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--jobs", type=int, default=2, help="runs in parallel (separate processes)")
+  p.add_argument("--scenarios", default=",".join(SCENARIOS))
+  p.add_argument("--defences", default=",".join(DEFENCES))
+  p.add_argument("--garbage-every", type=int, default=None)
+  p.add_argument("--no-cache", action="store_true",
+                 help="no shared persistent compilation cache between the runs")
+  p.add_argument("--out", default=None, help="CSV/PNG directory (default bench/results, "
+                 "or a temporary directory with --quick)")
+  args = p.parse_args(argv)
+  steps = args.steps or (60 if args.quick else 200)
+  garbage_every = args.garbage_every or max(5, steps // 10)
+  scenarios = [s for s in args.scenarios.split(",") if s]
+  defences = [d for d in args.defences.split(",") if d]
+  for name in scenarios:
+    if name not in SCENARIOS:
+      p.error(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")
+  for name in defences:
+    if name not in DEFENCES:
+      p.error(f"unknown defence {name!r}: choose from {', '.join(DEFENCES)}")
+  cells = [(s, d) for s in scenarios for d in defences if d in SCENARIO_DEFENCES.get(s, defences)]
+  out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
+
+  machine = _common.machine_lines()
+  for line in machine:
+    print(line)
+  m = BASE["model"]
+  setting = (f"GPT d_model {m['d_model']}, {m['n_layers']} layers (deep: 8), seq "
+             f"{BASE['train']['seq_len']}, batch {BASE['train']['batch_size']}, {steps} steps, "
+             f"AdamW LR {LR:g} (Muon {MUON_LR:g}), data pydoc, seed 0; {len(cells)} runs, "
+             f"{args.jobs} in parallel")
+  print(setting)
+  sys.stdout.flush()
+
+  workdir = tempfile.mkdtemp(prefix="stablejax_scenarios_")
+  cache_dir = None if args.no_cache else os.path.join(workdir, "xla_cache")
+  t0 = time.time()
+  results: dict[tuple[str, str], dict] = {}
+  ctx = multiprocessing.get_context("spawn")
+  with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
+                                   initializer=_worker_init, initargs=(cache_dir,)) as pool:
+    jobs = {pool.submit(run_one, s, d, steps, garbage_every, workdir): (s, d) for s, d in cells}
+    for job in futures.as_completed(jobs):
+      r = job.result()
+      results[jobs[job]] = r
+      extra = f"  {r['error']}" if r["error"] else ""
+      print(f"[{time.time() - t0:6.0f}s] " + " ".join(map(str, _row(r))) + extra, flush=True)
+  ordered = [results[c] for c in cells]
+  total = time.time() - t0
+
+  print()
+  print(_common.table([_row(r) for r in ordered], HEADERS))
+  print(f"\n{len(cells)} runs in {total:.0f}s wall ({args.jobs} in parallel).")
+  fails = [r for r in ordered if r["error"]]
+  for r in fails:
+    print(f"crashed: {r['scenario']} / {r['defence']}: {r['error']} "
+          f"(log: {workdir}/{r['scenario']}__{r['defence']}.log)")
+  if out_dir is not None:
+    write_csv(ordered, out_dir / "scenarios.csv", machine + [setting])
+    plot(ordered, out_dir / "scenarios.png", "; ".join(machine) + "\n" + setting)
+    print(f"wrote {out_dir / 'scenarios.csv'} and {out_dir / 'scenarios.png'}")
+  if not fails:
+    shutil.rmtree(workdir, ignore_errors=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,223 @@
+"""The training hot loop never fetches from the device: metrics are read only at log steps.
+
+Two guards are active in the hot loop:
+- `jax.transfer_guard_device_to_host("disallow")`, which stops fetches on GPU/TPU;
+- a thread-local trap on `jax.Array._value`, the funnel of every implicit fetch of a multi-shard
+  array (`float()`, `int()`, `bool()`, `.item()`, `.tolist()`, `np.asarray`, `jax.device_get`,
+  printing). It is needed because on CPU an array already lives in host memory and the transfer
+  guard never fires; the first test shows the trap catches each kind of fetch here.
+Host-to-device transfers (the batch) stay allowed. The checks run in one subprocess with two
+simulated devices and the trainer's FSDP mesh over both (see `report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import array as jax_array
+
+from stablejax.training.config import config_from_dict
+from stablejax.training.loop import Run
+
+TINY = {
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32,
+              "compute_dtype": "float32"},
+    "data": {"train": "pydoc"},
+    "optimizer": {"name": "muon", "learning_rate": 0.01, "adam_learning_rate": 0.003,
+                  "embedding_learning_rate": 0.003, "head_learning_rate": 0.003},
+    "stability": {"zclip_warmup_steps": 2, "adagc_warmup_steps": 2, "spike_window": 8,
+                  "spike_min_history": 4},
+    "train": {"steps": 12, "batch_size": 4, "seq_len": 32, "warmup_steps": 2, "log_every": 4,
+              "eval_every": 6, "eval_batches": 1, "peak_flops_per_device": 1e12},
+    "checkpoint": {"every": 6, "async_save": False},
+    "mesh": {"data": 1, "fsdp": 2},
+    "logging": {"tensorboard": False, "progress": False, "histogram_every": 0,
+                "activation_every": 0},
+    "faults": {"nan_grad_steps": [3], "garbage_batch_steps": [5]},
+}
+
+
+class HostFetch(AssertionError):
+  pass
+
+
+_local = threading.local()
+_ORIGINAL_VALUE = jax_array.ArrayImpl._value
+
+
+def _trapped_value(self):
+  if getattr(_local, "forbid", False):
+    raise HostFetch(f"device-to-host fetch of a {self.dtype}{list(self.shape)} array in the hot loop")
+  _local.fetches = getattr(_local, "fetches", 0) + 1
+  return _ORIGINAL_VALUE.fget(self)
+
+
+@contextlib.contextmanager
+def hot_loop():
+  """No device-to-host transfer (transfer guard + `_value` trap); host-to-device allowed."""
+  previous = getattr(_local, "forbid", False)
+  _local.forbid = True
+  try:
+    with jax.transfer_guard_device_to_host("disallow"):
+      yield
+  finally:
+    _local.forbid = previous
+
+
+@contextlib.contextmanager
+def fetch_allowed():
+  previous = getattr(_local, "forbid", False)
+  _local.forbid = False
+  try:
+    with jax.transfer_guard_device_to_host("allow"):
+      yield
+  finally:
+    _local.forbid = previous
+
+
+FETCHES = {
+    "float": float, "int": int, "bool": bool, "np.asarray": np.asarray,
+    "jax.device_get": jax.device_get, "str": str, "item": lambda x: x.item(),
+    "tolist": lambda x: x.tolist(), "format": lambda x: f"{x:.3f}",
+}
+
+
+def _trap_catches() -> dict:
+  """For each kind of fetch: was it stopped inside `hot_loop()`?"""
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("d",))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  x = jax.jit(lambda a: a * 2.0, out_shardings=replicated)(jnp.float32(1.5))
+  caught = {}
+  with hot_loop():
+    y = x + 1.0                    # device work is fine
+    jnp.asarray(np.float32(2.0))   # host-to-device is allowed
+    for name, fetch in FETCHES.items():
+      try:
+        fetch(y)
+        caught[name] = False
+      except HostFetch:
+        caught[name] = True
+  caught["value_outside"] = float(y)  # fetching is fine outside
+  return caught
+
+
+def _step_check(run: Run) -> dict:
+  run.train_iter, run.batches_consumed = run.data.train_iter(), 0
+  state = run.init_state(jax.random.PRNGKey(0))
+  batches = [run._next_batch(step) for step in range(6)]  # includes the NaN and garbage steps
+  history = []
+  _local.fetches = 0
+  with hot_loop():
+    for batch in batches:      # compiles on the first call, under the guard too
+      state, metrics = run.train_step(state, batch)
+      history.append(metrics)
+  fetches_inside = _local.fetches
+  return {"fetches_inside": fetches_inside,
+          "losses": [float(m["loss"]) for m in history],   # fetched after the loop
+          "skipped": [bool(m["skip_nonfinite/skipped"]) for m in history],
+          "step": int(state.step),
+          "shards_per_metric": len(history[0]["loss"].addressable_shards)}
+
+
+def _loop_check(run: Run) -> dict:
+  """Run.train() with the whole loop guarded; only the logging/eval/checkpoint hooks may fetch."""
+  allowed_calls = []
+  for name in ("_log", "_evaluate", "_diagnostics", "_save", "_restore_or_init", "_banner",
+               "_finish", "_rollback", "_diverged", "_interrupted"):
+    method = getattr(run, name)
+
+    def wrapped(*args, _method=method, _name=name, **kwargs):
+      allowed_calls.append(_name)
+      with fetch_allowed():
+        return _method(*args, **kwargs)
+    setattr(run, name, wrapped)
+  guarded_steps = []
+  step_fn = run.train_step
+
+  def counted_step(state, batch):
+    guarded_steps.append(bool(getattr(_local, "forbid", False)))
+    return step_fn(state, batch)
+  run.train_step = counted_step
+
+  _local.fetches = 0
+  with hot_loop():
+    code = run.train()
+  return {"exit_code": code, "guarded_steps": guarded_steps, "allowed_calls": allowed_calls,
+          "fetches_in_hooks": _local.fetches,
+          "total_skips": int(run.last_record["skip_nonfinite/total_skips"])}
+
+
+def _child(out: str) -> None:
+  """Runs in a subprocess with 2 simulated devices (see `report`)."""
+  jax_array.ArrayImpl._value = property(_trapped_value)
+  result = {"devices": jax.device_count()}
+  run = Run(config_from_dict(TINY), Path(out) / "run", fresh=True)  # one compile for both checks
+  for name, check in (("trap", _trap_catches), ("step", lambda: _step_check(run)),
+                      ("loop", lambda: _loop_check(run))):
+    try:
+      result[name] = check()
+    except Exception as e:  # reported, so a fetch names the array it touched
+      result[name] = {"error": f"{type(e).__name__}: {e}"}
+  print("REPORT " + json.dumps(result))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+  """One subprocess with 2 simulated CPU devices runs every check.
+
+  Two devices, because a single-device CPU array hands its memory to numpy through the buffer
+  protocol without any Python hook, while the trainer's arrays on a 2-device mesh (FSDP over 2)
+  can only be read through `_value`, which the trap watches.
+  """
+  out = tmp_path_factory.mktemp("no_host_sync")
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True,
+                        text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]
+  assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+  return json.loads(lines[-1][len("REPORT "):])
+
+
+def test_the_trap_catches_every_kind_of_fetch(report):
+  assert report["devices"] == 2
+  trap = report["trap"]
+  assert "error" not in trap, trap
+  assert {name: trap[name] for name in FETCHES} == {name: True for name in FETCHES}
+  assert trap["value_outside"] == 4.0
+
+
+def test_jitted_train_step_runs_many_steps_without_a_fetch(report):
+  step = report["step"]
+  assert "error" not in step, step["error"] if "error" in step else ""
+  assert step["shards_per_metric"] == 2   # so a fetch would have gone through the trap
+  assert step["fetches_inside"] == 0
+  assert all(np.isfinite(step["losses"]))
+  assert step["skipped"] == [False, False, False, True, False, False]  # the NaN-gradient step
+  assert step["step"] == 6
+
+
+def test_training_loop_fetches_only_at_log_eval_and_checkpoint_steps(report):
+  loop = report["loop"]
+  assert "error" not in loop, loop["error"] if "error" in loop else ""
+  t = TINY["train"]
+  assert loop["exit_code"] == 0
+  assert loop["guarded_steps"] == [True] * t["steps"]
+  # one fetch per log step, plus the checkpoint step 6 that is read at once
+  assert loop["allowed_calls"].count("_log") == t["steps"] // t["log_every"] + 1
+  assert loop["allowed_calls"].count("_evaluate") == 2  # step 6 and the final one
+  assert loop["fetches_in_hooks"] > 0
+  assert loop["total_skips"] == 1
+
+
+if __name__ == "__main__":
+  _child(sys.argv[1])
