@@ -112,7 +112,7 @@ def restore_params(run_dir: str | Path,
   import jax
   import orbax.checkpoint as ocp
 
-  from stablejax.training.checkpoint import fingerprint
+  from stablejax.training.checkpoint import fingerprint, fingerprint_matches
 
   directory = (Path(run_dir) / "checkpoints").absolute()
   steps = sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit()) \
@@ -146,8 +146,7 @@ def restore_params(run_dir: str | Path,
           raise ValueError("the saved state has no params")
         expected = meta.get("fingerprint", [math.nan, math.nan])
         actual = [float(v) for v in np.asarray(fingerprint(state))]
-        if not all(math.isfinite(a) and abs(a - e) <= 1e-4 * max(1.0, abs(e))
-                   for e, a in zip(expected, actual)):
+        if not fingerprint_matches(expected, actual):
           raise ValueError("contents do not match the fingerprint saved with it")
         params = jax.tree.map(jax.numpy.asarray, state["params"])
         return RestoredParams(params=params, step=int(meta.get("step", step)),

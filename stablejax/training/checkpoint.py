@@ -38,7 +38,8 @@ def fingerprint(tree) -> jax.Array:
   return jnp.stack([total, squares])
 
 
-def _matches(expected, actual) -> bool:
+def fingerprint_matches(expected, actual) -> bool:
+  """Whether a restored state's fingerprint equals the saved one (relative tolerance 1e-4)."""
   for e, a in zip(expected, actual):
     if not math.isfinite(a) or abs(a - e) > 1e-4 * max(1.0, abs(e)):
       return False
@@ -102,7 +103,7 @@ class Checkpoints:
         )
         state, meta = restored["state"], dict(restored["meta"])
         actual = [float(v) for v in np.asarray(fingerprint(state))]
-        if not _matches(meta.get("fingerprint", [math.nan, math.nan]), actual):
+        if not fingerprint_matches(meta.get("fingerprint", [math.nan, math.nan]), actual):
           raise ValueError("contents do not match the fingerprint saved with it")
         return state, meta
       except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"

@@ -76,7 +76,8 @@ class Run:
     mesh_lib.maybe_initialize_distributed(cfg.mesh)
     self.is_main = jax.process_index() == 0
     if fresh and self.is_main:
-      for name in ("checkpoints", "tensorboard", "metrics.jsonl", "summary.json", "report.png"):
+      for name in ("checkpoints", "tensorboard", "metrics.jsonl", "summary.json", "report.png",
+                   "quantize_eval.json"):
         path = self.out_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
     metrics = {
         "loss": loss,
         "z_loss": z_loss,
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
         "lr": lr_schedule(state.step) * lr_scale,
         "lr_scale": lr_scale,
         "params_finite": all_finite(params),
