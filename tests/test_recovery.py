@@ -13,13 +13,6 @@ import pytest
 from trainer_utils import read_metrics, run_inprocess, run_subprocess, slow, summary, train_losses
 
 
-@pytest.fixture(scope="module")
-def clean_run(tmp_path_factory):
-  out = tmp_path_factory.mktemp("clean")
-  assert run_inprocess(out) == 0
-  return out
-
-
 def checkpoint_params_finite(out: Path) -> bool:
   """Reads every checkpoint on disk with Orbax (no template) and checks each array is finite."""
   import orbax.checkpoint as ocp
@@ -35,14 +28,16 @@ def checkpoint_params_finite(out: Path) -> bool:
 
 
 @slow
-def test_nan_gradients_are_skipped(clean_run, tmp_path):
+def test_nan_gradients_and_a_gradient_spike_are_skipped(clean_run, tmp_path):
   out = tmp_path / "nan"
-  assert run_inprocess(out, "faults.nan_grad_steps=[12, 27]") == 0
+  assert run_inprocess(out, "faults.nan_grad_steps=[12, 27]", "faults.grad_scale_steps=[33]",
+                       "faults.grad_scale_factor=1e6") == 0
   s = summary(out)
-  assert s["skipped_steps"] == 2 and s["rollbacks"] == 0
+  assert s["skipped_steps"] == 3 and s["rollbacks"] == 0
   assert abs(s["final_val_loss"] - summary(clean_run)["final_val_loss"]) < 0.15
   records = [r for r in read_metrics(out) if "skip_nonfinite/total_skips" in r]
   assert records[-1]["skip_nonfinite/total_skips"] == 2
+  assert records[-1]["skip_spikes/total_skips"] == 1
   assert all(r["params_finite"] for r in records)
   assert checkpoint_params_finite(out)
 
@@ -57,15 +52,6 @@ def test_garbage_batch_is_contained(clean_run, tmp_path):
   (rec,) = [r for r in read_metrics(out) if r.get("step") == 26 and "zclip/grad_norm" in r]
   skipped = rec["skip_spikes/skipped"] or rec["skip_nonfinite/skipped"]
   assert skipped or rec["zclip/was_clipped"] or rec["adagc/clipped_fraction"] > 0, rec
-
-
-@slow
-def test_gradient_spike_is_skipped(clean_run, tmp_path):
-  out = tmp_path / "spike"
-  assert run_inprocess(out, "faults.grad_scale_steps=[30]", "faults.grad_scale_factor=1e6") == 0
-  s = summary(out)
-  assert s["skipped_steps"] == 1
-  assert abs(s["final_val_loss"] - summary(clean_run)["final_val_loss"]) < 0.15
 
 
 @slow
