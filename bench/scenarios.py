@@ -32,8 +32,12 @@ trainer stopped after its rollback budget, exit 3; crashed: an exception), final
 evaluation), spikes (loss-spike events on normal batches: a logged loss that is non-finite or more
 than 25% above the median of the previous 20 logged losses; consecutive spiking steps count once;
 the injected garbage batches' own losses are not counted), skipped steps (every skip the optimizer
-made, also on trajectories later rolled back), rollbacks, wall seconds of the whole run (with
-compilation) and the median milliseconds per train step.
+made, also on trajectories later rolled back), rollbacks, warnings (the trainer's monitor:
+gradient health, stability score, and the parameter-movement check that flags bf16 underflow),
+wall seconds of the whole run (with compilation, on a shared machine) and the median milliseconds
+per train step.
+
+`--replot DIR/results.json` rebuilds the table, CSV and PNG from the raw results a run saved.
 """
 
 from __future__ import annotations
@@ -206,7 +210,8 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
                if line.strip()]
     train = [r for r in records if "loss" in r and "step" in r]
-    faults = set(raw["faults"].get("garbage_batch_steps", []))
+    # The batch drawn for step index s is logged as step s + 1 (steps are counted after they run).
+    faults = {s + 1 for s in raw["faults"].get("garbage_batch_steps", [])}
     losses = [(r["step"], float(r["loss"])) for r in train]
     skipped = sum(1 for r in train if any(k.endswith("/skipped") and v for k, v in r.items()))
     skipped += _optax_skips(run.state.opt_state)
@@ -248,14 +253,15 @@ def _worker_init(cache_dir: str | None) -> None:
 
 
 HEADERS = ["scenario", "defence", "status", "val_loss", "spikes", "skipped", "rollbacks",
-           "wall_s", "ms_step"]
+           "warnings", "wall_s", "ms_step"]
 
 
 def _row(r: dict) -> list:
   def num(x, fmt):
     return "-" if x is None else (fmt % x if isinstance(x, float) else str(x))
   return [r["scenario"], r["defence"], r["status"], num(r["val_loss"], "%.4f"), num(r["spikes"], "%d"),
-          num(r["skipped"], "%d"), num(r["rollbacks"], "%d"), num(r["wall_s"], "%.1f"),
+          num(r["skipped"], "%d"), num(r["rollbacks"], "%d"), num(r.get("warnings"), "%d"),
+          num(r["wall_s"], "%.1f"),
           num(r["ms_step"], "%.1f")]
 
 
@@ -307,8 +313,23 @@ def plot(results: list[dict], path: Path, title: str) -> None:
   fig.suptitle(title, fontsize=9)
   fig.tight_layout()
   path.parent.mkdir(parents=True, exist_ok=True)
-  fig.savefig(path, dpi=80)
+  fig.savefig(path, dpi=55)
   plt.close(fig)
+
+
+def report(ordered: list[dict], out_dir, machine: list[str], setting: str, timing: str,
+           workdir: str) -> None:
+  print()
+  print(_common.table([_row(r) for r in ordered], HEADERS))
+  print(f"\n{timing}")
+  fails = [r for r in ordered if r["error"]]
+  for r in fails:
+    print(f"crashed: {r['scenario']} / {r['defence']}: {r['error']} "
+          f"(log: {workdir}/{r['scenario']}__{r['defence']}.log)")
+  if out_dir is not None:
+    write_csv(ordered, out_dir / "scenarios.csv", machine + [setting])
+    plot(ordered, out_dir / "scenarios.png", "; ".join(machine) + "\n" + setting)
+    print(f"wrote {out_dir / 'scenarios.csv'} and {out_dir / 'scenarios.png'}")
 
 
 def main(argv=None) -> int:
@@ -321,6 +342,8 @@ def main(argv=None) -> int:
   p.add_argument("--garbage-every", type=int, default=None)
   p.add_argument("--no-cache", action="store_true",
                  help="no shared persistent compilation cache between the runs")
+  p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
+                 help="only rebuild the table, CSV and PNG from a saved results.json")
   p.add_argument("--out", default=None, help="CSV/PNG directory (default bench/results, "
                  "or a temporary directory with --quick)")
   args = p.parse_args(argv)
@@ -336,6 +359,14 @@ def main(argv=None) -> int:
       p.error(f"unknown defence {name!r}: choose from {', '.join(DEFENCES)}")
   cells = [(s, d) for s in scenarios for d in defences if d in SCENARIO_DEFENCES.get(s, defences)]
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
+  if args.replot:
+    saved = json.loads(Path(args.replot).read_text())
+    header = saved["header"]
+    for line in header["machine"] + [header["setting"]]:
+      print(line)
+    report(saved["results"], Path(args.out) if args.out else RESULTS, header["machine"],
+           header["setting"], header["timing"], str(Path(args.replot).parent))
+    return 0
 
   machine = _common.machine_lines()
   for line in machine:
@@ -363,20 +394,15 @@ def main(argv=None) -> int:
       print(f"[{time.time() - t0:6.0f}s] " + " ".join(map(str, _row(r))) + extra, flush=True)
   ordered = [results[c] for c in cells]
   total = time.time() - t0
+  if cache_dir:
+    shutil.rmtree(cache_dir, ignore_errors=True)
+  raw_path = Path(workdir) / "results.json"
+  timing = f"{len(cells)} runs in {total:.0f}s wall ({args.jobs} in parallel)."
+  raw_path.write_text(json.dumps({"header": {"machine": machine, "setting": setting,
+                                             "timing": timing}, "results": ordered}))
 
-  print()
-  print(_common.table([_row(r) for r in ordered], HEADERS))
-  print(f"\n{len(cells)} runs in {total:.0f}s wall ({args.jobs} in parallel).")
-  fails = [r for r in ordered if r["error"]]
-  for r in fails:
-    print(f"crashed: {r['scenario']} / {r['defence']}: {r['error']} "
-          f"(log: {workdir}/{r['scenario']}__{r['defence']}.log)")
-  if out_dir is not None:
-    write_csv(ordered, out_dir / "scenarios.csv", machine + [setting])
-    plot(ordered, out_dir / "scenarios.png", "; ".join(machine) + "\n" + setting)
-    print(f"wrote {out_dir / 'scenarios.csv'} and {out_dir / 'scenarios.png'}")
-  if not fails:
-    shutil.rmtree(workdir, ignore_errors=True)
+  report(ordered, out_dir, machine, setting, timing, workdir)
+  print(f"raw results with loss curves: {raw_path}")
   return 0
 
 
