@@ -1,7 +1,7 @@
 """Train-step time of outlier-safe Muon over AdamW, next to the analytic Newton-Schulz cost.
 
 Usage:
-  python bench/muon_overhead.py           # configs/default.json model, 20 interleaved rounds
+  python bench/muon_overhead.py           # configs/default.json model, 12 interleaved rounds
   python bench/muon_overhead.py --quick   # a smaller model, 6 rounds
 
 Four trainer train steps (`stablejax.training.step.make_train_step`, jitted with donation) on the
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
   p.add_argument("--rounds", type=int, default=None)
   p.add_argument("--steps-per-call", type=int, default=3)
   args = p.parse_args(argv)
-  rounds = args.rounds or (6 if args.quick else 20)
+  rounds = args.rounds or (6 if args.quick else 12)
 
   base = json.loads(DEFAULT_CONFIG.read_text())  # Muon LRs of the default config
   if args.quick:

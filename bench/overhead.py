@@ -1,7 +1,7 @@
 """Train-step time of the stablejax stability stack over plain `clip_by_global_norm + AdamW`.
 
 Usage:
-  python bench/overhead.py            # configs/default.json model, 30 interleaved rounds
+  python bench/overhead.py            # configs/default.json model, 15 interleaved rounds
   python bench/overhead.py --quick    # a smaller model, 8 rounds, no per-component breakdown
 
 Both sides run the trainer's own jitted `train_step` (`stablejax.training.step.make_train_step`,
@@ -64,9 +64,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true")
   p.add_argument("--rounds", type=int, default=None)
-  p.add_argument("--steps-per-call", type=int, default=5)
+  p.add_argument("--steps-per-call", type=int, default=3)
   args = p.parse_args(argv)
-  rounds = args.rounds or (8 if args.quick else 30)
+  rounds = args.rounds or (8 if args.quick else 15)
 
   base = json.loads(DEFAULT_CONFIG.read_text())
   base["optimizer"] = {"name": "adamw", "learning_rate": 1e-3}
