@@ -149,7 +149,7 @@ SCORE_PENALTY_AT_BUDGET = 0.2
 SCORE_BUDGETS: Mapping[str, float] = {
     "zclip_spike_rate": 0.2,
     "zclip_clip_rate": 0.5,
-    "adagc_clip_rate": 1.0,
+    "adagc_clip_rate": 2.0,
     "muon_outlier_rate": 0.05,
     "muon_ns_instability_rate": 0.05,
     "muon_fallback_rate": 0.01,
