@@ -117,7 +117,11 @@ class MeshConfig:
 
 @dataclasses.dataclass
 class FaultsConfig:
-  """Deliberate faults, for testing that a setup survives them."""
+  """Deliberate faults, for testing that a setup survives them.
+
+  Step numbers are 0-based indices of the step about to run: a fault at step s hits the update
+  that metrics.jsonl logs as step s + 1 (records carry the number of completed steps).
+  """
   nan_grad_steps: list[int] = dataclasses.field(default_factory=list)
   garbage_batch_steps: list[int] = dataclasses.field(default_factory=list)
   garbage_kind: str = "repeat"     # "repeat" (one token repeated) or "random" (random bytes)

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from tqdm import tqdm
 
 import stablejax
@@ -62,6 +63,11 @@ def peak_flops_per_device(cfg: Config) -> float:
   return measured_peak_flops()
 
 
+def _total_skips(record: dict) -> int:
+  """Skipped steps in a metrics record, over every skip wrapper of the chain."""
+  return sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
+
+
 def _fetch(tree) -> dict:
   return {k: np.asarray(v).item() for k, v in jax.device_get(tree).items()}
 
@@ -69,7 +75,11 @@ def _fetch(tree) -> dict:
 class Run:
   """One training run in `out_dir`; `Run(cfg, out_dir, fresh).train()` returns the exit code."""
 
-  def __init__(self, cfg: Config, out_dir: Path, fresh: bool = False):
+  def __init__(self, cfg: Config, out_dir: Path, fresh: bool = False,
+               tx: Optional[optax.GradientTransformationExtraArgs] = None):
+    """`tx` replaces the optimizer the config describes (any optax chain; it must contain one
+    `optax.inject_hyperparams(optax.scale)(step_size=1.0)`, the learning-rate scale that the
+    recovery backs off)."""
     self.cfg = cfg
     self.out_dir = Path(out_dir)
     self.t_start = time.time()
@@ -93,8 +103,8 @@ class Run:
     self.mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
     self.model = GPT(cfg.model)
-    self.main_tx = main_optimizer(cfg)
-    self.tx = build_optimizer(cfg, self.main_tx)
+    self.main_tx = main_optimizer(cfg) if tx is None else None
+    self.tx = build_optimizer(cfg, self.main_tx) if tx is None else tx
     self.schedule = lr_schedule(cfg, 1.0)
     self.bitnet_lambda = None
     if cfg.model.bitnet:
@@ -160,6 +170,7 @@ class Run:
     self.train_iter = self.data.train_iter()
     self.state, meta = self._restore_or_init()
     self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self.abandoned_skips = int(meta.get("abandoned_skips", 0))  # skips on rolled-back branches
     self.lr_scale = float(meta.get("lr_scale", 1.0))
     self.recovery.load_state_dict(meta.get("recovery", {}))
     if meta.get("monitor"):
@@ -255,7 +266,7 @@ class Run:
     record["stability_score"] = self.monitor.score()
     record["health"] = self.monitor.level
     self.log.record(record, stablejax.tensorboard_scalars(record, rates=self.monitor.rates()))
-    skipped = sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
+    skipped = _total_skips(record) + self.abandoned_skips
     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
                     skipped=skipped, refresh=False)
     self.last_record = record
@@ -334,7 +345,7 @@ class Run:
         f"{cfg.train.steps} steps, warmup {cfg.train.warmup_steps}",
         f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
     ]
-    if cfg.optimizer.name == "muon":
+    if cfg.optimizer.name == "muon" and self.main_tx is not None:
       lines.append(stablejax.describe_routing(self.state.params, self.main_tx))
     for line in lines:
       self.log.console(line)
@@ -353,6 +364,7 @@ class Run:
 
   def _meta(self, step: int) -> dict:
     return {"step": step, "batches_consumed": self.batches_consumed, "lr_scale": self.lr_scale,
+            "abandoned_skips": self.abandoned_skips,
             "recovery": self.recovery.state_dict(), "monitor": self.monitor.state_dict(),
             "good": True}
 
@@ -376,7 +388,10 @@ class Run:
   def _rollback(self, step: int, cause: str) -> int:
     """Restores the last good checkpoint with a lower LR and skips the data that led here."""
     failed_batches = self.batches_consumed
+    skipped_before = _total_skips(getattr(self, "last_record", {}))
     self.state, meta = self._restore_or_init()
+    restored_skips = _total_skips(_fetch(stablejax.stability_metrics(self.state.opt_state)))
+    self.abandoned_skips += max(0, skipped_before - restored_skips)
     restored_step = int(meta.get("step", 0))
     self.batches_consumed = int(meta.get("batches_consumed", 0))
     first_skipped = self.batches_consumed
@@ -427,7 +442,7 @@ class Run:
     self.checkpoints.close()
     wall = time.time() - self.t_start
     record = getattr(self, "last_record", {})
-    skipped = sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
+    skipped = _total_skips(record) + self.abandoned_skips
     flops = model_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
     peak = peak_flops_per_device(self.cfg) * jax.device_count()
     summary = {
