@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from stablejax.monitor import StabilityMonitor, health_code
+from stablejax.monitor import StabilityMonitor, _as_float, health_code
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
@@ -72,19 +72,7 @@ def read_metrics(path: Path) -> tuple[list[dict], int]:
   return records, bad
 
 
-_SPECIAL_FLOATS = {"nan": float("nan"), "inf": float("inf"), "infinity": float("inf"),
-                   "-inf": float("-inf"), "-infinity": float("-inf")}
-
-
-def _num(value: Any) -> Optional[float]:
-  if isinstance(value, str):
-    return _SPECIAL_FLOATS.get(value.strip().lower())
-  if value is None:
-    return None
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    return None
+_num = _as_float  # number or None, "NaN"/"Infinity" strings included
 
 
 def _series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
