@@ -229,7 +229,7 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
     m, s = _num(r.get("zclip/ema_mean")), _num(r.get("zclip/ema_std"))
     if m is not None and s is not None and math.isfinite(m) and math.isfinite(s) and m > 0:
       bx.append(r["step"])
-      lo.append(max(m - s, 1e-12))
+      lo.append(max(m - s, 0.1 * m))  # on a log axis a band down to ~0 would swamp the plot
       hi.append(m + s)
   if bx:
     bxs, los = _break_rewinds(bx, lo)
@@ -364,7 +364,8 @@ def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int 
   logged_warnings = [r for r in events if r.get("event") == "warning"]
   out.append(f"logged warnings: {len(logged_warnings)}")
   for r in logged_warnings[:max_lines]:
-    out.append(f"  step {r['step']}: {r.get('cause', '')}")
+    cause = str(r.get("cause", ""))  # monitor warnings already start with "step N:"
+    out.append(f"  {cause}" if cause.startswith("step ") else f"  step {r['step']}: {cause}")
   if len(logged_warnings) > max_lines:
     out.append(f"  ... {len(logged_warnings) - max_lines} more")
   if not logged_warnings and analysis["monitor_warnings"]:

@@ -105,7 +105,8 @@ class Run:
     self.model = GPT(cfg.model)
     self.main_tx = main_optimizer(cfg) if tx is None else None
     self.tx = build_optimizer(cfg, self.main_tx) if tx is None else tx
-    self.schedule = lr_schedule(cfg, 1.0)
+    # Logged as "lr": the main learning rate (Muon's, or AdamW's) with the recovery's backoff.
+    self.schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
     self.bitnet_lambda = None
     if cfg.model.bitnet:
       self.bitnet_lambda = lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
