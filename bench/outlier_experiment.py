@@ -29,7 +29,6 @@ measurement on this setup, not as a verdict on the method.
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import json
 import os
@@ -74,19 +73,10 @@ COLUMNS = ("setup", "steps", "final_val_loss", "excess_kurtosis", "act_max_over_
            "rollbacks", "train_seconds")
 
 
-def _merge(base: dict, extra: dict) -> dict:
-  out = copy.deepcopy(base)
-  for key, value in extra.items():
-    if isinstance(value, dict) and isinstance(out.get(key), dict):
-      out[key] = _merge(out[key], value)
-    else:
-      out[key] = copy.deepcopy(value)
-  return out
-
-
 def setup_config(name: str, steps: int, seed: int) -> dict:
   """The raw config dict of one setup (``config_from_dict`` validates it)."""
-  raw = _merge(BASE, SETUPS[name])
+  from bench._common import deep_merge  # after main() put the repository on sys.path
+  raw = deep_merge(BASE, SETUPS[name])
   raw["train"].update(steps=steps, seed=seed, warmup_steps=max(2, steps // 10),
                       eval_every=steps)          # one evaluation, at the end
   raw["checkpoint"]["every"] = steps            # the final state is the one quantised
