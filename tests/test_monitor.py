@@ -415,3 +415,19 @@ def test_monitor_reads_real_stability_metrics():
   assert m.level == "healthy"  # the NaN step itself was not a logged step
   assert lines[1] == lines[4] == lines[10] == []
   assert lines[7] == []  # advice waits for a full window (100 steps) of data
+
+
+MONITOR_NAMES = (
+    "HEALTH_LEVELS", "HealthThresholds", "PLATEAU_ADVICE", "SCORE_BUDGETS",
+    "SCORE_PENALTY_AT_BUDGET", "STACKED_NAMES", "StabilityMonitor", "TROUBLESHOOTING",
+    "default_group", "grad_health_level", "health_code", "movement_record", "movement_warnings",
+    "param_dtypes", "param_movement", "path_str", "per_layer_grad_norms", "stability_score",
+    "tensorboard_scalars", "troubleshooting_advice", "_as_float")
+
+
+@pytest.mark.parametrize("name", MONITOR_NAMES)
+def test_names_of_the_former_module_import_from_the_package(name):
+  # stablejax.monitor was one module; it is a package now and keeps every name at the top.
+  namespace = {}
+  exec(f"from stablejax.monitor import {name}", namespace)
+  assert namespace[name] is getattr(mon, name)
