@@ -371,6 +371,10 @@ def test_per_layer_grad_norms_splits_stacked_layers():
   assert float(out["lm_head/kernel"]) == pytest.approx(math.sqrt(6), rel=1e-6)
   flat = stablejax.per_layer_grad_norms(grads, stacked_names=())
   assert float(flat["blocks/mlp/kernel"]) == pytest.approx(np.linalg.norm(w), rel=1e-6)
+  # An unrolled list of layers (h/0/..., as in GPT-2 ports) is not a stacked leaf.
+  unrolled = stablejax.per_layer_grad_norms({"h": {"0": {"kernel": jnp.asarray(w[0])}}})
+  assert set(unrolled) == {"h/0/kernel"}
+  assert float(unrolled["h/0/kernel"]) == pytest.approx(np.linalg.norm(w[0]), rel=1e-6)
 
 
 # ---------------------------------------------------------------- TensorBoard tags
