@@ -41,6 +41,7 @@ def stacked_component(parts: Sequence[str], stacked_names: Iterable[str] = STACK
     integer component, or None. The caller also requires ``ndim >= 1``.
 
   Example:
+    >>> from stablejax.transforms.stacked import stacked_component
     >>> stacked_component(["blocks", "attn", "kernel"])
     0
     >>> stacked_component(["h", "0", "attn", "kernel"]) is None
