@@ -97,7 +97,7 @@ def plain_adamw_chain(cfg: Config, max_grad_norm: float | None = 1.0):
   o = cfg.optimizer
   parts = [] if max_grad_norm is None else [optax.clip_by_global_norm(max_grad_norm)]
   parts += [optax.adamw(lr_schedule(cfg, o.learning_rate), b1=o.b1, b2=o.b2, eps=o.eps,
-                        weight_decay=o.adam_weight_decay),
+                        weight_decay=o.weight_decay),
             optax.inject_hyperparams(optax.scale)(step_size=1.0)]
   return optax.with_extra_args_support(optax.chain(*parts))
 

@@ -54,7 +54,7 @@ def variants(base: dict, breakdown: bool) -> dict[str, tuple[dict, bool]]:
         "skip_nonfinite": ({"stability": {**off, "skip_nonfinite": True, "max_grad_norm": 1.0}}, False),
         "skip_spikes": ({"stability": {**off, "skip_spikes": True, "max_grad_norm": 1.0}}, False),
         "zclip": ({"stability": {**off, "zclip": True}}, False),
-        "adagc": ({"stability": {**off, "adagc": True}}, False),
+        "adagc": ({"stability": {**off, "max_grad_norm": None, "adagc": True}}, False),
         "hybrid_clip": ({"stability": {**off, "zclip": True, "adagc": True}}, False),
     })
   return out

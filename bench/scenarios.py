@@ -88,7 +88,7 @@ DEFENCES = {
     "clip1": {"stability": {**OFF, "max_grad_norm": 1.0}},
     "apply_if_finite": {"stability": {**OFF, "max_grad_norm": None}},  # + tx swap, see below
     "zclip": {"stability": {**OFF, "zclip": True}},
-    "adagc": {"stability": {**OFF, "adagc": True}},
+    "adagc": {"stability": {**OFF, "max_grad_norm": None, "adagc": True}},
     "spike_skip": {"stability": {**OFF, "max_grad_norm": None, "skip_spikes": True}},
     "stablejax": {},
     "stablejax+muon": {"optimizer": {"name": "muon", "learning_rate": MUON_LR,

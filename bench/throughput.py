@@ -65,7 +65,7 @@ def hand_loop(cfg) -> tuple[float, float]:
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    optax.adamw(lr_schedule(cfg, cfg.optimizer.learning_rate), b1=cfg.optimizer.b1,
                                b2=cfg.optimizer.b2, eps=cfg.optimizer.eps,
-                               weight_decay=cfg.optimizer.adam_weight_decay))
+                               weight_decay=cfg.optimizer.weight_decay))
   params = model.init(jax.random.PRNGKey(t.seed), jnp.zeros((1, t.seq_len), jnp.int32))["params"]
   opt_state = tx.init(params)
 

@@ -171,3 +171,150 @@ def test_hybrid_clip_is_zclip_then_adagc():
   for a, b in zip(jax.tree.leaves((s_h.zclip, s_h.adagc)),
                   jax.tree.leaves(s_c)):
     np.testing.assert_array_equal(a, b)
+
+
+def reference_adagc_tensors(tensors, beta, lambda_rel, lambda_abs, warmup_steps):
+  """float64 AdaGC over named tensors ``{name: [T, ...]}``, one threshold per name.
+
+  As the paper, except that a zero norm never initialises gamma: during warmup
+  ``gamma = min(gamma, ||g_hat||)`` only for a non-zero norm, and after warmup a
+  gamma that is still infinite starts at the first non-zero clipped norm.
+  """
+  steps = len(next(iter(tensors.values())))
+  gamma = {k: np.inf for k in tensors}
+  scales, gammas = [], []
+  for t in range(steps):
+    g = {k: v[t].astype(np.float64) for k, v in tensors.items()}
+    norm = {k: np.sqrt(np.sum(x**2)) for k, x in g.items()}
+    total = np.sqrt(sum(n**2 for n in norm.values()))
+    h = {}
+    for k in g:
+      if t < warmup_steps:
+        h[k] = min(1.0, lambda_abs / total)
+        if norm[k] > 0:
+          gamma[k] = min(gamma[k], h[k] * norm[k])
+      else:
+        h[k] = 1.0 if norm[k] == 0 else min(1.0, lambda_rel * gamma[k] / norm[k])
+        if np.isinf(gamma[k]):
+          gamma[k] = h[k] * norm[k] if norm[k] > 0 else np.inf
+        else:
+          gamma[k] = beta * gamma[k] + (1 - beta) * h[k] * norm[k]
+    scales.append(h)
+    gammas.append(dict(gamma))
+  return scales, gammas
+
+
+def test_tensor_with_zero_gradient_during_warmup_trains_after_it():
+  # A zero-initialised output projection gives the layers before it an exactly zero gradient on
+  # the first step; with the paper's gamma = min(gamma, 0) = 0 they would be frozen for good.
+  rng = np.random.default_rng(0)
+  steps, warmup = 30, 5
+  grads = {k: (rng.standard_normal((steps, 3, 4)) * s).astype(np.float32)
+           for k, s in (("w", 1.0), ("q", 0.5), ("late", 0.2))}
+  grads["q"][:2] = 0.0        # zero on the first two warmup steps, then normal
+  grads["late"][:warmup] = 0.0  # zero during the whole warmup
+  grads["q"][20] *= 30.0      # a spike after warmup is still clipped
+  kw = dict(beta=0.9, lambda_rel=1.05, lambda_abs=1.0, warmup_steps=warmup)
+  ref_scales, ref_gammas = reference_adagc_tensors(grads, **kw)
+  updates, states = _run(stablejax.adagc(**kw), grads)
+  for k in grads:
+    h = np.array([s[k] for s in ref_scales]).reshape(-1, 1, 1)
+    np.testing.assert_allclose(updates[k], grads[k] * h, rtol=2e-5, atol=1e-8)
+    np.testing.assert_allclose(states.gamma[k], [g[k] for g in ref_gammas], rtol=2e-5)
+  for k in ("q", "late"):
+    after = np.abs(updates[k][warmup:]).reshape(steps - warmup, -1).sum(axis=1)
+    assert np.all(after > 0), k   # trains normally after warmup
+  assert ref_scales[20]["q"] < 0.2  # and its spike is clipped against a real gamma
+
+
+def _stacked_grads(steps=40, layers=3, seed=1):
+  rng = np.random.default_rng(seed)
+  grads = {
+      "blocks": {"attn": {"kernel": rng.standard_normal((steps, layers, 4, 5)) * 0.5},
+                 "attn_norm": {"scale": rng.standard_normal((steps, layers, 4)) * 0.1}},
+      "lm_head": {"kernel": rng.standard_normal((steps, 4, 6)) * 0.3},
+  }
+  # Layer 0 has ten times the gradient of layers 1 and 2; layer 2 spikes once.
+  grads["blocks"]["attn"]["kernel"][:, 0] *= 10.0
+  grads["blocks"]["attn"]["kernel"][25, 2] *= 8.0
+  return jax.tree.map(lambda x: x.astype(np.float32), grads)
+
+
+def _split_layers(grads):
+  """Named per-layer tensors of a scan-stacked gradient tree, for the reference."""
+  out = {"lm_head": grads["lm_head"]["kernel"]}
+  for name, leaf in (("attn", grads["blocks"]["attn"]["kernel"]),
+                     ("attn_norm", grads["blocks"]["attn_norm"]["scale"])):
+    for layer in range(leaf.shape[1]):
+      out[f"{name}/{layer}"] = leaf[:, layer]
+  return out
+
+
+def test_scan_stacked_leaf_gets_one_threshold_per_layer():
+  grads = _stacked_grads()
+  kw = dict(beta=0.9, lambda_rel=1.05, lambda_abs=100.0, warmup_steps=10)
+  ref_scales, ref_gammas = reference_adagc_tensors(_split_layers(grads), **kw)
+  updates, states = _run(stablejax.adagc(**kw), grads)
+  assert states.gamma["blocks"]["attn"]["kernel"].shape == (40, 3)   # [steps, L]
+  assert states.gamma["lm_head"]["kernel"].shape == (40,)
+  for name, path in (("attn", ("attn", "kernel")), ("attn_norm", ("attn_norm", "scale"))):
+    got_u = updates["blocks"][path[0]][path[1]]
+    got_g = states.gamma["blocks"][path[0]][path[1]]
+    g = grads["blocks"][path[0]][path[1]]
+    for layer in range(3):
+      h = np.array([s[f"{name}/{layer}"] for s in ref_scales])
+      np.testing.assert_allclose(got_u[:, layer], g[:, layer] * h.reshape((-1,) + (1,) * (g.ndim - 2)),
+                                 rtol=2e-5, atol=1e-8)
+      np.testing.assert_allclose(got_g[:, layer], [x[f"{name}/{layer}"] for x in ref_gammas],
+                                 rtol=2e-5)
+  # The spike of layer 2 is clipped against layer 2's own gamma; one shared threshold (the
+  # per-leaf rule) would be set by layer 0's larger norms and let it through.
+  layer2 = np.array([s["attn/2"] for s in ref_scales[10:]])
+  assert ref_scales[25]["attn/2"] < 0.3 * np.median(layer2)
+  tensors = len(ref_scales[0])
+  clipped = np.array([[s[k] < 1.0 for k in s] for s in ref_scales])
+  assert tensors == 7
+  np.testing.assert_allclose(states.clipped_fraction, clipped.mean(axis=1), rtol=1e-6)
+
+
+def test_per_leaf_threshold_is_one_argument_away():
+  grads = _stacked_grads()
+  kw = dict(beta=0.9, lambda_rel=1.05, lambda_abs=100.0, warmup_steps=10)
+  whole = {"attn": grads["blocks"]["attn"]["kernel"],
+           "attn_norm": grads["blocks"]["attn_norm"]["scale"],
+           "lm_head": grads["lm_head"]["kernel"]}
+  ref_scales, _ = reference_adagc_tensors(whole, **kw)
+  updates, states = _run(stablejax.adagc(**kw, stacked_names=()), grads)
+  assert states.gamma["blocks"]["attn"]["kernel"].shape == (40,)
+  h = np.array([s["attn"] for s in ref_scales]).reshape(-1, 1, 1, 1)
+  np.testing.assert_allclose(updates["blocks"]["attn"]["kernel"],
+                             grads["blocks"]["attn"]["kernel"] * h, rtol=2e-5, atol=1e-8)
+  # Per leaf, the layer-2 spike is clipped no harder than an ordinary step.
+  leaf = np.array([s["attn"] for s in ref_scales[10:]])
+  assert ref_scales[25]["attn"] > 0.5 * np.median(leaf)
+
+
+def test_stacked_leaf_recognition():
+  params = {"blocks": {"mlp": {"kernel": jnp.zeros((2, 3, 4))}},     # nn.scan: stacked
+            "h": {"0": {"attn": {"kernel": jnp.zeros((3, 4))}}},      # unrolled list: not stacked
+            "layers": {"bias": jnp.zeros((2, 4)), "step": jnp.zeros(())},
+            "head": {"kernel": jnp.zeros((3, 4))}}
+  gamma = stablejax.adagc().init(params).gamma
+  assert gamma["blocks"]["mlp"]["kernel"].shape == (2,)
+  assert gamma["h"]["0"]["attn"]["kernel"].shape == ()
+  assert gamma["layers"]["bias"].shape == (2,)
+  assert gamma["layers"]["step"].shape == ()      # a scalar has no layer axis
+  assert gamma["head"]["kernel"].shape == ()
+  custom = stablejax.adagc(stacked_names=("head",)).init(params).gamma
+  assert custom["head"]["kernel"].shape == (3,) and custom["blocks"]["mlp"]["kernel"].shape == ()
+
+
+def test_hybrid_clip_passes_stacked_names():
+  grads = _stacked_grads()
+  for names in ((), ("blocks",)):
+    hybrid = stablejax.hybrid_clip(adagc_warmup_steps=10, adagc_stacked_names=names)
+    chained = optax.chain(stablejax.zclip(), stablejax.adagc(warmup_steps=10, stacked_names=names))
+    u_h, _ = _run(hybrid, grads)
+    u_c, _ = _run(chained, grads)
+    for a, b in zip(jax.tree.leaves(u_h), jax.tree.leaves(u_c)):
+      np.testing.assert_array_equal(a, b)

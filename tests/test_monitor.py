@@ -371,6 +371,10 @@ def test_per_layer_grad_norms_splits_stacked_layers():
   assert float(out["lm_head/kernel"]) == pytest.approx(math.sqrt(6), rel=1e-6)
   flat = stablejax.per_layer_grad_norms(grads, stacked_names=())
   assert float(flat["blocks/mlp/kernel"]) == pytest.approx(np.linalg.norm(w), rel=1e-6)
+  # An unrolled list of layers (h/0/..., as in GPT-2 ports) is not a stacked leaf.
+  unrolled = stablejax.per_layer_grad_norms({"h": {"0": {"kernel": jnp.asarray(w[0])}}})
+  assert set(unrolled) == {"h/0/kernel"}
+  assert float(unrolled["h/0/kernel"]) == pytest.approx(np.linalg.norm(w[0]), rel=1e-6)
 
 
 # ---------------------------------------------------------------- TensorBoard tags
@@ -415,3 +419,19 @@ def test_monitor_reads_real_stability_metrics():
   assert m.level == "healthy"  # the NaN step itself was not a logged step
   assert lines[1] == lines[4] == lines[10] == []
   assert lines[7] == []  # advice waits for a full window (100 steps) of data
+
+
+MONITOR_NAMES = (
+    "HEALTH_LEVELS", "HealthThresholds", "PLATEAU_ADVICE", "SCORE_BUDGETS",
+    "SCORE_PENALTY_AT_BUDGET", "STACKED_NAMES", "StabilityMonitor", "TROUBLESHOOTING",
+    "default_group", "grad_health_level", "health_code", "movement_record", "movement_warnings",
+    "param_dtypes", "param_movement", "path_str", "per_layer_grad_norms", "stability_score",
+    "tensorboard_scalars", "troubleshooting_advice", "_as_float")
+
+
+@pytest.mark.parametrize("name", MONITOR_NAMES)
+def test_names_of_the_former_module_import_from_the_package(name):
+  # stablejax.monitor was one module; it is a package now and keeps every name at the top.
+  namespace = {}
+  exec(f"from stablejax.monitor import {name}", namespace)
+  assert namespace[name] is getattr(mon, name)

@@ -343,6 +343,8 @@ def test_skip_spikes_requires_loss_when_watching_it():
     (dict(watch=("accuracy",)), "watch"),
     (dict(watch=()), "watch"),
     (dict(max_consecutive=0), "max_consecutive"),
+    (dict(statistics="maxtext"), "statistics"),
+    (dict(window=16, statistics="olmo_core"), "olmo_core"),
 ])
 def test_skip_spikes_bad_arguments_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
@@ -352,3 +354,85 @@ def test_skip_spikes_bad_arguments_raise(kwargs, match):
 def test_skip_nonfinite_bad_arguments_raise():
   with pytest.raises(ValueError, match="max_consecutive"):
     stablejax.skip_nonfinite(optax.sgd(1.0), max_consecutive=0)
+
+
+def reference_olmo_core(losses, norms, window=128, sigma=6.0):
+  """OLMo-core's SkipStepOptimizer.get_step_factor rule, re-derived in float64.
+
+  OLMo-core keeps the last ``window + 1`` values including the current one, and
+  once it holds ``max(20, window // 2)`` of them judges the current value against
+  the previous ones: skip when ``value - mean > sigma * std`` with torch's default
+  unbiased std, for the loss or the gradient norm. Every value enters the window
+  raw, skipped or not. One deliberate difference: a non-finite value skips the
+  step and stays out of the window (in OLMo-core it enters it, the mean becomes
+  NaN and the next ``window + 1`` steps are all skipped).
+  Returns (skipped, margins): margins is ``|value - threshold| / threshold``
+  per judged value, to check that float32 cannot flip a decision.
+  """
+  hist = {"loss": [], "grad_norm": []}
+  skipped, margins = [], []
+  for loss, norm in zip(losses, norms):
+    skip = False
+    for name, value in (("loss", loss), ("grad_norm", norm)):
+      h = hist[name]
+      if not np.isfinite(value):
+        skip = True
+        continue
+      h.append(value)
+      del h[:-(window + 1)]
+      if len(h) >= max(20, window // 2):
+        previous = np.array(h[:-1])
+        threshold = previous.mean() + sigma * previous.std(ddof=1)
+        margins.append(abs(value - threshold) / threshold)
+        skip = skip or value - previous.mean() > sigma * previous.std(ddof=1)
+    skipped.append(skip)
+  return np.array(skipped), np.array(margins)
+
+
+def _olmo_sequence(steps=400):
+  rng = np.random.default_rng(5)
+  losses = 3.0 - np.arange(steps) / 4000 + 0.02 * rng.standard_normal(steps)
+  norms = 1.0 + 0.05 * rng.standard_normal(steps)
+  losses[63] += 0.2    # 63 earlier values: OLMo-core already judges this step
+  losses[150] += 2.0   # a large spike ...
+  losses[160] += 0.3   # ... then a moderate one, hidden by the first in a raw window
+  norms[200] *= 3.0
+  losses[300] = np.nan
+  norms[330:] *= 1.6   # a lasting change of scale
+  return losses.astype(np.float32), norms.astype(np.float32)
+
+
+def _skip_decisions(tx, losses, norms):
+  params = {"w": jnp.zeros(1)}
+
+  def body(state, x):
+    norm, loss = x
+    _, state = tx.update({"w": norm[None]}, state, params, loss=loss)
+    return state, state.skipped
+
+  return np.asarray(jax.jit(lambda s, x: jax.lax.scan(body, s, x)[1])(
+      tx.init(params), (jnp.asarray(norms), jnp.asarray(losses))))
+
+
+def test_skip_spikes_olmo_core_statistics_match_olmo_core_rule():
+  losses, norms = _olmo_sequence()
+  ref, margins = reference_olmo_core(losses.astype(np.float64), norms.astype(np.float64))
+  assert margins.min() > 1e-4   # no decision within float32 rounding of its threshold
+  olmo = stablejax.skip_spikes(optax.sgd(1.0), statistics="olmo_core")  # window 128, sigma 6
+  np.testing.assert_array_equal(_skip_decisions(olmo, losses, norms), ref)
+  assert ref[[63, 150, 200, 300]].all() and not ref[160]
+  # The default (winsorised) rule differs exactly where the README says it does.
+  default = _skip_decisions(stablejax.skip_spikes(optax.sgd(1.0)), losses, norms)
+  assert not default[63]   # it needs 64 earlier values
+  assert default[160]      # the spike at 150 entered its window clipped, not raw
+
+
+def test_skip_spikes_factor_rule_alone():
+  # Seed 004's rule: skip a batch whose gradient norm is more than 10x the average.
+  tx = stablejax.skip_spikes(optax.sgd(1.0), window=16, min_history=4, sigma=None, factor=10.0,
+                             watch=("grad_norm",))
+  history = [1.0, 1.1, 0.9, 1.0, 1.05]
+  for last, skip in ((5.0, False), (11.0, True)):   # 5.0 is ~60 sigma but only 5x the mean
+    norms = np.array(history + [last], np.float32)
+    skipped = _skip_decisions(tx, np.zeros_like(norms), norms)
+    np.testing.assert_array_equal(skipped, [False] * 5 + [skip])

@@ -41,13 +41,18 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
+  """The defaults are a stable Muon setup: Muon at 0.01 (Moonlight scale), AdamW groups at 3e-3.
+
+  With name="adamw", learning_rate is the AdamW rate of every parameter (set it to about 3e-4 to
+  3e-3: the learning-rate check warns above that) and weight_decay decays the matrices.
+  """
   name: str = "muon"              # "muon" (outlier-safe Muon + AdamW groups) or "adamw"
-  learning_rate: float = 0.02     # Muon matrices (muon) or every parameter (adamw)
-  adam_learning_rate: Optional[float] = None       # norms, biases, scalars (muon only)
-  embedding_learning_rate: Optional[float] = None  # token embedding (muon only)
-  head_learning_rate: Optional[float] = None       # output head (muon only)
-  weight_decay: float = 0.0
-  adam_weight_decay: float = 0.0
+  learning_rate: float = 0.01     # Muon matrices (muon) or every parameter (adamw)
+  adam_learning_rate: Optional[float] = 3e-3       # norms, biases, scalars (muon only; null: learning_rate)
+  embedding_learning_rate: Optional[float] = None  # token embedding (muon only; null: adam_learning_rate)
+  head_learning_rate: Optional[float] = None       # output head (muon only; null: adam_learning_rate)
+  weight_decay: float = 0.0       # Muon matrices (muon) or every matrix (adamw); never norms, biases
+  adam_weight_decay: float = 0.0  # AdamW groups' matrices (muon only); never norms, biases
   b1: float = 0.9
   b2: float = 0.95
   eps: float = 1e-8
@@ -66,18 +71,20 @@ class StabilityConfig:
   zclip_alpha: float = 0.97
   z_thresh: float = 2.5
   zclip_warmup_steps: int = 25
-  max_grad_norm: Optional[float] = 1.0
+  max_grad_norm: Optional[float] = 1.0  # global-norm ceiling in every mode (ZClip's, else a clip)
   adagc: bool = True
   adagc_beta: float = 0.98
   adagc_lambda_rel: float = 1.05
   adagc_lambda_abs: float = 1.0
   adagc_warmup_steps: int = 100
+  adagc_per_layer: bool = True       # one AdaGC threshold per layer of scan-stacked [L, ...] leaves
   skip_nonfinite: bool = True
   skip_spikes: bool = True
   spike_window: int = 128
-  spike_min_history: int = 64
-  spike_sigma: float = 6.0
-  spike_factor: Optional[float] = None
+  spike_min_history: Optional[int] = None  # null: the rule's default (64, or 63 for olmo_core)
+  spike_sigma: Optional[float] = 6.0       # skip above mean + sigma * std; null disables the rule
+  spike_factor: Optional[float] = None     # skip above factor * mean; null disables the rule
+  spike_statistics: str = "winsorized"     # or "olmo_core": OLMo-core's exact rule
   max_consecutive_skips: int = 16
   z_loss: float = 1e-4
   loss_scale_init: float = 2.0**10   # fp16 only (model.compute_dtype == "float16")
@@ -283,6 +290,26 @@ def validate(cfg: Config) -> None:
       _positive(f"optimizer.{name}", value)
   _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
   _positive("optimizer.adam_weight_decay", o.adam_weight_decay, allow_zero=True)
+  if o.name == "muon" and o.adam_learning_rate is None and o.consistent_rms is None:
+    raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's width "
+                      "scaling runs at ~0.02, far too high for AdamW; set adam_learning_rate (e.g. 3e-3)")
+  if s.skip_spikes:
+    if s.spike_sigma is None and s.spike_factor is None:
+      raise ConfigError("stability.spike_sigma and stability.spike_factor are both null: set one "
+                        "(e.g. spike_sigma=6.0 or spike_factor=10.0) or stability.skip_spikes=false")
+    for name in ("spike_sigma", "spike_factor"):
+      if getattr(s, name) is not None:
+        _positive(f"stability.{name}", getattr(s, name))
+    if s.spike_statistics not in ("winsorized", "olmo_core"):
+      raise ConfigError(f"stability.spike_statistics={s.spike_statistics!r} is not known: use "
+                        "\"winsorized\" or \"olmo_core\"")
+    _positive("stability.spike_window", s.spike_window)
+    if s.spike_min_history is not None and not 1 <= s.spike_min_history <= s.spike_window:
+      raise ConfigError(f"stability.spike_min_history={s.spike_min_history} must lie in "
+                        f"[1, stability.spike_window={s.spike_window}]")
+    if s.spike_statistics == "olmo_core" and s.spike_min_history is None and s.spike_window < 19:
+      raise ConfigError(f"stability.spike_window={s.spike_window} is below 19: OLMo-core's rule "
+                        "(spike_statistics=\"olmo_core\") never skips there; use a window >= 19")
   if not 0 < s.emergency_lr_factor <= 1:
     raise ConfigError(f"stability.emergency_lr_factor={s.emergency_lr_factor} must lie in (0, 1]")
   _positive("stability.max_rollbacks", s.max_rollbacks, allow_zero=True)
@@ -297,3 +324,69 @@ def validate(cfg: Config) -> None:
     cfg.model.validate()
   except ValueError as e:
     raise ConfigError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- ineffective keys
+
+# (keys, is_ineffective(cfg), "with ..." reason). A key listed here and set away from its default
+# while its condition holds gets one warning line at start; add a row for every new mode switch.
+_INEFFECTIVE_RULES = (
+    (("optimizer.adam_learning_rate", "optimizer.embedding_learning_rate",
+      "optimizer.head_learning_rate", "optimizer.adam_weight_decay", "optimizer.momentum",
+      "optimizer.ns_steps", "optimizer.ns_coeffs", "optimizer.ns_backend",
+      "optimizer.consistent_rms", "optimizer.outlier_threshold", "optimizer.outlier_method"),
+     lambda c: c.optimizer.name == "adamw",
+     'optimizer.name="adamw" (AdamW uses optimizer.learning_rate and optimizer.weight_decay)'),
+    (("optimizer.outlier_threshold",),
+     lambda c: c.optimizer.name == "muon" and c.optimizer.outlier_method is None,
+     "optimizer.outlier_method=null"),
+    (("stability.zclip_alpha", "stability.z_thresh", "stability.zclip_warmup_steps"),
+     lambda c: not c.stability.zclip, "stability.zclip=false"),
+    (("stability.adagc_beta", "stability.adagc_lambda_rel", "stability.adagc_lambda_abs",
+      "stability.adagc_warmup_steps", "stability.adagc_per_layer"),
+     lambda c: not c.stability.adagc, "stability.adagc=false"),
+    (("stability.adagc_per_layer",),
+     lambda c: c.stability.adagc and not c.model.scan_layers,
+     "model.scan_layers=false (no stacked layers)"),
+    (("stability.spike_window", "stability.spike_min_history", "stability.spike_sigma",
+      "stability.spike_factor", "stability.spike_statistics"),
+     lambda c: not c.stability.skip_spikes, "stability.skip_spikes=false"),
+    (("stability.max_consecutive_skips",),
+     lambda c: not (c.stability.skip_spikes or c.stability.skip_nonfinite),
+     "stability.skip_spikes=false and stability.skip_nonfinite=false"),
+    (("stability.loss_scale_init", "stability.loss_scale_growth_interval",
+      "stability.loss_scale_growth_factor"),
+     lambda c: c.model.compute_dtype != "float16",
+     'model.compute_dtype other than "float16" (loss scaling is for fp16 only)'),
+    (("stability.emergency_lr_factor", "stability.max_rollbacks", "stability.loss_window",
+      "stability.loss_explosion_factor"),
+     lambda c: not c.stability.recovery, "stability.recovery=false"),
+    (("train.lambda_warmup_steps", "train.lambda_schedule"),
+     lambda c: not c.model.bitnet, "model.bitnet=false"),
+    (("faults.garbage_kind",), lambda c: not c.faults.garbage_batch_steps,
+     "faults.garbage_batch_steps empty"),
+    (("faults.grad_scale_factor",), lambda c: not c.faults.grad_scale_steps,
+     "faults.grad_scale_steps empty"),
+)
+
+
+def ineffective_keys(cfg: Config) -> list[str]:
+  """One line per config key set away from its default that has no effect in the chosen mode.
+
+  Example: `optimizer.adam_weight_decay=0.1 has no effect with optimizer.name="adamw" (...)`.
+  The trainer prints each as a warning at start, so no setting is silently ignored.
+  """
+  lines, seen = [], set()
+  for keys, ineffective, reason in _INEFFECTIVE_RULES:
+    if not ineffective(cfg):
+      continue
+    for dotted in keys:
+      section_name, key = dotted.split(".")
+      section = getattr(cfg, section_name)
+      if dotted in seen or not hasattr(section, key):
+        continue  # named once; or a key this version of the config does not have
+      value = getattr(section, key)
+      if value != getattr(type(section)(), key):
+        seen.add(dotted)
+        lines.append(f"{dotted}={json.dumps(value)} has no effect with {reason}")
+  return lines

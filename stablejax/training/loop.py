@@ -26,12 +26,12 @@ import stablejax
 from stablejax.model_utils import excess_kurtosis, lambda_warmup
 from stablejax.training import mesh as mesh_lib
 from stablejax.training.checkpoint import Checkpoints
-from stablejax.training.config import Config, ConfigError, to_dict
+from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
 from stablejax.training.data import build_data, garbage_batch
 from stablejax.training.logger import RunLogger
 from stablejax.training.model import GPT, count_params, model_flops_per_token
-from stablejax.training.optim import (build_optimizer, learning_rates, lr_schedule, main_optimizer,
-                                      set_lr_scale)
+from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
+                                      lr_schedule, main_optimizer, set_lr_scale)
 from stablejax.training.recovery import Recovery, RollbackEvent
 from stablejax.training.step import TrainState, make_eval_step, make_train_step
 
@@ -350,16 +350,8 @@ class Run:
       lines.append(stablejax.describe_routing(self.state.params, self.main_tx))
     for line in lines:
       self.log.console(line)
-    for warning in self._lr_warnings():
+    for warning in learning_rate_warnings(cfg) + ineffective_keys(cfg):
       self.log.console(f"warning: {warning}")
-
-  def _lr_warnings(self) -> list[str]:
-    o = self.cfg.optimizer
-    if o.name == "adamw":
-      return stablejax.check_learning_rates(adam_lr=o.learning_rate)
-    return stablejax.check_learning_rates(
-        muon_lr=o.learning_rate, adam_lr=o.adam_learning_rate,
-        embedding_lr=o.embedding_learning_rate, head_lr=o.head_learning_rate)
 
   # ------------------------------------------------------------------ checkpoints and recovery
 

@@ -7,6 +7,18 @@ Default shape (every layer switchable in `stability`):
 `lr_scale` is `optax.inject_hyperparams(optax.scale)`, a multiplier on the final update (so it
 scales decoupled weight decay too, like a learning rate). It lives in the optimizer state, so the
 recovery's learning-rate backoff is saved in and restored from checkpoints with everything else.
+
+The learning-rate schedules count applied updates: a skipped step leaves the whole inner state as
+it was, schedule counts included, so the run is the same as one without that batch (the exact
+no-op the skip wrappers promise; optax's `apply_if_finite` and Megatron-LM, which steps its
+scheduler only after a successful update, do the same). OLMo-core advances its schedule on skipped
+steps instead (its scheduler reads the trainer's step). The cost here: after k skipped steps the
+schedule runs k steps behind the step number, so the last step ends slightly above the final rate.
+The `lr_scale` state's own `count` is the same count (it sits inside the skip wrappers next to the
+optimizer), and the train step logs `lr` from it: the rate actually applied.
+
+Weight decay never touches norm gains, biases and scalars (label "adam" of `stablejax.label_params`):
+in adamw mode `optimizer.weight_decay` decays every other leaf through optax's own `mask=`.
 """
 
 from __future__ import annotations
@@ -19,6 +31,7 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
+from stablejax.transforms.stacked import STACKED_NAMES
 
 
 def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
@@ -29,25 +42,52 @@ def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
       decay_steps=t.steps, end_value=peak * t.min_lr_ratio)
 
 
-def _maybe_schedule(cfg: Config, peak: float | None):
-  return None if peak is None else lr_schedule(cfg, peak)
+def learning_rates(cfg: Config) -> dict[str, float]:
+  """Peak learning rate of each parameter group, resolved: what the optimizer uses.
+
+  Muon mode: `adam_learning_rate=None` falls back to `learning_rate` (as `outlier_safe_muon`
+  does with `consistent_rms` set), and the embedding and head rates fall back to the AdamW rate.
+  """
+  o = cfg.optimizer
+  if o.name == "adamw":
+    return {"adamw": o.learning_rate}
+  adam = o.learning_rate if o.adam_learning_rate is None else o.adam_learning_rate
+  return {"muon": o.learning_rate, "adam": adam,
+          "embedding": adam if o.embedding_learning_rate is None else o.embedding_learning_rate,
+          "head": adam if o.head_learning_rate is None else o.head_learning_rate}
+
+
+def learning_rate_warnings(cfg: Config) -> list[str]:
+  """`stablejax.check_learning_rates` on the resolved rates (a Muon rate on AdamW groups, ...)."""
+  rates = learning_rates(cfg)
+  if cfg.optimizer.name == "adamw":
+    return stablejax.check_learning_rates(adam_lr=rates["adamw"])
+  return stablejax.check_learning_rates(
+      muon_lr=rates["muon"], adam_lr=rates["adam"], embedding_lr=rates["embedding"],
+      head_lr=rates["head"], consistent_rms=cfg.optimizer.consistent_rms)
+
+
+def decay_mask(params) -> Any:
+  """True for the leaves weight decay may touch: all but norm gains, biases and scalars."""
+  return jax.tree.map(lambda label: label != "adam", stablejax.label_params(params))
 
 
 def main_optimizer(cfg: Config) -> optax.GradientTransformation:
   o = cfg.optimizer
+  rates = learning_rates(cfg)
   if o.name == "adamw":
-    return optax.adamw(lr_schedule(cfg, o.learning_rate), b1=o.b1, b2=o.b2, eps=o.eps,
-                       weight_decay=o.adam_weight_decay)
+    return optax.adamw(lr_schedule(cfg, rates["adamw"]), b1=o.b1, b2=o.b2, eps=o.eps,
+                       weight_decay=o.weight_decay, mask=decay_mask)
   return stablejax.outlier_safe_muon(
-      learning_rate=lr_schedule(cfg, o.learning_rate),
+      learning_rate=lr_schedule(cfg, rates["muon"]),
       momentum=o.momentum,
       ns_steps=o.ns_steps,
       ns_coeffs=o.ns_coeffs,
       weight_decay=o.weight_decay,
       consistent_rms=o.consistent_rms,
-      adam_learning_rate=_maybe_schedule(cfg, o.adam_learning_rate),
-      embedding_learning_rate=_maybe_schedule(cfg, o.embedding_learning_rate),
-      head_learning_rate=_maybe_schedule(cfg, o.head_learning_rate),
+      adam_learning_rate=lr_schedule(cfg, rates["adam"]),
+      embedding_learning_rate=lr_schedule(cfg, rates["embedding"]),
+      head_learning_rate=lr_schedule(cfg, rates["head"]),
       adam_b1=o.b1,
       adam_b2=o.b2,
       adam_eps=o.eps,
@@ -59,21 +99,23 @@ def main_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def clipping(cfg: Config) -> list[optax.GradientTransformation]:
+  """`max_grad_norm` is the global-norm ceiling in every mode: ZClip's own ceiling when ZClip runs,
+  else `optax.clip_by_global_norm` (before AdaGC when AdaGC runs alone)."""
   s = cfg.stability
   zclip_args = dict(alpha=s.zclip_alpha, z_thresh=s.z_thresh, max_grad_norm=s.max_grad_norm,
                     warmup_steps=s.zclip_warmup_steps)
   adagc_args = dict(beta=s.adagc_beta, lambda_rel=s.adagc_lambda_rel,
-                    lambda_abs=s.adagc_lambda_abs, warmup_steps=s.adagc_warmup_steps)
+                    lambda_abs=s.adagc_lambda_abs, warmup_steps=s.adagc_warmup_steps,
+                    stacked_names=STACKED_NAMES if s.adagc_per_layer else ())
   if s.zclip and s.adagc:
     return [stablejax.hybrid_clip(**{f"zclip_{k}": v for k, v in zclip_args.items()},
                                   **{f"adagc_{k}": v for k, v in adagc_args.items()})]
   if s.zclip:
     return [stablejax.zclip(**zclip_args)]
+  ceiling = [] if s.max_grad_norm is None else [optax.clip_by_global_norm(s.max_grad_norm)]
   if s.adagc:
-    return [stablejax.adagc(**adagc_args)]
-  if s.max_grad_norm is not None:
-    return [optax.clip_by_global_norm(s.max_grad_norm)]
-  return []
+    return ceiling + [stablejax.adagc(**adagc_args)]
+  return ceiling
 
 
 def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None
@@ -88,7 +130,8 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
   if s.skip_spikes:
     tx = stablejax.skip_spikes(
         tx, window=s.spike_window, min_history=s.spike_min_history, sigma=s.spike_sigma,
-        factor=s.spike_factor, max_consecutive=s.max_consecutive_skips)
+        factor=s.spike_factor, max_consecutive=s.max_consecutive_skips,
+        statistics=s.spike_statistics)
   if s.skip_nonfinite:
     tx = stablejax.skip_nonfinite(tx, max_consecutive=s.max_consecutive_skips)
   return optax.with_extra_args_support(tx)
@@ -101,6 +144,14 @@ def _is_lr_scale_state(node: Any) -> bool:
   return isinstance(node, _INJECT_STATES) and "step_size" in node.hyperparams
 
 
+def _lr_scale_states(opt_state) -> list:
+  nodes = jax.tree.leaves(opt_state, is_leaf=_is_lr_scale_state)
+  found = [node for node in nodes if _is_lr_scale_state(node)]
+  if len(found) != 1:
+    raise ValueError(f"expected one learning-rate scale in the optimizer state, found {len(found)}")
+  return found
+
+
 def _map_lr_scale(opt_state, fn: Callable[[jax.Array], jax.Array]):
   def visit(node):
     if _is_lr_scale_state(node):
@@ -111,21 +162,16 @@ def _map_lr_scale(opt_state, fn: Callable[[jax.Array], jax.Array]):
 
 
 def get_lr_scale(opt_state) -> jax.Array:
-  found = []
-  _map_lr_scale(opt_state, lambda x: found.append(x) or x)
-  if len(found) != 1:
-    raise ValueError(f"expected one learning-rate scale in the optimizer state, found {len(found)}")
-  return found[0]
+  return _lr_scale_states(opt_state)[0].hyperparams["step_size"]
+
+
+def applied_updates(opt_state) -> jax.Array:
+  """Updates applied so far (skipped steps excluded): the count the learning-rate schedules see.
+
+  Read from the `lr_scale` state, which sits inside the skip wrappers like the schedules.
+  """
+  return _lr_scale_states(opt_state)[0].count
 
 
 def set_lr_scale(opt_state, value: float):
   return _map_lr_scale(opt_state, lambda x: jnp.asarray(value, x.dtype))
-
-
-def learning_rates(cfg: Config) -> dict[str, float]:
-  """Peak learning rates by parameter group, for the banner and the sanity check."""
-  o = cfg.optimizer
-  if o.name == "adamw":
-    return {"adamw": o.learning_rate}
-  return {"muon": o.learning_rate, "adam": o.adam_learning_rate,
-          "embedding": o.embedding_learning_rate, "head": o.head_learning_rate}

@@ -17,7 +17,7 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
-from stablejax.training.optim import get_lr_scale
+from stablejax.training.optim import applied_updates, get_lr_scale
 from stablejax.transforms.loss_scaling import all_finite
 
 
@@ -69,6 +69,9 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
       grads = state.loss_scale.unscale(grads)
     grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)
 
+    # The schedules count applied updates (a skipped step keeps their count), so the rate this
+    # step applies is the schedule at that count, not at state.step (see training/optim.py).
+    lr = lr_schedule(applied_updates(state.opt_state)) * get_lr_scale(state.opt_state)
     updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
@@ -80,7 +83,7 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
         "loss": loss,
         "z_loss": z_loss,
         "grad_norm": optax.tree.norm(grads),
-        "lr": lr_schedule(state.step) * lr_scale,
+        "lr": lr,
         "lr_scale": lr_scale,
         "params_finite": all_finite(params),
         **stablejax.stability_metrics(opt_state),

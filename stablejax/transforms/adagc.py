@@ -3,13 +3,29 @@
 Wang et al., "AdaGC: Improving Training Stability for Large Language Model
 Pretraining", arXiv:2502.11034.
 
-For each parameter tensor ``i`` (each leaf of the gradient pytree):
+For each parameter tensor ``i`` (each leaf of the gradient pytree, or each
+layer slice of a scan-stacked leaf, see below):
 
 * during the first ``warmup_steps`` steps the gradients are clipped globally,
   ``h = min(1, lambda_abs / ||g||)``, and ``gamma_i = min(gamma_i, ||g_hat_i||)``
   (``gamma_i`` starts at ``+inf``);
 * afterwards ``h_i = min(1, lambda_rel * gamma_i / ||g_i||)``,
   ``g_hat_i = h_i * g_i`` and ``gamma_i = beta * gamma_i + (1 - beta) * ||g_hat_i||``.
+
+One departure from the paper: a zero norm never initialises ``gamma``. A
+tensor can have an exactly zero gradient during warmup (the layers before a
+zero-initialised output projection on the first step, frozen parameters, MoE
+experts that got no tokens); the paper's ``min(gamma, 0) = 0`` would then give
+``h = 0`` after warmup and freeze that tensor for good. So the warmup minimum
+skips zero norms, and a ``gamma`` still at ``+inf`` after warmup starts at the
+tensor's first non-zero norm. With no exactly-zero gradients during warmup the
+result equals the paper's.
+
+Per layer: the paper's tensors are the layers' weight matrices. A model whose
+blocks run under ``nn.scan`` keeps each block parameter as one ``[L, ...]``
+leaf; such a leaf (recognised by its path, see
+:mod:`stablejax.transforms.stacked`) gets ``L`` thresholds, one per layer
+slice. ``stacked_names=()`` gives every leaf a single threshold instead.
 
 Norms and ``gamma`` are float32; clipped gradients keep their dtype. A step
 whose global gradient norm is not finite leaves ``gamma`` and the step count
@@ -19,7 +35,7 @@ untouched (the statistics never absorb NaN/Inf, even without
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +43,8 @@ import optax
 import optax.tree
 
 from stablejax.transforms import _common
+from stablejax.transforms.stacked import STACKED_NAMES
+from stablejax.transforms.stacked import is_stacked
 
 
 class AdaGCState(NamedTuple):
@@ -34,10 +52,11 @@ class AdaGCState(NamedTuple):
 
   Attributes:
     count: number of steps with a finite global norm seen so far (int32).
-    gamma: pytree like the parameters with one float32 scalar per tensor: the
-      EMA of that tensor's clipped gradient norm (``+inf`` before the first
-      step).
-    clipped_fraction: fraction of tensors scaled down at the last step.
+    gamma: pytree like the parameters holding, per leaf, the EMA of the
+      clipped gradient norm in float32: a scalar, or a ``[L]`` vector (one per
+      layer) for a scan-stacked leaf; ``+inf`` until initialised.
+    clipped_fraction: fraction of tensors (layer slices of stacked leaves
+      counted one by one) scaled down at the last step.
     grad_norm: global gradient norm before AdaGC, last step.
     clipped_grad_norm: global gradient norm after AdaGC, last step.
   """
@@ -61,18 +80,32 @@ def _validate(beta, lambda_rel, lambda_abs, warmup_steps):
                 "use an integer >= 1 (gamma is initialised during warmup)")
 
 
+def _layer_norms_f32(x: jax.Array) -> jax.Array:
+  """``[L]`` float32 L2 norms of the layer slices ``x[0], x[1], ...`` of a stacked leaf."""
+  x32 = jnp.asarray(x, _common.STAT_DTYPE)
+  return jnp.sqrt(jnp.sum(jnp.square(x32.reshape(x32.shape[0], -1)), axis=1))
+
+
+def _per_layer(h: jax.Array, x: jax.Array) -> jax.Array:
+  """A scalar or ``[L]`` scale shaped to broadcast against the leaf ``x``."""
+  return h.reshape(h.shape + (1,) * (jnp.ndim(x) - h.ndim)) if h.ndim else h
+
+
 def adagc(
     beta: float = 0.98,
     lambda_rel: float = 1.05,
     lambda_abs: float = 1.0,
     warmup_steps: int = 100,
+    stacked_names: Sequence[str] = STACKED_NAMES,
 ) -> optax.GradientTransformation:
   """AdaGC adaptive per-tensor gradient clipping.
 
   Each parameter tensor gets its own threshold ``lambda_rel * gamma_i``, where
   ``gamma_i`` is an EMA of that tensor's past *clipped* gradient norms; during
   warmup the gradients are clipped globally to ``lambda_abs`` and ``gamma_i``
-  is initialised to the smallest clipped norm seen.
+  is initialised to the smallest non-zero clipped norm seen (a zero norm is no
+  measurement: taking it would freeze the tensor after warmup). A
+  scan-stacked ``[L, ...]`` leaf gets one threshold per layer.
 
   Args:
     beta: EMA factor of ``gamma``.
@@ -80,6 +113,10 @@ def adagc(
       times its ``gamma``.
     lambda_abs: global-norm clip used during warmup.
     warmup_steps: number of (finite) steps of global clipping.
+    stacked_names: path components that mark a scan-stacked leaf, whose
+      leading axis is the layer (default ``("layers", "blocks", "scan",
+      "h")``; not when followed by an integer component, which is an unrolled
+      list). ``()`` gives every leaf one threshold, whatever its path.
 
   Returns:
     An :class:`optax.GradientTransformation` whose state is an
@@ -102,12 +139,18 @@ def adagc(
     1.0
   """
   _validate(beta, lambda_rel, lambda_abs, warmup_steps)
+  if isinstance(stacked_names, str):
+    stacked_names = (stacked_names,)
+  stacked_names = tuple(stacked_names)
+
+  def init_gamma(path, leaf):
+    shape = leaf.shape[:1] if is_stacked(path, leaf, stacked_names) else ()
+    return jnp.full(shape, jnp.inf, _common.STAT_DTYPE)
 
   def init_fn(params):
     return AdaGCState(
         count=jnp.zeros([], jnp.int32),
-        gamma=jax.tree.map(
-            lambda _: jnp.array(jnp.inf, _common.STAT_DTYPE), params),
+        gamma=jax.tree_util.tree_map_with_path(init_gamma, params),
         clipped_fraction=jnp.zeros([], _common.STAT_DTYPE),
         grad_norm=jnp.zeros([], _common.STAT_DTYPE),
         clipped_grad_norm=jnp.zeros([], _common.STAT_DTYPE),
@@ -121,7 +164,9 @@ def adagc(
 
     leaves, treedef = jax.tree.flatten(updates)
     gammas = treedef.flatten_up_to(state.gamma)
-    norms = [_common.leaf_norm_f32(u) for u in leaves]
+    # A [L] gamma marks a stacked leaf: one norm per layer slice.
+    norms = [_layer_norms_f32(u) if gamma.ndim else _common.leaf_norm_f32(u)
+             for u, gamma in zip(leaves, gammas)]
     g = optax.tree.norm(norms).astype(_common.STAT_DTYPE)
     finite = jnp.isfinite(g)
     in_warmup = state.count < jnp.asarray(warmup_steps, jnp.int32)
@@ -133,19 +178,25 @@ def adagc(
       h_local = jnp.where(n > 0, jnp.minimum(1.0, l_rel * gamma / n), 1.0)
       h = jnp.where(in_warmup, h_global, h_local)
       clipped_norm = h * n
-      gamma_new = jnp.where(in_warmup, jnp.minimum(gamma, clipped_norm),
+      # Zero norms are no measurement: they never initialise gamma (see the module docstring).
+      measured = n > 0
+      warmup_gamma = jnp.where(measured, jnp.minimum(gamma, clipped_norm), gamma)
+      ema_gamma = jnp.where(jnp.isinf(gamma),
+                            jnp.where(measured, clipped_norm, gamma),
                             b * gamma + (1.0 - b) * clipped_norm)
+      gamma_new = jnp.where(in_warmup, warmup_gamma, ema_gamma)
       new_gammas.append(jnp.where(finite, gamma_new, gamma))
-      new_leaves.append(_common.scale_leaf(u, h))
-      scales.append(h)
+      new_leaves.append(_common.scale_leaf(u, _per_layer(h, u)))
+      scales.append(jnp.broadcast_to(h, n.shape).reshape(-1))
 
     if scales:
-      h_all = jnp.stack(scales)
+      h_all = jnp.concatenate(scales)
       clipped_fraction = jnp.mean((h_all < 1.0).astype(_common.STAT_DTYPE))
     else:
       clipped_fraction = jnp.zeros([], _common.STAT_DTYPE)
     clipped_g = optax.tree.norm(
-        [h * n for h, n in zip(scales, norms)]).astype(_common.STAT_DTYPE)
+        [h * n for h, n in zip(scales, [n.reshape(-1) for n in norms])]
+    ).astype(_common.STAT_DTYPE)
     new_state = AdaGCState(
         count=jnp.where(finite, _common.safe_increment(state.count),
                         state.count),

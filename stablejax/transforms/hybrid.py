@@ -5,12 +5,13 @@ ZClip: Kumar et al., arXiv:2504.02507. AdaGC: Wang et al., arXiv:2502.11034.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence
 
 import optax
 
 from stablejax.transforms.adagc import AdaGCState
 from stablejax.transforms.adagc import adagc
+from stablejax.transforms.stacked import STACKED_NAMES
 from stablejax.transforms.zclip import ZClipState
 from stablejax.transforms.zclip import zclip
 
@@ -36,6 +37,7 @@ def hybrid_clip(
     adagc_lambda_rel: float = 1.05,
     adagc_lambda_abs: float = 1.0,
     adagc_warmup_steps: int = 100,
+    adagc_stacked_names: Sequence[str] = STACKED_NAMES,
 ) -> optax.GradientTransformation:
   """ZClip followed by AdaGC in one transform.
 
@@ -61,6 +63,8 @@ def hybrid_clip(
     adagc_lambda_rel: AdaGC relative threshold.
     adagc_lambda_abs: AdaGC global clip during its warmup.
     adagc_warmup_steps: AdaGC warmup length.
+    adagc_stacked_names: path components marking scan-stacked leaves, which
+      get one AdaGC threshold per layer; ``()`` for one per leaf.
 
   Returns:
     An :class:`optax.GradientTransformation` whose state is a
@@ -88,7 +92,8 @@ def hybrid_clip(
             clip_option=zclip_clip_option, clip_factor=zclip_clip_factor,
             skip_update_on_spike=zclip_skip_update_on_spike)
   a = adagc(beta=adagc_beta, lambda_rel=adagc_lambda_rel,
-            lambda_abs=adagc_lambda_abs, warmup_steps=adagc_warmup_steps)
+            lambda_abs=adagc_lambda_abs, warmup_steps=adagc_warmup_steps,
+            stacked_names=adagc_stacked_names)
 
   def init_fn(params):
     return HybridClipState(zclip=z.init(params), adagc=a.init(params))

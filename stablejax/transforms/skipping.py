@@ -2,11 +2,13 @@
 
 :func:`skip_nonfinite` drops steps with NaN/Inf gradients, loss or updates;
 :func:`skip_spikes` drops steps whose loss or gradient norm is an outlier
-against a rolling window (the rule used by OLMo-core's ``SkipStepOptimizer``
-and MaxText's ``skip_step_on_spikes``; see also Molybog et al., "A Theory on
-Adam Instability in Large-Scale Machine Learning", arXiv:2304.09871, and
-Chowdhery et al., "PaLM", arXiv:2204.02311, section 5.1, on skipping batches
-around loss spikes).
+against a rolling window: by default a winsorised window (an outlier enters it
+clipped to the threshold), or exactly OLMo-core's ``SkipStepOptimizer`` rule
+with ``statistics="olmo_core"`` (the two differ in three ways, listed in
+:func:`skip_spikes`). See also MaxText's ``skip_step_on_spikes``, Molybog et
+al., "A Theory on Adam Instability in Large-Scale Machine Learning",
+arXiv:2304.09871, and Chowdhery et al., "PaLM", arXiv:2204.02311, section 5.1,
+on skipping batches around loss spikes.
 
 A skipped step returns zero updates and keeps the *entire* inner state (Adam
 moments, counts, ZClip/AdaGC statistics, Muon momentum) exactly as it was, so
@@ -27,6 +29,7 @@ import optax.tree
 from stablejax.transforms import _common
 
 _WATCHABLE = ("loss", "grad_norm")
+_STATISTICS = ("winsorized", "olmo_core")
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -195,19 +198,26 @@ def skip_nonfinite(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def window_stats(history: jax.Array, count: jax.Array):
-  """Mean and population std of the first ``count`` entries of ``history``."""
+def window_stats(history: jax.Array, count: jax.Array, ddof: int = 0):
+  """Mean and std of the first ``count`` entries of ``history``.
+
+  ``ddof=0`` gives the population std, ``ddof=1`` the unbiased one (torch's
+  default, used by OLMo-core).
+  """
   valid = jnp.arange(history.shape[0]) < count
   n = jnp.maximum(count, 1).astype(_common.STAT_DTYPE)
   mean = jnp.sum(jnp.where(valid, history, 0.0)) / n
-  var = jnp.sum(jnp.where(valid, jnp.square(history - mean), 0.0)) / n
+  dof = jnp.maximum(count - ddof, 1).astype(_common.STAT_DTYPE)
+  var = jnp.sum(jnp.where(valid, jnp.square(history - mean), 0.0)) / dof
   return mean, jnp.sqrt(var)
 
 
-def _spike_check(value, history, count, nxt, min_history, sigma, factor):
+def _spike_check(value, history, count, nxt, min_history, sigma, factor,
+                 statistics):
   """Returns (is_bad, new_history, new_count, new_next) for one signal."""
   window = history.shape[0]
-  mean, std = window_stats(history, count)
+  olmo = statistics == "olmo_core"
+  mean, std = window_stats(history, count, ddof=1 if olmo else 0)
   threshold = jnp.array(jnp.inf, _common.STAT_DTYPE)
   if sigma is not None:
     threshold = jnp.minimum(threshold, mean + _common.f32(sigma) * std)
@@ -217,7 +227,9 @@ def _spike_check(value, history, count, nxt, min_history, sigma, factor):
   finite = jnp.isfinite(value)
   outlier = jnp.logical_and(active, value > threshold)
   bad = jnp.logical_or(~finite, outlier)
-  entry = jnp.where(active, jnp.minimum(value, threshold), value)
+  # Winsorised: an outlier enters clipped to the threshold. OLMo-core: raw.
+  entry = value if olmo else jnp.where(active, jnp.minimum(value, threshold),
+                                       value)
   new_history = jnp.where(finite, history.at[nxt].set(entry), history)
   new_count = jnp.where(finite, jnp.minimum(count + 1, window), count)
   new_next = jnp.where(finite, (nxt + 1) % window, nxt)
@@ -228,11 +240,12 @@ def _spike_check(value, history, count, nxt, min_history, sigma, factor):
 def skip_spikes(
     inner: optax.GradientTransformation,
     window: int = 128,
-    min_history: int = 64,
+    min_history: Optional[int] = None,
     sigma: Optional[float] = 6.0,
     factor: Optional[float] = None,
     watch: Sequence[str] = ("loss", "grad_norm"),
     max_consecutive: Optional[int] = 16,
+    statistics: str = "winsorized",
 ) -> optax.GradientTransformationExtraArgs:
   """Skips a step whose loss or gradient norm spikes against a rolling window.
 
@@ -245,16 +258,30 @@ def skip_spikes(
   is more than 10x the average"). A non-finite watched value also skips the
   step. A skipped step returns zero updates and keeps the whole inner state.
 
-  The window never absorbs a non-finite value; an outlier enters clipped to
-  the threshold, so one spike does not inflate the statistics while a lasting
-  change of scale is absorbed over a few steps.
+  The window never absorbs a non-finite value. With the default
+  ``statistics="winsorized"`` an outlier enters it clipped to the threshold,
+  so one spike does not inflate the statistics (and hide the next one) while a
+  lasting change of scale is absorbed over a few steps; the std is the
+  population std and skipping starts after ``window // 2`` values.
+
+  ``statistics="olmo_core"`` is OLMo-core's ``SkipStepOptimizer`` rule
+  (``get_step_factor``; window 128, sigma 6 there): every finite value enters
+  the window raw, skipped or not; the std is unbiased (``ddof=1``, torch's
+  default); skipping starts once ``max(20, window // 2) - 1`` earlier values
+  are held (OLMo-core counts the current value in its list). With ``sigma=6,
+  factor=None`` and both signals watched it gives OLMo-core's decisions on
+  every finite value. The one difference kept on purpose: a non-finite value
+  skips the step but never enters the window, where in OLMo-core it makes the
+  window's mean NaN and skips the next ``window + 1`` steps too.
 
   Args:
     inner: the transform (or chain) to protect.
     window: number of recent values kept per signal. Must be a Python int (it
       is a shape); with :func:`optax.inject_hyperparams` pass
       ``static_args=("window",)``.
-    min_history: number of values needed before skipping can start.
+    min_history: number of earlier values needed before skipping can start;
+      None: ``window // 2`` (winsorized) or ``max(20, window // 2) - 1``
+      (olmo_core), i.e. 64 and 63 at ``window=128``.
     sigma: skip when ``value - mean > sigma * std``; None disables this rule.
     factor: skip when ``value > factor * mean``; None (default) disables it.
     watch: signals to watch, a subset of ``("loss", "grad_norm")``. Watching
@@ -262,13 +289,15 @@ def skip_spikes(
       averaged).
     max_consecutive: consecutive skips that raise ``needs_rollback``; None
       never raises it.
+    statistics: ``"winsorized"`` (default) or ``"olmo_core"``, see above.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs` whose state is a
     :class:`SkipSpikesState`.
 
   References:
-    Chowdhery et al., `PaLM <https://arxiv.org/abs/2204.02311>`_
+    OLMo-core, ``olmo_core/optim/skip_step_optimizer.py``
+    (https://github.com/allenai/OLMo-core); Chowdhery et al., `PaLM <https://arxiv.org/abs/2204.02311>`_
     (arXiv:2204.02311), section 5.1; Molybog et al., `A Theory on Adam
     Instability in Large-Scale Machine Learning
     <https://arxiv.org/abs/2304.09871>`_ (arXiv:2304.09871).
@@ -291,6 +320,19 @@ def skip_spikes(
     raise ValueError(
         f"window={window!r} is invalid: use a Python int >= 1 (with "
         "optax.inject_hyperparams pass static_args=('window',)).")
+  if statistics not in _STATISTICS:
+    raise ValueError(f"statistics={statistics!r} is invalid: use one of "
+                     f"{_STATISTICS}.")
+  if min_history is None:
+    if statistics == "olmo_core":
+      min_history = max(20, window // 2) - 1
+      if min_history > window:
+        raise ValueError(
+            f"window={window} is too short for statistics='olmo_core': its "
+            "rule needs 19 earlier values, so it never skips with a window "
+            "below 19; use window >= 19.")
+    else:
+      min_history = max(1, window // 2)
   _common.check("min_history", min_history,
                 lambda v: 1 <= v <= window and float(v).is_integer(),
                 f"use an integer between 1 and window={window}")
@@ -342,11 +384,11 @@ def skip_spikes(
             "loss=... or use watch=('grad_norm',).")
       loss = jnp.mean(_common.f32(loss))
       bad, *loss_hist = _spike_check(loss, *loss_hist, min_history, sigma,
-                                     factor)
+                                     factor, statistics)
       skip = jnp.logical_or(skip, bad)
     if "grad_norm" in watch:
       bad, *norm_hist = _spike_check(grad_norm, *norm_hist, min_history,
-                                     sigma, factor)
+                                     sigma, factor, statistics)
       skip = jnp.logical_or(skip, bad)
 
     inner_updates, inner_state = inner.update(

@@ -1,0 +1,412 @@
+"""StabilityMonitor: window rates, health level and warnings from the logged train records."""
+
+from __future__ import annotations
+
+import collections
+import math
+from typing import Any, Mapping, Optional
+
+from stablejax.monitor._numbers import _as_float
+from stablejax.monitor.health import HealthThresholds, grad_health_level
+from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
+
+
+# kind -> (cumulative counter keys, per-step flag keys). Counter differences
+# between consecutive updates give exact event counts; where a counter is
+# missing or went backwards (rollback, resume), the per-step flag of the
+# logged step is used as a one-step sample.
+_EVENT_KINDS = {
+    "zclip_spike": (("zclip/spike_count",), ("zclip/is_spike",)),
+    "zclip_clip": (("zclip/clip_count",), ("zclip/was_clipped",)),
+    "skip_nonfinite": (("skip_nonfinite/total_skips",), ("skip_nonfinite/skipped",)),
+    "skip_spikes": (("skip_spikes/total_skips",), ("skip_spikes/skipped",)),
+    "muon_fallback": (("muon/fallback_count",), ("muon/fallback_rate",)),
+}
+# rate name -> per-step sampled metric key (averaged over the samples in the window).
+_SAMPLED = {
+    "adagc_clip_rate": "adagc/clipped_fraction",
+    "muon_outlier_rate": "muon/outlier_rate",
+    "muon_ns_instability_rate": "muon/ns_instability_rate",
+}
+_GRAD_NORM_KEYS = ("grad_norm", "zclip/grad_norm", "adagc/grad_norm", "skip_spikes/grad_norm")
+
+
+def _event_sample(kind: str, metrics: Mapping[str, Any], prev_counters: Mapping[str, float],
+                  steps: int) -> tuple[Optional[float], Optional[str], Optional[float]]:
+  """(events, how, counter value): events over ``steps`` from the counter, or a 1-step flag."""
+  counter_keys, flag_keys = _EVENT_KINDS[kind]
+  for key in counter_keys:
+    c = _as_float(metrics.get(key))
+    if c is None or not math.isfinite(c):
+      continue
+    prev = prev_counters.get(key)
+    if prev is not None and steps > 0 and c >= prev:
+      return c - prev, "counter", c
+    break  # counter present but no usable baseline: fall through to the flag
+  for key in flag_keys:
+    f = _as_float(metrics.get(key))
+    if f is None or not math.isfinite(f):
+      continue
+    if kind == "muon_fallback":
+      f = 1.0 if f > 0 else 0.0  # fraction of tensors -> "a fallback happened this step"
+    return min(max(f, 0.0), 1.0), "flag", None
+  return None, None, None
+
+
+class StabilityMonitor:
+  """Sliding-window stability rates, gradient health and warnings, on the host.
+
+  Feed it one train record every log interval with :meth:`update`; it returns
+  new warning lines: a gradient health level entered (once, not repeated while
+  the level stays), the return to healthy, and (once a full ``window`` of steps
+  has been seen, then at most once per ``advice_every`` steps) a stability
+  score below ``score_target`` together
+  with the troubleshooting advice, or a fired table row on its own.
+
+  Counters (``zclip/spike_count``, ``zclip/clip_count``,
+  ``skip_*/total_skips``, ``muon/fallback_count``) are cumulative, so the
+  number of events between two updates is their difference and the number of
+  steps is the step difference: events on steps that were not logged still
+  count. On the first update, or when a counter is missing or went backwards
+  (a rollback or a resume restored older optimizer state), the per-step flag of
+  the logged step (``is_spike``, ``was_clipped``, ``*/skipped``,
+  ``muon/fallback_rate > 0``) counts as a one-step sample instead. Per-step
+  fractions (AdaGC clipped fraction, Muon outlier and NS instability rates)
+  are averaged over the logged steps in the window. Non-finite values and
+  missing keys are ignored (a chain without Muon simply has no Muon rates).
+
+  The window covers the last ``window`` training steps as seen by the monitor
+  (whole log intervals ending inside it; a step number that goes backwards
+  after a rollback advances the window by one step).
+
+  Args:
+    window: window length in training steps (default 100).
+    thresholds: gradient health level boundaries.
+    score_target: score below which a warning with advice is emitted (0.8).
+    advice_every: minimum number of steps between two advice warnings
+      (default: ``window``).
+    loss_plateau_check: whether to add the "slow convergence" row when the mean
+      loss of the last window is not below that of the window before.
+
+  Example::
+
+    monitor = StabilityMonitor(window=100)
+    lines = monitor.update(10, {"loss": 3.2, "grad_norm": 1.1, "zclip/spike_count": 0})
+  """
+
+  def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),
+               score_target: float = 0.8, advice_every: Optional[int] = None,
+               loss_plateau_check: bool = True):
+    if not isinstance(window, int) or window < 1:
+      raise ValueError(f"StabilityMonitor window must be a positive int of steps, got {window!r}")
+    if not 0.0 <= score_target <= 1.0:
+      raise ValueError(f"StabilityMonitor score_target must be in [0, 1], got {score_target!r}")
+    if advice_every is not None and (not isinstance(advice_every, int) or advice_every < 1):
+      raise ValueError(f"StabilityMonitor advice_every must be a positive int, got {advice_every!r}")
+    if not isinstance(thresholds, HealthThresholds):
+      raise ValueError("StabilityMonitor thresholds must be a HealthThresholds instance")
+    self.window = window
+    self.thresholds = thresholds
+    self.score_target = float(score_target)
+    self.advice_every = window if advice_every is None else advice_every
+    self.loss_plateau_check = loss_plateau_check
+    self._reset()
+
+  def _reset(self):
+    self._clock = 0                     # monotonic count of steps seen
+    self._last_step: Optional[int] = None
+    self._counters: dict[str, float] = {}
+    # entries: [clock_end, {kind: [events, steps]}, {sampled_name: value}]
+    self._entries: collections.deque = collections.deque()
+    self._losses: collections.deque = collections.deque()   # [clock, loss]
+    self._rollbacks: list[list] = []    # [clock, step, cause]
+    self._level: Optional[str] = None
+    self._level_counts: dict[str, int] = {}
+    self._threshold: Optional[float] = None
+    self._last_advice_clock: Optional[int] = None
+    self._n_updates = 0
+    self._n_warnings = 0
+    self._max_grad_norm: Optional[float] = None
+    self._last_loss: Optional[float] = None
+
+  # ---- feeding ----
+
+  def update(self, step: int, metrics: Mapping[str, Any]) -> list[str]:
+    """Adds one logged train record and returns the new warning lines.
+
+    Args:
+      step: the training step of the record.
+      metrics: the record (loss, grad_norm and ``stability_metrics`` keys as
+        Python or numpy scalars; other keys are ignored, missing keys tolerated).
+
+    Returns:
+      Warning lines (possibly empty), each starting with ``"step N:"``.
+    """
+    step = int(step)
+    if self._last_step is None or step <= self._last_step:
+      steps = 1  # first record, or the step went backwards (rollback / restart)
+      have_baseline = False
+    else:
+      steps = step - self._last_step
+      have_baseline = True
+    self._clock += steps
+    self._last_step = step
+    self._n_updates += 1
+
+    events: dict[str, list] = {}
+    prev = self._counters if have_baseline else {}
+    new_counters = {}
+    for kind, (counter_keys, _) in _EVENT_KINDS.items():
+      n, how, c = _event_sample(kind, metrics, prev, steps)
+      for key in counter_keys:
+        value = _as_float(metrics.get(key))
+        if value is not None and math.isfinite(value):
+          new_counters[key] = value
+      if n is not None:
+        events[kind] = [n, steps if how == "counter" else 1]
+    self._counters = new_counters
+
+    sampled = {}
+    for name, key in _SAMPLED.items():
+      v = _as_float(metrics.get(key))
+      if v is not None and math.isfinite(v):
+        sampled[name] = v
+    thr = _as_float(metrics.get("zclip/threshold"))
+    if thr is not None and math.isfinite(thr):
+      self._threshold = thr
+
+    self._entries.append([self._clock, events, sampled])
+    loss = _as_float(metrics.get("loss"))
+    if loss is not None:
+      self._last_loss = loss
+      if math.isfinite(loss):
+        self._losses.append([self._clock, loss])
+    self._trim()
+
+    lines = []
+    lines += self._update_level(step, metrics, loss)
+    lines += self._advice_lines(step)
+    self._n_warnings += len(lines)
+    return lines
+
+  def record_rollback(self, step: int, cause: str = "") -> None:
+    """Records a rollback (restore of an earlier checkpoint) at ``step``.
+
+    Args:
+      step: the step at which the trainer decided to roll back.
+      cause: short reason, kept for :meth:`summary`.
+    """
+    self._rollbacks.append([self._clock, int(step), str(cause)])
+
+  def _trim(self):
+    start = self._clock - self.window
+    while self._entries and self._entries[0][0] <= start:
+      self._entries.popleft()
+    while self._losses and self._losses[0][0] <= self._clock - 2 * self.window:
+      self._losses.popleft()
+
+  def _update_level(self, step: int, metrics: Mapping[str, Any], loss: Optional[float]) -> list[str]:
+    g = None
+    for key in _GRAD_NORM_KEYS:
+      g = _as_float(metrics.get(key))
+      if g is not None:
+        break
+    # a non-finite skip means this step's gradient was NaN/Inf; the optimizer-state norms then
+    # still show the last accepted step, so the flag decides.
+    skipped_nonfinite = (_as_float(metrics.get("skip_nonfinite/skipped")) or 0.0) > 0
+    if skipped_nonfinite or (loss is not None and not math.isfinite(loss)):
+      level = "exploded"
+    elif g is not None:
+      level = grad_health_level(g, self.thresholds)
+    else:
+      return []
+    if g is not None and math.isfinite(g):
+      self._max_grad_norm = g if self._max_grad_norm is None else max(self._max_grad_norm, g)
+    self._level_counts[level] = self._level_counts.get(level, 0) + 1
+    old, self._level = self._level, level
+    if level == old or (old is None and level == "healthy"):
+      return []
+    t = self.thresholds
+    norm = "n/a" if g is None else f"{g:.4g}"
+    if level == "healthy":
+      return [f"step {step}: gradient health back to healthy (grad norm {norm})"]
+    if level == "low":
+      detail = f"grad norm < {t.low:g}"
+    elif level == "high":
+      detail = f"{t.high:g} < grad norm <= {t.critical:g}"
+    elif level == "critical":
+      detail = f"grad norm > {t.critical:g}"
+    else:
+      detail = "non-finite grad norm or loss"
+    return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
+
+  def _loss_plateau(self) -> bool:
+    if not self.loss_plateau_check or not self._losses:
+      return False
+    if self._clock < 2 * self.window:
+      return False
+    mid = self._clock - self.window
+    recent = [l for c, l in self._losses if c > mid]
+    older = [l for c, l in self._losses if c <= mid]
+    if len(recent) < 2 or len(older) < 2:
+      return False
+    return sum(recent) / len(recent) >= sum(older) / len(older)
+
+  def _advice_lines(self, step: int) -> list[str]:
+    rates = self.rates()
+    score = stability_score(rates)
+    advice = troubleshooting_advice(rates, self._loss_plateau())
+    below = score < self.score_target
+    if (not below and not advice) or self._clock < self.window:
+      return []  # rates over less than a window are too noisy to advise on
+    if (self._last_advice_clock is not None
+        and self._clock - self._last_advice_clock < self.advice_every):
+      return []
+    self._last_advice_clock = self._clock
+    if below:
+      head = f"step {step}: stability score {score:.2f} < target {self.score_target:.2f}"
+    else:
+      head = f"step {step}: stability score {score:.2f}"
+    if advice:
+      return [head + "; " + "; ".join(advice)]
+    worst = _worst_signal(rates)
+    return [head + (f" (largest contribution: {worst})" if worst else "")]
+
+  # ---- reading ----
+
+  @property
+  def level(self) -> Optional[str]:
+    """Gradient health level of the latest update (None before any grad norm)."""
+    return self._level
+
+  @property
+  def step(self) -> Optional[int]:
+    """Step of the latest update."""
+    return self._last_step
+
+  def rates(self) -> dict[str, float]:
+    """Rates over the window.
+
+    Returns:
+      A dict with (only for signals that have been seen):
+      ``zclip_spike_rate``, ``zclip_clip_rate`` (events per step),
+      ``zclip_threshold`` (latest clip value in effect),
+      ``adagc_clip_rate`` (mean fraction of tensors clipped),
+      ``muon_outlier_rate``, ``muon_ns_instability_rate`` (mean per-step
+      fractions), ``muon_fallback_rate`` (emergency fallbacks per step; counts
+      tensors, so it can exceed 1), ``skip_nonfinite_rate``,
+      ``skip_spikes_rate``, ``skip_rate`` (their sum, skipped steps per step);
+      and always ``rollbacks`` (number in the window).
+    """
+    sums: dict[str, list] = {}
+    samples: dict[str, list] = {}
+    for _, events, sampled in self._entries:
+      for kind, (n, s) in events.items():
+        acc = sums.setdefault(kind, [0.0, 0])
+        acc[0] += n
+        acc[1] += s
+      for name, v in sampled.items():
+        samples.setdefault(name, []).append(v)
+    out: dict[str, float] = {}
+
+    def _rate(kind):
+      n, s = sums[kind]
+      r = n / s if s else 0.0
+      return r if kind == "muon_fallback" else min(r, 1.0)
+
+    for kind, name in (("zclip_spike", "zclip_spike_rate"), ("zclip_clip", "zclip_clip_rate")):
+      if kind in sums:
+        out[name] = _rate(kind)
+    if self._threshold is not None:
+      out["zclip_threshold"] = self._threshold
+    for name, values in samples.items():
+      out[name] = sum(values) / len(values)
+    if "muon_fallback" in sums:
+      out["muon_fallback_rate"] = _rate("muon_fallback")
+    skip = None
+    for kind in ("skip_nonfinite", "skip_spikes"):
+      if kind in sums:
+        out[f"{kind}_rate"] = _rate(kind)
+        skip = (skip or 0.0) + out[f"{kind}_rate"]
+    if skip is not None:
+      out["skip_rate"] = min(skip, 1.0)
+    start = self._clock - self.window
+    out["rollbacks"] = float(sum(1 for c, _, _ in self._rollbacks if c > start))
+    return out
+
+  def score(self) -> float:
+    """:func:`stability_score` of the current window rates (1.0 with no data)."""
+    return stability_score(self.rates())
+
+  def advice(self) -> list[str]:
+    """Troubleshooting rows that fire for the current window (not rate-limited)."""
+    return troubleshooting_advice(self.rates(), self._loss_plateau())
+
+  def summary(self) -> dict[str, Any]:
+    """A JSON-able overview: step, level, score, rates, counts.
+
+    Returns:
+      ``{"step", "updates", "level", "score", "score_target", "rates",
+      "level_counts", "max_grad_norm", "last_loss", "warnings", "rollbacks_total",
+      "rollbacks": [{"step", "cause"}, ...], "advice"}``.
+    """
+    return {
+        "step": self._last_step,
+        "updates": self._n_updates,
+        "level": self._level,
+        "score": self.score(),
+        "score_target": self.score_target,
+        "rates": self.rates(),
+        "level_counts": dict(self._level_counts),
+        "max_grad_norm": self._max_grad_norm,
+        "last_loss": self._last_loss,
+        "warnings": self._n_warnings,
+        "rollbacks_total": len(self._rollbacks),
+        "rollbacks": [{"step": s, "cause": c} for _, s, c in self._rollbacks],
+        "advice": self.advice(),
+    }
+
+  # ---- persistence ----
+
+  def state_dict(self) -> dict[str, Any]:
+    """The monitor's state as plain JSON-able Python data (for checkpoints)."""
+    return {
+        "version": 1,
+        "clock": self._clock,
+        "last_step": self._last_step,
+        "counters": dict(self._counters),
+        "entries": [[c, {k: list(v) for k, v in e.items()}, dict(s)] for c, e, s in self._entries],
+        "losses": [list(x) for x in self._losses],
+        "rollbacks": [list(x) for x in self._rollbacks],
+        "level": self._level,
+        "level_counts": dict(self._level_counts),
+        "threshold": self._threshold,
+        "last_advice_clock": self._last_advice_clock,
+        "updates": self._n_updates,
+        "warnings": self._n_warnings,
+        "max_grad_norm": self._max_grad_norm,
+        "last_loss": self._last_loss,
+    }
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """Restores what :meth:`state_dict` returned (the constructor arguments stay)."""
+    if not isinstance(state, Mapping) or state.get("version") != 1:
+      raise ValueError("StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1)")
+    self._reset()
+    self._clock = int(state["clock"])
+    self._last_step = None if state["last_step"] is None else int(state["last_step"])
+    self._counters = {k: float(v) for k, v in state["counters"].items()}
+    self._entries = collections.deque(
+        [int(c), {k: [float(v[0]), int(v[1])] for k, v in e.items()},
+         {k: float(v) for k, v in s.items()}] for c, e, s in state["entries"])
+    self._losses = collections.deque([int(c), float(l)] for c, l in state["losses"])
+    self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in state["rollbacks"]]
+    self._level = state["level"]
+    self._level_counts = {str(k): int(v) for k, v in state["level_counts"].items()}
+    self._threshold = state["threshold"]
+    self._last_advice_clock = state["last_advice_clock"]
+    self._n_updates = int(state["updates"])
+    self._n_warnings = int(state["warnings"])
+    self._max_grad_norm = state["max_grad_norm"]
+    self._last_loss = state["last_loss"]
+    self._trim()

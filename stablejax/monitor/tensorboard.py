@@ -1,0 +1,77 @@
+"""TensorBoard tag names for metrics.jsonl records and monitor rates."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from stablejax.monitor._numbers import _as_float
+from stablejax.monitor.health import health_code
+
+
+_TOP_LEVEL_TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_sec": "train/tokens_per_sec",
+    "val_loss": "eval/loss",
+    "stability_score": "stability/score",
+    "act_rms": "activations/rms",
+    "act_max": "activations/max",
+    "logit_max": "activations/logit_max",
+    "excess_kurtosis": "activations/excess_kurtosis",
+    "lambda": "train/quant_lambda",
+}
+_STABILITY_PREFIXES = ("zclip/", "adagc/", "skip_nonfinite/", "skip_spikes/", "muon/",
+                       "loss_scale/")
+
+
+def tensorboard_scalars(record: Mapping[str, Any],
+                        rates: Optional[Mapping[str, Any]] = None) -> dict[str, float]:
+  """Maps one ``metrics.jsonl`` record (and optional monitor rates) to TensorBoard tags.
+
+  Tags: ``train/loss``, ``train/lr``, ``train/grad_norm``,
+  ``train/tokens_per_sec``, ``train/quant_lambda``, ``eval/loss``;
+  ``stability/<metric key>`` for every ``stability_metrics`` key (e.g.
+  ``stability/zclip/grad_norm``, ``stability/muon/update_rms/adam``);
+  ``stability/score``; ``health/level`` (-1 low, 0 healthy, 1 high,
+  2 critical, 3 exploded); ``movement/<group>`` and
+  ``movement/<group>/<ratio>`` for ``param_move/...``;
+  ``activations/{rms,max,logit_max,excess_kurtosis}``;
+  ``stability/rate/<name>`` for each monitor rate; ``events/<event>`` = 1
+  for event records; ``other/<key>`` for any other numeric key. Booleans
+  become 0/1, strings (other than ``health``) and ``step`` are dropped, as
+  are non-numeric values. Non-finite values are kept (the caller decides).
+
+  Args:
+    record: one train, eval or event record.
+    rates: optional :meth:`StabilityMonitor.rates` to add as
+      ``stability/rate/<name>``.
+
+  Returns:
+    ``{tag: float}``.
+  """
+  out: dict[str, float] = {}
+  if "event" in record:
+    out[f"events/{record['event']}"] = 1.0
+  for key, value in record.items():
+    if key in ("step", "event", "cause"):
+      continue
+    if key == "health":
+      out["health/level"] = health_code(value if isinstance(value, str) else None)
+      continue
+    v = _as_float(value)
+    if v is None:
+      continue
+    if key in _TOP_LEVEL_TAGS:
+      out[_TOP_LEVEL_TAGS[key]] = v
+    elif key.startswith(_STABILITY_PREFIXES):
+      out[f"stability/{key}"] = v
+    elif key.startswith("param_move/"):
+      out["movement/" + key[len("param_move/"):]] = v
+    else:
+      out[f"other/{key}"] = v
+  for name, value in (rates or {}).items():
+    v = _as_float(value)
+    if v is not None:
+      out[f"stability/rate/{name}"] = v
+  return out

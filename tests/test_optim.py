@@ -1,0 +1,249 @@
+"""The optimizer the trainer builds from its config: weight decay, clipping, rates, the logged lr."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from stablejax.training import optim
+from stablejax.muon.lr_check import ADAM_MAX_LR
+from stablejax.muon.muon import routing_info
+from stablejax.training import config as config_lib
+from stablejax.training.config import Config, ConfigError, config_from_dict, load_config
+from stablejax.training.model import GPT
+from stablejax.training.step import TrainState, make_train_step
+from trainer_utils import ROOT, read_metrics, run_subprocess, slow
+
+TINY_MODEL = {"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 8,
+              "compute_dtype": "float32"}
+
+
+def _cfg(**sections) -> Config:
+  raw = {"model": dict(TINY_MODEL), "train": {"seq_len": 8, "steps": 50, "warmup_steps": 5}}
+  for name, values in sections.items():
+    raw.setdefault(name, {}).update(values)
+  return config_from_dict(raw)
+
+
+def _params(cfg: Config):
+  tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
+  return GPT(cfg.model).init(jax.random.PRNGKey(0), tokens)["params"]
+
+
+def _paths(tree) -> dict[str, jax.Array]:
+  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+# ---------------------------------------------------------------- 12.2: AdamW weight decay
+
+
+def test_adamw_mode_decays_matrices_with_optimizer_weight_decay_and_never_norms_or_biases():
+  cfg = _cfg(optimizer={"name": "adamw", "learning_rate": 1e-3, "weight_decay": 0.1},
+             train={"warmup_steps": 0})
+  params = _params(cfg)
+  tx = optim.main_optimizer(cfg)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  # Zero gradients: Adam's direction is 0, so the update is the decoupled decay -lr * wd * p alone.
+  lr = 1e-3
+  decayed = set()
+  for path, u in _paths(updates).items():
+    p = _paths(params)[path]
+    if path.endswith("/scale") or path.endswith("/bias"):
+      np.testing.assert_array_equal(u, 0.0, err_msg=path)   # norm gains (stacked too), biases
+    else:
+      np.testing.assert_allclose(u, -lr * 0.1 * p, rtol=1e-6, err_msg=path)
+      decayed.add(path)
+  assert "blocks/attn/q_proj/kernel" in decayed and "tok_embed/embedding" in decayed
+  assert any(path.startswith("blocks/attn_norm") for path in _paths(params))
+
+
+def test_adam_weight_decay_is_reported_as_ineffective_in_adamw_mode():
+  cfg = _cfg(optimizer={"name": "adamw", "learning_rate": 1e-3, "adam_weight_decay": 0.1})
+  lines = config_lib.ineffective_keys(cfg)
+  assert len(lines) == 1 and lines[0].startswith("optimizer.adam_weight_decay=0.1 has no effect")
+  assert "optimizer.weight_decay" in lines[0]   # and names the key to use instead
+
+
+# ---------------------------------------------------------------- 12.2: ineffective keys
+
+
+@pytest.mark.parametrize("overrides,keys", [
+    ({}, []),
+    ({"optimizer": {"name": "adamw", "learning_rate": 1e-3, "momentum": 0.9, "ns_steps": 3,
+                    "head_learning_rate": 1e-3}},
+     ["optimizer.head_learning_rate", "optimizer.momentum", "optimizer.ns_steps"]),
+    ({"optimizer": {"outlier_method": None, "outlier_threshold": 3.0}},
+     ["optimizer.outlier_threshold"]),
+    ({"stability": {"zclip": False, "z_thresh": 3.0, "adagc": False, "adagc_beta": 0.9,
+                    "skip_spikes": False, "spike_window": 64, "spike_factor": 10.0,
+                    "loss_scale_init": 256.0}},
+     ["stability.z_thresh", "stability.adagc_beta", "stability.spike_window",
+      "stability.spike_factor", "stability.loss_scale_init"]),
+    ({"stability": {"skip_spikes": False, "skip_nonfinite": False, "max_consecutive_skips": 4}},
+     ["stability.max_consecutive_skips"]),
+    ({"stability": {"adagc_per_layer": False}, "model": {"scan_layers": False}},
+     ["stability.adagc_per_layer"]),
+    ({"train": {"lambda_warmup_steps": 10}, "faults": {"grad_scale_factor": 100.0}},
+     ["train.lambda_warmup_steps", "faults.grad_scale_factor"]),
+    ({"stability": {"zclip": False, "adagc": True, "max_grad_norm": 0.5}}, []),
+])
+def test_ineffective_keys_are_named(overrides, keys):
+  cfg = _cfg(**overrides)
+  lines = config_lib.ineffective_keys(cfg)
+  assert [line.split("=")[0] for line in lines] == keys
+  assert all(" has no effect with " in line for line in lines)
+
+
+@pytest.mark.parametrize("name", ["default.json", "gpt2_small.json", "openwebtext_stable.json"])
+def test_shipped_configs_set_no_ineffective_key(name):
+  assert config_lib.ineffective_keys(load_config(ROOT / "configs" / name)) == []
+
+
+# ---------------------------------------------------------------- 12.2: max_grad_norm with AdaGC
+
+
+def test_max_grad_norm_clips_when_adagc_runs_without_zclip():
+  cfg = _cfg(stability={"zclip": False, "adagc": True, "max_grad_norm": 0.5,
+                        "adagc_lambda_abs": 100.0})
+  tx = optax.chain(*optim.clipping(cfg))
+  grads = {"w": jnp.full((4, 4), 2.5)}   # global norm 10
+  out, _ = tx.update(grads, tx.init(grads))
+  assert float(optax.tree.norm(out)) == pytest.approx(0.5, rel=1e-6)
+
+
+# ---------------------------------------------------------------- 12.7: default learning rates
+
+
+def test_default_config_resolves_sane_rates_for_every_group():
+  rates = optim.learning_rates(Config())
+  assert set(rates) == {"muon", "adam", "embedding", "head"}
+  assert all(isinstance(r, float) for r in rates.values()), rates
+  for group in ("adam", "embedding", "head"):
+    assert rates[group] <= ADAM_MAX_LR, rates
+  assert optim.learning_rate_warnings(Config()) == []
+
+
+def test_unset_adamw_rates_resolve_to_what_the_optimizer_uses_and_are_checked():
+  cfg = _cfg(optimizer={"learning_rate": 0.02, "adam_learning_rate": None})
+  rates = optim.learning_rates(cfg)
+  assert rates == {"muon": 0.02, "adam": 0.02, "embedding": 0.02, "head": 0.02}
+  info = routing_info(optim.main_optimizer(cfg))
+  assert {g: float(lr(10 ** 6)) / (cfg.train.min_lr_ratio) for g, lr in info.learning_rates.items()
+          } == pytest.approx(rates)   # the schedules end at peak * min_lr_ratio
+  warnings = optim.learning_rate_warnings(cfg)
+  assert len(warnings) == 1 and "AdamW learning rate 0.02" in warnings[0]
+
+
+def test_unset_adamw_rate_with_width_scaled_muon_is_a_config_error():
+  with pytest.raises(ConfigError, match="optimizer.adam_learning_rate"):
+    _cfg(optimizer={"adam_learning_rate": None, "consistent_rms": None})
+
+
+# ---------------------------------------------------------------- spike rules in the config
+
+
+def test_spike_factor_rule_alone_from_the_config():
+  cfg = _cfg(stability={"zclip": False, "adagc": False, "skip_nonfinite": False,
+                        "max_grad_norm": None, "spike_sigma": None, "spike_factor": 10.0,
+                        "spike_window": 16, "spike_min_history": 4},
+             optimizer={"name": "adamw", "learning_rate": 1e-3})
+  tx = optim.build_optimizer(cfg)
+  params = {"w": jnp.zeros(4)}
+  update = jax.jit(tx.update)
+
+  def skipped_after(history, last):
+    state = tx.init(params)
+    for norm in history + [last]:
+      _, state = update({"w": jnp.full(4, norm / 2)}, state, params, loss=jnp.float32(1.0))
+    return bool(state.skipped)
+
+  history = [1.0, 1.1, 0.9, 1.0, 1.05]
+  assert not skipped_after(history, 5.0)   # far beyond 6 sigma, but only 5x the mean
+  assert skipped_after(history, 11.0)
+
+
+def test_both_spike_rules_off_is_a_config_error():
+  with pytest.raises(ConfigError, match="stability.spike_sigma"):
+    _cfg(stability={"spike_sigma": None, "spike_factor": None})
+  _cfg(stability={"spike_sigma": None, "spike_factor": None, "skip_spikes": False})
+
+
+def test_olmo_core_spike_statistics_from_the_config():
+  cfg = _cfg(stability={"spike_statistics": "olmo_core"})
+  state = optim.build_optimizer(cfg).init({"w": jnp.zeros(2)})
+  assert state.inner_state.loss_history.shape == (128,)
+  with pytest.raises(ConfigError, match="stability.spike_statistics"):
+    _cfg(stability={"spike_statistics": "olmo"})
+
+
+# ---------------------------------------------------------------- 12.6: the logged lr
+
+
+def _schedule_counts(opt_state) -> set[int]:
+  nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
+  return {int(n.count) for n in nodes if isinstance(n, optax.ScaleByScheduleState)}
+
+
+@pytest.mark.parametrize("name", ["adamw", "muon"])
+def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
+  cfg = _cfg(optimizer={"name": name, "learning_rate": 1e-3 if name == "adamw" else 1e-2},
+             train={"batch_size": 2, "warmup_steps": 4, "steps": 20})
+  model = GPT(cfg.model)
+  tx = optim.build_optimizer(cfg)
+  schedule = optim.lr_schedule(cfg, cfg.optimizer.learning_rate)
+  params = _params(cfg)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  step = jax.jit(make_train_step(model, tx, cfg, schedule))
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 2, cfg.train.seq_len + 1), 0, 32)
+  # The reference rate, computed by the same float32 operations under jit (an eager schedule can
+  # round differently in the last bit).
+  rate = jax.jit(lambda count, scale: schedule(count) * scale)
+  nan_steps, backoff_step = {2, 3, 7}, 9
+  applied = 0
+  for s in range(12):
+    if s == backoff_step:   # the recovery's learning-rate backoff
+      state = state.replace(opt_state=optim.set_lr_scale(state.opt_state, 0.2))
+    scale = 0.2 if s >= backoff_step else 1.0
+    grad_scale = jnp.float32(jnp.nan if s in nan_steps else 1.0)
+    state, metrics = step(state, {"tokens": tokens, "grad_scale": grad_scale})
+    # The rate this step applied (or, when skipped, would have): the schedule at the number of
+    # updates applied before it, times the backoff.
+    expected = np.float32(rate(applied, jnp.float32(scale)))
+    assert np.float32(metrics["lr"]) == expected, (s, float(metrics["lr"]), float(expected))
+    applied += s not in nan_steps
+    assert _schedule_counts(state.opt_state) == {applied}   # what the optimizer's schedules saw
+  assert applied == 9 and int(state.step) == 12
+
+
+@slow
+def test_trainer_banner_and_logged_lr(tmp_path):
+  out = tmp_path / "run"
+  result = run_subprocess(
+      out, "optimizer.name=\"adamw\"", "optimizer.learning_rate=0.001",
+      "optimizer.adam_learning_rate=0.003", "optimizer.embedding_learning_rate=null",
+      "optimizer.head_learning_rate=null", "optimizer.weight_decay=0.1",
+      "optimizer.adam_weight_decay=0.1", "train.steps=12", "train.log_every=1",
+      "faults.nan_grad_steps=[3, 4]", "checkpoint.every=100", "logging.histogram_every=0",
+      "logging.activation_every=0", "train.eval_every=100", fresh=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-2000:]
+  warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: ")]
+  assert warnings[:1] == ["warning: optimizer.adam_weight_decay=0.1 has no effect with "
+                      "optimizer.name=\"adamw\" (AdamW uses optimizer.learning_rate and "
+                      "optimizer.weight_decay)"], result.stderr
+  assert not any("learning rate" in line for line in warnings)   # 1e-3 is a sane AdamW rate
+  assert "peak learning rates {'adamw': 0.001}" in result.stdout
+  cfg = config_from_dict(json.loads((out / "config.json").read_text()))
+  schedule = optim.lr_schedule(cfg, 0.001)
+  rate = jax.jit(lambda count, scale: schedule(count) * scale)
+  train = {r["step"]: r for r in read_metrics(out) if "loss" in r and "event" not in r}
+  applied = 0
+  for s in range(1, 13):   # record s: the s-th step, index s - 1 in faults.nan_grad_steps
+    assert train[s]["lr"] == float(rate(applied, jnp.float32(1.0))), s
+    applied += (s - 1) not in (3, 4)
