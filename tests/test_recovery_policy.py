@@ -287,6 +287,18 @@ def test_every_checkpoint_damaged_stops_and_moves_nothing(two_steps):
   assert _listing(two_steps) == before
 
 
+def test_state_holding_infinities_restores(tmp_path):
+  # An optimizer state before warmup holds inf thresholds on purpose: the checkpoint of step 0
+  # must be restorable (a rollback to it is the last resort).
+  ckpt = Checkpoints(tmp_path / "checkpoints", keep=2, async_save=False)
+  state = dict(_state(0), b=jnp.array([1.0, jnp.inf, -jnp.inf, 2.0, 0.0, 0.0, 0.0], jnp.float32))
+  ckpt.save(0, state, _data_iter(), {})
+  ckpt.close()
+  (restored, meta), fallbacks = _restore(tmp_path / "checkpoints")
+  assert not fallbacks and meta["step"] == 0
+  np.testing.assert_array_equal(np.asarray(restored["b"]), np.asarray(state["b"]))
+
+
 def test_at_most_restores_an_older_step(two_steps):
   (_, meta), _ = _restore(two_steps, at_most=19)
   assert meta["step"] == 10
