@@ -91,8 +91,9 @@ class Run:
     mesh_lib.maybe_initialize_distributed(cfg.mesh)
     self.is_main = jax.process_index() == 0
     if fresh and self.is_main:
-      for name in ("checkpoints", "damaged_checkpoints", RECOVERY_FILE, "tensorboard",
-                   "metrics.jsonl", "summary.json", "report.png", "quantize_eval.json"):
+      for name in ("checkpoints", "damaged_checkpoints", RECOVERY_FILE, RECOVERY_FILE + ".stale",
+                   "tensorboard", "metrics.jsonl", "summary.json", "report.png",
+                   "quantize_eval.json"):
         path = self.out_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -416,6 +417,11 @@ class Run:
   def _restore_checkpoint_or_init(self) -> tuple[TrainState, dict]:
     restored = self._restore()
     if restored is None:
+      stale = self.out_dir / RECOVERY_FILE
+      if self.is_main and stale.exists():  # its checkpoints are gone: it describes another run
+        stale.replace(stale.with_name(RECOVERY_FILE + ".stale"))
+        self.log.console(f"warning: no checkpoint in {self.checkpoints.directory}: starting at step"
+                         f" 0 and keeping the old rollback record as {RECOVERY_FILE}.stale")
       return self.init_state(jax.random.PRNGKey(self.cfg.train.seed)), {}
     state, meta = restored
     decision = read_json(self.out_dir / RECOVERY_FILE)
