@@ -278,6 +278,7 @@ def test_checkpoint_of_another_model_is_not_damage(two_steps):
   assert _listing(two_steps) == before
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # as above
 def test_every_checkpoint_damaged_stops_and_moves_nothing(two_steps):
   _damage(two_steps / "10", "truncated")
   _damage(two_steps / "20", "fingerprint")
@@ -340,3 +341,17 @@ def test_write_json_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
   (tmp_path / "bad.json").write_text("{")
   with pytest.raises(CheckpointError, match="bad.json cannot be read"):
     read_json(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("override,match", [
+    ("stability.lr_recovery_steps=0", "lr_recovery_steps=0 must be > 0"),
+    ("stability.lr_recovery_schedule=\"cosine\"", "lr_recovery_schedule='cosine' is not known"),
+    ("stability.loss_explosion_factor=1.0", "loss_explosion_factor=1.0 must be > 1"),
+    ("stability.loss_window=0", "loss_window=0 must be > 0"),
+    ("faults.garbage_batch_indices=[3, -1]", "garbage_batch_indices=\\[3, -1\\] has a negative"),
+])
+def test_recovery_config_errors_name_the_key(override, match):
+  from stablejax.training.config import ConfigError, load_config
+  with pytest.raises(ConfigError, match=match):
+    load_config(None, [override])
+  assert load_config(None, ["stability.lr_recovery_steps=null"]).stability.lr_recovery_steps is None
