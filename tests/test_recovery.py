@@ -158,8 +158,9 @@ def test_sigterm_saves_and_exits(tmp_path):
 # Batches 13, 14 and 15 of the data stream give NaN gradients; three skips in a row ask for a
 # rollback, seen when step 16 is logged (at step 17: metrics are read one step late), by when
 # batches 0..16 were read. The rollback restores checkpoint 10, skips batches 10..16 and never
-# meets the NaN batches again.
-NAN_BATCHES = ("faults.nan_grad_batch_indices=[13, 14, 15]", "stability.max_consecutive_skips=3")
+# meets the NaN batches, nor the garbage batch 16, again.
+NAN_BATCHES = ("faults.nan_grad_batch_indices=[13, 14, 15]", "faults.garbage_batch_indices=[16]",
+               "stability.max_consecutive_skips=3")
 
 
 def tiny_config(*overrides):
@@ -228,11 +229,15 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
   jax.tree.map(np.testing.assert_array_equal, seen["params"], seen["saved_params"])
   assert seen["lr_scale"] == pytest.approx(0.2)  # in the optimizer state at once
   assert float(seen["backoff"].scale) == pytest.approx(0.2) and int(seen["backoff"].start) == 10
-  # fed: batches 0..16, then after the rollback 17.. (10..16 skipped, the NaN ones among them)
+  # fed: batches 0..16 (16 replaced by garbage), then after the rollback 17.. (10..16 skipped)
+  from stablejax.training.data import garbage_batch
   stream = data_stream(cfg, 17 + 30)
-  assert len(run.fed) == 17 + 30
-  for got, want in zip(run.fed, stream[:17] + stream[17:47]):
-    np.testing.assert_array_equal(got, want)
+  garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
+  want = stream[:16] + [garbage] + stream[17:47]
+  assert len(run.fed) == len(want) == 17 + 30
+  for got, expected in zip(run.fed, want):
+    np.testing.assert_array_equal(got, expected)
+  assert not any(np.array_equal(got, garbage) for got in run.fed[17:])
   assert summary(out)["skipped_steps"] == 3 and summary(out)["rollbacks"] == 1
   # The LR scale returns to 1.0 linearly over lr_recovery_steps; the logged lr includes it.
   n = cfg.stability.lr_recovery_steps
