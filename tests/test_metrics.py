@@ -13,7 +13,7 @@ import stablejax
 ZCLIP = {"grad_norm", "clipped_grad_norm", "z", "threshold", "ema_mean",
          "ema_std", "was_clipped", "is_spike", "spike_count", "clip_count"}
 ADAGC = {"clipped_fraction", "grad_norm", "clipped_grad_norm"}
-SKIP = {"skipped", "total_skips", "consecutive_skips", "needs_rollback"}
+SKIP = {"skipped", "total_skips", "consecutive_skips", "needs_rollback", "rollback_requests"}
 SPIKES = SKIP | {"loss_mean", "grad_norm_mean", "grad_norm"}
 
 

@@ -127,6 +127,43 @@ def test_fifty_nan_steps_in_a_row_keep_params_finite_and_raise_rollback():
   assert int(state.total_skips) == 50
 
 
+@pytest.mark.parametrize("wrapper", ["nonfinite", "spikes"])
+def test_rollback_request_is_latched_between_reads(wrapper):
+  """A burst of max_consecutive skips that ends before the next read is still seen.
+
+  The loop reads the state every 10 steps; the level ``needs_rollback`` is
+  already back to False by then, the request counter is not. A longer burst,
+  or two steps short of the limit, count once and not at all.
+  """
+  if wrapper == "nonfinite":
+    tx = stablejax.skip_nonfinite(optax.sgd(0.1), max_consecutive=3)
+  else:
+    tx = stablejax.skip_spikes(optax.sgd(0.1), window=8, min_history=4,
+                               watch=("grad_norm",), max_consecutive=3)
+  params = {"w": jnp.zeros(4)}
+  good = {"w": jnp.ones(4)}
+  bad = {"w": jnp.full(4, jnp.nan)}
+  # steps 4-6: a burst of 3 (one request); 12-13: 2 skips (none);
+  # 20-26: a burst of 7 (one request, not five)
+  bad_steps = {4, 5, 6, 12, 13, *range(20, 27)}
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  seen = []
+  for t in range(30):
+    _, state = update(bad if t in bad_steps else good, state, params)
+    if t % 10 == 9:  # a read every 10 steps, as a trainer logs
+      seen.append((bool(state.needs_rollback), int(state.rollback_requests)))
+  assert seen == [(False, 1), (False, 1), (False, 2)]
+  inner_only = stablejax.skip_nonfinite(optax.sgd(0.1))  # no limit: never
+  s = inner_only.init(params)
+  for _ in range(5):
+    _, s = inner_only.update(bad, s, params)
+  assert int(s.rollback_requests) == 0
+  metrics = stablejax.stability_metrics(state)
+  prefix = "skip_nonfinite" if wrapper == "nonfinite" else "skip_spikes"
+  assert int(metrics[f"{prefix}/rollback_requests"]) == 2
+
+
 def _nan_from_finite():
   """An inner transform that turns finite gradients into a NaN update."""
 

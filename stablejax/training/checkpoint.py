@@ -2,13 +2,21 @@
 
 Only healthy states are saved, so every checkpoint on disk is a "good" one a rollback may return
 to. Orbax writes each step into a temporary directory and renames it when complete, so a save cut
-off by SIGKILL leaves no step behind. A checkpoint whose bytes were damaged later is caught by a
-fingerprint stored with it; restore then falls back to the previous step and says so.
+off by SIGKILL leaves no step behind.
+
+Restore tells a damaged checkpoint from a failed read. Only proof of damage (see
+`damage_evidence`: contents that do not match the fingerprint stored with them, a missing file, a
+file shorter than its index says, bytes that do not decode) makes it fall back to the previous
+step; the damaged step is then moved to `damaged_checkpoints/` next to the checkpoint directory,
+never deleted. Any other error (a timeout, out of memory, a permission or I/O error, a checkpoint
+of another model config) stops with `CheckpointError` and leaves every checkpoint as it was.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -21,27 +29,78 @@ import orbax.checkpoint as ocp
 
 
 class CheckpointError(RuntimeError):
-  """No usable checkpoint; the message says what was found and what to do."""
+  """No usable checkpoint, or one could not be read; the message says what to do (exit code 2)."""
+
+
+class CheckpointDamaged(ValueError):
+  """A checkpoint was read but its contents are not what was saved."""
+
+
+# tensorstore reports these status codes for a missing file, a file shorter than the byte range
+# its index points to, and bytes that fail a consistency check. Its Python errors are ValueErrors
+# whose message starts with the code, except INVALID_ARGUMENT (no prefix), which is how a chunk
+# that fails to decompress is reported ("Error decoding ...").
+_DAMAGE_STATUS = ("NOT_FOUND:", "OUT_OF_RANGE:", "DATA_LOSS:")
+
+
+def damage_evidence(error: BaseException) -> Optional[str]:
+  """Why `error` (raised by a restore) proves the checkpoint damaged; None when it does not.
+
+  Proof: the fingerprint check failed (`CheckpointDamaged`); a file is missing
+  (`FileNotFoundError`, tensorstore NOT_FOUND, an item directory Orbax does not find); a file is
+  truncated (tensorstore OUT_OF_RANGE); bytes do not decode (tensorstore DATA_LOSS or "Error
+  decoding", invalid JSON or UTF-8 in a metadata file). Anything else, e.g. TimeoutError,
+  MemoryError, PermissionError, tensorstore UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED,
+  or a tree/shape mismatch with the model being trained, proves nothing about the files.
+  """
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    text = str(error).strip()
+    if isinstance(error, CheckpointDamaged):
+      return text
+    if isinstance(error, FileNotFoundError):
+      return f"missing file: {text}"
+    if isinstance(error, (json.JSONDecodeError, UnicodeDecodeError)):
+      return f"corrupt metadata file: {type(error).__name__}: {text}"
+    if isinstance(error, KeyError) and "was not found in the checkpoint" in text:
+      return f"missing item: {text}"
+    if type(error) is ValueError and (text.startswith(_DAMAGE_STATUS) or "Error decoding" in text):
+      return text
+    error = error.__cause__
+  return None
+
+
+def _first_line(error: BaseException, limit: int = 200) -> str:
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0][:limit]}" if text else type(error).__name__
 
 
 @jax.jit
 def fingerprint(tree) -> jax.Array:
-  """Two float32 numbers summarising every floating leaf (sum and sum of squares).
+  """Three float32 numbers summarising every floating leaf: the sum and the sum of squares of
+  its finite entries, and the number of entries that are not finite.
 
-  Compared with a relative tolerance on restore: a bit-exact restore matches, a damaged one does
-  not, and a restore onto a different device count (different reduction order) still matches.
+  Optimizer states hold infinities on purpose (e.g. a clipping threshold before its warmup ends),
+  so the sums skip them and the count records them. Compared with a relative tolerance on
+  restore: a bit-exact restore matches, a damaged one does not, and a restore onto a different
+  device count (different reduction order) still matches.
   """
   leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.floating)]
-  total = sum((jnp.sum(x) for x in leaves), jnp.float32(0))
-  squares = sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.float32(0))
-  return jnp.stack([total, squares])
+  finite = [jnp.where(jnp.isfinite(x), x, 0.0) for x in leaves]
+  total = sum((jnp.sum(x) for x in finite), jnp.float32(0))
+  squares = sum((jnp.sum(jnp.square(x)) for x in finite), jnp.float32(0))
+  not_finite = sum((jnp.sum(~jnp.isfinite(x)).astype(jnp.float32) for x in leaves), jnp.float32(0))
+  return jnp.stack([total, squares, not_finite])
 
 
 def fingerprint_matches(expected, actual) -> bool:
   """Whether a restored state's fingerprint equals the saved one (relative tolerance 1e-4)."""
+  if len(expected) != len(actual):
+    return False
   for e, a in zip(expected, actual):
-    if not math.isfinite(a) or abs(a - e) > 1e-4 * max(1.0, abs(e)):
+    if not (math.isfinite(a) and math.isfinite(e)) or abs(a - e) > 1e-4 * max(1.0, abs(e)):
       return False
   return True
 
@@ -78,43 +137,77 @@ class Checkpoints:
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
-  def restore(self, abstract_state, data_iter, *, before: Optional[int] = None,
+  def restore(self, abstract_state, data_iter, *, at_most: Optional[int] = None,
               on_fallback: Callable[[int, str], None] = lambda step, why: None
               ) -> Optional[tuple[Any, dict]]:
-    """Restores the newest readable checkpoint (older than `before` when given).
+    """Restores the newest checkpoint that is not damaged (at step `at_most` or older when given).
 
     Returns (state, meta) with `data_iter` moved to the saved position, or None when the
-    directory holds no checkpoint. Unreadable or damaged steps are reported through
-    `on_fallback(step, reason)` and skipped; if every step is unusable, raises CheckpointError.
+    directory holds no checkpoint. A step proven damaged (`damage_evidence`) is reported through
+    `on_fallback(step, reason)` and the previous one tried; once one restores, the damaged ones
+    are moved to `damaged_checkpoints/` (their step numbers will be saved again). Any other error
+    raises CheckpointError at once, and so does finding every step damaged: nothing is moved or
+    deleted then.
     """
     self.wait()
-    steps = [s for s in self.all_steps() if before is None or s < before]
+    steps = [s for s in self.all_steps() if at_most is None or s <= at_most]
     if not steps:
       return None
+    damaged: list[int] = []
     for step in reversed(steps):
       try:
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iter),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
-        state, meta = restored["state"], dict(restored["meta"])
-        actual = [float(v) for v in np.asarray(fingerprint(state))]
-        if not fingerprint_matches(meta.get("fingerprint", [math.nan, math.nan]), actual):
-          raise ValueError("contents do not match the fingerprint saved with it")
-        return state, meta
-      except Exception as e:  # noqa: BLE001 - any failure to read means "not usable"
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        on_fallback(step, f"{type(e).__name__}: {reason[:200]}")
+        state, meta = self._restore_step(step, abstract_state, data_iter)
+      except Exception as e:  # noqa: BLE001 - sorted into damage / not damage just below
+        why = damage_evidence(e)
+        if why is None:
+          raise CheckpointError(
+              f"reading checkpoint {step} in {self.directory} failed ({_first_line(e)}); that"
+              " does not show it is damaged, so every checkpoint was left as it is: fix the cause"
+              " (memory, storage, or a config that differs from the run's) and run again") from e
+        on_fallback(step, why.splitlines()[0][:200])
+        damaged.append(step)
+        continue
+      for bad in damaged:
+        self._set_aside(bad)
+      return state, meta
     raise CheckpointError(
-        f"none of the {len(steps)} checkpoints in {self.directory} could be restored:"
-        " delete that directory or pass --fresh to start over")
+        f"all {len(steps)} checkpoints in {self.directory} are damaged (left in place): delete"
+        " that directory or pass --fresh to start over")
+
+  def _restore_step(self, step: int, abstract_state, data_iter) -> tuple[Any, dict]:
+    restored = self.manager.restore(
+        step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state),
+            data=grain.checkpoint.CheckpointRestore(data_iter),
+            meta=ocp.args.JsonRestore(),
+        ),
+    )
+    state, meta = restored["state"], dict(restored["meta"])
+    actual = [float(v) for v in np.asarray(fingerprint(state))]
+    if not fingerprint_matches(meta.get("fingerprint", []), actual):
+      raise CheckpointDamaged("contents do not match the fingerprint saved with it")
+    return state, meta
+
+  @property
+  def damaged_directory(self) -> Path:
+    return self.directory.parent / "damaged_checkpoints"
+
+  def _set_aside(self, step: int) -> None:
+    """Moves a damaged step out of Orbax's directory (kept for inspection, never deleted)."""
+    if jax.process_index() == 0:
+      source = self.directory / str(step)
+      target = self.damaged_directory / str(step)
+      n = 1
+      while target.exists():
+        target, n = self.damaged_directory / f"{step}.{n}", n + 1
+      self.damaged_directory.mkdir(parents=True, exist_ok=True)
+      shutil.move(str(source), str(target))
+    self.manager.reload()
 
   def delete_after(self, step: int) -> None:
-    """Removes checkpoints newer than `step` (after a rollback they belong to a dead branch)."""
+    """Removes checkpoints newer than `step`: after a rollback they belong to the abandoned branch
+    (a decision of the recovery, never a consequence of a read error)."""
     self.wait()
     for s in self.all_steps():
       if s > step:
@@ -128,3 +221,32 @@ class Checkpoints:
 def remove_run_checkpoints(directory: Path) -> None:
   if Path(directory).exists():
     shutil.rmtree(directory)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+  """Writes `data` to `path` so that a crash at any moment leaves the old file or the new one:
+  a temporary file in the same directory, flushed to disk, then renamed over the old one."""
+  path = Path(path)
+  tmp = path.with_name(f".{path.name}.tmp")
+  with open(tmp, "w") as f:
+    f.write(json.dumps(data, indent=1, default=float) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  directory = os.open(path.parent, os.O_RDONLY)
+  try:
+    os.fsync(directory)  # the rename itself
+  finally:
+    os.close(directory)
+
+
+def read_json(path: Path) -> Optional[dict]:
+  """The JSON object in `path`, None when there is no such file; CheckpointError when unreadable."""
+  path = Path(path)
+  if not path.exists():
+    return None
+  try:
+    return json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"{path} cannot be read ({_first_line(e)}): restore it, or delete it to"
+                          " resume without the rollbacks recorded since the last checkpoint") from e

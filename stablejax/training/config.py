@@ -90,12 +90,14 @@ class StabilityConfig:
   loss_scale_init: float = 2.0**10   # fp16 only (model.compute_dtype == "float16")
   loss_scale_growth_interval: int = 200
   loss_scale_growth_factor: float = 1.5
-  # Recovery.
+  # Recovery (stablejax/training/recovery.py).
   recovery: bool = True
-  emergency_lr_factor: float = 0.2
+  emergency_lr_factor: float = 0.2    # a rollback multiplies the LR scale in effect by this
+  lr_recovery_steps: Optional[int] = 100  # then it returns to 1.0 over this many steps (null: never)
+  lr_recovery_schedule: str = "linear"    # "linear" or "geometric" (log-linear) return to 1.0
   max_rollbacks: int = 3
-  loss_window: int = 5               # logged train losses averaged by the explosion trigger
-  loss_explosion_factor: float = 3.0  # rollback when that mean exceeds factor x the best mean so far
+  loss_window: int = 5               # divergence: this many logged train losses in a row ...
+  loss_explosion_factor: float = 3.0  # ... above factor x the best median of loss_window losses
 
 
 @dataclasses.dataclass
@@ -127,15 +129,22 @@ class FaultsConfig:
   """Deliberate faults, for testing that a setup survives them.
 
   Step numbers are 0-based indices of the step about to run: a fault at step s hits the update
-  that metrics.jsonl logs as step s + 1 (records carry the number of completed steps).
+  that metrics.jsonl logs as step s + 1 (records carry the number of completed steps). A step
+  fault strikes again when a rollback replays the step; a batch fault (`*_batch_indices`, 0-based
+  positions in the training data stream) belongs to the data, so a rollback that skips the batch
+  never meets it again.
   """
   nan_grad_steps: list[int] = dataclasses.field(default_factory=list)
+  nan_grad_batch_indices: list[int] = dataclasses.field(default_factory=list)
   garbage_batch_steps: list[int] = dataclasses.field(default_factory=list)
+  garbage_batch_indices: list[int] = dataclasses.field(default_factory=list)
   garbage_kind: str = "repeat"     # "repeat" (one token repeated) or "random" (random bytes)
   grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
   grad_scale_factor: float = 1e4
   kill_at_step: Optional[int] = None        # SIGKILL just before this step runs
   kill_during_save_step: Optional[int] = None  # SIGKILL while the checkpoint of this step is written
+  kill_after_rollback: Optional[int] = None  # SIGKILL once the n-th rollback (1-based) is recorded,
+                                             # before the abandoned branch's checkpoints are deleted
 
 
 @dataclasses.dataclass
@@ -312,10 +321,23 @@ def validate(cfg: Config) -> None:
                         "(spike_statistics=\"olmo_core\") never skips there; use a window >= 19")
   if not 0 < s.emergency_lr_factor <= 1:
     raise ConfigError(f"stability.emergency_lr_factor={s.emergency_lr_factor} must lie in (0, 1]")
+  if s.lr_recovery_steps is not None:
+    _positive("stability.lr_recovery_steps", s.lr_recovery_steps)
+  if s.lr_recovery_schedule not in ("linear", "geometric"):
+    raise ConfigError(f"stability.lr_recovery_schedule={s.lr_recovery_schedule!r} is not known:"
+                      " use \"linear\" or \"geometric\"")
   _positive("stability.max_rollbacks", s.max_rollbacks, allow_zero=True)
+  _positive("stability.loss_window", s.loss_window)
+  if not s.loss_explosion_factor > 1:
+    raise ConfigError(f"stability.loss_explosion_factor={s.loss_explosion_factor} must be > 1"
+                      " (a multiple of the best loss)")
   _positive("stability.max_consecutive_skips", s.max_consecutive_skips)
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
+  for name in ("nan_grad_steps", "nan_grad_batch_indices", "garbage_batch_steps",
+               "garbage_batch_indices", "grad_scale_steps"):
+    if any(i < 0 for i in getattr(cfg.faults, name)):
+      raise ConfigError(f"faults.{name}={getattr(cfg.faults, name)} has a negative entry: use 0-based indices")
   if cfg.faults.garbage_kind not in ("repeat", "random"):
     raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use \"repeat\" or \"random\"")
   if cfg.mesh.fsdp < 1 or cfg.mesh.data == 0 or cfg.mesh.data < -1:
@@ -359,12 +381,14 @@ _INEFFECTIVE_RULES = (
      lambda c: c.model.compute_dtype != "float16",
      'model.compute_dtype other than "float16" (loss scaling is for fp16 only)'),
     (("stability.emergency_lr_factor", "stability.max_rollbacks", "stability.loss_window",
-      "stability.loss_explosion_factor"),
+      "stability.loss_explosion_factor", "stability.lr_recovery_steps",
+      "stability.lr_recovery_schedule"),
      lambda c: not c.stability.recovery, "stability.recovery=false"),
     (("train.lambda_warmup_steps", "train.lambda_schedule"),
      lambda c: not c.model.bitnet, "model.bitnet=false"),
-    (("faults.garbage_kind",), lambda c: not c.faults.garbage_batch_steps,
-     "faults.garbage_batch_steps empty"),
+    (("faults.garbage_kind",),
+     lambda c: not (c.faults.garbage_batch_steps or c.faults.garbage_batch_indices),
+     "faults.garbage_batch_steps and faults.garbage_batch_indices empty"),
     (("faults.grad_scale_factor",), lambda c: not c.faults.grad_scale_steps,
      "faults.grad_scale_steps empty"),
 )

@@ -2,6 +2,10 @@
 
 Exit codes: 0 done, 2 bad config/data/checkpoints (raised as errors and reported by train.py),
 3 diverged beyond the recovery budget, 130 interrupted (SIGINT/SIGTERM; a checkpoint was saved).
+
+A rollback is written to `recovery.json` in the run directory the moment it is decided (after the
+restore succeeded, before anything on disk changes); a run killed before its next checkpoint
+re-applies it on resume, so the skipped data, the LR backoff and the rollback count survive.
 """
 
 from __future__ import annotations
@@ -25,17 +29,18 @@ from tqdm import tqdm
 import stablejax
 from stablejax.model_utils import excess_kurtosis, lambda_warmup
 from stablejax.training import mesh as mesh_lib
-from stablejax.training.checkpoint import Checkpoints
+from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
 from stablejax.training.data import build_data, garbage_batch
 from stablejax.training.logger import RunLogger
 from stablejax.training.model import GPT, count_params, model_flops_per_token
 from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
                                       lr_schedule, main_optimizer, set_lr_scale)
-from stablejax.training.recovery import Recovery, RollbackEvent
+from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent
 from stablejax.training.step import TrainState, make_eval_step, make_train_step
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
+RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
 
 # bf16 dense peak per device, for MFU on accelerators we can name; CPUs are measured instead.
 PEAK_FLOPS = {"H100": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
@@ -86,7 +91,8 @@ class Run:
     mesh_lib.maybe_initialize_distributed(cfg.mesh)
     self.is_main = jax.process_index() == 0
     if fresh and self.is_main:
-      for name in ("checkpoints", "tensorboard", "metrics.jsonl", "summary.json", "report.png",
+      for name in ("checkpoints", "damaged_checkpoints", RECOVERY_FILE, RECOVERY_FILE + ".stale",
+                   "tensorboard", "metrics.jsonl", "summary.json", "report.png",
                    "quantize_eval.json"):
         path = self.out_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -133,7 +139,8 @@ class Run:
           initial_scale=s.loss_scale_init, growth_interval=s.loss_scale_growth_interval,
           growth_factor=s.loss_scale_growth_factor)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=self.tx.init(params), loss_scale=loss_scale)
+                      opt_state=self.tx.init(params), loss_scale=loss_scale,
+                      lr_backoff=LRBackoff.none())
 
   def _compile(self) -> None:
     cfg, mesh = self.cfg, self.mesh
@@ -153,6 +160,8 @@ class Run:
     eval_fn = make_eval_step(self.model, cfg, self.bitnet_lambda)
     self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding.params,
                                                     mesh_lib.batch_sharding(mesh), None))
+    self.set_lr_backoff = jax.jit(_with_lr_backoff, out_shardings=self.state_sharding,
+                                  donate_argnums=0)
     self.activation_stats = jax.jit(self._activation_stats)
     self.grad_norms = jax.jit(self._grad_norms)
     self.param_movement = jax.jit(stablejax.param_movement)
@@ -172,7 +181,6 @@ class Run:
     self.state, meta = self._restore_or_init()
     self.batches_consumed = int(meta.get("batches_consumed", 0))
     self.abandoned_skips = int(meta.get("abandoned_skips", 0))  # skips on rolled-back branches
-    self.lr_scale = float(meta.get("lr_scale", 1.0))
     self.recovery.load_state_dict(meta.get("recovery", {}))
     if meta.get("monitor"):
       self.monitor.load_state_dict(meta["monitor"])
@@ -187,6 +195,7 @@ class Run:
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not (self.is_main and cfg.logging.progress),
                dynamic_ncols=True, desc="train")
     pending: Optional[tuple[int, Any]] = None
+    save_deferred = False  # a checkpoint step came while the loss was elevated
     self.t_interval, self.tokens_interval = time.time(), 0
     self.tokens_per_sec = float("nan")
     exit_code = EXIT_OK
@@ -204,8 +213,10 @@ class Run:
       # Metrics of step s are read after step s+1 is dispatched, so the host never stalls the device.
       cause = self._log(*pending, bar) if pending else None
       pending = None
-      is_ckpt = step % cfg.checkpoint.every == 0 or step == cfg.train.steps
-      if step % cfg.train.log_every == 0 or is_ckpt:
+      is_log = step % cfg.train.log_every == 0
+      is_ckpt = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or (
+          save_deferred and is_log)
+      if is_log or is_ckpt:
         pending = (step, metrics)
       if is_ckpt and cause is None:
         cause = self._log(*pending, bar)  # a checkpoint needs this step's health now
@@ -215,7 +226,13 @@ class Run:
       if cause is None and self._diagnostics_due(step):
         self._diagnostics(step)
       if cause is None and is_ckpt:
-        self._save(step)
+        # Only a state whose latest loss is not elevated becomes a rollback target.
+        save_deferred = not self.recovery.healthy()
+        if save_deferred:
+          self.log.record({"step": step, "event": "checkpoint_deferred",
+                           "cause": "train loss elevated"})
+        else:
+          self._save(step)
       if cause is not None:
         if not (cfg.stability.recovery and self.recovery.budget_left):
           exit_code = self._diverged(step, cause)
@@ -224,6 +241,7 @@ class Run:
         bar.reset(total=cfg.train.steps)
         bar.update(step)
         pending = None
+        save_deferred = False
     bar.close()
     if exit_code == EXIT_OK:
       self._evaluate(step, final=True)
@@ -233,23 +251,33 @@ class Run:
 
   def _next_batch(self, step: int) -> dict:
     f = self.cfg.faults
+    index = self.batches_consumed  # position of this batch in the data stream
     tokens = next(self.train_iter)["tokens"]
     self.batches_consumed += 1
-    if step in f.garbage_batch_steps:
+    if step in f.garbage_batch_steps or index in f.garbage_batch_indices:
+      seed = step if step in f.garbage_batch_steps else index
       tokens = garbage_batch(f.garbage_kind, tokens.shape[0], tokens.shape[1] - 1,
-                             self.data.vocab_size, seed=step)["tokens"]
+                             self.data.vocab_size, seed=seed)["tokens"]
     grad_scale = 1.0
-    if step in f.nan_grad_steps:
+    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:
       grad_scale = float("nan")
     elif step in f.grad_scale_steps:
       grad_scale = f.grad_scale_factor
     return {"tokens": self._device_tokens(np.asarray(tokens, np.int32)),
             "grad_scale": jnp.float32(grad_scale)}
 
-  def _maybe_kill(self, step: int, when: str) -> None:
+  def _skip_batches(self, n: int) -> None:
+    """Advances the data stream by `n` batches without training on them."""
+    for _ in range(n):
+      next(self.train_iter)
+    self.batches_consumed += max(0, n)
+
+  def _maybe_kill(self, n: int, when: str) -> None:
+    """SIGKILL at the configured step, checkpoint save or rollback (faults.kill_*)."""
     f = self.cfg.faults
-    target = f.kill_at_step if when == "step" else f.kill_during_save_step
-    if target is not None and step == target:
+    target = {"step": f.kill_at_step, "save": f.kill_during_save_step,
+              "rollback": f.kill_after_rollback}[when]
+    if target is not None and n == target:
       os.kill(os.getpid(), signal.SIGKILL)
 
   # ------------------------------------------------------------------ logging
@@ -356,7 +384,7 @@ class Run:
   # ------------------------------------------------------------------ checkpoints and recovery
 
   def _meta(self, step: int) -> dict:
-    return {"step": step, "batches_consumed": self.batches_consumed, "lr_scale": self.lr_scale,
+    return {"step": step, "batches_consumed": self.batches_consumed,
             "abandoned_skips": self.abandoned_skips,
             "recovery": self.recovery.state_dict(), "monitor": self.monitor.state_dict(),
             "good": True}
@@ -365,43 +393,95 @@ class Run:
     self.checkpoints.save(step, self.state, self.train_iter, self._meta(step))
     self._maybe_kill(step, when="save")
 
+  def _state_metrics(self, state: TrainState) -> dict:
+    return _fetch(stablejax.stability_metrics(state.opt_state))
+
+  def _restore(self, at_most: Optional[int] = None) -> Optional[tuple[TrainState, dict]]:
+    return self.checkpoints.restore(self.abstract_state, self.train_iter, at_most=at_most,
+                                    on_fallback=self._checkpoint_fallback)
+
   def _restore_or_init(self) -> tuple[TrainState, dict]:
-    restored = self.checkpoints.restore(self.abstract_state, self.train_iter,
-                                        on_fallback=self._checkpoint_fallback)
+    """The newest undamaged checkpoint, with a rollback decided after it re-applied; or step 0."""
+    state, meta = self._restore_checkpoint_or_init()
+    self.recovery.acknowledge(self._state_metrics(state))  # requests the saved state already had
+    return state, meta
+
+  def _restore_checkpoint_or_init(self) -> tuple[TrainState, dict]:
+    restored = self._restore()
     if restored is None:
+      stale = self.out_dir / RECOVERY_FILE
+      if self.is_main and stale.exists():  # its checkpoints are gone: it describes another run
+        stale.replace(stale.with_name(RECOVERY_FILE + ".stale"))
+        self.log.console(f"warning: no checkpoint in {self.checkpoints.directory}: starting at step"
+                         f" 0 and keeping the old rollback record as {RECOVERY_FILE}.stale")
       return self.init_state(jax.random.PRNGKey(self.cfg.train.seed)), {}
     state, meta = restored
-    self.checkpoints.delete_after(int(meta["step"]))  # unusable newer steps, if any
+    decision = read_json(self.out_dir / RECOVERY_FILE)
+    saved_events = len(meta.get("recovery", {}).get("events", []))
+    if decision is None or len(decision["recovery"]["events"]) <= saved_events:
+      return state, meta
+    # The run stopped after a rollback and before its next checkpoint: redo that rollback.
+    event = RollbackEvent(**{**decision["recovery"]["events"][-1]})
+    if int(meta["step"]) > event.restored_step:  # a checkpoint of the abandoned branch
+      state, meta = self._restore(at_most=event.restored_step) or (None, None)
+      if state is None:
+        raise CheckpointError(f"{self.out_dir / RECOVERY_FILE} records a rollback to step "
+                              f"{event.restored_step}, but no checkpoint that old is left: pass "
+                              "--fresh to start over")
+    self.checkpoints.delete_after(int(meta["step"]))
+    self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self._skip_batches(event.skipped_batches[1] - self.batches_consumed)
+    self.log.console(f"re-applying rollback {len(decision['recovery']['events'])} "
+                     f"({event.describe()}) recorded in {RECOVERY_FILE}")
+    state = self.set_lr_backoff(state, jnp.float32(event.lr_scale), jnp.int32(meta["step"]))
+    meta = {**meta, "batches_consumed": self.batches_consumed,
+            "abandoned_skips": decision["abandoned_skips"], "recovery": decision["recovery"],
+            "monitor": decision["monitor"]}
     return state, meta
 
   def _checkpoint_fallback(self, step: int, reason: str) -> None:
-    self.log.console(f"warning: checkpoint {step} is unusable ({reason}); trying the previous one")
+    self.log.console(f"warning: checkpoint {step} is damaged ({reason}); trying the previous one"
+                     f" (the damaged one goes to {self.checkpoints.damaged_directory})")
     self.log.record({"step": step, "event": "fallback_checkpoint", "cause": reason})
 
   def _rollback(self, step: int, cause: str) -> int:
-    """Restores the last good checkpoint with a lower LR and skips the data that led here."""
-    failed_batches = self.batches_consumed
-    skipped_before = _total_skips(getattr(self, "last_record", {}))
-    self.state, meta = self._restore_or_init()
-    restored_skips = _total_skips(_fetch(stablejax.stability_metrics(self.state.opt_state)))
-    self.abandoned_skips += max(0, skipped_before - restored_skips)
-    restored_step = int(meta.get("step", 0))
-    self.batches_consumed = int(meta.get("batches_consumed", 0))
-    first_skipped = self.batches_consumed
-    for _ in range(failed_batches - first_skipped):
-      next(self.train_iter)
-    self.batches_consumed = failed_batches
-    self.lr_scale *= self.cfg.stability.emergency_lr_factor
-    self.state = self.state.replace(opt_state=set_lr_scale(self.state.opt_state, self.lr_scale))
-    event = RollbackEvent(step=step, cause=cause, restored_step=restored_step,
-                          lr_scale=self.lr_scale, skipped_batches=(first_skipped, failed_batches))
-    self.recovery.record(event)
+    """Restores a good checkpoint with a lower LR and skips the data that led here.
+
+    The decision is written to recovery.json as soon as the restore succeeded and before the
+    abandoned branch's checkpoints are deleted: a crash from here on cannot undo it.
+    """
+    failed_at = self.batches_consumed
+    record = getattr(self, "last_record", {})
+    self.checkpoints.wait()
+    target = self.recovery.rollback_target(self.checkpoints.all_steps())
+    restored = self._restore(at_most=target) if target is not None else None
+    if restored is None:
+      raise CheckpointError(f"no checkpoint left in {self.checkpoints.directory} to roll back to:"
+                            " pass --fresh to start over")
+    self.state, meta = restored
+    restored_step = int(meta["step"])
+    restored_metrics = self._state_metrics(self.state)
+    self.abandoned_skips += max(0, _total_skips(record) - _total_skips(restored_metrics))
+    self.batches_consumed = first_skipped = int(meta.get("batches_consumed", 0))
+    self._skip_batches(failed_at - first_skipped)
+    # The LR that failed, backed off; it returns to 1.0 over stability.lr_recovery_steps.
+    lr_scale = float(record.get("lr_scale", 1.0)) * self.cfg.stability.emergency_lr_factor
+    self.state = self.set_lr_backoff(self.state, jnp.float32(lr_scale), jnp.int32(restored_step))
+    event = RollbackEvent(step=step, cause=cause, restored_step=restored_step, lr_scale=lr_scale,
+                          skipped_batches=(first_skipped, failed_at))
+    self.recovery.record(event, restored_metrics)
     self.monitor.record_rollback(step, cause)
+    if self.is_main:
+      write_json_atomic(self.out_dir / RECOVERY_FILE, {
+          "recovery": self.recovery.state_dict(), "abandoned_skips": self.abandoned_skips,
+          "monitor": self.monitor.state_dict()})
     self.log.console(f"warning: rollback {self.recovery.rollbacks}/{self.cfg.stability.max_rollbacks}"
                      f" at {event.describe()}")
     self.log.record({"step": step, "event": "rollback", **dataclasses.asdict(event)},
-                    {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": self.lr_scale})
+                    {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": lr_scale})
     self.log.text("recovery/events", event.describe(), step)
+    self._maybe_kill(self.recovery.rollbacks, when="rollback")
+    self.checkpoints.delete_after(restored_step)  # the abandoned branch
     return restored_step
 
   def _diverged(self, step: int, cause: str) -> int:
@@ -464,6 +544,12 @@ class Run:
           self.log.console(f"advice: {line}")
     self.log.close()
     return exit_code
+
+
+def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> TrainState:
+  """`state` with a new LR backoff and the optimizer's LR scale set to its starting value."""
+  return state.replace(lr_backoff=LRBackoff(scale=scale, start=start),
+                       opt_state=set_lr_scale(state.opt_state, scale))
 
 
 def write_config(cfg: Config, out_dir: Path) -> None:

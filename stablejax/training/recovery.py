@@ -1,14 +1,20 @@
-"""When to roll back, and the bookkeeping of rollbacks (host side, fed at log and eval steps).
+"""When to roll back, where to, and the learning-rate backoff after it.
 
-Triggers (all switchable through `stability`):
-- `needs_rollback` raised by skip_nonfinite or skip_spikes (too many skipped steps in a row);
+Triggers (host side, fed with fetched metrics records at log and eval steps, so every process of
+a multi-host run takes the same decision from the same numbers):
+- a rollback request from skip_nonfinite or skip_spikes (`max_consecutive_skips` skipped steps in
+  a row): the wrappers count requests (`*/rollback_requests`), so a burst of skips that ended
+  between two logged steps is still seen;
 - a parameter that became non-finite;
-- the train loss over the last `loss_window` logged values: all non-finite, or a median above
-  `loss_explosion_factor` x the best median seen so far (a median, so one spike does not count);
-- a non-finite validation loss, or one above `loss_explosion_factor` x the best so far.
+- divergence of the train loss: the last `loss_window` logged losses in a row are all non-finite
+  or above `loss_explosion_factor` x the best median of `loss_window` logged losses so far. A bump
+  that comes back under that line within the window is transient and does not trigger;
+- a non-finite validation loss.
 
-The action (restore the last good checkpoint, multiply the LR by `emergency_lr_factor`, skip the
-data window that led to the failure) is carried out by the training loop.
+The action (carried out by the training loop): restore the newest checkpoint (one further back
+when the previous rollback already returned to it and no newer checkpoint was saved since),
+multiply the LR scale in effect by `emergency_lr_factor`, let it return to 1.0 over
+`lr_recovery_steps` steps, and skip the data batches read since the restored checkpoint.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ import collections
 import dataclasses
 import math
 import statistics
-from typing import Optional
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
 
 from stablejax.training.config import StabilityConfig
 
@@ -27,23 +37,62 @@ class RollbackEvent:
   step: int            # step at which the trigger was seen
   cause: str
   restored_step: int = -1
-  lr_scale: float = 1.0
+  lr_scale: float = 1.0  # LR scale right after the rollback (it then returns to 1.0)
   skipped_batches: tuple[int, int] = (0, 0)  # [first, last) data batch indices skipped
 
   def describe(self) -> str:
     a, b = self.skipped_batches
     return (f"step {self.step}: {self.cause}; restored step {self.restored_step}, "
-            f"lr scale {self.lr_scale:g}, skipped data batches {a}..{b - 1}")
+            f"lr scale {self.lr_scale:.3g}, skipped data batches {a}..{b - 1}")
+
+
+class LRBackoff(NamedTuple):
+  """The learning-rate backoff of the latest rollback, kept in the train state (so in checkpoints).
+
+  Attributes:
+    scale: float32 LR scale right after the rollback (1.0: no backoff).
+    start: int32 step the return to 1.0 starts from (the restored step).
+  """
+  scale: jax.Array
+  start: jax.Array
+
+  @classmethod
+  def none(cls) -> "LRBackoff":
+    return cls(scale=jnp.ones((), jnp.float32), start=jnp.zeros((), jnp.int32))
+
+
+def backoff_lr_scale(backoff: LRBackoff, step: jax.Array, recovery_steps: Optional[int],
+                     schedule: str = "linear") -> jax.Array:
+  """LR scale at `step`: `backoff.scale` at `backoff.start`, back to 1.0 after `recovery_steps`.
+
+  "linear" interpolates the scale, "geometric" its logarithm (equal ratios per step, so most of
+  the way back is made late). `recovery_steps=None` keeps the backed-off scale for good.
+  """
+  if recovery_steps is None:
+    return backoff.scale
+  count = step - backoff.start
+  if schedule == "linear":
+    return optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count)
+  if schedule == "geometric":
+    return jnp.exp(optax.linear_schedule(jnp.log(backoff.scale), 0.0, recovery_steps)(count))
+  raise ValueError(f"unknown LR recovery schedule {schedule!r}: use 'linear' or 'geometric'")
+
+
+def rollback_request_counts(record: dict) -> dict[str, int]:
+  """The skip wrappers' rollback-request counters in a metrics record."""
+  return {k: int(v) for k, v in record.items() if k.endswith("/rollback_requests")}
 
 
 class Recovery:
-  """Watches logged values and says when training must roll back."""
+  """Watches logged values, says when training must roll back and to which checkpoint."""
 
   def __init__(self, cfg: StabilityConfig):
     self.cfg = cfg
-    self.losses: collections.deque = collections.deque(maxlen=max(1, cfg.loss_window))
+    self.window = max(1, cfg.loss_window)
+    self.recent: collections.deque = collections.deque(maxlen=self.window)  # losses not elevated
     self.best_loss_median = math.inf
-    self.best_val = math.inf
+    self.elevated_run = 0        # logged train losses in a row above the line (or non-finite)
+    self.acknowledged: dict[str, int] = {}  # rollback requests already in the current state
     self.events: list[RollbackEvent] = []
 
   @property
@@ -54,51 +103,68 @@ class Recovery:
   def budget_left(self) -> bool:
     return self.rollbacks < self.cfg.max_rollbacks
 
+  def acknowledge(self, state_metrics: dict) -> None:
+    """Takes the rollback requests counted in a restored (or initial) state as handled."""
+    self.acknowledged = rollback_request_counts(state_metrics)
+
+  def _elevated(self, loss: float) -> bool:
+    return not math.isfinite(loss) or loss > self.cfg.loss_explosion_factor * self.best_loss_median
+
   def check_train(self, record: dict) -> Optional[str]:
     """Returns the cause of a needed rollback, or None. `record` is one fetched metrics record."""
-    flags = [k for k, v in record.items() if k.endswith("/needs_rollback") and bool(v)]
-    if flags:
-      prefix = flags[0].split("/")[0]
-      return f"{prefix}: {int(record.get(prefix + '/consecutive_skips', 0))} consecutive skipped steps"
+    for key, count in sorted(rollback_request_counts(record).items()):
+      if count > self.acknowledged.get(key, 0):
+        return (f"{key.rsplit('/', 1)[0]}: too many skipped steps in a row "
+                f"(stability.max_consecutive_skips={self.cfg.max_consecutive_skips})")
     if not bool(record.get("params_finite", True)):
       return "a parameter became non-finite"
     loss = float(record["loss"])
-    self.losses.append(loss)
-    if len(self.losses) < self.losses.maxlen:
-      return None
-    finite = [x for x in self.losses if math.isfinite(x)]
-    if not finite:
-      return f"train loss non-finite for the last {len(self.losses)} logged steps"
-    median = statistics.median(finite)
-    if median > self.cfg.loss_explosion_factor * self.best_loss_median:
-      return (f"train loss exploded: median {median:.3g} of the last {len(self.losses)} logged steps"
-              f" > {self.cfg.loss_explosion_factor:g} x best {self.best_loss_median:.3g}")
-    self.best_loss_median = min(self.best_loss_median, median)
+    if self._elevated(loss):
+      self.elevated_run += 1
+    else:
+      self.elevated_run = 0
+      self.recent.append(loss)
+      if len(self.recent) == self.window:
+        self.best_loss_median = min(self.best_loss_median, statistics.median(self.recent))
+    if self.elevated_run >= self.window:
+      return (f"train loss diverged: the last {self.window} logged losses are all non-finite or "
+              f"above {self.cfg.loss_explosion_factor:g} x the best median {self.best_loss_median:.3g}"
+              f" (latest {loss:.3g})")
     return None
 
   def check_val(self, val_loss: float) -> Optional[str]:
+    # One evaluation cannot tell a bump from a divergence; a lasting rise shows in the train window.
     if not math.isfinite(val_loss):
       return "validation loss is non-finite"
-    if val_loss > self.cfg.loss_explosion_factor * self.best_val:
-      return (f"validation loss exploded: {val_loss:.3g} > {self.cfg.loss_explosion_factor:g}"
-              f" x best {self.best_val:.3g}")
-    self.best_val = min(self.best_val, val_loss)
     return None
 
   def healthy(self) -> bool:
-    """True when the recent logged losses give no reason to doubt the current state."""
-    return all(math.isfinite(x) for x in list(self.losses)[-1:])
+    """True when the latest logged loss gives no reason to doubt the current state (safe to save)."""
+    return self.elevated_run == 0
 
-  def record(self, event: RollbackEvent) -> None:
+  def rollback_target(self, steps: list[int]) -> Optional[int]:
+    """The checkpoint to return to: the newest, or the one before it when the previous rollback
+    already returned to the newest (its state failed again, so it is not a good place to retry)."""
+    if not steps:
+      return None
+    newest = max(steps)
+    if self.events and self.events[-1].restored_step == newest:
+      older = [s for s in steps if s < newest]
+      if older:
+        return max(older)
+    return newest
+
+  def record(self, event: RollbackEvent, restored_metrics: dict) -> None:
     self.events.append(event)
-    self.losses.clear()  # the window described the abandoned trajectory
+    self.acknowledge(restored_metrics)
+    self.recent.clear()  # the window described the abandoned trajectory
+    self.elevated_run = 0
 
   def state_dict(self) -> dict:
-    return {"best_loss_median": self.best_loss_median, "best_val": self.best_val,
+    return {"best_loss_median": self.best_loss_median,
             "events": [dataclasses.asdict(e) for e in self.events]}
 
   def load_state_dict(self, d: dict) -> None:
     self.best_loss_median = float(d.get("best_loss_median", math.inf))
-    self.best_val = float(d.get("best_val", math.inf))
     self.events = [RollbackEvent(**{**e, "skipped_batches": tuple(e["skipped_batches"])})
                    for e in d.get("events", [])]

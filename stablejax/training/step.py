@@ -17,7 +17,8 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
-from stablejax.training.optim import applied_updates, get_lr_scale
+from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale
+from stablejax.training.recovery import backoff_lr_scale
 from stablejax.transforms.loss_scaling import all_finite
 
 
@@ -26,6 +27,7 @@ class TrainState(flax.struct.PyTreeNode):
   params: Any                      # float32 unless model.param_dtype says otherwise
   opt_state: Any
   loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
+  lr_backoff: Optional[Any] = None  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
 
 
 def make_loss_fn(model, cfg: Config):
@@ -69,10 +71,15 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
       grads = state.loss_scale.unscale(grads)
     grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)
 
+    opt_state = state.opt_state
+    if state.lr_backoff is not None:  # the LR scale after a rollback, on its way back to 1.0
+      s = cfg.stability
+      opt_state = set_lr_scale(opt_state, backoff_lr_scale(
+          state.lr_backoff, state.step, s.lr_recovery_steps, s.lr_recovery_schedule))
     # The schedules count applied updates (a skipped step keeps their count), so the rate this
     # step applies is the schedule at that count, not at state.step (see training/optim.py).
-    lr = lr_schedule(applied_updates(state.opt_state)) * get_lr_scale(state.opt_state)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params, loss=loss)
+    lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
+    updates, opt_state = tx.update(grads, opt_state, state.params, loss=loss)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
     if loss_scale is not None:

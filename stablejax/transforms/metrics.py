@@ -117,8 +117,8 @@ def stability_metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``clip_count``
   * ``adagc/``: ``clipped_fraction``, ``grad_norm``, ``clipped_grad_norm``
   * ``skip_nonfinite/``: ``skipped``, ``total_skips``, ``consecutive_skips``,
-    ``needs_rollback``
-  * ``skip_spikes/``: the four above plus ``loss_mean``, ``grad_norm_mean``
+    ``needs_rollback``, ``rollback_requests``
+  * ``skip_spikes/``: the five above plus ``loss_mean``, ``grad_norm_mean``
     (means of the rolling windows, 0 while empty) and ``grad_norm``
 
   Inside ``optax.MultiSteps`` the inner states (and so the metrics) change
@@ -186,6 +186,7 @@ def _skip_metrics(s) -> dict[str, jax.Array]:
       "total_skips": s.total_skips,
       "consecutive_skips": s.consecutive_skips,
       "needs_rollback": s.needs_rollback,
+      "rollback_requests": s.rollback_requests,
   }
 
 

@@ -41,6 +41,10 @@ class SkipNonFiniteState(NamedTuple):
     consecutive_skips: number of skipped steps in a row, 0 after a good step.
     needs_rollback: ``consecutive_skips >= max_consecutive`` (always False when
       ``max_consecutive`` is None). Clears after the next good step.
+    rollback_requests: number of times ``needs_rollback`` was raised since init
+      (int32, never decreases). A loop that reads the state only every N steps
+      compares it with the value it last acted on, so a burst of skips that
+      ended between two reads is not missed.
     inner_state: state of the wrapped transform (unchanged by skipped steps).
   """
 
@@ -48,6 +52,7 @@ class SkipNonFiniteState(NamedTuple):
   total_skips: jax.Array
   consecutive_skips: jax.Array
   needs_rollback: jax.Array
+  rollback_requests: jax.Array
   inner_state: Any
 
 
@@ -59,6 +64,8 @@ class SkipSpikesState(NamedTuple):
     total_skips: number of skipped steps since init (int32).
     consecutive_skips: number of skipped steps in a row, 0 after a good step.
     needs_rollback: ``consecutive_skips >= max_consecutive``.
+    rollback_requests: number of times ``needs_rollback`` was raised since init
+      (see :class:`SkipNonFiniteState`).
     loss_history: ring buffer (float32, ``[window]``) of recent losses.
     loss_count: number of valid entries in ``loss_history`` (int32).
     loss_next: ring-buffer position of the next loss (int32).
@@ -73,6 +80,7 @@ class SkipSpikesState(NamedTuple):
   total_skips: jax.Array
   consecutive_skips: jax.Array
   needs_rollback: jax.Array
+  rollback_requests: jax.Array
   loss_history: jax.Array
   loss_count: jax.Array
   loss_next: jax.Array
@@ -84,17 +92,23 @@ class SkipSpikesState(NamedTuple):
 
 
 def _skip_counters(skip, state, max_consecutive):
-  """New (skipped, total, consecutive, needs_rollback) after this step."""
+  """New (skipped, total, consecutive, needs_rollback, rollback_requests)."""
   total = jnp.where(skip, _common.safe_increment(state.total_skips),
                     state.total_skips)
   consecutive = jnp.where(skip,
                           _common.safe_increment(state.consecutive_skips),
                           jnp.zeros([], jnp.int32))
+  requests = state.rollback_requests
   if max_consecutive is None:
     rollback = jnp.array(False)
   else:
-    rollback = consecutive >= jnp.asarray(max_consecutive, jnp.int32)
-  return skip, total, consecutive, rollback
+    limit = jnp.asarray(max_consecutive, jnp.int32)
+    rollback = consecutive >= limit
+    # Counted once per run of skips (consecutive passes the limit exactly once):
+    # a level read only every N steps misses a burst that ended in between.
+    requests = jnp.where(consecutive == limit,
+                         _common.safe_increment(requests), requests)
+  return skip, total, consecutive, rollback, requests
 
 
 def _apply_or_skip(skip, inner_updates, inner_new_state, inner_old_state):
@@ -129,7 +143,8 @@ def skip_nonfinite(
   finite (e.g. an overflow inside the inner transform). Unlike
   :func:`optax.apply_if_finite` it never gives up and lets a non-finite update
   through; instead it raises ``needs_rollback`` once ``max_consecutive`` steps
-  in a row were skipped, for the training loop to act on.
+  in a row were skipped, for the training loop to act on, and counts it in
+  ``rollback_requests`` (which a loop reading the state every N steps uses).
 
   Extra arguments (``loss=`` and any other) are forwarded to ``inner`` (through
   :func:`optax.with_extra_args_support`, so a plain ``GradientTransformation``
@@ -171,6 +186,7 @@ def skip_nonfinite(
         total_skips=jnp.zeros([], jnp.int32),
         consecutive_skips=jnp.zeros([], jnp.int32),
         needs_rollback=jnp.array(False),
+        rollback_requests=jnp.zeros([], jnp.int32),
         inner_state=inner.init(params),
     )
 
@@ -185,13 +201,14 @@ def skip_nonfinite(
     skip = jnp.logical_not(ok)
     new_updates, new_inner = _apply_or_skip(
         skip, inner_updates, inner_state, state.inner_state)
-    skipped, total, consecutive, rollback = _skip_counters(
+    skipped, total, consecutive, rollback, requests = _skip_counters(
         skip, state, max_consecutive)
     return new_updates, SkipNonFiniteState(
         skipped=skipped,
         total_skips=total,
         consecutive_skips=consecutive,
         needs_rollback=rollback,
+        rollback_requests=requests,
         inner_state=new_inner,
     )
 
@@ -360,6 +377,7 @@ def skip_spikes(
         total_skips=zero,
         consecutive_skips=zero,
         needs_rollback=jnp.array(False),
+        rollback_requests=jnp.zeros([], jnp.int32),
         loss_history=empty,
         loss_count=zero,
         loss_next=zero,
@@ -395,13 +413,14 @@ def skip_spikes(
         updates, state.inner_state, params, **extra_args)
     new_updates, new_inner = _apply_or_skip(
         skip, inner_updates, inner_state, state.inner_state)
-    skipped, total, consecutive, rollback = _skip_counters(
+    skipped, total, consecutive, rollback, requests = _skip_counters(
         skip, state, max_consecutive)
     return new_updates, SkipSpikesState(
         skipped=skipped,
         total_skips=total,
         consecutive_skips=consecutive,
         needs_rollback=rollback,
+        rollback_requests=requests,
         loss_history=loss_hist[0],
         loss_count=loss_hist[1],
         loss_next=loss_hist[2],
