@@ -168,7 +168,7 @@ def main(argv=None) -> int:
 
   first_failure: Optional[tuple[int, int]] = None  # (rank, exit code)
   deadline = None
-  while any(p.poll() is None for p in procs):
+  while [p.poll() for p in procs].count(None):
     for rank, p in enumerate(procs):
       if first_failure is None and p.returncode not in (None, 0):
         first_failure = (rank, exit_code(p.returncode))

@@ -166,6 +166,149 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   assert summary["steps"] == 30 and summary["exit_code"] == 0
 
 
+# ----------------------------------------------------------------------------- joining
+
+
+def test_join_pieces_come_from_config_then_environment(monkeypatch):
+  from stablejax.training import distributed
+  from stablejax.training.config import ConfigError, MeshConfig
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.resolve(MeshConfig(distributed=True)) == (None, None, None)
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.1.2.3:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+  monkeypatch.setenv("JAX_PROCESS_ID", "3")
+  assert distributed.resolve(MeshConfig(distributed=True)) == ("10.1.2.3:1234", 4, 3)
+  explicit = MeshConfig(distributed=True, coordinator_address="host0:99", num_processes=2,
+                        process_id=0)
+  assert distributed.resolve(explicit) == ("host0:99", 2, 0)
+  monkeypatch.setenv("JAX_PROCESS_ID", "three")
+  with pytest.raises(ConfigError, match="JAX_PROCESS_ID='three' is not an integer"):
+    distributed.resolve(MeshConfig(distributed=True))
+  with pytest.raises(ConfigError, match=r"process id 5 is outside \[0, 2\)"):
+    distributed.resolve(MeshConfig(distributed=True, num_processes=2, process_id=5))
+
+
+def test_join_keys_without_distributed_are_an_error():
+  from stablejax.training.config import ConfigError, config_from_dict
+  with pytest.raises(ConfigError, match="mesh.process_id is set but mesh.distributed=false"):
+    config_from_dict({"mesh": {"process_id": 1}})
+  with pytest.raises(ConfigError, match="mesh.heartbeat_timeout=0 must be > 0"):
+    config_from_dict({"mesh": {"distributed": True, "heartbeat_timeout": 0}})
+
+
+def _clean_env(**extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_", "SLURM_", "OMPI_"))}
+  env.update(extra)
+  return env
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    (["mesh.distributed=true"], {},
+     "mesh.distributed=true but the coordinator address is unknown and no SLURM, Open MPI, "
+     "Kubernetes or Cloud TPU cluster was detected: set mesh.coordinator_address or "
+     "JAX_COORDINATOR_ADDRESS"),
+    (["mesh.distributed=true"], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+     "the process count is unknown"),
+    (["mesh.distributed=true", "mesh.num_processes=2"], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
+     "set mesh.process_id or JAX_PROCESS_ID"),
+    ([], {"JAX_NUM_PROCESSES": "2"},
+     "JAX_NUM_PROCESSES=2 is set but mesh.distributed=false, so each process would train alone: "
+     "add --set mesh.distributed=true"),
+])
+def test_missing_join_piece_exits_2_with_one_line(tmp_path, args, env, needle):
+  cmd = [sys.executable, str(TRAIN), *sets(*args), "--out", str(tmp_path / "run")]
+  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**env), capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
+# ----------------------------------------------------------------------------- the launcher
+
+CHILD = r"""
+import os, signal, sys, time
+rank = int(os.environ["JAX_PROCESS_ID"])
+print(rank, os.environ["JAX_NUM_PROCESSES"], os.environ["JAX_COORDINATOR_ADDRESS"],
+      os.environ["XLA_FLAGS"], flush=True)
+mode = sys.argv[1]
+if mode == "fail":
+  if rank == 1:
+    sys.exit(3)
+  time.sleep(60)
+elif mode == "signal":
+  signal.signal(signal.SIGTERM, lambda s, f: (print("got", s, flush=True), sys.exit(130)))
+  print("ready", flush=True)
+  time.sleep(60)
+print("progress 1\rprogress 2\rdone", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+"""
+
+
+def _launch(tmp_path, *args, mode="ok", timeout=60):
+  script = tmp_path / "child.py"
+  script.write_text(CHILD)
+  cmd = [sys.executable, "-m", "stablejax.launch", *args, "--", str(script), mode]
+  env = dict(os.environ, XLA_FLAGS="--xla_cpu_foo=1 --xla_force_host_platform_device_count=7")
+  return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _communicate(proc, timeout: float) -> tuple[str, str]:
+  """stdout and stderr as text, with "\r" kept (text mode would turn it into "\n")."""
+  stdout, stderr = proc.communicate(timeout=timeout)
+  return stdout.decode(), stderr.decode()
+
+
+def test_launcher_sets_the_environment_and_prefixes_output(tmp_path):
+  proc = _launch(tmp_path, "--nproc", "3", "--devices-per-proc", "2")
+  stdout, stderr = _communicate(proc, timeout=60)
+  assert proc.returncode == 0, stderr
+  lines = stdout.splitlines()
+  env_lines = sorted(line for line in lines if "127.0.0.1:" in line)
+  assert len(env_lines) == 3
+  ports = {line.split("127.0.0.1:")[1].split()[0] for line in env_lines}
+  assert len(ports) == 1  # one coordinator for all
+  for rank, line in enumerate(env_lines):
+    assert line.startswith(f"[{rank}] {rank} 3 127.0.0.1:")
+    # an existing device count is replaced, other XLA flags are kept
+    assert line.endswith("--xla_cpu_foo=1 --xla_force_host_platform_device_count=2")
+  assert "[1] done" in stdout.replace("\r", "\n").splitlines()
+  assert "[2] to stderr" in stderr.splitlines()
+  assert "[0] progress 1\r[0] progress 2\r[0] done" in stdout  # in-place updates stay in place
+
+
+def test_launcher_exits_with_the_first_failure_and_stops_the_others(tmp_path):
+  start = time.monotonic()
+  proc = _launch(tmp_path, "--nproc", "2", "--grace", "1", mode="fail")
+  stdout, stderr = _communicate(proc, timeout=60)
+  assert proc.returncode == 3
+  assert time.monotonic() - start < 30  # rank 0 would sleep for 60 s
+  assert "launch: process 1 exited with 3; killing 0 after 1s" in stderr
+
+
+def test_launcher_forwards_sigterm(tmp_path):
+  proc = _launch(tmp_path, "--nproc", "2", mode="signal")
+  ready = 0
+  while ready < 2:
+    line = proc.stdout.readline().decode()
+    assert line, proc.stderr.read()
+    ready += line.endswith("ready\n")
+  proc.send_signal(signal.SIGTERM)
+  stdout, _ = _communicate(proc, timeout=30)
+  assert proc.returncode == 130
+  assert "[0] got 15" in stdout and "[1] got 15" in stdout
+
+
+def test_launcher_bad_arguments_exit_2(tmp_path):
+  for args in (["--nproc", "0", "--", "x.py"], ["--nproc", "2"]):
+    result = subprocess.run([sys.executable, "-m", "stablejax.launch", *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- data slices
 
 SLICE = ["mesh.data=2", "mesh.fsdp=2", "train.batch_size=8", "train.eval_batches=2"]
@@ -193,11 +336,33 @@ def _slice_child(out: str) -> None:
            global_val=np.stack(global_val), devices=[d.id for d in jax.local_devices()])
 
 
+def _slurm_env(rank: int, port: int) -> dict:
+  """What `srun --ntasks 2` gives each task (JAX's SlurmCluster reads these), on this host."""
+  return _clean_env(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
+                    SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), JAX_COORDINATOR_PORT=str(port),
+                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
+
+
 @slow
-def test_processes_read_disjoint_rows_that_form_the_single_process_batch(tmp_path):
-  cmd = LAUNCH + [str(Path(__file__).resolve()), str(tmp_path)]
-  result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
-  assert result.returncode == 0, result.stderr[-3000:]
+@pytest.mark.parametrize("route", ["launcher", "slurm"])
+def test_processes_read_disjoint_rows_that_form_the_single_process_batch(tmp_path, route):
+  """Each process's rows, and the global arrays the trainer builds from them (train and eval).
+
+  "slurm": no JAX_* variables at all; JAX's cluster detection finds the job in SLURM's.
+  """
+  child = [str(Path(__file__).resolve()), str(tmp_path)]
+  if route == "launcher":
+    procs = [subprocess.Popen(LAUNCH + child, cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)]
+  else:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, *child], cwd=ROOT, env=_slurm_env(r, port),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+  try:
+    outputs = [p.communicate(timeout=180)[0].decode(errors="replace") for p in procs]
+  finally:
+    _kill_all(procs)
+  assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(outputs)[-3000:]
   parts = [np.load(tmp_path / f"rows{p}.npz") for p in range(2)]
   assert len({*parts[0]["devices"], *parts[1]["devices"]}) == 4  # two devices each, none shared
 

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from stablejax.training import distributed
+
 
 class CheckpointError(RuntimeError):
   """No usable checkpoint; the message says what was found and what to do."""
@@ -93,14 +95,20 @@ class Checkpoints:
       return None
     for step in reversed(steps):
       try:
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iter),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+        try:
+          restored, read_error = self.manager.restore(
+              step,
+              args=ocp.args.Composite(
+                  state=ocp.args.StandardRestore(abstract_state),
+                  data=grain.checkpoint.CheckpointRestore(data_iter),
+                  meta=ocp.args.JsonRestore(),
+              ),
+          ), None
+        except Exception as e:  # noqa: BLE001
+          restored, read_error = None, e
+        # Each process reads its own shards: all fall back together if any of them failed.
+        if distributed.agree_any(read_error is not None):
+          raise read_error or RuntimeError("unreadable on another process")
         state, meta = restored["state"], dict(restored["meta"])
         actual = [float(v) for v in np.asarray(fingerprint(state))]
         if not fingerprint_matches(meta.get("fingerprint", [math.nan, math.nan]), actual):

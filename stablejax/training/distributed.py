@@ -97,8 +97,10 @@ def initialize(cfg: MeshConfig) -> None:
   if jax.distributed.is_initialized():
     return
   address, count, pid = resolve(cfg)
-  # gloo is JAX 0.10's default for CPU collectives; set explicitly since a CPU run needs it.
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  # Cross-process collectives on CPU need an implementation: gloo, JAX 0.10's default (kept
+  # explicit for versions where it was off; a user's "mpi" choice is left alone).
+  if jax.config.jax_cpu_collectives_implementation is None:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
     jax.distributed.initialize(
         coordinator_address=address, num_processes=count, process_id=pid,
