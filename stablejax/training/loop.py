@@ -464,7 +464,7 @@ class Run:
     return self.agreed_stop is not None
 
   def _interrupted(self, step: int) -> int:
-    name = signal.Signals(self.stop_signal or self.agreed_stop).name
+    name = signal.Signals(self.agreed_stop or self.stop_signal).name
     if self.recovery.healthy() and step not in self.checkpoints.all_steps():
       self._save(step)
     self.log.console(f"{name} at step {step}: checkpoint saved; run the same command to resume")
