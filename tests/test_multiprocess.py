@@ -163,7 +163,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   assert f"resuming at step {last_checkpoint}" in second.stdout, second.stdout[-3000:]
   _assert_same_run(out, reference)
   summary = json.loads((out / "summary.json").read_text())
-  assert summary["steps"] == 30 and summary["exit_code"] == 0
+  assert summary["steps"] == 30 and summary["exit_code"] == 0 and summary["rollbacks"] == 0
 
 
 # ----------------------------------------------------------------------------- joining
@@ -331,9 +331,14 @@ def _slice_child(out: str) -> None:
   global_train = [multihost_utils.process_allgather(run._device_tokens(t), tiled=True)
                   for t in local_train]
   global_val = [multihost_utils.process_allgather(v, tiled=True) for v in run._val_batches()]
-  np.savez(Path(out) / f"rows{jax.process_index()}.npz", train=np.stack(local_train),
+  from stablejax.training import distributed
+  rank = jax.process_index()
+  agreed = [distributed.agree_max(rank + 0.5), distributed.agree_any(rank == 1),
+            distributed.agree_any(False), *distributed.agree_max(np.array([rank, -rank, 7]))]
+  np.savez(Path(out) / f"rows{rank}.npz", train=np.stack(local_train),
            val=np.stack(local_val), global_train=np.stack(global_train),
-           global_val=np.stack(global_val), devices=[d.id for d in jax.local_devices()])
+           global_val=np.stack(global_val), devices=[d.id for d in jax.local_devices()],
+           agreed=np.array(agreed, np.float64))
 
 
 def _slurm_env(rank: int, port: int) -> dict:
@@ -365,6 +370,8 @@ def test_processes_read_disjoint_rows_that_form_the_single_process_batch(tmp_pat
   assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(outputs)[-3000:]
   parts = [np.load(tmp_path / f"rows{p}.npz") for p in range(2)]
   assert len({*parts[0]["devices"], *parts[1]["devices"]}) == 4  # two devices each, none shared
+  for p in range(2):  # agree_max / agree_any: the same answer on both processes
+    np.testing.assert_array_equal(parts[p]["agreed"], [1.5, 1, 0, 1, 0, 7])
 
   from stablejax.training.config import load_config
   from stablejax.training.data import build_data
