@@ -91,12 +91,16 @@ def child_env(rank: int, nproc: int, port: int, devices: Optional[int]) -> dict:
   return env
 
 
+try:  # loaded here, not in the forked child, where taking the loader's lock could deadlock
+  _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+  _LIBC = None
+
+
 def _die_with_parent() -> None:
   """In the child before exec: get SIGKILL when the launcher dies (Linux; elsewhere a no-op)."""
-  try:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-  except (OSError, AttributeError):
-    pass
+  if _LIBC is not None:
+    _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 _LOCK = threading.Lock()
@@ -161,6 +165,7 @@ def main(argv=None) -> int:
       forward(signal.SIGKILL, None)
       return 2
     procs.append(p)
+  for rank, p in enumerate(procs):  # threads only once every process is forked
     for source, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
       t = threading.Thread(target=_pump, args=(rank, source, sink), daemon=True)
       t.start()

@@ -240,7 +240,7 @@ if mode == "fail":
   time.sleep(60)
 elif mode == "signal":
   signal.signal(signal.SIGTERM, lambda s, f: (print("got", s, flush=True), sys.exit(130)))
-  print("ready", flush=True)
+  print("ready", os.getpid(), flush=True)
   time.sleep(60)
 print("progress 1\rprogress 2\rdone", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
@@ -290,15 +290,44 @@ def test_launcher_exits_with_the_first_failure_and_stops_the_others(tmp_path):
 
 def test_launcher_forwards_sigterm(tmp_path):
   proc = _launch(tmp_path, "--nproc", "2", mode="signal")
-  ready = 0
-  while ready < 2:
-    line = proc.stdout.readline().decode()
-    assert line, proc.stderr.read()
-    ready += line.endswith("ready\n")
+  _wait_ready(proc)
   proc.send_signal(signal.SIGTERM)
   stdout, _ = _communicate(proc, timeout=30)
   assert proc.returncode == 130
   assert "[0] got 15" in stdout and "[1] got 15" in stdout
+
+
+def _wait_ready(proc) -> list[int]:
+  """The pids of the launched processes, once both have installed their signal handler."""
+  pids = []
+  while len(pids) < 2:
+    line = proc.stdout.readline().decode()
+    assert line, proc.stderr.read()
+    if " ready " in line:
+      pids.append(int(line.split()[-1]))
+  return pids
+
+
+def test_launcher_death_takes_its_processes_along(tmp_path):
+  proc = _launch(tmp_path, "--nproc", "2", mode="signal")
+  pids = _wait_ready(proc)
+  proc.kill()  # SIGKILL: no chance to forward anything
+  proc.wait(timeout=30)
+  deadline = time.monotonic() + 20
+  while time.monotonic() < deadline and any(map(_running, pids)):
+    time.sleep(0.1)
+  alive = [pid for pid in pids if _running(pid)]
+  for pid in alive:
+    os.kill(pid, signal.SIGKILL)
+  assert not alive
+
+
+def _running(pid: int) -> bool:
+  """Whether `pid` is a live process (a zombie nobody reaped yet counts as gone)."""
+  try:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+  except (OSError, IndexError):
+    return False
 
 
 def test_launcher_bad_arguments_exit_2(tmp_path):
