@@ -10,14 +10,17 @@ supplies is a `ConfigError` naming the key and the variable to set. On CPU, cros
 collectives use gloo (`jax_cpu_collectives_implementation`).
 
 Failure. JAX's coordination service watches every process: when one dies, the others stop within
-`mesh.heartbeat_timeout` seconds (often at once, when a collective loses its peer); a process
-that exits while the others still run waits at most `mesh.shutdown_timeout` for them.
+`mesh.heartbeat_timeout` seconds (often at once, when a collective loses its peer). A process
+that finishes waits at most `mesh.shutdown_timeout` for the others; one that fails alone leaves at
+once (`leave`).
 
 Agreement. Every process must take the same Python branch, or the next collective deadlocks.
 Values fetched from replicated arrays (metrics, losses) are identical everywhere; anything
 host-local (a signal flag, wall-clock time) is not, and goes through `agree_any` / `agree_max`:
-a tiny jitted all-reduce over every device, so all processes get the same answer. With one
-process they return the local value without touching a device.
+a tiny jitted all-reduce over every device, so all processes get the same answer. Each call is
+a collective: every process must make the same calls in the same order (at the same steps), and
+the call waits for the device work queued before it, so make it where the host already waits
+(the trainer uses log and eval steps). With one process they return the local value at once.
 
 Example::
 
