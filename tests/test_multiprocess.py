@@ -88,7 +88,7 @@ def _assert_same_run(got: Path, want: Path) -> None:
 def reference(tmp_path_factory):
   """One process with four simulated devices: what the two-process runs must reproduce."""
   out = tmp_path_factory.mktemp("one_process")
-  result = run_subprocess(out, *RUN, fresh=True, devices=4, timeout=300)
+  result = run_subprocess(out, *RUN, fresh=True, devices=4, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mesh {'data': 2, 'fsdp': 2}" in result.stdout
   return out
@@ -122,7 +122,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   first = subprocess.Popen(launch + ["--fresh"], cwd=ROOT, stdout=open(logs[0], "w"),
                            stderr=open(logs[1], "w"))
   try:
-    _wait_for_step(out, 4, [first], timeout=240)
+    _wait_for_step(out, 4, [first], timeout=600)
     first.send_signal(signal.SIGTERM)
     first.wait(timeout=120)
   finally:
@@ -143,7 +143,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   procs = [_start_env_process(r, port, out, logs[r]) for r in range(2)]
   try:
     kill_after = max(12, stopped + 2)  # past the checkpoint of step 10
-    _wait_for_step(out, kill_after, procs, timeout=240)
+    _wait_for_step(out, kill_after, procs, timeout=600)
     procs[1].kill()
     killed_at = time.monotonic()
     survivor = procs[0].wait(timeout=HEARTBEAT + 60)
@@ -158,7 +158,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   assert last_checkpoint >= 10
 
   # 3. The same launcher command again: resumes from the last complete checkpoint, finishes.
-  second = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  second = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert second.returncode == 0, second.stderr[-3000:]
   assert f"resuming at step {last_checkpoint}" in second.stdout, second.stdout[-3000:]
   _assert_same_run(out, reference)
