@@ -30,7 +30,7 @@ RUN = ["train.steps=30", "train.eval_every=10", "checkpoint.every=10", "train.lo
        "logging.histogram_every=0", "logging.activation_every=10", "logging.tensorboard=false",
        "mesh.data=2", "mesh.fsdp=2"]
 DISTRIBUTED = ["mesh.distributed=true", f"mesh.heartbeat_timeout={HEARTBEAT}",
-               "mesh.initialization_timeout=60", "mesh.shutdown_timeout=60"]
+               "mesh.initialization_timeout=300", "mesh.shutdown_timeout=60"]
 LAUNCH = [sys.executable, "-m", "stablejax.launch", "--nproc", "2", "--devices-per-proc", "2",
           "--grace", "30", "--"]
 
@@ -124,7 +124,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   try:
     _wait_for_step(out, 4, [first], timeout=600)
     first.send_signal(signal.SIGTERM)
-    first.wait(timeout=120)
+    first.wait(timeout=300)
   finally:
     _kill_all([first])
   stdout, stderr = logs[0].read_text(), logs[1].read_text()
@@ -352,7 +352,7 @@ def _slice_child(out: str) -> None:
   from stablejax.training.loop import Run
 
   cfg = load_config(ROOT / "configs" / "default.json",
-                    [*TINY, *SLICE, "mesh.distributed=true", "mesh.initialization_timeout=60"])
+                    [*TINY, *SLICE, "mesh.distributed=true", "mesh.initialization_timeout=300"])
   run = Run(cfg, Path(out) / "run")
   it = run.data.train_iter()
   local_train = [np.asarray(next(it)["tokens"], np.int32) for _ in range(2)]
