@@ -35,6 +35,8 @@ def parse_args(argv):
 def main(argv=None) -> int:
   args = parse_args(argv)
   # Imported here so that --help and argument errors answer instantly.
+  import jax
+  from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, load_config
   from stablejax.training.data import DataError
@@ -43,11 +45,16 @@ def main(argv=None) -> int:
   out = Path(args.out or Path("runs") / Path(args.config).stem)
   try:
     cfg = load_config(args.config, args.set)
-    write_config(cfg, out)
+    write_config(cfg, out)  # joins a multi-process job first when mesh.distributed=true
     return Run(cfg, out, fresh=args.fresh).train()
   except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    return distributed.leave(2)
+  except jax.errors.JaxRuntimeError as e:
+    if not (jax.distributed.is_initialized() and jax.process_count() > 1):
+      raise
+    print(f"error: {distributed.lost_peer_message(e)}", file=sys.stderr)
+    return distributed.leave(1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Usage:
   python bench/scaling.py               # configs/default.json (Muon + stack), 6 steps per N
   python bench/scaling.py --quick       # a smaller model, 3 steps
   python bench/scaling.py --devices 1,2,4,8
+  python bench/scaling.py --no-multiprocess   # skip the 2-process row
 
 For each N a subprocess runs with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the
 trainer (`stablejax.training.loop.Run`, i.e. train.py) with ``mesh.fsdp=N, mesh.data=1``: the
@@ -13,7 +14,15 @@ After training, it sums ``shard.data.nbytes`` over the ``addressable_shards`` th
 device, for the parameters and the optimizer state, and reports the largest device. The train
 losses of every step are compared with N=1 (same seed, same data; only the reduction order of
 the sharded sums differs). The simulated devices share this machine's cores, so step times say
-nothing about real scaling and are not reported.
+nothing about real scaling and are not reported for the rows above.
+
+The multi-process rows run the largest N as 2 processes x N/2 devices (`stablejax.launch`,
+`mesh.distributed=true`, gloo collectives over loopback) and as 1 process x N devices, both with
+the mesh a multi-host job would use, ``{data: 2, fsdp: N/2}`` (parameters sharded inside a process,
+data parallel across processes), and compare losses, per-device memory and tokens/s (median of
+the logged intervals after the first two, which include compilation). Both use the same cores, so
+the tokens/s ratio is the cost of cross-process collectives against in-process ones on one
+machine, not a speed-up.
 """
 
 from __future__ import annotations
@@ -49,33 +58,37 @@ def per_device_bytes(tree) -> dict:
   return out
 
 
-def child(n: int, steps: int, quick: bool, out: str) -> None:
-  import jax
+def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int = 1) -> None:
   from bench import _common
   from stablejax.training.loop import Run
 
-  assert jax.device_count() == n, (jax.device_count(), n)
   base = json.loads(DEFAULT_CONFIG.read_text())
   if quick:
     base = _common.deep_merge(base, QUICK_MODEL)
   cfg = _common.make_config(base, {
-      "mesh": {"fsdp": n, "data": 1},
+      "mesh": {"fsdp": n // data, "data": data, "distributed": procs > 1},
       "train": {"steps": steps, "warmup_steps": 1, "log_every": 1, "eval_every": steps,
                 "eval_batches": 2, "peak_flops_per_device": 1e12},
       "checkpoint": {"every": steps, "async_save": False},
       "logging": {"progress": False, "tensorboard": False, "histogram_every": 0,
                   "activation_every": 0}})
   with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-    run = Run(cfg, Path(out), fresh=True)
+    run = Run(cfg, Path(out), fresh=True)  # joins the job first when procs > 1
     code = run.train()
+  import jax
+  assert (jax.device_count(), jax.process_count()) == (n, procs)
+  if jax.process_index() != 0:
+    return
   records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
   losses = [r["loss"] for r in records if "loss" in r]
+  tokens_per_sec = [r["tokens_per_sec"] for r in records if "tokens_per_sec" in r]
   params = per_device_bytes(run.state.params)
   opt = per_device_bytes(run.state.opt_state)
   total_params = sum(x.nbytes for x in jax.tree.leaves(run.state.params))
   total_opt = sum(x.nbytes for x in jax.tree.leaves(run.state.opt_state) if isinstance(x, jax.Array))
   print(json.dumps({
-      "n": n, "exit_code": code, "losses": losses, "val_loss": run.last_val_loss,
+      "n": n, "procs": procs, "exit_code": code, "losses": losses, "val_loss": run.last_val_loss,
+      "tokens_per_sec": tokens_per_sec,
       "mesh": dict(run.mesh.shape), "params_bytes": params, "opt_bytes": opt,
       "global_params_bytes": total_params, "global_opt_bytes": total_opt,
       "optimizer": cfg.optimizer.name}))
@@ -86,12 +99,15 @@ def main(argv=None) -> int:
   p.add_argument("--quick", action="store_true")
   p.add_argument("--devices", default="1,2,4")
   p.add_argument("--steps", type=int, default=None)
+  p.add_argument("--no-multiprocess", action="store_true", help="skip the 2-process row")
   p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--child-procs", type=int, default=1, help=argparse.SUPPRESS)
+  p.add_argument("--child-data", type=int, default=1, help=argparse.SUPPRESS)
   p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   steps = args.steps or (3 if args.quick else 6)
   if args.child is not None:
-    child(args.child, steps, args.quick, args.child_out)
+    child(args.child, steps, args.quick, args.child_out, args.child_procs, args.child_data)
     return 0
 
   from bench import _common
@@ -108,6 +124,27 @@ def main(argv=None) -> int:
         print(f"N={n} failed:\n{proc.stderr[-3000:]}")
         return 1
       results[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+    n_max = counts[-1]
+    multi = {}
+    if not args.no_multiprocess and n_max % 2 == 0:
+      for procs in (1, 2):
+        cmd = [__file__, "--child", str(n_max), "--child-procs", str(procs), "--child-data", "2",
+               "--steps", str(steps), "--child-out", os.path.join(tmp, f"multi{procs}")]
+        cmd += ["--quick"] if args.quick else []
+        if procs == 1:
+          env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={n_max}")
+          proc = subprocess.run([sys.executable, *cmd], env=env, capture_output=True, text=True,
+                                cwd=ROOT)
+          lines = proc.stdout.strip().splitlines()[-1:]
+        else:
+          proc = subprocess.run([sys.executable, "-m", "stablejax.launch", "--nproc", "2",
+                                 "--devices-per-proc", str(n_max // 2), "--", *cmd],
+                                capture_output=True, text=True, cwd=ROOT)
+          lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] {")]
+        if proc.returncode != 0 or not lines:
+          print(f"{procs} process(es) x {n_max // procs} devices failed:\n{proc.stderr[-3000:]}")
+          return 1
+        multi[procs] = json.loads(lines[-1])
 
   first = results[counts[0]]
   base = json.loads(DEFAULT_CONFIG.read_text())
@@ -133,6 +170,24 @@ def main(argv=None) -> int:
   print()
   print("losses per step: " + "; ".join(
       f"N={n}: " + ", ".join(f"{x:.5f}" for x in results[n]["losses"]) for n in counts))
+  if multi:
+    print()
+    single = multi[1]
+    print(f"multi-process: 2 processes x {n_max // 2} devices against 1 process x {n_max}, "
+          f"both with mesh {single['mesh']} on the same cores")
+    rows = []
+    for label, r in ((f"1 x {n_max}", single), (f"2 x {n_max // 2}", multi[2])):
+      pmax, omax = max(r["params_bytes"].values()), max(r["opt_bytes"].values())
+      rel = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single["losses"]))
+      tps = _common.median(r["tokens_per_sec"][2:] or r["tokens_per_sec"])
+      ref_tps = _common.median(single["tokens_per_sec"][2:] or single["tokens_per_sec"])
+      rows.append([label, r["exit_code"], f"{r['losses'][-1]:.6f}", f"{rel:.2e}",
+                   f"{(pmax + omax) / 2**20:.3f}", f"{tps:,.0f}", f"{tps / ref_tps:.3f}"])
+    print(_common.table(rows, ["processes x devices", "exit", f"loss step {steps}",
+                               f"max rel |dloss| vs 1 x {n_max}", "total MiB/dev", "tokens/s",
+                               f"tokens/s vs 1 x {n_max}"]))
+    print("losses per step: " + "; ".join(
+        f"{p} process(es): " + ", ".join(f"{x:.5f}" for x in multi[p]["losses"]) for p in (1, 2)))
   return 0
 
 

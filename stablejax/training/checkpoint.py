@@ -27,6 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from stablejax.training import distributed
+
 
 class CheckpointError(RuntimeError):
   """No usable checkpoint, or one could not be read; the message says what to do (exit code 2)."""
@@ -157,14 +159,20 @@ class Checkpoints:
     for step in reversed(steps):
       try:
         state, meta = self._restore_step(step, abstract_state, data_iter)
+        error = None
       except Exception as e:  # noqa: BLE001 - sorted into damage / not damage just below
-        why = damage_evidence(e)
-        if why is None:
-          raise CheckpointError(
-              f"reading checkpoint {step} in {self.directory} failed ({_first_line(e)}); that"
-              " does not show it is damaged, so every checkpoint was left as it is: fix the cause"
-              " (memory, storage, or a config that differs from the run's) and run again") from e
-        on_fallback(step, why.splitlines()[0][:200])
+        state, meta, error = None, None, e
+      # Each process reads its own shards, so they decide together: a process that fell back
+      # alone would wait for the others in a collective that never comes.
+      why = None if error is None else damage_evidence(error)
+      if distributed.agree_any(error is not None and why is None):
+        cause = _first_line(error) if error is not None else "a read error on another process"
+        raise CheckpointError(
+            f"reading checkpoint {step} in {self.directory} failed ({cause}); that"
+            " does not show it is damaged, so every checkpoint was left as it is: fix the cause"
+            " (memory, storage, or a config that differs from the run's) and run again") from error
+      if distributed.agree_any(why is not None):
+        on_fallback(step, (why or "damaged on another process").splitlines()[0][:200])
         damaged.append(step)
         continue
       for bad in damaged:
@@ -203,6 +211,7 @@ class Checkpoints:
         target, n = self.damaged_directory / f"{step}.{n}", n + 1
       self.damaged_directory.mkdir(parents=True, exist_ok=True)
       shutil.move(str(source), str(target))
+    distributed.barrier(f"set_aside_{step}")  # every process sees the move before reloading
     self.manager.reload()
 
   def delete_after(self, step: int) -> None:

@@ -121,7 +121,15 @@ class LoggingConfig:
 class MeshConfig:
   data: int = -1                   # -1: every device not used by fsdp
   fsdp: int = 1                    # parameters and optimizer state sharded over this axis
-  distributed: bool = False        # call jax.distributed.initialize() (multi-host)
+  # Multi-process (multi-host) runs: see stablejax/training/distributed.py and README "Multi-host".
+  distributed: bool = False        # join a job with jax.distributed.initialize() before anything else
+  coordinator_address: Optional[str] = None  # HOST:PORT of process 0; else $JAX_COORDINATOR_ADDRESS
+  num_processes: Optional[int] = None        # else $JAX_NUM_PROCESSES, else the cluster's (SLURM...)
+  process_id: Optional[int] = None           # else $JAX_PROCESS_ID, else the cluster's
+  local_device_ids: Optional[list[int]] = None  # devices this process uses (None: all it sees)
+  initialization_timeout: int = 300  # seconds to wait for every process to join
+  heartbeat_timeout: int = 100       # seconds without a heartbeat before a process counts as dead
+  shutdown_timeout: int = 300        # seconds an exiting process waits for the others at the end
 
 
 @dataclasses.dataclass
@@ -342,6 +350,13 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use \"repeat\" or \"random\"")
   if cfg.mesh.fsdp < 1 or cfg.mesh.data == 0 or cfg.mesh.data < -1:
     raise ConfigError(f"mesh.data={cfg.mesh.data}, mesh.fsdp={cfg.mesh.fsdp}: use fsdp >= 1 and data >= 1 or -1")
+  for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
+    _positive(f"mesh.{name}", getattr(cfg.mesh, name))
+  if not cfg.mesh.distributed:
+    for name in ("coordinator_address", "num_processes", "process_id", "local_device_ids"):
+      if getattr(cfg.mesh, name) is not None:
+        raise ConfigError(f"mesh.{name} is set but mesh.distributed=false: set mesh.distributed=true"
+                          f" to join a multi-process job, or drop mesh.{name}")
   try:
     cfg.model.validate()
   except ValueError as e:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import stablejax
 from stablejax.model_utils import excess_kurtosis, lambda_warmup
+from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
@@ -88,14 +89,15 @@ class Run:
     self.cfg = cfg
     self.out_dir = Path(out_dir)
     self.t_start = time.time()
-    mesh_lib.maybe_initialize_distributed(cfg.mesh)
-    self.is_main = jax.process_index() == 0
+    distributed.initialize(cfg.mesh)  # before anything touches a JAX backend
+    self.is_main = distributed.is_main()
     if fresh and self.is_main:
       for name in ("checkpoints", "damaged_checkpoints", RECOVERY_FILE, RECOVERY_FILE + ".stale",
                    "tensorboard", "metrics.jsonl", "summary.json", "report.png",
                    "quantize_eval.json"):
         path = self.out_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    distributed.barrier("fresh")  # no process may look for checkpoints before they are gone
     self.out_dir.mkdir(parents=True, exist_ok=True)
 
     # Data first: a bad path is the commonest mistake and should fail before any compilation.
@@ -158,20 +160,29 @@ class Run:
                               out_shardings=(self.state_sharding, mesh_lib.replicated(mesh)),
                               donate_argnums=0)
     eval_fn = make_eval_step(self.model, cfg, self.bitnet_lambda)
+    replicated = mesh_lib.replicated(mesh)
+    # Replicated outputs: every process fetches the same values, so all take the same branches.
     self.eval_step = jax.jit(eval_fn, in_shardings=(self.state_sharding.params,
-                                                    mesh_lib.batch_sharding(mesh), None))
+                                                    mesh_lib.batch_sharding(mesh), replicated),
+                             out_shardings=replicated)
     self.set_lr_backoff = jax.jit(_with_lr_backoff, out_shardings=self.state_sharding,
                                   donate_argnums=0)
-    self.activation_stats = jax.jit(self._activation_stats)
-    self.grad_norms = jax.jit(self._grad_norms)
-    self.param_movement = jax.jit(stablejax.param_movement)
+    self.activation_stats = jax.jit(self._activation_stats, out_shardings=replicated)
+    self.grad_norms = jax.jit(self._grad_norms, out_shardings=replicated)
+    self.param_movement = jax.jit(stablejax.param_movement, out_shardings=replicated)
     self.previous_params = None
 
   def _device_tokens(self, tokens: np.ndarray) -> jax.Array:
-    """Host batch [B, T+1] (this process's rows) -> global [grad_accum, B/accum, T+1] array."""
+    """Host batch [B/P, T+1] (this process's rows) -> global [grad_accum, B/accum, T+1] array."""
     accum = self.cfg.train.grad_accum
     local = tokens.reshape(accum, tokens.shape[0] // accum, tokens.shape[1])
     return jax.make_array_from_process_local_data(self.tokens_sharding, local)
+
+  def _val_batches(self) -> list[jax.Array]:
+    """The fixed validation batches as global [B, T+1] arrays built from this process's rows."""
+    sharding = mesh_lib.batch_sharding(self.mesh)
+    return [jax.make_array_from_process_local_data(sharding, np.asarray(b["tokens"], np.int32))
+            for b in self.data.val_batches(self.cfg.train.eval_batches)]
 
   # ------------------------------------------------------------------ run
 
@@ -188,8 +199,8 @@ class Run:
     if step == 0 and not self.checkpoints.all_steps():
       self._save(0)  # the initial state is good by definition: a rollback target from the start
     self._banner(step)
-    val_batches = [jnp.asarray(b["tokens"]) for b in self.data.val_batches(cfg.train.eval_batches)]
-    self.val_batches = [jax.device_put(b, mesh_lib.batch_sharding(self.mesh)) for b in val_batches]
+    self.val_batches = self._val_batches()
+    self.agreed_stop: Optional[int] = None
     self._install_signal_handlers()
 
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not (self.is_main and cfg.logging.progress),
@@ -200,7 +211,7 @@ class Run:
     self.tokens_per_sec = float("nan")
     exit_code = EXIT_OK
     while step < cfg.train.steps:
-      if self.stop_signal is not None:
+      if self._stop_requested():
         exit_code = self._interrupted(step)
         break
       self._maybe_kill(step, when="step")
@@ -264,7 +275,7 @@ class Run:
     elif step in f.grad_scale_steps:
       grad_scale = f.grad_scale_factor
     return {"tokens": self._device_tokens(np.asarray(tokens, np.int32)),
-            "grad_scale": jnp.float32(grad_scale)}
+            "grad_scale": np.float32(grad_scale)}
 
   def _skip_batches(self, n: int) -> None:
     """Advances the data stream by `n` batches without training on them."""
@@ -299,10 +310,10 @@ class Run:
     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
                     skipped=skipped, refresh=False)
     self.last_record = record
-    return self.recovery.check_train(record) if self.cfg.stability.recovery else None
+    return self._agree(self.recovery.check_train(record) if self.cfg.stability.recovery else None)
 
   def _evaluate(self, step: int, final: bool = False) -> Optional[str]:
-    losses = [self.eval_step(self.state.params, b, jnp.int32(step)) for b in self.val_batches]
+    losses = [self.eval_step(self.state.params, b, np.int32(step)) for b in self.val_batches]
     val_loss = float(np.mean(jax.device_get(losses)))
     self.last_val_loss = val_loss
     record = {"step": step, "val_loss": val_loss}
@@ -310,7 +321,7 @@ class Run:
     self.log.console(f"step {step}: val_loss {val_loss:.4f}" + (" (final)" if final else ""))
     if final or not self.cfg.stability.recovery:
       return None
-    return self.recovery.check_val(val_loss)
+    return self._agree(self.recovery.check_val(val_loss))
 
   def _diagnostics_due(self, step: int) -> bool:
     every = self.cfg.logging
@@ -336,7 +347,7 @@ class Run:
     batch = self.val_batches[0]
     record = {"step": step}
     if self.cfg.logging.activation_every and step % self.cfg.logging.activation_every == 0:
-      record.update(_fetch(self.activation_stats(self.state.params, batch, jnp.int32(step))))
+      record.update(_fetch(self.activation_stats(self.state.params, batch, np.int32(step))))
       self.last_kurtosis = record["excess_kurtosis"]
       record.update(self._movement_check(step))
     if self.cfg.logging.histogram_every and step % self.cfg.logging.histogram_every == 0:
@@ -502,8 +513,30 @@ class Run:
     for sig in (signal.SIGINT, signal.SIGTERM):
       signal.signal(sig, handler)
 
+  # Multi-process: every process must take the same branch, or the next collective deadlocks.
+  # Rollback causes come from `Recovery.check_train(record)` / `check_val(val_loss)` on values
+  # fetched from replicated arrays, identical on every process; `_agree` still reduces the
+  # decision (any process's trigger rolls back all), and carries the host-local stop signal, at
+  # the log and eval steps, where the host already waits for the device. A signal therefore takes
+  # effect at the next log step (within train.log_every steps) on a multi-process run.
+
+  def _agree(self, cause: Optional[str]) -> Optional[str]:
+    if jax.process_count() == 1:
+      return cause
+    rollback, stop = distributed.agree_max(np.array([cause is not None, self.stop_signal or 0]))
+    if stop:
+      self.agreed_stop = int(stop)
+    if rollback and cause is None:
+      cause = "a rollback trigger on another process"
+    return cause
+
+  def _stop_requested(self) -> bool:
+    if jax.process_count() == 1:
+      return self.stop_signal is not None
+    return self.agreed_stop is not None
+
   def _interrupted(self, step: int) -> int:
-    name = signal.Signals(self.stop_signal).name
+    name = signal.Signals(self.agreed_stop or self.stop_signal).name
     if self.recovery.healthy() and step not in self.checkpoints.all_steps():
       self._save(step)
     self.log.console(f"{name} at step {step}: checkpoint saved; run the same command to resume")
@@ -553,6 +586,7 @@ def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> T
 
 
 def write_config(cfg: Config, out_dir: Path) -> None:
-  if jax.process_index() == 0:
+  distributed.initialize(cfg.mesh)  # process_index() below would otherwise start a backend
+  if distributed.is_main():
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")

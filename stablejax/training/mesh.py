@@ -1,7 +1,8 @@
 """Device mesh and shardings: batch over (data, fsdp), parameters and optimizer state over fsdp.
 
 The same code runs on one CPU, on `--xla_force_host_platform_device_count=N` simulated devices and
-on a multi-host pod (after `jax.distributed.initialize()`, see `maybe_initialize_distributed`).
+on several processes or hosts (after `stablejax.training.distributed.initialize`). `jax.devices()`
+lists devices process by process, so each process's devices hold a contiguous block of the batch.
 """
 
 from __future__ import annotations
@@ -13,13 +14,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from stablejax.training.config import ConfigError, MeshConfig
 
 BATCH_AXES = ("data", "fsdp")
-
-
-def maybe_initialize_distributed(cfg: MeshConfig) -> None:
-  """Joins a multi-host job; coordinator address and ranks come from the environment
-  (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID, or the cluster's own variables)."""
-  if cfg.distributed:
-    jax.distributed.initialize()
 
 
 def make_mesh(cfg: MeshConfig) -> Mesh:
