@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from stablejax.training.data import DataConfig
+from stablejax.training.data import DataConfig, prepared_vocab_size
 from stablejax.training.model import ModelConfig
 
 
@@ -208,9 +208,21 @@ def config_from_dict(raw: dict) -> Config:
   """Builds and validates a `Config` from a (possibly partial) nested dict."""
   if not isinstance(raw, dict):
     raise ConfigError("the config must be a JSON object with sections like 'model' and 'train'")
+  _vocab_from_prepared_data(raw)
   cfg = _build(Config, raw)
   validate(cfg)
   return cfg
+
+
+def _vocab_from_prepared_data(raw: dict) -> None:
+  """Without model.vocab_size, a prepared data directory's vocabulary (padded to a multiple of
+  64) sets it; a given one is checked against the data when the run starts."""
+  model, data = raw.get("model", {}), raw.get("data", {})
+  if not isinstance(model, dict) or not isinstance(data, dict) or "vocab_size" in model:
+    return
+  vocab = prepared_vocab_size(data.get("train"))
+  if vocab is not None:
+    raw["model"] = dict(model, vocab_size=-(-vocab // 64) * 64)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
