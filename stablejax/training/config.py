@@ -37,6 +37,8 @@ class TrainConfig:
   peak_flops_per_device: Optional[float] = None  # for MFU; None: known accelerators, measured on CPU
   lambda_warmup_steps: int = 1000  # model.bitnet: quantisation strength ramps 0 -> 1 over these steps
   lambda_schedule: str = "linear"  # "linear" or "cosine"
+  time_budget_minutes: Optional[float] = None  # fix the step count to end within this (budget.py)
+  target_val_loss: Optional[float] = None      # summary.json: time_to_target_s, step_to_target
 
 
 @dataclasses.dataclass
@@ -106,6 +108,9 @@ class LoggingConfig:
   activation_every: int = 100       # residual-stream RMS/max, logit max, kurtosis (0 disables)
   grad_norm_high: float = 5.0
   grad_norm_critical: float = 10.0
+  sample_every: Optional[int] = None  # steps between printed samples; None: at each eval; 0: off
+  sample_prompt: str = ""             # "" starts a new document
+  sample_tokens: int = 64
 
 
 @dataclasses.dataclass
@@ -287,6 +292,11 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len")
   if not 0 <= t.min_lr_ratio <= 1:
     raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
+  if t.time_budget_minutes is not None:
+    _positive("train.time_budget_minutes", t.time_budget_minutes)
+  if cfg.logging.sample_every is not None:
+    _positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
+  _positive("logging.sample_tokens", cfg.logging.sample_tokens)
   if o.name not in ("muon", "adamw"):
     raise ConfigError(f"optimizer.name={o.name!r} is not known: use \"muon\" or \"adamw\"")
   for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate", "head_learning_rate"):
