@@ -19,7 +19,9 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 from typing import Optional, Sequence
 
 import jax
@@ -48,28 +50,10 @@ class Generator:
 
   def __init__(self, model_cfg: ModelConfig, top_k: int = 0, valid_vocab: Optional[int] = None):
     self.cfg = model_cfg
-    self.model = GPT(model_cfg)
     self.top_k = int(top_k)
     self.valid_vocab = int(valid_vocab or model_cfg.vocab_size)
-    self._segment = jax.jit(self._segment_fn, static_argnames=("n_new",))
-
-  def _segment_fn(self, params, prompt, rng, temperature, lam, n_new: int):
-    """Prefill ``prompt`` [B, P] into a fresh cache, then draw ``n_new`` tokens."""
-    kwargs = {"bitnet_lambda": lam} if self.cfg.bitnet else {}
-    logits, variables = self.model.apply({"params": params}, prompt, decode=True,
-                                         mutable=["cache"], **kwargs)
-    rngs = jax.random.split(rng, n_new)
-    first = sample_logits(logits[:, -1], rngs[0], temperature, self.top_k, self.valid_vocab)
-
-    def step(carry, rng_i):
-      cache, token = carry
-      logits, variables = self.model.apply({"params": params, "cache": cache}, token[:, None],
-                                           decode=True, mutable=["cache"], **kwargs)
-      nxt = sample_logits(logits[:, -1], rng_i, temperature, self.top_k, self.valid_vocab)
-      return (variables["cache"], nxt), token
-
-    (_, last), tokens = jax.lax.scan(step, (variables["cache"], first), rngs[1:])
-    return jnp.concatenate([tokens, last[None]], axis=0).T  # [B, n_new]
+    self._segment = _segment_fn(json.dumps(dataclasses.asdict(model_cfg), sort_keys=True),
+                                self.top_k, self.valid_vocab)
 
   def generate(self, params, prompt_ids: Sequence[int], n_new: int, *, temperature: float = 0.8,
                seed: int = 0, bitnet_lambda: float = 1.0, num_samples: int = 1) -> np.ndarray:
@@ -95,15 +79,50 @@ class Generator:
     return np.concatenate(out, axis=1)
 
 
+@functools.lru_cache(maxsize=8)
+def _segment_fn(model_cfg_json: str, top_k: int, valid_vocab: int):
+  """The jitted segment for one model config (cached, so repeated samplers compile once)."""
+  cfg = ModelConfig(**json.loads(model_cfg_json))
+  model = GPT(cfg)
+
+  def segment(params, prompt, rng, temperature, lam, n_new: int):
+    """Prefill ``prompt`` [B, P] into a fresh cache, then draw ``n_new`` tokens."""
+    kwargs = {"bitnet_lambda": lam} if cfg.bitnet else {}
+    logits, variables = model.apply({"params": params}, prompt, decode=True, mutable=["cache"],
+                                    **kwargs)
+    rngs = jax.random.split(rng, n_new)
+    first = sample_logits(logits[:, -1], rngs[0], temperature, top_k, valid_vocab)
+
+    def step(carry, rng_i):
+      cache, token = carry
+      logits, variables = model.apply({"params": params, "cache": cache}, token[:, None],
+                                      decode=True, mutable=["cache"], **kwargs)
+      nxt = sample_logits(logits[:, -1], rng_i, temperature, top_k, valid_vocab)
+      return (variables["cache"], nxt), token
+
+    (_, last), tokens = jax.lax.scan(step, (variables["cache"], first), rngs[1:])
+    return jnp.concatenate([tokens, last[None]], axis=0).T  # [B, n_new]
+
+  return jax.jit(segment, static_argnames=("n_new",))
+
+
 def greedy_reference(model_cfg: ModelConfig, params, prompt_ids: Sequence[int], n_new: int,
                      valid_vocab: Optional[int] = None) -> tuple[list[int], list[np.ndarray]]:
-  """Greedy decoding by full recomputation (no cache), for tests: (tokens, last-position logits)."""
+  """Greedy decoding by full recomputation (no cache), for tests: (tokens, last-position logits).
+
+  Each step runs the whole sequence, right-padded to ``max_seq_len`` (causal attention: the
+  padding cannot change earlier positions) so that one compilation serves every step.
+  """
   model = GPT(model_cfg)
   apply = jax.jit(functools.partial(model.apply))
   ids, all_logits = list(prompt_ids), []
   vocab = valid_vocab or model_cfg.vocab_size
+  if len(ids) + n_new - 1 > model_cfg.max_seq_len:
+    raise ValueError("the reference decodes within one context window")
   for _ in range(n_new):
-    logits = np.asarray(apply({"params": params}, jnp.asarray([ids], jnp.int32)))[0, -1]
+    padded = np.zeros((1, model_cfg.max_seq_len), np.int32)
+    padded[0, :len(ids)] = ids
+    logits = np.asarray(apply({"params": params}, jnp.asarray(padded)))[0, len(ids) - 1]
     all_logits.append(logits)
     ids.append(int(np.argmax(logits[:vocab])))
   return ids[len(prompt_ids):], all_logits
