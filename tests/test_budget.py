@@ -23,6 +23,18 @@ def test_plan_total_steps_arithmetic():
                           max_steps=10**9) == math.floor(514 / 0.55)
   assert plan_total_steps(600, 30, t, eval_every=100, checkpoint_every=200, max_steps=500) == 500
   assert plan_total_steps(60, 55, t, eval_every=100, checkpoint_every=200, max_steps=10**9) < 0
+  t.diagnostics_seconds = 1.5  # every 50 steps: + 0.03 s per step
+  assert plan_total_steps(600, 30, t, eval_every=100, checkpoint_every=200, max_steps=10**9,
+                          diagnostics_every=50) == math.floor(514 / 0.58)
+
+
+def test_out_of_time_guards_the_budget():
+  b = Budget(train_cfg(budget=1.0), t_start=time.time() - 50)
+  assert not b.out_of_time()  # no measurement: nothing to compare against
+  b.timings = Timings(step_seconds=1.0, eval_seconds=2.0, save_seconds=3.0, compile_seconds=0.0)
+  assert not b.out_of_time()  # 50 + 1 + 2 + 3 <= 60
+  b.t_start -= 5
+  assert b.out_of_time()      # 55 + 6 > 60
 
 
 def train_cfg(**kw):

@@ -37,7 +37,7 @@ import numpy as np
 from stablejax.training.config import ConfigError
 
 SAFETY = 0.95          # plan for this fraction of the remaining budget
-TIMED_STEPS = 3        # steps timed after the compiling one
+TIMED_STEPS = 5        # steps timed after the compiling one; the slowest counts
 
 
 class BudgetError(ConfigError):
@@ -50,16 +50,19 @@ class Timings:
   eval_seconds: float      # one evaluation (all eval batches, plus the sample if enabled)
   save_seconds: float      # one checkpoint save, waited for
   compile_seconds: float   # compiling the train and eval steps (paid again once the schedule is fixed)
+  diagnostics_seconds: float = 0.0  # one run of the periodic diagnostics (activations, grad norms)
 
 
 def plan_total_steps(budget_seconds: float, elapsed_seconds: float, t: Timings, *,
                      eval_every: int, checkpoint_every: int, max_steps: int,
-                     safety: float = SAFETY) -> int:
-  """Total steps that fit: start-up + recompile + N x (step + eval/eval_every + save/ckpt_every)
-  + the final eval and save <= safety x budget. Capped at ``max_steps``; may be <= 0."""
+                     diagnostics_every: int = 0, safety: float = SAFETY) -> int:
+  """Total steps that fit: start-up + recompile + N x (step + eval/eval_every + save/ckpt_every
+  + diagnostics/diagnostics_every) + the final eval and save <= safety x budget. Capped at
+  ``max_steps``; may be <= 0."""
   available = (safety * budget_seconds - elapsed_seconds - t.compile_seconds
                - t.eval_seconds - t.save_seconds)
-  per_step = (t.step_seconds + t.eval_seconds / eval_every + t.save_seconds / checkpoint_every)
+  per_step = (t.step_seconds + t.eval_seconds / eval_every + t.save_seconds / checkpoint_every
+              + (t.diagnostics_seconds / diagnostics_every if diagnostics_every else 0.0))
   return int(min(max_steps, math.floor(available / per_step)))
 
 
@@ -119,8 +122,23 @@ def measure(run) -> Timings:
   finally:
     probe.close()
     shutil.rmtree(scratch, ignore_errors=True)
+  diagnostics_seconds = 0.0
+  if _diagnostics_every(run.cfg):
+    tokens = val[0] if val else None
+    if tokens is not None:
+      diagnose = lambda: (run.activation_stats(state.params, tokens, jnp.int32(0)),  # noqa: E731
+                          run.grad_norms(state.params, tokens))
+      first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
+      diagnostics_seconds = _timed(diagnose)
+      compile_seconds += max(0.0, first - diagnostics_seconds)
   del state
-  return Timings(statistics.median(times), eval_seconds, save_seconds, compile_seconds)
+  return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds)
+
+
+def _diagnostics_every(cfg) -> int:
+  """Steps between diagnostics runs (the more frequent of the two kinds; 0 when off)."""
+  every = [n for n in (cfg.logging.activation_every, cfg.logging.histogram_every) if n]
+  return min(every) if every else 0
 
 
 class Budget:
@@ -135,6 +153,7 @@ class Budget:
     self.timings: Optional[Timings] = None
     self.time_to_target: Optional[float] = None
     self.step_to_target: Optional[int] = None
+    self.stopped_at: Optional[int] = None  # step at which out_of_time() ended the run early
 
   @property
   def active(self) -> bool:
@@ -163,7 +182,8 @@ class Budget:
     self.timings = measure(run)
     steps = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
                              eval_every=cfg.train.eval_every,
-                             checkpoint_every=cfg.checkpoint.every, max_steps=cfg.train.steps)
+                             checkpoint_every=cfg.checkpoint.every, max_steps=cfg.train.steps,
+                             diagnostics_every=_diagnostics_every(cfg))
     if steps <= cfg.train.warmup_steps:
       raise BudgetError(
           f"train.time_budget_minutes={self.budget_minutes} leaves time for {max(steps, 0)} steps "
@@ -173,6 +193,16 @@ class Budget:
           f"{cfg.train.warmup_steps}: raise the budget or lower the warmup")
     self.steps = steps
     return steps
+
+  def out_of_time(self) -> bool:
+    """Whether another step, the final eval and the final save would end past the budget (the
+    plan was made for a slower or busier machine than the one measured): the run then stops
+    early, with a warning, and its learning rate does not reach the floor."""
+    if not self.active or self.timings is None:
+      return False
+    t = self.timings
+    return (self.elapsed() + t.step_seconds + t.eval_seconds + t.save_seconds
+            > self.budget_minutes * 60.0)
 
   def describe(self) -> str:
     t = self.timings
@@ -191,6 +221,7 @@ class Budget:
 
   def summary(self) -> dict:
     out = {"time_budget_minutes": self.budget_minutes, "planned_steps": self.steps,
+           "stopped_early_at": self.stopped_at,
            "target_val_loss": self.target, "time_to_target_s": self.time_to_target,
            "step_to_target": self.step_to_target}
     if self.timings is not None:

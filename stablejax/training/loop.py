@@ -137,6 +137,9 @@ class Run:
     steps = self.budget.plan(self)
     if steps is None:
       return
+    if self.custom_tx is not None:
+      self.log.console("warning: train.time_budget_minutes with Run(tx=...): the step count is "
+                       "fixed, but the schedules inside that tx are the caller's")
     if steps != self.cfg.train.steps:
       self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, steps=steps))
       self._build_optimizer()
@@ -254,6 +257,14 @@ class Run:
         self._diagnostics(step)
       if cause is None and is_ckpt:
         self._save(step)
+      if cause is None and step < cfg.train.steps and self.budget.out_of_time():
+        self.log.console(f"warning: step {step}: stopping before the planned {cfg.train.steps} "
+                         f"steps to stay within train.time_budget_minutes (steps ran slower than "
+                         f"measured); the learning rate is not at its floor")
+        self.budget.stopped_at = step
+        if not is_ckpt:
+          self._save(step)
+        break
       if cause is not None:
         if not (cfg.stability.recovery and self.recovery.budget_left):
           exit_code = self._diverged(step, cause)
