@@ -496,7 +496,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
   pool = None
   try:
     if workers > 1:  # started before any tokenizer runs, so no library thread pool is forked
-      pool = multiprocessing.get_context().Pool(workers)
+      pool = _pool_context().Pool(workers)
     tok, tok_spec = _make_tokenizer(tokenizer, bpe_size, inputs, out, opts, eot_token,
                                     bpe_train_bytes, progress, log)
     meta = _tokenize(inputs, out, tok, tok_spec, _dtype_for(tok.vocab_size, dtype), weights,
@@ -520,6 +520,15 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
       f"{meta['vocab_size']} ({meta['dtype']}), {mb:.1f} MB of text in {meta['seconds']:.1f} s "
       f"({mb / max(meta['seconds'], 1e-9):.2f} MB/s)")
   return meta
+
+
+def _pool_context():
+  """fork (cheap) unless this process has started JAX's backends, whose threads must not be
+  forked (prepare() called from a training script or a bench); then spawn."""
+  xla_bridge = sys.modules.get("jax._src.xla_bridge")
+  if xla_bridge is not None and xla_bridge.backends_are_initialized():
+    return multiprocessing.get_context("spawn")
+  return multiprocessing.get_context("fork" if sys.platform == "linux" else None)
 
 
 def _tokenizer_checked(spec: str) -> Optional[int]:
