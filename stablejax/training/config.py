@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from stablejax.training.data import DataConfig
+from stablejax.training.data import DataConfig, prepared_vocab_size
 from stablejax.training.model import ModelConfig
 
 
@@ -37,6 +37,8 @@ class TrainConfig:
   peak_flops_per_device: Optional[float] = None  # for MFU; None: known accelerators, measured on CPU
   lambda_warmup_steps: int = 1000  # model.bitnet: quantisation strength ramps 0 -> 1 over these steps
   lambda_schedule: str = "linear"  # "linear" or "cosine"
+  time_budget_minutes: Optional[float] = None  # fix the step count to end within this (budget.py)
+  target_val_loss: Optional[float] = None      # summary.json: time_to_target_s, step_to_target
 
 
 @dataclasses.dataclass
@@ -115,6 +117,9 @@ class LoggingConfig:
   activation_every: int = 100       # residual-stream RMS/max, logit max, kurtosis (0 disables)
   grad_norm_high: float = 5.0
   grad_norm_critical: float = 10.0
+  sample_every: Optional[int] = None  # steps between printed samples; None: at each eval; 0: off
+  sample_prompt: str = ""             # "" starts a new document
+  sample_tokens: int = 64
 
 
 @dataclasses.dataclass
@@ -232,9 +237,21 @@ def config_from_dict(raw: dict) -> Config:
   """Builds and validates a `Config` from a (possibly partial) nested dict."""
   if not isinstance(raw, dict):
     raise ConfigError("the config must be a JSON object with sections like 'model' and 'train'")
+  _vocab_from_prepared_data(raw)
   cfg = _build(Config, raw)
   validate(cfg)
   return cfg
+
+
+def _vocab_from_prepared_data(raw: dict) -> None:
+  """Without model.vocab_size, a prepared data directory's vocabulary (padded to a multiple of
+  64) sets it; a given one is checked against the data when the run starts."""
+  model, data = raw.get("model", {}), raw.get("data", {})
+  if not isinstance(model, dict) or not isinstance(data, dict) or "vocab_size" in model:
+    return
+  vocab = prepared_vocab_size(data.get("train"))
+  if vocab is not None:
+    raw["model"] = dict(model, vocab_size=-(-vocab // 64) * 64)
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -299,6 +316,11 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len")
   if not 0 <= t.min_lr_ratio <= 1:
     raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
+  if t.time_budget_minutes is not None:
+    _positive("train.time_budget_minutes", t.time_budget_minutes)
+  if cfg.logging.sample_every is not None:
+    _positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
+  _positive("logging.sample_tokens", cfg.logging.sample_tokens)
   if o.name not in ("muon", "adamw"):
     raise ConfigError(f"optimizer.name={o.name!r} is not known: use \"muon\" or \"adamw\"")
   for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate", "head_learning_rate"):

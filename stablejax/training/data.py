@@ -7,6 +7,14 @@ Sources (``DataConfig.train`` / ``DataConfig.val``: one entry or a list):
     recursively, sorted by path): UTF-8 bytes as tokens, vocab 256.
   * a nanoGPT-style ``*.bin`` file: a flat ``uint16`` token array, memory-mapped (never loaded).
     Vocab ``DataConfig.vocab_size`` or 50304 (GPT-2's 50257 padded to a multiple of 64).
+  * a directory written by ``python -m stablejax.prepare`` (it has ``meta.json``): its
+    ``train.bin`` (one source per prepared input, mixed by the input weights in ``meta.json``
+    unless ``weights`` is given) and its ``val.bin`` as the validation set; ``uint16`` or
+    ``uint32`` as ``meta.json`` says, vocabulary ``meta.json``'s ``vocab_size`` (the config sets
+    ``model.vocab_size`` from it, padded to a multiple of 64, unless it is given). Documents were
+    filtered when the directory was prepared, so no filter pass runs here. It must be the only
+    entry of ``train`` and ``val`` must be unset. A directory whose ``meta.json`` is missing or
+    whose files do not have the sizes it records (an unfinished prepare) is an error.
 
 Documents and the filter. A *document* is: one topic of the embedded corpus; for text files,
 consecutive blank-line-separated paragraphs packed up to 64 KiB (so a file of up to 64 KiB is one
@@ -53,6 +61,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -64,6 +73,8 @@ import numpy as np
 from grain.experimental import WindowShuffleMapDataset
 
 EMBEDDED = "pydoc"
+PREPARED_META = "meta.json"         # marks a complete directory written by stablejax.prepare
+PREPARED_FORMAT = "stablejax.prepared/1"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 BIN_SUFFIX = ".bin"
 DEFAULT_BIN_VOCAB = 50304
@@ -84,7 +95,7 @@ class DataError(Exception):
 
 @dataclasses.dataclass
 class DataConfig:
-  train: Union[str, list[str]] = "pydoc"   # "pydoc", a path (text file/folder, .bin) or a list
+  train: Union[str, list[str]] = "pydoc"   # "pydoc", a path (text file/folder, .bin, prepared dir) or a list
   val: Optional[Union[str, list[str]]] = None  # None -> last val_fraction of each train source
   val_fraction: float = 0.05
   weights: Optional[list[float]] = None    # mixing weights of the train sources; None: by size
@@ -307,6 +318,83 @@ def _load(entry: str, cfg: DataConfig, key: str, bin_vocab: int) -> _Source:
   return _load_text_file(path, cfg)
 
 
+def read_prepared(path: str) -> Optional[dict]:
+  """The ``meta.json`` of a prepared directory, checked against its files; None if not one.
+
+  Raises:
+    DataError: the directory has ``meta.json`` but it is unreadable, of another format, or its
+      ``train.bin``/``val.bin`` do not have the sizes it records.
+  """
+  path = os.path.expanduser(os.fspath(path))
+  meta_path = os.path.join(path, PREPARED_META)
+  if not os.path.isdir(path) or not os.path.isfile(meta_path):
+    return None
+  try:
+    with open(meta_path) as f:
+      meta = json.load(f)
+  except (OSError, ValueError) as e:
+    raise DataError(f"{meta_path} is unreadable ({e}): prepare the directory again with "
+                    f"python -m stablejax.prepare") from None
+  if not isinstance(meta, dict) or meta.get("format") != PREPARED_FORMAT:
+    raise DataError(f"{meta_path} is not a stablejax.prepare meta.json (format "
+                    f"{PREPARED_FORMAT}): prepare the directory again")
+  itemsize = np.dtype(meta["dtype"]).itemsize
+  for split in ("train", "val"):
+    file = os.path.join(path, f"{split}.bin")
+    expected = int(meta[f"{split}_tokens"]) * itemsize
+    actual = os.path.getsize(file) if os.path.isfile(file) else None
+    if actual != expected:
+      raise DataError(f"{file} has {actual} bytes but meta.json records {expected}: the prepare "
+                      f"did not finish or the file changed; run python -m stablejax.prepare again")
+  return meta
+
+
+def prepared_vocab_size(entry) -> Optional[int]:
+  """``vocab_size`` of a prepared directory named by a ``data.train`` value, else None.
+
+  Used by the config to set ``model.vocab_size`` when it is not given; any problem is left to
+  ``build_data`` to report.
+  """
+  entries = [entry] if isinstance(entry, str) else entry
+  if not isinstance(entries, list) or len(entries) != 1 or not isinstance(entries[0], str):
+    return None
+  try:
+    meta = read_prepared(entries[0])
+  except (DataError, KeyError, TypeError, ValueError):
+    return None
+  return int(meta["vocab_size"]) if meta else None
+
+
+def _load_prepared(path: str, meta: dict, cfg: DataConfig) -> tuple[list, _Source]:
+  """(train sources, one per prepared input; the validation source) of a prepared directory."""
+  dtype = np.dtype(meta["dtype"])
+  train_tokens = np.memmap(os.path.join(path, "train.bin"), dtype=dtype, mode="r") \
+      if meta["train_tokens"] else np.zeros(0, dtype)
+  val_tokens = np.memmap(os.path.join(path, "val.bin"), dtype=dtype, mode="r") \
+      if meta["val_tokens"] else np.zeros(0, dtype)
+  sources = []
+  for src in meta["sources"]:
+    s, e = src["train_range"]
+    if e > s:
+      stats = dict(name=f"{path}:{src['input']}", kind="prepared", files=1,
+                   documents=src["train_documents"], kept=src["train_documents"],
+                   dropped_repeat=src["dropped_repeat"], dropped_nontext=src["dropped_nontext"],
+                   tokens=e - s, weight=src.get("weight"))
+      sources.append(_Source(stats["name"], "prepared", train_tokens, [(s, e)], stats))
+  if not sources:
+    raise DataError(f"prepared directory {path!r} has no training tokens: prepare it with a "
+                    f"lower --val-fraction")
+  if not meta["val_tokens"]:
+    raise DataError(f"prepared directory {path!r} has no validation tokens: prepare it with a "
+                    f"higher --val-fraction")
+  val_stats = dict(name=os.path.join(path, "val.bin"), kind="prepared", files=1,
+                   documents=meta["val_documents"], kept=meta["val_documents"], dropped_repeat=0,
+                   dropped_nontext=0, tokens=int(meta["val_tokens"]))
+  val = _Source(val_stats["name"], "prepared", val_tokens, [(0, int(meta["val_tokens"]))],
+                val_stats)
+  return sources, val
+
+
 def _split_tail(ranges: list, n_tail: int) -> tuple[list, list]:
   """Splits usable ranges into (head, tail) where the tail holds the last n_tail tokens."""
   head, tail, remaining = list(ranges), [], n_tail
@@ -442,6 +530,43 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int, process_index: int
                     f"tokenizer's vocabulary size")
 
 
+def _prepared_entry(train_entries: list, val_entries: list) -> Optional[tuple[str, dict]]:
+  """(path, meta) when data.train names a prepared directory; checks it stands alone."""
+  found = [(e, m) for e in train_entries for m in [read_prepared(e)] if m is not None]
+  if not found:
+    return None
+  if len(train_entries) != 1:
+    raise DataError("data.train lists a prepared directory with other sources: prepare the "
+                    "corpora together (python -m stablejax.prepare A B --weights ...) and give "
+                    "that one directory")
+  if val_entries:
+    raise DataError(f"data.val is set but data.train={train_entries[0]!r} is a prepared "
+                    f"directory, whose val.bin is the validation set: remove data.val")
+  return found[0]
+
+
+def data_tokenizer(cfg: DataConfig):
+  """The tokenizer of a data config, or None when it cannot be known (plain ``.bin`` files).
+
+  A prepared directory's own tokenizer; byte-level text and ``pydoc`` get the ``bytes``
+  tokenizer whose ``start_ids`` (the prompt of an empty sample) is a blank line instead of the
+  end-of-text id, which those sources never contain.
+  """
+  from stablejax import tokenizer as tokenizer_lib
+  entries = _as_list(cfg.train, "train")
+  if len(entries) == 1:
+    meta = read_prepared(entries[0])
+    if meta is not None:
+      tok = tokenizer_lib.from_meta(meta, os.path.expanduser(entries[0]))
+      tok.start_ids = [tok.eot_id]
+      return tok
+  if any(e != EMBEDDED and e.lower().endswith(BIN_SUFFIX) for e in entries):
+    return None
+  tok = tokenizer_lib.BytesTokenizer()
+  tok.start_ids = list(b"\n\n")
+  return tok
+
+
 def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
                process_index: int = 0, process_count: int = 1) -> Data:
   """Loads, filters and splits the sources and builds the seeded window pipeline.
@@ -469,6 +594,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
     raise DataError("data.train is empty: give a path or \"pydoc\"")
   val_entries = _as_list(cfg.val, "val")
   all_entries = train_entries + val_entries
+  prepared = _prepared_entry(train_entries, val_entries)
   bin_vocab = cfg.vocab_size or DEFAULT_BIN_VOCAB
   is_bin = [e != EMBEDDED and not os.path.isdir(os.path.expanduser(e))
             and e.lower().endswith(BIN_SUFFIX) for e in all_entries]
@@ -476,14 +602,25 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
     raise DataError("data mixes .bin token files with byte-level text sources, whose token ids "
                     "mean different things: use only one kind")
   vocab_size = bin_vocab if any(is_bin) else (cfg.vocab_size or 256)
-  if not any(is_bin) and vocab_size < 256:
+  if not any(is_bin) and not prepared and vocab_size < 256:
     raise DataError(f"data.vocab_size={vocab_size} is below 256, too small for byte-level text: "
                     f"use 0 (automatic) or >= 256")
 
-  train = [_load(e, cfg, "train", bin_vocab) for e in train_entries]
+  prepared_val = None
+  if prepared:
+    path, meta = prepared
+    vocab_size = int(meta["vocab_size"])
+    if cfg.vocab_size and cfg.vocab_size < vocab_size:
+      raise DataError(f"data.vocab_size={cfg.vocab_size} is below the prepared vocabulary "
+                      f"{vocab_size} of {path!r}: use 0 (automatic)")
+    train, prepared_val = _load_prepared(path, meta, cfg)
+  else:
+    train = [_load(e, cfg, "train", bin_vocab) for e in train_entries]
   train_ranges, val_ranges = [], []
   for src in train:
-    if cfg.val is None:
+    if prepared_val is not None:
+      train_ranges.append(src.ranges)
+    elif cfg.val is None:
       n_val = max(window, math.ceil(src.usable * cfg.val_fraction))
       if src.usable - n_val < window:
         raise DataError(f"data source {src.name!r} has {src.usable} usable tokens, too few to "
@@ -494,7 +631,9 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
       val_ranges.append((src, tail))
     else:
       train_ranges.append(src.ranges)
-  if cfg.val is not None:
+  if prepared_val is not None:
+    val_ranges = [(prepared_val, prepared_val.ranges)]
+  elif cfg.val is not None:
     val_ranges = [(s, s.ranges) for s in (_load(e, cfg, "val", bin_vocab) for e in val_entries)]
 
   train_readers = []
@@ -515,7 +654,9 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
     val_readers.append(reader)
 
   sizes = [sum(e - s for s, e in r) for r in train_ranges]
-  if cfg.weights is None:
+  if cfg.weights is None and prepared_val is not None:
+    weights = [float(src.stats["weight"] or size) for src, size in zip(train, sizes)]
+  elif cfg.weights is None:
     weights = [float(s) for s in sizes]
   else:
     weights = [float(w) for w in cfg.weights]
@@ -552,12 +693,13 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
   source_stats = []
   for i, src in enumerate(train):
     st = dict(src.stats, train_tokens=sizes[i], weight=weights[i] / total_w)
-    if cfg.val is None:
+    if cfg.val is None and prepared_val is None:
       st["val_tokens"] = sum(e - s for s, e in val_ranges[i][1])
     source_stats.append(st)
+  separate_val = cfg.val is not None or prepared_val is not None
   stats = dict(
       sources=source_stats,
-      val_sources=([dict(s.stats) for s, _ in val_ranges] if cfg.val is not None else []),
+      val_sources=([dict(s.stats) for s, _ in val_ranges] if separate_val else []),
       train_tokens=int(sum(sizes)),
       val_tokens=int(sum(sum(e - s for s, e in r) for _, r in val_ranges)),
       weights=[w / total_w for w in weights],

@@ -30,9 +30,11 @@ import stablejax
 from stablejax.model_utils import excess_kurtosis, lambda_warmup
 from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
+from stablejax.training.budget import Budget, peak_memory
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
-from stablejax.training.data import build_data, garbage_batch
+from stablejax.training.data import build_data, data_tokenizer, garbage_batch
+from stablejax.training.generate import EvalSampler
 from stablejax.training.logger import RunLogger
 from stablejax.training.model import GPT, count_params, model_flops_per_token
 from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
@@ -111,13 +113,13 @@ class Run:
     self.mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
     self.model = GPT(cfg.model)
-    self.main_tx = main_optimizer(cfg) if tx is None else None
-    self.tx = build_optimizer(cfg, self.main_tx) if tx is None else tx
-    # Logged as "lr": the main learning rate (Muon's, or AdamW's) with the recovery's backoff.
-    self.schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
+    self.custom_tx = tx
+    self._build_optimizer()
     self.bitnet_lambda = None
     if cfg.model.bitnet:
       self.bitnet_lambda = lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
+    self.budget = Budget(cfg.train, self.t_start)
+    self.sampler = self._make_sampler()
 
     self.log = RunLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
     self.recovery = Recovery(cfg.stability)
@@ -130,6 +132,42 @@ class Run:
     self.stop_signal: Optional[int] = None
 
   # ------------------------------------------------------------------ setup
+
+  def _build_optimizer(self) -> None:
+    cfg, tx = self.cfg, self.custom_tx
+    self.main_tx = main_optimizer(cfg) if tx is None else None
+    self.tx = build_optimizer(cfg, self.main_tx) if tx is None else tx
+    # Logged as "lr": the main learning rate (Muon's, or AdamW's) with the recovery's backoff.
+    self.schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
+
+  def _apply_budget(self) -> None:
+    """train.time_budget_minutes: fix the step count and lay the schedule over it (budget.py)."""
+    steps = self.budget.plan(self)
+    if steps is None:
+      return
+    if self.custom_tx is not None:
+      self.log.console("warning: train.time_budget_minutes with Run(tx=...): the step count is "
+                       "fixed, but the schedules inside that tx are the caller's")
+    if steps != self.cfg.train.steps:
+      self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, steps=steps))
+      self._build_optimizer()
+      self._compile()
+    self.log.console(self.budget.describe())
+
+  def _make_sampler(self) -> Optional[EvalSampler]:
+    """The sample printed at evals (logging.sample_*); None when off or the tokenizer is unknown."""
+    lg = self.cfg.logging
+    if lg.sample_every == 0 or jax.process_count() > 1:
+      return None
+    try:
+      tok = data_tokenizer(self.cfg.data)
+    except ValueError as e:  # e.g. tiktoken's files not cached: train anyway, without samples
+      self.log.console(f"warning: no samples at evals: {e}")
+      return None
+    if tok is None:
+      return None
+    return EvalSampler(self.cfg.model, tok, lg.sample_prompt, lg.sample_tokens,
+                       self.cfg.train.seed, self.bitnet_lambda)
 
   def _init_state(self, rng) -> TrainState:
     tokens = jnp.zeros((1, self.cfg.train.seq_len), jnp.int32)
@@ -196,6 +234,9 @@ class Run:
     if meta.get("monitor"):
       self.monitor.load_state_dict(meta["monitor"])
     step = int(meta.get("step", 0))
+    self.budget.load_state_dict(meta)
+    self._apply_budget()
+    cfg = self.cfg
     if step == 0 and not self.checkpoints.all_steps():
       self._save(0)  # the initial state is good by definition: a rollback target from the start
     self._banner(step)
@@ -244,6 +285,14 @@ class Run:
                            "cause": "train loss elevated"})
         else:
           self._save(step)
+      if cause is None and is_log and step < cfg.train.steps and self._out_of_time():
+        self.log.console(f"warning: step {step}: stopping before the planned {cfg.train.steps} "
+                         f"steps to stay within train.time_budget_minutes (steps ran slower than "
+                         f"measured); the learning rate is not at its floor")
+        self.budget.stopped_at = step
+        if not is_ckpt and self.recovery.healthy():
+          self._save(step)
+        break
       if cause is not None:
         if not (cfg.stability.recovery and self.recovery.budget_left):
           exit_code = self._diverged(step, cause)
@@ -319,9 +368,21 @@ class Run:
     record = {"step": step, "val_loss": val_loss}
     self.log.record(record, stablejax.tensorboard_scalars(record))
     self.log.console(f"step {step}: val_loss {val_loss:.4f}" + (" (final)" if final else ""))
+    if self.budget.check_target(step, val_loss):
+      self.log.console(f"step {step}: val_loss below the target {self.budget.target} after "
+                       f"{self.budget.time_to_target:.0f} s")
+    self._sample(step, final)
     if final or not self.cfg.stability.recovery:
       return None
     return self._agree(self.recovery.check_val(val_loss))
+
+  def _sample(self, step: int, final: bool) -> None:
+    every = self.cfg.logging.sample_every
+    if self.sampler is None or not (final or every is None or step % every == 0):
+      return
+    text = self.sampler(self.state.params, step)
+    self.log.console(f"step {step}: sample {json.dumps(text, ensure_ascii=False)}")
+    self.log.text("samples", f"```\n{text}\n```", step)
 
   def _diagnostics_due(self, step: int) -> bool:
     every = self.cfg.logging
@@ -398,7 +459,7 @@ class Run:
     return {"step": step, "batches_consumed": self.batches_consumed,
             "abandoned_skips": self.abandoned_skips,
             "recovery": self.recovery.state_dict(), "monitor": self.monitor.state_dict(),
-            "good": True}
+            **self.budget.state_dict(), "good": True}
 
   def _save(self, step: int) -> None:
     self.checkpoints.save(step, self.state, self.train_iter, self._meta(step))
@@ -530,6 +591,10 @@ class Run:
       cause = "a rollback trigger on another process"
     return cause
 
+  def _out_of_time(self) -> bool:
+    """The time budget's early stop; processes read their own clocks, so they agree on it."""
+    return distributed.agree_any(self.budget.out_of_time())
+
   def _stop_requested(self) -> bool:
     if jax.process_count() == 1:
       return self.stop_signal is not None
@@ -562,8 +627,11 @@ class Run:
         "stability_score": self.monitor.score(),
         "excess_kurtosis": getattr(self, "last_kurtosis", None),
         "wall_seconds": wall,
+        "total_wall_seconds": self.budget.elapsed(),
         "exit_code": exit_code,
         "events": [e.describe() for e in self.recovery.events],
+        **self.budget.summary(),
+        **peak_memory(),
     }
     if self.is_main:
       text = json.dumps(summary, indent=2, default=float)

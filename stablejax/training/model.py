@@ -160,13 +160,23 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.compute_dtype)
 
 
-def _rope(x, theta: float):
-  """Rotary position embedding (rotate-half form) on ``[B, T, H, hd]``; computed in float32."""
+def _rope(x, theta: float, offset=None):
+  """Rotary position embedding (rotate-half form) on ``[B, T, H, hd]``; computed in float32.
+
+  ``offset`` (a traced int32, decoding only) shifts the positions to ``offset .. offset + T - 1``;
+  without it the angles are numpy constants, as in training.
+  """
   t, hd = x.shape[1], x.shape[-1]
   inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
-  angles = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]      # [T, hd/2]
-  cos = jnp.asarray(np.cos(angles))[None, :, None, :]
-  sin = jnp.asarray(np.sin(angles))[None, :, None, :]
+  if offset is None:
+    angles = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]      # [T, hd/2]
+    cos = jnp.asarray(np.cos(angles))[None, :, None, :]
+    sin = jnp.asarray(np.sin(angles))[None, :, None, :]
+  else:
+    positions = (offset + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)
+    angles = positions[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = jnp.cos(angles)[None, :, None, :]
+    sin = jnp.sin(angles)[None, :, None, :]
   x32 = x.astype(jnp.float32)
   x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -189,7 +199,10 @@ def _f32_accum_dtype(dtype):
 
 
 class Attention(nn.Module):
+  """Causal self-attention; with ``decode`` it reads and appends to a KV cache (``"cache"``
+  collection: ``k``, ``v`` of shape ``[B, max_seq_len, H, hd]`` and the next position ``index``)."""
   config: ModelConfig
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x, lam):
@@ -207,12 +220,33 @@ class Attention(nn.Module):
       single = cfg.norm == "ssnorm"
       q = RMSNorm(cdt, pdt, single_scale=single, name="q_norm")(q)
       k = RMSNorm(cdt, pdt, single_scale=single, name="k_norm")(k)
-    q = _rope(q, cfg.rope_theta)
-    k = _rope(k, cfg.rope_theta)
     adt = _f32_accum_dtype(cdt)
-    y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True)
+    if self.decode:
+      y = self._cached_attention(q, k, v, adt)
+    else:
+      q = _rope(q, cfg.rope_theta)
+      k = _rope(k, cfg.rope_theta)
+      y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True)
     y = y.astype(cdt)
     return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
+
+  def _cached_attention(self, q, k, v, adt):
+    """Writes this call's keys/values at positions ``index ..`` and attends over the cache."""
+    cfg = self.config
+    b, t, h, hd = q.shape
+    shape = (b, cfg.max_seq_len, h, hd)
+    cached_k = self.variable("cache", "k", jnp.zeros, shape, adt)
+    cached_v = self.variable("cache", "v", jnp.zeros, shape, adt)
+    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    pos = index.value
+    q = _rope(q, cfg.rope_theta, pos)
+    k = _rope(k, cfg.rope_theta, pos)
+    keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(adt), (0, pos, 0, 0))
+    values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(adt), (0, pos, 0, 0))
+    cached_k.value, cached_v.value, index.value = keys, values, pos + t
+    # Query i (position pos + i) sees cache positions <= pos + i; later slots are stale or empty.
+    mask = jnp.arange(cfg.max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
+    return jax.nn.dot_product_attention(q.astype(adt), keys, values, mask=mask[None, None])
 
 
 class MLP(nn.Module):
@@ -235,6 +269,7 @@ class Block(nn.Module):
   """One transformer block; returns ``(x, y)`` so it can be scanned (y: residual or None)."""
   config: ModelConfig
   collect: bool = False
+  decode: bool = False
 
   @nn.compact
   def __call__(self, x, lam):
@@ -243,7 +278,7 @@ class Block(nn.Module):
     single = cfg.norm == "ssnorm"
     attn_norm = RMSNorm(cdt, pdt, single_scale=single, name="attn_norm")
     mlp_norm = RMSNorm(cdt, pdt, single_scale=single, name="mlp_norm")
-    attn = Attention(cfg, name="attn")
+    attn = Attention(cfg, decode=self.decode, name="attn")
     mlp = MLP(cfg, name="mlp")
     if cfg.post_ln:
       x = attn_norm(x + attn(x, lam))
@@ -259,11 +294,15 @@ class GPT(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, *, bitnet_lambda=None, return_activations=False):
+  def __call__(self, tokens, *, bitnet_lambda=None, return_activations=False, decode=False):
     """Runs the model.
 
     Args:
       tokens: int32 ``[B, T]`` with ``T <= max_seq_len``.
+      decode: incremental decoding with a KV cache (``stablejax.training.generate``): apply with
+        ``mutable=["cache"]``; the first call creates the cache and processes a prompt at
+        positions ``0 .. T-1``, each later call (with the returned ``"cache"``) continues at the
+        next position. Parameters and outputs are those of the normal call.
       bitnet_lambda: BitNet mixing weight in [0, 1] (a scalar, may be traced); ``None`` means 1.0
         (fully quantised). Ignored unless ``config.bitnet``.
       return_activations: also return ``{"residual": float32 [n_layers + 1, B, T, D]}``, the
@@ -294,17 +333,20 @@ class GPT(nn.Module):
     residuals = [x.astype(jnp.float32)] if return_activations else None
 
     block_cls = Block
-    if cfg.remat:
+    if cfg.remat and not decode:
       block_cls = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+    block_args = dict(collect=return_activations, decode=True) if decode else \
+        dict(collect=return_activations)
     if cfg.scan_layers:
-      scanned = nn.scan(block_cls, variable_axes={"params": 0}, split_rngs={"params": True},
+      axes = {"params": 0, "cache": 0} if decode else {"params": 0}
+      scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
                         in_axes=nn.broadcast, length=cfg.n_layers)
-      x, ys = scanned(cfg, collect=return_activations, name="blocks")(x, lam)
+      x, ys = scanned(cfg, **block_args, name="blocks")(x, lam)
       if return_activations:
         residuals = jnp.concatenate([residuals[0][None], ys], axis=0)
     else:
       for i in range(cfg.n_layers):
-        x, y = block_cls(cfg, collect=return_activations, name=f"block_{i}")(x, lam)
+        x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, lam)
         if return_activations:
           residuals.append(y)
       if return_activations:

@@ -1,0 +1,709 @@
+"""Prepare a corpus for the trainer: documents -> tokens -> ``train.bin``, ``val.bin``, ``meta.json``.
+
+    python -m stablejax.prepare INPUT... --out DIR --tokenizer T [--weights W...] [--workers N]
+
+After nanoGPT's ``data/openwebtext/prepare.py``, as a tool. Then ``python train.py --set
+data.train=DIR`` trains on it and ``python -m stablejax.sample RUN_DIR`` samples with its tokenizer.
+
+INPUT (several mix; ``--weights`` gives their sampling weights, default: their token counts):
+  * a text file (any name; ``.gz`` is read compressed): documents are separated by the string
+    ``<|endoftext|>`` (the convention of OpenWebText and TinyStories text dumps; change with
+    ``--separator``); a file without it is one document;
+  * ``.jsonl`` / ``.json`` (JSON Lines, or one JSON array of objects): one document per record,
+    its ``--text-field`` (default ``text``);
+  * ``.parquet``: one document per row of the ``--text-field`` column, read a batch at a time;
+  * a folder: every such file in it, recursively, in sorted order;
+  * ``pydoc``: the embedded corpus (Python's documentation topics, one document each);
+  * ``hf:NAME[:CONFIG]``: a Hugging Face dataset through ``datasets.load_dataset(NAME, CONFIG,
+    split=--hf-split, streaming=True)``; NAME may be a hub name or a local folder of
+    JSON/Parquet/CSV files (the library's own idiom for local data).
+
+T: ``bytes``, ``gpt2``, a ``tokenizer.json`` path, or ``bpe:N`` (a byte-level BPE of vocabulary
+N trained here with Hugging Face ``tokenizers`` on the training split of all inputs, saved as
+``DIR/tokenizer.json``). See ``stablejax.tokenizer``.
+
+Output: every document's tokens followed by the end-of-text id, in ``DIR/train.bin`` or
+``DIR/val.bin`` (flat ``uint16`` arrays when the vocabulary fits, else ``uint32``), and
+``DIR/meta.json`` (tokenizer, vocab_size, eot_id, dtype, token and document counts per split and
+per source with each source's token range, weights, the split rule, the filter, the request).
+A document goes to validation when the first 8 bytes of the BLAKE2b hash of its UTF-8 text,
+read as a little-endian integer, fall below ``--val-fraction`` x 2^64: deterministic, independent
+of order and worker count, and duplicates land on the same side. Documents are filtered like the
+trainer's text (``--filter-max-repeat``, ``--filter-max-nontext``; counts in meta.json).
+
+Streaming: documents are read, tokenized in ``--workers`` processes (1: in this process) and
+appended to the output a batch at a time, with a bounded number of batches in flight, so memory
+does not grow with the corpus (one document is held whole while it is tokenized). Files are
+written as ``*.partial`` and renamed when complete, ``meta.json`` last: the trainer accepts a
+directory only with a ``meta.json`` whose token counts match the files, so an interrupted prepare
+never leaves data it would train on. A complete directory prepared with the same request is not
+redone; one prepared differently is an error unless ``--force``.
+
+Exit codes: 0 done (or already done); 2 bad input (missing or empty file, unknown field,
+unreadable Parquet, unknown or unavailable tokenizer, vocabulary too large for the dtype, a
+directory holding another corpus); 130 interrupted (partial files removed).
+
+Example::
+
+    python -m stablejax.prepare pydoc --out data/pydoc_bpe --tokenizer bpe:2048 --val-fraction 0.05
+    python -m stablejax.prepare owt_train.txt --out data/owt --tokenizer bpe:32000 --workers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import gzip
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import numpy as np
+from tqdm import tqdm
+
+from stablejax import tokenizer as tokenizer_lib
+from stablejax.training.data import (EMBEDDED, PREPARED_FORMAT, PREPARED_META, DataError,
+                                     _max_run, _nontext_fraction, read_prepared)
+
+TEXT_FIELD = "text"
+SEPARATOR = tokenizer_lib.EOT_TEXT
+JSON_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
+PARQUET_SUFFIXES = (".parquet",)
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".txt.gz")
+BATCH_BYTES = 1 << 20          # documents per task: about this much text
+BATCH_DOCS = 4096
+PARTIAL = ".partial"
+
+
+class PrepareError(Exception):
+  """Bad input; the message is one line naming the problem and the fix."""
+
+
+@dataclasses.dataclass
+class Options:
+  text_field: str = TEXT_FIELD
+  separator: str = SEPARATOR
+  hf_split: str = "train"
+  val_fraction: float = 0.005
+  filter_max_repeat: int = 256
+  filter_max_nontext: float = 0.3
+
+
+# ----------------------------------------------------------------------------- documents
+
+
+def _need(module: str, what: str):
+  try:
+    return __import__(module)
+  except ImportError:
+    raise PrepareError(f"{what} needs the {module} package: pip install 'stablejax[data]'"
+                       ) from None
+
+
+def _open(path: Path, mode: str = "rb"):
+  return gzip.open(path, mode) if path.name.endswith(".gz") else open(path, mode)
+
+
+def _text_documents(path: Path, opts: Options) -> Iterator[bytes]:
+  """Documents of a text file, split on the separator while streaming 1 MiB blocks."""
+  sep = opts.separator.encode("utf-8")
+  pending: list[bytes] = []
+  with _open(path) as f:
+    while True:
+      block = f.read(1 << 20)
+      if not block:
+        break
+      tail = pending[-1][1 - len(sep):] if pending else b""
+      pending.append(block)
+      if sep not in tail + block:  # no separator ends in this block: keep reading
+        continue
+      parts = b"".join(pending).split(sep)
+      pending = [parts.pop()]
+      yield from parts
+  yield b"".join(pending)
+
+
+def _record_text(record: Any, opts: Options, where: str) -> Optional[str]:
+  if not isinstance(record, dict):
+    raise PrepareError(f"{where}: expected a JSON object with a {opts.text_field!r} field, got "
+                       f"{type(record).__name__}: give JSON Lines of objects")
+  if opts.text_field not in record:
+    keys = ", ".join(list(record)[:10])
+    raise PrepareError(f"{where}: no field {opts.text_field!r} (fields: {keys}): pass "
+                       f"--text-field with one of them")
+  value = record[opts.text_field]
+  if value is None:
+    return None
+  if not isinstance(value, str):
+    raise PrepareError(f"{where}: field {opts.text_field!r} holds {type(value).__name__}, not "
+                       f"text: pass --text-field naming a text field")
+  return value
+
+
+def _json_documents(path: Path, opts: Options) -> Iterator[str]:
+  with _open(path) as f:
+    head = f.read(4096).lstrip()
+  if head.startswith(b"["):  # one JSON array: read whole (JSON Lines is the streaming format)
+    try:
+      with _open(path) as f:
+        records = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise PrepareError(f"{path}: not valid JSON ({e}): fix the file or convert it to JSON "
+                         f"Lines") from None
+    for i, record in enumerate(records):
+      text = _record_text(record, opts, f"{path} record {i}")
+      if text is not None:
+        yield text
+    return
+  with _open(path) as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PrepareError(f"{path}:{lineno}: not a JSON object ({e}): fix the line or remove "
+                           f"it") from None
+      text = _record_text(record, opts, f"{path}:{lineno}")
+      if text is not None:
+        yield text
+
+
+def _parquet_documents(path: Path, opts: Options) -> Iterator[str]:
+  _need("pyarrow", "reading .parquet files")
+  import pyarrow.parquet as pq
+  try:
+    pf = pq.ParquetFile(path)
+  except Exception as e:  # noqa: BLE001 - ArrowInvalid, OSError, ...
+    raise PrepareError(f"{path}: unreadable Parquet file ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:160]}): check the file") from None
+  names = pf.schema_arrow.names
+  if opts.text_field not in names:
+    raise PrepareError(f"{path}: no column {opts.text_field!r} (columns: {', '.join(names[:10])}): "
+                       f"pass --text-field with one of them")
+  try:
+    for batch in pf.iter_batches(batch_size=1024, columns=[opts.text_field]):
+      for value in batch.column(0).to_pylist():
+        if value is not None:
+          if not isinstance(value, str):
+            raise PrepareError(f"{path}: column {opts.text_field!r} holds "
+                               f"{type(value).__name__}, not text: pass --text-field naming a "
+                               f"text column")
+          yield value
+  except PrepareError:
+    raise
+  except Exception as e:  # noqa: BLE001
+    raise PrepareError(f"{path}: unreadable Parquet data ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0][:160]}): check the file") from None
+
+
+def _hf_documents(spec: str, opts: Options) -> Iterator[str]:
+  datasets = _need("datasets", f"{spec!r}")
+  name, _, config = spec[3:].partition(":")
+  try:
+    ds = datasets.load_dataset(name, config or None, split=opts.hf_split, streaming=True)
+    features = getattr(ds, "features", None)
+    if features is not None and opts.text_field not in features:
+      raise PrepareError(f"{spec}: no field {opts.text_field!r} (fields: "
+                         f"{', '.join(list(features)[:10])}): pass --text-field with one of them")
+    for i, record in enumerate(ds):
+      text = _record_text(record, opts, f"{spec} record {i}")
+      if text is not None:
+        yield text
+  except PrepareError:
+    raise
+  except Exception as e:  # noqa: BLE001 - network, hub and format errors all end here
+    first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+    raise PrepareError(f"cannot load Hugging Face dataset {spec[3:]!r} ({type(e).__name__}: "
+                       f"{first}): check the name and config, the network, or give local files"
+                       ) from None
+
+
+def _kind(path: Path) -> str:
+  name = path.name.lower()
+  if name.endswith(JSON_SUFFIXES):
+    return "json"
+  if name.endswith(PARQUET_SUFFIXES):
+    return "parquet"
+  return "text"
+
+
+def _folder_files(path: Path) -> list[Path]:
+  found = []
+  for root, dirs, names in os.walk(path):
+    dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    for n in sorted(names):
+      if not n.startswith(".") and n.lower().endswith(JSON_SUFFIXES + PARQUET_SUFFIXES
+                                                      + TEXT_SUFFIXES):
+        found.append(Path(root) / n)
+  return found
+
+
+def input_files(entry: str) -> list[Path]:
+  """The files an INPUT names ([] for ``pydoc`` and ``hf:``); checks they exist and hold data."""
+  if entry == EMBEDDED or entry.startswith("hf:"):
+    return []
+  path = Path(entry).expanduser()
+  if not path.exists():
+    raise PrepareError(f"input {entry!r} does not exist: give a text, .jsonl, .json or .parquet "
+                       f"file, a folder of them, \"pydoc\" or hf:NAME")
+  if path.is_dir():
+    files = _folder_files(path)
+    if not files:
+      raise PrepareError(f"input folder {entry!r} has no .txt/.jsonl/.json/.parquet files: add "
+                         f"some or name the files directly")
+  else:
+    files = [path]
+  for f in files:
+    try:
+      size = f.stat().st_size
+      with open(f, "rb"):
+        pass
+    except OSError as e:
+      raise PrepareError(f"cannot read input {str(f)!r} ({e.strerror or e}): check its "
+                         f"permissions") from None
+    if size == 0:
+      raise PrepareError(f"input file {str(f)!r} is empty: remove it or give a file with text")
+  return files
+
+
+def iter_documents(entry: str, opts: Options) -> Iterator[str | bytes]:
+  """The documents of one INPUT, streamed: ``str`` (JSON, Parquet, datasets) or ``bytes`` (text)."""
+  if entry == EMBEDDED:
+    from pydoc_data.topics import topics
+    for key in sorted(topics):
+      yield topics[key]
+    return
+  if entry.startswith("hf:"):
+    yield from _hf_documents(entry, opts)
+    return
+  for path in input_files(entry):
+    kind = _kind(path)
+    if kind == "json":
+      yield from _json_documents(path, opts)
+    elif kind == "parquet":
+      yield from _parquet_documents(path, opts)
+    else:
+      yield from _text_documents(path, opts)
+
+
+# ----------------------------------------------------------------------------- per document
+
+
+def _as_text(doc: str | bytes) -> tuple[str, bytes]:
+  if isinstance(doc, bytes):
+    raw = doc.strip()
+    return raw.decode("utf-8", "replace"), raw
+  text = doc.strip()
+  try:
+    return text, text.encode("utf-8")
+  except UnicodeEncodeError:  # lone surrogates from JSON escapes
+    raw = text.encode("utf-8", "replace")
+    return raw.decode("utf-8"), raw
+
+
+def is_val(raw: bytes, val_fraction: float) -> bool:
+  """The split rule: BLAKE2b-64 of the document's UTF-8 bytes below val_fraction x 2^64."""
+  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
+  return h < val_fraction * 2.0**64
+
+
+def _classify(raw: bytes, opts: Options) -> str:
+  """'empty', 'repeat', 'nontext', 'train' or 'val' for one document."""
+  if not raw:
+    return "empty"
+  if opts.filter_max_repeat > 0 and _max_run(np.frombuffer(raw, np.uint8)) > opts.filter_max_repeat:
+    return "repeat"
+  if opts.filter_max_nontext < 1.0 and _nontext_fraction(raw) > opts.filter_max_nontext:
+    return "nontext"
+  return "val" if is_val(raw, opts.val_fraction) else "train"
+
+
+_WORKER_TOKENIZER: dict = {}
+
+
+def _load_tokenizer(spec: tuple):
+  if spec not in _WORKER_TOKENIZER:
+    kind, arg, eot = spec
+    tok = tokenizer_lib.HFTokenizer(arg, eot) if kind == "file" else \
+        tokenizer_lib.get_tokenizer(arg, eot)
+    _WORKER_TOKENIZER.clear()
+    _WORKER_TOKENIZER[spec] = tok
+  return _WORKER_TOKENIZER[spec]
+
+
+def encode_batch(task: tuple) -> dict:
+  """Filters, splits and tokenizes one batch of documents (runs in a worker process)."""
+  docs, tok_spec, opts, dtype = task
+  tok = _load_tokenizer(tok_spec)
+  counts = collections.Counter()
+  texts = {"train": [], "val": []}
+  for doc in docs:
+    text, raw = _as_text(doc)
+    counts["bytes"] += len(raw)
+    label = _classify(raw, opts)
+    counts[label] += 1
+    if label in texts:
+      texts[label].append(text)
+      counts[f"{label}_bytes"] += len(raw)
+  out = {"counts": counts}
+  for split, batch in texts.items():
+    ids = tok.encode_batch(batch) if batch else []
+    lengths = [len(x) + 1 for x in ids]
+    arr = np.empty(sum(lengths), dtype)
+    pos = 0
+    for x, n in zip(ids, lengths):
+      arr[pos:pos + n - 1] = x
+      arr[pos + n - 1] = tok.eot_id
+      pos += n
+    out[split] = arr
+  return out
+
+
+def _batches(docs: Iterator, extra: tuple) -> Iterator[tuple]:
+  batch, size = [], 0
+  for doc in docs:
+    batch.append(doc)
+    size += len(doc)
+    if size >= BATCH_BYTES or len(batch) >= BATCH_DOCS:
+      yield (batch, *extra)
+      batch, size = [], 0
+  if batch:
+    yield (batch, *extra)
+
+
+def _ordered_map(pool, fn, tasks: Iterator, inflight: int) -> Iterator:
+  """``pool.imap`` with back-pressure: at most ``inflight`` tasks read ahead (imap reads the
+  whole input at once, which for a 40 GB corpus means 40 GB in memory)."""
+  if pool is None:
+    for task in tasks:
+      yield fn(task)
+    return
+  queue = collections.deque()
+  for task in tasks:
+    queue.append(pool.apply_async(fn, (task,)))
+    if len(queue) >= inflight:
+      yield queue.popleft().get()
+  while queue:
+    yield queue.popleft().get()
+
+
+# ----------------------------------------------------------------------------- the directory
+
+
+def _describe_input(entry: str) -> dict:
+  if entry == EMBEDDED or entry.startswith("hf:"):
+    return {"input": entry}
+  files = input_files(entry)
+  return {"input": str(Path(entry).expanduser().resolve()), "files": len(files),
+          "bytes": sum(f.stat().st_size for f in files),
+          "mtime_ns": max(f.stat().st_mtime_ns for f in files)}
+
+
+def _outputs(out: Path) -> list[Path]:
+  return [out / n for n in ("train.bin", "val.bin", "tokenizer.json", PREPARED_META)]
+
+
+def _remove_partials(out: Path) -> None:
+  for path in _outputs(out):
+    Path(str(path) + PARTIAL).unlink(missing_ok=True)
+
+
+def _dtype_for(vocab_size: int, requested: str) -> str:
+  fits16 = vocab_size <= 1 << 16
+  if requested == "auto":
+    return "uint16" if fits16 else "uint32"
+  if requested == "uint16" and not fits16:
+    raise PrepareError(f"--dtype uint16 cannot hold a vocabulary of {vocab_size} (ids up to "
+                       f"65535): use --dtype uint32 or auto")
+  return requested
+
+
+def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
+            weights: Optional[Sequence[float]] = None, workers: int = 1, dtype: str = "auto",
+            opts: Options = Options(), eot_token: Optional[str] = None,
+            bpe_train_bytes: Optional[int] = None, force: bool = False,
+            progress: bool = True, log=print) -> dict:
+  """Prepares ``inputs`` into ``out``; returns the written (or existing) ``meta.json`` as a dict.
+
+  Args:
+    inputs: INPUT entries (see the module docstring).
+    out: the output directory.
+    tokenizer: ``bytes``, ``gpt2``, a tokenizer.json path or ``bpe:N``.
+    weights: mixing weight per input (default: token counts, i.e. plain concatenation).
+    workers: tokenizing processes (1: in this process).
+    dtype: ``auto``, ``uint16`` or ``uint32``.
+    opts: document options (text field, separator, split, filter).
+    eot_token: end-of-text token name of a tokenizer.json (default: the first known name).
+    bpe_train_bytes: ``bpe:N`` trains on at most this many bytes of training documents.
+    force: redo a directory that holds a corpus prepared with a different request.
+    progress: tqdm bars.
+    log: one-line messages.
+
+  Raises:
+    PrepareError: bad input (the message is one line naming the problem and the fix).
+  """
+  t0 = time.time()
+  inputs = list(inputs)
+  if not inputs:
+    raise PrepareError("no INPUT given: name text/JSONL/Parquet files or folders, pydoc, or hf:NAME")
+  if not 0.0 <= opts.val_fraction < 1.0:
+    raise PrepareError(f"--val-fraction {opts.val_fraction} is outside [0, 1): use e.g. 0.005")
+  if workers < 1:
+    raise PrepareError(f"--workers {workers} must be at least 1")
+  if weights is not None:
+    weights = [float(w) for w in weights]
+    if len(weights) != len(inputs):
+      raise PrepareError(f"--weights has {len(weights)} values for {len(inputs)} inputs: give one "
+                         f"weight per input")
+    if not all(np.isfinite(w) and w > 0 for w in weights):
+      raise PrepareError(f"--weights {weights} has a non-positive entry: give positive numbers")
+  if opts.text_field == "":
+    raise PrepareError("--text-field is empty: name the field that holds the text")
+  bpe_size = _tokenizer_checked(tokenizer)
+  out = Path(out)
+
+  request = {"inputs": [_describe_input(e) for e in inputs], "tokenizer": tokenizer,
+             "tokenizer_sha256": (hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
+                                  if bpe_size is None and Path(tokenizer).is_file() else None),
+             "eot_token": eot_token, "weights": weights, "dtype": dtype,
+             "options": dataclasses.asdict(opts), "bpe_train_bytes": bpe_train_bytes}
+  request = json.loads(json.dumps(request))
+  try:
+    existing = read_prepared(out)
+  except DataError:
+    existing = None  # an incomplete or damaged directory is simply redone
+  if existing is not None:
+    if existing.get("request") == request:
+      log(f"{out} is already prepared with these settings ({existing['train_tokens']:,} train "
+          f"tokens, {existing['val_tokens']:,} val tokens): nothing to do")
+      return existing
+    if not force:
+      raise PrepareError(f"{out} already holds a corpus prepared with other settings: choose "
+                         f"another --out or pass --force to replace it")
+  out.mkdir(parents=True, exist_ok=True)
+  _remove_partials(out)
+  for path in _outputs(out):  # an earlier corpus (force) or leftovers of an unfinished rename
+    path.unlink(missing_ok=True)
+
+  pool = None
+  try:
+    if workers > 1:  # started before any tokenizer runs, so no library thread pool is forked
+      pool = _pool_context().Pool(workers)
+    tok, tok_spec = _make_tokenizer(tokenizer, bpe_size, inputs, out, opts, eot_token,
+                                    bpe_train_bytes, progress, log)
+    meta = _tokenize(inputs, out, tok, tok_spec, _dtype_for(tok.vocab_size, dtype), weights,
+                     opts, pool, workers, progress)
+    meta["request"] = request
+    meta["seconds"] = time.time() - t0
+    _finish(out, meta, bpe_size is not None)
+  except BaseException:
+    if pool is not None:
+      pool.terminate()
+      pool = None
+    _remove_partials(out)
+    raise
+  finally:
+    if pool is not None:
+      pool.close()
+      pool.join()
+  mb = meta["bytes"] / 1e6
+  log(f"prepared {out}: {meta['documents']:,} documents ({meta['val_documents']:,} val), "
+      f"{meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, vocab "
+      f"{meta['vocab_size']} ({meta['dtype']}), {mb:.1f} MB of text in {meta['seconds']:.1f} s "
+      f"({mb / max(meta['seconds'], 1e-9):.2f} MB/s)")
+  return meta
+
+
+def _pool_context():
+  """fork (cheap) unless this process has started JAX's backends, whose threads must not be
+  forked (prepare() called from a training script or a bench); then spawn."""
+  xla_bridge = sys.modules.get("jax._src.xla_bridge")
+  if xla_bridge is not None and xla_bridge.backends_are_initialized():
+    return multiprocessing.get_context("spawn")
+  return multiprocessing.get_context("fork" if sys.platform == "linux" else None)
+
+
+def _tokenizer_checked(spec: str) -> Optional[int]:
+  try:
+    bpe = tokenizer_lib.parse_bpe_size(spec)
+    if bpe is None:
+      tokenizer_lib.get_tokenizer(spec)  # fail early: unknown name, no file, no download
+    return bpe
+  except tokenizer_lib.TokenizerError as e:
+    raise PrepareError(str(e)) from None
+
+
+def _make_tokenizer(spec, bpe_size, inputs, out, opts, eot_token, bpe_train_bytes, progress, log):
+  if bpe_size is None:
+    try:
+      tok = tokenizer_lib.get_tokenizer(spec, eot_token)
+    except tokenizer_lib.TokenizerError as e:
+      raise PrepareError(str(e)) from None
+    if isinstance(tok, tokenizer_lib.HFTokenizer):
+      partial = Path(str(out / "tokenizer.json") + PARTIAL)
+      partial.write_bytes(tok.path.read_bytes())  # the directory carries its own tokenizer
+      return tok, ("file", str(partial), tok.eot_token)
+    return tok, ("name", spec, eot_token)
+  log(f"training a byte-level BPE of vocabulary {bpe_size} on the training split")
+  bar = tqdm(unit="B", unit_scale=True, desc="bpe data", disable=not progress)
+  limit = bpe_train_bytes if bpe_train_bytes else float("inf")
+
+  def training_texts():
+    seen = 0
+    for entry in inputs:
+      for doc in iter_documents(entry, opts):
+        text, raw = _as_text(doc)
+        if _classify(raw, opts) == "train":
+          yield text
+          seen += len(raw)
+          bar.update(len(raw))
+          if seen >= limit:
+            return
+
+  partial = Path(str(out / "tokenizer.json") + PARTIAL)
+  tok = tokenizer_lib.train_bpe(training_texts(), bpe_size, partial)
+  bar.close()
+  if tok.vocab_size < bpe_size:
+    log(f"note: the corpus supports only {tok.vocab_size} BPE tokens, fewer than {bpe_size}")
+  return tok, ("file", str(partial), tok.eot_token)
+
+
+def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, progress) -> dict:
+  paths = {split: Path(str(out / f"{split}.bin") + PARTIAL) for split in ("train", "val")}
+  files = {split: open(p, "wb") for split, p in paths.items()}
+  totals = {"train": 0, "val": 0}
+  sources = []
+  bar = tqdm(unit="B", unit_scale=True, desc="tokenize", disable=not progress, smoothing=0.1)
+  try:
+    for index, entry in enumerate(inputs):
+      counts = collections.Counter()
+      start = dict(totals)
+      tasks = _batches(iter_documents(entry, opts), (tok_spec, opts, np.dtype(dtype)))
+      for result in _ordered_map(pool, encode_batch, tasks, inflight=2 * workers):
+        for split in ("train", "val"):
+          result[split].tofile(files[split])
+          totals[split] += int(result[split].size)
+        counts.update(result["counts"])
+        bar.update(result["counts"]["bytes"])
+      documents = sum(counts[k] for k in ("train", "val", "repeat", "nontext", "empty"))
+      if documents == 0:
+        raise PrepareError(f"input {entry!r} holds no documents: check the file (and "
+                           f"--text-field)")
+      if counts["train"] + counts["val"] == 0:
+        raise PrepareError(f"every document of input {entry!r} was dropped by the filter "
+                           f"({counts['repeat']} long repeats, {counts['nontext']} non-text, "
+                           f"{counts['empty']} empty): check the data or relax "
+                           f"--filter-max-repeat / --filter-max-nontext")
+      sources.append({
+          "input": entry, "documents": documents, "train_documents": counts["train"],
+          "val_documents": counts["val"], "dropped_repeat": counts["repeat"],
+          "dropped_nontext": counts["nontext"], "empty": counts["empty"],
+          "bytes": counts["bytes"],
+          "train_range": [start["train"], totals["train"]],
+          "val_range": [start["val"], totals["val"]],
+          "train_tokens": totals["train"] - start["train"],
+          "val_tokens": totals["val"] - start["val"]})
+  finally:
+    bar.close()
+    for f in files.values():
+      f.close()
+  if totals["train"] == 0:
+    raise PrepareError("no document went to the training split: lower --val-fraction")
+  if totals["val"] == 0 and opts.val_fraction > 0:
+    n = sum(s["train_documents"] for s in sources)
+    raise PrepareError(f"none of the {n} documents fell into the validation split "
+                       f"(--val-fraction {opts.val_fraction}): raise --val-fraction or add text")
+  if weights is None:
+    weights = [float(s["train_tokens"]) for s in sources]
+  total_w = sum(weights)
+  for s, w in zip(sources, weights):
+    s["weight"] = w / total_w
+  return {
+      "format": PREPARED_FORMAT,
+      "tokenizer": {**tok.describe(), **({"file": "tokenizer.json"} if tok.kind == "hf" else {}),
+                    "vocab_size": tok.vocab_size, "eot_id": tok.eot_id},
+      "vocab_size": tok.vocab_size, "eot_id": tok.eot_id, "dtype": dtype,
+      "train_tokens": totals["train"], "val_tokens": totals["val"],
+      "documents": sum(s["documents"] for s in sources),
+      "train_documents": sum(s["train_documents"] for s in sources),
+      "val_documents": sum(s["val_documents"] for s in sources),
+      "bytes": sum(s["bytes"] for s in sources),
+      "sources": sources,
+      "split": {"rule": "validation iff blake2b(utf8, digest_size=8) as little-endian int < "
+                        "val_fraction * 2**64", "val_fraction": opts.val_fraction},
+      "filter": {"max_repeat": opts.filter_max_repeat, "max_nontext": opts.filter_max_nontext},
+  }
+
+
+def _finish(out: Path, meta: dict, trained_bpe: bool) -> None:
+  """Renames the partial files into place, meta.json last (the mark of a complete directory)."""
+  meta_partial = Path(str(out / PREPARED_META) + PARTIAL)
+  meta_partial.write_text(json.dumps(meta, indent=2) + "\n")
+  for name in ("train.bin", "val.bin", "tokenizer.json"):
+    partial = Path(str(out / name) + PARTIAL)
+    if partial.exists():
+      os.replace(partial, out / name)
+  os.replace(meta_partial, out / PREPARED_META)
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+  def error(self, message):
+    print(f"error: {message} (see python -m stablejax.prepare --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  p = _ArgumentParser(prog="python -m stablejax.prepare", description=__doc__.splitlines()[0])
+  p.add_argument("inputs", nargs="+", metavar="INPUT",
+                 help="text/.jsonl/.json/.parquet files or folders, pydoc, or hf:NAME[:CONFIG]")
+  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--tokenizer", required=True, help=tokenizer_lib.KINDS_HELP)
+  p.add_argument("--weights", type=float, nargs="+", help="mixing weight per input")
+  p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
+  p.add_argument("--text-field", default=TEXT_FIELD, help="JSON/Parquet/datasets text field")
+  p.add_argument("--separator", default=SEPARATOR, help="document separator in text files")
+  p.add_argument("--hf-split", default="train", help="split of hf: datasets (default train)")
+  p.add_argument("--val-fraction", type=float, default=0.005,
+                 help="fraction of documents held out for validation (default 0.005)")
+  p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
+  p.add_argument("--eot-token", default=None, help="end-of-text token of a tokenizer.json")
+  p.add_argument("--bpe-train-bytes", type=float, default=None,
+                 help="bpe:N trains on at most this many bytes (default: the whole train split)")
+  p.add_argument("--filter-max-repeat", type=int, default=256,
+                 help="drop documents with a longer run of one byte (0 disables)")
+  p.add_argument("--filter-max-nontext", type=float, default=0.3,
+                 help="drop documents with a larger fraction of non-text bytes (1 disables)")
+  p.add_argument("--force", action="store_true", help="replace a corpus prepared differently")
+  p.add_argument("--no-progress", action="store_true", help="no progress bars")
+  args = p.parse_args(argv)
+  opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,
+                 val_fraction=args.val_fraction, filter_max_repeat=args.filter_max_repeat,
+                 filter_max_nontext=args.filter_max_nontext)
+  try:
+    prepare(args.inputs, args.out, args.tokenizer, weights=args.weights, workers=args.workers,
+            dtype=args.dtype, opts=opts, eot_token=args.eot_token,
+            bpe_train_bytes=int(args.bpe_train_bytes) if args.bpe_train_bytes else None,
+            force=args.force, progress=not args.no_progress)
+  except PrepareError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  except KeyboardInterrupt:
+    print(f"interrupted: partial files in {args.out} removed; run the same command again",
+          file=sys.stderr)
+    return 130
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,227 @@
+"""Tokenizers for prepared corpora, the trainer's samples and ``python -m stablejax.sample``.
+
+Four kinds, each with an end-of-text id that separates documents:
+
+  * ``bytes``: UTF-8 bytes, vocabulary 256. The NUL byte (id 0) is the end-of-text token, so
+    ``encode`` drops NUL characters from the text (the trainer's text filter treats them as
+    garbage anyway).
+  * ``gpt2``: tiktoken's GPT-2 encoding (vocabulary 50257, end-of-text 50256). tiktoken downloads
+    its files once into a cache (``TIKTOKEN_CACHE_DIR``); without network and cache this is a
+    ``TokenizerError`` naming the alternatives.
+  * a path to a Hugging Face ``tokenizer.json`` (``tokenizers.Tokenizer.from_file``); its
+    end-of-text token is the first of ``EOT_NAMES`` in its vocabulary.
+  * ``bpe:N``: a byte-level BPE of vocabulary N trained with Hugging Face ``tokenizers`` on the
+    corpus (``train_bpe``), saved as ``tokenizer.json`` and from then on loaded as a path.
+
+``decode`` renders the end-of-text id as ``<|endoftext|>`` for every kind, so
+``decode(encode(text)) == text`` for any text (without NUL characters for ``bytes``).
+
+Example::
+
+    tok = get_tokenizer("bytes")
+    ids = tok.encode("héllo")          # [104, 195, 169, 108, 108, 111]
+    tok.decode(ids + [tok.eot_id])     # "héllo<|endoftext|>"
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Iterator, Optional, Sequence
+
+EOT_TEXT = "<|endoftext|>"
+# End-of-text names looked up in a tokenizer.json, in this order.
+EOT_NAMES = (EOT_TEXT, "</s>", "<eos>", "<|end_of_text|>", "[SEP]", "<|im_end|>")
+KINDS_HELP = "bytes, gpt2, a path to a tokenizer.json, or bpe:N (e.g. bpe:32000)"
+
+
+class TokenizerError(ValueError):
+  """A tokenizer that cannot be loaded; one line naming the problem and the alternatives."""
+
+
+class BytesTokenizer:
+  """UTF-8 bytes as tokens; NUL (id 0) is the end-of-text token."""
+
+  kind = "bytes"
+  vocab_size = 256
+  eot_id = 0
+
+  def encode(self, text: str) -> list[int]:
+    return list(text.replace("\x00", "").encode("utf-8", "replace"))
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    parts, run = [], bytearray()
+    for i in ids:
+      if i == self.eot_id:
+        parts.append(run.decode("utf-8", "replace") + EOT_TEXT)
+        run = bytearray()
+      else:
+        run.append(int(i))
+    return "".join(parts) + run.decode("utf-8", "replace")
+
+  def describe(self) -> dict:
+    return {"kind": "bytes"}
+
+
+class TiktokenTokenizer:
+  """A tiktoken encoding (``gpt2``); special tokens in the text are encoded as plain text."""
+
+  kind = "tiktoken"
+
+  def __init__(self, name: str):
+    import tiktoken
+    try:
+      self._enc = tiktoken.get_encoding(name)
+    except Exception as e:  # noqa: BLE001 - any download or cache failure is the same error
+      raise TokenizerError(
+          f"tokenizer {name!r} needs tiktoken's {name} files, which are not cached and could not "
+          f"be downloaded ({type(e).__name__}): use --tokenizer bytes, bpe:N (trained "
+          f"here, offline) or a local tokenizer.json, or copy tiktoken's cache into "
+          f"TIKTOKEN_CACHE_DIR") from None
+    self.name = name
+    self.vocab_size = self._enc.n_vocab
+    self.eot_id = self._enc.eot_token
+
+  def encode(self, text: str) -> list[int]:
+    return self._enc.encode_ordinary(text)
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return self._enc.encode_ordinary_batch(list(texts), num_threads=1)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    return self._enc.decode([int(i) for i in ids], errors="replace")
+
+  def describe(self) -> dict:
+    return {"kind": "tiktoken", "name": self.name}
+
+
+class HFTokenizer:
+  """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json``."""
+
+  kind = "hf"
+
+  def __init__(self, path: str | os.PathLike, eot_token: Optional[str] = None):
+    from tokenizers import Tokenizer
+    path = Path(path)
+    if not path.is_file():
+      raise TokenizerError(f"tokenizer file {str(path)!r} does not exist: give a tokenizer.json "
+                           f"path, or one of {KINDS_HELP}")
+    try:
+      self._tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the library raises a plain Exception
+      raise TokenizerError(f"{str(path)!r} is not a Hugging Face tokenizer.json ({e}): give the "
+                           f"tokenizer.json file of a tokenizers/transformers tokenizer") from None
+    self.path = path
+    self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
+    vocab = self._tok.get_vocab(with_added_tokens=True)
+    names = [eot_token] if eot_token else list(EOT_NAMES)
+    found = [n for n in names if n in vocab]
+    if not found:
+      raise TokenizerError(f"{str(path)!r} has no end-of-text token ({', '.join(names)}): pass "
+                           f"--eot-token NAME with the token that ends a document")
+    self.eot_token = found[0]
+    self.eot_id = vocab[self.eot_token]
+    self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+
+  def encode(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=False).ids
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    ids = [int(i) for i in ids]
+    # Decode document by document so the end-of-text token shows as text whatever its name.
+    parts, start = [], 0
+    for j, i in enumerate(ids + [self.eot_id]):
+      if i == self.eot_id:
+        parts.append(self._tok.decode(ids[start:j], skip_special_tokens=False))
+        start = j + 1
+    return EOT_TEXT.join(parts)
+
+  def describe(self) -> dict:
+    return {"kind": "hf", "file": self.path.name, "eot_token": self.eot_token,
+            "sha256": self.sha256}
+
+
+def get_tokenizer(spec: str, eot_token: Optional[str] = None):
+  """Loads ``bytes``, ``gpt2`` (or another tiktoken encoding name) or a tokenizer.json path.
+
+  ``bpe:N`` is not loadable: it is trained on a corpus (``train_bpe``).
+
+  Raises:
+    TokenizerError: unknown spec, missing file, no end-of-text token, or an encoding that needs
+      a download that failed.
+  """
+  if spec == "bytes":
+    return BytesTokenizer()
+  if spec in ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base"):
+    return TiktokenTokenizer(spec)
+  if spec.startswith("bpe:"):
+    raise TokenizerError(f"{spec!r} is trained on a corpus by python -m stablejax.prepare, not "
+                         f"loaded: use the prepared directory's tokenizer.json")
+  if spec.endswith(".json") or os.path.sep in spec or os.path.exists(spec):
+    path = Path(spec)
+    if path.is_dir():
+      path = path / "tokenizer.json"
+    return HFTokenizer(path, eot_token)
+  raise TokenizerError(f"unknown tokenizer {spec!r}: use {KINDS_HELP}")
+
+
+def parse_bpe_size(spec: str) -> Optional[int]:
+  """N for ``bpe:N``, None for other specs; raises TokenizerError for a malformed N."""
+  if not spec.startswith("bpe:"):
+    return None
+  try:
+    n = int(spec[4:])
+  except ValueError:
+    raise TokenizerError(f"{spec!r}: N in bpe:N must be an integer, e.g. bpe:32000") from None
+  if n < 257:
+    raise TokenizerError(f"{spec!r}: a byte-level BPE needs a vocabulary of at least 257 (256 "
+                         f"bytes + end-of-text): use e.g. bpe:4096")
+  return n
+
+
+def train_bpe(texts: Iterator[str], vocab_size: int, path: str | os.PathLike,
+              show_progress: bool = False) -> HFTokenizer:
+  """Trains a GPT-2-style byte-level BPE with Hugging Face ``tokenizers`` and saves it.
+
+  Args:
+    texts: the training documents (streamed; only the BPE's pair counts are held in memory).
+    vocab_size: final vocabulary size, end-of-text (id 0) and the 256 byte symbols included.
+    path: where to write the ``tokenizer.json``.
+    show_progress: the library's own progress bar.
+
+  Returns:
+    The trained tokenizer, loaded back from ``path``.
+  """
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT_TEXT],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=show_progress)
+  tok.train_from_iterator(texts, trainer=trainer)
+  tok.save(str(path))
+  return HFTokenizer(path)
+
+
+def from_meta(meta: dict, directory: str | os.PathLike):
+  """The tokenizer a prepared directory's ``meta.json`` names."""
+  info = meta.get("tokenizer", {})
+  kind = info.get("kind")
+  if kind == "bytes":
+    return BytesTokenizer()
+  if kind == "tiktoken":
+    return TiktokenTokenizer(info.get("name", "gpt2"))
+  if kind == "hf":
+    return HFTokenizer(Path(directory) / info.get("file", "tokenizer.json"), info.get("eot_token"))
+  raise TokenizerError(f"{Path(directory) / 'meta.json'} names an unknown tokenizer "
+                       f"{json.dumps(info)}: prepare the directory again")

@@ -1,0 +1,261 @@
+"""Time budget, target loss and peak memory of a training run.
+
+``train.time_budget_minutes``: before the first step, the compiled train step, an evaluation (with
+its sample) and a checkpoint save are timed on throw-away copies (the run's own state, data and
+checkpoints are untouched), and the total step count is fixed so that the whole run (start-up
+already spent, a second compilation, the steps, the periodic evals and saves, the final eval and
+save) ends within the budget with a safety margin (``SAFETY``). The warmup + cosine schedule is
+then laid over that count, so the learning rate reaches its floor on the last step. The count is
+stored in every checkpoint: a resumed run keeps it. ``train.steps`` remains an upper bound.
+
+``train.target_val_loss``: the first evaluation with a validation loss below it sets
+``time_to_target_s`` (wall time since the run started, summed over resumes) and
+``step_to_target``; both stay null when it is never reached.
+
+Peak memory: the backend's ``memory_stats()`` (``peak_bytes_in_use`` against ``bytes_limit``,
+the largest over this process's devices) where it has them (GPUs, TPUs); otherwise the process's
+peak resident memory (``ru_maxrss``) against the machine's physical memory, labelled as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablejax.training import distributed
+from stablejax.training.config import ConfigError
+
+SAFETY = 0.95          # plan for this fraction of the remaining budget
+TIMED_STEPS = 5        # steps timed after the compiling one; the slowest counts
+
+
+class BudgetError(ConfigError):
+  """A budget too small for the run; one line naming the fix."""
+
+
+@dataclasses.dataclass
+class Timings:
+  step_seconds: float      # one compiled train step, data included
+  eval_seconds: float      # one evaluation (all eval batches, plus the sample if enabled)
+  save_seconds: float      # one checkpoint save, waited for
+  compile_seconds: float   # compiling the train and eval steps (paid again once the schedule is fixed)
+  diagnostics_seconds: float = 0.0  # one run of the periodic diagnostics (activations, grad norms)
+
+
+def plan_total_steps(budget_seconds: float, elapsed_seconds: float, t: Timings, *,
+                     eval_every: int, checkpoint_every: int, max_steps: int,
+                     diagnostics_every: int = 0, safety: float = SAFETY) -> int:
+  """Total steps that fit: start-up + recompile + N x (step + eval/eval_every + save/ckpt_every
+  + diagnostics/diagnostics_every) + the final eval and save <= safety x budget. Capped at
+  ``max_steps``; may be <= 0."""
+  available = (safety * budget_seconds - elapsed_seconds - t.compile_seconds
+               - t.eval_seconds - t.save_seconds)
+  per_step = (t.step_seconds + t.eval_seconds / eval_every + t.save_seconds / checkpoint_every
+              + (t.diagnostics_seconds / diagnostics_every if diagnostics_every else 0.0))
+  return int(min(max_steps, math.floor(available / per_step)))
+
+
+def _timed(fn, *args) -> float:
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - t0
+
+
+def measure(run) -> Timings:
+  """Times the run's compiled step, an eval (+ sample) and a save without changing the run.
+
+  Steps run on a copy of ``run.state`` with batches from a fresh data iterator; the save goes to
+  a scratch checkpoint directory that is deleted afterwards.
+  """
+  from stablejax.training.checkpoint import Checkpoints
+
+  state = jax.tree.map(jnp.copy, run.state)
+  batches = run.data.train_iter()
+
+  def one_step(state):
+    tokens = next(batches)["tokens"]
+    batch = {"tokens": run._device_tokens(np.asarray(tokens, np.int32)),
+             "grad_scale": jnp.float32(1.0)}
+    state, metrics = run.train_step(state, batch)
+    jax.block_until_ready(metrics)
+    return state
+
+  t0 = time.perf_counter()
+  state = one_step(state)
+  compile_seconds = time.perf_counter() - t0
+  times = []
+  for _ in range(TIMED_STEPS):
+    t0 = time.perf_counter()
+    state = one_step(state)
+    times.append(time.perf_counter() - t0)
+
+  val = run._val_batches()
+  evaluate = lambda: [run.eval_step(state.params, b, jnp.int32(0)) for b in val]  # noqa: E731
+  eval_compile = _timed(evaluate)  # compiles; the run compiles its eval step again
+  eval_seconds = _timed(evaluate)
+  compile_seconds += max(0.0, eval_compile - eval_seconds)
+  if run.sampler is not None:
+    run.sampler(state.params, 0)  # compiles
+    t0 = time.perf_counter()
+    run.sampler(state.params, 0)
+    eval_seconds += time.perf_counter() - t0
+
+  scratch = Path(run.out_dir) / "budget_probe"
+  shutil.rmtree(scratch, ignore_errors=True)
+  probe = Checkpoints(scratch, keep=1, async_save=run.cfg.checkpoint.async_save)
+  try:
+    t0 = time.perf_counter()
+    probe.save(0, state, run.data.train_iter(), {"probe": True})
+    probe.wait()
+    save_seconds = time.perf_counter() - t0
+  finally:
+    probe.close()
+    distributed.barrier("budget_probe")  # every process is done with the scratch directory
+    if distributed.is_main():
+      shutil.rmtree(scratch, ignore_errors=True)
+  diagnostics_seconds = 0.0
+  if _diagnostics_every(run.cfg):
+    tokens = val[0] if val else None
+    if tokens is not None:
+      diagnose = lambda: (run.activation_stats(state.params, tokens, jnp.int32(0)),  # noqa: E731
+                          run.grad_norms(state.params, tokens))
+      first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
+      diagnostics_seconds = _timed(diagnose)
+      compile_seconds += max(0.0, first - diagnostics_seconds)
+  del state
+  return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds)
+
+
+def _diagnostics_every(cfg) -> int:
+  """Steps between diagnostics runs (the more frequent of the two kinds; 0 when off)."""
+  every = [n for n in (cfg.logging.activation_every, cfg.logging.histogram_every) if n]
+  return min(every) if every else 0
+
+
+class Budget:
+  """The time budget's step count, the target-loss record and the run's wall time over resumes."""
+
+  def __init__(self, train_cfg, t_start: float):
+    self.budget_minutes = train_cfg.time_budget_minutes
+    self.target = train_cfg.target_val_loss
+    self.t_start = t_start
+    self.prior_seconds = 0.0      # wall time of earlier segments of a resumed run
+    self.steps: Optional[int] = None
+    self.timings: Optional[Timings] = None
+    self.time_to_target: Optional[float] = None
+    self.step_to_target: Optional[int] = None
+    self.stopped_at: Optional[int] = None  # step at which out_of_time() ended the run early
+
+  @property
+  def active(self) -> bool:
+    return self.budget_minutes is not None
+
+  def elapsed(self) -> float:
+    return self.prior_seconds + time.time() - self.t_start
+
+  def load_state_dict(self, meta: dict) -> None:
+    self.prior_seconds = float(meta.get("elapsed_seconds", 0.0))
+    self.steps = meta.get("budget_steps", self.steps)
+    self.time_to_target = meta.get("time_to_target_s")
+    self.step_to_target = meta.get("step_to_target")
+
+  def state_dict(self) -> dict:
+    return {"elapsed_seconds": self.elapsed(), "budget_steps": self.steps,
+            "time_to_target_s": self.time_to_target, "step_to_target": self.step_to_target}
+
+  def plan(self, run) -> Optional[int]:
+    """The total step count (measured now, or the one a checkpoint stored); None without budget."""
+    if not self.active:
+      return None
+    if self.steps is not None:
+      return self.steps
+    cfg = run.cfg
+    self.timings = measure(run)
+    steps = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
+                             eval_every=cfg.train.eval_every,
+                             checkpoint_every=cfg.checkpoint.every, max_steps=cfg.train.steps,
+                             diagnostics_every=_diagnostics_every(cfg))
+    # Every process measured its own timings: all take the smallest count, or they would part.
+    steps = -int(distributed.agree_max(np.array(-steps)))
+    if steps <= cfg.train.warmup_steps:
+      raise BudgetError(
+          f"train.time_budget_minutes={self.budget_minutes} leaves time for {max(steps, 0)} steps "
+          f"({self.timings.step_seconds:.3f} s each, evals {self.timings.eval_seconds:.1f} s, "
+          f"saves {self.timings.save_seconds:.1f} s, compile {self.timings.compile_seconds:.1f} "
+          f"s, {self.elapsed():.0f} s already spent), not more than train.warmup_steps="
+          f"{cfg.train.warmup_steps}: raise the budget or lower the warmup")
+    self.steps = steps
+    return steps
+
+  def out_of_time(self) -> bool:
+    """Whether another step, the final eval and the final save would end past the budget (the
+    plan was made for a slower or busier machine than the one measured): the run then stops
+    early, with a warning, and its learning rate does not reach the floor."""
+    if not self.active or self.timings is None:
+      return False
+    t = self.timings
+    return (self.elapsed() + t.step_seconds + t.eval_seconds + t.save_seconds
+            > self.budget_minutes * 60.0)
+
+  def describe(self) -> str:
+    t = self.timings
+    if t is None:
+      return f"time budget {self.budget_minutes} min: {self.steps} steps (from the checkpoint)"
+    return (f"time budget {self.budget_minutes} min: {self.steps} steps (step {t.step_seconds:.3f} "
+            f"s, eval {t.eval_seconds:.2f} s, save {t.save_seconds:.2f} s, compile "
+            f"{t.compile_seconds:.1f} s, {self.elapsed():.0f} s spent before training)")
+
+  def check_target(self, step: int, val_loss: float) -> bool:
+    """Records the first eval below the target; True when that happened now."""
+    if self.target is None or self.step_to_target is not None or not val_loss < self.target:
+      return False
+    self.time_to_target, self.step_to_target = self.elapsed(), int(step)
+    return True
+
+  def summary(self) -> dict:
+    out = {"time_budget_minutes": self.budget_minutes, "planned_steps": self.steps,
+           "stopped_early_at": self.stopped_at,
+           "target_val_loss": self.target, "time_to_target_s": self.time_to_target,
+           "step_to_target": self.step_to_target}
+    if self.timings is not None:
+      out["budget_timings"] = dataclasses.asdict(self.timings)
+    return out
+
+
+def peak_memory() -> dict:
+  """``peak_memory_bytes``, ``peak_memory_fraction`` and ``peak_memory_source``."""
+  stats = []
+  for device in jax.local_devices():
+    try:
+      s = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without statistics raise or return None
+      s = None
+    if s and "peak_bytes_in_use" in s:
+      stats.append(s)
+  if stats:
+    top = max(stats, key=lambda s: s["peak_bytes_in_use"])
+    limit = top.get("bytes_limit")
+    return {"peak_memory_bytes": int(top["peak_bytes_in_use"]),
+            "peak_memory_fraction": top["peak_bytes_in_use"] / limit if limit else None,
+            "peak_memory_source": "device memory_stats peak_bytes_in_use / bytes_limit "
+                                  "(largest over this process's devices)"}
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  rss *= 1 if sys.platform == "darwin" else 1024  # bytes on macOS, KiB on Linux
+  try:
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+  except (ValueError, OSError, AttributeError):
+    total = None
+  return {"peak_memory_bytes": int(rss), "peak_memory_fraction": rss / total if total else None,
+          "peak_memory_source": "process peak resident memory (ru_maxrss) / physical memory; "
+                                "the backend has no device memory statistics"}
