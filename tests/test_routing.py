@@ -300,6 +300,9 @@ def test_check_learning_rates_rules():
       adam_lr=optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000)) == []
   assert stablejax.check_learning_rates(
       adam_lr=optax.warmup_cosine_decay_schedule(0.0, 0.01, 100, 1000))
+  # A short schedule peaks between round step counts: its real peak is judged.
+  short = optax.warmup_cosine_decay_schedule(0.0, 0.005, 17, 40)
+  assert "AdamW learning rate 0.005 is above" in stablejax.check_learning_rates(adam_lr=short)[0]
   bad = stablejax.check_learning_rates(muon_lr=float("nan"), head_lr=-1.0)
   assert len(bad) == 2 and all("not a positive finite number" in b for b in bad)
   # Embedding rates above 3e-3 are common on purpose and are not flagged.

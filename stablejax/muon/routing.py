@@ -44,6 +44,8 @@ import jax
 import numpy as np
 import optax
 
+from stablejax.muon import lr_check
+
 GROUPS = ("muon", "adam", "embedding", "head")
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
 
@@ -671,8 +673,8 @@ def _format_lr(lr) -> str:
   if lr is None:
     return "-"
   if callable(lr):
-    samples = [float(lr(s)) for s in (0, 10, 100, 1000, 10000, 100000)]
-    return f"schedule (start {samples[0]:.3g}, peak {max(samples):.3g})"
+    values = lr_check.schedule_values(lr)
+    return f"schedule (start {values[0]:.3g}, peak {values.max():.3g})"
   return f"{float(np.asarray(lr)):.3g}"
 
 
@@ -710,7 +712,7 @@ def _table(p: RoutingPlan, rates: dict) -> str:
   for g in GROUPS:
     n_tensors, n_params = totals[g]
     if n_tensors:
-      lines.append(f"{g}: {n_tensors} tensors, {n_params:,} parameters, "
+      lines.append(f"{g}: {n_tensors} tensor{'s' if n_tensors > 1 else ''}, {n_params:,} parameters, "
                    f"learning rate {rates.get(g, '-')}")
   for note in p.notes:
     lines.append(f"{'note' if note.kind == 'info' else note.kind}: {note.text}")
