@@ -418,6 +418,25 @@ def test_update_with_other_parameters_than_init_is_a_clear_error():
     tx.update({"v": jnp.zeros((4, 4)), "w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}, state)
 
 
+def test_inside_optax_masked():
+  # The routed tree then holds optax.MaskedNode leaves: labels and group RMS must skip them.
+  params = {"w": _normal(0, (8, 8)), "frozen": _normal(1, (8, 8)), "b": jnp.zeros(8)}
+  mask = {"w": True, "frozen": False, "b": True}
+  tx = optax.masked(stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3), mask)
+  alone = stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3)
+  grads = jax.tree.map(lambda p: _normal(p.size, p.shape), params)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  sub = {"w": params["w"], "b": params["b"]}
+  want, _ = alone.update({"w": grads["w"], "b": grads["b"]}, alone.init(sub), sub)
+  np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(updates["b"], want["b"], rtol=1e-6)
+  np.testing.assert_array_equal(updates["frozen"], grads["frozen"])  # optax.masked passes it on
+  rms = np.sqrt(np.mean(np.asarray(want["b"], np.float64) ** 2))
+  np.testing.assert_allclose(stablejax.stability_metrics(state)["muon/update_rms/adam"], rms,
+                             rtol=1e-5)
+  assert "frozen" not in stablejax.describe_routing(params, tx)
+
+
 def test_inject_hyperparams_gives_the_same_updates():
   params = {"embed": _normal(0, (20, 8)), "w": _normal(1, (8, 16)), "ln": {"scale": jnp.ones(8)}}
   kw = dict(adam_learning_rate=1e-3, weight_decay=0.1, adam_weight_decay=0.1)

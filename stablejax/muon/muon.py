@@ -649,7 +649,7 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
     if params is not None:
       _check_same_parameters(updates, params)
     new_updates, inner_state = partition.update(updates, state.inner_state, params, **extra_args)
-    labels = [l for l in plan(new_updates).labels]
+    labels = plan(new_updates).unmasked_labels()
     rms = _group_rms(new_updates, labels)
     guards = [s for s in jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(
         x, TensorGuardState)) if isinstance(s, TensorGuardState)]

@@ -430,8 +430,17 @@ class RoutingPlan(NamedTuple):
   notes: list
 
   def label_tree(self):
-    """The labels as a tree: the params' structure with each parameter replaced by its group."""
-    return self.treedef.unflatten(self.labels)
+    """The labels as a tree: the params' structure with each parameter replaced by its group.
+
+    Masked-out leaves (``optax.MaskedNode``, when an ``optax.masked`` wraps the transform) stay
+    ``MaskedNode``, so the tree still matches the params it came from.
+    """
+    return self.treedef.unflatten([optax.MaskedNode() if leaf.masked else label
+                                   for leaf, label in zip(self.leaves, self.labels)])
+
+  def unmasked_labels(self) -> list:
+    """One label per array leaf of the params, in ``jax.tree.leaves`` order."""
+    return [label for leaf, label in zip(self.leaves, self.labels) if not leaf.masked]
 
 
 def plan(tree, param_labels: LabelsOrFn = None, weight_dimension_numbers=None) -> RoutingPlan:
