@@ -27,6 +27,7 @@ from stablejax.muon.muon import outlier_safe_muon
 from stablejax.muon.newton_schulz import newton_schulz
 from stablejax.muon.routing import describe_routing
 from stablejax.muon.routing import label_params
+from stablejax.muon.routing import muon_dimension_numbers
 # --- end muon ---
 
 # --- model utilities ---
@@ -74,6 +75,7 @@ __all__ = [
     "check_learning_rates",
     "describe_routing",
     "label_params",
+    "muon_dimension_numbers",
     "newton_schulz",
     "outlier_safe_muon",
     # --- end all muon ---

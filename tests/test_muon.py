@@ -1,5 +1,7 @@
 """outlier_safe_muon: parity with optax.contrib.muon, convergence, outlier clamp, NS fallback, metrics."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +15,8 @@ from stablejax.muon import newton_schulz as ns_mod
 STANDARD = (3.4445, -4.7750, 2.0315)
 CONTRACT_KEYS = {
     "muon/outlier_rate", "muon/ns_instability_rate", "muon/fallback_rate", "muon/outlier_count",
-    "muon/fallback_count", "muon/update_rms/muon", "muon/update_rms/adam",
+    "muon/fallback_count", "muon/nonfinite_count", "muon/nonfinite_rate",
+    "muon/update_rms/muon", "muon/update_rms/adam",
     "muon/update_rms/embedding", "muon/update_rms/head",
 }
 
@@ -41,6 +44,7 @@ def _first_step_nesterov_input(g, beta=0.95):
   return beta * mu / (1 - beta**2) + (1 - beta) * g / (1 - beta)
 
 
+@pytest.mark.filterwarnings("ignore:outlier_safe_muon")  # "stack" is an unrecognised 3-axis leaf
 @pytest.mark.parametrize("consistent_rms", [0.2, None])
 def test_muon_branch_matches_optax_contrib_muon(consistent_rms):
   params = {"w1": _normal(0, (16, 32)), "w2": _normal(1, (24, 16)), "stack": _normal(2, (3, 8, 12))}
@@ -196,18 +200,83 @@ def test_diverging_coefficients_fall_back_per_slice():
     assert cos > 0.9999
 
 
-def test_nonfinite_gradient_gives_zero_update_and_counts_fallback_not_instability():
-  params = {"w": jnp.zeros((16, 16)), "v": jnp.zeros((16, 32))}
-  g = {"w": _normal(8, (16, 16)).at[3, 3].set(jnp.nan), "v": _normal(9, (16, 32))}
+def _muon_state(state):
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, stablejax.OutlierSafeMuonState)) if isinstance(x, stablejax.OutlierSafeMuonState)]
+  assert len(found) == 1
+  return found[0]
+
+
+def _adam_mu(state, group="adam"):
+  guard = state.inner_state.inner_states[group].inner_state  # partition -> masked -> guard
+  return guard.inner_state[0].mu  # optax.adam = chain(scale_by_adam, scale_by_learning_rate)
+
+
+def test_nonfinite_gradient_never_enters_momentum():
+  # Issue: one NaN entered the Muon momentum, and from then on the health check fell back to an
+  # all-zero update every step: the matrix was frozen for good, silently.
+  params = {"w": jnp.zeros((16, 16)), "v": jnp.zeros((16, 32)), "b": jnp.zeros(16)}
+  good = {"w": _normal(8, (16, 16)), "v": _normal(9, (16, 32)), "b": _normal(10, (16,))}
+  bad = dict(good, w=good["w"].at[3, 3].set(jnp.nan), b=good["b"].at[0].set(jnp.inf))
   tx = _single_matrix_tx()
-  updates, state = tx.update(g, tx.init(params), params)
-  assert np.all(np.asarray(updates["w"]) == 0) and np.all(np.isfinite(updates["v"]))
+  update = jax.jit(tx.update)
+  clean_updates, _ = update(good, tx.init(params), params)
+  updates, state = update(bad, tx.init(params), params)
+  # The bad tensors: zero update, momentum and Adam moments untouched; the good one: as if clean.
+  assert np.all(np.asarray(updates["w"]) == 0) and np.all(np.asarray(updates["b"]) == 0)
+  np.testing.assert_array_equal(updates["v"], clean_updates["v"])
+  assert np.all(np.asarray(_muon_state(state).mu["w"]) == 0)
+  assert np.all(np.asarray(_adam_mu(state)["b"]) == 0)
   metrics = stablejax.stability_metrics(state)
-  np.testing.assert_allclose(metrics["muon/fallback_rate"], 0.5)
-  np.testing.assert_allclose(metrics["muon/ns_instability_rate"], 0.0)
-  assert metrics["muon/outlier_count"] == 0
+  assert metrics["muon/nonfinite_count"] == 2
+  np.testing.assert_allclose(metrics["muon/nonfinite_rate"], 2 / 3)
+  assert metrics["muon/fallback_count"] == 0 and metrics["muon/ns_instability_rate"] == 0
+  # The next finite step trains the matrix normally.
+  updates, state = update(good, state, params)
+  w = np.asarray(updates["w"], np.float64)
+  sv = np.linalg.svd(w / (0.02 * 0.2 * 4.0), compute_uv=False)  # lr * Moonlight scale
+  assert np.all(np.isfinite(w)) and 0.6 < sv.min() and sv.max() < 1.25
+  assert np.all(np.isfinite(np.asarray(updates["b"]))) and np.any(np.asarray(updates["b"]) != 0)
+  metrics = stablejax.stability_metrics(state)
+  assert metrics["muon/nonfinite_count"] == 2 and metrics["muon/nonfinite_rate"] == 0
 
 
+def test_near_zero_momentum_is_not_a_unit_norm_update_nor_an_instability():
+  # Issue: a momentum of Frobenius norm ~1e-12 failed the health check (NS output below 0.1),
+  # counted as an NS instability, and the fallback turned it into a unit-norm update.
+  params = {"w": jnp.zeros((16, 16))}
+  g = _normal(12, (16, 16))
+  g = {"w": g * (1e-12 / jnp.linalg.norm(g))}
+  tx = _single_matrix_tx(outlier_method=None)
+  updates, state = tx.update(g, tx.init(params), params)
+  ref = optax.contrib.muon(0.02, ns_coeffs=STANDARD, eps=1e-8, consistent_rms=0.2)
+  want, _ = ref.update(g, ref.init(params), params)
+  np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-4, atol=1e-12)
+  unit = 0.02 * 0.2 * 4.0  # the Frobenius norm of a fallback (unit-norm direction) update
+  assert np.linalg.norm(updates["w"]) < 0.1 * unit
+  metrics = stablejax.stability_metrics(state)
+  assert metrics["muon/ns_instability_rate"] == 0 and metrics["muon/fallback_count"] == 0
+
+
+def test_health_check_bounds_hold_for_ns_of_any_spectrum():
+  # The check must never flag a healthy NS output: singular values from 1 down to 1e-6 (relative
+  # to the Frobenius norm), ranks 1 to 64, and a zero matrix.
+  key = jax.random.key(0)
+  for rank, s_min in [(1, 1.0), (4, 1e-6), (64, 1e-3), (64, 1.0)]:
+    u, _ = jnp.linalg.qr(jax.random.normal(key, (64, 64)))
+    v, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(1), (96, 96)))
+    s = jnp.zeros(64).at[:rank].set(jnp.geomspace(1.0, s_min, rank))
+    m = (u * s) @ v[:64]
+    for scale in (1.0, 1e-9, 1e-12):
+      x = m * scale
+      out = ns_mod.newton_schulz(x, eps=1e-8, backend="xla")
+      healthy, _ = muon_mod.ns_health(out, x, 1e-8)
+      assert bool(healthy), (rank, s_min, scale)
+  zero = jnp.zeros((8, 8))
+  assert bool(muon_mod.ns_health(ns_mod.newton_schulz(zero), zero, 1e-8)[0])
+
+
+@pytest.mark.filterwarnings("ignore:outlier_safe_muon")  # "attn" is an unrecognised 3-axis leaf
 def test_metrics_keys_and_group_rms():
   params = {"tok_embed": _normal(0, (50, 16)), "attn": {"kernel": _normal(1, (2, 16, 16))},
             "ln": {"scale": jnp.ones(16)}, "lm_head": {"kernel": _normal(2, (16, 50))}}
@@ -250,6 +319,139 @@ def test_adam_groups_are_optax_adamw_with_schedules():
   u1, _ = tx.update({"embed": jnp.zeros((20, 8)), "norm": {"scale": g0}, "w": jnp.zeros((8, 8))},
                     tx.init(params), params)
   np.testing.assert_allclose(u1["norm"]["scale"], u0, rtol=1e-6)
+
+
+MDN = optax.contrib.MuonDimensionNumbers
+
+
+def _compare_with_optax(params, dims, ours_dims, steps=2, rtol=2e-4):
+  """Muon updates of outlier_safe_muon(weight_dimension_numbers=ours_dims) vs optax's (dims)."""
+  ours = stablejax.outlier_safe_muon(0.02, weight_decay=0.1, outlier_method=None, ns_backend="xla",
+                                     param_labels=jax.tree.map(lambda _: "muon", params),
+                                     weight_dimension_numbers=ours_dims)
+  ref = optax.contrib.muon(0.02, ns_coeffs=STANDARD, eps=1e-8, weight_decay=0.1,
+                           consistent_rms=0.2, muon_weight_dimension_numbers=dims)
+  s_ours, s_ref = ours.init(params), ref.init(params)
+  for step in range(steps):
+    grads = jax.tree.map(lambda p, k=step: _normal(30 + k + p.size, p.shape), params)
+    u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, params)
+    u_ref, s_ref = jax.jit(ref.update)(grads, s_ref, params)
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(u_ours)[0], jax.tree.leaves(u_ref)):
+      np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+  return u_ours
+
+
+def test_weight_dimension_numbers_as_optax_takes_them():
+  params = {"conv": _normal(0, (3, 3, 4, 8)), "q": _normal(1, (8, 2, 4)),
+            "o": _normal(2, (2, 4, 8)), "stack": _normal(3, (3, 8, 12)), "w": _normal(4, (16, 32))}
+  dims = {"conv": MDN((0, 1, 2), 3), "q": MDN(0, (1, 2)), "o": MDN((0, 1), 2),
+          "stack": MDN(1, 2), "w": MDN()}
+  _compare_with_optax(params, dims, dims)                      # a tree
+  _compare_with_optax(params, dims, lambda p: dims)            # a callable
+  # A None entry keeps the default layout (here the last two axes of "stack" and "w").
+  _compare_with_optax(params, dims, dict(dims, stack=None, w=None), steps=1)
+  with pytest.raises(ValueError, match="do not fit conv of shape"):
+    stablejax.outlier_safe_muon(0.02, weight_dimension_numbers=dict(dims, conv=MDN(0, 4))).init(
+        params)
+
+
+def _mha_params(d_model=16, heads=4, head_dim=8, scan=0):
+  import flax.linen as nn
+  x = jnp.zeros((1, 4, d_model))
+  mha = nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=heads * head_dim)
+  p = mha.init(jax.random.key(0), x)["params"]
+  if scan:  # the layout nn.scan gives: every leaf stacked on a leading layer axis
+    p = jax.tree.map(lambda a: jnp.stack([a] * scan), p)
+  return p
+
+
+@pytest.mark.parametrize("scan", [0, 2])
+def test_flax_attention_kernels_are_one_matrix_by_default(scan):
+  # Flax's q/k/v kernels are [D, H, hd] and the output kernel [H, hd, D]: by default they are the
+  # [D, H*hd] and [H*hd, D] matrices, the same update as optax.contrib.muon with those dims.
+  params = {"attn": _mha_params(scan=scan), "norm": {"scale": jnp.ones((scan, 16) if scan else 16)}}
+  labels = stablejax.label_params(params)
+  for name in ("query", "key", "value", "out"):
+    assert labels["attn"][name] == {"kernel": "muon", "bias": "adam"}
+  qkv, out = MDN(-3, (-2, -1)), MDN((-3, -2), -1)
+  dims = {"attn": {n: {"kernel": out if n == "out" else qkv, "bias": None}
+                   for n in ("query", "key", "value", "out")}, "norm": {"scale": None}}
+  muon_params = {"attn": {n: {"kernel": params["attn"][n]["kernel"]}
+                          for n in ("query", "key", "value", "out")}}
+  muon_dims = {"attn": {n: {"kernel": dims["attn"][n]["kernel"]} for n in muon_params["attn"]}}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # recognised layouts: no warning
+    updates = _compare_with_optax(muon_params, muon_dims, None, steps=1)
+    stablejax.outlier_safe_muon(0.02).init(params)
+  # The matrix the update is orthogonal as: the [D, H*hd] one (update = -lr (scale O + wd p)).
+  u, p = updates["attn"]["query"]["kernel"], muon_params["attn"]["query"]["kernel"]
+  ortho = (-np.asarray(u) / 0.02 - 0.1 * np.asarray(p)) / (0.2 * 32**0.5)
+  for mat in ortho.reshape((-1, 16, 32)):
+    sv = np.linalg.svd(mat, compute_uv=False)
+    assert 0.6 < sv.min() and sv.max() < 1.25, sv
+
+
+def test_unrecognised_layout_warns_at_init_with_the_fix():
+  params = {"conv": {"kernel": _normal(0, (3, 3, 4, 8)), "bias": jnp.zeros(8)}}
+  tx = stablejax.outlier_safe_muon(0.02)
+  with pytest.warns(UserWarning, match=r"conv/kernel \(3, 3, 4, 8\) has 4 axes .* 9 separate "
+                                       r"4x8 matrices .*muon_dimension_numbers\(p, overrides="
+                                       r"\{'conv/kernel': optax.contrib.MuonDimensionNumbers"):
+    tx.init(params)
+  dims = stablejax.muon_dimension_numbers(params, overrides={"conv/kernel": MDN((0, 1, 2), 3)})
+  assert dims == {"conv": {"kernel": MDN((0, 1, 2), 3), "bias": None}}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    stablejax.outlier_safe_muon(0.02, weight_dimension_numbers=dims).init(params)
+  table = stablejax.describe_routing(params, stablejax.outlier_safe_muon(0.02))
+  assert any(l.startswith("warning: conv/kernel") for l in table.splitlines())
+
+
+def test_update_with_other_parameters_than_init_is_a_clear_error():
+  params = {"w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}
+  tx = stablejax.outlier_safe_muon(0.02)
+  state = tx.init(params)
+  other = {"w": jnp.zeros((4, 4)), "c": jnp.zeros(4)}
+  with pytest.raises(ValueError, match="the updates hold c"):
+    tx.update(other, state, params)
+  with pytest.raises(ValueError, match="differ from the ones its state was initialised with"):
+    tx.update({"v": jnp.zeros((4, 4)), "w": jnp.zeros((4, 4)), "b": jnp.zeros(4)}, state)
+
+
+def test_inside_optax_masked():
+  # The routed tree then holds optax.MaskedNode leaves: labels and group RMS must skip them.
+  params = {"w": _normal(0, (8, 8)), "frozen": _normal(1, (8, 8)), "b": jnp.zeros(8)}
+  mask = {"w": True, "frozen": False, "b": True}
+  tx = optax.masked(stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3), mask)
+  alone = stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3)
+  grads = jax.tree.map(lambda p: _normal(p.size, p.shape), params)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  sub = {"w": params["w"], "b": params["b"]}
+  want, _ = alone.update({"w": grads["w"], "b": grads["b"]}, alone.init(sub), sub)
+  np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(updates["b"], want["b"], rtol=1e-6)
+  np.testing.assert_array_equal(updates["frozen"], grads["frozen"])  # optax.masked passes it on
+  rms = np.sqrt(np.mean(np.asarray(want["b"], np.float64) ** 2))
+  np.testing.assert_allclose(stablejax.stability_metrics(state)["muon/update_rms/adam"], rms,
+                             rtol=1e-5)
+  assert "frozen" not in stablejax.describe_routing(params, tx)
+
+
+def test_inject_hyperparams_gives_the_same_updates():
+  params = {"embed": _normal(0, (20, 8)), "w": _normal(1, (8, 16)), "ln": {"scale": jnp.ones(8)}}
+  kw = dict(adam_learning_rate=1e-3, weight_decay=0.1, adam_weight_decay=0.1)
+  plain = stablejax.outlier_safe_muon(0.02, **kw)
+  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
+      learning_rate=0.02, **kw)
+  s1, s2 = plain.init(params), injected.init(params)
+  for k in range(2):
+    grads = jax.tree.map(lambda p, k=k: _normal(40 + k, p.shape), params)
+    u1, s1 = jax.jit(plain.update)(grads, s1, params)
+    u2, s2 = jax.jit(injected.update)(grads, s2, params)
+    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+  with pytest.raises(ValueError, match="static_args=\\('ns_steps',\\)"):
+    optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02).init(params)
 
 
 def test_pallas_interpret_backend_inside_muon_matches_xla(monkeypatch):

@@ -186,3 +186,31 @@ def test_export_tpu_embeds_mosaic_kernel(dtype):
 def test_export_untileable_shape_uses_reference_on_cuda():
   text = _export("cuda", (24, 40))
   assert TRITON_CALL not in text
+
+
+def _scalar_ns(s, steps=5):
+  a, b, c = STANDARD_COEFFS
+  for _ in range(steps):
+    s = a * s + b * s**3 + c * s**5
+  return s
+
+
+@pytest.mark.parametrize("dtype,atol", [(jnp.float32, 1e-5), (jnp.bfloat16, 0.03)])
+def test_output_range_depends_on_normalised_singular_value(dtype, atol):
+  # The docstring's ranges: NS maps each normalised singular value s = sigma / ||X||_F on its
+  # own; [0.68, 1.13] holds for s >= 0.0052 only, smaller ones overshoot (to 1.21) or stay small.
+  n = 96
+  u = np.linalg.qr(np.random.default_rng(0).normal(size=(n, n)))[0]
+  v = np.linalg.qr(np.random.default_rng(1).normal(size=(2 * n, 2 * n)))[0][:n]
+  s = np.geomspace(1.0, 1e-5, n)
+  s /= np.linalg.norm(s)
+  out = stablejax.newton_schulz(jnp.asarray((u * s) @ v, dtype), eps=0.0, backend="xla")
+  got = np.diag(u.T @ np.asarray(out.astype(jnp.float32), np.float64) @ v.T)  # same vectors
+  np.testing.assert_allclose(got, _scalar_ns(s), atol=atol)
+  grid = np.geomspace(1e-6, 1.0, 200_001)
+  mapped = _scalar_ns(grid)
+  high = grid >= 0.0052
+  assert 0.68 <= mapped[high].min() and mapped[high].max() <= 1.135
+  assert 1.19 < mapped.max() <= 1.21 and grid[mapped.argmax()] < 0.0052
+  assert mapped[grid < 0.0015].max() < 0.68
+  np.testing.assert_allclose(mapped[grid < 1e-4] / grid[grid < 1e-4], 485, rtol=0.01)

@@ -1,10 +1,12 @@
 """Parameter routing (label_params, describe_routing) and the learning-rate sanity check."""
 
+import re
 import warnings
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -31,6 +33,10 @@ class _Tiny(nn.Module):
     return nn.Dense(32, name="lm_head")(x * gate)
 
 
+def _normal(shape, seed=0):
+  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+
+
 def _flax_params():
   return _Tiny().init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
 
@@ -40,7 +46,8 @@ def test_default_rule_on_flax_model():
   p = labels["params"]
   assert p["tok_embed"]["embedding"] == "embedding"
   assert p["pos_embedding"] == "embedding"
-  assert p["lm_head"]["kernel"] == "head" and p["lm_head"]["bias"] == "head"
+  assert p["lm_head"]["kernel"] == "head"
+  assert p["lm_head"]["bias"] == "adam"  # a bias: never decayed, whatever module it is in
   assert p["block_0"]["ln_1"]["scale"] == "adam" and p["block_0"]["ln_1"]["bias"] == "adam"
   assert p["block_0"]["rms"]["scale"] == "adam"
   assert p["block_0"]["attn_qkv"]["kernel"] == "muon"
@@ -52,24 +59,42 @@ def test_default_rule_on_flax_model():
 
 def test_rules_by_path_and_shape():
   params = {
-      "embed_norm": {"weight": jnp.ones(4)},  # rule 1 beats rule 3
+      "embed_norm": {"weight": jnp.ones(4)},  # a norm gain: "adam" beats "embedding"
       "norm_w": jnp.ones((4, 4)),  # "norm" in the path: AdamW even though it is a matrix
       "value_head": {"kernel": jnp.ones((4, 1))},  # owner ends in "head"
-      "stacked_mlp": {"kernel": jnp.ones((3, 4, 8))},  # scan-stacked layers: Muon
       "conv": {"kernel": jnp.ones((3, 3, 4, 8))},
       "vec": jnp.ones(4),
       "embed": {"emb_proj": jnp.ones((4, 4))},  # "emb_proj" excludes the embedding rule
+      "ln_f": {"weight": jnp.ones(4)},
+      "wte": jnp.ones((10, 4)),
+      "unembed": jnp.ones((4, 10)),  # a head name, though it contains "embed"
   }
   labels = stablejax.label_params(params)
   assert labels == {
-      "embed_norm": {"weight": "embedding"},
+      "embed_norm": {"weight": "adam"},
       "norm_w": "adam",
       "value_head": {"kernel": "head"},
-      "stacked_mlp": {"kernel": "muon"},
       "conv": {"kernel": "muon"},
       "vec": "adam",
       "embed": {"emb_proj": "muon"},
+      "ln_f": {"weight": "adam"},
+      "wte": "embedding",
+      "unembed": "head",
   }
+
+
+def test_scan_stacked_subtree_keeps_roles():
+  # nn.scan stacks every parameter of a block on a leading layer axis: [L, D] gains are still
+  # gains (even named "weight" under "ln_1", which no name rule catches), [L, in, out] kernels
+  # are L matrices. Without the stack, the same [3, 8] leaf is a matrix.
+  stack = {"ln_1": {"weight": jnp.ones((3, 8))}, "mlp": {"kernel": jnp.ones((3, 8, 16)),
+                                                          "b": jnp.ones((3, 16))},
+           "gain": jnp.ones(3)}
+  labels = stablejax.label_params({"blocks": stack, "proj": {"w": jnp.ones((3, 8))},
+                                   "wte": jnp.ones((10, 8))})
+  assert labels == {"blocks": {"ln_1": {"weight": "adam"}, "mlp": {"kernel": "muon", "b": "adam"},
+                               "gain": "adam"},
+                    "proj": {"w": "muon"}, "wte": "embedding"}
 
 
 def test_works_with_shape_dtype_structs_and_lists():
@@ -83,32 +108,168 @@ def test_describe_routing_table_with_transform():
                                    embedding_learning_rate=3e-3, head_learning_rate=5e-4)
   table = stablejax.describe_routing(params, tx)
   lines = table.splitlines()
-  assert lines[0].split() == ["path", "shape", "group", "learning", "rate"]
+  assert lines[0].split() == ["path", "shape", "group", "muon", "matrix", "learning", "rate"]
   row = next(l for l in lines if l.startswith("params/tok_embed/embedding"))
   assert row.split()[1:4] == ["(32,", "8)", "embedding"] and row.rstrip().endswith("0.003")
   row = next(l for l in lines if l.startswith("params/lm_head/kernel"))
   assert "head" in row.split() and row.rstrip().endswith("0.0005")
   row = next(l for l in lines if l.startswith("params/block_0/attn_qkv/kernel"))
-  assert "muon" in row.split() and "schedule (start 0, peak 0.02)" in row
+  assert row.split()[3:5] == ["muon", "8x16"] and "schedule (start 0, peak 0.02)" in row
   # Summary: tensor and parameter counts per group.
   n_leaves = len(jax.tree.leaves(params))
   summary = {l.split(":")[0]: l for l in lines if l.split(":")[0] in stablejax.muon.routing.GROUPS}
   assert sum(int(v.split(": ")[1].split()[0]) for v in summary.values()) == n_leaves
-  assert "muon: 3 tensors" in summary["muon"]
+  assert "muon: 3 tensors" in summary["muon"] and summary["muon"].endswith("peak 0.02)")
+  assert summary["adam"].endswith("learning rate 0.001")
+
+
+def _group_of(table, path):
+  row = next(l for l in table.splitlines() if l.startswith(path + " "))
+  return re.split(r"\s{2,}", row)[2]  # columns are separated by at least two spaces
 
 
 def test_describe_routing_with_labels_or_callable_or_default():
   params = {"w": jnp.ones((4, 4)), "b": jnp.ones(4)}
   default = stablejax.describe_routing(params)
-  assert "muon" in default and "adam" in default and "  -" in default
+  assert _group_of(default, "w") == "muon" and _group_of(default, "b") == "adam"
   custom = stablejax.describe_routing(params, {"w": "head", "b": "adam"})
-  assert any(l.startswith("w ") and "head" in l for l in custom.splitlines())
+  assert _group_of(custom, "w") == "head"
   fn = stablejax.describe_routing(params, lambda p: jax.tree.map(lambda _: "adam", p))
-  assert "muon" not in fn
-  with pytest.raises(ValueError, match="not built by outlier_safe_muon"):
-    stablejax.describe_routing(params, optax.adam(1e-3))
-  with pytest.raises(ValueError, match="same tree structure"):
-    stablejax.describe_routing(params, {"w": "muon"})
+  assert _group_of(fn, "w") == "adam"
+  with pytest.raises(ValueError, match="contains no stablejax.outlier_safe_muon"):
+    stablejax.describe_routing(params, optax.chain(optax.clip(1.0), optax.adam(1e-3)))
+  with pytest.raises(ValueError, match="structure of the params"):
+    stablejax.describe_routing(params, {"w": {"x": "muon"}, "b": "adam"})
+
+
+def _rates(table):
+  """group -> learning-rate text, from the summary lines."""
+  return {l.split(":")[0]: l.split("learning rate ")[1] for l in table.splitlines()
+          if l.split(":")[0] in stablejax.muon.routing.GROUPS}
+
+
+def test_describe_routing_finds_outlier_safe_muon_in_any_chain():
+  params = _flax_params()
+  muon = stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1e-3, head_learning_rate=5e-4)
+  want = {"muon": "0.002", "adam": "0.001", "embedding": "0.001", "head": "0.0005"}
+  readme_chain = stablejax.skip_nonfinite(stablejax.skip_spikes(
+      optax.chain(stablejax.hybrid_clip(), muon)))
+  for tx in [muon, readme_chain, optax.MultiSteps(readme_chain, every_k_schedule=2),
+             optax.chain(optax.inject_hyperparams(optax.scale)(step_size=1.0), readme_chain)]:
+    assert _rates(stablejax.describe_routing(params, tx)) == want
+  # The rates reach the factory traced under inject_hyperparams: the given values are shown.
+  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
+      learning_rate=optax.linear_schedule(0.0, 2e-2, 100), adam_learning_rate=1e-3)
+  rates = _rates(stablejax.describe_routing(params, stablejax.skip_nonfinite(injected)))
+  assert rates["muon"] == "schedule (start 0, peak 0.02) (injected)"
+  assert rates["adam"] == rates["head"] == "0.001 (injected)"
+
+
+def test_same_labels_for_every_wrapping_of_the_same_parameters():
+  from flax import nnx
+  from flax.core import FrozenDict
+  params = _flax_params()["params"]
+  want = jax.tree.leaves(stablejax.label_params(params))
+  for tree in [FrozenDict(params), {"params": params}, jax.eval_shape(lambda: params),
+               jax.tree.map(lambda x: x, params)]:
+    assert jax.tree.leaves(stablejax.label_params(tree)) == want
+
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(16, 8, rngs=rngs)
+      self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, decode=False, rngs=rngs)
+      self.norm = nnx.RMSNorm(8, rngs=rngs)
+      self.out = nnx.Linear(8, 16, rngs=rngs)
+
+  state = nnx.state(Net(nnx.Rngs(0)), nnx.Param)  # what nnx.Optimizer gives init: Variables
+  at_init = stablejax.label_params(state)
+  at_update = stablejax.label_params(nnx.as_pure(state))  # what nnx.Optimizer.update passes
+  leaves = lambda t: jax.tree.leaves(t)
+  assert leaves(at_init) == leaves(at_update)
+  assert jax.tree.structure(at_update) == jax.tree.structure(nnx.as_pure(state))
+  assert at_update["attn"]["query"]["bias"] == "adam"  # [H, hd] bias: the labels that once split
+  assert at_update["attn"]["query"]["kernel"] == "muon" and at_update["out"]["kernel"] == "head"
+
+
+def test_overrides_mapping():
+  params = _flax_params()
+  labels = stablejax.label_params(params, overrides={"params/emb_proj_out": "head",
+                                                      "*/attn_*/kernel": "adam"})
+  p = labels["params"]
+  assert p["emb_proj_out"]["kernel"] == "head" and p["emb_proj_out"]["bias"] == "head"
+  assert p["block_0"]["attn_qkv"]["kernel"] == "adam" and p["block_0"]["attn_out"]["kernel"] == "adam"
+  assert p["tok_embed"]["embedding"] == "embedding"  # untouched by the overrides
+  # The same mapping is what outlier_safe_muon's param_labels takes.
+  tx = stablejax.outlier_safe_muon(2e-3, param_labels={"params/emb_proj_out": "head"})
+  assert _group_of(stablejax.describe_routing(params, tx), "params/emb_proj_out/kernel") == "head"
+  with pytest.raises(ValueError, match="matches no parameter"):
+    stablejax.label_params(params, overrides={"params/nothing": "head"})
+  with pytest.raises(ValueError, match="unknown group 'sgd'"):
+    stablejax.label_params(params, overrides={"params/lm_head": "sgd"})
+
+
+def _notes(table):
+  return [l for l in table.splitlines() if l.startswith(("note:", "unsure:", "warning:"))]
+
+
+def test_head_found_by_shape_or_reported():
+  emb = jnp.zeros((50, 8))
+  # Linen's auto-named last Dense: the only top-level [D, V] matrix is the head.
+  params = {"Embed_0": {"embedding": emb}, "Block_0": {"Dense_0": {"kernel": jnp.zeros((8, 50))}},
+            "Dense_0": {"kernel": jnp.zeros((8, 32))}, "Dense_1": {"kernel": jnp.zeros((8, 50)),
+                                                                   "bias": jnp.zeros(50)}}
+  labels = stablejax.label_params(params)
+  assert labels["Dense_1"] == {"kernel": "head", "bias": "adam"}
+  assert labels["Block_0"]["Dense_0"]["kernel"] == "muon"  # same shape, but inside a block
+  assert labels["Dense_0"]["kernel"] == "muon"
+  notes = _notes(stablejax.describe_routing(params))
+  assert len(notes) == 1 and notes[0].startswith("note: Dense_1/kernel (8, 50) is routed to 'head'")
+  assert "param_labels={'Dense_1/kernel': 'muon'}" in notes[0]
+  # "out" / "decoder" count as heads only when shaped like one.
+  params = {"embed": emb, "attn": {"out": {"kernel": jnp.zeros((8, 8))}},
+            "blocks": {"decoder": {"kernel": jnp.zeros((8, 50))}}}
+  labels = stablejax.label_params(params)
+  assert labels["attn"]["out"]["kernel"] == "muon" and labels["blocks"]["decoder"]["kernel"] == "head"
+  # Tied: no other leaf has the vocabulary's size.
+  notes = _notes(stablejax.describe_routing({"embed": emb, "w": jnp.zeros((8, 8))}))
+  assert len(notes) == 1 and "taken as tied to the embedding embed (50, 8)" in notes[0]
+  # Unsure: a [D, V] matrix only inside a block, or a vocabulary-sized axis elsewhere.
+  notes = _notes(stablejax.describe_routing(
+      {"embed": emb, "block": {"proj": {"kernel": jnp.zeros((8, 50))}}}))
+  assert len(notes) == 1 and notes[0].startswith("unsure: no output head found")
+  assert "param_labels={'block/proj/kernel': 'head'}" in notes[0]
+  notes = _notes(stablejax.describe_routing({"embed": emb, "w_out": jnp.zeros((50, 8))}))
+  assert len(notes) == 1 and "w_out also have a vocabulary-sized axis" in notes[0]
+  # A named head needs no note.
+  assert _notes(stablejax.describe_routing({"embed": emb, "lm_head": jnp.zeros((8, 50))})) == []
+
+
+def test_adam_group_is_never_weight_decayed():
+  # Issue: the AdamW decay mask was ndim >= 2, so scan-stacked [L, D] norm gains were decayed.
+  params = {"tok_embed": {"embedding": _normal((20, 8))},
+            "blocks": {"attn_norm": {"scale": jnp.ones((3, 8))},
+                       "mlp": {"kernel": _normal((3, 8, 8)), "bias": _normal((3, 8))}},
+            "final_norm": {"scale": jnp.ones(8)},
+            "lm_head": {"kernel": _normal((8, 20)), "bias": _normal((20,))}}
+  labels = stablejax.label_params(params)
+  assert labels["blocks"] == {"attn_norm": {"scale": "adam"},
+                              "mlp": {"kernel": "muon", "bias": "adam"}}
+  tx = stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1e-3, adam_weight_decay=0.5)
+  grads = jax.tree.map(lambda p: _normal(p.shape, seed=p.size), params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  no_decay = optax.adam(1e-3, b1=0.9, b2=0.95, eps=1e-8)
+  decay = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.5)
+  for path in [("blocks", "attn_norm", "scale"), ("blocks", "mlp", "bias"),
+               ("final_norm", "scale"), ("lm_head", "bias")]:
+    p, g, u = params, grads, updates
+    for k in path:
+      p, g, u = p[k], g[k], u[k]
+    want, _ = no_decay.update(g, no_decay.init(p), p)
+    np.testing.assert_allclose(u, want, rtol=1e-6, err_msg="/".join(path))
+  for path in [("tok_embed", "embedding"), ("lm_head", "kernel")]:
+    p, g, u = params[path[0]][path[1]], grads[path[0]][path[1]], updates[path[0]][path[1]]
+    want, _ = decay.update(g, decay.init(p), p)
+    np.testing.assert_allclose(u, want, rtol=1e-6, err_msg="/".join(path))
 
 
 def test_param_labels_override_routes_updates():
@@ -117,7 +278,7 @@ def test_param_labels_override_routes_updates():
                                    param_labels={"w": "muon", "u": "adam"})
   grads = {"w": jnp.eye(8), "u": jnp.eye(8)}
   updates, _ = tx.update(grads, tx.init(params), params)
-  # AdamW's first step is -lr * sign(g); Muon's is an orthogonal matrix scaled 0.2 * sqrt(8).
+  # Adam's first step is -lr * sign(g); Muon's is an orthogonal matrix scaled 0.2 * sqrt(8).
   assert jnp.allclose(updates["u"], -1e-3 * jnp.eye(8), atol=1e-7)
   assert jnp.allclose(updates["w"] @ updates["w"].T, (0.02 * 0.2 * 8**0.5) ** 2 * jnp.eye(8),
                       rtol=0.3, atol=1e-6)
@@ -139,6 +300,9 @@ def test_check_learning_rates_rules():
       adam_lr=optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 1000)) == []
   assert stablejax.check_learning_rates(
       adam_lr=optax.warmup_cosine_decay_schedule(0.0, 0.01, 100, 1000))
+  # A short schedule peaks between round step counts: its real peak is judged.
+  short = optax.warmup_cosine_decay_schedule(0.0, 0.005, 17, 40)
+  assert "AdamW learning rate 0.005 is above" in stablejax.check_learning_rates(adam_lr=short)[0]
   bad = stablejax.check_learning_rates(muon_lr=float("nan"), head_lr=-1.0)
   assert len(bad) == 2 and all("not a positive finite number" in b for b in bad)
   # Embedding rates above 3e-3 are common on purpose and are not flagged.

@@ -2,5 +2,5 @@
 
 Public names are exported from :mod:`stablejax`: ``newton_schulz``, ``outlier_safe_muon``,
 ``OutlierSafeMuonState``, ``GroupUpdateRmsState``, ``label_params``, ``describe_routing``,
-``check_learning_rates``.
+``muon_dimension_numbers``, ``check_learning_rates``.
 """

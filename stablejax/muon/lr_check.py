@@ -14,20 +14,36 @@ import math
 import warnings
 from typing import Optional
 
+import jax.numpy as jnp
+import numpy as np
+
 MUON_MIN_LR = 1e-3
 ADAM_MAX_LR = 3e-3
-_SCHEDULE_PROBES = (0, 1, 10, 100, 1_000, 10_000, 100_000)
+# Schedules are probed at every step up to 4096 (warmups end exactly there) and geometrically
+# beyond, up to 10 million steps.
+_PROBES = np.unique(np.concatenate([np.arange(4097), np.geomspace(4096, 1e7, 256).astype(np.int64)]))
 
 _MUON_NAMES = ("muon", "outlier_safe_muon")
 _ADAM_NAMES = ("adam", "adamw")
 
 
+def schedule_values(schedule) -> np.ndarray:
+  """Values of an optax schedule at every step up to 4096 and geometrically up to 1e7."""
+  try:
+    values = np.asarray(schedule(jnp.asarray(_PROBES, jnp.int32)), np.float64)
+    if values.shape == _PROBES.shape:
+      return values
+  except (TypeError, ValueError):  # a schedule that does not take an array of steps
+    pass
+  return np.array([float(schedule(int(step))) for step in _PROBES[::16]])
+
+
 def _peak(lr) -> Optional[float]:
-  """Peak value of a float or an optax schedule (probed at a few steps)."""
+  """Peak value of a float or an optax schedule."""
   if lr is None:
     return None
   if callable(lr):
-    return max(float(lr(step)) for step in _SCHEDULE_PROBES)
+    return float(np.max(schedule_values(lr)))
   return float(lr)
 
 
@@ -44,7 +60,7 @@ def check_learning_rates(optimizer: Optional[str] = None, learning_rate=None, *,
 
   Either name the optimizer and give its ``learning_rate`` (``"adamw"``/``"adam"`` or
   ``"muon"``/``"outlier_safe_muon"``; for Muon ``learning_rate`` is the Muon rate), or pass the
-  rates by keyword. Schedules are judged by their peak over a few probe steps.
+  rates by keyword. Schedules are judged by their peak (every step up to 4096, then geometrically).
 
   Rules: a Muon rate below 1e-3 (looks like an AdamW rate), an AdamW rate above 3e-3 (looks like
   a Muon rate), both at once (probably swapped), and any non-positive or non-finite rate.

@@ -6,7 +6,8 @@ matrix with the (approximate) polar factor of its momentum, computed by Newton-S
 arXiv 2502.16982) scale that update by ``0.2 * sqrt(max(fan_in, fan_out))`` so its RMS matches
 AdamW's and add decoupled weight decay. Everything that is not a hidden matrix (embeddings, the
 output head, norms, biases, scalars) goes to AdamW with its own learning rate
-(:mod:`stablejax.muon.routing`).
+(:mod:`stablejax.muon.routing`, which also decides each matrix's layout, e.g. Flax attention
+kernels ``[D, H, hd]`` as one ``[D, H*hd]`` matrix).
 
 The "outlier-safe" layer adds, per Muon matrix and per step, all on device:
 
@@ -14,13 +15,26 @@ The "outlier-safe" layer adds, per Muon matrix and per step, all on device:
   (z-score or inter-quartile range) are clamped back to the boundary, so one exploding entry
   cannot take over the Frobenius normalisation and flatten every other direction of the update.
   The matrix keeps its shape and every other entry.
-* **NS health check** after NS: a non-finite result, or one whose Frobenius norm is far outside
-  what NS produces (about ``sqrt(rank)`` with singular values in [0.68, 1.13]), is replaced by
-  the Frobenius-normalised momentum (the "emergency fallback"; zero if the momentum itself is
-  non-finite).
-* **Counters and rates** in :class:`OutlierSafeMuonState`, exposed by
-  :func:`stablejax.stability_metrics` as ``muon/outlier_rate``, ``muon/ns_instability_rate``,
-  ``muon/fallback_rate``, ``muon/outlier_count``, ``muon/fallback_count`` and
+* **NS health check** after NS: a non-finite result, or one whose Frobenius norm is outside what
+  NS can produce, is replaced by the Frobenius-normalised momentum (the "emergency fallback";
+  zero if the momentum itself is non-finite). What NS can produce: five standard steps map each
+  normalised singular value ``s = sigma / ||M||_F`` to [0.68, 1.13] when ``s >= 0.0052``, to at
+  most 1.21 for any ``s`` in (0, 1], and to about ``480 s`` (less than 0.68) when ``s < 0.0015``
+  (numbers from iterating the polynomial, checked in the tests). Since the largest ``s`` is at
+  least ``1 / sqrt(rank)``, ``||O||_F`` is at least ``0.1 * ||M||_F / (||M||_F + eps)`` for any
+  matrix of rank up to about 20 million, and at most ``1.21 sqrt(rank) < 2 sqrt(rank)``; the
+  check uses those bounds, so a near-zero momentum (``||M||_F ~ 1e-12``, below the ``eps = 1e-8``
+  of the normalisation) gives the small update NS computes for it, as in optax, and is not
+  counted as an instability.
+* **Non-finite gradients** (in every group, Muon and AdamW alike): a tensor whose gradient, new
+  optimizer state or update is not finite gets a zero update for that step and keeps its
+  optimizer state (momentum, Adam moments), so one NaN cannot freeze the matrix for good. The
+  other tensors update normally; shared step counts advance. Counted as
+  ``muon/nonfinite_count`` / ``muon/nonfinite_rate``.
+* **Counters and rates** in :class:`OutlierSafeMuonState` and :class:`GroupUpdateRmsState`,
+  exposed by :func:`stablejax.stability_metrics` as ``muon/outlier_rate``,
+  ``muon/ns_instability_rate``, ``muon/fallback_rate``, ``muon/outlier_count``,
+  ``muon/fallback_count``, ``muon/nonfinite_count``, ``muon/nonfinite_rate`` and
   ``muon/update_rms/<group>``.
 """
 
@@ -28,11 +42,12 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
+import warnings
 from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from stablejax.muon import newton_schulz as _ns
@@ -42,9 +57,9 @@ from stablejax.transforms.metrics import register_state_metrics
 OUTLIER_METHODS = (None, "zscore", "iqr")
 # Above this many entries per matrix, IQR quartiles come from a strided subsample.
 IQR_EXACT_MAX = 4096
-# NS health bounds on ||O||_F: healthy NS gives about sqrt(rank) * [0.68, 1.13], and at least
-# ~0.68 for any nonzero input (the largest normalised singular value is >= 1/sqrt(rank) and five
-# standard steps multiply small values by 3.44^5 ~ 480 before saturating).
+# NS health bounds on ||O||_F (see the module docstring): at least 0.1 x the Frobenius norm of
+# the normalised input ||M|| / (||M|| + eps), at most 2 sqrt(rank) (each output singular value is
+# <= 1.21 for the standard coefficients).
 _HEALTH_MIN_FRO = 0.1
 _HEALTH_MAX_FRO_PER_SQRT_RANK = 2.0
 _INT32_MAX = jnp.iinfo(jnp.int32).max
@@ -65,6 +80,10 @@ class OutlierSafeMuonState(NamedTuple):
       check this step (with finite momentum).
     fallback_rate: float32 fraction of Muon matrices that used the fallback this step (NS
       unhealthy for any reason, including non-finite momentum).
+    nonfinite_count: int32 total number of tensors (of every group of
+      :func:`outlier_safe_muon`, which sets it) skipped because their gradient, new state or
+      update was not finite.
+    nonfinite_rate: float32 fraction of all tensors skipped that way this step.
 
   A scan-stacked ``[L, in, out]`` parameter counts as ``L`` matrices.
   """
@@ -76,13 +95,16 @@ class OutlierSafeMuonState(NamedTuple):
   outlier_rate: jax.Array
   ns_instability_rate: jax.Array
   fallback_rate: jax.Array
+  nonfinite_count: jax.Array
+  nonfinite_rate: jax.Array
 
 
 class GroupUpdateRmsState(NamedTuple):
-  """Wrapper state of :func:`outlier_safe_muon`: the routed inner state and per-group RMS.
+  """Wrapper state of :func:`outlier_safe_muon`: the routed inner state and per-group numbers.
 
   Attributes:
-    inner_state: the ``optax.partition`` state of the four groups.
+    inner_state: the ``optax.partition`` state of the four groups (each group's state wrapped
+      in a :class:`TensorGuardState`).
     muon, adam, embedding, head: float32 RMS of the final update (after learning rate and
       weight decay) applied to that group at the last step; 0 for an empty group.
   """
@@ -91,6 +113,17 @@ class GroupUpdateRmsState(NamedTuple):
   adam: jax.Array
   embedding: jax.Array
   head: jax.Array
+
+
+class TensorGuardState(NamedTuple):
+  """State of :func:`skip_nonfinite_tensors`.
+
+  Attributes:
+    inner_state: the wrapped transform's state.
+    skipped: int32 number of tensors skipped at the last step.
+  """
+  inner_state: Any
+  skipped: jax.Array
 
 
 def _saturating_add(total, inc):
@@ -156,8 +189,12 @@ def clamp_outliers(x, method: Optional[str], threshold: float):
   return clamped.astype(x.dtype), n
 
 
-def ns_health(out, mom):
+
+def ns_health(out, mom, eps: float = 0.0):
   """Per-slice health of an NS output ``out`` for momentum ``mom`` (both ``[..., r, c]``).
+
+  Healthy: finite, and ``0.1 * ||mom|| / (||mom|| + eps) <= ||out||_F <= 2 sqrt(rank)`` (see the
+  module docstring for why NS output always lies there).
 
   Returns:
     ``(healthy, mom_finite)``: bool arrays of shape ``out.shape[:-2]``.
@@ -170,49 +207,88 @@ def ns_health(out, mom):
   rank_bound = min(out.shape[-2:])
   finite = jnp.all(jnp.isfinite(of), axis=axes)
   mom_finite = jnp.all(jnp.isfinite(mf), axis=axes)
+  normalised = mom_fro / (mom_fro + eps) if eps else jnp.where(mom_fro > 0, 1.0, 0.0)
   in_range = (fro <= _HEALTH_MAX_FRO_PER_SQRT_RANK * math.sqrt(rank_bound)) & (
-      (fro >= _HEALTH_MIN_FRO) | (mom_fro == 0))
+      fro >= _HEALTH_MIN_FRO * normalised)
   return finite & in_range & mom_finite, mom_finite
 
 
-def shape_scale(shape, consistent_rms: Optional[float]) -> float:
-  """Muon update scale for a ``[..., fan_in, fan_out]`` matrix.
+def shape_scale(fan_in: int, fan_out: int, consistent_rms):
+  """Muon update scale for a ``[fan_in, fan_out]`` matrix.
 
   ``consistent_rms * sqrt(max(fan_in, fan_out))`` (Moonlight, arXiv 2502.16982) or, when
   ``consistent_rms`` is None, ``sqrt(max(1, fan_out / fan_in))`` (Jordan's width scaling).
+  ``consistent_rms`` may be a traced array (``optax.inject_hyperparams``).
   """
-  fan_in, fan_out = shape[-2], shape[-1]
   if consistent_rms is None:
     return math.sqrt(max(1.0, fan_out / fan_in))
-  return float(consistent_rms) * math.sqrt(max(fan_in, fan_out))
+  return consistent_rms * math.sqrt(max(fan_in, fan_out))
+
+
+def _to_matrices(x, dims):
+  """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
+  red, out = routing._normalize_axes(dims, x.ndim)
+  batch = [a for a in range(x.ndim) if a not in red and a not in out]
+  perm = tuple(batch) + red + out
+  permuted_shape = tuple(x.shape[a] for a in perm)
+  shape = (tuple(x.shape[a] for a in batch) + (math.prod(x.shape[a] for a in red),
+                                               math.prod(x.shape[a] for a in out)))
+  inverse = tuple(sorted(range(x.ndim), key=perm.__getitem__))
+  identity = perm == tuple(range(x.ndim))
+
+  def back(m):
+    m = m.reshape(permuted_shape)
+    return m if identity else jnp.transpose(m, inverse)
+
+  return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
+
+
+def _static_int(value, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be a Python int, got {value!r} (under optax.inject_hyperparams "
+                     f"pass static_args=({name!r},))")
+  return int(value)
+
+
+def _concrete(value) -> Optional[float]:
+  """``float(value)``, or None for a traced value (a hyperparameter under inject_hyperparams)."""
+  try:
+    return float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return None
 
 
 def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
                                ns_coeffs="standard", consistent_rms: Optional[float] = 0.2,
                                outlier_threshold: float = 5.0, outlier_method: Optional[str] = "zscore",
-                               ns_backend: str = "auto", eps: float = 1e-8
-                               ) -> optax.GradientTransformation:
+                               ns_backend: str = "auto", eps: float = 1e-8,
+                               weight_dimension_numbers=None) -> optax.GradientTransformation:
   """The Muon direction for matrices: momentum, outlier clamp, NS, health check, shape scale.
 
-  Every leaf must have ``ndim >= 2`` (the last two axes are ``[fan_in, fan_out]``; leading axes
-  are batch). Learning rate and weight decay are applied by :func:`outlier_safe_muon`.
+  Every leaf must have ``ndim >= 2``. Its matrix is given by ``weight_dimension_numbers`` (as
+  ``optax.contrib.scale_by_muon`` takes it: a tree, or a callable of the updates, of
+  ``optax.contrib.MuonDimensionNumbers``; a None entry, or no argument, means the default
+  layout: Flax attention kernels as one matrix, otherwise the last two axes
+  ``[..., fan_in, fan_out]`` with leading batch axes). Learning rate and weight decay are applied
+  by :func:`outlier_safe_muon`.
 
   The momentum follows ``optax.contrib.scale_by_muon`` exactly (EMA ``mu = b mu + (1 - b) g``
   with bias correction; Nesterov input ``b mu_hat_{t+1} + (1 - b) g_hat_t``), so with
-  ``outlier_method=None`` and a healthy NS the direction equals optax's. The clamp acts on the
-  NS input only; the stored momentum is not modified, so a spike that lingers in the buffer is
-  clamped (and counted) on every step it would dominate.
+  ``outlier_method=None`` and a healthy NS the direction equals optax's for the same dimension
+  numbers. The clamp acts on the NS input only; the stored momentum is not modified, so a spike
+  that lingers in the buffer is clamped (and counted) on every step it would dominate.
 
   Args:
     momentum: EMA decay of the momentum.
     nesterov: use Nesterov momentum.
-    ns_steps: Newton-Schulz iterations.
+    ns_steps: Newton-Schulz iterations (a Python int).
     ns_coeffs: coefficients, see :func:`stablejax.newton_schulz`.
     consistent_rms: Moonlight scale factor, or None for ``sqrt(max(1, fan_out / fan_in))``.
     outlier_threshold: z threshold (``"zscore"``) or ``2 k`` for ``"iqr"``.
     outlier_method: "zscore", "iqr" or None.
     ns_backend: "auto", "xla" or "pallas" (see :func:`stablejax.newton_schulz`).
     eps: added to the Frobenius norm before NS.
+    weight_dimension_numbers: matrix layouts, see above.
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`OutlierSafeMuonState`.
@@ -223,22 +299,28 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
     >>> tx = optax.chain(scale_by_outlier_safe_muon(), optax.scale(-1e-3))
     >>> state = tx.init({"w": jnp.ones((8, 16))})
   """
-  _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
+  ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
   _ns.resolve_coeffs(ns_coeffs, ns_steps)  # validates early
 
+  def layouts(tree):
+    return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
+
   def init_fn(params):
-    for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
-      if jnp.ndim(p) < 2:
-        raise ValueError(f"Muon needs matrices but {routing.path_to_str(path)} has shape "
-                         f"{jnp.shape(p)}; label it 'adam' in param_labels")
+    leaves, _ = routing.param_leaves(params)
+    for leaf in leaves:
+      if not leaf.masked and len(leaf.shape) < 2:
+        raise ValueError(f"Muon needs matrices but {leaf.path} has shape {leaf.shape}; label it "
+                         "'adam' in param_labels")
+    layouts(params)  # validates the dimension numbers
     zero_f = jnp.zeros((), jnp.float32)
     zero_i = jnp.zeros((), jnp.int32)
     return OutlierSafeMuonState(
         count=zero_i, mu=optax.tree.zeros_like(params), outlier_count=zero_i,
         instability_count=zero_i, fallback_count=zero_i, outlier_rate=zero_f,
-        ns_instability_rate=zero_f, fallback_rate=zero_f)
+        ns_instability_rate=zero_f, fallback_rate=zero_f, nonfinite_count=zero_i,
+        nonfinite_rate=zero_f)
 
-  def one(g, m, count_inc):
+  def one(g, m, count_inc, dims):
     m = (momentum * m + (1 - momentum) * g).astype(m.dtype)
     beta = jnp.asarray(momentum, m.dtype)
     if nesterov:
@@ -247,26 +329,37 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
       m_hat = beta * (m / corr_next) + (1 - beta) * (g / corr_now)
     else:
       m_hat = m / (1 - beta ** count_inc.astype(m.dtype))
-    m_hat, n_out = clamp_outliers(m_hat, outlier_method, outlier_threshold)
-    o = _ns.newton_schulz(m_hat, steps=ns_steps, coeffs=ns_coeffs, eps=eps, backend=ns_backend)
-    healthy, mom_finite = ns_health(o, m_hat)
-    mf = m_hat.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(mf * mf, axis=(-2, -1), keepdims=True))
-    usable = mom_finite[..., None, None] & (norm > 0)
-    fallback = jnp.where(usable, mf / jnp.where(usable, norm, 1.0), 0.0).astype(o.dtype)
+    x, back = _to_matrices(m_hat, dims)
+    x, n_out = clamp_outliers(x, outlier_method, outlier_threshold)
+    o = _ns.newton_schulz(x, steps=ns_steps, coeffs=ns_coeffs, eps=eps, backend=ns_backend)
+    healthy, mom_finite = ns_health(o, x, eps)
+    xf = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True))
+    fallback = jnp.where(mom_finite[..., None, None], xf / (norm + eps), 0.0).astype(o.dtype)
     o = jnp.where(healthy[..., None, None], o, fallback)
-    o = (o * shape_scale(o.shape, consistent_rms)).astype(g.dtype)
+    o = (o * shape_scale(o.shape[-2], o.shape[-1], consistent_rms)).astype(g.dtype)
     n_slices = math.prod(o.shape[:-2])
     unstable = jnp.sum(~healthy & mom_finite, dtype=jnp.int32)
     fell_back = jnp.sum(~healthy, dtype=jnp.int32)
-    return o, m, n_out, unstable, fell_back, o.size, n_slices
+    return back(o), m, n_out, unstable, fell_back, o.size, n_slices
 
   def update_fn(updates, state, params=None):
     del params
     count_inc = optax.safe_increment(state.count)
     g_leaves, treedef = jax.tree.flatten(updates)
-    m_leaves = treedef.flatten_up_to(state.mu)
-    results = [one(g, m, count_inc) for g, m in zip(g_leaves, m_leaves)]
+    try:
+      m_leaves = treedef.flatten_up_to(state.mu)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "outlier_safe_muon: the Muon parameters of this update differ from the ones its state "
+          "was initialised with; pass update() the same parameter tree (same paths and shapes) "
+          f"as init() ({e})") from None
+    for path_g, m in zip(jax.tree_util.tree_flatten_with_path(updates)[0], m_leaves):
+      if jnp.shape(path_g[1]) != jnp.shape(m):
+        raise ValueError(f"outlier_safe_muon: {routing.path_to_str(path_g[0])} has shape "
+                         f"{jnp.shape(path_g[1])} in the update but {jnp.shape(m)} in the state")
+    dims = layouts(updates)
+    results = [one(g, m, count_inc, d) for g, m, d in zip(g_leaves, m_leaves, dims)]
     new_updates = treedef.unflatten([r[0] for r in results])
     new_mu = treedef.unflatten([r[1] for r in results])
     zero_i = jnp.zeros((), jnp.int32)
@@ -284,77 +377,115 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
         outlier_rate=n_out.astype(jnp.float32) / n_entries,
         ns_instability_rate=n_unstable.astype(jnp.float32) / n_mats,
         fallback_rate=n_fallback.astype(jnp.float32) / n_mats,
+        nonfinite_count=state.nonfinite_count,
+        nonfinite_rate=state.nonfinite_rate,
     )
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend):
-  if not 0.0 <= float(momentum) < 1.0:
+def _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend) -> int:
+  """Validates the arguments that are concrete (traced ones come from inject_hyperparams)."""
+  m = _concrete(momentum)
+  if m is not None and not 0.0 <= m < 1.0:
     raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-  if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
+  if isinstance(ns_steps, (int, np.integer)) and not isinstance(ns_steps, bool) and ns_steps < 1:
     raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
+  ns_steps = _static_int(ns_steps, "ns_steps")
   if outlier_method not in OUTLIER_METHODS:
     raise ValueError(f"outlier_method must be one of {OUTLIER_METHODS}, got {outlier_method!r}")
-  if outlier_method is not None and not float(outlier_threshold) > 0:
+  t = _concrete(outlier_threshold)
+  if outlier_method is not None and t is not None and not t > 0:
     raise ValueError(f"outlier_threshold must be > 0, got {outlier_threshold!r}")
   if ns_backend not in _ns.BACKENDS:
     raise ValueError(f"ns_backend must be one of {_ns.BACKENDS}, got {ns_backend!r}")
+  return ns_steps
+
+
+def _all_finite(x):
+  x = jnp.asarray(x)
+  return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
+
+
+def skip_nonfinite_tensors(inner: optax.GradientTransformation
+                           ) -> optax.GradientTransformationExtraArgs:
+  """Per-tensor finite guard: a tensor whose gradient, new state or update is not finite is skipped.
+
+  A skipped tensor gets a zero update and keeps its entries of every per-parameter state tree
+  (momentum, Adam moments: any subtree of the state with the structure of the updates); the
+  other tensors update normally, and shared scalars such as step counts advance. Unlike
+  :func:`stablejax.skip_nonfinite`, which skips the whole step, this keeps a single bad tensor
+  from poisoning its own state when the transform is used without that wrapper.
+
+  Args:
+    inner: the transform to guard (here one routing group of :func:`outlier_safe_muon`).
+
+  Returns:
+    A transform with :class:`TensorGuardState`.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return TensorGuardState(inner.init(params), jnp.zeros((), jnp.int32))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    leaves, treedef = jax.tree.flatten(updates)
+    if not leaves:
+      new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+      return new_updates, TensorGuardState(inner_state, jnp.zeros((), jnp.int32))
+    ok = [_all_finite(g) for g in leaves]
+    safe = treedef.unflatten([jnp.where(k, g, jnp.zeros_like(g)) for k, g in zip(ok, leaves)])
+    new_updates, inner_state = inner.update(safe, state.inner_state, params, **extra_args)
+
+    def per_param(x):
+      return jax.tree.structure(x) == treedef
+
+    new_leaves = treedef.flatten_up_to(new_updates)
+    ok = [k & _all_finite(u) for k, u in zip(ok, new_leaves)]
+    for tree in jax.tree.leaves(inner_state, is_leaf=per_param):
+      if per_param(tree):
+        ok = [k & _all_finite(x) for k, x in zip(ok, treedef.flatten_up_to(tree))]
+
+    def keep_old(new, old):
+      if not per_param(new):
+        return new
+      return treedef.unflatten([jnp.where(k, n, o) for k, n, o in
+                                zip(ok, treedef.flatten_up_to(new), treedef.flatten_up_to(old))])
+
+    inner_state = jax.tree.map(keep_old, inner_state, state.inner_state, is_leaf=per_param)
+    new_updates = treedef.unflatten([jnp.where(k, u, jnp.zeros_like(u))
+                                     for k, u in zip(ok, new_leaves)])
+    skipped = sum((~k).astype(jnp.int32) for k in ok)
+    return new_updates, TensorGuardState(inner_state, skipped)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _group_rms(updates, labels):
   sums = {g: jnp.zeros((), jnp.float32) for g in routing.GROUPS}
   counts = {g: 0 for g in routing.GROUPS}
-  for u, label in zip(jax.tree.leaves(updates), jax.tree.leaves(labels)):
+  for u, label in zip(jax.tree.leaves(updates), labels):
     uf = u.astype(jnp.float32)
     sums[label] = sums[label] + jnp.sum(uf * uf)
     counts[label] += u.size
   return {g: jnp.sqrt(sums[g] / max(counts[g], 1)) for g in routing.GROUPS}
 
 
-def with_group_update_rms(inner: optax.GradientTransformation, labels_fn
-                          ) -> optax.GradientTransformationExtraArgs:
-  """Wraps ``inner`` and records the RMS of its output updates per routing group.
-
-  Args:
-    inner: any transform (here the routed ``optax.partition``).
-    labels_fn: ``params_or_updates -> label pytree`` with labels from ``routing.GROUPS``.
-
-  Returns:
-    A transform with :class:`GroupUpdateRmsState`.
-  """
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    zero = jnp.zeros((), jnp.float32)
-    return GroupUpdateRmsState(inner.init(params), zero, zero, zero, zero)
-
-  def update_fn(updates, state, params=None, **extra_args):
-    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    rms = _group_rms(new_updates, labels_fn(new_updates))
-    return new_updates, GroupUpdateRmsState(inner_state, **rms)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-class RoutingInfo(NamedTuple):
-  param_labels: Any
-  learning_rates: dict
-
-
-_ROUTING: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def routing_info(tx) -> Optional[RoutingInfo]:
-  """Routing (labels and per-group learning rates) of a transform built by outlier_safe_muon."""
-  try:
-    return _ROUTING.get(tx.init)
-  except TypeError:
-    return None
-
-
 def _is_zero(value) -> bool:
   return isinstance(value, numbers.Number) and value == 0
+
+
+def _check_same_parameters(updates, params) -> None:
+  got, _ = routing.param_leaves(updates)
+  want, _ = routing.param_leaves(params)
+  for u, p in zip(got, want):
+    if (u.names, u.shape) != (p.names, p.shape):
+      raise ValueError(f"outlier_safe_muon.update: the updates hold {u.path} {u.shape} where the "
+                       f"params hold {p.path} {p.shape}; pass updates and params with the same "
+                       "structure as the params given to init")
+  if len(got) != len(want):
+    raise ValueError(f"outlier_safe_muon.update: {len(got)} updates for {len(want)} params; pass "
+                     "updates and params with the same structure as the params given to init")
 
 
 def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
@@ -362,35 +493,46 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
                       adam_learning_rate=None, embedding_learning_rate=None,
                       head_learning_rate=None, adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8,
                       adam_weight_decay=0.0, outlier_threshold=5.0, outlier_method="zscore",
-                      ns_backend="auto", param_labels=None
+                      ns_backend="auto", param_labels=None, weight_dimension_numbers=None
                       ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden matrices, AdamW for embeddings, head, norms and biases, with safety guards.
 
   Routing (see :func:`stablejax.label_params`, printable with :func:`stablejax.describe_routing`):
   hidden matrices -> Muon at ``learning_rate``; embeddings -> AdamW at
-  ``embedding_learning_rate``; output head -> AdamW at ``head_learning_rate``; norms, biases and
-  scalars -> AdamW at ``adam_learning_rate``.
+  ``embedding_learning_rate``; output head -> AdamW at ``head_learning_rate``; norm gains, biases
+  and scalars -> Adam at ``adam_learning_rate``, never weight decayed. Labels are a function of
+  each parameter's path and shape only, so ``init`` and ``update`` agree however the tree is
+  wrapped (Linen params, ``FrozenDict``, ``nnx.State`` with ``Variable``s at ``init`` and pure
+  arrays at ``update`` as ``nnx.Optimizer`` does); an update tree with other parameters than
+  ``init`` saw is a clear error.
 
-  Muon branch, per matrix (last two axes ``[fan_in, fan_out]``, leading axes batch):
-  Nesterov momentum, outlier clamp of the NS input, Newton-Schulz, health check with emergency
-  fallback, scale by ``consistent_rms * sqrt(max(fan_in, fan_out))`` (Moonlight, arXiv
-  2502.16982) or ``sqrt(max(1, fan_out / fan_in))`` when ``consistent_rms`` is None, decoupled
-  weight decay ``weight_decay * lr * param``, then ``-lr``.
+  Muon branch, per matrix: Nesterov momentum, outlier clamp of the NS input, Newton-Schulz,
+  health check with emergency fallback, scale by ``consistent_rms * sqrt(max(fan_in, fan_out))``
+  (Moonlight, arXiv 2502.16982) or ``sqrt(max(1, fan_out / fan_in))`` when ``consistent_rms`` is
+  None, decoupled weight decay ``weight_decay * lr * param``, then ``-lr``. The matrix of each
+  leaf: see ``weight_dimension_numbers``.
+
+  Every group: a tensor whose gradient (or new state, or update) is not finite gets a zero
+  update and keeps its optimizer state for that step (``muon/nonfinite_count``); wrap the chain
+  in :func:`stablejax.skip_nonfinite` to skip the whole step instead.
 
   Compared with ``optax.contrib.muon(..., consistent_rms=..., eps=1e-8)``: with
-  ``outlier_method=None`` the Muon branch produces the same updates (same bias-corrected
-  Nesterov momentum, NS, scale and decay; only the ``"auto"`` NS backend may differ in rounding
-  on GPU/TPU). Intended differences: optax routes by ``ndim == 2`` only (embeddings and the head
-  go to Muon, stacked ``[L, in, out]`` kernels need explicit dimension numbers) while this routes
-  by path and treats leading axes as batch; optax's AdamW branch uses Nesterov and one learning
-  rate, while here the AdamW groups are plain ``optax.adamw`` with three learning rates, and
-  AdamW weight decay is not applied to vectors and scalars (norm scales, biases).
+  ``outlier_method=None`` and the same dimension numbers the Muon branch produces the same
+  updates (same bias-corrected Nesterov momentum, NS, scale and decay; only the ``"auto"`` NS
+  backend may differ in rounding on GPU/TPU). Intended differences: optax routes by
+  ``ndim == 2`` only (embeddings and the head go to Muon, other layouts need explicit dimension
+  numbers) while this routes by role and recognises Flax attention and scan-stacked layouts;
+  optax's AdamW branch uses Nesterov and one learning rate, while here the AdamW groups are plain
+  ``optax.adamw`` with three learning rates, and norm gains and biases are never decayed.
 
   Learning-rate defaults: ``adam_learning_rate=None`` uses ``learning_rate`` when
   ``consistent_rms`` is set (the Moonlight scale matches AdamW's update RMS, so one rate serves
   both); with ``consistent_rms=None`` Muon rates (~0.02) are far too large for AdamW, so
   ``adam_learning_rate`` is then required. ``embedding_learning_rate`` and
-  ``head_learning_rate`` default to ``adam_learning_rate``. Every rate may be an optax schedule.
+  ``head_learning_rate`` default to ``adam_learning_rate``. Every rate may be an optax schedule,
+  and every float hyperparameter may be injected with
+  ``optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))`` (add
+  ``"param_labels"`` / ``"weight_dimension_numbers"`` to ``static_args`` when passing callables).
 
   Args:
     learning_rate: Muon learning rate (float or schedule).
@@ -400,21 +542,33 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
     ns_coeffs: "standard", "polar_express", a triple or per-step triples.
     weight_decay: decoupled weight decay for Muon matrices (multiplied by the learning rate).
     consistent_rms: Moonlight RMS factor (0.2) or None for width scaling.
-    adam_learning_rate: AdamW rate for norms, biases, scalars.
+    adam_learning_rate: Adam rate for norm gains, biases, scalars (group "adam").
     embedding_learning_rate: AdamW rate for embeddings.
     head_learning_rate: AdamW rate for the output head.
     adam_b1, adam_b2, adam_eps: AdamW hyperparameters.
-    adam_weight_decay: AdamW decoupled weight decay (matrices of the AdamW groups only).
+    adam_weight_decay: AdamW decoupled weight decay of the "embedding" and "head" groups (the
+      "adam" group, norm gains, biases and scalars, is never decayed).
     outlier_threshold: z threshold for "zscore"; ``2 k`` for "iqr".
     outlier_method: "zscore", "iqr" or None (no clamping).
     ns_backend: "auto", "xla" or "pallas".
-    param_labels: None (default path rule), a label pytree, or a callable ``params -> labels``;
-      labels are "muon", "adam", "embedding", "head".
+    param_labels: None (the default rule of :func:`stablejax.label_params`); a mapping
+      ``{path pattern: group}`` applied on top of it (``{"params/Dense_3": "head"}``: fnmatch
+      globs or path prefixes on ``/``-joined paths); a full label pytree (or a prefix of one);
+      or a callable ``params -> labels``. Groups: "muon", "adam" (never decayed), "embedding",
+      "head".
+    weight_dimension_numbers: which axes of each Muon leaf form its matrix, exactly as
+      ``optax.contrib.muon`` takes them: a tree (or a prefix of one) of
+      ``optax.contrib.MuonDimensionNumbers``, or a callable ``params -> tree``. A None entry
+      keeps the default layout (routing is ``param_labels``' job here, so unlike optax a None
+      does not move the leaf to AdamW). :func:`stablejax.muon_dimension_numbers` returns the
+      default tree and takes per-leaf overrides. Without it, Flax attention kernels are one
+      ``[D, H*hd]`` / ``[H*hd, D]`` matrix, other leaves their last two axes, and a leaf of 3+
+      axes that no rule recognises gets a warning at init naming it and this fix.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its state is :class:`GroupUpdateRmsState`
     around an ``optax.partition`` state whose Muon branch holds :class:`OutlierSafeMuonState`.
-    ``update`` needs ``params`` (AdamW weight decay).
+    ``update`` needs ``params`` (weight decay).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, stablejax
@@ -427,51 +581,91 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
     >>> sorted(stablejax.stability_metrics(state))[:2]
     ['muon/fallback_count', 'muon/fallback_rate']
   """
-  _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
+  ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
+  rate_sources = {"muon": "learning_rate", "adam": "adam_learning_rate",
+                  "embedding": "embedding_learning_rate", "head": "head_learning_rate"}
   if adam_learning_rate is None:
     if consistent_rms is None:
       raise ValueError("adam_learning_rate is required when consistent_rms=None (Muon's width "
                        "scaling uses rates ~0.02, too large for AdamW); pass e.g. 3e-4")
     adam_learning_rate = learning_rate
+    rate_sources["adam"] = "learning_rate"
   if embedding_learning_rate is None:
     embedding_learning_rate = adam_learning_rate
+    rate_sources["embedding"] = rate_sources["adam"]
   if head_learning_rate is None:
     head_learning_rate = adam_learning_rate
-  if param_labels is not None and not callable(param_labels):
-    routing.resolve_labels(param_labels, param_labels)  # validates the label values early
+    rate_sources["head"] = rate_sources["adam"]
+  if isinstance(param_labels, dict) or not (param_labels is None or callable(param_labels)):
+    bad = sorted({str(l) for l in jax.tree.leaves(param_labels) if l not in routing.GROUPS})
+    if bad:  # validates the label values early
+      raise ValueError(f"param_labels contains unknown group(s) {bad}; use labels from "
+                       f"{routing.GROUPS}")
+
+  def plan(tree):
+    return routing.plan(tree, param_labels, weight_dimension_numbers)
 
   def labels_fn(tree):
-    return routing.resolve_labels(tree, param_labels)
+    return plan(tree).label_tree()
 
   muon_parts = [
       scale_by_outlier_safe_muon(
           momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
           consistent_rms=consistent_rms, outlier_threshold=outlier_threshold,
-          outlier_method=outlier_method, ns_backend=ns_backend, eps=1e-8),
+          outlier_method=outlier_method, ns_backend=ns_backend, eps=1e-8,
+          weight_dimension_numbers=weight_dimension_numbers),
   ]
   if not _is_zero(weight_decay):
     muon_parts.append(optax.add_decayed_weights(weight_decay))
   muon_parts.append(optax.scale_by_learning_rate(learning_rate))
 
-  def matrices_only(params):
-    return jax.tree.map(lambda p: jnp.ndim(p) >= 2, params)
+  def adamw(lr, weight_decay):
+    return optax.adamw(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay)
 
-  def adamw(lr, mask=None):
-    return optax.adamw(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=adam_weight_decay,
-                       mask=mask)
-
+  # "adam" holds exactly norm gains, biases and scalars: never decayed, whatever their rank.
   transforms = {
       "muon": optax.chain(*muon_parts),
-      "adam": adamw(adam_learning_rate, mask=matrices_only),
-      "embedding": adamw(embedding_learning_rate),
-      "head": adamw(head_learning_rate),
+      "adam": optax.adam(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps),
+      "embedding": adamw(embedding_learning_rate, adam_weight_decay),
+      "head": adamw(head_learning_rate, adam_weight_decay),
   }
-  tx = with_group_update_rms(optax.partition(transforms, labels_fn), labels_fn)
-  _ROUTING[tx.init] = RoutingInfo(
-      param_labels=param_labels,
+  partition = optax.partition({g: skip_nonfinite_tensors(t) for g, t in transforms.items()},
+                              labels_fn)
+  info = routing.RoutingInfo(
+      param_labels=param_labels, weight_dimension_numbers=weight_dimension_numbers,
       learning_rates={"muon": learning_rate, "adam": adam_learning_rate,
-                      "embedding": embedding_learning_rate, "head": head_learning_rate})
-  return tx
+                      "embedding": embedding_learning_rate, "head": head_learning_rate},
+      rate_sources=rate_sources)
+
+  def init_fn(params):
+    for note in plan(params).notes:
+      if note.kind == "warning":
+        warnings.warn(f"outlier_safe_muon: {note.text}", stacklevel=2)
+    routing.record_init(info, params)
+    zero = jnp.zeros((), jnp.float32)
+    return GroupUpdateRmsState(partition.init(params), zero, zero, zero, zero)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if params is not None:
+      _check_same_parameters(updates, params)
+    new_updates, inner_state = partition.update(updates, state.inner_state, params, **extra_args)
+    labels = plan(new_updates).unmasked_labels()
+    rms = _group_rms(new_updates, labels)
+    guards = [s for s in jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(
+        x, TensorGuardState)) if isinstance(s, TensorGuardState)]
+    skipped = sum((s.skipped for s in guards), jnp.zeros((), jnp.int32))
+
+    def count_skips(node):  # every group's skipped tensors, reported with the Muon counters
+      if not isinstance(node, OutlierSafeMuonState):
+        return node
+      return node._replace(nonfinite_count=_saturating_add(node.nonfinite_count, skipped),
+                           nonfinite_rate=skipped.astype(jnp.float32) / max(1, len(labels)))
+
+    inner_state = jax.tree.map(count_skips, inner_state,
+                               is_leaf=lambda x: isinstance(x, OutlierSafeMuonState))
+    return new_updates, GroupUpdateRmsState(inner_state, **rms)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _muon_metrics(s: OutlierSafeMuonState) -> dict:
@@ -481,6 +675,8 @@ def _muon_metrics(s: OutlierSafeMuonState) -> dict:
       "fallback_rate": s.fallback_rate,
       "outlier_count": s.outlier_count,
       "fallback_count": s.fallback_count,
+      "nonfinite_count": s.nonfinite_count,
+      "nonfinite_rate": s.nonfinite_rate,
   }
 
 

@@ -7,8 +7,14 @@ few quintic Newton-Schulz iterations ``X <- a X + (b A + c A A) X`` with ``A = X
 Coefficient presets:
 
 * ``"standard"``: Jordan's fixed quintic (3.4445, -4.7750, 2.0315). It does not converge to
-  ``U V^T``; after 5 steps the singular values land in roughly [0.68, 1.13], which is what Muon
-  wants (a cheap, coarse polar factor).
+  ``U V^T``; it maps each singular value ``s`` of the Frobenius-normalised input (``s =
+  sigma / ||X||_F``, so the ``s`` of a matrix sum to at most 1 in squares) on its own, and after
+  5 steps: ``s >= 0.0052`` lands in [0.68, 1.13] (what Muon wants, a cheap, coarse polar factor);
+  ``0.0015 <= s < 0.0052`` overshoots up to 1.21; smaller ``s`` stays below 0.68, about
+  ``480 s`` (so directions far weaker than the rest are not blown up to 1). A matrix of rank ``r``
+  with equal singular values has ``s = 1 / sqrt(r)``, inside the first range up to ``r`` of
+  about 37,000. Measured by iterating the scalar polynomial; ``newton_schulz`` follows it to
+  about 1e-6 in float32 and 0.03 in bfloat16 (tests/test_newton_schulz.py).
 * ``"polar_express"``: the per-iteration optimal coefficients of Amsel et al., "The Polar Express:
   Optimal Matrix Sign Methods and Their Application to the Muon Algorithm", arXiv 2505.16932,
   Algorithm 1 (degree 5): the eight published triples, each but the last divided by the paper's
@@ -161,7 +167,7 @@ def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float
     >>> import jax, jax.numpy as jnp, stablejax
     >>> g = jax.random.normal(jax.random.key(0), (256, 512))
     >>> o = stablejax.newton_schulz(g)
-    >>> s = jnp.linalg.svd(o, compute_uv=False)  # all in about [0.68, 1.13]
+    >>> s = jnp.linalg.svd(o, compute_uv=False)  # in [0.68, 1.13]: g's spectrum is not tiny
   """
   x = jnp.asarray(x)
   if x.ndim < 2:

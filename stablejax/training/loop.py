@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import stablejax
 from stablejax.model_utils import excess_kurtosis, lambda_warmup
+from stablejax.muon.routing import NoOutlierSafeMuonError
 from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
 from stablejax.training.budget import Budget, peak_memory
@@ -446,8 +447,10 @@ class Run:
         f"{cfg.train.steps} steps, warmup {cfg.train.warmup_steps}",
         f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
     ]
-    if cfg.optimizer.name == "muon" and self.main_tx is not None:
-      lines.append(stablejax.describe_routing(self.state.params, self.main_tx))
+    try:  # the configured chain or Run(tx=...): any chain holding an outlier_safe_muon
+      lines.append(stablejax.describe_routing(self.state.params, self.tx))
+    except NoOutlierSafeMuonError:
+      pass
     for line in lines:
       self.log.console(line)
     for warning in learning_rate_warnings(cfg) + ineffective_keys(cfg):

@@ -1,0 +1,55 @@
+"""The examples in examples/ run, print the routing, and their loss falls (small sizes)."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+SMALL = ["--steps", "30", "--d-model", "32", "--layers", "1", "--batch", "8", "--seq-len", "32"]
+
+
+def _run(script: str) -> str:
+  out = subprocess.run([sys.executable, str(EXAMPLES / script), *SMALL], capture_output=True,
+                       text=True, timeout=900, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out.stdout
+
+
+def _row(stdout: str, path: str) -> list:
+  line = next(l for l in stdout.splitlines() if l.startswith(path + " "))
+  return re.split(r"\s{2,}", line)  # path, shape, group, muon matrix, learning rate
+
+
+def _loss_fell(stdout: str) -> None:
+  first, last = map(float, re.search(r"^loss (\S+) -> (\S+)$", stdout, re.M).groups())
+  assert last < first - 1.5, (first, last)  # about 6.1 -> 3.9 at these sizes
+  assert re.search(r"^step 30: .*skipped 0\+0, .*muon fallbacks 0$", stdout, re.M), stdout
+
+
+@pytest.mark.slow
+def test_nnx_example():
+  stdout = _run("nnx_lm.py")
+  assert _row(stdout, "out/kernel")[2] == "head"
+  assert _row(stdout, "out/bias")[2] == "adam"
+  assert _row(stdout, "embed/embedding")[2] == "embedding"
+  assert _row(stdout, "pos_embed")[2] == "embedding"
+  assert _row(stdout, "blocks/0/attn/query/kernel")[2:4] == ["muon", "32x32"]
+  assert _row(stdout, "blocks/0/attn/query/bias")[2] == "adam"
+  assert _row(stdout, "blocks/0/fc/kernel")[2:4] == ["muon", "32x128"]
+  assert "muon: 6 tensors" in stdout
+  _loss_fell(stdout)
+
+
+@pytest.mark.slow
+def test_linen_example():
+  stdout = _run("linen_lm.py")
+  assert _row(stdout, "Dense_0/kernel")[2] == "head"  # the unnamed last Dense, found by shape
+  assert "note: Dense_0/kernel (32, 256) is routed to 'head'" in stdout
+  assert _row(stdout, "Embed_0/embedding")[2] == "embedding"
+  assert _row(stdout, "Block_0/MultiHeadDotProductAttention_0/out/kernel")[2:4] == ["muon", "32x32"]
+  assert _row(stdout, "Block_0/LayerNorm_0/scale")[2] == "adam"
+  assert "muon: 6 tensors" in stdout
+  _loss_fell(stdout)
