@@ -66,6 +66,7 @@ import json
 import math
 import multiprocessing
 import os
+import shlex
 import shutil
 import statistics
 import sys
@@ -448,7 +449,7 @@ def write_csv(results: list[dict], path: Path, header_lines: list[str]) -> None:
     w = csv.writer(f)
     w.writerow(RUN_HEADERS)
     for r in results:
-      w.writerow([_cell(r[h]) for h in RUN_HEADERS])
+      w.writerow([_cell(r.get(h), "%.7g") for h in RUN_HEADERS])
 
 
 def _pm(mean, sd):
@@ -606,6 +607,7 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
   rows = summarize(results, models, defences, factors, seeds)
   lines = header["machine"] + [header["setting"], header["timing"]]
   h, body = summary_rows(rows)
+  csv_lines = lines + [f"command: {header['command']}"]
   print()
   print(_common.table(body, h))
   ch, cbody = curve_rows(rows, factors)
@@ -621,7 +623,7 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
             f"{r['error']}")
   if out_dir is None:
     return
-  write_csv(results, out_dir / f"{name}.csv", lines)
+  write_csv(results, out_dir / f"{name}.csv", csv_lines)
   title = header["setting"]
   if rows:
     plot_curves(results, rows, out_dir / f"{name}.png", title)
@@ -642,6 +644,62 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
 
 
 # ----------------------------------------------------------------------------- main
+
+
+_INT_FIELDS = ("seed", "spikes", "skipped", "rollbacks", "warnings")
+_STR_FIELDS = ("model", "defence", "status", "error")
+
+
+def read_csv(path: Path) -> tuple[list[dict], dict]:
+  """The results and header of a CSV this script wrote (what --replot needs; no loss curves)."""
+  lines = path.read_text().splitlines()
+  comments = [line[2:] for line in lines if line.startswith("# ")]
+  rows = list(csv.DictReader(line for line in lines if not line.startswith("# ")))
+  results = []
+  for row in rows:
+    r: dict = {}
+    for key, text in row.items():
+      if key in _STR_FIELDS:
+        r[key] = text
+      elif key == "events":
+        r[key] = [] if text in ("", "-") else text.split(" | ")
+      elif key == "diverged":
+        r[key] = text == "yes"
+      elif text == "-":
+        r[key] = None
+      else:
+        r[key] = int(text) if key in _INT_FIELDS else float(text)
+    r["error"] = "" if r.get("error") in (None, "-") else r["error"]
+    results.append(r)
+  command = next((c[len("command: "):] for c in comments if c.startswith("command: ")), "")
+  machine = [c for c in comments if c.startswith(("machine:", "jax "))]
+  rest = [c for c in comments if c not in machine and not c.startswith("command: ")]
+  return results, {"machine": machine, "setting": rest[0] if rest else "",
+                   "timing": rest[1] if len(rest) > 1 else "", "command": command}
+
+
+def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
+  """Results and one header from saved results (.json or this script's .csv; a later file's
+  cells win)."""
+  cells: dict[tuple, dict] = {}
+  headers = []
+  for path in paths:
+    if path.suffix == ".csv":
+      results, header = read_csv(path)
+    else:
+      saved = json.loads(path.read_text())
+      results, header = saved["results"], saved["header"]
+    headers.append(header)
+    for r in results:
+      cells[(r["model"], r["defence"], r["lr_factor"], r["seed"])] = r
+  if len(headers) == 1:
+    return list(cells.values()), headers[0]
+  return list(cells.values()), {
+      "machine": headers[0]["machine"],
+      "setting": " | ".join(h["setting"] for h in headers),
+      "timing": " | ".join(h["timing"] for h in headers),
+      "command": " && ".join(h["command"] for h in headers) + " && " + shlex.join(
+          ["python", "bench/stress.py", "--replot", ",".join(map(str, paths))])}
 
 
 def _jobs(cells):
@@ -676,14 +734,15 @@ def main(argv=None) -> int:
                  "temporary directory with --quick)")
   p.add_argument("--name", default=None, help="output file prefix (default stress, "
                  "stress_diagnosis with --diagnose)")
-  p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
-                 help="only rebuild the outputs from a saved results.json")
+  p.add_argument("--replot", default=None, metavar="RESULTS_JSON[,RESULTS_JSON...]",
+                 help="only rebuild the outputs from saved results.json files (several are "
+                 "merged, e.g. a full run and a run of new variants)")
   args = p.parse_args(argv)
   name = args.name or ("stress_diagnosis" if args.diagnose else "stress")
 
   if args.replot:
-    saved = json.loads(Path(args.replot).read_text())
-    report(saved["results"], saved["header"], Path(args.out) if args.out else RESULTS, name)
+    results, header = merge_saved([Path(x) for x in args.replot.split(",")])
+    report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
   variants: dict[str, tuple[str, dict]] = {}
@@ -739,10 +798,8 @@ def main(argv=None) -> int:
         f"{k} = {b_} + {json.dumps(o)}" for k, (b_, o) in variants.items()
         if k in (chosen or []))
   print(setting, flush=True)
-  command = "python bench/stress.py " + " ".join(
-      a if a.replace("=", "").replace(",", "").replace(".", "").replace("-", "").replace(
-          "_", "").replace(":", "").isalnum() else repr(a) for a in (argv if argv is not None
-                                                                      else sys.argv[1:]))
+  command = shlex.join(["python", "bench/stress.py",
+                        *(argv if argv is not None else sys.argv[1:])])
 
   workdir = tempfile.mkdtemp(prefix="stablejax_stress_")
   cache_dir = None if args.no_cache else os.path.join(workdir, "xla_cache")

@@ -337,3 +337,20 @@ def test_stress_models_are_the_named_variants():
   f = stress.LR_FACTORS
   assert min(f) <= 1 / 3 and max(f) >= 30
   assert np.allclose(np.diff(np.log10(f)), 0.5, atol=1e-3)
+
+
+def test_stress_csv_round_trip(tmp_path):
+  results = [dict(_cell("clip1", 1, 0, 2.9), events=["step 50: a; restored step 0"]),
+             _cell("clip1", 10, 0, float("nan")), _cell("stack", 1, 0, 3.1234567)]
+  header = {"machine": ["machine: x", "jax y"], "setting": "s", "timing": "t",
+            "command": "python bench/stress.py --quick"}
+  stress.write_csv(results, tmp_path / "r.csv", header["machine"] + ["s", "t",
+                   "command: python bench/stress.py --quick"])
+  back, back_header = stress.read_csv(tmp_path / "r.csv")
+  assert back_header == header
+  for want, got in zip(results, back):
+    for key in ("model", "defence", "lr_factor", "seed", "status", "diverged", "rollbacks",
+                "events", "init_loss"):
+      assert got[key] == want[key], key
+  assert back[2]["val_loss"] == pytest.approx(3.1234567)
+  assert math.isnan(back[1]["val_loss"]) and back[1]["diverged"]
