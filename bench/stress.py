@@ -3,7 +3,7 @@
 Usage:
   python bench/stress.py                  # full sweep (about an hour on 2 cores), bench/results/stress*
   python bench/stress.py --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
-  python bench/stress.py --diagnose       # variants of the stablejax AdamW stack at 2 rates, 3 seeds
+  python bench/stress.py --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
   python bench/stress.py --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
       --variant 'lam2=stablejax:stability.adagc_lambda_rel=2.0'
   python bench/stress.py --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
@@ -146,19 +146,21 @@ PLAN = {
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
          "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
 
-# --diagnose: what costs the AdamW stack loss on clean runs and what makes it roll back. Each
-# variant changes one thing of the default stack (or two, where noted); the high rate is 10x.
+# --diagnose: what costs the stacks loss on clean runs and what makes them roll back. Each variant
+# changes one thing of a default stack (two where named so); name -> (base defence, overrides).
 DIAGNOSIS = {
-    "stablejax": "",
-    "adagc_lam1.5": "stability.adagc_lambda_rel=1.5",
-    "adagc_lam2": "stability.adagc_lambda_rel=2.0",
-    "adagc_lam3": "stability.adagc_lambda_rel=3.0",
-    "no_adagc": "stability.adagc=false",
-    "zclip_no_ceiling": "stability.max_grad_norm=null",
-    "no_adagc_no_ceiling": "stability.adagc=false,stability.max_grad_norm=null",
-    "no_spike_skip": "stability.skip_spikes=false",
-    "no_recovery": "stability.recovery=false",
-    "log_every1": "train.log_every=1",   # the recovery and monitor see every step (scenarios.py)
+    "adagc_lam1.5": ("stablejax", "stability.adagc_lambda_rel=1.5"),
+    "adagc_lam2": ("stablejax", "stability.adagc_lambda_rel=2.0"),
+    "adagc_lam3": ("stablejax", "stability.adagc_lambda_rel=3.0"),
+    "no_adagc": ("stablejax", "stability.adagc=false"),
+    "zclip_no_ceiling": ("stablejax", "stability.max_grad_norm=null"),
+    "no_adagc_no_ceiling": ("stablejax", "stability.adagc=false,stability.max_grad_norm=null"),
+    "no_spike_skip": ("stablejax", "stability.skip_spikes=false"),
+    "no_recovery": ("stablejax", "stability.recovery=false"),
+    # the recovery and the monitor see every step, as in bench/scenarios.py
+    "log_every1": ("stablejax", "train.log_every=1"),
+    "muon_no_adagc": ("stablejax_muon", "stability.adagc=false"),
+    "muon_no_outlier_clamp": ("stablejax_muon", "optimizer.outlier_method=null"),
 }
 DIAGNOSE = {"models": ("preln",), "lr_factors": (1.0, 10.0), "seeds": SEEDS}
 
@@ -718,7 +720,8 @@ def main(argv=None) -> int:
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="Pre-LN, 3 rates, 1 seed, 100 steps")
   p.add_argument("--diagnose", action="store_true",
-                 help="the DIAGNOSIS variants of the AdamW stack (+ clip1) at 1x and 10x, 3 seeds")
+                 help="the DIAGNOSIS variants of the stacks (+ the baselines) at 1x and 10x, "
+                 "3 seeds")
   p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
   p.add_argument("--defences", default=None, help=f"comma list of {', '.join(DEFENCES)} and "
                  "--variant names (default: the full PLAN)")
@@ -751,9 +754,8 @@ def main(argv=None) -> int:
       vname, base, overrides = parse_variant(spec)
       variants[vname] = (base, overrides)
     if args.diagnose:
-      for vname, text in DIAGNOSIS.items():
-        if vname != "stablejax":
-          variants.setdefault(vname, ("stablejax", parse_overrides(text)))
+      for vname, (base, text) in DIAGNOSIS.items():
+        variants.setdefault(vname, (base, parse_overrides(text)))
   except ValueError as e:
     p.error(str(e))
 
@@ -767,7 +769,7 @@ def main(argv=None) -> int:
   if args.defences:
     chosen = args.defences.split(",")
   elif args.diagnose:
-    chosen = ["clip1"] + list(DIAGNOSIS)
+    chosen = ["clip1", "stablejax", "muon_clip1", "stablejax_muon"] + list(DIAGNOSIS)
   elif "defences" in preset:
     chosen = list(preset["defences"])
   else:

@@ -313,13 +313,16 @@ def test_stress_variants_and_diagnosis_configs():
     stress.parse_variant("x=nonsense:stability.adagc=false")
   with pytest.raises(ValueError, match="section.key=value"):
     stress.parse_variant("x=stablejax:adagc")
-  default = config_from_dict(stress.cell_config("preln", "stablejax", 0, 100, {})[0]).stability
-  for vname, text in stress.DIAGNOSIS.items():
+  default = config_from_dict(stress.cell_config("preln", "stablejax", 0, 100, {})[0])
+  for vname, (base, text) in stress.DIAGNOSIS.items():
     overrides = stress.parse_overrides(text)
-    raw, _ = stress.cell_config("preln", vname, 0, 100, {vname: ("stablejax", overrides)})
-    s = config_from_dict(raw).stability
-    for key, value in overrides.get("stability", {}).items():
-      assert getattr(s, key) == value != getattr(default, key), (vname, key)
+    assert overrides and base in ("stablejax", "stablejax_muon"), vname
+    raw, _ = stress.cell_config("preln", vname, 0, 100, {vname: (base, overrides)})
+    cfg = config_from_dict(raw)
+    for section, values in overrides.items():
+      for key, value in values.items():
+        assert getattr(getattr(cfg, section), key) == value != getattr(
+            getattr(default, section), key), (vname, key)
 
 
 def test_stress_models_are_the_named_variants():
