@@ -226,3 +226,66 @@ def _numeric(s: str) -> bool:
 
 def ms(seconds: float) -> str:
   return f"{seconds * 1e3:.2f} ms"
+
+
+# ----------------------------------------------------------------------------- trainer runs
+#
+# Shared by the benches that run the real trainer (`stablejax.training.loop.Run`) in-process, many
+# runs in a pool of worker processes that share one persistent XLA compilation cache.
+
+
+def use_compilation_cache(cache_dir: str | None) -> None:
+  """Points this process's JAX at a persistent compilation cache shared by the worker pool."""
+  if cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def trainer_run_class():
+  """`Run` with two bench hooks, built lazily so importing this module stays light.
+
+  - `lr_factor`: every learning rate times this factor, applied through the trainer's own
+    learning-rate scale (`optax.inject_hyperparams(optax.scale)` at the end of every chain, the
+    multiplier the recovery backs off) instead of through the config. The update is the same
+    (`lr * factor * u`; weight decay scales with it, as with a larger configured rate), but the
+    compiled train step does not depend on the rate, so every rate of a grid reuses one
+    compilation from the persistent cache. A rollback multiplies the scale by
+    `stability.emergency_lr_factor` as usual.
+  - `init_val_loss`: the validation loss of the initial parameters, computed once before step 1
+    on the run's own validation batches.
+  """
+  from stablejax.training.loop import Run
+  from stablejax.training.optim import set_lr_scale
+
+  class BenchRun(Run):
+    lr_factor = 1.0
+    init_val_loss = None
+
+    def _restore_or_init(self):
+      state, meta = super()._restore_or_init()
+      if not meta and self.lr_factor != 1.0:  # a fresh start (a rollback restores a checkpoint)
+        state = state.replace(opt_state=set_lr_scale(state.opt_state, self.lr_factor))
+        meta = {"lr_scale": self.lr_factor}
+      return state, meta
+
+    def _banner(self, step):
+      super()._banner(step)
+      if step == 0 and self.init_val_loss is None:
+        batches = [jnp.asarray(b["tokens"])
+                   for b in self.data.val_batches(self.cfg.train.eval_batches)]
+        losses = [self.eval_step(self.state.params, b, jnp.int32(0)) for b in batches]
+        self.init_val_loss = float(np.mean(jax.device_get(losses)))
+
+  return BenchRun
+
+
+def read_run(out_dir) -> tuple[dict, list[dict]]:
+  """`summary.json` and the records of `metrics.jsonl` (file order: rolled-back steps included)."""
+  import json
+  from pathlib import Path
+  out_dir = Path(out_dir)
+  summary = json.loads((out_dir / "summary.json").read_text())
+  records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()
+             if line.strip()]
+  return summary, records

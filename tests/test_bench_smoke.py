@@ -157,3 +157,203 @@ def test_interleaved_alternates_runners():
                                "b": lambda: calls.append("b") or 2.0}, rounds=3, warmup=1)
   assert calls == ["a", "b"] * 4
   assert times == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+# ----------------------------------------------------------------------------- bench/stress.py
+
+from bench import stress  # noqa: E402
+
+
+def _run(loss, init=5.5, status="ok", **kw):
+  return {"val_loss": loss, "init_loss": init, "status": status, **kw}
+
+
+def test_lr_sensitivity_matches_a_hand_computed_example():
+  # Clamped losses min(l, l0) over a 4-rate grid with l0 = 5.5: a normal run, the best run, a
+  # worse one, and a run that ended above its init loss (counted as 5.5).
+  runs = [_run(3.0), _run(2.0), _run(2.5), _run(7.0)]
+  curve = [stress.clamped_loss(r) for r in runs]
+  assert curve == [3.0, 2.0, 2.5, 5.5]
+  # best 2.0; deviations 1.0, 0, 0.5, 3.5; mean 5.0 / 4
+  assert stress.lr_sensitivity(curve) == pytest.approx(1.25)
+  # NaN, a run the trainer gave up on, and a crash all count as the loss at init
+  assert stress.clamped_loss(_run(float("nan"), status="nan")) == 5.5
+  assert stress.clamped_loss(_run(2.0, status="gave_up")) == 5.5
+  assert stress.clamped_loss(_run(None, status="crashed")) == 5.5
+  assert stress.lr_sensitivity([2.0, 2.0, 2.0]) == 0.0
+
+
+def _cell(defence, factor, seed, loss, rollbacks=0, diverged=None, init=5.0):
+  status = "ok" if math.isfinite(loss) else "nan"
+  return {"model": "preln", "defence": defence, "lr_factor": factor, "seed": seed,
+          "lr": 1e-3 * factor, "val_loss": loss, "init_loss": init, "status": status,
+          "diverged": (status != "ok" or loss >= init) if diverged is None else diverged,
+          "rollbacks": rollbacks, "spikes": 0, "skipped": 0, "warnings": 0, "error": "",
+          "events": []}
+
+
+def test_summary_headline_numbers_by_hand():
+  # clip1: seed means 3.0 (1x), 2.0 (10x), 5.0 (100x: one NaN seed counts as init 5.0)
+  # stack: 3.2, 2.1, 2.6 with one rollback at 10x, seed 1 (clip1 survived there: a false one)
+  results = [
+      _cell("clip1", 1, 0, 2.9), _cell("clip1", 1, 1, 3.1),
+      _cell("clip1", 10, 0, 1.9), _cell("clip1", 10, 1, 2.1),
+      _cell("clip1", 100, 0, 5.0), _cell("clip1", 100, 1, float("nan")),
+      _cell("stack", 1, 0, 3.2), _cell("stack", 1, 1, 3.2),
+      _cell("stack", 10, 0, 2.0), _cell("stack", 10, 1, 2.2, rollbacks=1),
+      _cell("stack", 100, 0, 2.5), _cell("stack", 100, 1, 2.7),
+  ]
+  rows = {r["defence"]: r for r in stress.summarize(results, ["preln"], ["clip1", "stack"],
+                                                    [1, 10, 100], [0, 1])}
+  clip, stack = rows["clip1"], rows["stack"]
+  assert clip["best_factor"] == 10 and clip["best_mean"] == pytest.approx(2.0)
+  assert clip["best_sd"] == pytest.approx(np.std([1.9, 2.1], ddof=1))
+  assert clip["sensitivity"] == pytest.approx((1.0 + 0.0 + 3.0) / 3)
+  # per seed: seed 0 (2.9, 1.9, 5.0) -> (1.0 + 0 + 3.1) / 3; seed 1 (3.1, 2.1, 5.0) -> 3.9 / 3
+  assert clip["sensitivity_sd"] == pytest.approx(np.std([4.1 / 3, 3.9 / 3], ddof=1))
+  assert clip["diverged"] == 2  # the run at its init loss and the NaN run
+  assert stack["best_factor"] == 10 and stack["best_mean"] == pytest.approx(2.1)
+  assert stack["sensitivity"] == pytest.approx((1.1 + 0.0 + 0.5) / 3)
+  assert stack["sensitivity_ratio"] == pytest.approx((1.6 / 3) / (4.0 / 3))
+  assert stack["gap_at_base_best"] == pytest.approx(0.1)
+  assert stack["base_se"] == pytest.approx(np.std([1.9, 2.1], ddof=1) / math.sqrt(2))
+  assert stack["rollbacks"] == 1 and stack["false_rollbacks"] == 1
+  assert stack["extra_divergences"] == 0
+
+
+def _stress_tx(defence, variants=None):
+  raw, kind = stress.cell_config("preln", defence, seed=0, steps=100, variants=variants or {})
+  cfg = config_from_dict(raw)
+  tx = stress.build_tx(kind, cfg)
+  return cfg, kind, (tx if tx is not None else build_optimizer(cfg))
+
+
+@pytest.mark.parametrize("defence", [d for d in stress.DEFENCES if d not in ("clip1", "muon_clip1")])
+def test_each_stress_defence_builds_the_chain_it_names(defence):
+  cfg, kind, tx = _stress_tx(defence)
+  present, absent = EXPECTED["stablejax+muon" if defence == "stablejax_muon" else defence]
+  types = _state_types(tx)
+  assert present <= types, present - types
+  assert not (absent & types), absent & types
+  # Every stablejax chain is the trainer's own (built from the config by build_optimizer).
+  assert (kind is None) == (defence != "apply_if_finite")
+  assert cfg.stability.recovery == defence.startswith("stablejax")
+  assert cfg.model.n_layers >= 8
+
+
+def test_stress_clip1_is_plain_optax():
+  cfg, _, tx = _stress_tx("clip1")
+  want = _updates(_common.plain_adamw_chain(cfg, 1.0))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9),
+               _updates(tx), want)
+
+
+def test_stress_muon_clip1_is_clip_then_optax_muon_on_the_stacked_matrices():
+  from optax.contrib import MuonDimensionNumbers
+  from stablejax.training.optim import lr_schedule
+  cfg, _, tx = _stress_tx("muon_clip1")
+  o = cfg.optimizer
+  dims = {"tok_embed": {"embedding": None},
+          "blocks": {"attn": {"kernel": MuonDimensionNumbers(1, 2)}, "norm": {"scale": None}},
+          "lm_head": {"kernel": None}}
+  plain = optax.contrib.muon(
+      lr_schedule(cfg, o.learning_rate), adam_learning_rate=lr_schedule(cfg, o.adam_learning_rate),
+      adam_b2=o.b2, consistent_rms=o.consistent_rms, muon_weight_dimension_numbers=dims)
+  reference = optax.chain(plain, optax.scale(1.0))
+
+  def updates(chain, scale):
+    state = chain.init(PARAMS)
+    for i in range(2):
+      grads = jax.tree.map(lambda p: scale * jax.random.normal(jax.random.key(i), p.shape), PARAMS)
+      out, state = chain.update(grads, state, PARAMS)
+    return out
+  # gradients of norm < 1: the clip is idle and the chain is optax's Muon with this routing
+  small_got, small_want = updates(tx, 0.01), updates(reference, 0.01)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8),
+               small_got, small_want)
+  # large gradients: clipped to norm 1 first, so AdamW's moments (embedding, head) differ
+  big_got, big_want = updates(tx, 100.0), updates(reference, 100.0)
+  assert not np.allclose(big_got["lm_head"]["kernel"], big_want["lm_head"]["kernel"])
+
+
+@pytest.mark.parametrize("defence", ["stablejax", "stablejax_muon"])
+def test_lr_factor_through_the_lr_scale_equals_a_larger_configured_rate(defence):
+  from stablejax.training.optim import set_lr_scale
+  factor = 3.162
+  cfg, _, tx = _stress_tx(defence)
+  raw, _ = stress.cell_config("preln", defence, seed=0, steps=100, variants={})
+  for key in ("learning_rate", "adam_learning_rate", "embedding_learning_rate",
+              "head_learning_rate"):
+    if raw["optimizer"].get(key) is not None:
+      raw["optimizer"][key] *= factor
+  tx_big = build_optimizer(config_from_dict(raw))
+
+  def run(chain, scale):
+    state = chain.init(PARAMS)
+    if scale is not None:
+      state = set_lr_scale(state, scale)
+    for i in range(3):
+      grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(i), p.shape), PARAMS)
+      out, state = chain.update(grads, state, PARAMS, loss=jnp.float32(3.0))
+    return out
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9),
+               run(tx, factor), run(tx_big, None))
+  assert not np.allclose(run(tx, None)["lm_head"]["kernel"], run(tx_big, None)["lm_head"]["kernel"])
+
+
+def test_stress_variants_and_diagnosis_configs():
+  name, base, overrides = stress.parse_variant(
+      "lam2=stablejax:stability.adagc_lambda_rel=2.0,stability.recovery=false")
+  assert (name, base) == ("lam2", "stablejax")
+  raw, _ = stress.cell_config("postln", "lam2", seed=1, steps=100, variants={name: (base, overrides)})
+  cfg = config_from_dict(raw)
+  assert cfg.stability.adagc_lambda_rel == 2.0 and not cfg.stability.recovery
+  assert cfg.model.post_ln and cfg.train.seed == 1 and cfg.stability.zclip
+  with pytest.raises(ValueError, match="unknown base defence"):
+    stress.parse_variant("x=nonsense:stability.adagc=false")
+  with pytest.raises(ValueError, match="section.key=value"):
+    stress.parse_variant("x=stablejax:adagc")
+  default = config_from_dict(stress.cell_config("preln", "stablejax", 0, 100, {})[0])
+  for vname, (base, text) in stress.DIAGNOSIS.items():
+    overrides = stress.parse_overrides(text)
+    assert overrides and base in ("stablejax", "stablejax_muon"), vname
+    raw, _ = stress.cell_config("preln", vname, 0, 100, {vname: (base, overrides)})
+    cfg = config_from_dict(raw)
+    for section, values in overrides.items():
+      for key, value in values.items():
+        assert getattr(getattr(cfg, section), key) == value != getattr(
+            getattr(default, section), key), (vname, key)
+
+
+def test_stress_models_are_the_named_variants():
+  def model_cfg(name):
+    return config_from_dict(stress.cell_config(name, "clip1", 0, 100, {})[0])
+  assert not model_cfg("preln").model.post_ln and not model_cfg("preln").model.qk_norm
+  assert model_cfg("preln_qk").model.qk_norm
+  assert model_cfg("postln").model.post_ln and not model_cfg("postln").model.qk_norm
+  assert model_cfg("postln_qk").model.post_ln and model_cfg("postln_qk").model.qk_norm
+  assert model_cfg("preln_nowarmup").train.warmup_steps == 0
+  assert model_cfg("preln").train.warmup_steps > 0
+  assert model_cfg("preln_fp16").model.compute_dtype == "float16"
+  assert all(model_cfg(m).model.n_layers >= 8 for m in stress.MODELS)
+  # the grid spans at least 1/3x .. 30x in half-decade steps
+  f = stress.LR_FACTORS
+  assert min(f) <= 1 / 3 and max(f) >= 30
+  assert np.allclose(np.diff(np.log10(f)), 0.5, atol=1e-3)
+
+
+def test_stress_csv_round_trip(tmp_path):
+  results = [dict(_cell("clip1", 1, 0, 2.9), events=["step 50: a; restored step 0"]),
+             _cell("clip1", 10, 0, float("nan")), _cell("stack", 1, 0, 3.1234567)]
+  header = {"machine": ["machine: x", "jax y"], "setting": "s", "timing": "t",
+            "command": "python bench/stress.py --quick"}
+  stress.write_csv(results, tmp_path / "r.csv", header["machine"] + ["s", "t",
+                   "command: python bench/stress.py --quick"])
+  back, back_header = stress.read_csv(tmp_path / "r.csv")
+  assert back_header == header
+  for want, got in zip(results, back):
+    for key in ("model", "defence", "lr_factor", "seed", "status", "diverged", "rollbacks",
+                "events", "init_loss"):
+      assert got[key] == want[key], key
+  assert back[2]["val_loss"] == pytest.approx(3.1234567)
+  assert math.isnan(back[1]["val_loss"]) and back[1]["diverged"]

@@ -1,0 +1,842 @@
+"""Learning-rate sensitivity of each defence (Wortsman et al., arXiv 2309.14322), real trainer runs.
+
+Usage:
+  python bench/stress.py                  # full sweep (about an hour on 2 cores), bench/results/stress*
+  python bench/stress.py --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
+  python bench/stress.py --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
+  python bench/stress.py --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
+      --variant 'lam2=stablejax:stability.adagc_lambda_rel=2.0'
+  python bench/stress.py --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
+
+What one cell is: a real `stablejax.training.loop.Run` (jitted train step, data pipeline,
+evaluation, checkpoints, monitor, recovery) of a byte-level GPT on the embedded corpus, one seed
+(model init and data order), one learning rate, one defence. The final validation loss is the
+mean cross-entropy over fixed validation batches (the same for every run).
+
+Learning rates. The grid is factors of a base rate, half a decade apart: 10^-0.5 .. 10^1.5 =
+0.32x, 1x, 3.2x, 10x, 32x. The base AdamW rate is the best rate of plain clip-1.0 + AdamW on the
+Pre-LN model (found by a sweep with this script, see bench/results/stress.md); the Muon defences
+scale their base rates (Muon matrices and their AdamW groups together) by the same factors. A
+factor multiplies every learning rate of the run; it is applied through the trainer's own
+learning-rate scale, so the whole grid shares one compiled train step (see
+`_common.trainer_run_class`).
+
+Defences (the AdamW ones as in bench/scenarios.py; every stablejax chain is built by
+`stablejax.training.optim.build_optimizer` from the config, so changed defaults show up here):
+  none, clip1, apply_if_finite, zclip, adagc, spike_skip   one technique each around AdamW
+  stablejax        skip_nonfinite(skip_spikes(hybrid_clip + AdamW)) + rollback recovery
+  muon_clip1       optax.clip_by_global_norm(1.0) + optax.contrib.muon (hidden matrices, same
+                   routing as stablejax: embeddings, head and norms go to its AdamW branch)
+  stablejax_muon   the trainer's default stack around outlier-safe Muon
+`--variant NAME=BASE:section.key=value,...` adds a defence: BASE with config overrides (JSON
+values), e.g. `lam2=stablejax:stability.adagc_lambda_rel=2.0`. `--diagnose` runs the predefined
+variants of DIAGNOSIS.
+
+Models (all 8 layers, d_model 64): preln, preln_qk (QK-norm), postln, postln_qk, preln_nowarmup
+(no LR warmup), preln_fp16 (fp16 compute with the trainer's dynamic loss scaling).
+
+Runs log every 10 steps, the trainer's default: the recovery's loss trigger and the monitor count
+logged values, so they behave here as in a default run (`--variant` can set `train.log_every`).
+
+Per run: final val loss, diverged (the run did not end with a finite val loss below the loss at
+initialisation, or the trainer gave up after its rollback budget), loss spikes (a logged train
+loss non-finite or > 1.25 x the median of the previous 5 logged losses, i.e. 50 steps;
+`scenarios.count_spikes`), skipped steps, rollbacks, monitor warnings, ZClip clip rate, AdaGC
+clipped-tensor fraction and the ratio of AdaGC's output norm to its input norm (after AdaGC's
+warmup; these three sampled at the logged steps), wall and CPU seconds, ms per step.
+
+Per defence (per model), over the grid, from the per-run losses clamped as the paper does,
+min(loss, loss at init) (a diverged run counts as the loss at init):
+  best-LR loss     the grid rate with the lowest seed-mean loss, its mean +/- sd over seeds;
+  LR sensitivity   mean over the grid of (seed-mean loss at that rate - best seed-mean loss),
+                   the paper's E_eta[min(l(eta), l_0) - l*] on the seed-mean curve; +/- the sd of
+                   the same number computed per seed.
+The comparison against clip1 (same model): best-LR loss gap, and the gap at clip1's best rate
+against one standard error of clip1's mean there (sd / sqrt(seeds)); sensitivity ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as futures
+import contextlib
+import csv
+import io
+import json
+import math
+import multiprocessing
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from bench import _common  # noqa: E402
+from bench import scenarios  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+# Base learning rates (factor 1 of the grid). ADAMW_LR: the best grid rate of clip1 on preln.
+ADAMW_LR = 3e-3
+# Muon: the trainer's default config has Muon 0.01 and AdamW groups 0.003; muon_clip1 was best at
+# 3.16x those on preln (seed 0, 0.1x .. 31.6x), so the Muon grid is centred there.
+MUON_LR = 0.03        # Muon matrices
+MUON_ADAM_LR = 0.009  # AdamW groups of the Muon runs: embedding, head, norms
+LR_FACTORS = tuple(round(10 ** (k / 2), 4) for k in range(-1, 4))   # 0.3162 .. 31.62
+SEEDS = (0, 1, 2)
+
+BASE = {
+    "model": {"vocab_size": 256, "d_model": 64, "n_layers": 8, "n_heads": 4, "max_seq_len": 64,
+              "compute_dtype": "float32"},
+    "data": {"train": "pydoc"},
+    "optimizer": {"name": "adamw", "learning_rate": ADAMW_LR},
+    "stability": {"zclip_warmup_steps": 25, "adagc_warmup_steps": 50, "spike_window": 64,
+                  "spike_min_history": 32},
+    "train": {"batch_size": 8, "seq_len": 64, "eval_batches": 16, "log_every": 10,
+              "peak_flops_per_device": 1e11},
+    "checkpoint": {"keep": 2},
+    "logging": {"tensorboard": False, "progress": False, "histogram_every": 0,
+                "activation_every": 0},
+}
+STEPS = 200
+SPIKE_WINDOW = 5   # logged losses (50 steps at log_every 10)
+
+MODELS = {
+    "preln": {},
+    "preln_qk": {"model": {"qk_norm": True}},
+    "postln": {"model": {"post_ln": True}},
+    "postln_qk": {"model": {"post_ln": True, "qk_norm": True}},
+    "preln_nowarmup": {"train": {"warmup_steps": 0}},
+    "preln_fp16": {"model": {"compute_dtype": "float16"}},
+}
+
+_MUON_OPT = {"name": "muon", "learning_rate": MUON_LR, "adam_learning_rate": MUON_ADAM_LR,
+             "embedding_learning_rate": MUON_ADAM_LR, "head_learning_rate": MUON_ADAM_LR}
+_OFF = _common.NO_STABILITY
+# name -> (config fragment, optional tx builder cfg -> chain). Fragments of the AdamW defences are
+# bench/scenarios.py's.
+DEFENCES = {name: (scenarios.DEFENCES[name], None) for name in
+            ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax")}
+DEFENCES["apply_if_finite"] = (scenarios.DEFENCES["apply_if_finite"], "apply_if_finite")
+DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": {**_OFF, "max_grad_norm": 1.0}},
+                          "muon_clip1")
+DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
+ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax")
+MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
+
+# The full run: every defence on Pre-LN; the baseline and the AdamW stack on the other models
+# (postln_qk and the Muon defences on the other models are one --models/--defences away).
+PAIR = ("clip1", "stablejax")
+PLAN = {
+    "preln": ADAMW_DEFENCES + MUON_DEFENCES,
+    "preln_qk": PAIR,
+    "postln": PAIR,
+    "preln_nowarmup": PAIR,
+    "preln_fp16": PAIR,
+}
+QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
+         "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
+
+# --diagnose: what costs the stacks loss on clean runs and what makes them roll back. Each variant
+# changes one thing of a default stack (two where named so); name -> (base defence, overrides).
+DIAGNOSIS = {
+    "adagc_lam1.5": ("stablejax", "stability.adagc_lambda_rel=1.5"),
+    "adagc_lam2": ("stablejax", "stability.adagc_lambda_rel=2.0"),
+    "adagc_lam3": ("stablejax", "stability.adagc_lambda_rel=3.0"),
+    "no_adagc": ("stablejax", "stability.adagc=false"),
+    "zclip_no_ceiling": ("stablejax", "stability.max_grad_norm=null"),
+    "no_adagc_no_ceiling": ("stablejax", "stability.adagc=false,stability.max_grad_norm=null"),
+    "no_spike_skip": ("stablejax", "stability.skip_spikes=false"),
+    "no_recovery": ("stablejax", "stability.recovery=false"),
+    # the recovery and the monitor see every step, as in bench/scenarios.py
+    "log_every1": ("stablejax", "train.log_every=1"),
+    "muon_no_adagc": ("stablejax_muon", "stability.adagc=false"),
+    "muon_no_outlier_clamp": ("stablejax_muon", "optimizer.outlier_method=null"),
+}
+DIAGNOSE = {"models": ("preln",), "lr_factors": (1.0, 10.0), "seeds": SEEDS}
+
+
+# ----------------------------------------------------------------------------- defences
+
+
+def parse_overrides(text: str) -> dict:
+  """`section.key=value,section.key=value` (values JSON, else strings) -> nested dict."""
+  raw: dict = {}
+  for item in filter(None, (s.strip() for s in text.split(","))):
+    if "=" not in item or "." not in item.split("=", 1)[0]:
+      raise ValueError(f"override {item!r} is not of the form section.key=value")
+    dotted, value = item.split("=", 1)
+    try:
+      parsed = json.loads(value)
+    except json.JSONDecodeError:
+      parsed = value
+    node = raw
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+      node = node.setdefault(part, {})
+    node[parts[-1]] = parsed
+  return raw
+
+
+def parse_variant(spec: str) -> tuple[str, str, dict]:
+  """`NAME=BASE:overrides` -> (name, base defence, overrides dict)."""
+  if "=" not in spec:
+    raise ValueError(f"--variant {spec!r} is not of the form NAME=BASE:section.key=value,...")
+  name, rest = spec.split("=", 1)
+  base, _, overrides = rest.partition(":")
+  if base not in DEFENCES:
+    raise ValueError(f"--variant {spec!r}: unknown base defence {base!r} "
+                     f"(choose from {', '.join(DEFENCES)})")
+  return name, base, parse_overrides(overrides)
+
+
+def optax_muon_clip1(cfg):
+  """clip_by_global_norm(1.0) + optax.contrib.muon, routed and scheduled like the trainer's Muon."""
+  import jax
+  import optax
+  from optax.contrib import MuonDimensionNumbers, muon
+  import stablejax
+  from stablejax.training.optim import lr_schedule
+  o = cfg.optimizer
+
+  def dim_numbers(params):
+    # Hidden matrices (stablejax's routing) as [..., fan_in, fan_out], leading axes batch; the
+    # rest (embedding, head, norms) to optax's AdamW branch.
+    return jax.tree.map(lambda label, p: MuonDimensionNumbers(p.ndim - 2, p.ndim - 1)
+                        if label == "muon" else None, stablejax.label_params(params), params)
+
+  main = muon(learning_rate=lr_schedule(cfg, o.learning_rate),
+              adam_learning_rate=lr_schedule(cfg, o.adam_learning_rate),
+              beta=o.momentum, ns_steps=o.ns_steps, eps=o.eps, weight_decay=o.weight_decay,
+              adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.adam_weight_decay,
+              consistent_rms=o.consistent_rms, muon_weight_dimension_numbers=dim_numbers)
+  return optax.with_extra_args_support(optax.chain(
+      optax.clip_by_global_norm(1.0), main, optax.inject_hyperparams(optax.scale)(step_size=1.0)))
+
+
+def build_tx(kind: str | None, cfg):
+  """The chain a defence swaps in (None: the trainer builds it from the config)."""
+  if kind is None:
+    return None
+  if kind == "apply_if_finite":
+    from stablejax.training.optim import main_optimizer
+    return scenarios.optax_apply_if_finite(cfg, main_optimizer(cfg))
+  if kind == "muon_clip1":
+    return optax_muon_clip1(cfg)
+  raise ValueError(f"unknown tx kind {kind!r}")
+
+
+def cell_config(model: str, defence: str, seed: int, steps: int,
+                variants: dict[str, tuple[str, dict]]) -> tuple[dict, str | None]:
+  """(raw trainer config, tx kind) of one cell."""
+  overrides: dict = {}
+  base = defence
+  if defence in variants:
+    base, overrides = variants[defence]
+  fragment, tx_kind = DEFENCES[base]
+  raw = _common.deep_merge(BASE, MODELS[model])
+  raw = _common.deep_merge(raw, fragment)
+  raw = _common.deep_merge(raw, overrides)
+  warmup = raw["train"].get("warmup_steps", max(2, steps // 10))
+  raw["train"].update(steps=steps, warmup_steps=warmup, seed=seed,
+                      eval_every=max(1, steps // 2))
+  raw["checkpoint"]["every"] = max(1, steps // 4)
+  return raw, tx_kind
+
+
+def main_lr(raw: dict) -> float:
+  return raw["optimizer"]["learning_rate"]
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def _mean(xs):
+  xs = [x for x in xs if x is not None and math.isfinite(x)]
+  return statistics.fmean(xs) if xs else None
+
+
+def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
+            variants: dict, workdir: str) -> dict:
+  """One cell, in this process (a pool worker)."""
+  from stablejax.training.config import config_from_dict
+
+  raw, tx_kind = cell_config(model, defence, seed, steps, variants)
+  name = f"{model}__{defence}__x{factor:g}__s{seed}"
+  out = Path(workdir) / name
+  result = {"model": model, "defence": defence, "lr_factor": factor,
+            "lr": main_lr(raw) * factor, "seed": seed, "status": "crashed", "val_loss": None,
+            "init_loss": None, "diverged": True, "spikes": None, "skipped": None,
+            "rollbacks": None, "warnings": None, "zclip_clip_rate": None,
+            "adagc_clip_frac": None, "adagc_norm_ratio": None, "wall_s": None, "ms_step": None,
+            "events": [], "curve": [], "error": ""}
+  t0, cpu0 = time.time(), time.process_time()
+  log = io.StringIO()
+  try:
+    cfg = config_from_dict(raw)
+    run_cls = _common.trainer_run_class()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+      run = run_cls(cfg, out, fresh=True, tx=build_tx(tx_kind, cfg))
+      run.lr_factor = factor
+      code = run.train()
+    summary, records = _common.read_run(out)
+    train = [r for r in records if "loss" in r and "step" in r]
+    losses = [(r["step"], float(r["loss"])) for r in train]
+    skipped = summary["skipped_steps"] + scenarios._optax_skips(run.state.opt_state)
+    val, init = summary.get("final_val_loss"), run.init_val_loss
+    if code == 3:
+      status = "gave_up"
+    elif code == 0 and val is not None and math.isfinite(val):
+      status = "ok"
+    elif code == 0:
+      status = "nan"
+    else:
+      status = f"exit_{code}"
+    after = [r for r in train if r["step"] > cfg.stability.adagc_warmup_steps]
+    step_times = [cfg.train.batch_size * cfg.train.seq_len / r["tokens_per_sec"]
+                  for r in train[1:] if r.get("tokens_per_sec")]
+    result.update(
+        status=status, val_loss=val, init_loss=init,
+        diverged=status != "ok" or val >= init,
+        spikes=scenarios.count_spikes(losses, set(), window=SPIKE_WINDOW), skipped=skipped,
+        rollbacks=summary["rollbacks"],
+        warnings=sum(1 for r in records if r.get("event") == "warning"),
+        zclip_clip_rate=_mean([float(r["zclip/was_clipped"]) for r in train
+                               if "zclip/was_clipped" in r]),
+        adagc_clip_frac=_mean([r["adagc/clipped_fraction"] for r in after
+                               if "adagc/clipped_fraction" in r]),
+        adagc_norm_ratio=_mean([r["adagc/clipped_grad_norm"] / r["adagc/grad_norm"] for r in after
+                                if r.get("adagc/grad_norm")]),
+        wall_s=summary["wall_seconds"],
+        ms_step=1e3 * statistics.median(step_times) if step_times else None,
+        events=summary.get("events", []), curve=losses)
+  except Exception as e:  # a crashed cell is a result, not the end of the sweep
+    result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+    result["wall_s"] = time.time() - t0
+    log.write(traceback.format_exc())
+  finally:
+    result["cpu_s"] = time.process_time() - cpu0
+    (Path(workdir) / f"{name}.log").write_text(log.getvalue())
+    shutil.rmtree(out, ignore_errors=True)
+  return result
+
+
+# ----------------------------------------------------------------------------- the metric
+
+
+def clamped_loss(r: dict) -> float:
+  """min(final val loss, loss at init); a diverged or failed run counts as the loss at init."""
+  init = r["init_loss"]
+  val = r["val_loss"]
+  if r["status"] != "ok" or val is None or not math.isfinite(val):
+    return init
+  return min(val, init)
+
+
+def lr_sensitivity(curve: list[float]) -> float:
+  """Wortsman et al. (arXiv 2309.14322): mean over the LR grid of min(l(eta), l_0) - l*.
+
+  `curve` holds the already clamped losses min(l(eta), l_0), one per grid rate; l* is its
+  minimum (the best rate of the grid).
+  """
+  best = min(curve)
+  return statistics.fmean(x - best for x in curve)
+
+
+def summarize(results: list[dict], models, defences, factors, seeds) -> list[dict]:
+  """One row per (model, defence) with the headline numbers and the clip1 comparison."""
+  by = {(r["model"], r["defence"], r["lr_factor"], r["seed"]): r for r in results}
+  rows = []
+  for model in models:
+    for defence in defences:
+      cells = {f: [by[(model, defence, f, s)] for s in seeds if (model, defence, f, s) in by]
+               for f in factors}
+      cells = {f: rs for f, rs in cells.items() if rs and all(r["init_loss"] for r in rs)}
+      if len(cells) < 2:
+        continue
+      fs = sorted(cells)
+      loss = {f: [clamped_loss(r) for r in cells[f]] for f in fs}
+      mean = {f: statistics.fmean(loss[f]) for f in fs}
+      sd = {f: statistics.stdev(loss[f]) if len(loss[f]) > 1 else 0.0 for f in fs}
+      best_f = min(fs, key=lambda f: mean[f])
+      per_seed = []
+      for i in range(min(len(loss[f]) for f in fs)):
+        per_seed.append(lr_sensitivity([loss[f][i] for f in fs]))
+      runs = [r for f in fs for r in cells[f]]
+      rows.append({
+          "model": model, "defence": defence, "factors": fs, "mean": mean, "sd": sd,
+          "n": {f: len(loss[f]) for f in fs},
+          "best_factor": best_f, "best_lr": cells[best_f][0]["lr"], "best_mean": mean[best_f],
+          "best_sd": sd[best_f],
+          "sensitivity": lr_sensitivity([mean[f] for f in fs]),
+          "sensitivity_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+          "runs": len(runs), "diverged": sum(r["diverged"] for r in runs),
+          "rollbacks": sum(r["rollbacks"] or 0 for r in runs),
+          "runs_rolled_back": sum(1 for r in runs if r["rollbacks"]),
+          "spikes": sum(r["spikes"] or 0 for r in runs),
+          "skipped": sum(r["skipped"] or 0 for r in runs),
+          "warnings": sum(r["warnings"] or 0 for r in runs),
+          "crashed": sum(1 for r in runs if r["error"]),
+      })
+  # The comparison with the baseline of the same optimizer family and model.
+  index = {(r["model"], r["defence"]): r for r in rows}
+  for row in rows:
+    base_name = "muon_clip1" if _family(row["defence"]) == "muon" else "clip1"
+    base = index.get((row["model"], base_name))
+    row["baseline"] = base_name if base else None
+    if not base or base is row:
+      continue
+    f = base["best_factor"]
+    row["gap_best"] = row["best_mean"] - base["best_mean"]
+    if f in row["mean"]:
+      row["gap_at_base_best"] = row["mean"][f] - base["mean"][f]
+      row["base_se"] = base["sd"][f] / math.sqrt(base["n"][f])
+    row["sensitivity_ratio"] = (row["sensitivity"] / base["sensitivity"]
+                                if base["sensitivity"] > 0 else None)
+    # Rollbacks in runs whose baseline twin (same model, rate, seed) did not diverge.
+    by_cell = {(r["lr_factor"], r["seed"]): r for r in results
+               if r["model"] == row["model"] and r["defence"] == base_name}
+    row["false_rollbacks"] = sum(
+        r["rollbacks"] or 0 for r in results
+        if r["model"] == row["model"] and r["defence"] == row["defence"]
+        and (r["lr_factor"], r["seed"]) in by_cell
+        and not by_cell[(r["lr_factor"], r["seed"])]["diverged"])
+    row["extra_divergences"] = sum(
+        1 for r in results
+        if r["model"] == row["model"] and r["defence"] == row["defence"] and r["diverged"]
+        and (r["lr_factor"], r["seed"]) in by_cell
+        and not by_cell[(r["lr_factor"], r["seed"])]["diverged"])
+  return rows
+
+
+def _family(defence: str) -> str:
+  return "muon" if "muon" in defence else "adamw"
+
+
+# ----------------------------------------------------------------------------- output
+
+
+RUN_HEADERS = ["model", "defence", "lr_factor", "lr", "seed", "status", "val_loss", "init_loss",
+               "diverged", "spikes", "skipped", "rollbacks", "warnings", "zclip_clip_rate",
+               "adagc_clip_frac", "adagc_norm_ratio", "wall_s", "cpu_s", "ms_step", "events",
+               "error"]
+
+
+def _cell(x, fmt="%.4f"):
+  if x is None:
+    return "-"
+  if isinstance(x, bool):
+    return "yes" if x else "no"
+  if isinstance(x, float):
+    return fmt % x
+  if isinstance(x, list):
+    return " | ".join(x)
+  return str(x)
+
+
+def write_csv(results: list[dict], path: Path, header_lines: list[str]) -> None:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path, "w", newline="") as f:
+    for line in header_lines:
+      f.write(f"# {line}\n")
+    w = csv.writer(f)
+    w.writerow(RUN_HEADERS)
+    for r in results:
+      w.writerow([_cell(r.get(h), "%.7g") for h in RUN_HEADERS])
+
+
+def _pm(mean, sd):
+  return f"{mean:.3f} ± {sd:.3f}"
+
+
+def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
+  headers = ["model", "defence", "best LR", "best-LR loss", "LR sensitivity", "vs baseline",
+             "gap at baseline's best LR (SE)", "diverged", "rollbacks (false)", "spikes", "skips"]
+  out = []
+  for r in rows:
+    ratio = r.get("sensitivity_ratio")
+    gap = r.get("gap_at_base_best")
+    out.append([
+        r["model"], r["defence"], f"{r['best_lr']:.3g} ({r['best_factor']:g}x)",
+        _pm(r["best_mean"], r["best_sd"]), _pm(r["sensitivity"], r["sensitivity_sd"]),
+        "-" if ratio is None else f"{ratio:.2f}x",
+        "-" if gap is None else f"{gap:+.3f} ({r['base_se']:.3f})",
+        f"{r['diverged']}/{r['runs']}",
+        f"{r['rollbacks']} ({r.get('false_rollbacks', '-')})", r["spikes"], r["skipped"]])
+  return headers, out
+
+
+def curve_rows(rows: list[dict], factors) -> tuple[list[str], list[list]]:
+  headers = ["model", "defence"] + [f"{f:g}x" for f in factors]
+  out = []
+  for r in rows:
+    out.append([r["model"], r["defence"]] + [
+        _pm(r["mean"][f], r["sd"][f]) if f in r["mean"] else "-" for f in factors])
+  return headers, out
+
+
+def plot_curves(results: list[dict], rows: list[dict], path: Path, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  defences = list(dict.fromkeys(r["defence"] for r in rows))
+  colors = {d: plt.cm.tab10(i % 10) for i, d in enumerate(defences)}
+  cols = min(3, len(models))
+  nrows = math.ceil(len(models) / cols)
+  fig, axes = plt.subplots(nrows, cols, figsize=(max(7.5, 5.2 * cols), 3.8 * nrows + 0.6),
+                           squeeze=False)
+  for ax, model in zip(axes.flat, models):
+    inits = [r["init_loss"] for r in results if r["model"] == model and r["init_loss"]]
+    for row in rows:
+      if row["model"] != model:
+        continue
+      fs = row["factors"]
+      lrs = [row["best_lr"] / row["best_factor"] * f for f in fs]
+      ax.errorbar(lrs, [row["mean"][f] for f in fs], yerr=[row["sd"][f] for f in fs],
+                  color=colors[row["defence"]], marker="o", ms=3, lw=1, capsize=2,
+                  ls="--" if _family(row["defence"]) == "muon" else "-",
+                  label=f"{row['defence']} (sens. {row['sensitivity']:.2f})")
+    top = max(row["mean"][f] + row["sd"][f] for row in rows if row["model"] == model
+              for f in row["factors"])
+    if inits:
+      init = statistics.fmean(inits)
+      ax.axhline(init, color="grey", lw=0.8, ls=":", label=f"loss at init ({init:.2f})")
+      ax.set_ylim(None, min(init, top) + 0.15)
+    ax.set_xscale("log")
+    ax.set_title(model, fontsize=9)
+    ax.set_xlabel("peak learning rate (Muon runs: Muon matrix rate)", fontsize=7)
+    ax.set_ylabel("final val loss, min(loss, init)", fontsize=7)
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=6)
+  for ax in list(axes.flat)[len(models):]:
+    ax.axis("off")
+  fig.suptitle("\n".join(textwrap.wrap(title, int(fig.get_figwidth() * 14))), fontsize=7)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=70)
+  plt.close(fig)
+
+
+def plot_sensitivity(rows: list[dict], path: Path, title: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  import numpy as np
+
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  defences = list(dict.fromkeys(r["defence"] for r in rows))
+  colors = {d: plt.cm.tab10(i % 10) for i, d in enumerate(defences)}
+  fig, axes = plt.subplots(1, 2, figsize=(max(9, 1.6 * len(models) + 6), 4.2))
+  width = 0.8 / max(1, len(defences))
+  for panel, (key, sd_key, label) in enumerate(
+      (("sensitivity", "sensitivity_sd", "LR sensitivity (lower is better)"),
+       ("best_mean", "best_sd", "best-LR val loss (lower is better)"))):
+    ax = axes[panel]
+    for j, defence in enumerate(defences):
+      xs, ys, es = [], [], []
+      for i, model in enumerate(models):
+        row = next((r for r in rows if r["model"] == model and r["defence"] == defence), None)
+        if row is not None:
+          xs.append(i + (j - (len(defences) - 1) / 2) * width)
+          ys.append(row[key])
+          es.append(row[sd_key])
+      ax.bar(xs, ys, width, yerr=es, color=colors[defence], label=defence, capsize=1.5)
+      for x, y in zip(xs, ys):
+        ax.text(x, y, f"{y:.2f}", ha="center", va="bottom", fontsize=5, rotation=90)
+    ax.set_xticks(np.arange(len(models)), models, fontsize=7)
+    ax.set_ylabel(label, fontsize=8)
+    ax.tick_params(labelsize=7)
+    if panel == 1:
+      lo = min(r["best_mean"] for r in rows)
+      ax.set_ylim(max(0.0, lo - 0.3), None)
+  axes[0].legend(fontsize=6, ncol=2)
+  fig.suptitle("\n".join(textwrap.wrap(title, int(fig.get_figwidth() * 14))), fontsize=7)
+  fig.tight_layout()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=70)
+  plt.close(fig)
+
+
+def diagnostics_rows(results: list[dict], defences, models, factors) -> tuple[list[str], list]:
+  """Per (model, defence, rate): mean losses and the clipping statistics behind them."""
+  headers = ["model", "defence", "LR", "val loss (mean ± sd)", "diverged", "rollbacks",
+             "skips", "ZClip clip rate", "AdaGC clipped tensors", "AdaGC out/in norm",
+             "rollback causes"]
+  out = []
+  for model in models:
+    for defence in defences:
+      for f in factors:
+        rs = [r for r in results if (r["model"], r["defence"], r["lr_factor"]) == (model, defence, f)]
+        if not rs:
+          continue
+        losses = [clamped_loss(r) for r in rs if r["init_loss"]]
+        causes = sorted({e.split(";")[0].split(": ", 1)[1] if ": " in e else e
+                         for r in rs for e in r["events"]})
+        out.append([model, defence, f"{rs[0]['lr']:.3g}",
+                    _pm(statistics.fmean(losses), statistics.stdev(losses) if len(losses) > 1 else 0.0)
+                    if losses else "-",
+                    sum(r["diverged"] for r in rs), sum(r["rollbacks"] or 0 for r in rs),
+                    sum(r["skipped"] or 0 for r in rs),
+                    _fmt_rate(_mean([r["zclip_clip_rate"] for r in rs])),
+                    _fmt_rate(_mean([r["adagc_clip_frac"] for r in rs])),
+                    _fmt_rate(_mean([r["adagc_norm_ratio"] for r in rs]), pct=False),
+                    "; ".join(causes)[:160] or "-"])
+  return headers, out
+
+
+def _fmt_rate(x, pct=True):
+  if x is None:
+    return "-"
+  return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
+
+
+def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -> None:
+  models = list(dict.fromkeys(r["model"] for r in results))
+  defences = list(dict.fromkeys(r["defence"] for r in results))
+  factors = sorted({r["lr_factor"] for r in results})
+  seeds = sorted({r["seed"] for r in results})
+  rows = summarize(results, models, defences, factors, seeds)
+  lines = header["machine"] + [header["setting"], header["timing"]]
+  h, body = summary_rows(rows)
+  csv_lines = lines + [f"command: {header['command']}"]
+  print()
+  print(_common.table(body, h))
+  ch, cbody = curve_rows(rows, factors)
+  print()
+  print(_common.table(cbody, ch))
+  dh, dbody = diagnostics_rows(results, defences, models, factors)
+  print()
+  print(_common.table(dbody, dh))
+  print(f"\n{header['timing']}")
+  for r in results:
+    if r["error"]:
+      print(f"crashed: {r['model']} / {r['defence']} x{r['lr_factor']:g} seed {r['seed']}: "
+            f"{r['error']}")
+  if out_dir is None:
+    return
+  write_csv(results, out_dir / f"{name}.csv", csv_lines)
+  title = header["setting"]
+  if rows:
+    plot_curves(results, rows, out_dir / f"{name}.png", title)
+    plot_sensitivity(rows, out_dir / f"{name}_sensitivity.png", title)
+  md = [f"<!-- written by bench/stress.py; {header['command']} -->", "",
+        "Command: `" + header["command"] + "`", "", *[f"- {x}" for x in lines], "",
+        "Per defence (loss = final validation loss, min(loss, loss at init); mean ± sd over "
+        "seeds; LR sensitivity ± sd of the per-seed values; 'vs baseline' = sensitivity / the "
+        "baseline's (clip1 for AdamW, muon_clip1 for Muon); gap = this defence minus the "
+        "baseline at the baseline's best rate, (SE) = the baseline's standard error there; "
+        "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge):", "",
+        _common.markdown_table(body, h), "", "Loss over the grid:", "",
+        _common.markdown_table(cbody, ch), "", "Clipping statistics per rate:", "",
+        _common.markdown_table(dbody, dh), ""]
+  (out_dir / f"{name}.md").write_text("\n".join(md))
+  print(f"wrote {out_dir / (name + '.csv')}, {name}.png, {name}_sensitivity.png, {name}.md "
+        f"in {out_dir}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+_INT_FIELDS = ("seed", "spikes", "skipped", "rollbacks", "warnings")
+_STR_FIELDS = ("model", "defence", "status", "error")
+
+
+def read_csv(path: Path) -> tuple[list[dict], dict]:
+  """The results and header of a CSV this script wrote (what --replot needs; no loss curves)."""
+  lines = path.read_text().splitlines()
+  comments = [line[2:] for line in lines if line.startswith("# ")]
+  rows = list(csv.DictReader(line for line in lines if not line.startswith("# ")))
+  results = []
+  for row in rows:
+    r: dict = {}
+    for key, text in row.items():
+      if key in _STR_FIELDS:
+        r[key] = text
+      elif key == "events":
+        r[key] = [] if text in ("", "-") else text.split(" | ")
+      elif key == "diverged":
+        r[key] = text == "yes"
+      elif text == "-":
+        r[key] = None
+      else:
+        r[key] = int(text) if key in _INT_FIELDS else float(text)
+    r["error"] = "" if r.get("error") in (None, "-") else r["error"]
+    results.append(r)
+  command = next((c[len("command: "):] for c in comments if c.startswith("command: ")), "")
+  machine = [c for c in comments if c.startswith(("machine:", "jax "))]
+  rest = [c for c in comments if c not in machine and not c.startswith("command: ")]
+  return results, {"machine": machine, "setting": rest[0] if rest else "",
+                   "timing": rest[1] if len(rest) > 1 else "", "command": command}
+
+
+def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
+  """Results and one header from saved results (.json or this script's .csv; a later file's
+  cells win)."""
+  cells: dict[tuple, dict] = {}
+  headers = []
+  for path in paths:
+    if path.suffix == ".csv":
+      results, header = read_csv(path)
+    else:
+      saved = json.loads(path.read_text())
+      results, header = saved["results"], saved["header"]
+    headers.append(header)
+    for r in results:
+      cells[(r["model"], r["defence"], r["lr_factor"], r["seed"])] = r
+  if len(headers) == 1:
+    return list(cells.values()), headers[0]
+  return list(cells.values()), {
+      "machine": headers[0]["machine"],
+      "setting": " | ".join(h["setting"] for h in headers),
+      "timing": " | ".join(h["timing"] for h in headers),
+      "command": " && ".join(h["command"] for h in headers) + " && " + shlex.join(
+          ["python", "bench/stress.py", "--replot", ",".join(map(str, paths))])}
+
+
+def _jobs(cells):
+  """Pool order: the first run of each compiled program first, so that no two workers compile
+  the same program at once; the rest then hit the shared compilation cache."""
+  seen, first, rest = set(), [], []
+  for cell in cells:
+    key = (cell[0], cell[1])
+    (rest if key in seen else first).append(cell)
+    seen.add(key)
+  return first + rest
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="Pre-LN, 3 rates, 1 seed, 100 steps")
+  p.add_argument("--diagnose", action="store_true",
+                 help="the DIAGNOSIS variants of the stacks (+ the baselines) at 1x and 10x, "
+                 "3 seeds")
+  p.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)}")
+  p.add_argument("--defences", default=None, help=f"comma list of {', '.join(DEFENCES)} and "
+                 "--variant names (default: the full PLAN)")
+  p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
+                 help="a defence BASE with config overrides, e.g. "
+                 "lam2=stablejax:stability.adagc_lambda_rel=2.0 (repeatable)")
+  p.add_argument("--lr-factors", default=None, help="comma list of factors of the base rates")
+  p.add_argument("--seeds", default=None, help="comma list of seeds (default 0,1,2)")
+  p.add_argument("--steps", type=int, default=None, help=f"train steps per run (default {STEPS})")
+  p.add_argument("--jobs", type=int, default=2, help="runs in parallel (separate processes)")
+  p.add_argument("--no-cache", action="store_true", help="no shared compilation cache")
+  p.add_argument("--out", default=None, help="output directory (default bench/results, or a "
+                 "temporary directory with --quick)")
+  p.add_argument("--name", default=None, help="output file prefix (default stress, "
+                 "stress_diagnosis with --diagnose)")
+  p.add_argument("--replot", default=None, metavar="RESULTS_JSON[,RESULTS_JSON...]",
+                 help="only rebuild the outputs from saved results.json files (several are "
+                 "merged, e.g. a full run and a run of new variants)")
+  args = p.parse_args(argv)
+  name = args.name or ("stress_diagnosis" if args.diagnose else "stress")
+
+  if args.replot:
+    results, header = merge_saved([Path(x) for x in args.replot.split(",")])
+    report(results, header, Path(args.out) if args.out else RESULTS, name)
+    return 0
+
+  variants: dict[str, tuple[str, dict]] = {}
+  try:
+    for spec in args.variant:
+      vname, base, overrides = parse_variant(spec)
+      variants[vname] = (base, overrides)
+    if args.diagnose:
+      for vname, (base, text) in DIAGNOSIS.items():
+        variants.setdefault(vname, (base, parse_overrides(text)))
+  except ValueError as e:
+    p.error(str(e))
+
+  preset = QUICK if args.quick else DIAGNOSE if args.diagnose else {}
+  steps = args.steps or preset.get("steps", STEPS)
+  models = args.models.split(",") if args.models else list(preset.get("models", PLAN))
+  factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
+             else list(preset.get("lr_factors", LR_FACTORS)))
+  seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds
+           else list(preset.get("seeds", SEEDS)))
+  if args.defences:
+    chosen = args.defences.split(",")
+  elif args.diagnose:
+    chosen = ["clip1", "stablejax", "muon_clip1", "stablejax_muon"] + list(DIAGNOSIS)
+  elif "defences" in preset:
+    chosen = list(preset["defences"])
+  else:
+    chosen = None  # the PLAN per model
+  for m in models:
+    if m not in MODELS:
+      p.error(f"unknown model {m!r}: choose from {', '.join(MODELS)}")
+  for d in chosen or []:
+    if d not in DEFENCES and d not in variants:
+      p.error(f"unknown defence {d!r}: choose from {', '.join(DEFENCES)} or define it with "
+              "--variant")
+  cells = [(m, d, f, s) for m in models for d in (chosen or PLAN[m]) for f in factors
+           for s in seeds]
+  out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
+
+  machine = _common.machine_lines()
+  for line in machine:
+    print(line)
+  b = BASE
+  setting = (f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+             f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, {steps} steps "
+             f"(warmup {max(2, steps // 10)} unless the model says 0), data pydoc; base LR AdamW "
+             f"{ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}); LR factors "
+             f"{', '.join(f'{f:g}' for f in factors)}; seeds {', '.join(map(str, seeds))}; "
+             f"{len(cells)} runs, {args.jobs} in parallel")
+  if variants:
+    setting += "; variants: " + "; ".join(
+        f"{k} = {b_} + {json.dumps(o)}" for k, (b_, o) in variants.items()
+        if k in (chosen or []))
+  print(setting, flush=True)
+  command = shlex.join(["python", "bench/stress.py",
+                        *(argv if argv is not None else sys.argv[1:])])
+
+  workdir = tempfile.mkdtemp(prefix="stablejax_stress_")
+  cache_dir = None if args.no_cache else os.path.join(workdir, "xla_cache")
+  t0 = time.time()
+  results: dict[tuple, dict] = {}
+  ctx = multiprocessing.get_context("spawn")
+  with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
+                                   initializer=_common.use_compilation_cache,
+                                   initargs=(cache_dir,)) as pool:
+    jobs = {pool.submit(run_one, m, d, f, s, steps, variants, workdir): (m, d, f, s)
+            for m, d, f, s in _jobs(cells)}
+    for job in futures.as_completed(jobs):
+      r = job.result()
+      results[jobs[job]] = r
+      print(f"[{time.time() - t0:6.0f}s] {r['model']} {r['defence']} x{r['lr_factor']:g} "
+            f"s{r['seed']}: {r['status']} val {_cell(r['val_loss'])} init {_cell(r['init_loss'])}"
+            f" skips {_cell(r['skipped'])} rollbacks {_cell(r['rollbacks'])} "
+            f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s ms/step {_cell(r['ms_step'], '%.0f')} "
+            f"load {os.getloadavg()[0]:.1f}" + (f"  {r['error']}" if r["error"] else ""),
+            flush=True)
+  ordered = [results[c] for c in cells]
+  total = time.time() - t0
+  if cache_dir:
+    shutil.rmtree(cache_dir, ignore_errors=True)
+  walls = [r["wall_s"] for r in ordered if r["wall_s"]]
+  timing = (f"{len(cells)} runs in {total:.0f}s wall ({args.jobs} in parallel; per run median "
+            f"{statistics.median(walls):.0f}s incl. start-up and compilation, load average at the"
+            f" end {os.getloadavg()[0]:.1f})") if walls else f"{len(cells)} runs in {total:.0f}s"
+  header = {"machine": machine, "setting": setting, "timing": timing, "command": command}
+  raw_path = Path(workdir) / "results.json"
+  raw_path.write_text(json.dumps({"header": header, "results": ordered}))
+  report(ordered, header, out_dir, name)
+  print(f"raw results with loss curves: {raw_path}; run logs in {workdir}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
