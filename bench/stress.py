@@ -201,24 +201,19 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
 
 def optax_muon_clip1(cfg):
   """clip_by_global_norm(1.0) + optax.contrib.muon, routed and scheduled like the trainer's Muon."""
-  import jax
   import optax
-  from optax.contrib import MuonDimensionNumbers, muon
+  from optax.contrib import muon
   import stablejax
   from stablejax.training.optim import lr_schedule
   o = cfg.optimizer
-
-  def dim_numbers(params):
-    # Hidden matrices (stablejax's routing) as [..., fan_in, fan_out], leading axes batch; the
-    # rest (embedding, head, norms) to optax's AdamW branch.
-    return jax.tree.map(lambda label, p: MuonDimensionNumbers(p.ndim - 2, p.ndim - 1)
-                        if label == "muon" else None, stablejax.label_params(params), params)
-
+  # stablejax's routing: hidden matrices to Muon with their layouts, embedding, head and norms to
+  # optax's AdamW branch (dimension numbers None).
   main = muon(learning_rate=lr_schedule(cfg, o.learning_rate),
               adam_learning_rate=lr_schedule(cfg, o.adam_learning_rate),
               beta=o.momentum, ns_steps=o.ns_steps, eps=o.eps, weight_decay=o.weight_decay,
               adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.adam_weight_decay,
-              consistent_rms=o.consistent_rms, muon_weight_dimension_numbers=dim_numbers)
+              consistent_rms=o.consistent_rms,
+              muon_weight_dimension_numbers=stablejax.muon_dimension_numbers)
   return optax.with_extra_args_support(optax.chain(
       optax.clip_by_global_norm(1.0), main, optax.inject_hyperparams(optax.scale)(step_size=1.0)))
 
