@@ -52,7 +52,7 @@ def test_garbage_batch_is_contained(clean_run, tmp_path):
   # contained: the garbage step was either skipped or had its gradient clipped
   (rec,) = [r for r in read_metrics(out) if r.get("step") == 26 and "zclip/grad_norm" in r]
   skipped = rec["skip_spikes/skipped"] or rec["skip_nonfinite/skipped"]
-  assert skipped or rec["zclip/was_clipped"] or rec["adagc/clipped_fraction"] > 0, rec
+  assert skipped or rec["zclip/was_clipped"], rec
 
 
 @slow
