@@ -821,6 +821,11 @@ def main(argv=None) -> int:
             f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s ms/step {_cell(r['ms_step'], '%.0f')} "
             f"load {os.getloadavg()[0]:.1f}" + (f"  {r['error']}" if r["error"] else ""),
             flush=True)
+      # Finished runs so far, so an interrupted sweep can still be reported with --replot.
+      partial = {"header": {"machine": machine, "setting": setting, "command": command,
+                            "timing": f"{len(results)} of {len(cells)} runs (interrupted)"},
+                 "results": [results[c] for c in cells if c in results]}
+      (Path(workdir) / "results.partial.json").write_text(json.dumps(partial))
   ordered = [results[c] for c in cells]
   total = time.time() - t0
   if cache_dir:
