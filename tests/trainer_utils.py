@@ -26,6 +26,8 @@ TINY = [
     "checkpoint.every=10", "checkpoint.async_save=false",
     "logging.tensorboard=true", "logging.progress=false",
     "logging.histogram_every=20", "logging.activation_every=20",
+    # No sample at evals: each run would compile a sampler. Tests of sampling turn it on.
+    "logging.sample_every=0",
 ]
 
 
