@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from trainer_utils import read_metrics, run_inprocess, run_subprocess, slow, summary, train_losses
+from trainer_utils import (optax_lr, read_metrics, run_inprocess, run_subprocess, slow, summary,
+                           tiny_config, train_losses)
 
 SUMMARY_KEYS = {"final_val_loss", "steps", "skipped_steps", "rollbacks", "tokens_per_sec", "mfu",
                 "stability_score", "wall_seconds"}
@@ -36,16 +37,22 @@ def test_loss_decreases_and_files_are_written(clean_run):
 def test_metrics_records_have_documented_keys(clean_run):
   records = read_metrics(clean_run)
   train = [r for r in records if "loss" in r and "event" not in r]
+  cfg = tiny_config()
+  adagc = ("adagc/clipped_fraction",) if cfg.stability.adagc else ()  # in the chain when configured
   for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "zclip/grad_norm",
-              "zclip/threshold", "adagc/clipped_fraction", "skip_nonfinite/total_skips",
+              "zclip/threshold", *adagc, "skip_nonfinite/total_skips",
               "skip_spikes/total_skips", "muon/outlier_rate", "muon/fallback_rate",
               "stability_score", "health"):
     assert key in train[-1], key
   evals = [r for r in records if "val_loss" in r]
   assert [r["step"] for r in evals] == [20, 40]
-  # warmup then cosine: lr rises over the first 4 steps and then falls
+  # The logged lr is the configured optax schedule's value (not a fraction of the peak): warmup
+  # to 0.01 over 4 updates, cosine to 0.001 at 40. Record k logs update k - 1 (0-based).
   lrs = {r["step"]: r["lr"] for r in train}
-  assert lrs[4] > lrs[2] and lrs[40] < lrs[10]
+  cosine = lambda k: 0.001 + 0.009 * 0.5 * (1 + math.cos(math.pi * (k - 4) / 36))  # noqa: E731
+  for step, want in ((2, 0.0025), (4, 0.0075), (6, cosine(5)), (20, cosine(19)), (40, cosine(39))):
+    assert lrs[step] == pytest.approx(optax_lr(cfg, step - 1), rel=1e-6), step
+    assert lrs[step] == pytest.approx(want, rel=1e-6)
 
 
 @slow

@@ -38,6 +38,22 @@ def sets(*overrides: str) -> list[str]:
   return args
 
 
+def tiny_config(*overrides: str):
+  """The Config object of a tiny run (for Run(...) in process, or to re-derive expected values)."""
+  from stablejax.training.config import load_config
+  return load_config(ROOT / "configs" / "default.json", [*TINY, *overrides])
+
+
+def optax_lr(cfg, count: int, lr_scale: float = 1.0) -> float:
+  """The logged learning rate re-derived from the config with optax (update `count`, 0-based)."""
+  import optax
+  t = cfg.train
+  peak = cfg.optimizer.learning_rate
+  schedule = optax.warmup_cosine_decay_schedule(0.0, peak, t.warmup_steps, t.steps,
+                                                peak * t.min_lr_ratio)
+  return float(schedule(count)) * lr_scale
+
+
 def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:
   """Runs train.main in this process (no interpreter start-up cost)."""
   sys.path.insert(0, str(ROOT))
