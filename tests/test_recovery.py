@@ -169,9 +169,16 @@ def test_kill_during_checkpoint_save_then_resume(clean_run, tmp_path):
   first = run_subprocess(out, "faults.kill_during_save_step=30", "checkpoint.async_save=true",
                          fresh=True)
   assert first.returncode == -9, first.stderr[-2000:]
+  # The save of step 30 was cut off: Orbax's temporary directory is there, no step 30 is.
+  listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+  assert [n for n in listing if n.isdigit()] == ["0", "10", "20"], listing
+  assert [n for n in listing if n.startswith("30.") and "tmp" in n], listing
   second = run_subprocess(out, "checkpoint.async_save=true")
   assert second.returncode == 0, second.stderr[-2000:]
+  assert "resuming at step 20" in second.stdout  # the interrupted checkpoint was ignored
   assert train_losses(out) == train_losses(clean_run)
+  listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+  assert not [n for n in listing if "tmp" in n], listing  # the leftover was cleaned up
 
 
 @slow
