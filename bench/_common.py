@@ -242,31 +242,62 @@ def use_compilation_cache(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def _scale_by_lr_factor(lr_factor):
+  return optax.scale(lr_factor)
+
+
+def with_lr_factor(tx):
+  """`tx` followed by a multiplier held in the optimizer state (`set_lr_factor` changes it).
+
+  The multiplier is a traced hyperparameter (`optax.inject_hyperparams`), so a chain compiled once
+  serves every factor. It sits outside any skip wrapper: a skipped step's zero update stays zero.
+  """
+  return optax.with_extra_args_support(optax.chain(
+      tx, optax.inject_hyperparams(_scale_by_lr_factor)(lr_factor=1.0)))
+
+
+def _is_factor_state(node) -> bool:
+  return (isinstance(node, (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState))
+          and "lr_factor" in node.hyperparams)
+
+
+def set_lr_factor(opt_state, factor: float):
+  def visit(node):
+    if _is_factor_state(node):
+      old = node.hyperparams["lr_factor"]
+      return node._replace(hyperparams={**node.hyperparams,
+                                        "lr_factor": jnp.asarray(factor, old.dtype)})
+    return node
+  return jax.tree.map(visit, opt_state, is_leaf=_is_factor_state)
+
+
 def trainer_run_class():
   """`Run` with two bench hooks, built lazily so importing this module stays light.
 
-  - `lr_factor`: every learning rate times this factor, applied through the trainer's own
-    learning-rate scale (`optax.inject_hyperparams(optax.scale)` at the end of every chain, the
-    multiplier the recovery backs off) instead of through the config. The update is the same
-    (`lr * factor * u`; weight decay scales with it, as with a larger configured rate), but the
-    compiled train step does not depend on the rate, so every rate of a grid reuses one
-    compilation from the persistent cache. A rollback multiplies the scale by
-    `stability.emergency_lr_factor` as usual.
+  - `lr_factor`: every learning rate times this factor, applied by a multiplier after the whole
+    chain (`with_lr_factor`) held in the optimizer state, instead of through the config. The
+    update is the same (`lr * factor * u`; weight decay scales with it, as with a larger
+    configured rate), but the compiled train step does not depend on the rate, so every rate of a
+    grid reuses one compilation from the persistent cache. The trainer's own learning-rate scale
+    (the one the recovery backs off and returns to 1.0) multiplies it: a rollback backs off to
+    `factor * stability.emergency_lr_factor` and returns to `factor`.
   - `init_val_loss`: the validation loss of the initial parameters, computed once before step 1
     on the run's own validation batches.
   """
   from stablejax.training.loop import Run
-  from stablejax.training.optim import set_lr_scale
 
   class BenchRun(Run):
     lr_factor = 1.0
     init_val_loss = None
 
+    def _build_optimizer(self):
+      super()._build_optimizer()
+      self.tx = with_lr_factor(self.tx)
+
     def _restore_or_init(self):
       state, meta = super()._restore_or_init()
-      if not meta and self.lr_factor != 1.0:  # a fresh start (a rollback restores a checkpoint)
-        state = state.replace(opt_state=set_lr_scale(state.opt_state, self.lr_factor))
-        meta = {"lr_scale": self.lr_factor}
+      if not meta:  # a fresh start (a rollback or resume restores the factor with the state)
+        state = state.replace(opt_state=set_lr_factor(state.opt_state, self.lr_factor))
       return state, meta
 
     def _banner(self, step):

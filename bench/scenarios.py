@@ -4,6 +4,7 @@ Usage:
   python bench/scenarios.py                 # full matrix, 150 steps per run, 2 runs in parallel
   python bench/scenarios.py --quick         # 60 steps per run (a smoke run of the whole matrix)
   python bench/scenarios.py --jobs 1 --scenarios clean,nan_grads --defences none,stablejax
+  python bench/scenarios.py --seeds 0,1,2   # every cell with 3 seeds: mean +/- sd per cell
 
 Every run is a real trainer run (`stablejax.training.loop.Run`: the jitted train step, the data
 pipeline, evaluation, checkpoints, monitoring and recovery) of a small GPT on the embedded corpus
@@ -36,6 +37,12 @@ made, also on trajectories later rolled back), rollbacks, warnings (the trainer'
 gradient health, stability score, and the parameter-movement check that flags bf16 underflow),
 wall seconds of the whole run (with compilation, on a shared machine) and the median milliseconds
 per train step.
+
+With several `--seeds` (model init and data order; the injected faults stay at the same steps),
+`scenarios_summary.md` gives each cell's final validation loss as mean +/- sd over the seeds that
+finished with a finite loss (`nan` when none did, `k/n ok` when only some did) and checks every
+stablejax cell against the best other defence of its row: within one standard error
+(sd / sqrt(seeds)) of it, or better.
 
 `--replot DIR/results.json` rebuilds the table, CSV and PNG from the raw results a run saved.
 """
@@ -115,12 +122,14 @@ SCENARIOS = {
 SCENARIO_DEFENCES = {"fp32_small_lr": ("none", "stablejax")}
 
 
-def scenario_config(scenario: str, defence: str, steps: int, garbage_every: int) -> dict:
+def scenario_config(scenario: str, defence: str, steps: int, garbage_every: int,
+                    seed: int = 0) -> dict:
   spec = dict(SCENARIOS[scenario])
   lr_factor = spec.pop("lr_factor", 1.0)
   garbage, nan = spec.pop("garbage", False), spec.pop("nan", False)
   raw = _common.deep_merge(BASE, DEFENCES[defence])
   raw = _common.deep_merge(raw, spec)
+  raw["train"]["seed"] = seed
   warmup = max(2, steps // 10)
   raw["train"].update(steps=steps, warmup_steps=warmup, eval_every=max(1, steps // 2))
   raw["checkpoint"]["every"] = max(1, steps // 4)
@@ -181,14 +190,17 @@ def count_spikes(losses: list[tuple[int, float]], fault_steps: set[int], window:
   return events
 
 
-def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir: str) -> dict:
-  """Runs one cell in this process; returns its row and loss curve."""
+def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir: str,
+            seed: int = 0) -> dict:
+  """Runs one cell (one seed) in this process; returns its row and loss curve."""
   from stablejax.training.config import config_from_dict
   from stablejax.training.loop import Run
 
-  raw = scenario_config(scenario, defence, steps, garbage_every)
-  out = Path(workdir) / f"{scenario}__{defence}"
-  result = {"scenario": scenario, "defence": defence, "status": "crashed", "val_loss": None,
+  raw = scenario_config(scenario, defence, steps, garbage_every, seed)
+  name = f"{scenario}__{defence}__s{seed}"
+  out = Path(workdir) / name
+  result = {"scenario": scenario, "defence": defence, "seed": seed, "status": "crashed",
+            "val_loss": None,
             "spikes": None, "skipped": None, "rollbacks": None, "wall_s": None, "ms_step": None,
             "curve": [], "error": ""}
   t0 = time.time()
@@ -236,7 +248,7 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
     result["wall_s"] = time.time() - t0
     log.write(traceback.format_exc())
   finally:
-    (Path(workdir) / f"{scenario}__{defence}.log").write_text(log.getvalue())
+    (Path(workdir) / f"{name}.log").write_text(log.getvalue())
     shutil.rmtree(out, ignore_errors=True)
   return result
 
@@ -252,14 +264,14 @@ def _worker_init(cache_dir: str | None) -> None:
 # ----------------------------------------------------------------------------- output
 
 
-HEADERS = ["scenario", "defence", "status", "val_loss", "spikes", "skipped", "rollbacks",
+HEADERS = ["scenario", "defence", "seed", "status", "val_loss", "spikes", "skipped", "rollbacks",
            "warnings", "wall_s", "ms_step"]
 
 
 def _row(r: dict) -> list:
   def num(x, fmt):
     return "-" if x is None else (fmt % x if isinstance(x, float) else str(x))
-  return [r["scenario"], r["defence"], r["status"], num(r["val_loss"], "%.4f"), num(r["spikes"], "%d"),
+  return [r["scenario"], r["defence"], r.get("seed", 0), r["status"], num(r["val_loss"], "%.4f"), num(r["spikes"], "%d"),
           num(r["skipped"], "%d"), num(r["rollbacks"], "%d"), num(r.get("warnings"), "%d"),
           num(r["wall_s"], "%.1f"),
           num(r["ms_step"], "%.1f")]
@@ -324,12 +336,82 @@ def report(ordered: list[dict], out_dir, machine: list[str], setting: str, timin
   print(f"\n{timing}")
   fails = [r for r in ordered if r["error"]]
   for r in fails:
-    print(f"crashed: {r['scenario']} / {r['defence']}: {r['error']} "
-          f"(log: {workdir}/{r['scenario']}__{r['defence']}.log)")
+    print(f"crashed: {r['scenario']} / {r['defence']} / seed {r.get('seed', 0)}: {r['error']} "
+          f"(log: {workdir}/{r['scenario']}__{r['defence']}__s{r.get('seed', 0)}.log)")
+  summary = summary_markdown(ordered)
+  print()
+  print(summary)
   if out_dir is not None:
     write_csv(ordered, out_dir / "scenarios.csv", machine + [setting])
-    plot(ordered, out_dir / "scenarios.png", "; ".join(machine) + "\n" + setting)
-    print(f"wrote {out_dir / 'scenarios.csv'} and {out_dir / 'scenarios.png'}")
+    first_seed = min(r.get("seed", 0) for r in ordered)
+    plot([r for r in ordered if r.get("seed", 0) == first_seed], out_dir / "scenarios.png",
+         "; ".join(machine) + "\n" + setting + f"; curves of seed {first_seed}")
+    (out_dir / "scenarios_summary.md").write_text(
+        "\n".join(f"<!-- {line} -->" for line in machine + [setting, timing]) + "\n\n"
+        + summary + "\n")
+    print(f"wrote {out_dir / 'scenarios.csv'}, {out_dir / 'scenarios_summary.md'} and "
+          f"{out_dir / 'scenarios.png'}")
+
+
+STABLEJAX_DEFENCES = ("stablejax", "stablejax+muon")
+
+
+def cell_stats(rows: list[dict]) -> dict:
+  """Mean, sd and standard error of the finite final val losses of one cell's seeds."""
+  finite = [r["val_loss"] for r in rows
+            if r["status"] == "ok" and r["val_loss"] is not None and math.isfinite(r["val_loss"])]
+  n = len(finite)
+  mean = statistics.fmean(finite) if finite else float("nan")
+  sd = statistics.stdev(finite) if n > 1 else 0.0
+  return {"n": len(rows), "ok": n, "mean": mean, "sd": sd,
+          "se": sd / math.sqrt(n) if n else float("nan"),
+          "skipped": sum(r["skipped"] or 0 for r in rows),
+          "rollbacks": sum(r["rollbacks"] or 0 for r in rows),
+          "warnings": sum(r.get("warnings") or 0 for r in rows)}
+
+
+def summary_markdown(results: list[dict]) -> str:
+  """Mean +/- sd per cell and, per stablejax cell, the check against the best other defence."""
+  scenarios = list(dict.fromkeys(r["scenario"] for r in results))
+  defences = list(dict.fromkeys(r["defence"] for r in results))
+  cells = {}
+  for r in results:
+    cells.setdefault((r["scenario"], r["defence"]), []).append(r)
+  stats = {k: cell_stats(v) for k, v in cells.items()}
+  seeds = max(s["n"] for s in stats.values())
+  lines = [f"Final validation loss, mean +/- sd over {seeds} seed(s) (skipped steps / rollbacks / "
+           "monitor warnings, summed over the seeds, for the stablejax stacks):", "",
+           "| scenario | " + " | ".join(defences) + " | stablejax vs best other |",
+           "|---" * (len(defences) + 2) + "|"]
+  for sc in scenarios:
+    row, verdicts = [sc], []
+    others = [stats[(sc, d)] for d in defences
+              if d not in STABLEJAX_DEFENCES and (sc, d) in stats and stats[(sc, d)]["ok"]]
+    best = min(others, key=lambda s: s["mean"]) if others else None
+    for d in defences:
+      st = stats.get((sc, d))
+      if st is None:
+        row.append("")
+        continue
+      if not st["ok"]:
+        text = "nan"
+      else:
+        text = f"{st['mean']:.3f} +/- {st['sd']:.3f}"
+        if st["ok"] < st["n"]:
+          text += f" ({st['ok']}/{st['n']} ok)"
+      if d in STABLEJAX_DEFENCES:
+        text += f" ({st['skipped']}/{st['rollbacks']}/{st['warnings']})"
+        if best is not None and st["ok"] == st["n"]:
+          gap = st["mean"] - best["mean"]
+          ok = gap <= best["se"] or gap <= 0
+          verdicts.append(f"{d} {gap:+.3f} ({'within' if ok else 'outside'} 1 SE "
+                          f"{best['se']:.3f})")
+        elif st["ok"] < st["n"]:
+          verdicts.append(f"{d}: {st['n'] - st['ok']} seed(s) failed")
+      row.append(text)
+    row.append("; ".join(verdicts))
+    lines.append("| " + " | ".join(row) + " |")
+  return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -340,6 +422,7 @@ def main(argv=None) -> int:
   p.add_argument("--scenarios", default=",".join(SCENARIOS))
   p.add_argument("--defences", default=",".join(DEFENCES))
   p.add_argument("--garbage-every", type=int, default=None)
+  p.add_argument("--seeds", default="0", help="comma list of seeds (model init and data order)")
   p.add_argument("--no-cache", action="store_true",
                  help="no shared persistent compilation cache between the runs")
   p.add_argument("--replot", default=None, metavar="RESULTS_JSON",
@@ -357,7 +440,9 @@ def main(argv=None) -> int:
   for name in defences:
     if name not in DEFENCES:
       p.error(f"unknown defence {name!r}: choose from {', '.join(DEFENCES)}")
-  cells = [(s, d) for s in scenarios for d in defences if d in SCENARIO_DEFENCES.get(s, defences)]
+  seeds = [int(x) for x in args.seeds.split(",") if x.strip()]
+  cells = [(s, d, seed) for s in scenarios for d in defences
+           if d in SCENARIO_DEFENCES.get(s, defences) for seed in seeds]
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
   if args.replot:
     saved = json.loads(Path(args.replot).read_text())
@@ -374,7 +459,7 @@ def main(argv=None) -> int:
   m = BASE["model"]
   setting = (f"GPT d_model {m['d_model']}, {m['n_layers']} layers (deep: 6), seq "
              f"{BASE['train']['seq_len']}, batch {BASE['train']['batch_size']}, {steps} steps, "
-             f"AdamW LR {LR:g} (Muon {MUON_LR:g}), data pydoc, seed 0; {len(cells)} runs, "
+             f"AdamW LR {LR:g} (Muon {MUON_LR:g}), data pydoc, seeds {args.seeds}; {len(cells)} runs, "
              f"{args.jobs} in parallel")
   print(setting)
   sys.stdout.flush()
@@ -382,11 +467,12 @@ def main(argv=None) -> int:
   workdir = tempfile.mkdtemp(prefix="stablejax_scenarios_")
   cache_dir = None if args.no_cache else os.path.join(workdir, "xla_cache")
   t0 = time.time()
-  results: dict[tuple[str, str], dict] = {}
+  results: dict[tuple[str, str, int], dict] = {}
   ctx = multiprocessing.get_context("spawn")
   with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                    initializer=_worker_init, initargs=(cache_dir,)) as pool:
-    jobs = {pool.submit(run_one, s, d, steps, garbage_every, workdir): (s, d) for s, d in cells}
+    jobs = {pool.submit(run_one, s, d, steps, garbage_every, workdir, seed): (s, d, seed)
+            for s, d, seed in cells}
     for job in futures.as_completed(jobs):
       r = job.result()
       results[jobs[job]] = r

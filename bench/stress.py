@@ -24,7 +24,9 @@ learning-rate scale, so the whole grid shares one compiled train step (see
 Defences (the AdamW ones as in bench/scenarios.py; every stablejax chain is built by
 `stablejax.training.optim.build_optimizer` from the config, so changed defaults show up here):
   none, clip1, apply_if_finite, zclip, adagc, spike_skip   one technique each around AdamW
-  stablejax        skip_nonfinite(skip_spikes(hybrid_clip + AdamW)) + rollback recovery
+  stablejax        the trainer's default AdamW stack: skip_nonfinite(skip_spikes(ZClip + AdamW))
+                   + rollback recovery
+  stablejax_adagc  the same with AdaGC after ZClip (hybrid_clip), the default before this sweep
   muon_clip1       optax.clip_by_global_norm(1.0) + optax.contrib.muon (hidden matrices, same
                    routing as stablejax: embeddings, head and norms go to its AdamW branch)
   stablejax_muon   the trainer's default stack around outlier-safe Muon
@@ -130,7 +132,10 @@ DEFENCES["apply_if_finite"] = (scenarios.DEFENCES["apply_if_finite"], "apply_if_
 DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": {**_OFF, "max_grad_norm": 1.0}},
                           "muon_clip1")
 DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
-ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax")
+# The AdamW stack with AdaGC inside (hybrid_clip), the trainer's default before this sweep.
+DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": True}}, None)
+ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax",
+                  "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
 
 # The full run: every defence on Pre-LN; the baseline and the AdamW stack on the other models
@@ -149,17 +154,16 @@ QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muo
 # --diagnose: what costs the stacks loss on clean runs and what makes them roll back. Each variant
 # changes one thing of a default stack (two where named so); name -> (base defence, overrides).
 DIAGNOSIS = {
-    "adagc_lam1.5": ("stablejax", "stability.adagc_lambda_rel=1.5"),
-    "adagc_lam2": ("stablejax", "stability.adagc_lambda_rel=2.0"),
-    "adagc_lam3": ("stablejax", "stability.adagc_lambda_rel=3.0"),
-    "no_adagc": ("stablejax", "stability.adagc=false"),
+    "adagc_lam1.5": ("stablejax_adagc", "stability.adagc_lambda_rel=1.5"),
+    "adagc_lam2": ("stablejax_adagc", "stability.adagc_lambda_rel=2.0"),
+    "adagc_lam3": ("stablejax_adagc", "stability.adagc_lambda_rel=3.0"),
     "zclip_no_ceiling": ("stablejax", "stability.max_grad_norm=null"),
-    "no_adagc_no_ceiling": ("stablejax", "stability.adagc=false,stability.max_grad_norm=null"),
+    "adagc_no_ceiling": ("stablejax_adagc", "stability.max_grad_norm=null"),
     "no_spike_skip": ("stablejax", "stability.skip_spikes=false"),
     "no_recovery": ("stablejax", "stability.recovery=false"),
     # the recovery and the monitor see every step, as in bench/scenarios.py
     "log_every1": ("stablejax", "train.log_every=1"),
-    "muon_no_adagc": ("stablejax_muon", "stability.adagc=false"),
+    "muon_adagc": ("stablejax_muon", "stability.adagc=true"),
     "muon_no_outlier_clamp": ("stablejax_muon", "optimizer.outlier_method=null"),
 }
 DIAGNOSE = {"models": ("preln",), "lr_factors": (1.0, 10.0), "seeds": SEEDS}
@@ -201,24 +205,19 @@ def parse_variant(spec: str) -> tuple[str, str, dict]:
 
 def optax_muon_clip1(cfg):
   """clip_by_global_norm(1.0) + optax.contrib.muon, routed and scheduled like the trainer's Muon."""
-  import jax
   import optax
-  from optax.contrib import MuonDimensionNumbers, muon
+  from optax.contrib import muon
   import stablejax
   from stablejax.training.optim import lr_schedule
   o = cfg.optimizer
-
-  def dim_numbers(params):
-    # Hidden matrices (stablejax's routing) as [..., fan_in, fan_out], leading axes batch; the
-    # rest (embedding, head, norms) to optax's AdamW branch.
-    return jax.tree.map(lambda label, p: MuonDimensionNumbers(p.ndim - 2, p.ndim - 1)
-                        if label == "muon" else None, stablejax.label_params(params), params)
-
+  # stablejax's routing: hidden matrices to Muon with their layouts, embedding, head and norms to
+  # optax's AdamW branch (dimension numbers None).
   main = muon(learning_rate=lr_schedule(cfg, o.learning_rate),
               adam_learning_rate=lr_schedule(cfg, o.adam_learning_rate),
               beta=o.momentum, ns_steps=o.ns_steps, eps=o.eps, weight_decay=o.weight_decay,
               adam_b1=o.b1, adam_b2=o.b2, adam_weight_decay=o.adam_weight_decay,
-              consistent_rms=o.consistent_rms, muon_weight_dimension_numbers=dim_numbers)
+              consistent_rms=o.consistent_rms,
+              muon_weight_dimension_numbers=stablejax.muon_dimension_numbers)
   return optax.with_extra_args_support(optax.chain(
       optax.clip_by_global_norm(1.0), main, optax.inject_hyperparams(optax.scale)(step_size=1.0)))
 
@@ -822,6 +821,11 @@ def main(argv=None) -> int:
             f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s ms/step {_cell(r['ms_step'], '%.0f')} "
             f"load {os.getloadavg()[0]:.1f}" + (f"  {r['error']}" if r["error"] else ""),
             flush=True)
+      # Finished runs so far, so an interrupted sweep can still be reported with --replot.
+      partial = {"header": {"machine": machine, "setting": setting, "command": command,
+                            "timing": f"{len(results)} of {len(cells)} runs (interrupted)"},
+                 "results": [results[c] for c in cells if c in results]}
+      (Path(workdir) / "results.partial.json").write_text(json.dumps(partial))
   ordered = [results[c] for c in cells]
   total = time.time() - t0
   if cache_dir:

@@ -73,7 +73,7 @@ def main(argv=None):
   tx = stablejax.skip_nonfinite(
       stablejax.skip_spikes(
           optax.chain(
-              stablejax.hybrid_clip(),
+              stablejax.zclip(),
               stablejax.outlier_safe_muon(learning_rate=schedule(0.02),
                                           adam_learning_rate=schedule(3e-3)),
           )),

@@ -22,7 +22,7 @@ TINY = [
     "optimizer.learning_rate=0.01", "optimizer.adam_learning_rate=0.01",
     "optimizer.embedding_learning_rate=0.01", "optimizer.head_learning_rate=0.01",
     "stability.spike_min_history=8", "stability.spike_window=16",
-    "stability.zclip_warmup_steps=5", "stability.adagc_warmup_steps=5",
+    "stability.zclip_warmup_steps=5",
     "checkpoint.every=10", "checkpoint.async_save=false",
     "logging.tensorboard=true", "logging.progress=false",
     "logging.histogram_every=20", "logging.activation_every=20",

@@ -74,7 +74,9 @@ class StabilityConfig:
   z_thresh: float = 2.5
   zclip_warmup_steps: int = 25
   max_grad_norm: Optional[float] = 1.0  # global-norm ceiling in every mode (ZClip's, else a clip)
-  adagc: bool = True
+  # Off by default: on clean runs AdaGC (lambda_rel 1.05) acts as a learning-rate cut and cost
+  # final loss in every bench/stress.py cell, with no gain at high learning rates (README).
+  adagc: bool = False
   adagc_beta: float = 0.98
   adagc_lambda_rel: float = 1.05
   adagc_lambda_abs: float = 1.0
