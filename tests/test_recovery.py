@@ -220,21 +220,19 @@ def test_no_usable_checkpoint_exits_2(tmp_path):
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
-class _StopAt:
-  """Builds a Run that stops at step `stop_at` as if SIGTERM had arrived just before it."""
+def stopping_run(cfg, out, fresh, stop_at):
+  """A Run that stops at step `stop_at` as if SIGTERM had arrived just before it."""
+  import signal
 
-  def __new__(cls, cfg, out, fresh, stop_at):
-    import signal
+  from stablejax.training.loop import Run
 
-    from stablejax.training.loop import Run
+  class StopAtRun(Run):
+    def _next_batch(self, step):
+      if step + 1 == stop_at:
+        self.stop_signal = signal.SIGTERM  # what the handler does; seen before the next step
+      return super()._next_batch(step)
 
-    class StopAtRun(Run):
-      def _next_batch(self, step):
-        if step + 1 == stop_at:
-          self.stop_signal = signal.SIGTERM  # what the handler does; seen before the next step
-        return super()._next_batch(step)
-
-    return StopAtRun(cfg, out, fresh=fresh)
+  return StopAtRun(cfg, out, fresh=fresh)
 
 
 @slow
@@ -274,10 +272,10 @@ def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, capsys):
   # same step, logs the same losses.
   cfg = tiny_config(*long_run)
   capsys.readouterr()
-  assert _StopAt(cfg, out, fresh=False, stop_at=stopped + 3).train() == 130
+  assert stopping_run(cfg, out, fresh=False, stop_at=stopped + 3).train() == 130
   assert f"resuming at step {stopped}" in capsys.readouterr().out
   reference = tmp_path / "reference"
-  assert _StopAt(cfg, reference, fresh=True, stop_at=stopped + 3).train() == 130
+  assert stopping_run(cfg, reference, fresh=True, stop_at=stopped + 3).train() == 130
   resumed, want = train_losses(out), train_losses(reference)
   # (a stopped run does not log the metrics of its last step: they are read one step late)
   assert set(resumed) == set(range(1, stopped)) | {stopped + 1, stopped + 2}
