@@ -53,6 +53,16 @@ def test_bump_that_recovers_within_the_window_does_not_trigger():
   assert r.healthy()
 
 
+def test_an_elevated_loss_never_enters_the_median_window():
+  # Window 3: medians of the last 3 losses that were not elevated. [2.0, 2.5, 2.2] has median
+  # 2.2; had the elevated 10.0 entered the window, it would hold [2.5, 10.0, 2.2], median 2.5.
+  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=3.0))
+  i, _ = feed(r, [3.0, 3.0, 3.0, 2.0, 2.5])
+  assert i is None and r.best_loss_median == 2.5
+  i, _ = feed(r, [10.0, 2.2])  # 10.0 > 3 x 2.5: elevated
+  assert i is None and r.best_loss_median == 2.2
+
+
 def test_divergence_triggers_on_the_window_th_elevated_loss():
   r = Recovery(StabilityConfig(loss_window=5, loss_explosion_factor=3.0))
   losses = WARM + [6.1, 7.0, 9.0, 12.0, 15.0, 20.0]
