@@ -6,6 +6,7 @@ To cover a new transform, add a ``Case`` to ``CASES`` (and its public names to
 
 import dataclasses
 import doctest
+import functools
 import subprocess
 import sys
 import textwrap
@@ -175,17 +176,25 @@ def _drive(tx, dtype, takes_loss, history=None):
 _IDS = [c.name for c in CASES]
 
 
+@functools.lru_cache(maxsize=None)
+def _alone(name, dtype):
+  """The history of one case driven alone (once per process: three tests read it)."""
+  case = next(c for c in CASES if c.name == name)
+  history = []
+  _drive(case.make(), dtype, case.takes_loss, history)
+  return history
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_alone(case, dtype):
-  _drive(case.make(), dtype, case.takes_loss)
+  assert len(_alone(case.name, dtype)) == STEPS
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_x50_spike_is_flagged_at_its_step(case, dtype):
-  history = []
-  _drive(case.make(), dtype, case.takes_loss, history)
+  history = _alone(case.name, dtype)
   flagged = [case.flags(m, g, u) for _, m, g, u in history]
   assert flagged == [False] * SPIKE_STEP + [case.flags_spike], flagged
 
@@ -197,10 +206,7 @@ def test_bf16_agrees_with_float32(case):
   # flags and clipped fractions are decisions, compared through their effect on the updates
   # (bf16 rounding may tip a norm that sits exactly at a threshold, e.g. ZClip's ceiling 1.0
   # meeting AdaGC's warmup clip 1.0, to the other side with no visible effect).
-  runs = {}
-  for dtype in (jnp.float32, jnp.bfloat16):
-    runs[dtype] = []
-    _drive(case.make(), dtype, case.takes_loss, runs[dtype])
+  runs = {dtype: _alone(case.name, dtype) for dtype in (jnp.float32, jnp.bfloat16)}
   for t, (want, got) in enumerate(zip(runs[jnp.float32], runs[jnp.bfloat16])):
     for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
       np.testing.assert_allclose(a, b, rtol=0, atol=0.03 * np.abs(b).max() + 1e-12,
