@@ -395,6 +395,9 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
     if not base or base is row:
       continue
     f = base["best_factor"]
+    row["warnings_at_base_best"] = sum(
+        r["warnings"] or 0 for r in results
+        if (r["model"], r["defence"], r["lr_factor"]) == (row["model"], row["defence"], f))
     row["gap_best"] = row["best_mean"] - base["best_mean"]
     if f in row["mean"]:
       row["gap_at_base_best"] = row["mean"][f] - base["mean"][f]
@@ -459,7 +462,8 @@ def _pm(mean, sd):
 
 def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
   headers = ["model", "defence", "best LR", "best-LR loss", "LR sensitivity", "vs baseline",
-             "gap at baseline's best LR (SE)", "diverged", "rollbacks (false)", "spikes", "skips"]
+             "gap at baseline's best LR (SE)", "diverged", "rollbacks (false)", "spikes", "skips",
+             "monitor warnings (at baseline's best LR)"]
   out = []
   for r in rows:
     ratio = r.get("sensitivity_ratio")
@@ -470,7 +474,8 @@ def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
         "-" if ratio is None else f"{ratio:.2f}x",
         "-" if gap is None else f"{gap:+.3f} ({r['base_se']:.3f})",
         f"{r['diverged']}/{r['runs']}",
-        f"{r['rollbacks']} ({r.get('false_rollbacks', '-')})", r["spikes"], r["skipped"]])
+        f"{r['rollbacks']} ({r.get('false_rollbacks', '-')})", r["spikes"], r["skipped"],
+        f"{r['warnings']} ({r.get('warnings_at_base_best', '-')})"])
   return headers, out
 
 
@@ -635,7 +640,9 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         "seeds; LR sensitivity ± sd of the per-seed values; 'vs baseline' = sensitivity / the "
         "baseline's (clip1 for AdamW, muon_clip1 for Muon); gap = this defence minus the "
         "baseline at the baseline's best rate, (SE) = the baseline's standard error there; "
-        "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge):", "",
+        "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge; monitor "
+        "warnings = warning lines the trainer printed, all rates, and at the baseline's best "
+        "rate):", "",
         _common.markdown_table(body, h), "", "Loss over the grid:", "",
         _common.markdown_table(cbody, ch), "", "Clipping statistics per rate:", "",
         _common.markdown_table(dbody, dh), ""]
