@@ -318,3 +318,66 @@ def test_hybrid_clip_passes_stacked_names():
     u_c, _ = _run(chained, grads)
     for a, b in zip(jax.tree.leaves(u_h), jax.tree.leaves(u_c)):
       np.testing.assert_array_equal(a, b)
+
+
+# Non-default values of every ZClip / AdaGC option, chosen so each changes the result on
+# _grad_sequence(3) (checked below): a hybrid_clip that dropped or misrouted one would differ
+# from the chain built by hand.
+ZCLIP_OPTIONS = dict(alpha=0.8, z_thresh=1.5, max_grad_norm=2.0, eps=0.5, warmup_steps=7,
+                     mode="percentile", clip_option="mean", clip_factor=0.5,
+                     skip_update_on_spike=True)
+ADAGC_OPTIONS = dict(beta=0.9, lambda_rel=1.2, lambda_abs=0.5, warmup_steps=9,
+                     stacked_names=("w",))
+_ZCLIP_BASE = dict(warmup_steps=10, max_grad_norm=None)  # so the options above are reached
+# clip_option and clip_factor act in zscore mode only (eps too, there)
+_NEEDS_ZSCORE = {"clip_option", "clip_factor", "eps"}
+
+
+def test_hybrid_clip_options_cover_every_zclip_and_adagc_argument():
+  import inspect
+  hybrid = set(inspect.signature(stablejax.hybrid_clip).parameters)
+  want = ({f"zclip_{k}" for k in inspect.signature(stablejax.zclip).parameters}
+          | {f"adagc_{k}" for k in inspect.signature(stablejax.adagc).parameters})
+  assert hybrid == want
+  assert set(ZCLIP_OPTIONS) == set(inspect.signature(stablejax.zclip).parameters)
+  assert set(ADAGC_OPTIONS) == set(inspect.signature(stablejax.adagc).parameters)
+  for name, param in inspect.signature(stablejax.hybrid_clip).parameters.items():
+    inner = stablejax.zclip if name.startswith("zclip_") else stablejax.adagc
+    default = inspect.signature(inner).parameters[name.split("_", 1)[1]].default
+    assert param.default == default, name  # "with the same defaults"
+
+
+@pytest.mark.parametrize("option", sorted(ZCLIP_OPTIONS))
+def test_hybrid_clip_forwards_zclip_option(option):
+  grads = _grad_sequence(3)
+  z = dict(_ZCLIP_BASE)
+  if option in _NEEDS_ZSCORE:
+    z["mode"] = "zscore"
+  z_changed = dict(z, **{option: ZCLIP_OPTIONS[option]})
+  hybrid = lambda zk: stablejax.hybrid_clip(  # noqa: E731
+      **{f"zclip_{k}": v for k, v in zk.items()}, adagc_stacked_names=())
+  u_h, s_h = _run(hybrid(z_changed), grads)
+  u_c, s_c = _run(optax.chain(stablejax.zclip(**z_changed), stablejax.adagc(stacked_names=())),
+                  grads)
+  for k in SHAPES:
+    np.testing.assert_array_equal(u_h[k], u_c[k])
+  for a, b in zip(jax.tree.leaves(s_h.zclip), jax.tree.leaves(s_c[0])):
+    np.testing.assert_array_equal(a, b)
+  u_default, _ = _run(hybrid(z), grads)
+  assert any(not np.array_equal(u_h[k], u_default[k]) for k in SHAPES), option  # it matters
+
+
+@pytest.mark.parametrize("option", sorted(ADAGC_OPTIONS))
+def test_hybrid_clip_forwards_adagc_option(option):
+  grads = _grad_sequence(3)
+  changed = {option: ADAGC_OPTIONS[option]}
+  hybrid = lambda ak: stablejax.hybrid_clip(  # noqa: E731
+      zclip_warmup_steps=10, **{f"adagc_{k}": v for k, v in ak.items()})
+  u_h, s_h = _run(hybrid(changed), grads)
+  u_c, s_c = _run(optax.chain(stablejax.zclip(warmup_steps=10), stablejax.adagc(**changed)), grads)
+  for k in SHAPES:
+    np.testing.assert_array_equal(u_h[k], u_c[k])
+  for a, b in zip(jax.tree.leaves(s_h.adagc), jax.tree.leaves(s_c[1])):
+    np.testing.assert_array_equal(a, b)
+  u_default, _ = _run(hybrid({}), grads)
+  assert any(not np.array_equal(u_h[k], u_default[k]) for k in SHAPES), option

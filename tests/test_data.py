@@ -243,3 +243,44 @@ def test_data_errors(tmp_path):
   assert "mixes .bin" in _err(DataConfig(train=[str(bin_ok), "pydoc"]))
   assert "val_fraction" in _err(DataConfig(val_fraction=0.0))
   assert "empty list" in _err(DataConfig(train=[]))
+
+
+@pytest.mark.parametrize("shuffle_buffer", [0, 4])
+def test_resume_at_every_batch_across_epoch_boundaries(tmp_path, shuffle_buffer):
+  # A corpus of a few windows: an epoch is 3-4 batches, so 4 epochs are read and every resume
+  # point (before, at and after each boundary) is tried.
+  from stablejax.training.checkpoint import Checkpoints
+  rng = np.random.default_rng(11)
+  path = tmp_path / "small.txt"
+  path.write_bytes(_words(rng, 80))  # one paragraph, 480 bytes
+  cfg = DataConfig(train=str(path), shuffle_buffer=shuffle_buffer, val_fraction=0.1)
+  build = lambda: build_data(cfg, seq_len=SEQ, batch_size=BS, seed=7)  # noqa: E731
+  windows = build().stats["train_tokens"] // (SEQ + 1)
+  assert 8 <= windows <= 16
+  n = 4 * windows // BS + 2
+  want = _take(build().train_iter(), n)
+  epoch = windows // BS
+  assert not all((a == b).all() for a, b in zip(want[:epoch], want[epoch:2 * epoch]))  # new order
+  d = build()
+  for k in range(n - 1):
+    it = d.train_iter()
+    _take(it, k)
+    state = it.get_state()
+    resumed = d.train_iter()  # (a freshly built pipeline restores below, through Orbax)
+    resumed.set_state(state)
+    got = _take(resumed, n - k)
+    assert all((a == b).all() for a, b in zip(got, want[k:])), k
+  # Through the trainer's checkpoints (Orbax + Grain), just after the first boundary.
+  it = build().train_iter()
+  _take(it, epoch + 1)
+  ckpt = Checkpoints(tmp_path / "ckpt", keep=2, async_save=False)
+  ckpt.save(epoch + 1, {"x": np.zeros(2, np.float32)}, it, {})
+  ckpt.close()
+  import jax
+  fresh = build().train_iter()
+  ckpt = Checkpoints(tmp_path / "ckpt", keep=2, async_save=False)
+  _, meta = ckpt.restore({"x": jax.ShapeDtypeStruct((2,), np.float32)}, fresh)
+  ckpt.close()
+  assert meta["step"] == epoch + 1
+  got = _take(fresh, n - epoch - 1)
+  assert all((a == b).all() for a, b in zip(got, want[epoch + 1:]))

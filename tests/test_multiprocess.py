@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer_utils import (ROOT, TINY, TRAIN, read_metrics, run_subprocess, sets, slow,
-                           train_losses)
+from trainer_utils import (ROOT, TINY, TRAIN, read_metrics, run_inprocess, run_subprocess, sets,
+                           slow, train_losses)
 
 HEARTBEAT = 10  # mesh.heartbeat_timeout of the multi-process runs: a lost peer is noticed within it
 RUN = ["train.steps=30", "train.eval_every=10", "checkpoint.every=10", "train.log_every=2",
@@ -92,6 +92,19 @@ def reference(tmp_path_factory):
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mesh {'data': 2, 'fsdp': 2}" in result.stdout
   return out
+
+
+@slow
+def test_one_device_trains_like_the_four_device_reference(reference, tmp_path):
+  """The same run on one device (in this process) and on a 2 x 2 mesh: same losses."""
+  out = tmp_path / "one_device"
+  assert run_inprocess(out, *RUN, "mesh.data=1", "mesh.fsdp=1") == 0
+  one, four = train_losses(out), train_losses(reference)
+  assert one.keys() == four.keys() and max(one) == 30
+  np.testing.assert_allclose([one[s] for s in sorted(one)], [four[s] for s in sorted(four)],
+                             rtol=2e-3)
+  np.testing.assert_allclose([_val_losses(out)[s] for s in (10, 20, 30)],
+                             [_val_losses(reference)[s] for s in (10, 20, 30)], rtol=2e-3)
 
 
 def _start_env_process(rank: int, port: int, out: Path, log: Path) -> subprocess.Popen:

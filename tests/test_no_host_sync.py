@@ -42,7 +42,7 @@ TINY = {
     "checkpoint": {"every": 6, "async_save": False},
     "mesh": {"data": 1, "fsdp": 2},
     "logging": {"tensorboard": False, "progress": False, "histogram_every": 0,
-                "activation_every": 0},
+                "activation_every": 0, "sample_every": 0},
     "faults": {"nan_grad_steps": [3], "garbage_batch_steps": [5]},
 }
 

@@ -318,7 +318,8 @@ def test_prepare_train_sample_end_to_end(tmp_path, capsys, bpe_dir, kind, tokeni
   assert code == 0, err
   run = tmp_path / "run"
   assert run_inprocess(run, f"data.train={data_dir}", "train.steps=12", "train.eval_every=12",
-                       "checkpoint.every=12", "logging.sample_tokens=8") == 0
+                       "checkpoint.every=12", "logging.sample_every=12",
+                       "logging.sample_tokens=8") == 0
   printed = capsys.readouterr().out
   assert "step 12: sample " in printed
   meta = read_prepared(data_dir)

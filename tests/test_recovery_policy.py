@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 
 import grain
@@ -51,6 +52,16 @@ def test_bump_that_recovers_within_the_window_does_not_trigger():
   assert i is None, cause
   assert r.best_loss_median == pytest.approx(2.0)  # the bump never entered the best median
   assert r.healthy()
+
+
+def test_an_elevated_loss_never_enters_the_median_window():
+  # Window 3: medians of the last 3 losses that were not elevated. [2.0, 2.5, 2.2] has median
+  # 2.2; had the elevated 10.0 entered the window, it would hold [2.5, 10.0, 2.2], median 2.5.
+  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=3.0))
+  i, _ = feed(r, [3.0, 3.0, 3.0, 2.0, 2.5])
+  assert i is None and r.best_loss_median == 2.5
+  i, _ = feed(r, [10.0, 2.2])  # 10.0 > 3 x 2.5: elevated
+  assert i is None and r.best_loss_median == 2.2
 
 
 def test_divergence_triggers_on_the_window_th_elevated_loss():
@@ -127,6 +138,33 @@ def test_state_dict_round_trip():
   again = Recovery(StabilityConfig(loss_window=2))
   again.load_state_dict(json.loads(json.dumps(r.state_dict())))
   assert again.events == r.events and again.best_loss_median == r.best_loss_median == 2.0
+
+
+def test_rollback_budget_is_max_rollbacks():
+  r = Recovery(StabilityConfig(max_rollbacks=2))
+  assert r.budget_left and r.rollbacks == 0
+  r.record(RollbackEvent(step=5, cause="x", restored_step=0), {})
+  assert r.budget_left and r.rollbacks == 1
+  r.record(RollbackEvent(step=9, cause="x", restored_step=0), {})
+  assert not r.budget_left and r.rollbacks == 2
+
+
+def test_a_rollback_starts_the_loss_window_afresh():
+  # Best median 5 from [5, 5, 5]; two elevated losses, then a rollback: the state restored is
+  # healthy, the elevated run restarts from zero, and the abandoned window does not mix with
+  # the losses logged after it.
+  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=3.0))
+  i, _ = feed(r, [5.0, 5.0, 5.0, 20.0, 20.0])
+  assert i is None and not r.healthy() and r.best_loss_median == 5.0
+  r.record(RollbackEvent(step=6, cause="x", restored_step=0), {})
+  assert r.healthy()
+  i, _ = feed(r, [20.0, 20.0])  # two more elevated losses: 2 < window, no trigger
+  assert i is None
+  r.record(RollbackEvent(step=8, cause="x", restored_step=0), {})
+  i, _ = feed(r, [1.0, 1.0])  # only 2 losses since the rollback: no new median yet
+  assert i is None and r.best_loss_median == 5.0
+  i, _ = feed(r, [1.0])
+  assert r.best_loss_median == 1.0
 
 
 @pytest.mark.parametrize("schedule", ["linear", "geometric"])
@@ -303,7 +341,58 @@ def test_state_holding_infinities_restores(tmp_path):
 def test_at_most_restores_an_older_step(two_steps):
   (_, meta), _ = _restore(two_steps, at_most=19)
   assert meta["step"] == 10
+  assert _restore(two_steps, at_most=20)[0][1]["step"] == 20
+  assert _restore(two_steps, at_most=10)[0][1]["step"] == 10
   assert _restore(two_steps, at_most=5)[0] is None
+
+
+def test_fingerprint_by_hand():
+  tree = {"a": jnp.array([1.0, -2.0, jnp.inf], jnp.float32), "b": jnp.array([[3.0, jnp.nan]]),
+          "n": jnp.int32(7)}  # integer leaves are not part of it
+  np.testing.assert_array_equal(np.asarray(checkpoint_lib.fingerprint(tree)),
+                                [1.0 - 2.0 + 3.0, 1.0 + 4.0 + 9.0, 2.0])
+
+
+def test_fingerprint_matches_tolerance_and_missing_values():
+  match = checkpoint_lib.fingerprint_matches
+  assert match([100.0, 2000.0, 1.0], [100.0 * (1 + 5e-5), 2000.0, 1.0])  # reduction order
+  assert not match([100.0, 2000.0, 1.0], [100.2, 2000.0, 1.0])          # 2e-3 off: damage
+  assert not match([0.5, 2.0, 0.0], [0.5, 2.0, 1.0])                      # one more non-finite
+  assert not match([], [0.5, 2.0, 0.0])                                   # saved without one
+  assert not match([0.5, 2.0, 0.0], [math.nan, 2.0, 0.0])
+  assert not match([math.inf, 2.0, 0.0], [math.inf, 2.0, 0.0])
+
+
+def test_leftover_of_a_killed_save_is_ignored_and_cleaned_up(two_steps):
+  # What SIGKILL during an async save leaves (seen in test_recovery's kill-during-save run).
+  tmp = two_steps / "30.orbax-checkpoint-tmp"
+  for item in ("state", "data", "meta"):
+    (tmp / f"{item}.orbax-checkpoint-tmp").mkdir(parents=True)
+  (tmp / "_CHECKPOINT_METADATA").write_text("{}")
+  ckpt = Checkpoints(two_steps, keep=5, async_save=False)
+  assert ckpt.all_steps() == [10, 20]
+  ckpt.close()
+  # Orbax removes it in the background once the manager is open (not awaited by close()).
+  deadline = time.monotonic() + 60
+  while tmp.exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert not tmp.exists()
+  (state, meta), fallbacks = _restore(two_steps)
+  assert meta["step"] == 20 and not fallbacks
+
+
+def test_keep_and_delete_after(tmp_path):
+  ckpt = Checkpoints(tmp_path / "checkpoints", keep=2, async_save=False)
+  for step in (10, 20, 30):
+    ckpt.save(step, _state(step), _data_iter(), {})
+  ckpt.wait()
+  assert ckpt.all_steps() == [20, 30]  # checkpoint.keep
+  ckpt.delete_after(20)  # the abandoned branch after a rollback to 20
+  assert ckpt.all_steps() == [20]
+  ckpt.close()
+  (state, meta), _ = _restore(tmp_path / "checkpoints")
+  assert meta["step"] == 20
+  np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(_state(20)["w"]))
 
 
 def test_damage_evidence_classification():
@@ -321,6 +410,9 @@ def test_damage_evidence_classification():
   assert damage_evidence(wrapped)
   for error in [TimeoutError(), MemoryError(), OSError(5, "Input/output error"),
                 PermissionError(13, "denied"), ValueError("DEADLINE_EXCEEDED: timed out"),
+                # damage-like words from anything but tensorstore's ValueError prove nothing
+                RuntimeError("Error decoding the storage server's reply"),
+                ConnectionError("NOT_FOUND: route to host"),
                 ValueError("Requested shape: (10, 101) is not compatible with the stored shape"),
                 KeyError("params"), RuntimeError("anything")]:
     assert damage_evidence(error) is None, error

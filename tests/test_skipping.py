@@ -473,3 +473,17 @@ def test_skip_spikes_factor_rule_alone():
     norms = np.array(history + [last], np.float32)
     skipped = _skip_decisions(tx, np.zeros_like(norms), norms)
     np.testing.assert_array_equal(skipped, [False] * 5 + [skip])
+
+
+def test_skip_spikes_olmo_core_std_is_unbiased():
+  # 19 earlier values (OLMo-core judges from there on at window 32): a value between the
+  # thresholds of the unbiased (torch's default) and the population std tells the two apart.
+  history = np.array([1.0, 1.2] * 9 + [1.1], np.float64)
+  mean, biased, unbiased = history.mean(), history.std(ddof=0), history.std(ddof=1)
+  tx = stablejax.skip_spikes(optax.sgd(1.0), window=32, sigma=6.0, watch=("grad_norm",),
+                             statistics="olmo_core")
+  for last, skip in ((mean + 3.0 * (biased + unbiased), False),  # above the biased threshold
+                     (mean + 6.0 * unbiased * 1.01, True)):
+    norms = np.array(list(history) + [last], np.float32)
+    skipped = _skip_decisions(tx, np.zeros_like(norms), norms)
+    np.testing.assert_array_equal(skipped, [False] * 19 + [skip])

@@ -6,6 +6,7 @@ To cover a new transform, add a ``Case`` to ``CASES`` (and its public names to
 
 import dataclasses
 import doctest
+import functools
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,19 @@ import stablejax
 
 
 @dataclasses.dataclass(frozen=True)
+class Inject:
+  """A factory, its keyword arguments and static_args for optax.inject_hyperparams."""
+
+  factory: Callable[..., optax.GradientTransformation]
+  kwargs: dict
+  static_args: tuple = ()
+
+  def build(self, **options):
+    return optax.inject_hyperparams(self.factory, static_args=self.static_args,
+                                    **options)(**self.kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
   """One public transform to put through the harness.
 
@@ -28,48 +42,57 @@ class Case:
     name: test id.
     make: builds the transform (short warmups so a few steps reach every
       branch).
-    inject: builds it through ``optax.inject_hyperparams`` (None when that is
-      not meaningful).
+    inject: the factory and arguments to build it through
+      ``optax.inject_hyperparams`` (None when that is not meaningful).
     takes_loss: the update accepts / needs ``loss=``.
+    flags: whether a step was flagged (clipped, detected or skipped), from
+      ``(stability_metrics, raw gradient norm, update norm)`` after it; the
+      x50 spike of ``SPIKE_STEP`` must be flagged, no earlier step.
+    flags_spike: False for a transform that must let a finite spike through.
   """
 
   name: str
   make: Callable[[], optax.GradientTransformation]
-  inject: Optional[Callable[[], optax.GradientTransformation]] = None
+  inject: Optional["Inject"] = None
   takes_loss: bool = False
+  flags: Callable[[dict, float, float], bool] = lambda m, g, u: False
+  flags_spike: bool = True
 
 
 CASES = [
     Case("zclip",
          lambda: stablejax.zclip(warmup_steps=2),
-         lambda: optax.inject_hyperparams(stablejax.zclip)(
-             alpha=0.9, z_thresh=2.0, max_grad_norm=5.0, warmup_steps=2)),
+         Inject(stablejax.zclip, dict(alpha=0.9, z_thresh=2.0, max_grad_norm=5.0,
+                                      warmup_steps=2)),
+         flags=lambda m, g, u: bool(m["zclip/is_spike"]) and u <= 1.0 + 1e-2),
     Case("zclip_percentile_no_ceiling",
          lambda: stablejax.zclip(warmup_steps=2, mode="percentile",
-                                 max_grad_norm=None)),
+                                 max_grad_norm=None),
+         flags=lambda m, g, u: bool(m["zclip/is_spike"]) and u < g / 10),
     Case("adagc",
          lambda: stablejax.adagc(warmup_steps=2),
-         lambda: optax.inject_hyperparams(stablejax.adagc)(
-             beta=0.9, lambda_rel=1.1, warmup_steps=2)),
+         Inject(stablejax.adagc, dict(beta=0.9, lambda_rel=1.1, warmup_steps=2)),
+         # every tensor is clipped on every step here; the spike is clipped to its history
+         flags=lambda m, g, u: u < g / 100),
     Case("hybrid_clip",
          lambda: stablejax.hybrid_clip(zclip_warmup_steps=2,
                                        adagc_warmup_steps=2),
-         lambda: optax.inject_hyperparams(stablejax.hybrid_clip)(
-             zclip_z_thresh=2.0, adagc_beta=0.95, zclip_warmup_steps=2,
-             adagc_warmup_steps=2)),
+         Inject(stablejax.hybrid_clip, dict(zclip_z_thresh=2.0, adagc_beta=0.95,
+                                            zclip_warmup_steps=2, adagc_warmup_steps=2)),
+         flags=lambda m, g, u: bool(m["zclip/is_spike"]) and u <= 1.0 + 1e-2),
     Case("skip_nonfinite",
          lambda: stablejax.skip_nonfinite(optax.adam(1e-3), max_consecutive=2),
-         lambda: optax.inject_hyperparams(stablejax.skip_nonfinite)(
-             optax.adam(1e-3), max_consecutive=2),
-         takes_loss=True),
+         Inject(stablejax.skip_nonfinite, dict(inner=optax.adam(1e-3), max_consecutive=2)),
+         takes_loss=True,
+         flags=lambda m, g, u: bool(m["skip_nonfinite/skipped"]),
+         flags_spike=False),  # a finite spike is not its business
     Case("skip_spikes",
          lambda: stablejax.skip_spikes(optax.adam(1e-3), window=4,
                                        min_history=2),
-         lambda: optax.inject_hyperparams(stablejax.skip_spikes,
-                                          static_args=("window",))(
-                                              optax.adam(1e-3), window=4,
-                                              min_history=2, sigma=3.0),
-         takes_loss=True),
+         Inject(stablejax.skip_spikes, dict(inner=optax.adam(1e-3), window=4, min_history=2,
+                                            sigma=3.0), static_args=("window",)),
+         takes_loss=True,
+         flags=lambda m, g, u: bool(m["skip_spikes/skipped"]) and u == 0.0),
 ]
 
 # (public object, needs an arXiv reference)
@@ -113,8 +136,12 @@ def _signature(tree):
                     getattr(x, "weak_type", False)) for x in leaves]
 
 
-def _drive(tx, dtype, takes_loss):
-  """Runs STEPS jitted updates; checks dtypes, state signature, single trace."""
+def _drive(tx, dtype, takes_loss, history=None):
+  """Runs STEPS jitted updates; checks dtypes, state signature, single trace.
+
+  Appends ``(updates as float32 numpy, stability_metrics, raw gradient norm,
+  update norm)`` of each step to ``history`` when given.
+  """
   params = _params(dtype)
   state = tx.init(params)
   init_sig = _signature(state)
@@ -135,6 +162,11 @@ def _drive(tx, dtype, takes_loss):
       assert u.dtype == g.dtype and u.shape == g.shape
       assert np.all(np.isfinite(np.asarray(u, np.float32)))
     assert _signature(state) == init_sig
+    if history is not None:
+      f32 = lambda tree: jax.tree.map(lambda x: np.asarray(x, np.float32), tree)  # noqa: E731
+      history.append((f32(updates), {k: np.asarray(v) for k, v in
+                                     stablejax.stability_metrics(state).items()},
+                      float(optax.tree.norm(f32(grads))), float(optax.tree.norm(f32(updates)))))
     params = optax.apply_updates(params, updates)
     assert all(p.dtype == dtype for p in jax.tree.leaves(params))
   assert len(traces) == 1, "state signature changed between steps (retrace)"
@@ -144,10 +176,47 @@ def _drive(tx, dtype, takes_loss):
 _IDS = [c.name for c in CASES]
 
 
+@functools.lru_cache(maxsize=None)
+def _alone(name, dtype):
+  """The history of one case driven alone (once per process: three tests read it)."""
+  case = next(c for c in CASES if c.name == name)
+  history = []
+  _drive(case.make(), dtype, case.takes_loss, history)
+  return history
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_alone(case, dtype):
-  _drive(case.make(), dtype, case.takes_loss)
+  assert len(_alone(case.name, dtype)) == STEPS
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=_IDS)
+def test_x50_spike_is_flagged_at_its_step(case, dtype):
+  history = _alone(case.name, dtype)
+  flagged = [case.flags(m, g, u) for _, m, g, u in history]
+  assert flagged == [False] * SPIKE_STEP + [case.flags_spike], flagged
+
+
+@pytest.mark.parametrize("case", CASES, ids=_IDS)
+def test_bf16_agrees_with_float32(case):
+  # The same gradients rounded to bf16 (8 significant bits): every update leaf agrees with the
+  # float32 run to 3% of its largest entry, and every logged statistic to 3% relative. Counts,
+  # flags and clipped fractions are decisions, compared through their effect on the updates
+  # (bf16 rounding may tip a norm that sits exactly at a threshold, e.g. ZClip's ceiling 1.0
+  # meeting AdaGC's warmup clip 1.0, to the other side with no visible effect).
+  runs = {dtype: _alone(case.name, dtype) for dtype in (jnp.float32, jnp.bfloat16)}
+  for t, (want, got) in enumerate(zip(runs[jnp.float32], runs[jnp.bfloat16])):
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+      np.testing.assert_allclose(a, b, rtol=0, atol=0.03 * np.abs(b).max() + 1e-12,
+                                 err_msg=f"step {t}")
+    assert got[1].keys() == want[1].keys()
+    for key in want[1]:
+      if not np.issubdtype(want[1][key].dtype, np.floating) or key.endswith("_fraction"):
+        continue
+      np.testing.assert_allclose(got[1][key], want[1][key], rtol=0.03, atol=1e-6,
+                                 err_msg=f"step {t} {key}")
 
 
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
@@ -159,12 +228,27 @@ def test_in_chain_bf16(case):
 @pytest.mark.parametrize("case", [c for c in CASES if c.inject is not None],
                          ids=[c.name for c in CASES if c.inject is not None])
 def test_inject_hyperparams_bf16(case):
-  # bf16 params make inject_hyperparams hand bf16 hyperparameters over.
-  state = _drive(case.inject(), jnp.bfloat16, case.takes_loss)
-  assert hasattr(state, "hyperparams") and hasattr(state, "inner_state")
-  # The injected transform behaves as the directly built one would: metrics
-  # are still found through the wrapper.
-  assert stablejax.stability_metrics(state)
+  inject = case.inject
+  # optax casts injected float hyperparameters to the params' dtype: with bf16 params they are
+  # rounded to bf16 (alpha 0.9 -> 0.8984), so the transform differs from the one built directly.
+  state = _drive(inject.build(), jnp.bfloat16, case.takes_loss)
+  rounded = {k: v for k, v in inject.kwargs.items()
+             if isinstance(v, float) and k not in inject.static_args}
+  for k, v in rounded.items():
+    assert state.hyperparams[k].dtype == jnp.bfloat16
+    assert float(state.hyperparams[k]) == float(jnp.asarray(v, jnp.bfloat16))
+  # hyperparam_dtype=float32 keeps them exact: then the injected transform is the directly
+  # built one, step for step (updates and logged statistics, through the wrapper).
+  injected, direct = [], []
+  _drive(inject.build(hyperparam_dtype=jnp.float32), jnp.bfloat16, case.takes_loss, injected)
+  _drive(inject.factory(**inject.kwargs), jnp.bfloat16, case.takes_loss, direct)
+  for (u_i, m_i, _, _), (u_d, m_d, _, _) in zip(injected, direct):
+    for a, b in zip(jax.tree.leaves(u_i), jax.tree.leaves(u_d)):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=0)
+    assert m_i.keys() == m_d.keys() and m_i
+    for key in m_d:
+      np.testing.assert_allclose(np.asarray(m_i[key], np.float64),
+                                 np.asarray(m_d[key], np.float64), rtol=1e-5, err_msg=key)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_IDS)

@@ -105,7 +105,8 @@ def test_matches_reference(case, skip_update_on_spike, max_grad_norm):
                 eps=1e-6, warmup_steps=25, mode=mode, clip_option=clip_option,
                 clip_factor=clip_factor,
                 skip_update_on_spike=skip_update_on_spike)
-  seed = hash((mode, clip_option, clip_factor)) % 1000
+  # A fixed seed per case (hash() of strings changes per process): a failure reproduces.
+  seed = 101 * _CASES.index(case) + 7
   grads = _grads_with_norms(_norm_sequence(seed), seed)
   # The norms the transform sees, recomputed in float64 from the f32 grads.
   norms = np.sqrt((grads["a"].astype(np.float64)**2).sum(axis=(1, 2))

@@ -26,6 +26,11 @@ TINY = [
     "checkpoint.every=10", "checkpoint.async_save=false",
     "logging.tensorboard=true", "logging.progress=false",
     "logging.histogram_every=20", "logging.activation_every=20",
+    # No sample at evals: each run would compile a sampler. Tests of sampling turn it on.
+    "logging.sample_every=0",
+    # A given peak rate for MFU skips the trainer's CPU matmul benchmark at the end of each run
+    # (clean_run keeps measuring it).
+    "train.peak_flops_per_device=1e12",
 ]
 
 
@@ -34,6 +39,22 @@ def sets(*overrides: str) -> list[str]:
   for item in (*TINY, *overrides):
     args += ["--set", item]
   return args
+
+
+def tiny_config(*overrides: str):
+  """The Config object of a tiny run (for Run(...) in process, or to re-derive expected values)."""
+  from stablejax.training.config import load_config
+  return load_config(ROOT / "configs" / "default.json", [*TINY, *overrides])
+
+
+def optax_lr(cfg, count: int, lr_scale: float = 1.0) -> float:
+  """The logged learning rate re-derived from the config with optax (update `count`, 0-based)."""
+  import optax
+  t = cfg.train
+  peak = cfg.optimizer.learning_rate
+  schedule = optax.warmup_cosine_decay_schedule(0.0, peak, t.warmup_steps, t.steps,
+                                                peak * t.min_lr_ratio)
+  return float(schedule(count)) * lr_scale
 
 
 def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:

@@ -1,0 +1,102 @@
+"""The trainer's step as the loop calls it (Run's own jitted step, batch layout and checkpoints),
+without the loop: gradient accumulation and the fp16 loss-scaling path."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from trainer_utils import tiny_config
+
+SMALL = ("train.batch_size=8", "train.steps=12", "checkpoint.async_save=false",
+         "logging.tensorboard=false")
+
+
+def make_run(tmp_path, name, *overrides):
+  from stablejax.training.loop import Run
+  return Run(tiny_config(*SMALL, *overrides), tmp_path / name, fresh=True)
+
+
+def stream(run, n):
+  it = run.data.train_iter()
+  return [np.asarray(next(it)["tokens"], np.int32) for _ in range(n)]
+
+
+def steps(run, batches, grad_scales=None):
+  """Runs the Run's jitted train step over host batches; returns the final state and metrics."""
+  state = run.init_state(jax.random.PRNGKey(run.cfg.train.seed))
+  history = []
+  for i, tokens in enumerate(batches):
+    scale = 1.0 if grad_scales is None else grad_scales[i]
+    state, metrics = run.train_step(state, {"tokens": run._device_tokens(tokens),
+                                            "grad_scale": np.float32(scale)})
+    history.append(jax.device_get(metrics))
+  return state, history
+
+
+def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
+  # train.grad_accum=4 splits each batch of 8 rows into 4 micro-batches of 2 inside the step;
+  # the mean of their mean losses and gradients is the full batch's (equal sizes), so the runs
+  # agree up to float32 summation order: losses to 1e-5 relative, parameters to 1e-5 absolute.
+  one = make_run(tmp_path, "accum1")
+  four = make_run(tmp_path, "accum4", "train.grad_accum=4")
+  batches = stream(one, 4)
+  assert four._device_tokens(batches[0]).shape == (4, 2, 33)  # [accum, micro-batch, T + 1]
+  state1, hist1 = steps(one, batches)
+  state4, hist4 = steps(four, batches)
+  for a, b in zip(hist1, hist4):
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+  assert hist1[-1]["loss"] < hist1[0]["loss"]  # it trained
+  moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(),
+                       state4.params, one.init_state(jax.random.PRNGKey(0)).params)
+  assert max(jax.tree.leaves(moved)) > 1e-3  # parameters moved far more than the tolerance
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
+               state4.params, state1.params)
+
+
+FP16 = ("model.compute_dtype=\"float16\"", "stability.loss_scale_init=1048576",
+        "stability.loss_scale_growth_interval=3", "stability.loss_scale_growth_factor=2.0")
+
+
+def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_path):
+  # A loss scale of 2^20 overflows fp16 gradients: the scale halves on each overflow (the step
+  # skipped: parameters unchanged) until the gradients are finite, then doubles after every 3
+  # finite steps. An injected NaN gradient (step 9) is an overflow like any other.
+  run = make_run(tmp_path, "fp16", *FP16)
+  batches = stream(run, 12)
+  grad_scales = [1.0] * 9 + [float("nan")] + [1.0] * 2
+  state = run.init_state(jax.random.PRNGKey(run.cfg.train.seed))
+  scale, counter, scales, overflowed = 2.0**20, 0, [], []
+  for tokens, g in zip(batches, grad_scales):
+    before = jax.device_get(state.params)
+    state, metrics = run.train_step(state, {"tokens": run._device_tokens(tokens),
+                                            "grad_scale": np.float32(g)})
+    m = jax.device_get(metrics)
+    overflow = bool(m["skip_nonfinite/skipped"])
+    overflowed.append(overflow)
+    if overflow:  # nothing was applied
+      jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.params), before)
+    # the documented rule, by hand
+    if overflow:
+      scale, counter = max(scale * 0.5, 1.0), 0
+    else:
+      counter += 1
+      if counter == 3:
+        scale, counter = scale * 2.0, 0
+    scales.append(float(m["loss_scale"]))
+    assert float(m["loss_scale"]) == scale and int(state.loss_scale.counter) == counter
+  assert overflowed[0] and overflowed[9] and not all(overflowed)
+  assert any(b > a for a, b in zip(scales, scales[1:])), scales  # it grew at least once
+  assert np.all(np.isfinite(jax.tree.leaves(jax.device_get(state.params))[0]))
+
+  # In the checkpoint, and restored with the rest of the state.
+  run.train_iter = run.data.train_iter()
+  run.checkpoints.save(12, state, run.train_iter, {"batches_consumed": 12})
+  run.checkpoints.wait()
+  restored, meta = run.checkpoints.restore(run.abstract_state, run.data.train_iter())
+  assert meta["step"] == 12
+  assert float(restored.loss_scale.loss_scale) == scale
+  assert int(restored.loss_scale.counter) == counter
+  run.checkpoints.close()
