@@ -190,6 +190,15 @@ def count_spikes(losses: list[tuple[int, float]], fault_steps: set[int], window:
   return events
 
 
+def run_status(code: int, val_loss) -> str:
+  """ok (finished with a finite val loss), nan, gave_up (exit 3: rollback budget spent), exit_N."""
+  if code == 3:
+    return "gave_up"
+  if code == 0:
+    return "ok" if val_loss is not None and math.isfinite(val_loss) else "nan"
+  return f"exit_{code}"
+
+
 def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir: str,
             seed: int = 0) -> dict:
   """Runs one cell (one seed) in this process; returns its row and loss curve."""
@@ -228,14 +237,7 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
     skipped = sum(1 for r in train if any(k.endswith("/skipped") and v for k, v in r.items()))
     skipped += _optax_skips(run.state.opt_state)
     val = summary.get("final_val_loss")
-    if code == 3:
-      status = "gave_up"
-    elif code == 0 and val is not None and math.isfinite(val):
-      status = "ok"
-    elif code == 0:
-      status = "nan"
-    else:
-      status = f"exit_{code}"
+    status = run_status(code, val)
     step_times = [cfg.train.batch_size * cfg.train.seq_len / r["tokens_per_sec"]
                   for r in train[1:] if r.get("tokens_per_sec")]
     result.update(status=status, val_loss=val, spikes=count_spikes(losses, faults),

@@ -292,14 +292,7 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
     losses = [(r["step"], float(r["loss"])) for r in train]
     skipped = summary["skipped_steps"] + scenarios._optax_skips(run.state.opt_state)
     val, init = summary.get("final_val_loss"), run.init_val_loss
-    if code == 3:
-      status = "gave_up"
-    elif code == 0 and val is not None and math.isfinite(val):
-      status = "ok"
-    elif code == 0:
-      status = "nan"
-    else:
-      status = f"exit_{code}"
+    status = scenarios.run_status(code, val)
     after = [r for r in train if r["step"] > cfg.stability.adagc_warmup_steps]
     step_times = [cfg.train.batch_size * cfg.train.seq_len / r["tokens_per_sec"]
                   for r in train[1:] if r.get("tokens_per_sec")]
