@@ -36,10 +36,10 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   # Imported here so that --help and argument errors answer instantly.
   import jax
+  from stablejax.data.pipeline import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, load_config
-  from stablejax.training.data import DataError
   from stablejax.training.loop import Run, write_config
 
   out = Path(args.out or Path("runs") / Path(args.config).stem)

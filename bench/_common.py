@@ -145,7 +145,7 @@ class CompiledStep:
 
 def fixed_batch(cfg: Config, seed: int = 0) -> dict:
   """One real batch of the embedded corpus in the trainer's layout (grad_accum, B, T + 1)."""
-  from stablejax.training.data import build_data
+  from stablejax.data.pipeline import build_data
   t = cfg.train
   data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed)
   tokens = np.asarray(next(data.train_iter())["tokens"], np.int32)

@@ -16,7 +16,7 @@ embedded corpus with the same seed and data order, twice, through the trainer
 and reports for each: final val loss; ``excess_kurtosis`` from summary.json (mean over blocks of
 the excess kurtosis of the residual stream on a fixed validation batch, measured at the last step);
 ``act_max / act_rms`` of the residual stream from the same measurement; and the val loss after
-per-channel round-to-nearest weight quantisation to 4 and 3 bits (``stablejax.quantize_eval``;
+per-channel round-to-nearest weight quantisation to 4 and 3 bits (``stablejax.training.quantized_eval``;
 EmbProj merged first) with its increase. The table is printed and written to
 ``bench/results/outlier_experiment.csv`` (``--quick`` writes a CSV only when given ``--csv``, so a
 smoke test never replaces the recorded result).
@@ -98,9 +98,9 @@ def _last_activation_record(run_dir: Path) -> dict:
 
 def run_setup(name: str, steps: int, seed: int, out_root: Path) -> dict:
   """Trains one setup in-process, then measures it; returns one table row."""
-  from stablejax.quantize_eval import quantize_eval
   from stablejax.training.config import config_from_dict
   from stablejax.training.loop import Run, write_config
+  from stablejax.training.quantized_eval import quantize_eval
 
   cfg = config_from_dict(setup_config(name, steps, seed))
   out = out_root / name

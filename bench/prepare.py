@@ -1,4 +1,4 @@
-"""Throughput of python -m stablejax.prepare: MB of text per second, 1 and 2 worker processes.
+"""Throughput of python -m stablejax prepare: MB of text per second, 1 and 2 worker processes.
 
     python bench/prepare.py [--mb 24] [--rounds 2] [--quick]
 
@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import print_machine  # noqa: E402
-from stablejax import prepare as prep  # noqa: E402
+from stablejax.data import prepare as prep  # noqa: E402
 
 
 def make_corpus(path: Path, megabytes: float) -> int:

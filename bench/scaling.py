@@ -16,7 +16,7 @@ losses of every step are compared with N=1 (same seed, same data; only the reduc
 the sharded sums differs). The simulated devices share this machine's cores, so step times say
 nothing about real scaling and are not reported for the rows above.
 
-The multi-process rows run the largest N as 2 processes x N/2 devices (`stablejax.launch`,
+The multi-process rows run the largest N as 2 processes x N/2 devices (`stablejax launch`,
 `mesh.distributed=true`, gloo collectives over loopback) and as 1 process x N devices, both with
 the mesh a multi-host job would use, ``{data: 2, fsdp: N/2}`` (parameters sharded inside a process,
 data parallel across processes), and compare losses, per-device memory and tokens/s (median of
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
                                 cwd=ROOT)
           lines = proc.stdout.strip().splitlines()[-1:]
         else:
-          proc = subprocess.run([sys.executable, "-m", "stablejax.launch", "--nproc", "2",
+          proc = subprocess.run([sys.executable, "-m", "stablejax", "launch", "--nproc", "2",
                                  "--devices-per-proc", str(n_max // 2), "--", *cmd],
                                 capture_output=True, text=True, cwd=ROOT)
           lines = [line[4:] for line in proc.stdout.splitlines() if line.startswith("[0] {")]

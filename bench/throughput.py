@@ -5,7 +5,7 @@ Usage:
   python bench/throughput.py --quick    # a smaller model, 40 steps, 1 repeat
 
 Both sides train the same GPT (`stablejax.training.model.GPT`, same config, same seed), on the
-same batches (`stablejax.training.data.build_data`, same seed and order) with the same optimizer
+same batches (`stablejax.data.pipeline.build_data`, same seed and order) with the same optimizer
 (`clip_by_global_norm(1.0)` + AdamW with the trainer's warmup-cosine schedule) and the same loss
 (cross-entropy + 1e-4 z-loss), fetching the loss every `train.log_every` steps. The trainer side is
 `stablejax.training.loop.Run(cfg, out, fresh=True).train()`, i.e. `python train.py`, with
@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from bench import _common  # noqa: E402
-from stablejax.training.data import build_data  # noqa: E402
+from stablejax.data.pipeline import build_data  # noqa: E402
 from stablejax.training.loop import Run  # noqa: E402
 from stablejax.training.model import GPT, count_params  # noqa: E402
 from stablejax.training.optim import lr_schedule  # noqa: E402

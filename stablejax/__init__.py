@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 # --- transforms (gradient-side stability) ---
-from stablejax.losses import cross_entropy_with_z_loss
+from stablejax.modeling.losses import cross_entropy_with_z_loss
 from stablejax.transforms.adagc import AdaGCState
 from stablejax.transforms.adagc import adagc
 from stablejax.transforms.hybrid import HybridClipState
@@ -25,17 +25,17 @@ from stablejax.muon.muon import GroupUpdateRmsState
 from stablejax.muon.muon import OutlierSafeMuonState
 from stablejax.muon.muon import outlier_safe_muon
 from stablejax.muon.newton_schulz import newton_schulz
-from stablejax.muon.routing import describe_routing
+from stablejax.muon.describe import describe_routing
 from stablejax.muon.routing import label_params
 from stablejax.muon.routing import muon_dimension_numbers
 # --- end muon ---
 
 # --- model utilities ---
-from stablejax.model_utils import init_new_token_embeddings
-from stablejax.model_utils import lambda_warmup
-from stablejax.model_utils import excess_kurtosis
-from stablejax.model_utils import merge_emb_proj
-from stablejax.model_utils import quantize_weights_rtn
+from stablejax.modeling.utils import init_new_token_embeddings
+from stablejax.modeling.utils import lambda_warmup
+from stablejax.modeling.utils import excess_kurtosis
+from stablejax.modeling.utils import merge_emb_proj
+from stablejax.modeling.utils import quantize_weights_rtn
 # --- end model utilities ---
 
 # --- monitoring ---
@@ -99,3 +99,89 @@ __all__ = [
     "tensorboard_scalars",
     # --- end all monitoring ---
 ]
+
+
+# --- old import paths (deprecated; removed in the next release) ---
+# Modules that moved keep their old names for one release: an import of an old name returns the
+# very module of the new name (same object) with a DeprecationWarning, and `python -m OLD` runs the
+# new program. A finder on sys.meta_path does it, so no files are left at the old paths.
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.util as _importlib_util
+import sys as _sys
+import warnings as _warnings
+from typing import NamedTuple as _NamedTuple
+from typing import Optional as _Optional
+
+
+class _Moved(_NamedTuple):
+  module: str               # what `import OLD` returns now
+  program: _Optional[str]   # what `python -m OLD` runs now (None: it had no program)
+  command: _Optional[str]   # the command to use instead of `python -m OLD`
+
+
+_MOVED = {
+    "stablejax.losses": _Moved("stablejax.modeling.losses", None, None),
+    "stablejax.model_utils": _Moved("stablejax.modeling.utils", None, None),
+    "stablejax.tokenizer": _Moved("stablejax.data.tokenizer", None, None),
+    "stablejax.training.data": _Moved("stablejax.data.pipeline", None, None),
+    "stablejax.prepare": _Moved("stablejax.data.prepare", "stablejax.cli.prepare",
+                                "python -m stablejax prepare"),
+    "stablejax.sample": _Moved("stablejax.training.sampling", "stablejax.cli.sample",
+                               "python -m stablejax sample"),
+    "stablejax.report": _Moved("stablejax.monitor.report", "stablejax.cli.report",
+                               "python -m stablejax report"),
+    "stablejax.launch": _Moved("stablejax.training.launch", "stablejax.cli.launch",
+                               "python -m stablejax launch"),
+    "stablejax.quantize_eval": _Moved("stablejax.training.quantized_eval",
+                                      "stablejax.cli.quantize_eval",
+                                      "python -m stablejax quantize-eval"),
+}
+
+
+class _MovedModuleLoader(_importlib_abc.Loader):
+  """Loads an old module name as the module it moved to; runs the new program for ``-m``."""
+
+  def __init__(self, old: str, moved: _Moved):
+    self.old, self.moved = old, moved
+
+  def create_module(self, spec):
+    return None  # a placeholder: exec_module puts the real module in its place
+
+  def exec_module(self, module):
+    _warnings.warn(f"{self.old} is deprecated and will be removed in the next release: import "
+                   f"{self.moved.module} instead", DeprecationWarning, stacklevel=2)
+    # The import system returns what sys.modules holds after exec_module: the new module itself.
+    _sys.modules[self.old] = _importlib.import_module(self.moved.module)
+
+  def get_code(self, fullname):
+    """The code `python -m OLD` runs (runpy asks the loader for it): the new program's."""
+    target = self.moved.program or self.moved.module
+    spec = _importlib_util.find_spec(target)
+    if self.moved.command:
+      # Attributed to __main__, the program being run, so Python's default filters show it.
+      _warnings.warn_explicit(f"python -m {self.old} is deprecated and will be removed in the "
+                              f"next release: use {self.moved.command}", DeprecationWarning,
+                              filename=spec.origin, lineno=0, module="__main__")
+    return spec.loader.get_code(target)
+
+
+class _MovedModuleFinder(_importlib_abc.MetaPathFinder):
+  """Finds the old module names of ``_MOVED`` (and nothing else)."""
+
+  stablejax_moved_modules = True
+
+  def find_spec(self, fullname, path=None, target=None):
+    moved = _MOVED.get(fullname)
+    if moved is None:
+      return None
+    origin = _importlib_util.find_spec(moved.program or moved.module).origin
+    return _importlib_util.spec_from_loader(fullname, _MovedModuleLoader(fullname, moved),
+                                            origin=origin)
+
+
+# First on the path, so a stale file left at an old path (an old install) cannot shadow the alias;
+# a reload of stablejax replaces its earlier finder.
+_sys.meta_path[:] = [f for f in _sys.meta_path if not getattr(f, "stablejax_moved_modules", False)]
+_sys.meta_path.insert(0, _MovedModuleFinder())
+# --- end old import paths ---

@@ -6,8 +6,8 @@ import grain
 import numpy as np
 import pytest
 
-from stablejax.training import data as data_lib
-from stablejax.training.data import DataConfig, DataError, build_data, garbage_batch
+from stablejax.data import pipeline as data_lib
+from stablejax.data.pipeline import DataConfig, DataError, build_data, garbage_batch
 
 SEQ = 32
 BS = 4

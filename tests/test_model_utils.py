@@ -1,4 +1,4 @@
-"""Tests for stablejax.model_utils against numpy re-derivations and hand-computed values."""
+"""Tests for stablejax.modeling.utils against numpy re-derivations and hand-computed values."""
 
 import dataclasses
 import math
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import stablejax
-from stablejax.model_utils import (excess_kurtosis, init_new_token_embeddings, lambda_warmup,
+from stablejax.modeling.utils import (excess_kurtosis, init_new_token_embeddings, lambda_warmup,
                                    merge_emb_proj, quantize_weights_rtn)
 from stablejax.training.model import GPT, ModelConfig
 

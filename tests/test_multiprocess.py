@@ -2,7 +2,7 @@
 
 Two processes with two simulated devices each must train exactly like one process with four:
 same mesh ({data: 2, fsdp: 2}), same global batches, same losses. The reference is one process
-with four devices; the multi-process runs start through `stablejax.launch` (and SIGTERM) and
+with four devices; the multi-process runs start through `stablejax launch` (and SIGTERM) and
 through the JAX environment variables (with one process killed). Every process is started with
 a timeout, and the launcher kills its processes when it dies, so a hang fails the test instead
 of stalling the suite.
@@ -31,7 +31,7 @@ RUN = ["train.steps=30", "train.eval_every=10", "checkpoint.every=10", "train.lo
        "mesh.data=2", "mesh.fsdp=2"]
 DISTRIBUTED = ["mesh.distributed=true", f"mesh.heartbeat_timeout={HEARTBEAT}",
                "mesh.initialization_timeout=300", "mesh.shutdown_timeout=60"]
-LAUNCH = [sys.executable, "-m", "stablejax.launch", "--nproc", "2", "--devices-per-proc", "2",
+LAUNCH = [sys.executable, "-m", "stablejax", "launch", "--nproc", "2", "--devices-per-proc", "2",
           "--grace", "30", "--"]
 
 
@@ -130,7 +130,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   out = tmp_path / "run"
   launch = LAUNCH + [str(TRAIN), *sets(*RUN, *DISTRIBUTED), "--out", str(out)]
 
-  # 1. stablejax.launch; SIGTERM to the launcher reaches both processes: one save, exit 130.
+  # 1. stablejax launch; SIGTERM to the launcher reaches both processes: one save, exit 130.
   logs = [tmp_path / "launch1.out", tmp_path / "launch1.err"]
   first = subprocess.Popen(launch + ["--fresh"], cwd=ROOT, stdout=open(logs[0], "w"),
                            stderr=open(logs[1], "w"))
@@ -263,7 +263,7 @@ print("to stderr", file=sys.stderr, flush=True)
 def _launch(tmp_path, *args, mode="ok", timeout=60):
   script = tmp_path / "child.py"
   script.write_text(CHILD)
-  cmd = [sys.executable, "-m", "stablejax.launch", *args, "--", str(script), mode]
+  cmd = [sys.executable, "-m", "stablejax", "launch", *args, "--", str(script), mode]
   env = dict(os.environ, XLA_FLAGS="--xla_cpu_foo=1 --xla_force_host_platform_device_count=7")
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -345,7 +345,7 @@ def _running(pid: int) -> bool:
 
 def test_launcher_bad_arguments_exit_2(tmp_path):
   for args in (["--nproc", "0", "--", "x.py"], ["--nproc", "2"]):
-    result = subprocess.run([sys.executable, "-m", "stablejax.launch", *args], cwd=ROOT,
+    result = subprocess.run([sys.executable, "-m", "stablejax", "launch", *args], cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
@@ -416,7 +416,7 @@ def test_processes_read_disjoint_rows_that_form_the_single_process_batch(tmp_pat
     np.testing.assert_array_equal(parts[p]["agreed"], [1.5, 1, 0, 1, 0, 7])
 
   from stablejax.training.config import load_config
-  from stablejax.training.data import build_data
+  from stablejax.data.pipeline import build_data
   cfg = load_config(ROOT / "configs" / "default.json", [*TINY, *SLICE])
   t = cfg.train
   single = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed)

@@ -1,4 +1,4 @@
-"""python -m stablejax.prepare: tokenizers, inputs, the split, the files, errors, and the trainer
+"""python -m stablejax prepare: tokenizers, inputs, the split, the files, errors, and the trainer
 reading a prepared directory; prepare -> train -> sample end to end (slow)."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-from stablejax import prepare as prep  # noqa: E402
-from stablejax import tokenizer as tokenizer_lib  # noqa: E402
-from stablejax.training.data import DataConfig, DataError, build_data, read_prepared  # noqa: E402
+from stablejax.cli import prepare as prepare_cli  # noqa: E402
+from stablejax.data import prepare as prep  # noqa: E402
+from stablejax.data import tokenizer as tokenizer_lib  # noqa: E402
+from stablejax.data.pipeline import DataConfig, DataError, build_data, read_prepared  # noqa: E402
 
 from trainer_utils import ROOT, run_inprocess, slow  # noqa: E402
 
@@ -47,7 +48,7 @@ def write_inputs(tmp: Path, docs=DOCS) -> dict[str, Path]:
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:
-  code = prep.main([*map(str, args), "--no-progress"])
+  code = prepare_cli.main([*map(str, args), "--no-progress"])
   out = capsys.readouterr()
   return code, out.out, out.err
 
@@ -110,8 +111,8 @@ def test_gpt2_without_download_is_one_line_exit_2(tmp_path):
              HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
              https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
   (tmp_path / "a.txt").write_text("hello")
-  r = subprocess.run([sys.executable, "-m", "stablejax.prepare", str(tmp_path / "a.txt"), "--out",
-                      str(tmp_path / "out"), "--tokenizer", "gpt2"], env=env, cwd=ROOT,
+  r = subprocess.run([sys.executable, "-m", "stablejax", "prepare", str(tmp_path / "a.txt"),
+                      "--out", str(tmp_path / "out"), "--tokenizer", "gpt2"], env=env, cwd=ROOT,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 2, r.stderr
   lines = r.stderr.strip().splitlines()
@@ -309,7 +310,7 @@ def test_config_takes_vocab_from_meta_and_rejects_a_smaller_one(tmp_path, bpe_di
 @pytest.mark.parametrize("kind,tokenizer", [("text", "bytes"), ("jsonl", "bpe:300"),
                                             ("parquet", "tokenizer.json")])
 def test_prepare_train_sample_end_to_end(tmp_path, capsys, bpe_dir, kind, tokenizer):
-  from stablejax import sample as sample_lib
+  from stablejax.training import sampling as sample_lib
   inputs = write_inputs(tmp_path, DOCS * 3)
   spec = bpe_dir / "tokenizer.json" if tokenizer == "tokenizer.json" else tokenizer
   data_dir = tmp_path / "data"

@@ -1,4 +1,4 @@
-"""python -m stablejax.quantize_eval on a tiny trained run: restore, losses against independent
+"""python -m stablejax quantize-eval on a tiny trained run: restore, losses against independent
 numpy evaluations, bit widths, exclusion, a damaged checkpoint, and the exit-2 cases."""
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from stablejax import merge_emb_proj
-from stablejax.quantize_eval import RESULT_FILE, load_run_config, main, quantize_eval
-from stablejax.training.data import build_data
+from stablejax.cli.quantize_eval import main
+from stablejax.data.pipeline import build_data
+from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
+from stablejax.training.runs import load_run_config
 from stablejax.training.model import GPT
 from trainer_utils import run_inprocess, summary
 

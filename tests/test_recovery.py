@@ -363,7 +363,7 @@ def rollback_run(tmp_path_factory):
 
 def data_stream(cfg, n):
   """The first `n` training batches, read from a fresh pipeline (no trainer involved)."""
-  from stablejax.training.data import build_data
+  from stablejax.data.pipeline import build_data
   t = cfg.train
   it = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
                   process_index=0, process_count=1).train_iter()
@@ -385,7 +385,7 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
   assert seen["lr_scale"] == pytest.approx(0.2)  # in the optimizer state at once
   assert float(seen["backoff"].scale) == pytest.approx(0.2) and int(seen["backoff"].start) == 10
   # fed: batches 0..16 (16 replaced by garbage), then after the rollback 17.. (10..16 skipped)
-  from stablejax.training.data import garbage_batch
+  from stablejax.data.pipeline import garbage_batch
   stream = data_stream(cfg, 17 + 30)
   garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
   want = stream[:16] + [garbage] + stream[17:47]

@@ -1,4 +1,4 @@
-"""Tests for stablejax.report: lenient metrics reading, the PNG, the summary and the CLI."""
+"""Tests for stablejax.monitor.report: lenient metrics reading, the PNG, the summary and the CLI."""
 
 import json
 import math
@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from stablejax import report
+from stablejax.cli import report as report_cli
+from stablejax.monitor import report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -124,24 +125,24 @@ def test_report_without_optional_keys(tmp_path):
 
 
 def test_main_exit_codes(tmp_path, capsys):
-  assert report.main([str(tmp_path / "nope")]) == 2
+  assert report_cli.main([str(tmp_path / "nope")]) == 2
   err = capsys.readouterr().err.strip()
   assert err.startswith("error:") and "does not exist" in err and "\n" not in err
-  assert report.main([str(tmp_path)]) == 2
+  assert report_cli.main([str(tmp_path)]) == 2
   assert "not found" in capsys.readouterr().err
   (tmp_path / "metrics.jsonl").write_text("")
-  assert report.main([str(tmp_path)]) == 2
+  assert report_cli.main([str(tmp_path)]) == 2
   assert "no readable records" in capsys.readouterr().err
   _write_run(tmp_path, n_steps=60, muon=False)
   out_png = tmp_path / "custom.png"
-  assert report.main([str(tmp_path), "--out", str(out_png)]) == 0
+  assert report_cli.main([str(tmp_path), "--out", str(out_png)]) == 0
   assert out_png.read_bytes()[:8] == PNG_SIGNATURE
   assert "report written to" in capsys.readouterr().out
 
 
 def test_module_entry_point(tmp_path):
   _write_run(tmp_path, n_steps=40)
-  proc = subprocess.run([sys.executable, "-m", "stablejax.report", str(tmp_path)],
+  proc = subprocess.run([sys.executable, "-m", "stablejax", "report", str(tmp_path)],
                         capture_output=True, text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr
   assert (tmp_path / "report.png").read_bytes()[:8] == PNG_SIGNATURE

@@ -93,12 +93,13 @@ def test_generation_past_the_context_window():
 
 
 def test_sample_cli_errors(tmp_path, capsys):
-  from stablejax import sample as sample_lib
-  assert sample_lib.main([str(tmp_path / "missing")]) == 2
+  from stablejax.cli import sample as sample_cli
+  from stablejax.training import runs
+  assert sample_cli.main([str(tmp_path / "missing")]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "does not exist" in err[0]
-  assert sample_lib.main([str(tmp_path), "--top-k", "-1"]) == 2
+  assert sample_cli.main([str(tmp_path), "--top-k", "-1"]) == 2
   (tmp_path / "config.json").write_text('{"data": {"train": "x.bin"}}')
   from stablejax.training.config import load_config
-  with pytest.raises(sample_lib.SampleError, match="--tokenizer"):
-    sample_lib.run_tokenizer(load_config(tmp_path / "config.json"))
+  with pytest.raises(runs.RunError, match="--tokenizer"):
+    runs.run_tokenizer(load_config(tmp_path / "config.json"))

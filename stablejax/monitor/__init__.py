@@ -35,7 +35,7 @@ troubleshooting table), :mod:`~stablejax.monitor.stability_monitor` (the host-si
 importable from ``stablejax.monitor`` directly.
 """
 
-from stablejax.monitor._numbers import _as_float  # noqa: F401 (stablejax.report uses it)
+from stablejax.monitor._numbers import _as_float  # noqa: F401 (stablejax.monitor.report uses it)
 from stablejax.monitor.health import HEALTH_LEVELS
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.health import grad_health_level

@@ -32,19 +32,14 @@ import contextlib
 import dataclasses
 import fnmatch
 import functools
-import inspect
 import math
 import re
 import sys
-import types
-import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
 
 import jax
 import numpy as np
 import optax
-
-from stablejax.muon import lr_check
 
 GROUPS = ("muon", "adam", "embedding", "head")
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
@@ -594,7 +589,7 @@ def resolve_labels(params, param_labels: LabelsOrFn = None):
   return plan(params, param_labels).label_tree()
 
 
-# ------------------------------------------------------------------ describe_routing
+# ------------------------------------------------------------------ for describe_routing
 
 class RoutingInfo(NamedTuple):
   """What :func:`stablejax.outlier_safe_muon` was built with, for :func:`describe_routing`."""
@@ -621,152 +616,3 @@ def _capture():
     yield found
   finally:
     _CAPTURES.pop()
-
-
-class NoOutlierSafeMuonError(ValueError):
-  """The transform given to :func:`describe_routing` contains no ``outlier_safe_muon``."""
-
-
-def _is_transform(x) -> bool:
-  return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
-
-
-def _closure_env(fn) -> dict:
-  env = {}
-  code = getattr(fn, "__code__", None)
-  for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
-    try:
-      env[name] = cell.cell_contents
-    except ValueError:  # empty cell
-      pass
-  return env
-
-
-def _injected_hyperparams(tx) -> dict:
-  """Arguments given to ``optax.inject_hyperparams(outlier_safe_muon)(...)`` inside ``tx``.
-
-  Under ``inject_hyperparams`` the rates reach outlier_safe_muon as traced arrays; the values the
-  user gave (floats or schedules) are only in the wrapper's closure, read here for display.
-  """
-  from stablejax.muon.muon import outlier_safe_muon  # local import: muon imports this module
-  seen, stack = set(), [(tx, 0)]
-  while stack:
-    obj, depth = stack.pop()
-    if id(obj) in seen or depth > 12 or isinstance(obj, (str, bytes, int, float, type,
-                                                          types.ModuleType)):
-      continue
-    seen.add(id(obj))
-    if isinstance(obj, types.MethodType):
-      stack += [(obj.__func__, depth + 1), (obj.__self__, depth + 1)]
-    elif isinstance(obj, types.FunctionType):
-      env = _closure_env(obj)
-      factory = env.get("inner_factory")
-      if factory is not None and inspect.unwrap(factory) is outlier_safe_muon \
-          and "numeric_hps" in env:
-        given = dict(env["numeric_hps"])
-        given.update({k: getattr(v, "schedule_fn", v) for k, v in env.get("sched_hps", {}).items()})
-        return given
-      stack += [(v, depth + 1) for v in env.values()]
-    elif isinstance(obj, functools.partial):
-      stack += [(obj.func, depth + 1)] + [(a, depth + 1) for a in obj.args]
-    elif isinstance(obj, (tuple, list)):
-      stack += [(v, depth + 1) for v in obj]
-    elif isinstance(obj, dict):
-      stack += [(v, depth + 1) for v in obj.values()]
-    elif hasattr(obj, "__dict__"):
-      stack += [(v, depth + 1) for v in vars(obj).values()]
-  return {}
-
-
-def _format_lr(lr) -> str:
-  if lr is None:
-    return "-"
-  if callable(lr):
-    values = lr_check.schedule_values(lr)
-    return f"schedule (start {values[0]:.3g}, peak {values.max():.3g})"
-  return f"{float(np.asarray(lr)):.3g}"
-
-
-def _rates_for_display(info: RoutingInfo, tx) -> dict:
-  rates = {}
-  injected = None
-  for group, lr in info.learning_rates.items():
-    if isinstance(lr, jax.core.Tracer):
-      if injected is None:
-        injected = _injected_hyperparams(tx)
-      source = info.rate_sources.get(group)
-      rates[group] = (f"{_format_lr(injected[source])} (injected)" if source in injected
-                      else "injected by inject_hyperparams")
-    else:
-      rates[group] = _format_lr(lr)
-  return rates
-
-
-def _table(p: RoutingPlan, rates: dict) -> str:
-  rows = []
-  totals = {g: [0, 0] for g in GROUPS}
-  for leaf, label, dims in zip(p.leaves, p.labels, p.layouts):
-    if leaf.masked:
-      continue
-    matrix = _layout_name(dims, leaf.shape) if label == "muon" else "-"
-    rows.append((leaf.path, str(leaf.shape), label, matrix, rates.get(label, "-")))
-    totals[label][0] += 1
-    totals[label][1] += math.prod(leaf.shape)
-  header = ("path", "shape", "group", "muon matrix", "learning rate")
-  widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
-  fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-  lines = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))]
-  lines += [fmt.format(*r).rstrip() for r in rows]
-  lines.append("")
-  for g in GROUPS:
-    n_tensors, n_params = totals[g]
-    if n_tensors:
-      lines.append(f"{g}: {n_tensors} tensor{'s' if n_tensors > 1 else ''}, {n_params:,} parameters, "
-                   f"learning rate {rates.get(g, '-')}")
-  for note in p.notes:
-    lines.append(f"{'note' if note.kind == 'info' else note.kind}: {note.text}")
-  return "\n".join(lines)
-
-
-def describe_routing(params, tx_or_labels: LabelsOrFn = None) -> str:
-  """The routing in effect as a printable table: path, shape, group, Muon matrix, learning rate.
-
-  Args:
-    params: the parameter pytree (arrays, ``jax.ShapeDtypeStruct``, ``nnx.State``...).
-    tx_or_labels: any optax transform that contains a :func:`stablejax.outlier_safe_muon`
-      (bare, or inside ``optax.chain``, ``skip_nonfinite``, ``skip_spikes``, ``optax.MultiSteps``,
-      ``optax.inject_hyperparams``, ... : it is found by tracing ``tx.init`` abstractly, nothing
-      is allocated), in which case each group's learning rate is shown; or, without a
-      transform, what ``param_labels`` takes (None for the default rule, a ``{pattern: group}``
-      mapping, a label tree or a callable).
-
-  Returns:
-    A multi-line string: one row per parameter, one summary line per group (tensors, parameters,
-    learning rate), then notes: heads found by shape, heads taken as tied, unsure cases and
-    unrecognised 3+ axis kernels, each with the override that changes it.
-
-  Raises:
-    NoOutlierSafeMuonError: (a ``ValueError``) if the transform contains no outlier_safe_muon.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, stablejax
-    >>> params = {"embed": jnp.zeros((10, 4)), "w": jnp.zeros((4, 4))}
-    >>> tx = stablejax.skip_nonfinite(optax.chain(stablejax.outlier_safe_muon(2e-3)))
-    >>> print(stablejax.describe_routing(params, tx))  # doctest: +SKIP
-  """
-  if not _is_transform(tx_or_labels):
-    return _table(plan(params, tx_or_labels), {})
-  tx = tx_or_labels
-  with _capture() as found, warnings.catch_warnings():
-    warnings.simplefilter("ignore")  # the notes below repeat init's warnings
-    jax.eval_shape(tx.init, params)
-  if not found:
-    raise NoOutlierSafeMuonError(
-        "describe_routing: this transform contains no stablejax.outlier_safe_muon; pass its "
-        "param_labels (a {pattern: group} mapping, a label tree or a callable) instead")
-  tables = []
-  for k, (info, tree) in enumerate(found):
-    p = plan(tree, info.param_labels, info.weight_dimension_numbers)
-    title = f"outlier_safe_muon #{k + 1} of {len(found)}\n" if len(found) > 1 else ""
-    tables.append(title + _table(p, _rates_for_display(info, tx)))
-  return "\n\n".join(tables)

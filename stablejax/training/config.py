@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from stablejax.training.data import DataConfig, prepared_vocab_size
+from stablejax.data.pipeline import DataConfig, prepared_vocab_size
 from stablejax.training.model import ModelConfig
 
 

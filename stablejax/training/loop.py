@@ -27,14 +27,14 @@ import optax
 from tqdm import tqdm
 
 import stablejax
-from stablejax.model_utils import excess_kurtosis, lambda_warmup
-from stablejax.muon.routing import NoOutlierSafeMuonError
+from stablejax.data.pipeline import build_data, data_tokenizer, garbage_batch
+from stablejax.modeling.utils import excess_kurtosis, lambda_warmup
+from stablejax.muon.describe import NoOutlierSafeMuonError
 from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
 from stablejax.training.budget import Budget, peak_memory
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
-from stablejax.training.data import build_data, data_tokenizer, garbage_batch
 from stablejax.training.generate import EvalSampler
 from stablejax.training.logger import RunLogger
 from stablejax.training.model import GPT, count_params, model_flops_per_token

@@ -7,7 +7,7 @@ Sources (``DataConfig.train`` / ``DataConfig.val``: one entry or a list):
     recursively, sorted by path): UTF-8 bytes as tokens, vocab 256.
   * a nanoGPT-style ``*.bin`` file: a flat ``uint16`` token array, memory-mapped (never loaded).
     Vocab ``DataConfig.vocab_size`` or 50304 (GPT-2's 50257 padded to a multiple of 64).
-  * a directory written by ``python -m stablejax.prepare`` (it has ``meta.json``): its
+  * a directory written by ``python -m stablejax prepare`` (it has ``meta.json``): its
     ``train.bin`` (one source per prepared input, mixed by the input weights in ``meta.json``
     unless ``weights`` is given) and its ``val.bin`` as the validation set; ``uint16`` or
     ``uint32`` as ``meta.json`` says, vocabulary ``meta.json``'s ``vocab_size`` (the config sets
@@ -73,7 +73,7 @@ import numpy as np
 from grain.experimental import WindowShuffleMapDataset
 
 EMBEDDED = "pydoc"
-PREPARED_META = "meta.json"         # marks a complete directory written by stablejax.prepare
+PREPARED_META = "meta.json"         # marks a complete directory written by stablejax.data.prepare
 PREPARED_FORMAT = "stablejax.prepared/1"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 BIN_SUFFIX = ".bin"
@@ -334,9 +334,9 @@ def read_prepared(path: str) -> Optional[dict]:
       meta = json.load(f)
   except (OSError, ValueError) as e:
     raise DataError(f"{meta_path} is unreadable ({e}): prepare the directory again with "
-                    f"python -m stablejax.prepare") from None
+                    f"python -m stablejax prepare") from None
   if not isinstance(meta, dict) or meta.get("format") != PREPARED_FORMAT:
-    raise DataError(f"{meta_path} is not a stablejax.prepare meta.json (format "
+    raise DataError(f"{meta_path} is not a meta.json of python -m stablejax prepare (format "
                     f"{PREPARED_FORMAT}): prepare the directory again")
   itemsize = np.dtype(meta["dtype"]).itemsize
   for split in ("train", "val"):
@@ -345,7 +345,7 @@ def read_prepared(path: str) -> Optional[dict]:
     actual = os.path.getsize(file) if os.path.isfile(file) else None
     if actual != expected:
       raise DataError(f"{file} has {actual} bytes but meta.json records {expected}: the prepare "
-                      f"did not finish or the file changed; run python -m stablejax.prepare again")
+                      f"did not finish or the file changed; run python -m stablejax prepare again")
   return meta
 
 
@@ -537,7 +537,7 @@ def _prepared_entry(train_entries: list, val_entries: list) -> Optional[tuple[st
     return None
   if len(train_entries) != 1:
     raise DataError("data.train lists a prepared directory with other sources: prepare the "
-                    "corpora together (python -m stablejax.prepare A B --weights ...) and give "
+                    "corpora together (python -m stablejax prepare A B --weights ...) and give "
                     "that one directory")
   if val_entries:
     raise DataError(f"data.val is set but data.train={train_entries[0]!r} is a prepared "
@@ -552,7 +552,7 @@ def data_tokenizer(cfg: DataConfig):
   tokenizer whose ``start_ids`` (the prompt of an empty sample) is a blank line instead of the
   end-of-text id, which those sources never contain.
   """
-  from stablejax import tokenizer as tokenizer_lib
+  from stablejax.data import tokenizer as tokenizer_lib
   entries = _as_list(cfg.train, "train")
   if len(entries) == 1:
     meta = read_prepared(entries[0])

@@ -1,4 +1,4 @@
-"""Tokenizers for prepared corpora, the trainer's samples and ``python -m stablejax.sample``.
+"""Tokenizers for prepared corpora, the trainer's samples and ``python -m stablejax sample``.
 
 Four kinds, each with an end-of-text id that separates documents:
 
@@ -163,7 +163,7 @@ def get_tokenizer(spec: str, eot_token: Optional[str] = None):
   if spec in ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base"):
     return TiktokenTokenizer(spec)
   if spec.startswith("bpe:"):
-    raise TokenizerError(f"{spec!r} is trained on a corpus by python -m stablejax.prepare, not "
+    raise TokenizerError(f"{spec!r} is trained on a corpus by python -m stablejax prepare, not "
                          f"loaded: use the prepared directory's tokenizer.json")
   if spec.endswith(".json") or os.path.sep in spec or os.path.exists(spec):
     path = Path(spec)

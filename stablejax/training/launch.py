@@ -1,22 +1,23 @@
 """Start a multi-process JAX job on this machine, the way `torchrun --standalone` does.
 
-    python -m stablejax.launch --nproc 2 --devices-per-proc 2 -- \\
+    python -m stablejax launch --nproc 2 --devices-per-proc 2 -- \\
         train.py --set mesh.distributed=true --out runs/mp
 
-starts `--nproc` copies of the command, each with `JAX_COORDINATOR_ADDRESS` (127.0.0.1 and a free
-port), `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` set, and (with `--devices-per-proc N`) `XLA_FLAGS`
-asking for N simulated CPU devices per process. A command that starts with a `.py` file runs with
-this Python (so does `-m module`); anything else runs as given. Output lines are prefixed with the
-rank (`[0] ...`). SIGINT/SIGTERM/SIGHUP are forwarded to every process (the trainer then saves a
-checkpoint and exits 130). When a process exits non-zero the others get `--grace` seconds to stop
-on their own (JAX notices a lost peer within `mesh.heartbeat_timeout`) and are then killed; the
-launcher exits with the first non-zero code (128 + N for a process killed by signal N), else 0.
-If the launcher itself dies, its processes are killed with it (Linux).
+(the command line is :mod:`stablejax.cli.launch`; this module is the library it runs,
+:func:`launch`) starts `--nproc` copies of the command, each with `JAX_COORDINATOR_ADDRESS`
+(127.0.0.1 and a free port), `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` set, and (with
+`--devices-per-proc N`) `XLA_FLAGS` asking for N simulated CPU devices per process. A command that
+starts with a `.py` file runs with this Python (so does `-m module`); anything else runs as given.
+Output lines are prefixed with the rank (`[0] ...`). SIGINT/SIGTERM/SIGHUP are forwarded to every
+process (the trainer then saves a checkpoint and exits 130). When a process exits non-zero the
+others get `--grace` seconds to stop on their own (JAX notices a lost peer within
+`mesh.heartbeat_timeout`) and are then killed; the launcher exits with the first non-zero code
+(128 + N for a process killed by signal N), else 0. If the launcher itself dies, its processes
+are killed with it (Linux).
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import re
@@ -26,42 +27,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Optional
+from typing import IO, Optional, Sequence
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _PR_SET_PDEATHSIG = 1
-
-
-class ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):  # one line and exit code 2, like train.py
-    print(f"error: {message} (see python -m stablejax.launch --help)", file=sys.stderr)
-    sys.exit(2)
-
-
-def parse_args(argv):
-  p = ArgumentParser(prog="python -m stablejax.launch", description=__doc__.splitlines()[0],
-                     usage="%(prog)s [options] -- COMMAND [ARGS...]")
-  p.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
-  p.add_argument("--devices-per-proc", type=int, default=None, metavar="N",
-                 help="simulated CPU devices per process (sets XLA_FLAGS); default: leave as is")
-  p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
-  p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
-                 help="after a process fails, how long the others may take to stop (default 30)")
-  p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command and its arguments")
-  args = p.parse_args(argv)
-  if args.command and args.command[0] == "--":
-    args.command = args.command[1:]
-  if not args.command:
-    p.error("no command given: put it after --, e.g. -- train.py --set mesh.distributed=true")
-  if args.nproc < 1:
-    p.error(f"--nproc {args.nproc} must be at least 1")
-  if args.devices_per_proc is not None and args.devices_per_proc < 1:
-    p.error(f"--devices-per-proc {args.devices_per_proc} must be at least 1")
-  if args.port is not None and not 0 < args.port < 65536:
-    p.error(f"--port {args.port} is not a TCP port (1..65535)")
-  if args.grace < 0:
-    p.error(f"--grace {args.grace} must be >= 0")
-  return args
 
 
 def free_port() -> int:
@@ -137,10 +106,24 @@ def exit_code(returncode: int) -> int:
   return 128 - returncode if returncode < 0 else returncode
 
 
-def main(argv=None) -> int:
-  args = parse_args(sys.argv[1:] if argv is None else argv)
-  port = args.port or free_port()
-  command = child_command(args.command)
+def launch(command: Sequence[str], nproc: int, *, devices_per_proc: Optional[int] = None,
+           port: Optional[int] = None, grace: float = 30.0) -> int:
+  """Runs ``nproc`` copies of ``command`` as one JAX job and supervises them.
+
+  Args:
+    command: the command and its arguments (a leading ``.py`` file or ``-m`` runs with this
+      Python).
+    nproc: processes to start.
+    devices_per_proc: simulated CPU devices per process (sets ``XLA_FLAGS``); None leaves it.
+    port: coordinator port (default: a free one).
+    grace: after a process fails, how many seconds the others may take to stop.
+
+  Returns:
+    The exit code: the first non-zero one of the processes (128 + N for signal N), else 0; 2 when
+    a process cannot be started.
+  """
+  port = port or free_port()
+  command = child_command(list(command))
   procs: list[subprocess.Popen] = []
   pumps: list[threading.Thread] = []
 
@@ -155,9 +138,9 @@ def main(argv=None) -> int:
   for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
     signal.signal(sig, forward)
 
-  for rank in range(args.nproc):
+  for rank in range(nproc):
     try:
-      p = subprocess.Popen(command, env=child_env(rank, args.nproc, port, args.devices_per_proc),
+      p = subprocess.Popen(command, env=child_env(rank, nproc, port, devices_per_proc),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
                            start_new_session=True, preexec_fn=_die_with_parent)
     except OSError as e:
@@ -177,12 +160,12 @@ def main(argv=None) -> int:
     for rank, p in enumerate(procs):
       if first_failure is None and p.returncode not in (None, 0):
         first_failure = (rank, exit_code(p.returncode))
-        deadline = time.monotonic() + args.grace
+        deadline = time.monotonic() + grace
     if deadline is not None and time.monotonic() > deadline:
       alive = [rank for rank, p in enumerate(procs) if p.poll() is None]
       with _LOCK:
         print(f"launch: process {first_failure[0]} exited with {first_failure[1]}; killing "
-              f"{', '.join(map(str, alive))} after {args.grace:g}s", file=sys.stderr, flush=True)
+              f"{', '.join(map(str, alive))} after {grace:g}s", file=sys.stderr, flush=True)
       forward(signal.SIGKILL, None)
       break
     time.sleep(0.05)
@@ -194,7 +177,3 @@ def main(argv=None) -> int:
     failures = [(rank, exit_code(p.returncode)) for rank, p in enumerate(procs) if p.returncode]
     first_failure = failures[0] if failures else None
   return first_failure[1] if first_failure else 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,8 +1,8 @@
 """Run report: plots and a text summary of a run's ``metrics.jsonl``.
 
-Usage::
+Usage (the command line is :mod:`stablejax.cli.report`, over :func:`make_report`)::
 
-  python -m stablejax.report RUN_DIR [--out PATH] [--window STEPS]
+  python -m stablejax report RUN_DIR [--out PATH] [--window STEPS]
 
 Reads ``RUN_DIR/metrics.jsonl`` (train, eval and event records; see the
 metrics contract in ``docs/monitoring.md``), writes ``RUN_DIR/report.png``
@@ -22,10 +22,8 @@ the target; window rates (spike, clip, skip); per-group update RMS
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -422,33 +420,3 @@ def make_report(run_dir: Path, out_path: Optional[Path] = None, window: int = 10
   out = plot_report(analysis, out_path or run_dir / REPORT_FILE, title=f"stablejax run: {run_dir.name}")
   text = format_summary(analysis, bad_lines=bad)
   return out, text
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Command line entry point; returns the exit code (0 ok, 2 unusable run dir).
-
-  Args:
-    argv: arguments without the program name (default ``sys.argv[1:]``).
-  """
-  parser = argparse.ArgumentParser(prog="python -m stablejax.report",
-                                   description="Plot and summarise a stablejax run's metrics.jsonl.")
-  parser.add_argument("run_dir", help="run directory containing metrics.jsonl")
-  parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
-  parser.add_argument("--window", type=int, default=100,
-                      help="window in steps for the replayed rates and score (default 100)")
-  args = parser.parse_args(argv)
-  if args.window < 1:
-    print("error: --window must be a positive number of steps", file=sys.stderr)
-    return 2
-  try:
-    out, text = make_report(Path(args.run_dir), Path(args.out) if args.out else None, args.window)
-  except ReportError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  print(text)
-  print(f"report written to {out}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,0 +1,59 @@
+"""Start a multi-process JAX job on this machine, the way `torchrun --standalone` does.
+
+    python -m stablejax launch --nproc 2 --devices-per-proc 2 -- \\
+        train.py --set mesh.distributed=true --out runs/mp
+
+The command line of :func:`stablejax.training.launch.launch`; its module describes the
+environment each process gets, the output, the signals and the exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from stablejax.training.launch import launch
+
+PROG = "python -m stablejax launch"
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  def error(self, message):  # one line and exit code 2, like train.py
+    print(f"error: {message} (see {PROG} --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_args(argv):
+  p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+                     usage="%(prog)s [options] -- COMMAND [ARGS...]")
+  p.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
+  p.add_argument("--devices-per-proc", type=int, default=None, metavar="N",
+                 help="simulated CPU devices per process (sets XLA_FLAGS); default: leave as is")
+  p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+  p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
+                 help="after a process fails, how long the others may take to stop (default 30)")
+  p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command and its arguments")
+  args = p.parse_args(argv)
+  if args.command and args.command[0] == "--":
+    args.command = args.command[1:]
+  if not args.command:
+    p.error("no command given: put it after --, e.g. -- train.py --set mesh.distributed=true")
+  if args.nproc < 1:
+    p.error(f"--nproc {args.nproc} must be at least 1")
+  if args.devices_per_proc is not None and args.devices_per_proc < 1:
+    p.error(f"--devices-per-proc {args.devices_per_proc} must be at least 1")
+  if args.port is not None and not 0 < args.port < 65536:
+    p.error(f"--port {args.port} is not a TCP port (1..65535)")
+  if args.grace < 0:
+    p.error(f"--grace {args.grace} must be >= 0")
+  return args
+
+
+def main(argv=None) -> int:
+  args = parse_args(sys.argv[1:] if argv is None else argv)
+  return launch(args.command, args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
+                grace=args.grace)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,187 @@
+"""Validation loss of a trained run before and after round-to-nearest weight quantisation.
+
+    python -m stablejax quantize-eval RUN_DIR [--bits 4] [--batches N] [--exclude lm_head ...]
+
+(the command line is :mod:`stablejax.cli.quantize_eval`; this module is the library it runs,
+:func:`quantize_eval`).
+
+Measures the outlier-safe claim (Outlier-Safe Pre-Training, arXiv 2506.19697) on our own models:
+a model without activation/weight outliers loses little when its weights are rounded to 4 bits.
+
+Reads ``RUN_DIR/config.json``, rebuilds the model and the fixed validation batches the way the
+trainer does (``build_data``, ``GPT``, the trainer's own eval step), restores the parameters of the
+newest usable checkpoint in ``RUN_DIR/checkpoints``, and evaluates the validation cross-entropy of
+the parameters as trained and after ``stablejax.quantize_weights_rtn(params, bits)`` (per-channel,
+symmetric, round-to-nearest; norm gains and vectors stay in full precision). An EmbProj model is
+merged first (``stablejax.merge_emb_proj``, as it would be deployed), unless ``--no-merge``.
+Prints both losses and the difference and writes ``RUN_DIR/quantize_eval.json``.
+
+A checkpoint is usable when Orbax can read it and its contents match the fingerprint the trainer
+saved with it (the trainer's own rule); a damaged newest step falls back to the previous one, with
+a warning. The run directory is opened read-only (only ``quantize_eval.json`` is written).
+
+Exit codes: 0 done; 2 missing run directory, missing or bad config, no usable checkpoint, bad
+arguments.
+
+Example::
+
+    python train.py --out runs/small
+    python -m stablejax quantize-eval runs/small --bits 4 --exclude lm_head
+    # checkpoint step 300, 8 validation batches, excluded lm_head
+    # val loss full precision: ...
+    # val loss 4-bit RTN:      ...
+    # difference:              +0.0123 (+0.61%)
+
+Data paths in config.json are read as they were given to the trainer (a relative path is relative
+to the current directory), so run this from where the run was started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from stablejax.training.runs import RunError, check_params, load_run_config, restore_params
+
+RESULT_FILE = "quantize_eval.json"
+
+
+QuantizeEvalError = RunError  # one error type for an unusable run (stablejax.training.runs)
+
+
+def make_evaluator(cfg, model_cfg=None, step: int = 0) -> Callable:
+  """``params, batches -> mean validation cross-entropy``, with the trainer's eval step.
+
+  Args:
+    cfg: the run's trainer ``Config``.
+    model_cfg: the model to evaluate (default ``cfg.model``; e.g. the config returned by
+      ``merge_emb_proj``).
+    step: training step, for the BitNet lambda of ``model.bitnet`` runs (the value the trainer's
+      eval at that step used).
+
+  Returns:
+    A function of (params, list of ``[B, T+1]`` token arrays) returning a Python float: the mean
+    over batches of the per-batch mean cross-entropy (z-loss excluded), as the trainer logs
+    ``val_loss``.
+  """
+  import jax
+  import jax.numpy as jnp
+
+  from stablejax.training.config import to_dict
+
+  model_cfg = model_cfg if model_cfg is not None else cfg.model
+  run_cfg = dataclasses.replace(cfg, model=model_cfg)
+  eval_step = _jitted_eval_step(json.dumps(to_dict(run_cfg), sort_keys=True))
+
+  def evaluate(params, batches) -> float:
+    losses = [eval_step(params, jnp.asarray(b), jnp.int32(step)) for b in batches]
+    return float(np.mean(jax.device_get(losses)))
+
+  return evaluate
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_eval_step(config_json: str) -> Callable:
+  """The trainer's eval step for a config (given as JSON, so it can key a cache), jitted once."""
+  import jax
+
+  from stablejax.modeling.utils import lambda_warmup
+  from stablejax.training.config import config_from_dict
+  from stablejax.training.model import GPT
+  from stablejax.training.step import make_eval_step
+
+  cfg = config_from_dict(json.loads(config_json))
+  lam = lambda_warmup(cfg.train.lambda_warmup_steps, cfg.train.lambda_schedule) \
+      if cfg.model.bitnet else None
+  return jax.jit(make_eval_step(GPT(cfg.model), cfg, lam))
+
+
+@functools.lru_cache(maxsize=1)
+def _jitted_quantize() -> Callable:
+  """``quantize_weights_rtn`` as one compiled program per tree, bit width and exclusion list
+  (run eagerly, every leaf shape compiles its own small programs, several times slower)."""
+  import jax
+
+  from stablejax.modeling.utils import quantize_weights_rtn
+
+  return jax.jit(quantize_weights_rtn, static_argnames=("bits", "exclude"))
+
+
+def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] = None,
+                  exclude: Sequence[str] = (), merge: bool = True,
+                  on_fallback: Callable[[int, str], None] = lambda step, why: None,
+                  write: bool = True) -> dict:
+  """Validation loss of a run's newest usable checkpoint before and after RTN quantisation.
+
+  Args:
+    run_dir: a training run's output directory.
+    bits: weight bit width, 2..8.
+    batches: number of fixed validation batches (default ``train.eval_batches`` of the run, so
+      ``val_loss_before`` equals the trainer's val loss at that step).
+    exclude: parameter-path substrings kept in full precision (e.g. ``("lm_head",)``).
+    merge: for an EmbProj model, merge the projections into the embedding and head before
+      quantising (how it would be deployed).
+    on_fallback: called as ``on_fallback(step, reason)`` for each unusable checkpoint skipped.
+    write: write ``RUN_DIR/quantize_eval.json``.
+
+  Returns:
+    ``{"run_dir", "checkpoint_step", "bits", "exclude", "batches", "merged_emb_proj",
+    "val_loss_before", "val_loss_after", "delta", "relative_delta"}``.
+
+  Raises:
+    QuantizeEvalError: missing directory, config or usable checkpoint; bad arguments.
+
+  Example::
+
+    result = quantize_eval("runs/small", bits=4)
+    print(result["val_loss_before"], result["val_loss_after"])
+  """
+  from stablejax.data.pipeline import DataError, build_data
+  from stablejax.modeling.utils import merge_emb_proj
+
+  if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
+    raise QuantizeEvalError(f"bits={bits!r} must be an integer in 2..8 (4 for the usual test)")
+  if batches is not None and (not isinstance(batches, int) or batches < 1):
+    raise QuantizeEvalError(f"batches={batches!r} must be a positive integer")
+  run_dir = Path(run_dir)
+  cfg = load_run_config(run_dir)
+  restored = restore_params(run_dir, on_fallback)
+  check_params(restored.params, cfg.model, cfg.train.seq_len)
+  n_batches = batches if batches is not None else cfg.train.eval_batches
+  try:
+    data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                      seed=cfg.train.seed)
+  except DataError as e:
+    raise QuantizeEvalError(f"the run's data cannot be loaded: {e}") from None
+  val = [b["tokens"] for b in data.val_batches(n_batches)]
+
+  evaluate = make_evaluator(cfg, step=restored.step)
+  before = evaluate(restored.params, val)
+  params = restored.params
+  merged = bool(merge and cfg.model.emb_proj)
+  if merged:
+    params, merged_cfg = merge_emb_proj(params, cfg.model)
+    evaluate = make_evaluator(cfg, merged_cfg, step=restored.step)
+  after = evaluate(_jitted_quantize()(params, bits=bits, exclude=tuple(exclude)), val)
+
+  result = {
+      "run_dir": str(run_dir),
+      "checkpoint_step": restored.step,
+      "bits": bits,
+      "exclude": list(exclude),
+      "batches": n_batches,
+      "merged_emb_proj": merged,
+      "val_loss_before": before,
+      "val_loss_after": after,
+      "delta": after - before,
+      "relative_delta": (after - before) / before if before else math.nan,
+  }
+  if write:
+    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+  return result

@@ -1,0 +1,89 @@
+"""Sample text from a trained run.
+
+    python -m stablejax sample RUN_DIR --prompt "..." [--max-new-tokens 200] [--temperature 0.8]
+                               [--top-k 50] [--seed 0] [--num-samples 1] [--tokenizer T]
+
+(the command line is :mod:`stablejax.cli.sample`; this module is the library it runs,
+:func:`sample`).
+
+After nanoGPT's ``sample.py``. Reads ``RUN_DIR/config.json``, restores the parameters of the newest
+usable checkpoint (the trainer's fingerprint rule; a damaged newest step falls back to the
+previous one with a warning), encodes the prompt with the run's tokenizer (a prepared data
+directory's own, ``bytes`` for byte-level text; plain ``.bin`` data needs ``--tokenizer``),
+generates with the jitted KV-cache decoder of ``stablejax.training.generate`` and prints the prompt
+and its continuation. An empty prompt starts a new document (the end-of-text token; a blank line
+for byte-level text). The same seed gives the same text. ``--temperature 0`` is greedy.
+
+Data paths in config.json are read as they were given to the trainer, so run this from where the
+run was started (as for ``python -m stablejax quantize-eval``).
+
+Exit codes: 0 done; 2 missing run directory, config or usable checkpoint, unknown tokenizer, bad
+arguments.
+
+Example::
+
+    python -m stablejax sample runs/pydoc_bpe --prompt "The with statement" --max-new-tokens 100
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from stablejax.training.runs import (RunError, check_params, load_run_config, restore_params,
+                                     run_tokenizer)
+
+SampleError = RunError  # one error type for an unusable run (stablejax.training.runs)
+
+
+def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
+           temperature: float = 0.8, top_k: int = 50, seed: int = 0, num_samples: int = 1,
+           tokenizer: Optional[str] = None, on_fallback=lambda step, why: None) -> dict:
+  """Samples ``num_samples`` continuations of ``prompt`` from a run's newest usable checkpoint.
+
+  Returns:
+    ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds"}``
+    where each text is the prompt followed by its continuation.
+
+  Raises:
+    SampleError: missing run, config, checkpoint or tokenizer; bad arguments.
+  """
+  import jax
+
+  from stablejax.modeling.utils import lambda_warmup
+  from stablejax.training.generate import Generator
+
+  if max_new_tokens < 0 or num_samples < 1 or top_k < 0 or not temperature >= 0:
+    raise SampleError("need --max-new-tokens >= 0, --num-samples >= 1, --top-k >= 0 (0: all) and "
+                      "--temperature >= 0 (0: greedy)")
+  cfg = load_run_config(run_dir)
+  restored = restore_params(run_dir, on_fallback)
+  check_params(restored.params, cfg.model, cfg.train.seq_len)
+  tok = run_tokenizer(cfg, tokenizer)
+  if tok.vocab_size > cfg.model.vocab_size:
+    raise SampleError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
+                      f"{cfg.model.vocab_size}: pass the --tokenizer the run was trained with")
+  prompt_ids = tok.encode(prompt) if prompt else list(tok.start_ids)
+  if not prompt_ids:
+    prompt_ids = list(tok.start_ids)
+  lam = 1.0
+  if cfg.model.bitnet:
+    lam = float(lambda_warmup(cfg.train.lambda_warmup_steps, cfg.train.lambda_schedule)(
+        restored.step))
+  gen = Generator(cfg.model, top_k=top_k, valid_vocab=tok.vocab_size)
+  kwargs = dict(temperature=temperature, seed=seed, bitnet_lambda=lam, num_samples=num_samples)
+  t0 = time.perf_counter()
+  gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # compile
+  t1 = time.perf_counter()
+  tokens = gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)
+  jax.block_until_ready(tokens)
+  t2 = time.perf_counter()
+  texts = [tok.decode(list(prompt_ids) + row.tolist()) if prompt else tok.decode(row.tolist())
+           for row in np.asarray(tokens)]
+  if prompt:
+    texts = [prompt + t[len(tok.decode(prompt_ids)):] for t in texts]
+  return {"step": restored.step, "prompt_ids": list(prompt_ids), "samples": texts,
+          "tokens": np.asarray(tokens).tolist(), "seconds": t2 - t1, "compile_seconds": t1 - t0}

@@ -1,0 +1,246 @@
+"""The package layout: no import circle, a root of folders, the `stablejax` command, and the old
+module paths that still work for one release (with a DeprecationWarning)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+import warnings
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import pytest
+
+import stablejax
+import stablejax.cli
+
+PACKAGE = Path(stablejax.__file__).resolve().parent
+ROOT = PACKAGE.parent
+
+# The layout decision: old path -> (what an import of it returns, what `python -m` of it runs).
+MOVED = {
+    "stablejax.losses": ("stablejax.modeling.losses", None),
+    "stablejax.model_utils": ("stablejax.modeling.utils", None),
+    "stablejax.tokenizer": ("stablejax.data.tokenizer", None),
+    "stablejax.training.data": ("stablejax.data.pipeline", None),
+    "stablejax.prepare": ("stablejax.data.prepare", "prepare"),
+    "stablejax.sample": ("stablejax.training.sampling", "sample"),
+    "stablejax.report": ("stablejax.monitor.report", "report"),
+    "stablejax.launch": ("stablejax.training.launch", "launch"),
+    "stablejax.quantize_eval": ("stablejax.training.quantized_eval", "quantize-eval"),
+}
+COMMANDS = ("prepare", "sample", "report", "launch", "quantize-eval")
+
+
+# ----------------------------------------------------------------------------- import graph
+
+
+def _package_modules() -> dict[str, Path]:
+  modules = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return modules
+
+
+def _imported(source: str, name: str, is_package: bool, modules) -> set[str]:
+  """The package modules that ``source`` (module ``name``) imports anywhere: at the top, inside
+  functions, under ``if``/``try``, and through ``importlib.import_module("literal")``.
+
+  ``from a import b`` counts as importing ``a.b`` when that is a module, else ``a``. The parent
+  packages Python imports on the way to a module are not counted: every module has them.
+  """
+  found = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      if node.level:
+        base = name.split(".") if is_package else name.split(".")[:-1]
+        base = base[:len(base) - node.level + 1]
+        module = ".".join(base + ([node.module] if node.module else []))
+      else:
+        module = node.module
+      for alias in node.names:
+        found.add(f"{module}.{alias.name}" if f"{module}.{alias.name}" in modules else module)
+    elif (isinstance(node, ast.Call) and ast.unparse(node.func) == "importlib.import_module"
+          and node.args and isinstance(node.args[0], ast.Constant)):
+      found.add(node.args[0].value)
+  return {m for m in found if m in modules and m != name}
+
+
+def _import_graph() -> dict[str, set[str]]:
+  modules = _package_modules()
+  graph = {name: _imported(path.read_text(), name, path.name == "__init__.py", modules)
+           for name, path in modules.items()}
+  # The `stablejax` command imports its subcommands by name from a table.
+  graph["stablejax.cli"] |= {command.module for command in stablejax.cli.COMMANDS.values()}
+  return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Strongly connected components with more than one module (Tarjan), each sorted."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in graph.get(v, ()):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_the_import_checker_sees_function_local_imports_and_circles():
+  modules = {"p": None, "p.a": None, "p.b": None, "p.c": None}
+  source = "import os\ndef f():\n  from p import b\n  from .c import x\n"
+  assert _imported(source, "p.a", False, modules) == {"p.b", "p.c"}
+  assert _imported("from . import a", "p", True, modules) == {"p.a"}
+  assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle():
+  graph = _import_graph()
+  assert len(graph) > 40 and "stablejax.muon.describe" in graph
+  assert {"stablejax.muon.muon", "stablejax.muon.routing"} <= graph["stablejax.muon.describe"]
+  assert "stablejax.muon.muon" not in graph["stablejax.muon.routing"]
+  assert _cycles(graph) == []
+
+
+def test_package_root_holds_only_the_api_modules_and_folders():
+  files = {p.name for p in PACKAGE.iterdir() if p.is_file()}
+  assert files == {"__init__.py", "__main__.py", "py.typed"}
+  folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+  assert folders == {"cli", "data", "modeling", "monitor", "muon", "training", "transforms"}
+  assert all((PACKAGE / f / "__init__.py").is_file() for f in folders)
+
+
+# ----------------------------------------------------------------------------- old paths
+
+
+def _forget(name: str) -> None:
+  """Makes the next import of ``name`` go through the import system again."""
+  sys.modules.pop(name, None)
+  parent, _, child = name.rpartition(".")
+  parent_module = importlib.import_module(parent)
+  if hasattr(parent_module, child):
+    delattr(parent_module, child)
+
+
+def test_every_moved_module_has_an_old_path():
+  assert set(stablejax._MOVED) == set(MOVED)
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_import_path_is_the_new_module_with_a_warning(old):
+  new = MOVED[old][0]
+  _forget(old)
+  with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*import {new}"):
+    module = importlib.import_module(old)
+  assert module is importlib.import_module(new)
+  assert module.__name__ == new and module.__spec__.name == new  # the new module is untouched
+  parent, _, child = old.rpartition(".")
+  assert getattr(sys.modules[parent], child) is module
+  assert sys.modules[old] is module
+
+
+def test_old_from_imports_work_and_the_warning_points_at_the_importer():
+  for old in ("stablejax.prepare", "stablejax.quantize_eval", "stablejax.sample"):
+    _forget(old)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from stablejax.prepare import Options, PrepareError, prepare  # noqa: F401
+    from stablejax.quantize_eval import (QuantizeEvalError, load_run_config,  # noqa: F401
+                                         quantize_eval)
+    from stablejax.sample import SampleError, run_tokenizer, sample  # noqa: F401
+  deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+  assert len(deprecations) == 3
+  assert all(Path(w.filename).resolve() == Path(__file__).resolve() for w in deprecations)
+  from stablejax.data.prepare import prepare as new_prepare
+  from stablejax.training.runs import RunError
+  assert prepare is new_prepare
+  assert QuantizeEvalError is RunError and SampleError is RunError
+
+
+def _run(*args, timeout=120) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+@pytest.mark.parametrize("old", [o for o in sorted(MOVED) if MOVED[o][1]])
+def test_old_program_path_runs_the_new_program_with_a_warning(old):
+  command = MOVED[old][1]
+  proc = _run("-m", old, "--help")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith(f"usage: python -m stablejax {command}")
+  assert "DeprecationWarning" in proc.stderr
+  assert f"python -m {old} is deprecated" in proc.stderr
+  assert f"use python -m stablejax {command}" in proc.stderr
+
+
+def test_old_program_path_keeps_exit_codes(tmp_path):
+  proc = _run("-m", "stablejax.prepare", str(tmp_path / "missing.txt"), "--out",
+              str(tmp_path / "out"), "--tokenizer", "bytes")
+  assert proc.returncode == 2
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and "missing.txt" in errors[0] and "does not exist" in errors[0]
+  assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def test_python_m_stablejax_runs_a_subcommand():
+  proc = _run("-m", "stablejax", "prepare", "--help")
+  assert proc.returncode == 0, proc.stderr
+  assert proc.stdout.startswith("usage: python -m stablejax prepare")
+  assert "--tokenizer" in proc.stdout and "deprecated" not in proc.stderr
+
+
+def test_python_m_stablejax_help_lists_every_command():
+  proc = _run("-m", "stablejax", "--help")
+  assert proc.returncode == 0, proc.stderr
+  listed = [line.split()[0] for line in proc.stdout.split("commands:\n")[1].splitlines()
+            if line.startswith("  ")]
+  assert listed == list(COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_subcommand_answers_help(command, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    stablejax.cli.main([command, "--help"])
+  assert exit_info.value.code == 0
+  assert capsys.readouterr().out.startswith(f"usage: python -m stablejax {command}")
+
+
+def test_unknown_or_missing_command_is_one_error_line_and_exit_2(capsys):
+  for argv in (["frobnicate"], []):
+    assert stablejax.cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "prepare" in err, err
+
+
+def test_console_script_is_the_command():
+  (script,) = entry_points(group="console_scripts", name="stablejax")
+  assert script.value == "stablejax.cli:main" and script.load() is stablejax.cli.main
