@@ -442,7 +442,7 @@ def plan(tree, param_labels: LabelsOrFn = None, weight_dimension_numbers=None) -
   """Routes every parameter of ``tree``: group, Muon matrix layout, and notes on unsure rules.
 
   Args:
-    tree: the params (any pytree; NNX ``Variable``s count as one parameter each).
+    tree: the params (any pytree; NNX ``Variable`` objects count as one parameter each).
     param_labels: None (default rule), a mapping ``{path pattern: group}`` applied on top of the
       default rule, a label tree (or a prefix of one), or a callable ``params -> labels``.
     weight_dimension_numbers: Muon matrix layouts, as ``optax.contrib.muon`` takes them.
@@ -514,7 +514,7 @@ def label_params(params, overrides: Optional[Mapping[str, str]] = None) -> Any:
 
   Args:
     params: any pytree of arrays (or ``jax.ShapeDtypeStruct``), Flax Linen params or
-      variables, ``nnx.State`` (NNX ``Variable``s count as one parameter each).
+      variables, ``nnx.State`` (NNX ``Variable`` objects count as one parameter each).
     overrides: optional ``{pattern: group}`` applied after the rules; a pattern is an fnmatch
       glob on the ``/``-joined path (``"params/Dense_3/*"``) or a path prefix
       (``"params/Dense_3"``). A pattern matching nothing is an error.
@@ -548,7 +548,7 @@ def muon_dimension_numbers(params, overrides: Optional[Mapping[str, Any]] = None
   the easy way to give one leaf its layout.
 
   Args:
-    params: the params (any pytree; NNX ``Variable``s count as one parameter).
+    params: the params (any pytree; NNX ``Variable`` objects count as one parameter).
     overrides: optional ``{pattern: MuonDimensionNumbers}``; patterns as in :func:`label_params`.
     param_labels: the routing, as :func:`stablejax.outlier_safe_muon` takes it.
 
