@@ -1,0 +1,32 @@
+"""CI (.ci/run) runs what README promises: its test command verbatim, then the docs build with
+warnings as errors."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _readme_test_command() -> str:
+  readme = (ROOT / "README.md").read_text()
+  match = re.search(r"^Run the tests:\s*\n+```bash\n(.+?)\n```", readme, flags=re.M | re.S)
+  assert match, "README.md has no 'Run the tests:' command block"
+  (command,) = match.group(1).strip().splitlines()
+  return command
+
+
+def _ci_commands() -> list[str]:
+  lines = (ROOT / ".ci" / "run").read_text().splitlines()
+  return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_ci_runs_the_readme_test_command_verbatim():
+  assert _readme_test_command() in _ci_commands()
+
+
+def test_ci_builds_the_docs_with_warnings_as_errors_after_the_tests():
+  commands = _ci_commands()
+  tests = commands.index(_readme_test_command())
+  docs = [i for i, c in enumerate(commands) if re.search(r"\bsphinx-build\b.* -W .*\bdocs\b", c)]
+  assert docs and docs[0] > tests, commands
+  assert commands[0:2] == ["set -euo pipefail", 'cd "$(dirname "$0")/.."'], commands
