@@ -17,7 +17,7 @@ a tree wrapped as ``{"params": ...}`` is accepted too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -123,8 +123,10 @@ def excess_kurtosis(hidden) -> jax.Array:
   """Mean over layers of ``max(0, E[(x - mu)^4] / sigma^4 - 3)``.
 
   Statistics are per layer over *all* entries of that layer (batch, positions and features
-  pooled), centred on the layer mean, in float32. A Gaussian gives ~0; a few massive activations
-  give large values.
+  pooled), centred on the layer mean, in float32 from standardised values (``x / max|x|``, then
+  ``(x - mean) / std``): finite activations always give a finite value, however large they are
+  (a layer of ``n`` entries gives at most ``n - 3``). A Gaussian gives ~0; a few massive
+  activations give large values.
 
   Args:
     hidden: array ``[n_layers, ...]`` (leading axis = layer), e.g. ``activations["residual"]``
@@ -150,11 +152,19 @@ def excess_kurtosis(hidden) -> jax.Array:
 
 
 def _layer_excess_kurtosis(x) -> jax.Array:
+  # Standardised before any power is taken: y = x / max|x| lies in [-1, 1], and z = (y - mean) / std
+  # has |z| <= sqrt(n), so z**4 <= n**2 and neither the moments nor their ratio can overflow
+  # float32 for finite activations (the raw fourth moment overflows from |x| ~ 4e9 on).
   x = jnp.asarray(x, jnp.float32).reshape(-1)
-  centred = x - jnp.mean(x)
-  var = jnp.mean(centred ** 2)
-  m4 = jnp.mean(centred ** 4)
-  kurt = m4 / jnp.maximum(var ** 2, jnp.finfo(jnp.float32).tiny)
+  peak = jnp.max(jnp.abs(x))
+  # Twice by 1 / sqrt(peak), not once by 1 / peak: near float32's maximum 1 / peak is subnormal,
+  # and XLA on CPU flushes subnormals to zero.
+  r = jax.lax.rsqrt(jnp.where(peak > 0, peak, 1.0))
+  y = (x * r) * r
+  centred = y - jnp.mean(y)
+  var = jnp.mean(jnp.square(centred))
+  z = centred * jnp.where(var > 0, jax.lax.rsqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+  kurt = jnp.mean(jnp.square(jnp.square(z)))
   return jnp.maximum(kurt - 3.0, 0.0)
 
 
