@@ -119,7 +119,15 @@ MODELS = {
     "postln_qk": {"model": {"post_ln": True, "qk_norm": True}},
     "preln_nowarmup": {"train": {"warmup_steps": 0}},
     "preln_fp16": {"model": {"compute_dtype": "float16"}},
+    # The long horizon (LONG_STEPS), where attention logits of Pre-LN models without QK-norm
+    # grow until the loss degrades (Wortsman et al., section 3.1.1). A model fragment with
+    # train.steps fixes the run length (--steps does not apply to it).
+    "long": {"train": {"steps": 800, "warmup_steps": 0}},
+    "long_warmup": {"train": {"steps": 800, "warmup_steps": 80}},
+    "long_qk": {"model": {"qk_norm": True}, "train": {"steps": 800, "warmup_steps": 0}},
+    "long_qk_warmup": {"model": {"qk_norm": True}, "train": {"steps": 800, "warmup_steps": 80}},
 }
+LONG_MODELS = ("long", "long_warmup", "long_qk", "long_qk_warmup")
 
 _MUON_OPT = {"name": "muon", "learning_rate": MUON_LR, "adam_learning_rate": MUON_ADAM_LR,
              "embedding_learning_rate": MUON_ADAM_LR, "head_learning_rate": MUON_ADAM_LR}
@@ -134,6 +142,12 @@ DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": {**_OFF, "max_gr
 DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
 # The AdamW stack with AdaGC inside (hybrid_clip), the trainer's default before this sweep.
 DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": True}}, None)
+# The stacks with QK-clip (Kimi K2, arXiv 2507.20534) at QK_TAU: the healthy runs' logits reach
+# ~300 at this scale (README), so Kimi's tau = 100 would clip healthy heads every step.
+QK_TAU = 1000.0
+DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip_tau": QK_TAU}}, None)
+DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT,
+                                      "stability": {"qk_clip_tau": QK_TAU}}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -148,6 +162,16 @@ PLAN = {
     "preln_nowarmup": PAIR,
     "preln_fp16": PAIR,
 }
+# --long: the long-horizon sweep. Learning rates up to where clip 1.0 degrades badly: AdamW
+# 3e-3 .. 0.95 (factors 1 .. 316), Muon 0.03 .. 0.95 (factors 1 .. 31.6; its AdamW groups
+# 0.009 .. 0.28). The QK-norm models are the architectural reference, with the baselines only.
+LONG_DEFENCES = ("clip1", "stablejax", "stablejax_qkclip", "muon_clip1", "stablejax_muon",
+                 "stablejax_muon_qkclip")
+LONG_PLAN = {"long": LONG_DEFENCES, "long_warmup": LONG_DEFENCES,
+             "long_qk": ("clip1", "muon_clip1"), "long_qk_warmup": ("clip1", "muon_clip1")}
+LONG_FACTORS = {"adamw": (1.0, 10.0, 31.62, 100.0, 316.2), "muon": (1.0, 3.162, 10.0, 31.62)}
+# The short-horizon rows planned in the first sweep and not run then.
+SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
          "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
 
@@ -245,11 +269,17 @@ def cell_config(model: str, defence: str, seed: int, steps: int,
   raw = _common.deep_merge(BASE, MODELS[model])
   raw = _common.deep_merge(raw, fragment)
   raw = _common.deep_merge(raw, overrides)
+  steps = model_steps(model, steps)
   warmup = raw["train"].get("warmup_steps", max(2, steps // 10))
   raw["train"].update(steps=steps, warmup_steps=warmup, seed=seed,
                       eval_every=max(1, steps // 2))
   raw["checkpoint"]["every"] = max(1, steps // 4)
   return raw, tx_kind
+
+
+def model_steps(model: str, steps: int) -> int:
+  """The run length of a model: its own train.steps (the long-horizon models), else `steps`."""
+  return MODELS[model].get("train", {}).get("steps", steps)
 
 
 def main_lr(raw: dict) -> float:
@@ -277,7 +307,8 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
             "init_loss": None, "diverged": True, "spikes": None, "skipped": None,
             "rollbacks": None, "warnings": None, "zclip_clip_rate": None,
             "adagc_clip_frac": None, "adagc_norm_ratio": None, "wall_s": None, "ms_step": None,
-            "events": [], "curve": [], "error": ""}
+            "events": [], "curve": [], "attn_curve": [], "warning_steps": [],
+            "qk_clipped": None, "max_attn_logit": None, "error": ""}
   t0, cpu0 = time.time(), time.process_time()
   log = io.StringIO()
   try:
@@ -310,7 +341,16 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
                                 if r.get("adagc/grad_norm")]),
         wall_s=summary["wall_seconds"],
         ms_step=1e3 * statistics.median(step_times) if step_times else None,
-        events=summary.get("events", []), curve=losses)
+        events=summary.get("events", []), curve=losses,
+        # Telemetry at the logged steps: max attention logit over layers, and per layer.
+        attn_curve=[(r["step"], r["attn_logit_max"],
+                     [r.get(f"attn_logit_max/layer_{i}") for i in range(cfg.model.n_layers)])
+                    for r in train if "attn_logit_max" in r],
+        max_attn_logit=max((float(r["attn_logit_max"]) for r in train
+                            if r.get("attn_logit_max") is not None), default=None),
+        warning_steps=[(r["step"], r.get("cause", "")) for r in records
+                       if r.get("event") == "warning"],
+        qk_clipped=(train[-1].get("qk_clip/total_clipped") if train else None))
   except Exception as e:  # a crashed cell is a result, not the end of the sweep
     result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     result["wall_s"] = time.time() - t0
@@ -422,8 +462,8 @@ def _family(defence: str) -> str:
 
 RUN_HEADERS = ["model", "defence", "lr_factor", "lr", "seed", "status", "val_loss", "init_loss",
                "diverged", "spikes", "skipped", "rollbacks", "warnings", "zclip_clip_rate",
-               "adagc_clip_frac", "adagc_norm_ratio", "wall_s", "cpu_s", "ms_step", "events",
-               "error"]
+               "adagc_clip_frac", "adagc_norm_ratio", "max_attn_logit", "qk_clipped", "wall_s",
+               "cpu_s", "ms_step", "events", "error"]
 
 
 def _cell(x, fmt="%.4f"):
@@ -647,7 +687,7 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
 # ----------------------------------------------------------------------------- main
 
 
-_INT_FIELDS = ("seed", "spikes", "skipped", "rollbacks", "warnings")
+_INT_FIELDS = ("seed", "spikes", "skipped", "rollbacks", "warnings", "qk_clipped")
 _STR_FIELDS = ("model", "defence", "status", "error")
 
 
@@ -679,6 +719,45 @@ def read_csv(path: Path) -> tuple[list[dict], dict]:
                    "timing": rest[1] if len(rest) > 1 else "", "command": command}
 
 
+def _key(r: dict) -> tuple:
+  return (r["model"], r["defence"], float(r["lr_factor"]), int(r["seed"]))
+
+
+def _rounded(x):
+  """Floats to 5 significant digits (the runs file stays small), recursively."""
+  if isinstance(x, float):
+    return float(f"{x:.5g}") if math.isfinite(x) else x
+  if isinstance(x, (list, tuple)):
+    return [_rounded(v) for v in x]
+  if isinstance(x, dict):
+    return {k: _rounded(v) for k, v in x.items()}
+  return x
+
+
+def append_run(path: Path, result: dict) -> None:
+  """Appends one finished run as one JSON line (written whole and flushed at once: a killed
+  sweep leaves at most a truncated last line, which read_runs skips)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  line = json.dumps(_rounded(result)) + "\n"
+  with open(path, "a") as f:
+    f.write(line)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_runs(path: Path) -> list[dict]:
+  """The runs of a JSON-lines file written by append_run (a later line of a run wins; a
+  truncated line is skipped)."""
+  runs: dict[tuple, dict] = {}
+  for line in path.read_text().splitlines():
+    try:
+      r = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    runs[_key(r)] = r
+  return list(runs.values())
+
+
 def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
   """Results and one header from saved results (.json or this script's .csv; a later file's
   cells win)."""
@@ -687,6 +766,10 @@ def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
   for path in paths:
     if path.suffix == ".csv":
       results, header = read_csv(path)
+    elif path.suffix == ".jsonl":
+      results = read_runs(path)
+      header = {"machine": [], "setting": "", "timing": f"{len(results)} runs from {path.name}",
+                "command": shlex.join(["python", "bench/stress.py", "--replot", str(path)])}
     else:
       saved = json.loads(path.read_text())
       results, header = saved["results"], saved["header"]
@@ -718,6 +801,15 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="Pre-LN, 3 rates, 1 seed, 100 steps")
+  p.add_argument("--long", action="store_true",
+                 help="the long-horizon sweep: LONG_PLAN at 800 steps, LONG_FACTORS per "
+                 "optimizer, 3 seeds")
+  p.add_argument("--short-plan", action="store_true",
+                 help="the short-horizon rows planned and not run in the first sweep "
+                 "(SHORT_PLAN: QK-norm, no warmup, fp16)")
+  p.add_argument("--results", default=None, metavar="RUNS_JSONL",
+                 help="append each finished run to this JSON-lines file and skip the runs it "
+                 "already holds (resume an interrupted sweep); also accepted by --replot")
   p.add_argument("--diagnose", action="store_true",
                  help="the DIAGNOSIS variants of the stacks (+ the baselines) at 1x and 10x, "
                  "3 seeds")
@@ -740,10 +832,13 @@ def main(argv=None) -> int:
                  help="only rebuild the outputs from saved results.json files (several are "
                  "merged, e.g. a full run and a run of new variants)")
   args = p.parse_args(argv)
-  name = args.name or ("stress_diagnosis" if args.diagnose else "stress")
+  name = args.name or ("stress_diagnosis" if args.diagnose else "stress_long" if args.long
+                       else "stress_short" if args.short_plan else "stress")
 
   if args.replot:
     results, header = merge_saved([Path(x) for x in args.replot.split(",")])
+    if args.long and header["setting"] == "":
+      header["setting"] = f"long-horizon sweep (QK-clip tau {QK_TAU:g})"
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
@@ -759,10 +854,11 @@ def main(argv=None) -> int:
     p.error(str(e))
 
   preset = QUICK if args.quick else DIAGNOSE if args.diagnose else {}
+  plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
-  models = args.models.split(",") if args.models else list(preset.get("models", PLAN))
+  models = args.models.split(",") if args.models else list(preset.get("models", plan))
   factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
-             else list(preset.get("lr_factors", LR_FACTORS)))
+             else None if args.long else list(preset.get("lr_factors", LR_FACTORS)))
   seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds
            else list(preset.get("seeds", SEEDS)))
   if args.defences:
@@ -780,20 +876,27 @@ def main(argv=None) -> int:
     if d not in DEFENCES and d not in variants:
       p.error(f"unknown defence {d!r}: choose from {', '.join(DEFENCES)} or define it with "
               "--variant")
-  cells = [(m, d, f, s) for m in models for d in (chosen or PLAN[m]) for f in factors
-           for s in seeds]
+  # Seeds innermost, then rates: the runs of one curve finish together, so an interrupted sweep
+  # still has whole curves.
+  cells = [(m, d, f, s) for m in models for d in (chosen or plan[m])
+           for f in (factors or LONG_FACTORS[_family(d)]) for s in seeds]
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
 
   machine = _common.machine_lines()
   for line in machine:
     print(line)
   b = BASE
+  if factors:
+    grid = ", ".join(f"{f:g}" for f in factors)
+  else:
+    grid = "; ".join(f"{k} {', '.join(f'{f:g}' for f in v)}" for k, v in LONG_FACTORS.items())
+  lengths = sorted({model_steps(m, steps) for m in models})
   setting = (f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
-             f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, {steps} steps "
-             f"(warmup {max(2, steps // 10)} unless the model says 0), data pydoc; base LR AdamW "
-             f"{ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}); LR factors "
-             f"{', '.join(f'{f:g}' for f in factors)}; seeds {', '.join(map(str, seeds))}; "
-             f"{len(cells)} runs, {args.jobs} in parallel")
+             f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, "
+             f"{'/'.join(map(str, lengths))} steps (warmup 10% unless the model says otherwise), "
+             f"data pydoc; base LR AdamW {ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups "
+             f"{MUON_ADAM_LR:g}); LR factors {grid}; seeds {', '.join(map(str, seeds))}; "
+             f"QK-clip tau {QK_TAU:g}; {len(cells)} runs, {args.jobs} in parallel")
   if variants:
     setting += "; variants: " + "; ".join(
         f"{k} = {b_} + {json.dumps(o)}" for k, (b_, o) in variants.items()
@@ -806,15 +909,23 @@ def main(argv=None) -> int:
   cache_dir = None if args.no_cache else os.path.join(workdir, "xla_cache")
   t0 = time.time()
   results: dict[tuple, dict] = {}
+  runs_file = Path(args.results) if args.results else None
+  if runs_file is not None and runs_file.exists():
+    done = {_key(r): r for r in read_runs(runs_file)}
+    results = {c: done[c] for c in cells if c in done}
+    print(f"resuming: {len(results)} of {len(cells)} runs already in {runs_file}", flush=True)
+  todo = [c for c in cells if c not in results]
   ctx = multiprocessing.get_context("spawn")
   with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                    initializer=_common.use_compilation_cache,
                                    initargs=(cache_dir,)) as pool:
     jobs = {pool.submit(run_one, m, d, f, s, steps, variants, workdir): (m, d, f, s)
-            for m, d, f, s in _jobs(cells)}
+            for m, d, f, s in _jobs(todo)}
     for job in futures.as_completed(jobs):
       r = job.result()
       results[jobs[job]] = r
+      if runs_file is not None:
+        append_run(runs_file, r)
       print(f"[{time.time() - t0:6.0f}s] {r['model']} {r['defence']} x{r['lr_factor']:g} "
             f"s{r['seed']}: {r['status']} val {_cell(r['val_loss'])} init {_cell(r['init_loss'])}"
             f" skips {_cell(r['skipped'])} rollbacks {_cell(r['rollbacks'])} "

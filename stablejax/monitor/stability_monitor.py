@@ -7,7 +7,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from stablejax.monitor._numbers import _as_float
-from stablejax.monitor.health import HealthThresholds, grad_health_level
+from stablejax.monitor.health import AttentionLogitThresholds, HealthThresholds, grad_health_level
 from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
 
 
@@ -29,6 +29,11 @@ _SAMPLED = {
     "muon_ns_instability_rate": "muon/ns_instability_rate",
 }
 _GRAD_NORM_KEYS = ("grad_norm", "zclip/grad_norm", "adagc/grad_norm", "skip_spikes/grad_norm")
+_ATTN_KEY = "attn_logit_max"
+ATTENTION_ADVICE = ("without QK-norm, attention logits past ~1e4 preceded divergence in every run "
+                    "of Wortsman et al. (arXiv 2309.14322): turn on QK-norm (model.qk_norm=true), "
+                    "or QK-clip (stability.qk_clip_tau, stablejax.qk_clip), or lower the learning "
+                    "rate")
 
 
 def _event_sample(kind: str, metrics: Mapping[str, Any], prev_counters: Mapping[str, float],
@@ -87,6 +92,7 @@ class StabilityMonitor:
       (default: ``window``).
     loss_plateau_check: whether to add the "slow convergence" row when the mean
       loss of the last window is not below that of the window before.
+    attention: thresholds of the attention-logit rule; None turns it off.
 
   Example::
 
@@ -96,7 +102,8 @@ class StabilityMonitor:
 
   def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),
                score_target: float = 0.8, advice_every: Optional[int] = None,
-               loss_plateau_check: bool = True):
+               loss_plateau_check: bool = True,
+               attention: Optional[AttentionLogitThresholds] = AttentionLogitThresholds()):
     if not isinstance(window, int) or window < 1:
       raise ValueError(f"StabilityMonitor window must be a positive int of steps, got {window!r}")
     if not 0.0 <= score_target <= 1.0:
@@ -105,6 +112,9 @@ class StabilityMonitor:
       raise ValueError(f"StabilityMonitor advice_every must be a positive int, got {advice_every!r}")
     if not isinstance(thresholds, HealthThresholds):
       raise ValueError("StabilityMonitor thresholds must be a HealthThresholds instance")
+    if attention is not None and not isinstance(attention, AttentionLogitThresholds):
+      raise ValueError("StabilityMonitor attention must be an AttentionLogitThresholds or None")
+    self.attention = attention
     self.window = window
     self.thresholds = thresholds
     self.score_target = float(score_target)
@@ -128,6 +138,9 @@ class StabilityMonitor:
     self._n_warnings = 0
     self._max_grad_norm: Optional[float] = None
     self._last_loss: Optional[float] = None
+    self._attn: collections.deque = collections.deque()   # [clock, max logit]
+    self._attn_warned: Optional[float] = None   # max logit of the last attention warning
+    self._attn_active = False                   # the attention rule held at the last record
 
   # ---- feeding ----
 
@@ -185,6 +198,7 @@ class StabilityMonitor:
 
     lines = []
     lines += self._update_level(step, metrics, loss)
+    lines += self._attention_lines(step, metrics)
     lines += self._advice_lines(step)
     self._n_warnings += len(lines)
     return lines
@@ -239,6 +253,35 @@ class StabilityMonitor:
     else:
       detail = "non-finite grad norm or loss"
     return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
+
+  def _attention_lines(self, step: int, metrics: Mapping[str, Any]) -> list[str]:
+    rule = self.attention
+    v = _as_float(metrics.get(_ATTN_KEY))
+    if rule is None or v is None or math.isnan(v):
+      return []
+    while self._attn and self._attn[0][0] < self._clock - rule.growth_window:
+      self._attn.popleft()
+    base = min((x for _, x in self._attn), default=None)
+    if math.isfinite(v):
+      self._attn.append([self._clock, v])
+    level = v > rule.high
+    trend = v > rule.growth_floor and base is not None and base > 0 and v >= rule.growth * base
+    self._attn_active = level or trend
+    if not self._attn_active:
+      return []
+    if self._attn_warned is not None and not v >= rule.repeat_factor * self._attn_warned:
+      return []
+    self._attn_warned = v
+    if trend:
+      why = f"x{v / base:.3g} within {rule.growth_window} steps"
+    else:
+      why = f"above {rule.high:g}"
+    layers = {k[len(_ATTN_KEY) + 1:]: _as_float(x) for k, x in metrics.items()
+              if k.startswith(_ATTN_KEY + "/layer_") and k.count("/") == 1}
+    layers = {k: x for k, x in layers.items() if x is not None and not math.isnan(x)}
+    where = f", largest in {max(layers, key=layers.__getitem__)}" if layers else ""
+    return [f"step {step}: attention logits growing: max pre-softmax logit {v:.4g} ({why}{where})"
+            f"; {ATTENTION_ADVICE}"]
 
   def _loss_plateau(self) -> bool:
     if not self.loss_plateau_check or not self._losses:
@@ -339,8 +382,12 @@ class StabilityMonitor:
     return stability_score(self.rates())
 
   def advice(self) -> list[str]:
-    """Troubleshooting rows that fire for the current window (not rate-limited)."""
-    return troubleshooting_advice(self.rates(), self._loss_plateau())
+    """Troubleshooting rows that fire for the current window (not rate-limited), and the
+    attention-logit advice while that rule holds."""
+    lines = troubleshooting_advice(self.rates(), self._loss_plateau())
+    if self._attn_active:
+      lines.append(f"attention logits growing: {ATTENTION_ADVICE}")
+    return lines
 
   def summary(self) -> dict[str, Any]:
     """A JSON-able overview: step, level, score, rates, counts.
@@ -386,6 +433,9 @@ class StabilityMonitor:
         "warnings": self._n_warnings,
         "max_grad_norm": self._max_grad_norm,
         "last_loss": self._last_loss,
+        "attn": [list(x) for x in self._attn],
+        "attn_warned": self._attn_warned,
+        "attn_active": self._attn_active,
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -409,4 +459,8 @@ class StabilityMonitor:
     self._n_warnings = int(state["warnings"])
     self._max_grad_norm = state["max_grad_norm"]
     self._last_loss = state["last_loss"]
+    # Absent from states saved before the attention rule existed.
+    self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
+    self._attn_warned = state.get("attn_warned")
+    self._attn_active = bool(state.get("attn_active", False))
     self._trim()

@@ -91,6 +91,9 @@ class StabilityConfig:
   spike_statistics: str = "winsorized"     # or "olmo_core": OLMo-core's exact rule
   max_consecutive_skips: int = 16
   z_loss: float = 1e-4
+  # QK-clip (Kimi K2, arXiv 2507.20534): after each update, rescale W_q and W_k of every head
+  # whose max pre-softmax logit in the step's forward pass exceeded this (null: off).
+  qk_clip_tau: Optional[float] = None
   loss_scale_init: float = 2.0**10   # fp16 only (model.compute_dtype == "float16")
   loss_scale_growth_interval: int = 200
   loss_scale_growth_factor: float = 1.5
@@ -117,6 +120,11 @@ class LoggingConfig:
   progress: bool = True
   histogram_every: int = 100        # per-layer gradient-norm histograms (0 disables)
   activation_every: int = 100       # residual-stream RMS/max, logit max, kurtosis (0 disables)
+  # At every log step: per-layer max attention logit and output-logit statistics, measured on
+  # the first attention_sequences sequences of the step's batch with the updated parameters.
+  attention_logits: bool = True
+  attention_per_head: bool = False  # also one max logit per head and layer
+  attention_sequences: int = 4
   grad_norm_high: float = 5.0
   grad_norm_critical: float = 10.0
   sample_every: Optional[int] = None  # steps between printed samples; None: at each eval; 0: off
@@ -364,6 +372,14 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"stability.loss_explosion_factor={s.loss_explosion_factor} must be > 1"
                       " (a multiple of the best loss)")
   _positive("stability.max_consecutive_skips", s.max_consecutive_skips)
+  if s.qk_clip_tau is not None:
+    _positive("stability.qk_clip_tau", s.qk_clip_tau)
+    if cfg.model.qk_norm:
+      raise ConfigError("stability.qk_clip_tau with model.qk_norm=true: QK-norm removes the scale"
+                        " of W_q and W_k from the logits, so QK-clip would shrink them every step "
+                        "without lowering a logit; set stability.qk_clip_tau=null (QK-norm already"
+                        " bounds the logits) or model.qk_norm=false")
+  _positive("logging.attention_sequences", cfg.logging.attention_sequences)
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
   for name in ("nan_grad_steps", "nan_grad_batch_indices", "garbage_batch_steps",
@@ -423,6 +439,8 @@ _INEFFECTIVE_RULES = (
       "stability.loss_explosion_factor", "stability.lr_recovery_steps",
       "stability.lr_recovery_schedule"),
      lambda c: not c.stability.recovery, "stability.recovery=false"),
+    (("logging.attention_per_head", "logging.attention_sequences"),
+     lambda c: not c.logging.attention_logits, "logging.attention_logits=false"),
     (("train.lambda_warmup_steps", "train.lambda_schedule"),
      lambda c: not c.model.bitnet, "model.bitnet=false"),
     (("faults.garbage_kind",),

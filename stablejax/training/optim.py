@@ -2,7 +2,10 @@
 
 Default shape (every layer switchable in `stability`):
 
-    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale)))
+    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale[, qk_clip])))
+
+`qk_clip` (with `stability.qk_clip_tau` set) takes the step's per-head max attention logits as
+the extra argument `max_logits`; the train step computes them in its forward pass only then.
 
 `lr_scale` is `optax.inject_hyperparams(optax.scale)`, a multiplier on the final update (so it
 scales decoupled weight decay too, like a learning rate). It lives in the optimizer state, so the
@@ -31,6 +34,7 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
+from stablejax.training.model import attention_layers
 from stablejax.transforms.stacked import STACKED_NAMES
 
 
@@ -122,10 +126,15 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
                     ) -> optax.GradientTransformationExtraArgs:
   """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it."""
   s = cfg.stability
+  # QK-clip goes last, after every scaling of the update, and inside the skip wrappers (a
+  # skipped step clips nothing); its max logits come from the train step as `max_logits=`.
+  qk = [] if s.qk_clip_tau is None else [
+      stablejax.qk_clip(tau=s.qk_clip_tau, layers=attention_layers(cfg.model))]
   tx = optax.chain(
       *clipping(cfg),
       main if main is not None else main_optimizer(cfg),
       optax.inject_hyperparams(optax.scale)(step_size=1.0),
+      *qk,
   )
   if s.skip_spikes:
     tx = stablejax.skip_spikes(

@@ -30,11 +30,20 @@ class TrainState(flax.struct.PyTreeNode):
   lr_backoff: Optional[Any] = None  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
 
 
-def make_loss_fn(model, cfg: Config):
+def make_loss_fn(model, cfg: Config, max_logits: bool = False):
+  """`(params, tokens, lambda) -> (loss, aux)`; with `max_logits`, `aux["max_logits"]` holds
+  each attention layer's per-head max pre-softmax logit of this forward pass
+  (`{layer name: [*stack, H]}`, what `stablejax.qk_clip` takes)."""
   def loss_fn(params, tokens, bitnet_lambda):
     kwargs = {"bitnet_lambda": bitnet_lambda} if cfg.model.bitnet else {}
-    logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
+    if max_logits:
+      logits, sown = model.apply({"params": params}, tokens[:, :-1], attention_logits=True,
+                                 mutable=["intermediates"], **kwargs)
+    else:
+      logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
     loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:], z_loss=cfg.stability.z_loss)
+    if max_logits:
+      aux = {**aux, "max_logits": stablejax.collect_attention_logits(sown)}
     return loss, aux
   return loss_fn
 
@@ -42,7 +51,9 @@ def make_loss_fn(model, cfg: Config):
 def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Config,
                     lr_schedule: optax.Schedule,
                     bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None):
-  loss_fn = make_loss_fn(model, cfg)
+  # QK-clip needs each head's max logit of this step's forward pass; nothing else does.
+  clip_logits = cfg.stability.qk_clip_tau is not None
+  loss_fn = make_loss_fn(model, cfg, max_logits=clip_logits)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     lam = bitnet_lambda(state.step) if bitnet_lambda is not None else jnp.float32(1.0)
@@ -56,14 +67,21 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
       return grads, loss, aux
 
     # tokens: [grad_accum, micro_batch, seq_len + 1]; scan keeps one micro-batch live at a time.
+    # The step's max logits are the max over its micro-batches.
     def accumulate(carry, tokens):
       grads, loss, aux = micro_grads(tokens)
       total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
-      return (total, carry[1] + loss, carry[2] + aux["z_loss"]), None
+      peaks = jax.tree.map(jnp.maximum, carry[3], aux["max_logits"]) if clip_logits else None
+      return (total, carry[1] + loss, carry[2] + aux["z_loss"], peaks), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    (grads, loss, z_loss), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch["tokens"])
+    no_peaks = None
+    if clip_logits:
+      shapes = jax.eval_shape(lambda p, t: loss_fn(p, t, lam)[1]["max_logits"], state.params,
+                              batch["tokens"][0])
+      no_peaks = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, jnp.float32), shapes)
+    (grads, loss, z_loss, max_logits), _ = jax.lax.scan(
+        accumulate, (zeros, jnp.float32(0), jnp.float32(0), no_peaks), batch["tokens"])
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
@@ -79,7 +97,8 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
     # The schedules count applied updates (a skipped step keeps their count), so the rate this
     # step applies is the schedule at that count, not at state.step (see training/optim.py).
     lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
-    updates, opt_state = tx.update(grads, opt_state, state.params, loss=loss)
+    extra = {"max_logits": max_logits} if clip_logits else {}
+    updates, opt_state = tx.update(grads, opt_state, state.params, loss=loss, **extra)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
     if loss_scale is not None:
