@@ -142,9 +142,9 @@ DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": {**_OFF, "max_gr
 DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
 # The AdamW stack with AdaGC inside (hybrid_clip), the trainer's default before this sweep.
 DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": True}}, None)
-# The stacks with QK-clip (Kimi K2, arXiv 2507.20534) at QK_TAU: the healthy runs' logits reach
-# ~300 at this scale (README), so Kimi's tau = 100 would clip healthy heads every step.
-QK_TAU = 1000.0
+# The stacks with QK-clip (Kimi K2, arXiv 2507.20534) at QK_TAU: healthy Muon runs' logits reach
+# ~300 at this scale (README), so Kimi's tau = 100 would clip healthy heads; 300 sits just above.
+QK_TAU = 300.0
 DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip_tau": QK_TAU}}, None)
 DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT,
                                       "stability": {"qk_clip_tau": QK_TAU}}, None)
@@ -169,7 +169,13 @@ LONG_DEFENCES = ("clip1", "stablejax", "stablejax_qkclip", "muon_clip1", "stable
                  "stablejax_muon_qkclip")
 LONG_PLAN = {"long": LONG_DEFENCES, "long_warmup": LONG_DEFENCES,
              "long_qk": ("clip1", "muon_clip1"), "long_qk_warmup": ("clip1", "muon_clip1")}
-LONG_FACTORS = {"adamw": (1.0, 10.0, 31.62, 100.0, 316.2), "muon": (1.0, 3.162, 10.0, 31.62)}
+# Sized to this shared 2-core machine (a run of 800 steps takes 2-8 minutes with the load of
+# other jobs): a decade grid for AdamW plus its highest rate, half a decade for Muon.
+LONG_FACTORS = {"adamw": (1.0, 10.0, 100.0, 316.2), "muon": (1.0, 3.162, 10.0)}
+# The order runs start in: seed by seed, and within a seed the rates that decide the comparison
+# first (the highest and the base rate), so an interrupted sweep still has whole comparisons.
+LONG_FIRST = {"adamw": (316.2, 1.0, 100.0, 10.0), "muon": (10.0, 1.0, 3.162)}
+LONG_LAST = ("stablejax", "stablejax_muon")
 # The short-horizon rows planned in the first sweep and not run then.
 SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
@@ -856,7 +862,8 @@ def main(argv=None) -> int:
   preset = QUICK if args.quick else DIAGNOSE if args.diagnose else {}
   plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
-  models = args.models.split(",") if args.models else list(preset.get("models", plan))
+  default_models = ("long", "long_qk") if args.long else preset.get("models", plan)
+  models = args.models.split(",") if args.models else list(default_models)
   factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
              else None if args.long else list(preset.get("lr_factors", LR_FACTORS)))
   seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds
@@ -880,6 +887,15 @@ def main(argv=None) -> int:
   # still has whole curves.
   cells = [(m, d, f, s) for m in models for d in (chosen or plan[m])
            for f in (factors or LONG_FACTORS[_family(d)]) for s in seeds]
+  if args.long:
+    def priority(cell):
+      m, d, f, s = cell
+      first = LONG_FIRST[_family(d)]
+      # The stacks without QK-clip answer a side question (does QK-clip earn its place?):
+      # their later seeds go last.
+      later = d in LONG_LAST and s != seeds[0]
+      return (later, s, first.index(f) if f in first else len(first), models.index(m))
+    cells.sort(key=priority)
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
 
   machine = _common.machine_lines()
@@ -920,7 +936,7 @@ def main(argv=None) -> int:
                                    initializer=_common.use_compilation_cache,
                                    initargs=(cache_dir,)) as pool:
     jobs = {pool.submit(run_one, m, d, f, s, steps, variants, workdir): (m, d, f, s)
-            for m, d, f, s in _jobs(todo)}
+            for m, d, f, s in (todo if args.long else _jobs(todo))}
     for job in futures.as_completed(jobs):
       r = job.result()
       results[jobs[job]] = r

@@ -17,7 +17,10 @@ clipped gradient norm with the ZClip band (EMA mean +- std) and threshold;
 learning rate; stability score (the logged ``stability_score`` or, for runs
 that did not log it, the score replayed with :class:`StabilityMonitor`) with
 the target; window rates (spike, clip, skip); per-group update RMS
-(``muon/update_rms/*``).
+(``muon/update_rms/*``); the maximum attention logit per layer
+(``attn_logit_max/layer_*``, log scale, with QK-clip's pre-clip maximum and its
+threshold crossings when it ran) and the output-logit statistics (max logit,
+mean and max log Z).
 """
 
 from __future__ import annotations
@@ -166,9 +169,9 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   from matplotlib.figure import Figure
 
   train, evals = analysis["train"], analysis["eval"]
-  fig = Figure(figsize=(14, 12), dpi=90)
+  fig = Figure(figsize=(14, 16), dpi=90)
   FigureCanvasAgg(fig)
-  axes = fig.subplots(3, 2)
+  axes = fig.subplots(4, 2)
   fig.suptitle(title or "stablejax run report")
   skip_steps = analysis["skip_steps"]
   rollback_steps = [s for s, _ in analysis["rollbacks"]]
@@ -298,6 +301,34 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
     ax.plot(xs, ys, lw=1, label=key[len("muon/update_rms/"):])
   mark_events(ax, label=False)
   finish(ax, "update RMS per group", log=True)
+
+  # 7. attention logits per layer (Wortsman et al.'s first proxy of instability)
+  ax = axes[3, 0]
+  layer_keys = sorted({k for r in train for k in r
+                       if k.startswith("attn_logit_max/layer_") and k.count("/") == 1},
+                      key=lambda k: int(k.rsplit("_", 1)[1]) if k.rsplit("_", 1)[1].isdigit() else 0)
+  for key in layer_keys:
+    xs, ys = _series(train, key)
+    ax.plot(xs, ys, lw=0.9, label=key[len("attn_logit_max/"):])
+  if not layer_keys:
+    xs, ys = _series(train, "attn_logit_max")
+    if xs:
+      ax.plot(xs, ys, lw=1.2, label="max over layers")
+  xs, ys = _series(train, "qk_clip/max_logit")
+  if xs:
+    ax.plot(xs, ys, "k:", lw=1, label="QK-clip: step max (before clipping)")
+  mark_events(ax, label=False)
+  finish(ax, "max attention logit q.k/sqrt(d) per layer", log=True)
+
+  # 8. output logits
+  ax = axes[3, 1]
+  for key, label in (("output_logit_max", "max logit"), ("output_log_z_mean", "mean log Z"),
+                     ("output_log_z_max", "max log Z")):
+    xs, ys = _series(train, key)
+    if xs:
+      ax.plot(xs, ys, lw=1, label=label)
+  mark_events(ax, label=False)
+  finish(ax, "output logits")
 
   fig.tight_layout(rect=(0, 0, 1, 0.97))
   out_path = Path(out_path)
