@@ -172,10 +172,39 @@ LONG_PLAN = {"long": LONG_DEFENCES, "long_warmup": LONG_DEFENCES,
 # Sized to this shared 2-core machine (a run of 800 steps takes 2-8 minutes with the load of
 # other jobs): a decade grid for AdamW plus its highest rate, half a decade for Muon.
 LONG_FACTORS = {"adamw": (1.0, 10.0, 100.0, 316.2), "muon": (1.0, 3.162, 10.0)}
-# The order runs start in: seed by seed, and within a seed the rates that decide the comparison
-# first (the highest and the base rate), so an interrupted sweep still has whole comparisons.
-LONG_FIRST = {"adamw": (316.2, 1.0, 100.0, 10.0), "muon": (10.0, 1.0, 3.162)}
+# The order runs start in (--long without --models/--defences), stage by stage, so that an
+# interrupted sweep still has whole comparisons: (models, defences, rates per optimizer or None
+# for LONG_FACTORS, seeds). 1. one seed of everything on the main (no-warmup) pair; 2. the
+# warmup pair at the rates that decide (one seed, for the lead time of the attention-logit
+# warning and a check of QK-clip with warmup); 3. seeds 1 and 2 of the main comparison; 4. the
+# stacks without QK-clip on seeds 1 and 2 (does QK-clip earn its place?).
 LONG_LAST = ("stablejax", "stablejax_muon")
+LONG_STAGES = (
+    (("long", "long_qk"), None, None, (0,)),
+    (("long_warmup",), ("clip1", "muon_clip1"), {"adamw": (1.0, 100.0, 316.2), "muon": (1.0, 10.0)},
+     (0,)),
+    (("long_warmup",), ("stablejax_qkclip", "stablejax_muon_qkclip"),
+     {"adamw": (100.0, 316.2), "muon": (10.0,)}, (0,)),
+    (("long_qk_warmup",), ("clip1", "muon_clip1"), {"adamw": (100.0, 316.2), "muon": (10.0,)},
+     (0,)),
+    (("long", "long_qk"), "main", None, (1, 2)),
+    (("long",), LONG_LAST, None, (1, 2)),
+)
+
+
+def long_cells() -> list[tuple]:
+  """The cells of --long in LONG_STAGES order (each once)."""
+  cells: list[tuple] = []
+  for models, defences, rates, seeds in LONG_STAGES:
+    for s in seeds:
+      for m in models:
+        chosen = LONG_PLAN[m] if defences is None else (
+            [d for d in LONG_PLAN[m] if d not in LONG_LAST] if defences == "main" else defences)
+        for d in chosen:
+          for f in (rates or LONG_FACTORS)[_family(d)]:
+            if (m, d, f, s) not in cells:
+              cells.append((m, d, f, s))
+  return cells
 # The short-horizon rows planned in the first sweep and not run then.
 SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
@@ -862,7 +891,7 @@ def main(argv=None) -> int:
   preset = QUICK if args.quick else DIAGNOSE if args.diagnose else {}
   plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
-  default_models = ("long", "long_qk") if args.long else preset.get("models", plan)
+  default_models = LONG_MODELS if args.long else preset.get("models", plan)
   models = args.models.split(",") if args.models else list(default_models)
   factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
              else None if args.long else list(preset.get("lr_factors", LR_FACTORS)))
@@ -887,15 +916,8 @@ def main(argv=None) -> int:
   # still has whole curves.
   cells = [(m, d, f, s) for m in models for d in (chosen or plan[m])
            for f in (factors or LONG_FACTORS[_family(d)]) for s in seeds]
-  if args.long:
-    def priority(cell):
-      m, d, f, s = cell
-      first = LONG_FIRST[_family(d)]
-      # The stacks without QK-clip answer a side question (does QK-clip earn its place?):
-      # their later seeds go last.
-      later = d in LONG_LAST and s != seeds[0]
-      return (later, s, first.index(f) if f in first else len(first), models.index(m))
-    cells.sort(key=priority)
+  if args.long and not (args.models or args.defences or args.lr_factors or args.seeds):
+    cells = long_cells()
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
 
   machine = _common.machine_lines()
