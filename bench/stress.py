@@ -673,6 +673,126 @@ def _fmt_rate(x, pct=True):
   return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
 
 
+# ----------------------------------------------------------------------------- attention logits
+#
+# How early the monitor's attention-logit rule warns, replayed over each run's logged telemetry
+# (so the rule can be re-tuned without re-running the sweep), against when the loss degraded.
+
+PLATEAU_WINDOW = 100   # steps, as the monitor's plateau rule (StabilityMonitor window)
+TWIN_MARGIN = 0.1      # nats above the QK-norm twin that make a run "hurt by logit growth"
+
+
+def attention_warning_steps(run: dict, rule=None) -> list[int]:
+  """Steps at which StabilityMonitor's attention rule warns, replayed over `attn_curve`."""
+  from stablejax.monitor import AttentionLogitThresholds, StabilityMonitor
+  monitor = StabilityMonitor(attention=rule or AttentionLogitThresholds())
+  steps = []
+  for step, top, layers in run.get("attn_curve") or []:
+    rec = {"attn_logit_max": top}
+    rec.update({f"attn_logit_max/layer_{i}": v for i, v in enumerate(layers) if v is not None})
+    if any("attention logits" in line for line in monitor.update(step, rec)):
+      steps.append(step)
+  return steps
+
+
+def degradation_step(run: dict) -> int | None:
+  """The first logged step where the train loss degraded: non-finite or above the loss at
+  init, a spike (> 1.25 x the median of the previous SPIKE_WINDOW logged losses), or a plateau
+  (from step 2 x PLATEAU_WINDOW on, the mean logged loss of the last PLATEAU_WINDOW steps not
+  below that of the PLATEAU_WINDOW steps before, the monitor's plateau rule)."""
+  curve = [(s, v) for s, v in run.get("curve") or []]
+  init = run.get("init_loss") or float("inf")
+  history: list[float] = []
+  for i, (step, loss) in enumerate(curve):
+    if not math.isfinite(loss) or loss > init:
+      return step
+    if len(history) >= SPIKE_WINDOW and loss > 1.25 * statistics.median(history[-SPIKE_WINDOW:]):
+      return step
+    history.append(loss)
+    if step >= 2 * PLATEAU_WINDOW:
+      recent = [v for s, v in curve[:i + 1] if s > step - PLATEAU_WINDOW]
+      older = [v for s, v in curve[:i + 1]
+               if step - 2 * PLATEAU_WINDOW < s <= step - PLATEAU_WINDOW]
+      if recent and older and statistics.fmean(recent) >= statistics.fmean(older):
+        return step
+  return None
+
+
+def behind_twin_step(run: dict, twin: dict, points: int = SPIKE_WINDOW) -> int | None:
+  """The first logged step where the run's train loss, averaged over its last `points` logged
+  values, is TWIN_MARGIN above its QK-norm twin's at the same steps (same data order): where
+  the run fell behind the model that keeps its logits bounded."""
+  theirs = dict((s, v) for s, v in twin.get("curve") or [])
+  gaps: list[float] = []
+  for step, loss in run.get("curve") or []:
+    if step not in theirs:
+      continue
+    gaps.append(loss - theirs[step] if math.isfinite(loss) else float("inf"))
+    if statistics.fmean(gaps[-points:]) > TWIN_MARGIN:
+      return step
+  return None
+
+
+def _twin(results: list[dict], r: dict) -> dict | None:
+  """The QK-norm model's clip-1.0 run at the same rate, seed and warmup (the counterfactual)."""
+  model = {"long": "long_qk", "long_warmup": "long_qk_warmup"}.get(r["model"])
+  base = "muon_clip1" if _family(r["defence"]) == "muon" else "clip1"
+  return next((t for t in results if (t["model"], t["defence"], t["lr_factor"], t["seed"])
+               == (model, base, r["lr_factor"], r["seed"]) and t.get("val_loss") is not None),
+              None)
+
+
+def lead_time_rows(results: list[dict], rule=None) -> tuple[list[str], list[list], dict]:
+  """Per clip-1.0 run hurt by logit growth: when its loss degraded, the first attention warning.
+
+  Hurt: a clip-1.0 run of a model without QK-norm, above the base rate, that ended more than
+  TWIN_MARGIN above its QK-norm twin (same optimizer, rate, seed and warmup). Degraded: the first
+  logged step where it fell behind the twin (`behind_twin_step`), and, the issue's wording,
+  the first spike or plateau (`degradation_step`). Lead: degraded minus first warning.
+  """
+  headers = ["model", "defence", "LR", "seed", "val loss (QK-norm twin)", "max attn logit",
+             "first attention warning", "behind QK-norm twin at (lead)",
+             "spike/plateau at (lead)"]
+  out, leads, leads_sp, hurt, before, before_sp = [], [], [], 0, 0, 0
+  for r in results:
+    if r["defence"] not in ("clip1", "muon_clip1") or r["model"] not in ("long", "long_warmup"):
+      continue
+    twin = _twin(results, r)
+    if twin is None or r["val_loss"] is None or r["lr_factor"] == 1.0:
+      continue
+    if not r["val_loss"] > twin["val_loss"] + TWIN_MARGIN:
+      continue
+    hurt += 1
+    warned = attention_warning_steps(r, rule)
+    first = warned[0] if warned else None
+    cols = []
+    for i, degraded in enumerate((behind_twin_step(r, twin), degradation_step(r))):
+      lead = None if first is None or degraded is None else degraded - first
+      if lead is not None:
+        (leads, leads_sp)[i].append(lead)
+      if first is not None and (degraded is None or first < degraded):
+        if i == 0:
+          before += 1
+        else:
+          before_sp += 1
+      cols.append(f"{_cell(degraded)} ({_cell(lead)})")
+    out.append([r["model"], r["defence"], f"{r['lr']:.3g}", r["seed"],
+                f"{r['val_loss']:.3f} ({twin['val_loss']:.3f})",
+                _cell(r.get("max_attn_logit"), "%.3g"), _cell(first), *cols])
+  summary = {"hurt": hurt, "warned_before": before, "warned_before_sp": before_sp,
+             "median_lead": statistics.median(leads) if leads else None,
+             "median_lead_sp": statistics.median(leads_sp) if leads_sp else None}
+  return headers, out, summary
+
+
+def clean_run_warnings(results: list[dict], rule=None) -> tuple[int, int, int, int]:
+  """(base-rate runs, attention warnings in them, QK-norm runs, attention warnings in them)."""
+  base = [r for r in results if r["lr_factor"] == 1.0 and r.get("attn_curve")]
+  qk = [r for r in results if "qk" in r["model"].split("_") and r.get("attn_curve")]
+  count = lambda rs: sum(len(attention_warning_steps(r, rule)) for r in rs)  # noqa: E731
+  return len(base), count(base), len(qk), count(qk)
+
+
 def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -> None:
   models = list(dict.fromkeys(r["model"] for r in results))
   defences = list(dict.fromkeys(r["defence"] for r in results))
@@ -690,6 +810,22 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
   dh, dbody = diagnostics_rows(results, defences, models, factors)
   print()
   print(_common.table(dbody, dh))
+  lh, lbody, lead = lead_time_rows(results)
+  n_base, w_base, n_qk, w_qk = clean_run_warnings(results)
+  lead_lines = []
+  if lead["hurt"]:
+    lead_lines = [
+        f"Attention-logit warning (the monitor's rule, replayed over the logged telemetry) in the "
+        f"{lead['hurt']} clip-1.0 runs above the base rate that ended more than {TWIN_MARGIN} "
+        f"nats above their QK-norm twin: strictly before the run fell behind its twin in "
+        f"{lead['warned_before']} of {lead['hurt']} (median lead "
+        f"{_cell(lead['median_lead'], '%.0f')} steps), before its first spike or plateau in "
+        f"{lead['warned_before_sp']} (median lead {_cell(lead['median_lead_sp'], '%.0f')} steps)."
+        f" Attention warnings in the {n_base} runs at the base rate: {w_base}; in the {n_qk} "
+        f"QK-norm runs: {w_qk}."]
+    print()
+    print(_common.table(lbody, lh))
+    print(lead_lines[0])
   print(f"\n{header['timing']}")
   for r in results:
     if r["error"]:

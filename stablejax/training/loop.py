@@ -37,11 +37,12 @@ from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_jso
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
 from stablejax.training.generate import EvalSampler
 from stablejax.training.logger import RunLogger
-from stablejax.training.model import GPT, count_params, layer_max_logits, model_flops_per_token
+from stablejax.training.model import GPT, count_params, model_flops_per_token
 from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
                                       lr_schedule, main_optimizer, set_lr_scale)
 from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent
-from stablejax.training.step import TrainState, make_eval_step, make_train_step
+from stablejax.training.step import (TrainState, make_eval_step, make_logit_telemetry,
+                                     make_train_step)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
@@ -207,7 +208,9 @@ class Run:
     self.set_lr_backoff = jax.jit(_with_lr_backoff, out_shardings=self.state_sharding,
                                   donate_argnums=0)
     self.activation_stats = jax.jit(self._activation_stats, out_shardings=replicated)
-    self.logit_telemetry = jax.jit(self._logit_telemetry, out_shardings=replicated)
+    # At log steps: attention-logit growth and output-logit statistics on a slice of the batch.
+    self.logit_telemetry = jax.jit(make_logit_telemetry(self.model, cfg, self.bitnet_lambda),
+                                   out_shardings=replicated)
     self.grad_norms = jax.jit(self._grad_norms, out_shardings=replicated)
     self.param_movement = jax.jit(stablejax.param_movement, out_shardings=replicated)
     self.previous_params = None
@@ -402,28 +405,6 @@ class Run:
             "act_max": jnp.max(jnp.abs(residual)),
             "logit_max": jnp.max(jnp.abs(logits)),
             "excess_kurtosis": excess_kurtosis(residual[1:])}
-
-  def _logit_telemetry(self, params, tokens, step):
-    """Attention-logit growth and output-logit statistics (Wortsman et al., arXiv 2309.14322,
-    sections 3.1.1 and 3.1.2) on the first `logging.attention_sequences` sequences of the batch
-    (`tokens`: [grad_accum, micro_batch, T + 1]) with the updated parameters: one forward pass of
-    a slice at log steps, so the training step itself is untouched."""
-    lg = self.cfg.logging
-    rows = tokens[0, :min(lg.attention_sequences, tokens.shape[1])]
-    lam = self.bitnet_lambda(step) if self.bitnet_lambda is not None else jnp.float32(1.0)
-    kwargs = {"bitnet_lambda": lam} if self.cfg.model.bitnet else {}
-    logits, sown = self.model.apply({"params": params}, rows[:, :-1], attention_logits=True,
-                                    mutable=["intermediates"], **kwargs)
-    per_head = layer_max_logits(self.cfg.model, stablejax.collect_attention_logits(sown))
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    out = {"attn_logit_max": jnp.max(per_head), "output_logit_max": jnp.max(logits),
-           "output_log_z_mean": jnp.mean(log_z), "output_log_z_max": jnp.max(log_z)}
-    for i in range(per_head.shape[0]):
-      out[f"attn_logit_max/layer_{i}"] = jnp.max(per_head[i])
-      if lg.attention_per_head:
-        for h in range(per_head.shape[1]):
-          out[f"attn_logit_max/layer_{i}/head_{h}"] = per_head[i, h]
-    return out
 
   def _grad_norms(self, params, tokens):
     loss_fn = lambda p: stablejax.cross_entropy_with_z_loss(  # noqa: E731

@@ -17,6 +17,7 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
+from stablejax.training.model import layer_max_logits
 from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale
 from stablejax.training.recovery import backoff_lr_scale
 from stablejax.transforms.loss_scaling import all_finite
@@ -134,3 +135,36 @@ def make_eval_step(model, cfg: Config, bitnet_lambda=None):
     return aux["cross_entropy"]
 
   return eval_step
+
+
+def make_logit_telemetry(model, cfg: Config, bitnet_lambda=None):
+  """`(params, tokens, step) -> metrics`: attention-logit growth and output-logit statistics.
+
+  Wortsman et al. (arXiv 2309.14322) sections 3.1.1 and 3.1.2: one forward pass of the first
+  `logging.attention_sequences` sequences of a batch (`tokens`: `[grad_accum, micro_batch,
+  T + 1]`) gives each layer's maximum pre-softmax attention logit (`attn_logit_max/layer_<i>`,
+  their maximum `attn_logit_max`, per head with `logging.attention_per_head`) and the output
+  logits' maximum and mean and maximum log Z. The loop calls it at log steps, so the train step
+  itself is untouched.
+  """
+  lg = cfg.logging
+
+  def telemetry(params, tokens, step):
+    rows = tokens[0, :min(lg.attention_sequences, tokens.shape[1])]
+    kwargs = {}
+    if cfg.model.bitnet:
+      kwargs["bitnet_lambda"] = bitnet_lambda(step) if bitnet_lambda is not None else 1.0
+    logits, sown = model.apply({"params": params}, rows[:, :-1], attention_logits=True,
+                               mutable=["intermediates"], **kwargs)
+    per_head = layer_max_logits(cfg.model, stablejax.collect_attention_logits(sown))  # [L, H]
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    out = {"attn_logit_max": jnp.max(per_head), "output_logit_max": jnp.max(logits),
+           "output_log_z_mean": jnp.mean(log_z), "output_log_z_max": jnp.max(log_z)}
+    for i in range(per_head.shape[0]):
+      out[f"attn_logit_max/layer_{i}"] = jnp.max(per_head[i])
+      if lg.attention_per_head:
+        for h in range(per_head.shape[1]):
+          out[f"attn_logit_max/layer_{i}/head_{h}"] = per_head[i, h]
+    return out
+
+  return telemetry
