@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import stablejax
-from stablejax.training.model import GPT, ModelConfig, _rope, attention_layers, layer_max_logits
+from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
+from stablejax.training.model import GPT, ModelConfig, _rope, layer_max_logits
 
 
 def _np_max_logit(q, k, causal=True, mask=None):
@@ -60,7 +61,14 @@ def test_gpt_sows_the_max_of_the_logits_its_softmax_uses(scan):
                               mutable=["intermediates"])
   np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), rtol=1e-5, atol=1e-5)
   collected = stablejax.collect_attention_logits(state)
-  assert sorted(collected) == sorted(layer.name for layer in attention_layers(cfg))
+  # The sown values are keyed by the names find_attention_layers gives the layers (what
+  # qk_clip matches them by), and the layers are the GPT's q_proj / k_proj, heads head-major.
+  found = find_attention_layers(params, num_heads=cfg.n_heads)
+  names = ["blocks/attn"] if scan else [f"block_{i}/attn" for i in range(cfg.n_layers)]
+  assert found == [AttentionLayer(n, 4, 4, query=(HeadParam(f"{n}/q_proj/kernel", -1),),
+                                  key=(HeadParam(f"{n}/k_proj/kernel", -1),),
+                                  stack_ndim=int(scan)) for n in names]
+  assert sorted(collected) == names
   got = np.asarray(layer_max_logits(cfg, collected))                       # [L, H]
   # Reference: the q_proj / k_proj outputs captured by Flax, RoPE, numpy max.
   _, captured = model.apply({"params": params}, tokens, capture_intermediates=True,

@@ -191,6 +191,32 @@ def test_inside_skip_spikes_and_after_outlier_safe_muon_under_jit():
                got, want)
 
 
+def test_layers_found_from_flax_mha_params_with_biases():
+  # layers=None: find_attention_layers reads Linen MHA's [D, H, hd] kernels and [H, hd] biases.
+  import flax.linen as nn
+  mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
+  x = jnp.ones((1, 3, 16))
+  attn = jax.tree.map(lambda p: p, mha.init(jax.random.key(0), x)["params"])
+  for i, proj in enumerate(("query", "key")):   # Flax starts biases at zero: make them count
+    attn[proj]["bias"] = jax.random.normal(jax.random.key(i + 1), attn[proj]["bias"].shape)
+  params = {"embed": jnp.zeros((50, 16)), "attn": attn}
+  logits = np.array([50.0, 400.0, 150.0, 90.0], np.float32)
+  tx = stablejax.qk_clip(tau=TAU)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, state = tx.update(zeros, tx.init(params), params, max_logits={"attn": logits})
+  got = optax.apply_updates(params, updates)["attn"]
+  g = np.sqrt(_gamma(logits))
+  for proj in ("query", "key"):
+    np.testing.assert_allclose(got[proj]["kernel"], np.asarray(params["attn"][proj]["kernel"])
+                               * g[None, :, None], rtol=1e-6)
+    np.testing.assert_allclose(got[proj]["bias"], np.asarray(params["attn"][proj]["bias"])
+                               * g[:, None], rtol=1e-6)
+  np.testing.assert_array_equal(got["value"]["kernel"], params["attn"]["value"]["kernel"])
+  assert int(state.heads_clipped) == 2
+  with pytest.raises(ValueError, match="num_heads is for layers=None"):
+    stablejax.qk_clip(layers=[MHA], num_heads=4)
+
+
 def test_layers_as_a_function_of_params_and_clear_errors():
   rng = np.random.default_rng(6)
   params = _as_jnp(_mha_params(rng))

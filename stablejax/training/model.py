@@ -58,7 +58,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablejax.modeling.attention import MAX_LOGIT, causal_attention_with_max_logit
-from stablejax.muon.heads import AttentionLayer, HeadParam
 from stablejax.training.bitnet import bitnet_matmul
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -408,26 +407,11 @@ class _Head(nn.Module):
     return jnp.dot(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
 
 
-def attention_layers(cfg: ModelConfig) -> list[AttentionLayer]:
-  """The query and key projections of the model's attention layers, for :func:`stablejax.qk_clip`.
-
-  The model states its own layout: ``q_proj`` and ``k_proj`` kernels ``[D, H * head_dim]`` with
-  heads head-major on the last axis, no biases, ``H`` key heads; under ``scan_layers`` one
-  layer ``"blocks/attn"`` stacked over ``n_layers``, else ``"block_<i>/attn"`` per block. The
-  names are the module paths under which ``GPT(..., attention_logits=True)`` sows the logits.
-  """
-  def layer(name: str, stack_ndim: int) -> AttentionLayer:
-    return AttentionLayer(name=name, num_heads=cfg.n_heads, num_kv_heads=cfg.n_heads,
-                          query=(HeadParam(f"{name}/q_proj/kernel", head_axis=-1),),
-                          key=(HeadParam(f"{name}/k_proj/kernel", head_axis=-1),),
-                          stack_ndim=stack_ndim)
-  if cfg.scan_layers:
-    return [layer("blocks/attn", 1)]
-  return [layer(f"block_{i}/attn", 0) for i in range(cfg.n_layers)]
-
-
 def layer_max_logits(cfg: ModelConfig, collected: dict) -> jax.Array:
-  """``[n_layers, H]`` per-head max logits, in layer order, from the sown values."""
+  """``[n_layers, H]`` per-head max logits, in layer order, from the values
+  ``GPT(..., attention_logits=True)`` sows (:func:`stablejax.collect_attention_logits`: keyed
+  by the attention module's path, ``"blocks/attn"`` ``[L, H]`` under ``scan_layers``, else
+  ``"block_<i>/attn"`` ``[H]``, the names ``find_attention_layers`` gives the layers)."""
   if cfg.scan_layers:
     return collected["blocks/attn"]
   return jnp.stack([collected[f"block_{i}/attn"] for i in range(cfg.n_layers)])

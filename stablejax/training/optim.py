@@ -34,7 +34,6 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
-from stablejax.training.model import attention_layers
 from stablejax.transforms.stacked import STACKED_NAMES
 
 
@@ -129,7 +128,7 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
   # QK-clip goes last, after every scaling of the update, and inside the skip wrappers (a
   # skipped step clips nothing); its max logits come from the train step as `max_logits=`.
   qk = [] if s.qk_clip_tau is None else [
-      stablejax.qk_clip(tau=s.qk_clip_tau, layers=attention_layers(cfg.model))]
+      stablejax.qk_clip(tau=s.qk_clip_tau, num_heads=cfg.model.n_heads)]
   tx = optax.chain(
       *clipping(cfg),
       main if main is not None else main_optimizer(cfg),

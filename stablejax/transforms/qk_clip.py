@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stablejax.muon.heads import AttentionLayer, HeadParam
+from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
 from stablejax.transforms import _common
 from stablejax.transforms.metrics import register_state_metrics
 
@@ -101,7 +101,7 @@ def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_
   return factor
 
 
-def qk_clip(tau: float = 100.0, layers: LayersArg = None
+def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[int] = None
             ) -> optax.GradientTransformationExtraArgs:
   """Kimi K2's QK-clip (MuonClip's clipping half) as the last link of an optax chain.
 
@@ -125,8 +125,11 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None
       (see the README's measurements), so set it from the logits of a healthy run.
     layers: the attention layers: a list of :class:`~stablejax.muon.heads.AttentionLayer`, a
       function ``params -> list`` of them, or None for
-      ``stablejax.muon.heads.find_attention_layers(params)`` (called once per parameter
-      structure, when the step is traced).
+      ``stablejax.muon.heads.find_attention_layers(params, num_heads)`` (called once per
+      parameter structure, when the step is traced).
+    num_heads: with ``layers=None``, the query head count for models whose query and key
+      kernels hold every head in one axis (``[D, H * head_dim]``) and have no QK-norm gain to
+      read it from; checked against the shapes otherwise.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(updates, state, params, *,
@@ -144,7 +147,7 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import stablejax
-    >>> from stablejax.muon.heads import AttentionLayer, HeadParam
+    >>> from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
     >>> attn = AttentionLayer("attn", num_heads=2, num_kv_heads=2,
     ...                       query=(HeadParam("q", head_axis=-1),),
     ...                       key=(HeadParam("k", head_axis=-1),))
@@ -158,6 +161,9 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None
     [0.5, 0.5, 1.0, 1.0]
   """
   _common.check("tau", tau, lambda v: v > 0 and np.isfinite(v), "use a finite number > 0")
+  if num_heads is not None and layers is not None:
+    raise ValueError("qk_clip num_heads is for layers=None (found from the params); an "
+                     "AttentionLayer already states its heads")
   if not (layers is None or callable(layers) or isinstance(layers, (list, tuple))):
     raise ValueError(f"qk_clip layers={layers!r} is invalid: pass a list of AttentionLayer, a "
                      "function params -> list of AttentionLayer, or None")
@@ -167,12 +173,7 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None
     structure = jax.tree.structure(params)
     if structure not in resolved:
       if layers is None:
-        from stablejax.muon import heads
-        finder = getattr(heads, "find_attention_layers", None)
-        if finder is None:
-          raise ValueError("qk_clip(layers=None) needs stablejax.muon.heads.find_attention_layers"
-                           ", which this version does not have: pass layers= explicitly")
-        found = finder(params)
+        found = find_attention_layers(params, num_heads=num_heads)
       elif callable(layers):
         found = layers(params)
       else:
