@@ -242,3 +242,40 @@ def test_layers_as_a_function_of_params_and_clear_errors():
     stablejax.qk_clip(tau=0.0)
   with pytest.raises(ValueError, match="layers"):
     stablejax.qk_clip(layers="attn")
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_gemma_style_einsum_model_heads_clip_to_tau(kv_heads):
+  # A model written the way Flax's examples/gemma writes attention (NNX, fused qkv_einsum
+  # [3, H, D, hd], or q_einsum with a fused kv_einsum [2, K, D, hd] for GQA/MQA), layers found
+  # by find_attention_layers through the NNX state: after clipping with each head's measured
+  # max logit, every head above tau has max logit tau on the same input, the others keep theirs.
+  import sys
+  from pathlib import Path
+  from flax import nnx
+  sys.path.insert(0, str(Path(__file__).parent))
+  from flax_models import EinsumLM
+
+  model = EinsumLM(kv_heads=kv_heads, head_dim=8, rngs=nnx.Rngs(0))
+  attn = model.layers[0].attn
+  x = jax.random.normal(jax.random.key(1), (2, 6, 32)) * 4
+
+  def max_logits():
+    if kv_heads == 4:
+      q, k, _ = attn.qkv_einsum(x)
+    else:
+      q = attn.q_einsum(x)
+      k, _ = attn.kv_einsum(x)
+    return stablejax.attention_logit_max(q, k, is_causal=True)
+
+  before = np.asarray(max_logits())
+  tau = float(np.median(before)) if kv_heads > 1 else float(before.min()) * 0.999
+  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  tx = stablejax.qk_clip(tau=tau)
+  logits = {"layers/0/attn": jnp.asarray(before), "layers/1/attn": jnp.zeros(4)}
+  updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params,
+                             max_logits=logits)
+  nnx.update(model, optax.apply_updates(params, updates))
+  after = np.asarray(max_logits())
+  np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
+  assert int(state.heads_clipped) == int((before > tau).sum()) >= 1

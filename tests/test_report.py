@@ -147,3 +147,20 @@ def test_module_entry_point(tmp_path):
   assert proc.returncode == 0, proc.stderr
   assert (tmp_path / "report.png").read_bytes()[:8] == PNG_SIGNATURE
   assert "report written to" in proc.stdout
+
+
+def test_report_draws_attention_telemetry_and_replays_its_warning(tmp_path):
+  recs = []
+  for i, step in enumerate(range(10, 310, 10)):
+    top = 20.0 * 1.3 ** i                            # x13.8 per 100 steps: the rule's trend
+    recs.append({"step": step, "loss": 3.0, "grad_norm": 1.0, "attn_logit_max": top,
+                 "attn_logit_max/layer_0": top, "attn_logit_max/layer_1": top / 3,
+                 "qk_clip/max_logit": top * 1.1, "output_logit_max": 9.0,
+                 "output_log_z_mean": 5.0, "output_log_z_max": 6.5})
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+  out, text = report.make_report(tmp_path)
+  assert out.read_bytes()[:8] == PNG_SIGNATURE
+  warned = [line for _, line in report.analyse(recs)["monitor_warnings"]
+            if "attention logits growing" in line]
+  assert warned and "layer_0" in warned[0]
+  assert "attention logits growing" in text
