@@ -29,9 +29,9 @@ def _gamma(s):
 def _mha_params(rng, layers=2, d=8, heads=4, hd=2):
   """Stacked Dense layout: kernels [L, D, H*hd], biases [L, H*hd], heads head-major."""
   f = heads * hd
-  return {"attn": {"q": {"kernel": rng.normal(size=(layers, d, f)), "bias": rng.normal(size=(layers, f))},
-                   "k": {"kernel": rng.normal(size=(layers, d, f)), "bias": rng.normal(size=(layers, f))},
-                   "v": {"kernel": rng.normal(size=(layers, d, f))}},
+  def proj():
+    return {"kernel": rng.normal(size=(layers, d, f)), "bias": rng.normal(size=(layers, f))}
+  return {"attn": {"q": proj(), "k": proj(), "v": {"kernel": rng.normal(size=(layers, d, f))}},
           "embed": rng.normal(size=(5, d))}
 
 

@@ -304,9 +304,12 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
 
   # 7. attention logits per layer (Wortsman et al.'s first proxy of instability)
   ax = axes[3, 0]
+  def layer_index(key: str) -> int:
+    tail = key.rsplit("_", 1)[1]
+    return int(tail) if tail.isdigit() else 0
   layer_keys = sorted({k for r in train for k in r
                        if k.startswith("attn_logit_max/layer_") and k.count("/") == 1},
-                      key=lambda k: int(k.rsplit("_", 1)[1]) if k.rsplit("_", 1)[1].isdigit() else 0)
+                      key=layer_index)
   for key in layer_keys:
     xs, ys = _series(train, key)
     ax.plot(xs, ys, lw=0.9, label=key[len("attn_logit_max/"):])

@@ -169,16 +169,16 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
                      "function params -> list of AttentionLayer, or None")
   resolved: dict[Any, tuple[AttentionLayer, ...]] = {}
 
-  def find_layers(params) -> tuple[AttentionLayer, ...]:
+  def find_layers(params: Any) -> tuple[AttentionLayer, ...]:
     structure = jax.tree.structure(params)
     if structure not in resolved:
       if layers is None:
-        found = find_attention_layers(params, num_heads=num_heads)
+        listed: Sequence[AttentionLayer] = find_attention_layers(params, num_heads=num_heads)
       elif callable(layers):
-        found = layers(params)
+        listed = layers(params)
       else:
-        found = layers
-      found = tuple(found)
+        listed = layers
+      found = tuple(listed)
       for layer in found:
         if not isinstance(layer, AttentionLayer):
           raise ValueError(f"qk_clip layers must be AttentionLayer objects, got {layer!r}")
@@ -188,15 +188,16 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
       resolved[structure] = found
     return resolved[structure]
 
-  def init_fn(params):
+  def init_fn(params: Any) -> QKClipState:
     del params
     return QKClipState(heads_clipped=jnp.zeros([], jnp.int32),
                        max_logit=jnp.full([], -jnp.inf, jnp.float32),
                        total_clipped=jnp.zeros([], jnp.int32))
 
-  def update_fn(updates, state, params=None, *, max_logits: Optional[Mapping[str, Any]] = None,
-                **extra_args):
-    del extra_args
+  def update_fn(updates: optax.Updates, state: optax.OptState,
+                params: Optional[optax.Params] = None, **extra_args: Any
+                ) -> tuple[optax.Updates, optax.OptState]:
+    max_logits: Optional[Mapping[str, Any]] = extra_args.get("max_logits")
     if params is None:
       raise ValueError("qk_clip needs params: call tx.update(updates, state, params, "
                        "max_logits=...)")
@@ -206,7 +207,9 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
                        "stablejax.collect_attention_logits)")
     found = find_layers(params)
     flat_p, treedef = jax.tree_util.tree_flatten_with_path(params)
-    flat_u = treedef.flatten_up_to(updates)
+    flat_u = jax.tree_util.tree_leaves(updates)
+    if len(flat_u) != len(flat_p):
+      raise ValueError("qk_clip: updates and params have different tree structures")
     index = {_leaf_name(path): i for i, (path, _) in enumerate(flat_p)}
     factors: dict[int, jax.Array] = {}
     clipped, peaks = [], []
@@ -243,6 +246,7 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
       u, p = flat_u[i], flat_p[i][1]
       new_u[i] = (_common.f32(u) * f + _common.f32(p) * (f - 1.0)).astype(jnp.asarray(u).dtype)
     heads = jnp.sum(jnp.stack(clipped))
+    assert isinstance(state, QKClipState)
     room = jnp.iinfo(jnp.int32).max - state.total_clipped  # saturate instead of overflowing
     new_state = QKClipState(
         heads_clipped=heads, max_logit=jnp.max(jnp.stack(peaks)),
