@@ -10,9 +10,10 @@ called in turn (A, B, C, A, B, C, ...) in one process; each call runs one log in
 (`train.log_every` steps, 10) back to back and waits once:
 
   plain      log_every train steps (`logging.attention_logits=false`)
-  telemetry  log_every train steps + the loop's telemetry at the log step
-             (`make_logit_telemetry`: one forward pass of `logging.attention_sequences`
-             sequences, per-layer max attention logit, output max logit and log Z)
+  telemetry  log_every train steps + the loop's telemetry at the log step, dispatched after the
+             last step as the loop does (`make_logit_telemetry`: one forward pass of
+             `logging.attention_sequences` sequences, per-layer max attention logit, output max
+             logit and log Z)
   qk_clip    log_every train steps with `stability.qk_clip_tau` set (the step's forward pass
              computes every head's max logit; QK-clip rescales W_q, W_k after the update)
 
@@ -69,11 +70,17 @@ def main(argv=None) -> int:
   jax.block_until_ready(telemetry(steps["telemetry"].state.params, batch["tokens"], 0))
 
   def interval_with_telemetry() -> float:
+    # As the loop does it: log_every steps, the telemetry dispatched after the last one (no
+    # wait in between), then one wait for everything.
     s = steps["telemetry"]
-    dt = s.run(every) * every
     t0 = time.perf_counter()
-    jax.block_until_ready(telemetry(s.state.params, batch["tokens"], 0))
-    return (dt + time.perf_counter() - t0) / every
+    state = s.state
+    for _ in range(every):
+      state, metrics = s.compiled(state, s.batch)
+    extra = telemetry(state.params, s.batch["tokens"], 0)
+    jax.block_until_ready((state, metrics, extra))
+    s.state = state
+    return (time.perf_counter() - t0) / every
 
   runners = {"plain": lambda: steps["plain"].run(every),
              "telemetry": interval_with_telemetry,

@@ -223,6 +223,26 @@ def test_loss_plateau_adds_warmup_advice():
   assert not any(m2.update(s, {"loss": 5.0 - 0.1 * s, "grad_norm": 1.0}) for s in range(1, 31))
 
 
+def test_loss_plateau_is_not_flagged_in_the_decay_phase():
+  # The same flat loss late in a cosine schedule (lr below half its peak) is expected: no advice
+  # (the long-horizon sweep's clean runs all got it at step 700 of 800 before this rule).
+  def lines_with(lr_of_step):
+    m = StabilityMonitor(window=10)
+    out = []
+    for step in range(1, 41):
+      out += m.update(step, {"loss": 2.0 + 0.001 * step, "grad_norm": 1.0,
+                             "lr": lr_of_step(step)})
+    return [line for line in out if "plateau" in line]
+  assert lines_with(lambda s: 1e-3)                                # constant rate: flagged
+  assert not lines_with(lambda s: 1e-3 if s < 10 else 4e-4)        # decayed below half: not
+  m = StabilityMonitor(window=10)
+  for step in range(1, 41):
+    m.update(step, {"loss": 2.0, "lr": 1e-3 if step < 10 else 4e-4})
+  b = StabilityMonitor(window=10)
+  b.load_state_dict(json.loads(json.dumps(m.state_dict())))
+  assert b.state_dict() == m.state_dict() and b.advice() == m.advice() == []
+
+
 def test_missing_and_nonfinite_keys_are_tolerated():
   m = StabilityMonitor()
   assert m.update(1, {}) == []

@@ -91,7 +91,10 @@ class StabilityMonitor:
     advice_every: minimum number of steps between two advice warnings
       (default: ``window``).
     loss_plateau_check: whether to add the "slow convergence" row when the mean
-      loss of the last window is not below that of the window before.
+      loss of the last window is not below that of the window before. Not while
+      the logged learning rate (``lr``) is below half of its largest value so far:
+      in the decay phase of a schedule a flattening loss is expected (and the
+      row's advice, a longer warmup, does not apply).
     attention: thresholds of the attention-logit rule; None turns it off.
 
   Example::
@@ -138,6 +141,8 @@ class StabilityMonitor:
     self._n_warnings = 0
     self._max_grad_norm: Optional[float] = None
     self._last_loss: Optional[float] = None
+    self._peak_lr: Optional[float] = None   # largest logged lr, and the latest
+    self._last_lr: Optional[float] = None
     self._attn: collections.deque = collections.deque()   # [clock, max logit]
     self._attn_warned: Optional[float] = None   # max logit of the last attention warning
     self._attn_active = False                   # the attention rule held at the last record
@@ -189,6 +194,10 @@ class StabilityMonitor:
       self._threshold = thr
 
     self._entries.append([self._clock, events, sampled])
+    lr = _as_float(metrics.get("lr"))
+    if lr is not None and math.isfinite(lr):
+      self._last_lr = lr
+      self._peak_lr = lr if self._peak_lr is None else max(self._peak_lr, lr)
     loss = _as_float(metrics.get("loss"))
     if loss is not None:
       self._last_loss = loss
@@ -286,6 +295,9 @@ class StabilityMonitor:
   def _loss_plateau(self) -> bool:
     if not self.loss_plateau_check or not self._losses:
       return False
+    if self._peak_lr is not None and self._last_lr is not None \
+        and self._last_lr < 0.5 * self._peak_lr:
+      return False  # the schedule's decay phase: a flatter loss is expected
     if self._clock < 2 * self.window:
       return False
     mid = self._clock - self.window
@@ -433,6 +445,8 @@ class StabilityMonitor:
         "warnings": self._n_warnings,
         "max_grad_norm": self._max_grad_norm,
         "last_loss": self._last_loss,
+        "peak_lr": self._peak_lr,
+        "last_lr": self._last_lr,
         "attn": [list(x) for x in self._attn],
         "attn_warned": self._attn_warned,
         "attn_active": self._attn_active,
@@ -459,7 +473,9 @@ class StabilityMonitor:
     self._n_warnings = int(state["warnings"])
     self._max_grad_norm = state["max_grad_norm"]
     self._last_loss = state["last_loss"]
-    # Absent from states saved before the attention rule existed.
+    # Absent from states saved before the attention rule and the lr-aware plateau existed.
+    self._peak_lr = state.get("peak_lr")
+    self._last_lr = state.get("last_lr")
     self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
     self._attn_warned = state.get("attn_warned")
     self._attn_active = bool(state.get("attn_active", False))
