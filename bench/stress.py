@@ -148,6 +148,10 @@ QK_TAU = 300.0
 DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip_tau": QK_TAU}}, None)
 DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT,
                                       "stability": {"qk_clip_tau": QK_TAU}}, None)
+# Kimi K2's own tau, for the choice of tau at this scale.
+DEFENCES["stablejax_qkclip100"] = ({"stability": {"qk_clip_tau": 100.0}}, None)
+DEFENCES["stablejax_muon_qkclip100"] = ({"optimizer": _MUON_OPT,
+                                         "stability": {"qk_clip_tau": 100.0}}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -177,10 +181,13 @@ LONG_FACTORS = {"adamw": (1.0, 10.0, 100.0, 316.2), "muon": (1.0, 3.162, 10.0)}
 # for LONG_FACTORS, seeds). 1. one seed of everything on the main (no-warmup) pair; 2. the
 # warmup pair at the rates that decide (one seed, for the lead time of the attention-logit
 # warning and a check of QK-clip with warmup); 3. seeds 1 and 2 of the main comparison; 4. the
-# stacks without QK-clip on seeds 1 and 2 (does QK-clip earn its place?).
+# stacks without QK-clip on seeds 1 and 2 (does QK-clip earn its place?). After stage 1, one seed
+# of QK-clip at Kimi K2's tau = 100 where it matters (the choice of tau).
 LONG_LAST = ("stablejax", "stablejax_muon")
 LONG_STAGES = (
     (("long", "long_qk"), None, None, (0,)),
+    (("long",), ("stablejax_qkclip100", "stablejax_muon_qkclip100"),
+     {"adamw": (10.0, 100.0), "muon": (1.0, 3.162, 10.0)}, (0,)),
     (("long_warmup",), ("clip1", "muon_clip1"), {"adamw": (1.0, 100.0, 316.2), "muon": (1.0, 10.0)},
      (0,)),
     (("long_warmup",), ("stablejax_qkclip", "stablejax_muon_qkclip"),
