@@ -128,6 +128,8 @@ MODELS = {
     "long_qk_warmup": {"model": {"qk_norm": True}, "train": {"steps": 800, "warmup_steps": 80}},
 }
 LONG_MODELS = ("long", "long_warmup", "long_qk", "long_qk_warmup")
+QK_TWIN = {"long": "long_qk", "long_warmup": "long_qk_warmup"}  # the same model with QK-norm
+QK_GAIN_MIN = 0.05
 
 _MUON_OPT = {"name": "muon", "learning_rate": MUON_LR, "adam_learning_rate": MUON_ADAM_LR,
              "embedding_learning_rate": MUON_ADAM_LR, "head_learning_rate": MUON_ADAM_LR}
@@ -458,7 +460,7 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
           "runs_rolled_back": sum(1 for r in runs if r["rollbacks"]),
           "spikes": sum(r["spikes"] or 0 for r in runs),
           "skipped": sum(r["skipped"] or 0 for r in runs),
-          "warnings": sum(r["warnings"] or 0 for r in runs),
+          "warnings": sum(_warnings(r) for r in runs),
           "crashed": sum(1 for r in runs if r["error"]),
       })
   # The comparison with the baseline of the same optimizer family and model.
@@ -471,7 +473,7 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
       continue
     f = base["best_factor"]
     row["warnings_at_base_best"] = sum(
-        r["warnings"] or 0 for r in results
+        _warnings(r) for r in results
         if (r["model"], r["defence"], r["lr_factor"]) == (row["model"], row["defence"], f))
     row["gap_best"] = row["best_mean"] - base["best_mean"]
     if f in row["mean"]:
@@ -492,7 +494,33 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
         if r["model"] == row["model"] and r["defence"] == row["defence"] and r["diverged"]
         and (r["lr_factor"], r["seed"]) in by_cell
         and not by_cell[(r["lr_factor"], r["seed"])]["diverged"])
+  # Long horizon: the share of the QK-norm model's advantage over the baseline (same optimizer
+  # family and warmup) that a defence recovers at the highest rate all three share where that
+  # advantage exists (> QK_GAIN_MIN nats; at AdamW's 316x no-warmup rate every model breaks in
+  # the first steps and QK-norm has none).
+  for row in rows:
+    twin = QK_TWIN.get(row["model"])
+    base = index.get((row["model"], row.get("baseline")))
+    ref = index.get((twin, row.get("baseline"))) if twin else None
+    if not (base and ref):
+      continue
+    common = [f for f in row["factors"] if f in base["mean"] and f in ref["mean"]
+              and base["mean"][f] - ref["mean"][f] > QK_GAIN_MIN]
+    if not common:
+      continue
+    top = max(common)
+    gain = base["mean"][top] - ref["mean"][top]
+    row["top_factor"] = top
+    row["qk_recovery"] = (base["mean"][top] - row["mean"][top]) / gain if gain > 0 else None
   return rows
+
+
+def _warnings(r: dict) -> int:
+  """Monitor warnings of a run: under the current rules when the run saved what replaying them
+  needs (`current_warnings`), else as the trainer printed them."""
+  if r.get("warning_steps") is not None and r.get("attn_curve") is not None:
+    return len(current_warnings(r))
+  return r["warnings"] or 0
 
 
 def _family(defence: str) -> str:
@@ -537,17 +565,19 @@ def _pm(mean, sd):
 
 def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
   headers = ["model", "defence", "best LR", "best-LR loss", "LR sensitivity", "vs baseline",
-             "gap at baseline's best LR (SE)", "diverged", "rollbacks (false)", "spikes", "skips",
-             "monitor warnings (at baseline's best LR)"]
+             "gap at baseline's best LR (SE)", "share of QK-norm's gain at the top LR", "diverged",
+             "rollbacks (false)", "spikes", "skips", "monitor warnings (at baseline's best LR)"]
   out = []
   for r in rows:
     ratio = r.get("sensitivity_ratio")
     gap = r.get("gap_at_base_best")
+    share = r.get("qk_recovery")
     out.append([
         r["model"], r["defence"], f"{r['best_lr']:.3g} ({r['best_factor']:g}x)",
         _pm(r["best_mean"], r["best_sd"]), _pm(r["sensitivity"], r["sensitivity_sd"]),
         "-" if ratio is None else f"{ratio:.2f}x",
         "-" if gap is None else f"{gap:+.3f} ({r['base_se']:.3f})",
+        "-" if share is None else f"{100 * share:.0f}% ({r['top_factor']:g}x)",
         f"{r['diverged']}/{r['runs']}",
         f"{r['rollbacks']} ({r.get('false_rollbacks', '-')})", r["spikes"], r["skipped"],
         f"{r['warnings']} ({r.get('warnings_at_base_best', '-')})"])
@@ -886,8 +916,10 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         "baseline's (clip1 for AdamW, muon_clip1 for Muon); gap = this defence minus the "
         "baseline at the baseline's best rate, (SE) = the baseline's standard error there; "
         "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge; monitor "
-        "warnings = warning lines the trainer printed, all rates, and at the baseline's best "
-        "rate):", "",
+        "warnings = warning lines the trainer printed (for the long-horizon runs: under the "
+        "current rules, `current_warnings`), all rates, and at the baseline's best rate; share "
+        "of QK-norm's gain = (baseline - defence) / (baseline - QK-norm model) at the highest "
+        f"rate where the QK-norm model is better by more than {QK_GAIN_MIN}):", "",
         _common.markdown_table(body, h), "", "Loss over the grid:", "",
         _common.markdown_table(cbody, ch), "", "Clipping statistics per rate:", "",
         _common.markdown_table(dbody, dh), ""]
