@@ -145,15 +145,16 @@ DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
 # The AdamW stack with AdaGC inside (hybrid_clip), the trainer's default before this sweep.
 DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": True}}, None)
 # The stacks with QK-clip (Kimi K2, arXiv 2507.20534) at QK_TAU: healthy Muon runs' logits reach
-# ~300 at this scale (README), so Kimi's tau = 100 would clip healthy heads; 300 sits just above.
+# ~300 at this scale (README), so Kimi's tau = 100 clips healthy heads; 300 sits just above.
 QK_TAU = 300.0
 DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip_tau": QK_TAU}}, None)
 DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT,
                                       "stability": {"qk_clip_tau": QK_TAU}}, None)
-# Kimi K2's own tau, for the choice of tau at this scale.
-DEFENCES["stablejax_qkclip100"] = ({"stability": {"qk_clip_tau": 100.0}}, None)
-DEFENCES["stablejax_muon_qkclip100"] = ({"optimizer": _MUON_OPT,
-                                         "stability": {"qk_clip_tau": 100.0}}, None)
+# Kimi K2's own tau (the main QK-clip defence of the long sweep), and tau = 30 (an ablation).
+for _tau in (100, 30):
+  DEFENCES[f"stablejax_qkclip{_tau}"] = ({"stability": {"qk_clip_tau": float(_tau)}}, None)
+  DEFENCES[f"stablejax_muon_qkclip{_tau}"] = ({"optimizer": _MUON_OPT,
+                                               "stability": {"qk_clip_tau": float(_tau)}}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -169,35 +170,40 @@ PLAN = {
     "preln_fp16": PAIR,
 }
 # --long: the long-horizon sweep. Learning rates up to where clip 1.0 degrades badly: AdamW
-# 3e-3 .. 0.95 (factors 1 .. 316), Muon 0.03 .. 0.95 (factors 1 .. 31.6; its AdamW groups
-# 0.009 .. 0.28). The QK-norm models are the architectural reference, with the baselines only.
-LONG_DEFENCES = ("clip1", "stablejax", "stablejax_qkclip", "muon_clip1", "stablejax_muon",
-                 "stablejax_muon_qkclip")
+# 3e-3 .. 0.95 (factors 1 .. 316), Muon 0.03 .. 0.3 (factors 1 .. 10; its AdamW groups
+# 0.009 .. 0.09). The QK-norm models are the architectural reference, with the baselines only.
+# QK-clip runs at Kimi K2's tau = 100 (stablejax_qkclip100): on the first seed it beat tau = 300
+# (stablejax_qkclip, QK_TAU) at every rate, so tau = 300 stays a one-seed ablation.
+LONG_DEFENCES = ("clip1", "stablejax", "stablejax_qkclip100", "muon_clip1", "stablejax_muon",
+                 "stablejax_muon_qkclip100")
 LONG_PLAN = {"long": LONG_DEFENCES, "long_warmup": LONG_DEFENCES,
              "long_qk": ("clip1", "muon_clip1"), "long_qk_warmup": ("clip1", "muon_clip1")}
 # Sized to this shared 2-core machine (a run of 800 steps takes 2-8 minutes with the load of
 # other jobs): a decade grid for AdamW plus its highest rate, half a decade for Muon.
 LONG_FACTORS = {"adamw": (1.0, 10.0, 100.0, 316.2), "muon": (1.0, 3.162, 10.0)}
+# The short-horizon rows planned in the first sweep and not run then.
+SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
 # The order runs start in (--long without --models/--defences), stage by stage, so that an
 # interrupted sweep still has whole comparisons: (models, defences, rates per optimizer or None
-# for LONG_FACTORS, seeds). 1. one seed of everything on the main (no-warmup) pair; 2. the
-# warmup pair at the rates that decide (one seed, for the lead time of the attention-logit
-# warning and a check of QK-clip with warmup); 3. seeds 1 and 2 of the main comparison; 4. the
-# stacks without QK-clip on seeds 1 and 2 (does QK-clip earn its place?). After stage 1, one seed
-# of QK-clip at Kimi K2's tau = 100 where it matters (the choice of tau).
+# for LONG_FACTORS, seeds). 1. one seed of everything on the main (no-warmup) pair, and the
+# tau = 300 ablation; 2. the warmup pair at the rates that decide (one seed: the lead time of the
+# attention-logit warning with warmup, and QK-clip with warmup); 3. seeds 1 and 2 of the main
+# comparison; 4. the stacks without QK-clip on seeds 1 and 2 (does QK-clip earn its place?);
+# 5. a one-seed ablation at tau = 30.
 LONG_LAST = ("stablejax", "stablejax_muon")
 LONG_STAGES = (
     (("long", "long_qk"), None, None, (0,)),
-    (("long",), ("stablejax_qkclip100", "stablejax_muon_qkclip100"),
-     {"adamw": (10.0, 100.0), "muon": (1.0, 3.162, 10.0)}, (0,)),
+    (("long",), ("stablejax_qkclip", "stablejax_muon_qkclip"), None, (0,)),
     (("long_warmup",), ("clip1", "muon_clip1"), {"adamw": (1.0, 100.0, 316.2), "muon": (1.0, 10.0)},
      (0,)),
-    (("long_warmup",), ("stablejax_qkclip", "stablejax_muon_qkclip"),
+    (("long_warmup",), ("stablejax_qkclip100", "stablejax_muon_qkclip100"),
      {"adamw": (100.0, 316.2), "muon": (10.0,)}, (0,)),
     (("long_qk_warmup",), ("clip1", "muon_clip1"), {"adamw": (100.0, 316.2), "muon": (10.0,)},
      (0,)),
     (("long", "long_qk"), "main", None, (1, 2)),
     (("long",), LONG_LAST, None, (1, 2)),
+    (("long",), ("stablejax_qkclip30", "stablejax_muon_qkclip30"),
+     {"adamw": (10.0, 100.0), "muon": (1.0, 3.162, 10.0)}, (0,)),
 )
 
 
