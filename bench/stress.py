@@ -622,6 +622,15 @@ def plot_curves(results: list[dict], rows: list[dict], path: Path, title: str) -
                   color=colors[row["defence"]], marker="o", ms=3, lw=1, capsize=2,
                   ls="--" if _family(row["defence"]) == "muon" else "-",
                   label=f"{row['defence']} (sens. {row['sensitivity']:.2f})")
+    for row in rows:  # the same model with QK-norm, the architectural reference
+      if row["model"] != QK_TWIN.get(model):
+        continue
+      fs = row["factors"]
+      lrs = [row["best_lr"] / row["best_factor"] * f for f in fs]
+      ax.errorbar(lrs, [row["mean"][f] for f in fs], yerr=[row["sd"][f] for f in fs],
+                  color="black", alpha=0.6, marker="s", ms=3, lw=1, capsize=2,
+                  ls="--" if _family(row["defence"]) == "muon" else ":",
+                  label=f"QK-norm model, {row['defence']} (sens. {row['sensitivity']:.2f})")
     top = max(row["mean"][f] + row["sd"][f] for row in rows if row["model"] == model
               for f in row["factors"])
     if inits:
@@ -1018,7 +1027,12 @@ def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
       results, header = read_csv(path)
     elif path.suffix == ".jsonl":
       results = read_runs(path)
-      header = {"machine": [], "setting": "", "timing": f"{len(results)} runs from {path.name}",
+      walls = sorted(r["wall_s"] for r in results if r.get("wall_s"))
+      header = {"machine": _common.machine_lines()[1:],
+                "setting": "",
+                "timing": f"{len(results)} runs from {path.name}" + (
+                    f" (per run median {statistics.median(walls):.0f}s wall, 2 in parallel, on "
+                    "the 2 shared cores)" if walls else ""),
                 "command": shlex.join(["python", "bench/stress.py", "--replot", str(path)])}
     else:
       saved = json.loads(path.read_text())
@@ -1088,7 +1102,15 @@ def main(argv=None) -> int:
   if args.replot:
     results, header = merge_saved([Path(x) for x in args.replot.split(",")])
     if args.long and header["setting"] == "":
-      header["setting"] = f"long-horizon sweep (QK-clip tau {QK_TAU:g})"
+      b = BASE
+      header["setting"] = (
+          f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, data pydoc; "
+          f"models without QK-norm (long, long_warmup: warmup 0 / 80 steps) and with it "
+          f"(long_qk, long_qk_warmup); base LR AdamW {ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW "
+          f"groups {MUON_ADAM_LR:g}); QK-clip tau 100 (stablejax_qkclip100), 300 "
+          f"(stablejax_qkclip), 30 (stablejax_qkclip30); command of the runs: python "
+          f"bench/stress.py --long --results bench/results/stress_long_runs.jsonl")
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 

@@ -4,8 +4,9 @@ Usage:
   python bench/telemetry_overhead.py            # configs/default.json model and stack, 12 rounds
   python bench/telemetry_overhead.py --quick    # a smaller model, 6 rounds
 
-Three variants of the trainer's own jitted `train_step` (`stablejax.training.step`), same model,
-same batch of the embedded corpus, same optimizer (the default stack of configs/default.json),
+Three variants of the trainer's own jitted `train_step` (`stablejax.training.step`), same model
+(configs/default.json's, without QK-norm so that QK-clip can run), same batch of the embedded
+corpus, same optimizer (the default stack of configs/default.json),
 called in turn (A, B, C, A, B, C, ...) in one process; each call runs one log interval
 (`train.log_every` steps, 10) back to back and waits once:
 
@@ -56,6 +57,9 @@ def main(argv=None) -> int:
   rounds = args.rounds or (6 if args.quick else 12)
 
   base = json.loads(DEFAULT_CONFIG.read_text())
+  # QK-clip acts on models without QK-norm (the trainer refuses it with QK-norm): all three
+  # variants use the same model without it.
+  base = _common.deep_merge(base, {"model": {"qk_norm": False}})
   if args.quick:
     base = _common.deep_merge(base, QUICK_MODEL)
   _common.print_machine()

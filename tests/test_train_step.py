@@ -110,7 +110,7 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
   # head whose max logit (re-derived here from the initial parameters) exceeded tau scaled by
   # sqrt(tau / max) in its q_proj and k_proj columns, and nothing else changed.
   from stablejax.training.model import layer_max_logits
-  plain = make_run(tmp_path, "plain")
+  plain = make_run(tmp_path, "plain", "model.qk_norm=false")  # QK-clip needs a model without it
   batch = stream(plain, 1)[0]
   params0 = plain.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
   _, sown = plain.model.apply({"params": params0}, batch[:, :-1], attention_logits=True,
@@ -119,7 +119,7 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
                  np.float64)                                            # [L, H]
   tau = float(np.median(s))
   assert (s > tau).any() and (s < tau).any()
-  clipped = make_run(tmp_path, "clip", f"stability.qk_clip_tau={tau!r}")
+  clipped = make_run(tmp_path, "clip", "model.qk_norm=false", f"stability.qk_clip_tau={tau!r}")
   state_a, hist_a = steps(plain, [batch])
   state_b, hist_b = steps(clipped, [batch])
   assert hist_b[0]["qk_clip/heads_clipped"] == int((s > tau).sum())
@@ -144,4 +144,4 @@ def test_qk_clip_config_errors():
   with pytest.raises(ConfigError, match="qk_norm"):
     tiny_config("stability.qk_clip_tau=100.0", "model.qk_norm=true")
   with pytest.raises(ConfigError, match="qk_clip_tau"):
-    tiny_config("stability.qk_clip_tau=0")
+    tiny_config("stability.qk_clip_tau=0", "model.qk_norm=false")
