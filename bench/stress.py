@@ -938,6 +938,15 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         _common.markdown_table(body, h), "", "Loss over the grid:", "",
         _common.markdown_table(cbody, ch), "", "Clipping statistics per rate:", "",
         _common.markdown_table(dbody, dh), ""]
+  if lead_lines:
+    md += ["Lead time of the attention-logit warning: the first warning (the monitor's rule "
+           "replayed over the logged telemetry) against when the loss degraded, by two "
+           "definitions: the first logged step where the run's train loss (mean of its last "
+           f"{SPIKE_WINDOW} logged values) is {TWIN_MARGIN} nats above its QK-norm twin's, and the "
+           "first logged step with a non-finite loss or one above the loss at init, a spike "
+           f"(> 1.25 x the median of the previous {SPIKE_WINDOW}), or a plateau of the "
+           f"{PLATEAU_WINDOW}-step mean; lead = degraded - first warning:", "",
+           _common.markdown_table(lbody, lh), "", *lead_lines, ""]
   (out_dir / f"{name}.md").write_text("\n".join(md))
   print(f"wrote {out_dir / (name + '.csv')}, {name}.png, {name}_sensitivity.png, {name}.md "
         f"in {out_dir}")
