@@ -1004,11 +1004,18 @@ def _rounded(x):
 
 def append_run(path: Path, result: dict) -> None:
   """Appends one finished run as one JSON line (written whole and flushed at once: a killed
-  sweep leaves at most a truncated last line, which read_runs skips)."""
+  sweep leaves at most a truncated last line, which read_runs skips and the next append leaves
+  on a line of its own)."""
   path.parent.mkdir(parents=True, exist_ok=True)
   line = json.dumps(_rounded(result)) + "\n"
-  with open(path, "a") as f:
-    f.write(line)
+  with open(path, "a+b") as f:
+    # A sweep killed mid-write leaves a last line without its newline: start on a fresh line, so
+    # the fragment stays a line of its own (skipped) and does not swallow this run.
+    if f.seek(0, os.SEEK_END) > 0:
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        line = "\n" + line
+    f.write(line.encode())
     f.flush()
     os.fsync(f.fileno())
 
@@ -1020,9 +1027,10 @@ def read_runs(path: Path) -> list[dict]:
   for line in path.read_text().splitlines():
     try:
       r = json.loads(line)
-    except json.JSONDecodeError:
+      key = _key(r)
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError):
       continue
-    runs[_key(r)] = r
+    runs[key] = r
   return list(runs.values())
 
 

@@ -225,6 +225,23 @@ def test_summary_headline_numbers_by_hand():
   assert stack["extra_divergences"] == 0
 
 
+def test_runs_file_survives_a_sweep_killed_mid_write(tmp_path):
+  # A killed sweep leaves its last line cut short; the resumed sweep appends after it. Both whole
+  # runs must read back, the fragment is dropped, and a later line of the same cell wins.
+  path = tmp_path / "runs.jsonl"
+  first = _cell("clip1", 1.0, 0, 2.5)
+  stress.append_run(path, first)
+  with open(path, "a") as f:
+    f.write('{"model": "preln", "defence": "clip1", "lr_fac')   # killed here
+  second = _cell("clip1", 10.0, 0, 2.0)
+  stress.append_run(path, second)
+  stress.append_run(path, {**first, "val_loss": 2.4})
+  runs = {(r["lr_factor"], r["seed"]): r["val_loss"] for r in stress.read_runs(path)}
+  assert runs == {(1.0, 0): 2.4, (10.0, 0): 2.0}
+  # the fragment is kept as a line of its own (nothing the sweep wrote is rewritten)
+  assert len(path.read_text().splitlines()) == 4
+
+
 def _stress_tx(defence, variants=None):
   raw, kind = stress.cell_config("preln", defence, seed=0, steps=100, variants=variants or {})
   cfg = config_from_dict(raw)
