@@ -1,7 +1,8 @@
 """Learning-rate sensitivity of each defence (Wortsman et al., arXiv 2309.14322), real trainer runs.
 
 Usage:
-  python bench/stress.py                  # full sweep (about an hour on 2 cores), bench/results/stress*
+  python bench/stress.py                  # full sweep (about an hour on 2 cores):
+                                          #   bench/results/stress*
   python bench/stress.py --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
   python bench/stress.py --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
   python bench/stress.py --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
@@ -701,14 +702,16 @@ def diagnostics_rows(results: list[dict], defences, models, factors) -> tuple[li
   for model in models:
     for defence in defences:
       for f in factors:
-        rs = [r for r in results if (r["model"], r["defence"], r["lr_factor"]) == (model, defence, f)]
+        rs = [r for r in results
+              if (r["model"], r["defence"], r["lr_factor"]) == (model, defence, f)]
         if not rs:
           continue
         losses = [clamped_loss(r) for r in rs if r["init_loss"]]
         causes = sorted({e.split(";")[0].split(": ", 1)[1] if ": " in e else e
                          for r in rs for e in r["events"]})
         out.append([model, defence, f"{rs[0]['lr']:.3g}",
-                    _pm(statistics.fmean(losses), statistics.stdev(losses) if len(losses) > 1 else 0.0)
+                    _pm(statistics.fmean(losses),
+                        statistics.stdev(losses) if len(losses) > 1 else 0.0)
                     if losses else "-",
                     sum(r["diverged"] for r in rs), sum(r["rollbacks"] or 0 for r in rs),
                     sum(r["skipped"] or 0 for r in rs),
@@ -1221,7 +1224,8 @@ def main(argv=None) -> int:
       print(f"[{time.time() - t0:6.0f}s] {r['model']} {r['defence']} x{r['lr_factor']:g} "
             f"s{r['seed']}: {r['status']} val {_cell(r['val_loss'])} init {_cell(r['init_loss'])}"
             f" skips {_cell(r['skipped'])} rollbacks {_cell(r['rollbacks'])} "
-            f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s ms/step {_cell(r['ms_step'], '%.0f')} "
+            f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s "
+            f"ms/step {_cell(r['ms_step'], '%.0f')} "
             f"load {os.getloadavg()[0]:.1f}" + (f"  {r['error']}" if r["error"] else ""),
             flush=True)
       # Finished runs so far, so an interrupted sweep can still be reported with --replot.

@@ -43,7 +43,7 @@ def test_level_warnings_on_entry_only():
   m = StabilityMonitor(window=100)
   norms = [1.0, 0.3, 6.0, 7.0, 12.0, float("nan"), 2.0, 2.0]
   lines = {step: m.update(step, {"loss": 1.0, "grad_norm": g}) for step, g in enumerate(norms, 1)}
-  assert {s for s, l in lines.items() if l} == {3, 5, 6, 7}
+  assert {s for s, warned in lines.items() if warned} == {3, 5, 6, 7}
   assert "gradient health high" in lines[3][0] and "6" in lines[3][0]
   assert "gradient health critical" in lines[5][0]
   assert "gradient health exploded" in lines[6][0]
@@ -77,7 +77,8 @@ def test_rates_from_counter_differences():
   m = StabilityMonitor(window=100)
   # first record: no baseline, the per-step flags count as one step (clipped, no spike, no skip)
   m.update(10, _rec(0, 1, 0, was_clipped=True, **{"zclip/threshold": 1.5}))
-  m.update(20, _rec(2, 4, 1, **{"zclip/threshold": 2.0}))  # +2 spikes, +3 clips, +1 skip in 10 steps
+  # +2 spikes, +3 clips, +1 skip in 10 steps
+  m.update(20, _rec(2, 4, 1, **{"zclip/threshold": 2.0}))
   m.update(30, _rec(2, 5, 1))                              # +0, +1, +0 in 10 steps
   r = m.rates()
   assert r["zclip_spike_rate"] == pytest.approx(2 / 21)
@@ -116,8 +117,9 @@ def test_counter_going_back_uses_flags_after_rollback():
 def test_sampled_rates_and_muon_fallbacks():
   m = StabilityMonitor(window=100)
   seq = [
-      (10, {"adagc/clipped_fraction": 0.5, "muon/outlier_rate": 0.02, "muon/ns_instability_rate": 0.0,
-            "muon/fallback_rate": 0.0, "muon/fallback_count": 0}),
+      (10, {"adagc/clipped_fraction": 0.5, "muon/outlier_rate": 0.02,
+            "muon/ns_instability_rate": 0.0, "muon/fallback_rate": 0.0,
+            "muon/fallback_count": 0}),
       (20, {"adagc/clipped_fraction": 0.25, "muon/outlier_rate": float("nan"),
             "muon/ns_instability_rate": 0.1, "muon/fallback_rate": 0.5, "muon/fallback_count": 4}),
       (30, {"adagc/clipped_fraction": 0.0, "muon/outlier_rate": 0.04,
@@ -206,7 +208,7 @@ def test_advice_is_rate_limited():
   advice_steps = []
   for step in range(1, 26):  # a spike every step
     lines = m.update(step, _rec(step, step, 0, is_spike=True, was_clipped=True))
-    if any("stability score" in l for l in lines):
+    if any("stability score" in line for line in lines):
       advice_steps.append(step)
       assert "< target 0.80" in lines[-1] and "lower the learning rates by 20%" in lines[-1]
   assert advice_steps == [10, 20]  # none before a full window of data, then once per window
@@ -218,7 +220,7 @@ def test_loss_plateau_adds_warmup_advice():
   lines = []
   for step in range(1, 31):
     lines += m.update(step, {"loss": 2.0 + 0.001 * step, "grad_norm": 1.0})
-  assert any("warmup" in l for l in lines)
+  assert any("warmup" in line for line in lines)
   m2 = StabilityMonitor(window=10)
   assert not any(m2.update(s, {"loss": 5.0 - 0.1 * s, "grad_norm": 1.0}) for s in range(1, 31))
 

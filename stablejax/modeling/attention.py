@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -172,16 +172,21 @@ def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[...
   """
   if not callable(attention_fn):
     raise ValueError("attention_fn must be callable: pass e.g. flax.linen.dot_product_attention")
+  params: Mapping[str, inspect.Parameter]
   try:
     params = inspect.signature(attention_fn).parameters
     takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
   except (TypeError, ValueError):
     params, takes_all = {}, True
 
-  def wrapped(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-              dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
-              force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-              attn_weights_value_einsum=None, is_causal=False):
+  def wrapped(query: jax.Array, key: jax.Array, value: jax.Array,
+              bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+              broadcast_dropout: bool = True, dropout_rng: Optional[jax.Array] = None,
+              dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
+              precision: Any = None, module: Any = None, force_fp32_for_softmax: bool = False,
+              qk_attn_weights_einsum: Optional[Callable[..., jax.Array]] = None,
+              attn_weights_value_einsum: Optional[Callable[..., jax.Array]] = None,
+              is_causal: bool = False) -> jax.Array:
     given = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
                  dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
                  dtype=dtype, precision=precision, force_fp32_for_softmax=force_fp32_for_softmax,

@@ -36,7 +36,7 @@ class HealthThresholds:
   critical: float = 10.0
   low: Optional[float] = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("high", "critical"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -84,7 +84,7 @@ def health_code(level: Optional[str]) -> float:
 
   Returns -1 low, 0 healthy, 1 high, 2 critical, 3 exploded, NaN for unknown.
   """
-  return float(_LEVEL_CODE.get(level, float("nan")))
+  return float(_LEVEL_CODE.get(level or "", float("nan")))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ class AttentionLogitThresholds:
   growth_floor: float = 200.0
   repeat_factor: float = 10.0
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("high", "growth", "growth_floor", "repeat_factor"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):

@@ -112,7 +112,8 @@ class StabilityMonitor:
     if not 0.0 <= score_target <= 1.0:
       raise ValueError(f"StabilityMonitor score_target must be in [0, 1], got {score_target!r}")
     if advice_every is not None and (not isinstance(advice_every, int) or advice_every < 1):
-      raise ValueError(f"StabilityMonitor advice_every must be a positive int, got {advice_every!r}")
+      raise ValueError(
+          f"StabilityMonitor advice_every must be a positive int, got {advice_every!r}")
     if not isinstance(thresholds, HealthThresholds):
       raise ValueError("StabilityMonitor thresholds must be a HealthThresholds instance")
     if attention is not None and not isinstance(attention, AttentionLogitThresholds):
@@ -125,7 +126,7 @@ class StabilityMonitor:
     self.loss_plateau_check = loss_plateau_check
     self._reset()
 
-  def _reset(self):
+  def _reset(self) -> None:
     self._clock = 0                     # monotonic count of steps seen
     self._last_step: Optional[int] = None
     self._counters: dict[str, float] = {}
@@ -221,14 +222,15 @@ class StabilityMonitor:
     """
     self._rollbacks.append([self._clock, int(step), str(cause)])
 
-  def _trim(self):
+  def _trim(self) -> None:
     start = self._clock - self.window
     while self._entries and self._entries[0][0] <= start:
       self._entries.popleft()
     while self._losses and self._losses[0][0] <= self._clock - 2 * self.window:
       self._losses.popleft()
 
-  def _update_level(self, step: int, metrics: Mapping[str, Any], loss: Optional[float]) -> list[str]:
+  def _update_level(self, step: int, metrics: Mapping[str, Any],
+                    loss: Optional[float]) -> list[str]:
     g = None
     for key in _GRAD_NORM_KEYS:
       g = _as_float(metrics.get(key))
@@ -281,14 +283,14 @@ class StabilityMonitor:
     if self._attn_warned is not None and not v >= rule.repeat_factor * self._attn_warned:
       return []
     self._attn_warned = v
-    if trend:
+    if trend and base is not None:
       why = f"x{v / base:.3g} within {rule.growth_window} steps"
     else:
       why = f"above {rule.high:g}"
     layers = {k[len(_ATTN_KEY) + 1:]: _as_float(x) for k, x in metrics.items()
               if k.startswith(_ATTN_KEY + "/layer_") and k.count("/") == 1}
-    layers = {k: x for k, x in layers.items() if x is not None and not math.isnan(x)}
-    where = f", largest in {max(layers, key=layers.__getitem__)}" if layers else ""
+    finite = {k: x for k, x in layers.items() if x is not None and not math.isnan(x)}
+    where = f", largest in {max(finite, key=finite.__getitem__)}" if finite else ""
     return [f"step {step}: attention logits growing: max pre-softmax logit {v:.4g} ({why}{where})"
             f"; {ATTENTION_ADVICE}"]
 
@@ -301,8 +303,8 @@ class StabilityMonitor:
     if self._clock < 2 * self.window:
       return False
     mid = self._clock - self.window
-    recent = [l for c, l in self._losses if c > mid]
-    older = [l for c, l in self._losses if c <= mid]
+    recent = [value for c, value in self._losses if c > mid]
+    older = [value for c, value in self._losses if c <= mid]
     if len(recent) < 2 or len(older) < 2:
       return False
     return sum(recent) / len(recent) >= sum(older) / len(older)
@@ -364,7 +366,7 @@ class StabilityMonitor:
         samples.setdefault(name, []).append(v)
     out: dict[str, float] = {}
 
-    def _rate(kind):
+    def _rate(kind: str) -> float:
       n, s = sums[kind]
       r = n / s if s else 0.0
       return r if kind == "muon_fallback" else min(r, 1.0)
@@ -455,7 +457,8 @@ class StabilityMonitor:
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Restores what :meth:`state_dict` returned (the constructor arguments stay)."""
     if not isinstance(state, Mapping) or state.get("version") != 1:
-      raise ValueError("StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1)")
+      raise ValueError(
+          "StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1)")
     self._reset()
     self._clock = int(state["clock"])
     self._last_step = None if state["last_step"] is None else int(state["last_step"])
@@ -463,7 +466,7 @@ class StabilityMonitor:
     self._entries = collections.deque(
         [int(c), {k: [float(v[0]), int(v[1])] for k, v in e.items()},
          {k: float(v) for k, v in s.items()}] for c, e, s in state["entries"])
-    self._losses = collections.deque([int(c), float(l)] for c, l in state["losses"])
+    self._losses = collections.deque([int(c), float(value)] for c, value in state["losses"])
     self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in state["rollbacks"]]
     self._level = state["level"]
     self._level_counts = {str(k): int(v) for k, v in state["level_counts"].items()}

@@ -181,5 +181,5 @@ def applied_updates(opt_state) -> jax.Array:
   return _lr_scale_states(opt_state)[0].count
 
 
-def set_lr_scale(opt_state, value: float):
+def set_lr_scale(opt_state, value: float | jax.Array):
   return _map_lr_scale(opt_state, lambda x: jnp.asarray(value, x.dtype))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -28,30 +29,38 @@ class TrainState(flax.struct.PyTreeNode):
   params: Any                      # float32 unless model.param_dtype says otherwise
   opt_state: Any
   loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
-  lr_backoff: Optional[Any] = None  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
+  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
+  lr_backoff: Optional[Any] = None
 
 
-def make_loss_fn(model, cfg: Config, max_logits: bool = False):
+LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict[str, Any]]]
+
+
+def make_loss_fn(model: nn.Module, cfg: Config, max_logits: bool = False) -> LossFn:
   """`(params, tokens, lambda) -> (loss, aux)`; with `max_logits`, `aux["max_logits"]` holds
   each attention layer's per-head max pre-softmax logit of this forward pass
   (`{layer name: [*stack, H]}`, what `stablejax.qk_clip` takes)."""
-  def loss_fn(params, tokens, bitnet_lambda):
+  def loss_fn(params: Any, tokens: jax.Array,
+              bitnet_lambda: Any) -> tuple[jax.Array, dict[str, Any]]:
     kwargs = {"bitnet_lambda": bitnet_lambda} if cfg.model.bitnet else {}
     if max_logits:
       logits, sown = model.apply({"params": params}, tokens[:, :-1], attention_logits=True,
                                  mutable=["intermediates"], **kwargs)
     else:
       logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
-    loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:], z_loss=cfg.stability.z_loss)
+    loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:],
+                                                    z_loss=cfg.stability.z_loss)
+    out: dict[str, Any] = dict(aux)
     if max_logits:
-      aux = {**aux, "max_logits": stablejax.collect_attention_logits(sown)}
-    return loss, aux
+      out["max_logits"] = stablejax.collect_attention_logits(sown)
+    return loss, out
   return loss_fn
 
 
-def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Config,
+def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs, cfg: Config,
                     lr_schedule: optax.Schedule,
-                    bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None):
+                    bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   # QK-clip needs each head's max logit of this step's forward pass; nothing else does.
   clip_logits = cfg.stability.qk_clip_tau is not None
   loss_fn = make_loss_fn(model, cfg, max_logits=clip_logits)
@@ -60,8 +69,8 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
     lam = bitnet_lambda(state.step) if bitnet_lambda is not None else jnp.float32(1.0)
     scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
 
-    def micro_grads(tokens):
-      def scaled(params):
+    def micro_grads(tokens: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
+      def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
         loss, aux = loss_fn(params, tokens, lam)
         return (loss * scale if scale is not None else loss), (loss, aux)
       (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
@@ -69,7 +78,7 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
 
     # tokens: [grad_accum, micro_batch, seq_len + 1]; scan keeps one micro-batch live at a time.
     # The step's max logits are the max over its micro-batches.
-    def accumulate(carry, tokens):
+    def accumulate(carry: tuple, tokens: jax.Array) -> tuple[tuple, None]:
       grads, loss, aux = micro_grads(tokens)
       total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
       peaks = jax.tree.map(jnp.maximum, carry[3], aux["max_logits"]) if clip_logits else None
@@ -86,7 +95,7 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
-    if scale is not None:
+    if state.loss_scale is not None:
       grads = state.loss_scale.unscale(grads)
     grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)
 
@@ -126,10 +135,12 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
   return train_step
 
 
-def make_eval_step(model, cfg: Config, bitnet_lambda=None):
+def make_eval_step(model: nn.Module, cfg: Config,
+                   bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+                   ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
   loss_fn = make_loss_fn(model, cfg)
 
-  def eval_step(params, tokens, step):
+  def eval_step(params: Any, tokens: jax.Array, step: jax.Array) -> jax.Array:
     lam = bitnet_lambda(step) if bitnet_lambda is not None else jnp.float32(1.0)
     _, aux = loss_fn(params, tokens, lam)
     return aux["cross_entropy"]
@@ -137,7 +148,9 @@ def make_eval_step(model, cfg: Config, bitnet_lambda=None):
   return eval_step
 
 
-def make_logit_telemetry(model, cfg: Config, bitnet_lambda=None):
+def make_logit_telemetry(model: nn.Module, cfg: Config,
+                         bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+                         ) -> Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]:
   """`(params, tokens, step) -> metrics`: attention-logit growth and output-logit statistics.
 
   Wortsman et al. (arXiv 2309.14322) sections 3.1.1 and 3.1.2: one forward pass of the first
@@ -149,9 +162,9 @@ def make_logit_telemetry(model, cfg: Config, bitnet_lambda=None):
   """
   lg = cfg.logging
 
-  def telemetry(params, tokens, step):
+  def telemetry(params: Any, tokens: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
     rows = tokens[0, :min(lg.attention_sequences, tokens.shape[1])]
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if cfg.model.bitnet:
       kwargs["bitnet_lambda"] = bitnet_lambda(step) if bitnet_lambda is not None else 1.0
     logits, sown = model.apply({"params": params}, rows[:, :-1], attention_logits=True,
