@@ -488,8 +488,11 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
     if f in row["mean"]:
       row["gap_at_base_best"] = row["mean"][f] - base["mean"][f]
       row["base_se"] = base["sd"][f] / math.sqrt(base["n"][f])
+    # Sensitivities compare only over the same grid (the one-seed warmup stage runs a defence
+    # at some of its baseline's rates).
     row["sensitivity_ratio"] = (row["sensitivity"] / base["sensitivity"]
-                                if base["sensitivity"] > 0 else None)
+                                if base["sensitivity"] > 0 and row["factors"] == base["factors"]
+                                else None)
     # Rollbacks in runs whose baseline twin (same model, rate, seed) did not diverge.
     by_cell = {(r["lr_factor"], r["seed"]): r for r in results
                if r["model"] == row["model"] and r["defence"] == base_name}

@@ -249,6 +249,11 @@ def test_qk_recovery_is_read_where_qk_norm_is_better_beyond_the_seed_noise():
   assert qk["top_factor"] == 10
   assert qk["qk_recovery"] == pytest.approx(0.6)
   assert rows[("long", "clip1")]["qk_recovery"] == pytest.approx(0.0)
+  assert qk["sensitivity_ratio"] == pytest.approx((0.4 / 3 + 2.0 / 3) / ((1.0 + 2.1) / 3))
+  # a defence run at some of its baseline's rates only: no sensitivity ratio (other grid)
+  part = stress.summarize([r for r in results if r["lr_factor"] != 1 or r["defence"] == "clip1"],
+                          ["long"], ["clip1", "stablejax_qkclip100"], [1, 10, 100], [0, 1])
+  assert next(r for r in part if r["defence"] != "clip1")["sensitivity_ratio"] is None
   # one seed: no spread to judge by, the fixed floor alone (100x: 0.2 > 0.05 counts)
   one = stress.summarize([r for r in results if r["seed"] == 1], ["long", "long_qk"],
                          ["clip1", "stablejax_qkclip100"], [1, 10, 100], [1])
