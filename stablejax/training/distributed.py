@@ -162,7 +162,14 @@ def agree_max(value):
     The global maximum, as a Python scalar for scalar input, else a numpy array.
 
   Example:
-    >>> agree_max(time.monotonic() - start)   # the slowest process's elapsed seconds
+    In a single-process run the value is its own maximum; in a job, every process gets the
+    slowest process's number:
+
+    >>> from stablejax.training.distributed import agree_max
+    >>> agree_max(2.5)
+    2.5
+    >>> agree_max(np.array([1, 7]))
+    array([1, 7])
   """
   array = np.asarray(value)
   if jax.process_count() == 1:
@@ -178,7 +185,12 @@ def agree_any(flag: bool) -> bool:
   """True on every process if `flag` is true on any process (e.g. a stop signal seen by one).
 
   Example:
-    >>> if agree_any(self.stop_signal is not None): ...
+    Every process takes the same branch, so no collective waits for a process that left:
+
+    >>> from stablejax.training.distributed import agree_any
+    >>> stop_signal_seen_here = False
+    >>> agree_any(stop_signal_seen_here)
+    False
   """
   return bool(agree_max(bool(flag)))
 

@@ -59,6 +59,20 @@ class AdaGCState(NamedTuple):
       counted one by one) scaled down at the last step.
     grad_norm: global gradient norm before AdaGC, last step.
     clipped_grad_norm: global gradient norm after AdaGC, last step.
+
+  Example:
+    After the warmup every tensor has its own threshold ``gamma`` (an EMA of its clipped norms):
+
+    >>> import jax.numpy as jnp, stablejax
+    >>> tx = stablejax.adagc(warmup_steps=2)
+    >>> grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 0.0, 1.0])}
+    >>> state = tx.init(grads)
+    >>> for _ in range(3):
+    ...   _, state = tx.update(grads, state)
+    >>> int(state.count), sorted(state.gamma)
+    (3, ['a', 'b'])
+    >>> round(float(state.gamma["a"]), 3), round(float(state.gamma["b"]), 3)
+    (0.982, 0.196)
   """
 
   count: jax.Array

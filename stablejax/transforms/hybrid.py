@@ -17,7 +17,18 @@ from stablejax.transforms.zclip import zclip
 
 
 class HybridClipState(NamedTuple):
-  """State of :func:`hybrid_clip`: the two inner states, in order."""
+  """State of :func:`hybrid_clip`: the two inner states, in order.
+
+  Example:
+    >>> import jax.numpy as jnp, stablejax
+    >>> tx = stablejax.hybrid_clip()
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+    >>> float(state.zclip.grad_norm)              # the raw norm ZClip saw
+    5.0
+    >>> round(float(state.adagc.grad_norm), 4)    # what reached AdaGC: clipped to 1.0 first
+    1.0
+  """
 
   zclip: ZClipState
   adagc: AdaGCState

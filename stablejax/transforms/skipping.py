@@ -46,6 +46,19 @@ class SkipNonFiniteState(NamedTuple):
       compares it with the value it last acted on, so a burst of skips that
       ended between two reads is not missed.
     inner_state: state of the wrapped transform (unchanged by skipped steps).
+
+  Example:
+    Two non-finite steps in a row: both skipped, and with ``max_consecutive=2`` a rollback is
+    requested:
+
+    >>> import jax.numpy as jnp, optax, stablejax
+    >>> tx = stablejax.skip_nonfinite(optax.sgd(0.1), max_consecutive=2)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for bad in (jnp.nan, jnp.inf):
+    ...   updates, state = tx.update({"w": jnp.array([bad, 1.0])}, state, params)
+    >>> updates["w"].tolist(), int(state.total_skips), bool(state.needs_rollback)
+    ([0.0, 0.0], 2, True)
   """
 
   skipped: jax.Array
@@ -74,6 +87,18 @@ class SkipSpikesState(NamedTuple):
     grad_norm_next: ring-buffer position of the next gradient norm.
     grad_norm: raw global gradient norm of the last step (float32).
     inner_state: state of the wrapped transform (unchanged by skipped steps).
+
+  Example:
+    A loss of 50 after four losses near 2 is skipped:
+
+    >>> import jax.numpy as jnp, optax, stablejax
+    >>> tx = stablejax.skip_spikes(optax.sgd(0.1), window=8, min_history=4)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for loss in (2.0, 2.1, 1.9, 2.0, 50.0):
+    ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params, loss=jnp.asarray(loss))
+    >>> bool(state.skipped), updates["w"].tolist(), int(state.loss_count)
+    (True, [0.0, 0.0], 5)
   """
 
   skipped: jax.Array

@@ -65,6 +65,19 @@ class ZClipState(NamedTuple):
       ``"percentile"``).
     spike_count: total number of spikes (int32).
     clip_count: total number of clipped steps (int32).
+
+  Example:
+    Three steps of a gradient of norm 5, still in the warmup, are clipped to the 1.0 ceiling:
+
+    >>> import jax.numpy as jnp, stablejax
+    >>> tx = stablejax.zclip()
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> for _ in range(3):
+    ...   _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+    >>> int(state.count), float(state.grad_norm), bool(state.was_clipped)
+    (3, 5.0, True)
+    >>> round(float(state.clipped_grad_norm), 4)
+    1.0
   """
 
   count: jax.Array
