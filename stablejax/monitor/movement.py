@@ -212,7 +212,8 @@ def movement_warnings(movement: Mapping[str, Mapping[str, Any]], min_rel_change:
     >>> movement_warnings({"mlp": {"rel_change": 0.01, "resolution_ratio": 8e4},
     ...                    "norm": {"rel_change": 0.0, "resolution_ratio": 0.0, "param_rms": 1.0}},
     ...                   dtypes={"mlp": "float32", "norm": "float32"}, step=100)
-    ['step 100: parameters are not moving: norm scales stuck at 1.000: norm (rel change 0, updates 0x the float32 resolution); learning rate too low']
+    ['step 100: parameters are not moving: norm scales stuck at 1.000: norm (rel change 0,
+      updates 0x the float32 resolution); learning rate too low']
   """
   stuck, nonfinite = [], []
   low_precision = False
