@@ -114,12 +114,12 @@ def test_excerpt_matches_its_script(page, line, code, src):
   assert script.is_file(), f"{page.name}:{line} is an excerpt of {src}, which does not exist"
   assert script.parent.name == "examples", f"{src}: excerpts must come from a script in examples/"
   script_lines = set(_code_lines(script.read_text()))
-  missing = [l for l in _code_lines(code) if l not in script_lines]
+  missing = [c for c in _code_lines(code) if c not in script_lines]
   assert not missing, f"{page.name}:{line}: lines not in {src}: {missing}"
 
 
 def test_excerpt_check_fails_on_drift():
   # The comparison sees a line that differs from the script in one character.
   script_lines = set(_code_lines("x = f(a, b)  # why\n  y = g(x)\n"))
-  assert all(l in script_lines for l in _code_lines("x = f(a, b)\ny = g(x)  # other"))
-  assert not all(l in script_lines for l in _code_lines("x = f(a, c)"))
+  assert all(c in script_lines for c in _code_lines("x = f(a, b)\ny = g(x)  # other"))
+  assert not all(c in script_lines for c in _code_lines("x = f(a, c)"))
