@@ -11,7 +11,8 @@ from stablejax.monitor.movement import path_str
 from stablejax.transforms.stacked import STACKED_NAMES, stacked_component
 
 
-def per_layer_grad_norms(grads: Any, stacked_names: Iterable[str] = STACKED_NAMES) -> dict[str, jax.Array]:
+def per_layer_grad_norms(grads: Any, stacked_names: Iterable[str] = STACKED_NAMES
+                         ) -> dict[str, jax.Array]:
   """L2 norm of every gradient leaf, per layer slice for scan-stacked parameters.
 
   A leaf is scan-stacked when one of its path components is in

@@ -29,8 +29,10 @@ _GROUP_PATTERNS = (
     ("embedding", re.compile(r"(embed|wte|wpe|tok_emb|pos_emb)")),
     ("head", re.compile(r"^(lm_head|head|unembed|output|logits|out_head)(_\d+)?$")),
     ("norm", re.compile(r"(norm|^ln(_|\d|$)|^layer_?norm|^rms)")),
-    ("attention", re.compile(r"(attn|attention|^q_?proj|^k_?proj|^v_?proj|^o_?proj|^qkv|^query|^key$|^value)")),
-    ("mlp", re.compile(r"(mlp|ffn|feed_?forward|(^|_)fc|^dense|^w[123]$|^up_?proj|^down_?proj|^gate)")),
+    ("attention", re.compile(r"(attn|attention|^q_?proj|^k_?proj|^v_?proj|^o_?proj|^qkv|^query"
+                             r"|^key$|^value)")),
+    ("mlp", re.compile(r"(mlp|ffn|feed_?forward|(^|_)fc|^dense|^w[123]$|^up_?proj|^down_?proj"
+                       r"|^gate)")),
 )
 
 
@@ -54,20 +56,23 @@ def default_group(path: str) -> str:
   return "other"
 
 
-def _leaf_groups(params: Any, labels: Union[None, Any, Callable[[str], str]]):
+def _leaf_groups(params: Any, labels: Union[None, Any, Callable[[str], str]]
+                 ) -> list[tuple[str, str, Any]]:
   """[(path_str, group, leaf)] for the array leaves of ``params``."""
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   if labels is None or callable(labels):
     fn = default_group if labels is None else labels
     groups = [str(fn(path_str(p))) for p, _ in leaves_with_path]
   else:
-    label_leaves = treedef.flatten_up_to(labels)
+    # jaxlib ships no type stub for PyTreeDef, so its methods are unknown to the checker.
+    label_leaves = treedef.flatten_up_to(labels)  # type: ignore[attr-defined]
     groups = [str(g) for g in label_leaves]
   return [(path_str(p), g, leaf) for (p, leaf), g in zip(leaves_with_path, groups)]
 
 
 def param_movement(prev_params: Any, params: Any,
-                   labels: Union[None, Any, Callable[[str], str]] = None) -> dict[str, dict[str, jax.Array]]:
+                   labels: Union[None, Any, Callable[[str], str]] = None
+                   ) -> dict[str, dict[str, jax.Array]]:
   """How far each parameter group moved, and whether its updates are resolvable.
 
   Per group ``G`` (sums over all float leaves in the group, in float32)::
@@ -152,7 +157,8 @@ def param_movement(prev_params: Any, params: Any,
   return out
 
 
-def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = None) -> dict[str, str]:
+def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = None
+                 ) -> dict[str, str]:
   """``{group: dtype name}`` of the parameters (lowest precision in a mixed group).
 
   Args:
@@ -183,7 +189,8 @@ def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = N
 
 def movement_warnings(movement: Mapping[str, Mapping[str, Any]], min_rel_change: float = 1e-6,
                       min_resolution_ratio: float = 1.0,
-                      dtypes: Optional[Mapping[str, str]] = None, step: Optional[int] = None) -> list[str]:
+                      dtypes: Optional[Mapping[str, str]] = None,
+                      step: Optional[int] = None) -> list[str]:
   """The "parameters are not moving" warning from :func:`param_movement` results.
 
   A group is stuck when its relative change since the last check is below
