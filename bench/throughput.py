@@ -118,6 +118,8 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   steps = args.steps or (40 if args.quick else 100)
   repeats = args.repeats or (1 if args.quick else 2)
+  if steps < 20:  # the timed window starts after the first fetch, at step 10
+    p.error(f"--steps {steps}: use at least 20 (the first 10 steps are compilation and warm-up)")
 
   base = json.loads(DEFAULT_CONFIG.read_text())
   if args.quick:
