@@ -544,7 +544,8 @@ def _check_not_unfinished(entry: str) -> None:
                     f"was interrupted while writing it ({PREPARED_MARKER} is there, "
                     f"{PREPARED_META} is not): run the same prepare command again")
   bins = [n for n in ("train.bin", "val.bin") if os.path.isfile(os.path.join(path, n))]
-  if bins:
+  has_text = any(n.lower().endswith(TEXT_SUFFIXES) for _, _, names in os.walk(path) for n in names)
+  if bins and not has_text:  # (a folder of text files with a stray .bin is read as text)
     raise DataError(f"{entry!r} holds {' and '.join(bins)} but no {PREPARED_META}, so it is not "
                     f"a complete prepared directory (a prepare that did not finish): run python "
                     f"-m stablejax prepare again; nanoGPT-style token files of your own are read "

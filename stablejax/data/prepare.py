@@ -27,23 +27,40 @@ N trained here with Hugging Face ``tokenizers`` on the training split of all inp
 Output: every document's tokens followed by the end-of-text id, in ``DIR/train.bin`` or
 ``DIR/val.bin`` (flat ``uint16`` arrays when the vocabulary fits, else ``uint32``), and
 ``DIR/meta.json`` (tokenizer, vocab_size, eot_id, dtype, token and document counts per split and
-per source with each source's token range, weights, the split rule, the filter, the request).
+per source with each source's token range, weights, the split rule, the filter, the request, the
+files written). Document text is encoded as ordinary text with every tokenizer: a literal
+``<|endoftext|>`` inside a JSON/Parquet document stays text, and the end-of-text id appears only
+where this tool puts it (a tokenizer.json whose end-of-text token text can produce is refused).
 A document goes to validation when the first 8 bytes of the BLAKE2b hash of its UTF-8 text,
 read as a little-endian integer, fall below ``--val-fraction`` x 2^64: deterministic, independent
-of order and worker count, and duplicates land on the same side. Documents are filtered like the
-trainer's text (``--filter-max-repeat``, ``--filter-max-nontext``; counts in meta.json).
+of order and worker count, and duplicates land on the same side. An input none of whose
+documents lands in the training split is an error (the trainer would never see it). Documents are
+filtered like the trainer's text (``--filter-max-repeat``, ``--filter-max-nontext``; counts in
+meta.json).
 
 Streaming: documents are read, tokenized in ``--workers`` processes (1: in this process) and
 appended to the output a batch at a time, with a bounded number of batches in flight, so memory
-does not grow with the corpus (one document is held whole while it is tokenized). Files are
-written as ``*.partial`` and renamed when complete, ``meta.json`` last: the trainer accepts a
-directory only with a ``meta.json`` whose token counts match the files, so an interrupted prepare
-never leaves data it would train on. A complete directory prepared with the same request is not
-redone; one prepared differently is an error unless ``--force``.
+does not grow with the corpus (one document is held whole while it is tokenized).
 
-Exit codes: 0 done (or already done); 2 bad input (missing or empty file, unknown field,
-unreadable Parquet, unknown or unavailable tokenizer, vocabulary too large for the dtype, a
-directory holding another corpus); 130 interrupted (partial files removed).
+The directory: this tool replaces or removes only files it wrote, which its ``meta.json`` names
+(or ``meta.json.partial``, written first and turned into ``meta.json`` last). Another file under a
+name it writes (``train.bin``, ``val.bin``, ``tokenizer.json``, ``meta.json``, their
+``.partial``) is refused unless ``--force``; other files in DIR are never touched. The tokenizer
+file being read is never removed: ``--tokenizer DIR/tokenizer.json --out DIR`` uses it in place.
+New files are written as ``*.partial``; a corpus already in DIR stays usable until the new one is
+complete, then the old ``meta.json`` goes, the new files are renamed into place and
+``meta.json`` comes last: the trainer accepts a directory only with a ``meta.json`` whose token
+counts match the files, and calls one with ``meta.json.partial`` and no ``meta.json``
+incomplete. A complete directory prepared with the same request is not redone; one prepared
+differently is an error unless ``--force``. Ctrl-C (with any ``--workers``): the workers ignore
+it, the files of this run are removed and the exit code is 130; a killed run's files are
+recognised and replaced by the next run.
+
+Exit codes: 0 done (or already done); 2 bad input (missing, empty, truncated or non-gzip ``.gz``
+file, unknown field, unreadable Parquet, unknown or unavailable tokenizer, vocabulary too large for
+the dtype, an empty ``--separator``, ``--val-fraction`` outside (0, 1), an input entirely in
+validation, ``--out`` naming a file or inside an input folder, files of another program or
+another corpus in the way); 130 interrupted (this run's files removed).
 
 Example::
 
@@ -54,6 +71,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gzip
 import hashlib
@@ -62,6 +80,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 import zlib
 from pathlib import Path
@@ -400,8 +419,7 @@ def encode_batch(task: tuple) -> dict:
 
 
 def _ignore_sigint() -> None:
-  """Worker start: Ctrl-C is the parent's to handle. A worker killed by the terminal's SIGINT
-  can die holding the pool's queue lock, and then ``Pool.terminate`` waits for it forever."""
+  """Worker start: Ctrl-C is the parent's to handle (see ``prepare``)."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
@@ -418,20 +436,68 @@ def _batches(docs: Iterator, extra: tuple) -> Iterator[tuple]:
     yield (batch, *extra)
 
 
-def _ordered_map(pool, fn, tasks: Iterator, inflight: int) -> Iterator:
+class _CtrlC:
+  """Ctrl-C while a worker pool runs: a KeyboardInterrupt at once, as usual, except while this
+  process is inside the pool's own code (its queues, locks and result waits), where it is held
+  until that call returns. An exception raised inside one of the pool's locks would leave it
+  held, and ``Pool.terminate`` would then wait forever. Installed only in the main thread."""
+
+  def __init__(self) -> None:
+    self.inside = False
+    self.requested = False
+    self._previous: Any = None
+
+  def install(self) -> None:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+
+  def restore(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
+
+  def _handle(self, signum: int, frame: object) -> None:
+    if not self.inside:
+      raise KeyboardInterrupt
+    self.requested = True
+
+  @contextlib.contextmanager
+  def pool_call(self) -> Iterator[None]:
+    self.inside = True
+    try:
+      yield
+    finally:
+      self.inside = False
+    if self.requested:
+      raise KeyboardInterrupt
+
+
+def _ordered_map(pool, fn, tasks: Iterator, inflight: int, ctrl_c: Optional[_CtrlC] = None
+                 ) -> Iterator:
   """``pool.imap`` with back-pressure: at most ``inflight`` tasks read ahead (imap reads the
-  whole input at once, which for a 40 GB corpus means 40 GB in memory)."""
+  whole input at once, which for a 40 GB corpus means 40 GB in memory). Waits in short slices
+  inside ``ctrl_c.pool_call()``, so a Ctrl-C takes effect within 0.1 s."""
   if pool is None:
     for task in tasks:
       yield fn(task)
     return
-  queue = collections.deque()
+  guard = ctrl_c.pool_call if ctrl_c is not None else contextlib.nullcontext
+
+  def result_of(pending):
+    while True:
+      with guard():
+        if pending.ready():
+          return pending.get()
+        pending.wait(0.1)
+
+  queue: collections.deque = collections.deque()
   for task in tasks:
-    queue.append(pool.apply_async(fn, (task,)))
+    with guard():
+      queue.append(pool.apply_async(fn, (task,)))
     if len(queue) >= inflight:
-      yield queue.popleft().get()
+      yield result_of(queue.popleft())
   while queue:
-    yield queue.popleft().get()
+    yield result_of(queue.popleft())
 
 
 # ----------------------------------------------------------------------------- the directory
@@ -648,40 +714,53 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
     stale.discard(TOKENIZER_FILE)
   marker = {"format": PREPARED_FORMAT, "incomplete": True, "written": sorted({*writes, *stale}),
             "request": request}
-  (out / PREPARED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-  _remove(out, existing.leftovers - {PREPARED_MARKER} - stale, tok_path)
-  progress_state = {"old_meta_removed": False, "renamed": []}
-
+  leftovers = existing.leftovers - {PREPARED_MARKER} - stale
+  state: dict = {"old_meta_removed": False, "renamed": []}
   pool = None
+  ctrl_c = _CtrlC()
   try:
+    (out / PREPARED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _remove(out, leftovers, tok_path)
     if workers > 1:  # started before any tokenizer runs, so no library thread pool is forked
-      pool = _start_pool(workers)
+      # SIGINT stays blocked while the workers start (they inherit the mask; a pending signal
+      # is not inherited) and their initializer ignores it before unblocking: a worker must
+      # never die of Ctrl-C, or it can take the pool's queue lock with it and Pool.terminate
+      # then waits forever. A Ctrl-C meanwhile is raised here once `pool` is set.
+      # The main thread then talks to the pool only inside ctrl_c.pool_call() (see _CtrlC).
+      mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+      try:
+        ctrl_c.install()
+        pool = _pool_context().Pool(workers, initializer=_ignore_sigint)
+      finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     tok, tok_spec = _make_tokenizer(tokenizer, bpe_size, given_tok, in_place, inputs, out, opts,
                                     bpe_train_bytes, progress, log)
     meta = _tokenize(inputs, out, tok, tok_spec, _dtype_for(tok.vocab_size, dtype), weights,
-                     opts, pool, workers, progress)
+                     opts, pool, workers, progress, ctrl_c)
+    if pool is not None:
+      with ctrl_c.pool_call():
+        pool.close()
+        pool.join()
+      pool = None
     meta["request"] = request
     meta["written"] = writes
     meta["seconds"] = time.time() - t0
-    _finish(out, meta, writes, stale, tok_path, progress_state)
+    _finish(out, meta, writes, stale, tok_path, state)
   except BaseException:
     # Cleaning up must not be cut short by a second Ctrl-C (it is delivered when done).
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
       if pool is not None:
         pool.terminate()
-        pool = None
-      _remove(out, [n + PARTIAL for n in writes], tok_path)
-      if progress_state["old_meta_removed"]:  # the earlier corpus is gone: none of its files stay
-        _remove(out, {*progress_state["renamed"], *existing.kept, *stale}, tok_path)
+      _remove(out, [*(n + PARTIAL for n in writes), *leftovers], tok_path)
+      if state["old_meta_removed"]:  # the earlier corpus is gone: none of its files stay
+        _remove(out, {*state["renamed"], *existing.kept, *stale}, tok_path)
       _remove(out, [PREPARED_MARKER], tok_path)
     finally:
       signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     raise
   finally:
-    if pool is not None:
-      pool.close()
-      pool.join()
+    ctrl_c.restore()
   mb = meta["bytes"] / 1e6
   log(f"prepared {out}: {meta['documents']:,} documents ({meta['val_documents']:,} val), "
       f"{meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, vocab "
@@ -697,18 +776,6 @@ def _pool_context():
   if xla_bridge is not None and xla_bridge.backends_are_initialized():
     return multiprocessing.get_context("spawn")
   return multiprocessing.get_context("fork" if sys.platform == "linux" else None)
-
-
-def _start_pool(workers: int):
-  """A pool whose workers ignore SIGINT from their first instruction: SIGINT stays blocked while
-  they start (a blocked signal is inherited as blocked, a pending one is not), and the
-  initializer ignores it before unblocking. A Ctrl-C meanwhile reaches this process once the
-  mask is restored."""
-  mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-  try:
-    return _pool_context().Pool(workers, initializer=_ignore_sigint)
-  finally:
-    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _tokenizer_checked(spec: str, eot_token: Optional[str]) -> tuple[Optional[int], Any]:
@@ -756,7 +823,8 @@ def _make_tokenizer(spec, bpe_size, given_tok, in_place, inputs, out, opts, bpe_
   return tok, ("file", str(partial), tok.eot_token)
 
 
-def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, progress) -> dict:
+def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, progress,
+              ctrl_c=None) -> dict:
   paths = {split: Path(str(out / f"{split}.bin") + PARTIAL) for split in ("train", "val")}
   files = {split: open(p, "wb") for split, p in paths.items()}
   totals = {"train": 0, "val": 0}
@@ -767,7 +835,7 @@ def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, p
       counts = collections.Counter()
       start = dict(totals)
       tasks = _batches(iter_documents(entry, opts), (tok_spec, opts, np.dtype(dtype)))
-      for result in _ordered_map(pool, encode_batch, tasks, inflight=2 * workers):
+      for result in _ordered_map(pool, encode_batch, tasks, 2 * workers, ctrl_c):
         for split in ("train", "val"):
           result[split].tofile(files[split])
           totals[split] += int(result[split].size)

@@ -200,6 +200,7 @@ def child_env(rank: int, nproc: int, port: int, devices: Optional[int], platform
 
 # ----------------------------------------------------------------------------- processes
 
+_LIBC: Optional[ctypes.CDLL]
 try:  # loaded here, not in the forked child, where taking the loader's lock could deadlock
   _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 except OSError:
@@ -255,7 +256,7 @@ class _Watchdog:
 
   def done(self) -> None:
     self._send("done")
-    if self.proc is not None:
+    if self.proc is not None and self.proc.stdin is not None:
       try:
         self.proc.stdin.close()
         self.proc.wait(timeout=5)
@@ -392,7 +393,7 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_proc: Optional[int
   pumps: list[threading.Thread] = []
   watchdog = _Watchdog()
 
-  def forward(signum, frame):
+  def forward(signum: int, frame: object) -> None:
     _signal_groups(procs, signum)
 
   for sig in FORWARDED:
