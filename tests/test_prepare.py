@@ -457,6 +457,28 @@ def test_force_keeps_the_old_corpus_until_the_new_one_is_complete(tmp_path, caps
   assert snapshot(out) == before and read_prepared(out) is not None
 
 
+def test_interrupted_while_replacing_leaves_none_of_its_files(tmp_path, monkeypatch):
+  """Ctrl-C after the old meta.json is gone (--force, renaming the new files into place): the old
+  corpus is gone by then, so none of this tool's files stay; a file of the user's stays."""
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  prep.prepare([str(inputs["text"])], out, "bpe:300", opts=prep.Options(val_fraction=0.25),
+               progress=False, log=lambda line: None)
+  (out / "notes.txt").write_text("mine")
+  real = os.replace
+
+  def replace(src, dst):
+    if str(dst).endswith("val.bin"):
+      raise KeyboardInterrupt
+    real(src, dst)
+
+  monkeypatch.setattr(prep.os, "replace", replace)
+  with pytest.raises(KeyboardInterrupt):
+    prep.prepare([str(inputs["jsonl"])], out, "bytes", opts=prep.Options(val_fraction=0.25),
+                 progress=False, log=lambda line: None, force=True)
+  assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
 KILL_IN_FINISH = r"""
 import os, sys
 from stablejax.data import prepare as prep
@@ -471,9 +493,10 @@ prep.prepare([sys.argv[1]], sys.argv[2], "bpe:300", opts=prep.Options(val_fracti
 """
 
 
-@pytest.mark.parametrize("killed_before", ["val.bin", "meta.json"])
+@pytest.mark.parametrize("killed_before,again", [("val.bin", "bpe:300"), ("meta.json", "bpe:300"),
+                                                 ("meta.json", "bytes")])
 def test_a_killed_prepare_is_incomplete_for_the_trainer_and_redone_without_force(
-    tmp_path, capsys, killed_before):
+    tmp_path, capsys, killed_before, again):
   inputs = write_inputs(tmp_path)
   out = tmp_path / "out"
   script = tmp_path / "kill.py"
@@ -486,17 +509,19 @@ def test_a_killed_prepare_is_incomplete_for_the_trainer_and_redone_without_force
     build_data(DataConfig(train=str(out)), seq_len=16, batch_size=4, seed=0)
   assert "incomplete" in str(e.value) and "run the same prepare command again" in str(e.value)
   assert "name a .bin" not in str(e.value)
-  # The same command again (no --force): the leftovers are this tool's, so they are replaced.
-  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:300",
+  # The command again (no --force): the leftovers are this tool's, so they are replaced, or
+  # removed when the new corpus has no such file (bytes: no tokenizer.json).
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", again,
                           "--val-fraction", "0.25")
   assert code == 0, err
-  assert sorted(p.name for p in out.iterdir()) == ["meta.json", "tokenizer.json", "train.bin",
-                                                    "val.bin"]
   reference = tmp_path / "reference"
-  assert run_main(capsys, inputs["text"], "--out", reference, "--tokenizer", "bpe:300",
+  assert run_main(capsys, inputs["text"], "--out", reference, "--tokenizer", again,
                   "--val-fraction", "0.25")[0] == 0
-  for name in ("train.bin", "val.bin", "tokenizer.json"):
-    assert (out / name).read_bytes() == (reference / name).read_bytes()
+  names = sorted(p.name for p in reference.iterdir())
+  assert sorted(p.name for p in out.iterdir()) == names
+  for name in names:
+    if name != "meta.json":  # (meta.json records the seconds taken)
+      assert (out / name).read_bytes() == (reference / name).read_bytes()
 
 
 def test_bins_without_meta_json_are_called_incomplete(tmp_path):

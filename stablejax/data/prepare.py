@@ -707,14 +707,14 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
                        f"directory") from None
 
   # The marker names every file of the tool's in --out until meta.json replaces it, so an
-  # interrupted run's files are recognised (and removed) by the next one.
-  stale = (existing.kept | existing.leftovers) - {PREPARED_META, PREPARED_MARKER} - set(writes)
-  stale = {n for n in stale if not n.endswith(PARTIAL)}
-  if in_place:
-    stale.discard(TOKENIZER_FILE)
-  marker = {"format": PREPARED_FORMAT, "incomplete": True, "written": sorted({*writes, *stale}),
-            "request": request}
-  leftovers = existing.leftovers - {PREPARED_MARKER} - stale
+  # interrupted run's files are recognised (and removed) by the next one. `stale`: files of the
+  # corpus already there that the new one does not have (removed once it is in place);
+  # `leftovers`: files of an interrupted run (removed now).
+  stale = existing.kept - {PREPARED_META} - set(writes) - ({TOKENIZER_FILE} if in_place else set())
+  leftovers = existing.leftovers - {PREPARED_MARKER}
+  finals = {n for n in leftovers if not n.endswith(PARTIAL)}
+  marker = {"format": PREPARED_FORMAT, "incomplete": True,
+            "written": sorted({*writes, *stale, *finals}), "request": request}
   state: dict = {"old_meta_removed": False, "renamed": []}
   pool = None
   ctrl_c = _CtrlC()

@@ -89,17 +89,18 @@ _TPU_PCI_DEVICES = ("0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", 
 _NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/dev/nvidiactl", "/dev/dxg")
 
 
+def _read_text(path: str) -> str:
+  try:
+    with open(path) as f:
+      return f.read().strip()
+  except OSError:
+    return ""
+
+
 def _tpu_chips() -> int:
-  count = 0
-  for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    try:
-      if open(vendor).read().strip() != _GOOGLE_PCI_VENDOR:
-        continue
-      device = open(os.path.join(os.path.dirname(vendor), "device")).read().strip()
-    except OSError:
-      continue
-    count += device in _TPU_PCI_DEVICES
-  return count
+  return sum(_read_text(vendor) == _GOOGLE_PCI_VENDOR
+             and _read_text(os.path.join(os.path.dirname(vendor), "device")) in _TPU_PCI_DEVICES
+             for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"))
 
 
 def _nvidia_gpus() -> int:
