@@ -65,8 +65,7 @@ import json
 import math
 import os
 import re
-import sys
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import grain
 import numpy as np
@@ -75,6 +74,9 @@ from grain.experimental import WindowShuffleMapDataset
 EMBEDDED = "pydoc"
 PREPARED_META = "meta.json"         # marks a complete directory written by stablejax.data.prepare
 PREPARED_FORMAT = "stablejax.prepared/1"
+# Present while stablejax.data.prepare writes a directory (it becomes meta.json at the end): what it
+# names is that tool's, and without meta.json the directory is an interrupted prepare.
+PREPARED_MARKER = PREPARED_META + ".partial"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 BIN_SUFFIX = ".bin"
 DEFAULT_BIN_VOCAB = 50304
@@ -95,7 +97,8 @@ class DataError(Exception):
 
 @dataclasses.dataclass
 class DataConfig:
-  train: Union[str, list[str]] = "pydoc"   # "pydoc", a path (text file/folder, .bin, prepared dir) or a list
+  # "pydoc", a path (text file/folder, .bin, prepared dir) or a list of them
+  train: Union[str, list[str]] = "pydoc"
   val: Optional[Union[str, list[str]]] = None  # None -> last val_fraction of each train source
   val_fraction: float = 0.05
   weights: Optional[list[float]] = None    # mixing weights of the train sources; None: by size
@@ -477,7 +480,8 @@ class Data:
     return iter(self.train_dataset.to_iter_dataset(opts))
 
   def val_batches(self, num_batches: int) -> list[dict]:
-    """Fixed validation batches (same every call): this process's rows of ``num_batches`` batches."""
+    """Fixed validation batches (same every call): this process's rows of ``num_batches``
+    batches."""
     if num_batches < 1:
       return []
     slots = [(r, k) for r, reader in enumerate(self._val_readers)
@@ -530,8 +534,29 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int, process_index: int
                     f"tokenizer's vocabulary size")
 
 
+def _check_not_unfinished(entry: str) -> None:
+  """A folder without meta.json but with what `prepare` writes is an unfinished prepare."""
+  path = os.path.expanduser(entry)
+  if not os.path.isdir(path) or os.path.isfile(os.path.join(path, PREPARED_META)):
+    return
+  if os.path.exists(os.path.join(path, PREPARED_MARKER)):
+    raise DataError(f"{entry!r} is an incomplete prepared directory: python -m stablejax prepare "
+                    f"was interrupted while writing it ({PREPARED_MARKER} is there, "
+                    f"{PREPARED_META} is not): run the same prepare command again")
+  bins = [n for n in ("train.bin", "val.bin") if os.path.isfile(os.path.join(path, n))]
+  has_text = any(n.lower().endswith(TEXT_SUFFIXES) for _, _, names in os.walk(path) for n in names)
+  if bins and not has_text:  # (a folder of text files with a stray .bin is read as text)
+    raise DataError(f"{entry!r} holds {' and '.join(bins)} but no {PREPARED_META}, so it is not "
+                    f"a complete prepared directory (a prepare that did not finish): run python "
+                    f"-m stablejax prepare again; nanoGPT-style token files of your own are read "
+                    f"by naming each file (data.train=DIR/train.bin, data.val=DIR/val.bin)")
+
+
 def _prepared_entry(train_entries: list, val_entries: list) -> Optional[tuple[str, dict]]:
   """(path, meta) when data.train names a prepared directory; checks it stands alone."""
+  for entry in train_entries:
+    if entry != EMBEDDED:
+      _check_not_unfinished(entry)
   found = [(e, m) for e in train_entries for m in [read_prepared(e)] if m is not None]
   if not found:
     return None

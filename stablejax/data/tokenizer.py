@@ -13,8 +13,12 @@ Four kinds, each with an end-of-text id that separates documents:
   * ``bpe:N``: a byte-level BPE of vocabulary N trained with Hugging Face ``tokenizers`` on the
     corpus (``train_bpe``), saved as ``tokenizer.json`` and from then on loaded as a path.
 
-``decode`` renders the end-of-text id as ``<|endoftext|>`` for every kind, so
-``decode(encode(text)) == text`` for any text (without NUL characters for ``bytes``).
+``encode`` treats its text as ordinary text with every kind: a literal ``<|endoftext|>`` (or
+another special token's string) in it never becomes the end-of-text id (tiktoken's
+``encode_ordinary``; ``encode_special_tokens`` for Hugging Face tokenizers), so only the id a
+caller appends separates documents. ``decode`` renders the end-of-text id as ``<|endoftext|>`` for
+every kind, so ``decode(encode(text)) == text`` for any text (without NUL characters for
+``bytes``).
 
 Example::
 
@@ -116,6 +120,10 @@ class HFTokenizer:
     except Exception as e:  # noqa: BLE001 - the library raises a plain Exception
       raise TokenizerError(f"{str(path)!r} is not a Hugging Face tokenizer.json ({e}): give the "
                            f"tokenizer.json file of a tokenizers/transformers tokenizer") from None
+    # Text is text: a literal "<|endoftext|>" (or any special token's string) in a document is
+    # encoded as ordinary characters, like tiktoken's encode_ordinary; only the id a caller
+    # appends is end-of-text.
+    self._tok.encode_special_tokens = True
     self.path = path
     self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
     vocab = self._tok.get_vocab(with_added_tokens=True)

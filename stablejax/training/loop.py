@@ -1,7 +1,8 @@
 """The training run: set up, train with logging, eval, checkpoints and automatic recovery, summarise.
 
 Exit codes: 0 done, 2 bad config/data/checkpoints (raised as errors and reported by train.py),
-3 diverged beyond the recovery budget, 130 interrupted (SIGINT/SIGTERM; a checkpoint was saved).
+3 diverged beyond the recovery budget, 130 interrupted (SIGINT/SIGTERM/SIGHUP; a checkpoint was
+saved).
 
 A rollback is written to `recovery.json` in the run directory the moment it is decided (after the
 restore succeeded, before anything on disk changes); a run killed before its next checkpoint
@@ -574,7 +575,8 @@ class Run:
   def _install_signal_handlers(self) -> None:
     def handler(signum, frame):
       self.stop_signal = signum
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # SIGHUP too: a closed terminal (or `stablejax launch` passing one on) saves like SIGTERM.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
       signal.signal(sig, handler)
 
   # Multi-process: every process must take the same branch, or the next collective deadlocks.
