@@ -78,18 +78,65 @@ def test_sample_logits_top_k_matches_numpy():
   assert drawn <= allowed and len(drawn) >= 3
 
 
-def test_generation_past_the_context_window():
-  cfg = ModelConfig(**BASE)
+SHORT = dict(BASE, max_seq_len=8, n_layers=1)  # a short window: every prompt length is cheap
+
+
+def test_greedy_kv_cache_uses_the_whole_window_for_every_prompt_length():
+  # While prompt + generated tokens fit in the window W, the cached decoder must give what full
+  # recomputation gives: for a P-token prompt that is W - P + 1 tokens, the last one drawn from a
+  # context of exactly W tokens (P = W: one token from the full window).
+  cfg = ModelConfig(**SHORT)
+  window = cfg.max_seq_len
   params = init(cfg)
-  prompt = list(range(1, 41))  # longer than max_seq_len: its last 31 tokens are kept
-  out = Generator(cfg).generate(params, prompt, 50, temperature=0.0)[0].tolist()
-  assert len(out) == 50
-  ref, _ = greedy_reference(cfg, params, prompt[-31:], 1)
-  assert out[0] == ref[0]
-  # After the first token the cache is full; the last 16 tokens are prefilled and greedy
-  # decoding continues from that context.
-  ref2, _ = greedy_reference(cfg, params, (prompt[-31:] + out[:1])[-16:], 5)
-  assert out[1:6] == ref2
+  gen = Generator(cfg)
+  rng = np.random.default_rng(0)
+  for length in range(1, window + 1):
+    prompt = rng.integers(1, cfg.vocab_size, size=length).tolist()
+    n_new = window - length + 1
+    want, _ = greedy_reference(cfg, params, prompt, n_new)
+    got = gen.generate(params, prompt, n_new, temperature=0.0)[0].tolist()
+    assert got == want, f"prompt length {length}"
+
+
+_FORWARD: dict = {}
+
+
+def _forward(cfg):
+  """One jitted forward pass per model config, so the reference compiles once."""
+  key = repr(cfg)
+  if key not in _FORWARD:
+    _FORWARD[key] = jax.jit(GPT(cfg).apply)
+  return _FORWARD[key]
+
+
+def windowed_reference(cfg, params, prompt, n_new):
+  """Greedy decoding by full recomputation under the documented policy past the window W: the
+  context is the last W tokens of the prompt; once a token would need W + 1 tokens of context,
+  it restarts from the last W // 2 tokens and grows again."""
+  apply = _forward(cfg)
+  window, keep = cfg.max_seq_len, cfg.max_seq_len // 2
+  ids = list(prompt)
+  start = max(0, len(ids) - window)
+  for _ in range(n_new):
+    if len(ids) - start > window:
+      start = len(ids) - keep
+    context = ids[start:]
+    padded = np.zeros((1, window), np.int32)
+    padded[0, :len(context)] = context
+    logits = np.asarray(apply({"params": params}, jnp.asarray(padded)))[0, len(context) - 1]
+    ids.append(int(np.argmax(logits)))
+  return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 20])
+def test_generation_past_the_context_window_follows_the_stated_policy(length):
+  cfg = ModelConfig(**SHORT)
+  params = init(cfg)
+  prompt = np.random.default_rng(length).integers(1, cfg.vocab_size, size=length).tolist()
+  n_new = 3 * cfg.max_seq_len + 5  # several re-prefills
+  got = Generator(cfg).generate(params, prompt, n_new, temperature=0.0)[0].tolist()
+  assert got == windowed_reference(cfg, params, prompt, n_new)
+  assert len(set(got)) > 2
 
 
 def test_sample_cli_errors(tmp_path, capsys):
