@@ -26,6 +26,10 @@ def test_plan_total_steps_arithmetic():
   t.diagnostics_seconds = 1.5  # every 50 steps: + 0.03 s per step
   assert plan_total_steps(600, 30, t, eval_every=100, checkpoint_every=200, max_steps=10**9,
                           diagnostics_every=50) == math.floor(514 / 0.58)
+  # A sample of 2 s every 25 steps: + 0.08 s per step, and the final sample's 2 s. No cap.
+  t.sample_seconds = 2.0
+  assert plan_total_steps(600, 30, t, eval_every=100, checkpoint_every=200, max_steps=None,
+                          diagnostics_every=50, sample_every=25) == math.floor(512 / 0.66)
 
 
 def test_out_of_time_guards_the_budget():

@@ -47,23 +47,27 @@ class BudgetError(ConfigError):
 @dataclasses.dataclass
 class Timings:
   step_seconds: float      # one compiled train step, data included
-  eval_seconds: float      # one evaluation (all eval batches, plus the sample if enabled)
+  eval_seconds: float      # one evaluation (all eval batches)
   save_seconds: float      # one checkpoint save, waited for
   compile_seconds: float   # compiling the train and eval steps (paid again once the schedule is fixed)
   diagnostics_seconds: float = 0.0  # one run of the periodic diagnostics (activations, grad norms)
+  sample_seconds: float = 0.0       # one printed sample (logging.sample_*; 0 when off)
 
 
 def plan_total_steps(budget_seconds: float, elapsed_seconds: float, t: Timings, *,
-                     eval_every: int, checkpoint_every: int, max_steps: int,
-                     diagnostics_every: int = 0, safety: float = SAFETY) -> int:
+                     eval_every: int, checkpoint_every: int, max_steps: Optional[int],
+                     diagnostics_every: int = 0, sample_every: int = 0,
+                     safety: float = SAFETY) -> int:
   """Total steps that fit: start-up + recompile + N x (step + eval/eval_every + save/ckpt_every
-  + diagnostics/diagnostics_every) + the final eval and save <= safety x budget. Capped at
-  ``max_steps``; may be <= 0."""
+  + diagnostics/diagnostics_every + sample/sample_every) + the final eval, sample and save
+  <= safety x budget. Capped at ``max_steps`` (None: no cap); may be <= 0."""
   available = (safety * budget_seconds - elapsed_seconds - t.compile_seconds
-               - t.eval_seconds - t.save_seconds)
+               - t.eval_seconds - t.sample_seconds - t.save_seconds)
   per_step = (t.step_seconds + t.eval_seconds / eval_every + t.save_seconds / checkpoint_every
-              + (t.diagnostics_seconds / diagnostics_every if diagnostics_every else 0.0))
-  return int(min(max_steps, math.floor(available / per_step)))
+              + (t.diagnostics_seconds / diagnostics_every if diagnostics_every else 0.0)
+              + (t.sample_seconds / sample_every if sample_every else 0.0))
+  steps = math.floor(available / per_step)
+  return int(steps if max_steps is None else min(max_steps, steps))
 
 
 def _timed(fn, *args) -> float:
@@ -105,11 +109,12 @@ def measure(run) -> Timings:
   eval_compile = _timed(evaluate)  # compiles; the run compiles its eval step again
   eval_seconds = _timed(evaluate)
   compile_seconds += max(0.0, eval_compile - eval_seconds)
+  sample_seconds = 0.0
   if run.sampler is not None:
     run.sampler(state.params, 0)  # compiles
     t0 = time.perf_counter()
     run.sampler(state.params, 0)
-    eval_seconds += time.perf_counter() - t0
+    sample_seconds = time.perf_counter() - t0
 
   scratch = Path(run.out_dir) / "budget_probe"
   shutil.rmtree(scratch, ignore_errors=True)
@@ -134,13 +139,20 @@ def measure(run) -> Timings:
       diagnostics_seconds = _timed(diagnose)
       compile_seconds += max(0.0, first - diagnostics_seconds)
   del state
-  return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds)
+  return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds,
+                 sample_seconds)
 
 
 def _diagnostics_every(cfg) -> int:
   """Steps between diagnostics runs (the more frequent of the two kinds; 0 when off)."""
   every = [n for n in (cfg.logging.activation_every, cfg.logging.histogram_every) if n]
   return min(every) if every else 0
+
+
+def _sample_every(cfg) -> int:
+  """Steps between printed samples (logging.sample_every; None: every eval; 0 when off)."""
+  every = cfg.logging.sample_every
+  return cfg.train.eval_every if every is None else every
 
 
 class Budget:
@@ -185,7 +197,8 @@ class Budget:
     steps = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
                              eval_every=cfg.train.eval_every,
                              checkpoint_every=cfg.checkpoint.every, max_steps=cfg.train.steps,
-                             diagnostics_every=_diagnostics_every(cfg))
+                             diagnostics_every=_diagnostics_every(cfg),
+                             sample_every=_sample_every(cfg))
     # Every process measured its own timings: all take the smallest count, or they would part.
     steps = -int(distributed.agree_max(np.array(-steps)))
     if steps <= cfg.train.warmup_steps:

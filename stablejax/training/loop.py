@@ -276,6 +276,8 @@ class Run:
         pending = None
       if cause is None and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
         cause = self._evaluate(step)
+      if cause is None and self._sample_due(step):
+        self._sample(step)
       if cause is None and self._diagnostics_due(step):
         self._diagnostics(step)
       if cause is None and is_ckpt:
@@ -372,15 +374,21 @@ class Run:
     if self.budget.check_target(step, val_loss):
       self.log.console(f"step {step}: val_loss below the target {self.budget.target} after "
                        f"{self.budget.time_to_target:.0f} s")
-    self._sample(step, final)
+    if final and self.sampler is not None:
+      self._sample(step)
     if final or not self.cfg.stability.recovery:
       return None
     return self._agree(self.recovery.check_val(val_loss))
 
-  def _sample(self, step: int, final: bool) -> None:
+  def _sample_due(self, step: int) -> bool:
+    """logging.sample_every: at the steps it names (None: at each eval); the final eval samples."""
     every = self.cfg.logging.sample_every
-    if self.sampler is None or not (final or every is None or step % every == 0):
-      return
+    if self.sampler is None or step >= self.cfg.train.steps:
+      return False
+    return step % (self.cfg.train.eval_every if every is None else every) == 0
+
+  def _sample(self, step: int) -> None:
+    assert self.sampler is not None
     text = self.sampler(self.state.params, step)
     self.log.console(f"step {step}: sample {json.dumps(text, ensure_ascii=False)}")
     self.log.text("samples", f"```\n{text}\n```", step)
