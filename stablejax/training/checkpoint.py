@@ -307,13 +307,13 @@ def remove_run_checkpoints(directory: Path) -> None:
     shutil.rmtree(directory)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, indent: int = 1) -> None:
   """Writes `data` to `path` so that a crash at any moment leaves the old file or the new one:
   a temporary file in the same directory, flushed to disk, then renamed over the old one."""
   path = Path(path)
   tmp = path.with_name(f".{path.name}.tmp")
   with open(tmp, "w") as f:
-    f.write(json.dumps(data, indent=1, default=float) + "\n")
+    f.write(json.dumps(data, indent=indent, default=float) + "\n")
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)

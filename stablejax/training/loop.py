@@ -32,7 +32,7 @@ from stablejax.modeling.utils import excess_kurtosis, lambda_warmup
 from stablejax.muon.describe import NoOutlierSafeMuonError
 from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
-from stablejax.training.budget import Budget, peak_memory
+from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
 from stablejax.training.generate import EvalSampler
@@ -45,6 +45,12 @@ from stablejax.training.step import TrainState, make_eval_step, make_train_step
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
+
+
+class Interrupted(Exception):
+  """SIGINT/SIGTERM during start-up: the run stopped at a safe point before its first step (the
+  message is the one line to print; exit code 130). Nothing half-written is left behind: a
+  checkpoint save or the time budget's probe in progress completes or is removed first."""
 
 # bf16 dense peak per device, for MFU on accelerators we can name; CPUs are measured instead.
 PEAK_FLOPS = {"H100": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
@@ -92,12 +98,16 @@ class Run:
     self.cfg = cfg
     self.out_dir = Path(out_dir)
     self.t_start = time.time()
+    # From here a signal stops the run at the next safe point (between start-up phases, or at a
+    # step), never in the middle of a compilation, a checkpoint save or the budget's probe.
+    self.stop_signal: Optional[int] = None
+    self._install_signal_handlers()
     distributed.initialize(cfg.mesh)  # before anything touches a JAX backend
     self.is_main = distributed.is_main()
     if fresh and self.is_main:
       for name in ("checkpoints", "damaged_checkpoints", RECOVERY_FILE, RECOVERY_FILE + ".stale",
                    "tensorboard", "metrics.jsonl", "summary.json", "report.png",
-                   "quantize_eval.json"):
+                   "quantize_eval.json", CLOCK_FILE, PROBE_DIR):
         path = self.out_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     distributed.barrier("fresh")  # no process may look for checkpoints before they are gone
@@ -110,6 +120,13 @@ class Run:
     if self.data.vocab_size > cfg.model.vocab_size:
       raise ConfigError(f"the data has {self.data.vocab_size} token ids but model.vocab_size="
                         f"{cfg.model.vocab_size}: set model.vocab_size >= {self.data.vocab_size}")
+    self._startup_check("loading the data")
+    self.budget = Budget(cfg.train, self.t_start, clock_file=self.out_dir / CLOCK_FILE)
+    if cfg.train.steps is None:
+      # The time budget fixes the count (Budget.plan) after timing the compiled step, which does
+      # not depend on it: until then the schedule is laid over a provisional count.
+      cfg = self.cfg = dataclasses.replace(
+          cfg, train=dataclasses.replace(cfg.train, steps=cfg.train.warmup_steps + 1))
 
     self.mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
@@ -119,7 +136,6 @@ class Run:
     self.bitnet_lambda = None
     if cfg.model.bitnet:
       self.bitnet_lambda = lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
-    self.budget = Budget(cfg.train, self.t_start)
     self.sampler = self._make_sampler()
 
     self.log = RunLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
@@ -130,9 +146,17 @@ class Run:
     self.checkpoints = Checkpoints(self.out_dir / "checkpoints", cfg.checkpoint.keep,
                                    cfg.checkpoint.async_save)
     self._compile()
-    self.stop_signal: Optional[int] = None
 
   # ------------------------------------------------------------------ setup
+
+  def _startup_check(self, phase: str) -> None:
+    """Raises Interrupted when a signal came during start-up (all processes agree on it)."""
+    stop = self.stop_signal or 0
+    if jax.process_count() > 1:
+      stop = int(distributed.agree_max(np.array(stop)))
+    if stop:
+      raise Interrupted(f"{signal.Signals(stop).name} during start-up ({phase}): stopped before "
+                        "the first step; run the same command to start again")
 
   def _build_optimizer(self) -> None:
     cfg, tx = self.cfg, self.custom_tx
@@ -143,7 +167,7 @@ class Run:
 
   def _apply_budget(self) -> None:
     """train.time_budget_minutes: fix the step count and lay the schedule over it (budget.py)."""
-    steps = self.budget.plan(self)
+    steps = self.budget.plan(self, self._startup_check)
     if steps is None:
       return
     if self.custom_tx is not None:
@@ -226,7 +250,18 @@ class Run:
   # ------------------------------------------------------------------ run
 
   def train(self) -> int:
-    cfg = self.cfg
+    try:
+      step = self._start()
+    except Interrupted as e:
+      self.log.console(str(e))
+      self.checkpoints.close()  # a step-0 save in flight completes
+      self.log.close()
+      return EXIT_INTERRUPTED
+    return self._train_from(step)
+
+  def _start(self) -> int:
+    """Restores or initialises the state, fixes the budget's step count and saves step 0; returns
+    the step to continue from. Raises Interrupted when a signal came in the meantime."""
     self.train_iter = self.data.train_iter()
     self.state, meta = self._restore_or_init()
     self.batches_consumed = int(meta.get("batches_consumed", 0))
@@ -235,16 +270,19 @@ class Run:
     if meta.get("monitor"):
       self.monitor.load_state_dict(meta["monitor"])
     step = int(meta.get("step", 0))
+    self._startup_check("restoring the checkpoint" if meta else "initialising the model")
     self.budget.load_state_dict(meta)
     self._apply_budget()
-    cfg = self.cfg
     if step == 0 and not self.checkpoints.all_steps():
       self._save(0)  # the initial state is good by definition: a rollback target from the start
+      self._startup_check("saving step 0")
     self._banner(step)
     self.val_batches = self._val_batches()
     self.agreed_stop: Optional[int] = None
-    self._install_signal_handlers()
+    return step
 
+  def _train_from(self, step: int) -> int:
+    cfg = self.cfg
     bar = tqdm(total=cfg.train.steps, initial=step, disable=not (self.is_main and cfg.logging.progress),
                dynamic_ncols=True, desc="train")
     pending: Optional[tuple[int, Any]] = None
@@ -252,7 +290,12 @@ class Run:
     self.t_interval, self.tokens_interval = time.time(), 0
     self.tokens_per_sec = float("nan")
     exit_code = EXIT_OK
-    while step < cfg.train.steps:
+    if step < cfg.train.steps and self._out_of_time():  # earlier segments used up the budget
+      self._stop_for_time(step, saved=step in self.checkpoints.all_steps())
+      step_limit = step
+    else:
+      step_limit = cfg.train.steps
+    while step < step_limit:
       if self._stop_requested():
         exit_code = self._interrupted(step)
         break
@@ -288,13 +331,10 @@ class Run:
                            "cause": "train loss elevated"})
         else:
           self._save(step)
+      if is_log:
+        self.budget.tick()
       if cause is None and is_log and step < cfg.train.steps and self._out_of_time():
-        self.log.console(f"warning: step {step}: stopping before the planned {cfg.train.steps} "
-                         f"steps to stay within train.time_budget_minutes (steps ran slower than "
-                         f"measured); the learning rate is not at its floor")
-        self.budget.stopped_at = step
-        if not is_ckpt and self.recovery.healthy():
-          self._save(step)
+        self._stop_for_time(step, saved=is_ckpt)
         break
       if cause is not None:
         if not (cfg.stability.recovery and self.recovery.budget_left):
@@ -452,7 +492,8 @@ class Run:
         f"({jax.process_count()} process(es)); mesh {dict(self.mesh.shape)}",
         f"data: {json.dumps(self.data.stats, default=str)}",
         f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
-        f"{cfg.train.steps} steps, warmup {cfg.train.warmup_steps}",
+        f"{cfg.train.steps} steps ({self.budget.describe_length(cfg.train.steps)}), warmup "
+        f"{cfg.train.warmup_steps}",
         f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
     ]
     try:  # the configured chain or Run(tx=...): any chain holding an outlier_safe_muon
@@ -606,6 +647,17 @@ class Run:
     """The time budget's early stop; processes read their own clocks, so they agree on it."""
     return distributed.agree_any(self.budget.out_of_time())
 
+  def _stop_for_time(self, step: int, saved: bool) -> None:
+    """Ends the run early at `step` because the budget would be exceeded (a checkpoint first)."""
+    why = ("earlier segments of this run used the rest of it" if self.budget.segments > 1
+           else "steps ran slower than measured")
+    self.log.console(f"warning: step {step}: stopping before the planned {self.cfg.train.steps} "
+                     f"steps to stay within train.time_budget_minutes ({why}); the learning rate"
+                     f" is not at its floor")
+    self.budget.stopped_at = step
+    if not saved and self.recovery.healthy():
+      self._save(step)
+
   def _stop_requested(self) -> bool:
     if jax.process_count() == 1:
       return self.stop_signal is not None
@@ -622,6 +674,7 @@ class Run:
 
   def _finish(self, step: int, exit_code: int) -> int:
     self.checkpoints.close()
+    self.budget.tick(force=True)
     wall = time.time() - self.t_start
     record = getattr(self, "last_record", {})
     skipped = _total_skips(record) + self.abandoned_skips
@@ -665,7 +718,8 @@ def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> T
 
 
 def write_config(cfg: Config, out_dir: Path) -> None:
+  """Writes the run's config.json (atomically: an interrupted write leaves the old file)."""
   distributed.initialize(cfg.mesh)  # process_index() below would otherwise start a backend
   if distributed.is_main():
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    write_json_atomic(Path(out_dir) / "config.json", to_dict(cfg), indent=2)
