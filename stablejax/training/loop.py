@@ -265,6 +265,7 @@ class Run:
     self.train_iter = self.data.train_iter()
     self.state, meta = self._restore_or_init()
     self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self._load_data_skips(meta)
     self.abandoned_skips = int(meta.get("abandoned_skips", 0))  # skips on rolled-back branches
     self.recovery.load_state_dict(meta.get("recovery", {}))
     if meta.get("monitor"):
@@ -354,6 +355,9 @@ class Run:
 
   def _next_batch(self, step: int) -> dict:
     f = self.cfg.faults
+    while self.pending_skips and self.batches_consumed >= self.pending_skips[0][0]:
+      _, last = self.pending_skips.pop(0)  # a rollback's skip, deferred until the replay got here
+      self._skip_batches(last - self.batches_consumed)
     index = self.batches_consumed  # position of this batch in the data stream
     tokens = next(self.train_iter)["tokens"]
     self.batches_consumed += 1
@@ -368,6 +372,24 @@ class Run:
       grad_scale = f.grad_scale_factor
     return {"tokens": self._device_tokens(np.asarray(tokens, np.int32)),
             "grad_scale": np.float32(grad_scale)}
+
+  def _load_data_skips(self, meta: dict) -> None:
+    """The deferred data skips and the data position of each older checkpoint, as a restored
+    checkpoint recorded them (empty for a fresh run or a checkpoint that predates them)."""
+    self.pending_skips: list[tuple[int, int]] = sorted(
+        (int(a), int(b)) for a, b in meta.get("pending_skips", []))
+    known = {int(k): int(v) for k, v in meta.get("checkpoint_batches", {}).items()}
+    if "step" in meta:
+      known[int(meta["step"])] = int(meta.get("batches_consumed", 0))
+    self.checkpoint_batches: dict[int, int] = known
+
+  def _schedule_skip(self, first: int, last: int) -> None:
+    """Skips data batches [first, last): now when the stream is at `first` or past it, else once
+    the replay reaches `first` (the batches before it were good)."""
+    if self.batches_consumed >= first:
+      self._skip_batches(last - self.batches_consumed)
+    else:
+      self.pending_skips = sorted(self.pending_skips + [(first, last)])
 
   def _skip_batches(self, n: int) -> None:
     """Advances the data stream by `n` batches without training on them."""
@@ -508,7 +530,12 @@ class Run:
   # ------------------------------------------------------------------ checkpoints and recovery
 
   def _meta(self, step: int) -> dict:
+    self.checkpoint_batches[step] = self.batches_consumed
+    on_disk = set(self.checkpoints.all_steps()) | {step}
     return {"step": step, "batches_consumed": self.batches_consumed,
+            "pending_skips": [list(r) for r in self.pending_skips],
+            "checkpoint_batches": {str(s): b for s, b in sorted(self.checkpoint_batches.items())
+                                   if s in on_disk},
             "abandoned_skips": self.abandoned_skips,
             "recovery": self.recovery.state_dict(), "monitor": self.monitor.state_dict(),
             **self.budget.state_dict(), "good": True}
@@ -554,11 +581,13 @@ class Run:
                               "--fresh to start over")
     self.checkpoints.delete_after(int(meta["step"]))
     self.batches_consumed = int(meta.get("batches_consumed", 0))
-    self._skip_batches(event.skipped_batches[1] - self.batches_consumed)
+    self._load_data_skips(meta)
+    self._schedule_skip(*event.skipped_batches)
     self.log.console(f"re-applying rollback {len(decision['recovery']['events'])} "
                      f"({event.describe()}) recorded in {RECOVERY_FILE}")
     state = self.set_lr_backoff(state, jnp.float32(event.lr_scale), jnp.int32(meta["step"]))
     meta = {**meta, "batches_consumed": self.batches_consumed,
+            "pending_skips": [list(r) for r in self.pending_skips],
             "abandoned_skips": decision["abandoned_skips"], "recovery": decision["recovery"],
             "monitor": decision["monitor"]}
     return state, meta
@@ -586,8 +615,14 @@ class Run:
     restored_step = int(meta["step"])
     restored_metrics = self._state_metrics(self.state)
     self.abandoned_skips += max(0, _total_skips(record) - _total_skips(restored_metrics))
-    self.batches_consumed = first_skipped = int(meta.get("batches_consumed", 0))
-    self._skip_batches(failed_at - first_skipped)
+    # The data to skip is what was read since the target checkpoint. When the target was damaged
+    # and an older one restored, the batches between the two were good: they are replayed, and
+    # the skip waits until the stream reaches the target's position.
+    target_batches = self.checkpoint_batches.get(target) if target is not None else None
+    self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self._load_data_skips(meta)
+    first_skipped = self.batches_consumed if target_batches is None else target_batches
+    self._schedule_skip(first_skipped, failed_at)
     # The LR that failed, backed off; it returns to 1.0 over stability.lr_recovery_steps.
     lr_scale = float(record.get("lr_scale", 1.0)) * self.cfg.stability.emergency_lr_factor
     self.state = self.set_lr_backoff(self.state, jnp.float32(lr_scale), jnp.int32(restored_step))
