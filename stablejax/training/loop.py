@@ -32,6 +32,7 @@ from stablejax.modeling.utils import excess_kurtosis, lambda_warmup
 from stablejax.muon.describe import NoOutlierSafeMuonError
 from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
+from stablejax.training import runs
 from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
@@ -165,6 +166,19 @@ class Run:
     # Logged as "lr": the main learning rate (Muon's, or AdamW's) with the recovery's backoff.
     self.schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
 
+  def _record_tokenizer(self, resuming: bool) -> None:
+    """RUN_DIR/tokenizer/: what decoding this run needs (runs.write_tokenizer_record). A resumed
+    run's data must have the tokenizer it recorded (then the record is written again, the same,
+    which restores a deleted copy)."""
+    try:
+      problem = runs.tokenizer_mismatch(self.out_dir, self.cfg.data) if resuming else None
+      if problem:
+        raise ConfigError(problem)
+      if self.is_main:
+        runs.write_tokenizer_record(self.out_dir, self.cfg.data)
+    except runs.RunError as e:
+      raise ConfigError(str(e)) from None
+
   def _apply_budget(self) -> None:
     """train.time_budget_minutes: fix the step count and lay the schedule over it (budget.py)."""
     steps = self.budget.plan(self, self._startup_check)
@@ -271,6 +285,7 @@ class Run:
     if meta.get("monitor"):
       self.monitor.load_state_dict(meta["monitor"])
     step = int(meta.get("step", 0))
+    self._record_tokenizer(resuming=bool(meta))
     self._startup_check("restoring the checkpoint" if meta else "initialising the model")
     self.budget.load_state_dict(meta)
     self._apply_budget()
