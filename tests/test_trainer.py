@@ -165,7 +165,8 @@ def test_ctrl_c_during_startup_exits_130_with_one_line_and_nothing_half_written(
       proc.wait()
   assert proc.returncode == 130, stderr[-3000:]
   assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
-  lines = [line for line in (stdout + stderr).splitlines() if "SIGINT" in line or "interrupt" in line]
+  lines = [line for line in (stdout + stderr).splitlines()
+           if "SIGINT" in line or "interrupt" in line]
   assert len(lines) == 1, lines
   assert not (out / "budget_probe").exists()
   steps = [p for p in (out / "checkpoints").iterdir() if p.name.isdigit()] \

@@ -30,7 +30,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +52,8 @@ class Timings:
   step_seconds: float      # one compiled train step, data included
   eval_seconds: float      # one evaluation (all eval batches)
   save_seconds: float      # one checkpoint save, waited for
-  compile_seconds: float   # compiling the train and eval steps (paid again once the schedule is fixed)
+  compile_seconds: float   # compiling the train and eval steps (paid again once the schedule
+                           # is fixed)
   diagnostics_seconds: float = 0.0  # one run of the periodic diagnostics (activations, grad norms)
   sample_seconds: float = 0.0       # one printed sample (logging.sample_*; 0 when off)
 
@@ -82,7 +83,7 @@ def _timed(fn, *args) -> float:
 PROBE_DIR = "budget_probe"  # scratch checkpoint directory of the measured save, in the run dir
 
 
-def measure(run, check: Callable[[str], None] = lambda phase: None) -> Timings:
+def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timings:
   """Times the run's compiled step, an eval, a sample and a save without changing the run.
 
   Steps run on a copy of ``run.state`` with batches from a fresh data iterator; the save goes to
@@ -156,7 +157,6 @@ def measure(run, check: Callable[[str], None] = lambda phase: None) -> Timings:
     diagnostics_seconds = _timed(diagnose)
     compile_seconds += max(0.0, first - diagnostics_seconds)
     check(phase)
-  del state, params
   return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds,
                  sample_seconds)
 
@@ -167,7 +167,7 @@ def _diagnostics_every(cfg) -> int:
   return min(every) if every else 0
 
 
-def _sample_every(cfg) -> int:
+def _sample_every(cfg: Any) -> int:
   """Steps between printed samples (logging.sample_every; None: every eval; 0 when off)."""
   every = cfg.logging.sample_every
   return cfg.train.eval_every if every is None else every
@@ -188,7 +188,7 @@ class Budget:
   runs out (``out_of_time``).
   """
 
-  def __init__(self, train_cfg, t_start: float, clock_file: Optional[Path] = None):
+  def __init__(self, train_cfg: Any, t_start: float, clock_file: Optional[Path] = None):
     self.budget_minutes = train_cfg.time_budget_minutes
     self.max_steps: Optional[int] = train_cfg.steps  # None: the budget alone fixes the count
     self.target = train_cfg.target_val_loss
@@ -249,7 +249,7 @@ class Budget:
                                         "segments": self.segments})
     self._clock_written = now
 
-  def plan(self, run, check: Callable[[str], None] = lambda phase: None) -> Optional[int]:
+  def plan(self, run: Any, check: Callable[[str], None] = lambda phase: None) -> Optional[int]:
     """The total step count (measured now, or the one a checkpoint stored); None without budget.
 
     Without a cap (``train.steps`` null) the count is what fits in the budget; with one, the

@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +117,7 @@ def _segment_fn(model_cfg_json: str, top_k: int, valid_vocab: int):
 
 
 @functools.lru_cache(maxsize=8)
-def _forward_fn(model_cfg_json: str):
+def _forward_fn(model_cfg_json: str) -> Callable[..., Any]:
   """The jitted full forward pass of one model config (cached: one compilation per shape)."""
   model = GPT(ModelConfig(**json.loads(model_cfg_json)))
   return jax.jit(model.apply)

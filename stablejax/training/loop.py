@@ -150,6 +150,13 @@ class Run:
 
   # ------------------------------------------------------------------ setup
 
+  @property
+  def total_steps(self) -> int:
+    """The run's step count: train.steps, or the time budget's count once it is planned."""
+    steps = self.cfg.train.steps
+    assert steps is not None  # __init__ replaces null (the budget's to fix) with a provisional one
+    return steps
+
   def _startup_check(self, phase: str) -> None:
     """Raises Interrupted when a signal came during start-up (all processes agree on it)."""
     stop = self.stop_signal or 0
@@ -298,19 +305,19 @@ class Run:
     return step
 
   def _train_from(self, step: int) -> int:
-    cfg = self.cfg
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (self.is_main and cfg.logging.progress),
+    cfg, total = self.cfg, self.total_steps
+    bar = tqdm(total=total, initial=step, disable=not (self.is_main and cfg.logging.progress),
                dynamic_ncols=True, desc="train")
     pending: Optional[tuple[int, Any]] = None
     save_deferred = False  # a checkpoint step came while the loss was elevated
     self.t_interval, self.tokens_interval = time.time(), 0
     self.tokens_per_sec = float("nan")
     exit_code = EXIT_OK
-    if step < cfg.train.steps and self._out_of_time():  # earlier segments used up the budget
+    if step < total and self._out_of_time():  # earlier segments used up the budget
       self._stop_for_time(step, saved=step in self.checkpoints.all_steps())
       step_limit = step
     else:
-      step_limit = cfg.train.steps
+      step_limit = total
     while step < step_limit:
       if self._stop_requested():
         exit_code = self._interrupted(step)
@@ -326,14 +333,14 @@ class Run:
       cause = self._log(*pending, bar) if pending else None
       pending = None
       is_log = step % cfg.train.log_every == 0
-      is_ckpt = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or (
+      is_ckpt = step % cfg.checkpoint.every == 0 or step == total or (
           save_deferred and is_log)
       if is_log or is_ckpt:
         pending = (step, metrics)
       if is_ckpt and cause is None:
         cause = self._log(*pending, bar)  # a checkpoint needs this step's health now
         pending = None
-      if cause is None and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+      if cause is None and step % cfg.train.eval_every == 0 and step < total:
         cause = self._evaluate(step)
       if cause is None and self._sample_due(step):
         self._sample(step)
@@ -349,7 +356,7 @@ class Run:
           self._save(step)
       if is_log:
         self.budget.tick()
-      if cause is None and is_log and step < cfg.train.steps and self._out_of_time():
+      if cause is None and is_log and step < total and self._out_of_time():
         self._stop_for_time(step, saved=is_ckpt)
         break
       if cause is not None:
@@ -357,7 +364,7 @@ class Run:
           exit_code = self._diverged(step, cause)
           break
         step = self._rollback(step, cause)
-        bar.reset(total=cfg.train.steps)
+        bar.reset(total=total)
         bar.update(step)
         pending = None
         save_deferred = False
@@ -460,7 +467,7 @@ class Run:
   def _sample_due(self, step: int) -> bool:
     """logging.sample_every: at the steps it names (None: at each eval); the final eval samples."""
     every = self.cfg.logging.sample_every
-    if self.sampler is None or step >= self.cfg.train.steps:
+    if self.sampler is None or step >= self.total_steps:
       return False
     return step % (self.cfg.train.eval_every if every is None else every) == 0
 
@@ -529,7 +536,7 @@ class Run:
         f"({jax.process_count()} process(es)); mesh {dict(self.mesh.shape)}",
         f"data: {json.dumps(self.data.stats, default=str)}",
         f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
-        f"{cfg.train.steps} steps ({self.budget.describe_length(cfg.train.steps)}), warmup "
+        f"{self.total_steps} steps ({self.budget.describe_length(self.total_steps)}), warmup "
         f"{cfg.train.warmup_steps}",
         f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
     ]

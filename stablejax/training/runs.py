@@ -26,7 +26,10 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+  from stablejax.data.pipeline import DataConfig
 
 import numpy as np
 
@@ -165,7 +168,7 @@ TOKENIZER_RECORD = "record.json"
 TOKENIZER_COPY = "tokenizer.json"  # a Hugging Face tokenizer's own file
 
 
-def tokenizer_record(data_cfg) -> tuple[dict, Optional[Path]]:
+def tokenizer_record(data_cfg: "DataConfig") -> tuple[dict, Optional[Path]]:
   """What decoding a run on `data_cfg` needs: the tokenizer's identity (as the prepared
   directory's ``meta.json`` names it, or ``bytes`` for text; ``kind`` None for plain ``.bin``
   files) and, for a Hugging Face tokenizer, the file to carry.
@@ -229,7 +232,7 @@ def read_tokenizer_record(run_dir: str | Path) -> Optional[dict]:
   return record
 
 
-def write_tokenizer_record(run_dir: str | Path, data_cfg) -> None:
+def write_tokenizer_record(run_dir: str | Path, data_cfg: "DataConfig") -> None:
   """Records the tokenizer of `data_cfg` in the run directory (the trainer, at the start of a
   run): the Hugging Face file is copied first, the record written last, both atomically (a
   temporary file renamed over the old one), so an interrupted write leaves the old record or
@@ -248,7 +251,7 @@ def write_tokenizer_record(run_dir: str | Path, data_cfg) -> None:
   write_json_atomic(directory / TOKENIZER_RECORD, record)
 
 
-def tokenizer_mismatch(run_dir: str | Path, data_cfg) -> Optional[str]:
+def tokenizer_mismatch(run_dir: str | Path, data_cfg: "DataConfig") -> Optional[str]:
   """Why the data's tokenizer is not the one the run recorded (one line), or None (the same, or
   nothing recorded yet). A resumed run on data of another tokenizer would train on other ids."""
   recorded = read_tokenizer_record(run_dir)
@@ -263,7 +266,7 @@ def tokenizer_mismatch(run_dir: str | Path, data_cfg) -> Optional[str]:
           "or pass --fresh to start a new run")
 
 
-def _from_record(run_dir: Path, record: dict):
+def _from_record(run_dir: Path, record: dict) -> Any:
   """The tokenizer a record names, loaded from the run directory's own copy."""
   from stablejax.data import tokenizer as tokenizer_lib
   path = run_dir / TOKENIZER_DIR / TOKENIZER_RECORD
@@ -290,15 +293,16 @@ def _from_record(run_dir: Path, record: dict):
   else:
     raise RunError(f"{path} names an unknown tokenizer kind {kind!r}: pass --tokenizer")
   try:
-    tok = (tokenizer_lib.HFTokenizer(spec, record.get("eot_token")) if kind == "hf"
-           else tokenizer_lib.get_tokenizer(spec))
+    tok: Any = (tokenizer_lib.HFTokenizer(spec, record.get("eot_token")) if kind == "hf"
+                else tokenizer_lib.get_tokenizer(spec))
   except tokenizer_lib.TokenizerError as e:
     raise RunError(str(e)) from None
   tok.start_ids = list(record.get("start_ids") or [tok.eot_id])
   return tok
 
 
-def run_tokenizer(cfg, spec: Optional[str] = None, run_dir: Optional[str | Path] = None):
+def run_tokenizer(cfg: Any, spec: Optional[str] = None,
+                  run_dir: Optional[str | Path] = None) -> Any:
   """The tokenizer to decode a run with, with its ``start_ids`` (the prompt of an empty sample).
 
   In order: ``spec`` (``--tokenizer``), which must be the one the run recorded if it recorded
