@@ -282,15 +282,17 @@ class Budget:
     self.fixed_by = "train.steps" if steps < fits else "time_budget"
     return steps
 
-  def out_of_time(self) -> bool:
+  def out_of_time(self, recent_step_seconds: Optional[float] = None) -> bool:
     """Whether another step, the final eval and sample and the final save would end past the
     budget (the plan was made for a faster or quieter machine, or earlier segments of a resumed
     run used part of it): the run then stops early, with a warning, and its learning rate does
-    not reach the floor."""
+    not reach the floor. A step takes the measured time, or `recent_step_seconds` (the steps
+    since the previous check) when that is longer."""
     if not self.active or self.timings is None:
       return False
     t = self.timings
-    return (self.elapsed() + t.step_seconds + t.eval_seconds + t.sample_seconds + t.save_seconds
+    step = max(t.step_seconds, recent_step_seconds or 0.0)
+    return (self.elapsed() + step + t.eval_seconds + t.sample_seconds + t.save_seconds
             > self.budget_minutes * 60.0)
 
   def describe_length(self, steps: int) -> str:

@@ -301,6 +301,13 @@ class Run:
       self._startup_check("saving step 0")
     self._banner(step)
     self.val_batches = self._val_batches()
+    if self.budget.active and self.val_batches:
+      # Compile the eval (and sample) now, at start-up: the budget's margin for the final eval
+      # holds their compiled times, and a resumed segment has not compiled them yet.
+      jax.block_until_ready(self.eval_step(self.state.params, self.val_batches[0], np.int32(step)))
+      if self.sampler is not None:
+        self.sampler(self.state.params, step)
+      self._startup_check("compiling the evaluation")
     self.agreed_stop: Optional[int] = None
     return step
 
@@ -313,6 +320,7 @@ class Run:
     self.t_interval, self.tokens_interval = time.time(), 0
     self.tokens_per_sec = float("nan")
     exit_code = EXIT_OK
+    self.time_check = (time.time(), step)  # the steps since the last out-of-time check, timed
     if step < total and self._out_of_time():  # earlier segments used up the budget
       self._stop_for_time(step, saved=step in self.checkpoints.all_steps())
       step_limit = step
@@ -356,7 +364,7 @@ class Run:
           self._save(step)
       if is_log:
         self.budget.tick()
-      if cause is None and is_log and step < total and self._out_of_time():
+      if cause is None and is_log and step < total and self._out_of_time(step):
         self._stop_for_time(step, saved=is_ckpt)
         break
       if cause is not None:
@@ -700,9 +708,17 @@ class Run:
       cause = "a rollback trigger on another process"
     return cause
 
-  def _out_of_time(self) -> bool:
-    """The time budget's early stop; processes read their own clocks, so they agree on it."""
-    return distributed.agree_any(self.budget.out_of_time())
+  def _out_of_time(self, step: Optional[int] = None) -> bool:
+    """The time budget's early stop; processes read their own clocks, so they agree on it. The
+    next step is taken to last as long as the steps since the previous check did, if longer than
+    measured (a busier machine, or a resumed run on a slower one)."""
+    recent = None
+    if step is not None:
+      (then, previous), now = self.time_check, time.time()
+      if step > previous:
+        recent = (now - then) / (step - previous)
+      self.time_check = (now, step)
+    return distributed.agree_any(self.budget.out_of_time(recent))
 
   def _stop_for_time(self, step: int, saved: bool) -> None:
     """Ends the run early at `step` because the budget would be exceeded (a checkpoint first)."""
