@@ -133,6 +133,7 @@ class Run:
     mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
     self.model = GPT(cfg.model)
     self.custom_tx = tx
+    self._load_data_skips({})  # none yet: the restored checkpoint's replace them (_start)
     self._build_optimizer()
     self.bitnet_lambda = None
     if cfg.model.bitnet:
