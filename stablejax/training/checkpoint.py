@@ -168,7 +168,36 @@ def fingerprint_matches(expected, actual) -> bool:
 
 
 class Checkpoints:
-  """A thin layer over `ocp.CheckpointManager` with items `state`, `data` and `meta`."""
+  """The run's checkpoints: an Orbax ``CheckpointManager`` with items ``state``, ``data``, ``meta``.
+
+  ``state`` is the train state (any pytree of arrays, sharded or not), ``data`` the Grain
+  iterator's position, so a resumed run reads the same batches, and ``meta`` a JSON dict (with the
+  step and a fingerprint of the state, checked on restore). Saves are asynchronous; the newest
+  ``keep`` are kept. :meth:`restore` falls back past checkpoints proven damaged and moves them to
+  ``damaged_checkpoints/``; any other read error stops with nothing moved.
+
+  Args:
+    directory: where the checkpoints live (created if missing).
+    keep: how many checkpoints to keep.
+    async_save: save in the background (the next save or :meth:`wait` waits for it).
+
+  Example:
+    >>> import pathlib, tempfile, jax, jax.numpy as jnp
+    >>> from stablejax.data.pipeline import DataConfig, build_data
+    >>> from stablejax.training.checkpoint import Checkpoints
+    >>> data = build_data(DataConfig(), seq_len=16, batch_size=2, seed=0)
+    >>> batches = data.train_iter()
+    >>> _ = next(batches), next(batches)
+    >>> ckpts = Checkpoints(pathlib.Path(tempfile.mkdtemp()), keep=2)
+    >>> state = {"w": jnp.arange(3.0)}
+    >>> ckpts.save(2, state, batches, {"note": "two batches read"})
+    >>> ckpts.wait()
+    >>> fresh = data.train_iter()
+    >>> restored, meta = ckpts.restore(jax.eval_shape(lambda: state), fresh)
+    >>> restored["w"].tolist(), meta["step"], fresh.get_state()
+    ([0.0, 1.0, 2.0], 2, {'next_index': 2})
+    >>> ckpts.close()
+  """
 
   def __init__(self, directory: Path, keep: int, async_save: bool = True):
     self.directory = Path(directory).absolute()
