@@ -166,6 +166,19 @@ class FaultsConfig:
 
 @dataclasses.dataclass
 class Config:
+  """A training run's whole configuration: one dataclass per section of the JSON file.
+
+  Build it with `load_config` (a JSON file plus ``section.key=value`` overrides, checked and with
+  one-line errors) rather than by hand; `Run` trains it.
+
+  Example:
+    >>> from stablejax.training.config import Config, load_config
+    >>> cfg = load_config(None, ["model.n_layers=2", "optimizer.name=adamw"])
+    >>> isinstance(cfg, Config), cfg.model.n_layers, cfg.optimizer.name
+    (True, 2, 'adamw')
+    >>> cfg.train.steps == Config().train.steps  # untouched keys keep their defaults
+    True
+  """
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -321,6 +334,23 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
   A time budget in the file or the overrides owns the step count unless ``train.steps`` is given
   in the same place or later (`config_from_dict`).
+
+  Raises:
+    ConfigError: a missing or invalid file, an unknown key or a bad value (one line naming it).
+
+  Example:
+    >>> import json, pathlib, tempfile
+    >>> from stablejax.training.config import ConfigError, load_config
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "tiny.json"
+    >>> _ = path.write_text(json.dumps({"model": {"d_model": 64, "n_layers": 2}}))
+    >>> cfg = load_config(path, ["model.n_layers=3"])  # overrides win over the file
+    >>> cfg.model.d_model, cfg.model.n_layers
+    (64, 3)
+    >>> try:
+    ...   load_config(path, ["model.n_layer=3"])
+    ... except ConfigError as e:
+    ...   print(e)
+    --set model.n_layer: no such config key; see configs/default.json for the keys
   """
   raw: dict = {}
   if path is not None:

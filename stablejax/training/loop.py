@@ -90,7 +90,27 @@ def _fetch(tree) -> dict:
 
 
 class Run:
-  """One training run in `out_dir`; `Run(cfg, out_dir, fresh).train()` returns the exit code."""
+  """One training run in `out_dir`; `Run(cfg, out_dir, fresh).train()` returns the exit code.
+
+  The exit codes are train.py's: 0 done, 2 bad config/data/checkpoints, 3 diverged beyond the
+  recovery budget, 130 interrupted (checkpoint saved). `out_dir` receives the checkpoints,
+  ``metrics.jsonl``, ``summary.json`` and the TensorBoard logs; a checkpoint there resumes.
+
+  Example:
+    >>> import contextlib, io, json, pathlib, tempfile
+    >>> from stablejax.training.config import load_config
+    >>> from stablejax.training.loop import Run
+    >>> cfg = load_config(None, [
+    ...     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
+    ...     "train.seq_len=16", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
+    ...     "train.eval_every=4", "train.eval_batches=1", "train.peak_flops_per_device=1e12",
+    ...     "logging.sample_every=0", "logging.progress=false", "checkpoint.every=4"])
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> with contextlib.redirect_stdout(io.StringIO()):
+    ...   code = Run(cfg, out).train()
+    >>> code, json.loads((out / "summary.json").read_text())["steps"]
+    (0, 4)
+  """
 
   def __init__(self, cfg: Config, out_dir: Path, fresh: bool = False,
                tx: Optional[optax.GradientTransformationExtraArgs] = None):
