@@ -7,7 +7,7 @@ values. Statistics are always kept in float32, whatever the gradient dtype.
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,8 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 def safe_increment(count: jax.Array) -> jax.Array:
   """int32 counter + 1 that saturates instead of overflowing (optax's)."""
-  return optax.safe_increment(count)
+  # optax annotates its result as ArrayLike; it is always an Array (asarray does not copy it).
+  return jnp.asarray(optax.safe_increment(count))
 
 
 def is_concrete_number(value: Any) -> bool:
@@ -64,7 +65,7 @@ def is_concrete_number(value: Any) -> bool:
   return isinstance(value, numbers.Number) and not isinstance(value, bool)
 
 
-def check(name: str, value: Any, ok, requirement: str) -> None:
+def check(name: str, value: Any, ok: Callable[[Any], bool], requirement: str) -> None:
   """Raises ``ValueError`` if a concrete ``value`` fails ``ok(value)``.
 
   Traced values (e.g. from ``optax.inject_hyperparams``) are not checked.
@@ -75,7 +76,7 @@ def check(name: str, value: Any, ok, requirement: str) -> None:
     raise ValueError(f"{name}={value!r} is invalid: {requirement}.")
 
 
-def extra_arg_scalar(extra_args: dict, name: str) -> jax.Array | None:
+def extra_arg_scalar(extra_args: Mapping[str, Any], name: str) -> jax.Array | None:
   """Returns ``extra_args[name]`` as a float32 array, or None if absent."""
   value = extra_args.get(name)
   if value is None:
