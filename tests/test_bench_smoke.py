@@ -290,7 +290,17 @@ def _stress_tx(defence, variants=None):
                          [d for d in stress.DEFENCES if d not in ("clip1", "muon_clip1")])
 def test_each_stress_defence_builds_the_chain_it_names(defence):
   cfg, kind, tx = _stress_tx(defence)
-  present, absent = EXPECTED["stablejax+muon" if defence == "stablejax_muon" else defence]
+  stack = "stablejax+muon" if "muon" in defence else "stablejax"
+  if "qkclip" in defence:  # the stack with QK-clip at the end, at the tau its name says
+    present, absent = EXPECTED[stack]
+    present = present | {"QKClipState"}
+    tau = {"stablejax_qkclip": stress.QK_TAU, "stablejax_muon_qkclip": stress.QK_TAU}.get(
+        defence, float(defence.rsplit("qkclip", 1)[1] or 0))
+    assert cfg.stability.qk_clip_tau == tau
+  else:
+    present, absent = EXPECTED[stack if defence == "stablejax_muon" else defence]
+    if defence in ("stablejax", "stablejax_muon"):
+      absent = absent | {"QKClipState"}
   types = _state_types(tx)
   assert present <= types, present - types
   assert not (absent & types), absent & types
