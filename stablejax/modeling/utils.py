@@ -94,7 +94,8 @@ def init_new_token_embeddings(params: Any, token_ids: Sequence[int] | np.ndarray
   return rewrap(new)
 
 
-def lambda_warmup(steps: int, schedule: str = "linear") -> optax.Schedule:
+def lambda_warmup(steps: int, schedule: str = "linear"
+                  ) -> Callable[[jax.typing.ArrayLike], jax.Array]:
   """Ramp of the BitNet quantisation strength lambda from 0 to 1 over ``steps`` steps.
 
   ``linear``: ``lambda(s) = min(s / steps, 1)``. ``cosine``: ``lambda(s) = (1 - cos(pi *
