@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
 
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, warnings
@@ -83,8 +84,8 @@ _SCRIPT = textwrap.dedent("""
     metrics = {k: float(v) for k, v in stablejax.stability_metrics(optimizer.opt_state).items()
                if np.ndim(v) == 0}
     print(json.dumps({"losses": losses, "ref_losses": ref_losses, "specs": specs,
-                      "specs_at_init": specs_at_init, "max_rel_diff": max(diffs)[0], "worst": sorted(diffs)[-4:],
-                      "metrics": metrics}))
+                      "specs_at_init": specs_at_init, "max_rel_diff": max(diffs)[0],
+                      "worst": sorted(diffs)[-4:], "metrics": metrics}))
 """)
 
 
@@ -108,3 +109,22 @@ def test_readme_chain_trains_minigpt_under_an_explicit_batch_model_mesh():
   # The same training as on one device without a mesh (float32 sums in another order only).
   assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-4, (losses, ref_losses)
   assert out["max_rel_diff"] < 1e-3, out["worst"]
+
+
+def test_fsdp_muon_update_gathers_each_sharded_matrix_once():
+  # The trainer's FSDP mesh (automatic axes) on 4 simulated devices: Newton-Schulz on a matrix
+  # sharded over fsdp, left to the partitioner (optax.contrib.muon), gathers inside every
+  # product; gathered once before the iterations, one all-gather per sharded Muon tensor.
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, str(ROOT / "bench" / "muon_collectives.py"),
+                         "--layers", "1", "--d-model", "64", "--json"],
+                        capture_output=True, text=True, timeout=600, env=env)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  sharded, counts = out["sharded_muon_tensors"], out["counts"]
+  assert sharded == out["muon_tensors"] > 0, out  # every Muon tensor of this model is sharded
+  ours = counts["outlier_safe_muon"]
+  assert ours["all-gather"] == sharded and ours["reduce-scatter"] == 0, counts
+  assert ours["collective-permute"] == ours["all-to-all"] == 0, counts
+  assert counts["optax.contrib.muon"]["all-gather"] > 5 * sharded, counts
