@@ -1,7 +1,7 @@
 """Which matrix Muon orthogonalises for a Flax attention layer, measured on one update.
 
 Usage:
-  python bench/attention_layout.py                 # Linen MultiHeadDotProductAttention, D 64, 4 heads
+  python bench/attention_layout.py            # Linen MultiHeadDotProductAttention, D 64, 4 heads
   python bench/attention_layout.py --d-model 128 --heads 8 --seeds 5
 
 Flax keeps the query/key/value kernels as ``[D, H, hd]`` and the output kernel as ``[H, hd, D]``.

@@ -95,7 +95,8 @@ def main(argv=None) -> int:
 
   # Newton-Schulz alone on the same matrices (what the Muon branch runs per step).
   mats = [jax.random.normal(jax.random.key(i), s, jnp.float32) for i, s in enumerate(muon_shapes)]
-  ns_fn = jax.jit(lambda xs: [stablejax.newton_schulz(x, steps=ns_steps, backend="xla") for x in xs])
+  ns_fn = jax.jit(
+      lambda xs: [stablejax.newton_schulz(x, steps=ns_steps, backend="xla") for x in xs])
   t0 = time.perf_counter()
   ns_compiled = ns_fn.lower(mats).compile()
   ns_compile = time.perf_counter() - t0

@@ -87,6 +87,8 @@ def main():
   print(header)
   print("-" * len(header))
   coeffs = jnp.asarray(STANDARD, dtype)
+  # A [batch, m, n] shape: one matrix per leading index.
+  batched_dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
   for shape in SHAPES:
     x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
 
@@ -97,10 +99,9 @@ def main():
       def theirs(v):
         return orthogonalize_via_newton_schulz(v, coeffs, steps, eps=1e-8)
     else:
-      dims = optax.contrib.MuonDimensionNumbers(reduction_axis=1, output_axis=2)
-
       def theirs(v):
-        return orthogonalize_via_newton_schulz(v, coeffs, steps, eps=1e-8, dimension_numbers=dims)
+        return orthogonalize_via_newton_schulz(v, coeffs, steps, eps=1e-8,
+                                               dimension_numbers=batched_dims)
 
     c_ours, t_ours = _time(ours, (x,), repeats)
     c_theirs, t_theirs = _time(theirs, (x,), repeats)

@@ -16,10 +16,10 @@ embedded corpus with the same seed and data order, twice, through the trainer
 and reports for each: final val loss; ``excess_kurtosis`` from summary.json (mean over blocks of
 the excess kurtosis of the residual stream on a fixed validation batch, measured at the last step);
 ``act_max / act_rms`` of the residual stream from the same measurement; and the val loss after
-per-channel round-to-nearest weight quantisation to 4 and 3 bits (``stablejax.training.quantized_eval``;
-EmbProj merged first) with its increase. The table is printed and written to
-``bench/results/outlier_experiment.csv`` (``--quick`` writes a CSV only when given ``--csv``, so a
-smoke test never replaces the recorded result).
+per-channel round-to-nearest weight quantisation to 4 and 3 bits
+(``stablejax.training.quantized_eval``; EmbProj merged first) with its increase. The table is
+printed and written to ``bench/results/outlier_experiment.csv`` (``--quick`` writes a CSV only
+when given ``--csv``, so a smoke test never replaces the recorded result).
 
 One seed on a ~1M-parameter model trained for minutes is a small sample: the paper's effect is
 about outliers that grow over long training of large models. Read the numbers as this project's

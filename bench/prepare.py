@@ -65,7 +65,8 @@ def main() -> None:
     prep.prepare(["pydoc"], tmp / "bpe", "bpe:4096", opts=prep.Options(val_fraction=0.05),
                  progress=False, log=quiet)
     print(f"bpe:4096 training on pydoc (0.46 MB): {time.perf_counter() - t0:.1f} s")
-    tokenizers = {"bytes": "bytes", "bpe:4096 (tokenizer.json)": str(tmp / "bpe" / "tokenizer.json")}
+    tokenizers = {"bytes": "bytes",
+                  "bpe:4096 (tokenizer.json)": str(tmp / "bpe" / "tokenizer.json")}
     times = {(name, w): [] for name in tokenizers for w in (1, 2)}
     for r in range(args.rounds):
       for (name, workers) in times:

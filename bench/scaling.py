@@ -85,7 +85,8 @@ def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int =
   params = per_device_bytes(run.state.params)
   opt = per_device_bytes(run.state.opt_state)
   total_params = sum(x.nbytes for x in jax.tree.leaves(run.state.params))
-  total_opt = sum(x.nbytes for x in jax.tree.leaves(run.state.opt_state) if isinstance(x, jax.Array))
+  total_opt = sum(x.nbytes for x in jax.tree.leaves(run.state.opt_state)
+                  if isinstance(x, jax.Array))
   print(json.dumps({
       "n": n, "procs": procs, "exit_code": code, "losses": losses, "val_loss": run.last_val_loss,
       "tokens_per_sec": tokens_per_sec,

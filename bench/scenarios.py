@@ -273,10 +273,9 @@ HEADERS = ["scenario", "defence", "seed", "status", "val_loss", "spikes", "skipp
 def _row(r: dict) -> list:
   def num(x, fmt):
     return "-" if x is None else (fmt % x if isinstance(x, float) else str(x))
-  return [r["scenario"], r["defence"], r.get("seed", 0), r["status"], num(r["val_loss"], "%.4f"), num(r["spikes"], "%d"),
-          num(r["skipped"], "%d"), num(r["rollbacks"], "%d"), num(r.get("warnings"), "%d"),
-          num(r["wall_s"], "%.1f"),
-          num(r["ms_step"], "%.1f")]
+  return [r["scenario"], r["defence"], r.get("seed", 0), r["status"], num(r["val_loss"], "%.4f"),
+          num(r["spikes"], "%d"), num(r["skipped"], "%d"), num(r["rollbacks"], "%d"),
+          num(r.get("warnings"), "%d"), num(r["wall_s"], "%.1f"), num(r["ms_step"], "%.1f")]
 
 
 def write_csv(results: list[dict], path: Path, machine: list[str]) -> None:
@@ -461,8 +460,8 @@ def main(argv=None) -> int:
   m = BASE["model"]
   setting = (f"GPT d_model {m['d_model']}, {m['n_layers']} layers (deep: 6), seq "
              f"{BASE['train']['seq_len']}, batch {BASE['train']['batch_size']}, {steps} steps, "
-             f"AdamW LR {LR:g} (Muon {MUON_LR:g}), data pydoc, seeds {args.seeds}; {len(cells)} runs, "
-             f"{args.jobs} in parallel")
+             f"AdamW LR {LR:g} (Muon {MUON_LR:g}), data pydoc, seeds {args.seeds}; "
+             f"{len(cells)} runs, {args.jobs} in parallel")
   print(setting)
   sys.stdout.flush()
 

@@ -71,7 +71,10 @@ def main(argv=None):
   model = LM(256, args.d_model, args.heads, args.layers, args.seq_len)
   data = batches(args.batch, args.seq_len)
   params = model.init(jax.random.key(0), next(data)[0])["params"]
-  schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, 20, args.steps)
+
+  def schedule(peak: float) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(0.0, peak, 20, args.steps)
+
   tx = stablejax.skip_nonfinite(
       stablejax.skip_spikes(
           optax.chain(

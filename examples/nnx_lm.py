@@ -69,7 +69,10 @@ def main(argv=None):
   args = p.parse_args(argv)
 
   model = LM(256, args.d_model, args.heads, args.layers, args.seq_len, nnx.Rngs(0))
-  schedule = lambda peak: optax.warmup_cosine_decay_schedule(0.0, peak, 20, args.steps)
+
+  def schedule(peak: float) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(0.0, peak, 20, args.steps)
+
   tx = stablejax.skip_nonfinite(
       stablejax.skip_spikes(
           optax.chain(

@@ -107,11 +107,14 @@ __all__ = [
 # new program. A finder on sys.meta_path does it, so no files are left at the old paths.
 import importlib as _importlib
 import importlib.abc as _importlib_abc
+import importlib.machinery as _importlib_machinery
 import importlib.util as _importlib_util
 import sys as _sys
+import types as _types
 import warnings as _warnings
 from typing import NamedTuple as _NamedTuple
 from typing import Optional as _Optional
+from typing import Sequence as _Sequence
 
 
 class _Moved(_NamedTuple):
@@ -142,27 +145,31 @@ _MOVED = {
 class _MovedModuleLoader(_importlib_abc.Loader):
   """Loads an old module name as the module it moved to; runs the new program for ``-m``."""
 
-  def __init__(self, old: str, moved: _Moved):
+  def __init__(self, old: str, moved: _Moved) -> None:
     self.old, self.moved = old, moved
 
-  def create_module(self, spec):
+  def create_module(self, spec: _importlib_machinery.ModuleSpec) -> None:
     return None  # a placeholder: exec_module puts the real module in its place
 
-  def exec_module(self, module):
+  def exec_module(self, module: _types.ModuleType) -> None:
     _warnings.warn(f"{self.old} is deprecated and will be removed in the next release: import "
                    f"{self.moved.module} instead", DeprecationWarning, stacklevel=2)
     # The import system returns what sys.modules holds after exec_module: the new module itself.
     _sys.modules[self.old] = _importlib.import_module(self.moved.module)
 
-  def get_code(self, fullname):
+  def get_code(self, fullname: str) -> _Optional[_types.CodeType]:
     """The code `python -m OLD` runs (runpy asks the loader for it): the new program's."""
     target = self.moved.program or self.moved.module
     spec = _importlib_util.find_spec(target)
+    if spec is None or not isinstance(spec.loader, _importlib_abc.InspectLoader):
+      # Only a broken install lacks the new module or a loader that can give its code.
+      raise ImportError(f"cannot run {target}, the new home of {self.old}: reinstall stablejax",
+                        name=target)
     if self.moved.command:
       # Attributed to __main__, the program being run, so Python's default filters show it.
       _warnings.warn_explicit(f"python -m {self.old} is deprecated and will be removed in the "
                               f"next release: use {self.moved.command}", DeprecationWarning,
-                              filename=spec.origin, lineno=0, module="__main__")
+                              filename=spec.origin or target, lineno=0, module="__main__")
     return spec.loader.get_code(target)
 
 
@@ -171,11 +178,15 @@ class _MovedModuleFinder(_importlib_abc.MetaPathFinder):
 
   stablejax_moved_modules = True
 
-  def find_spec(self, fullname, path=None, target=None):
+  def find_spec(self, fullname: str, path: _Optional[_Sequence[str]] = None,
+                target: _Optional[_types.ModuleType] = None
+                ) -> _Optional[_importlib_machinery.ModuleSpec]:
     moved = _MOVED.get(fullname)
     if moved is None:
       return None
-    origin = _importlib_util.find_spec(moved.program or moved.module).origin
+    new_spec = _importlib_util.find_spec(moved.program or moved.module)
+    # Without the new module (a broken install) exec_module's import names what is missing.
+    origin = new_spec.origin if new_spec is not None else None
     return _importlib_util.spec_from_loader(fullname, _MovedModuleLoader(fullname, moved),
                                             origin=origin)
 

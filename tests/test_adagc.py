@@ -263,8 +263,8 @@ def test_scan_stacked_leaf_gets_one_threshold_per_layer():
     g = grads["blocks"][path[0]][path[1]]
     for layer in range(3):
       h = np.array([s[f"{name}/{layer}"] for s in ref_scales])
-      np.testing.assert_allclose(got_u[:, layer], g[:, layer] * h.reshape((-1,) + (1,) * (g.ndim - 2)),
-                                 rtol=2e-5, atol=1e-8)
+      h_per_step = h.reshape((-1,) + (1,) * (g.ndim - 2))
+      np.testing.assert_allclose(got_u[:, layer], g[:, layer] * h_per_step, rtol=2e-5, atol=1e-8)
       np.testing.assert_allclose(got_g[:, layer], [x[f"{name}/{layer}"] for x in ref_gammas],
                                  rtol=2e-5)
   # The spike of layer 2 is clipped against layer 2's own gamma; one shared threshold (the

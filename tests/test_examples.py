@@ -19,7 +19,7 @@ def _run(script: str) -> str:
 
 
 def _row(stdout: str, path: str) -> list:
-  line = next(l for l in stdout.splitlines() if l.startswith(path + " "))
+  line = next(text for text in stdout.splitlines() if text.startswith(path + " "))
   return re.split(r"\s{2,}", line)  # path, shape, group, muon matrix, learning rate
 
 

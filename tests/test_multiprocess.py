@@ -121,7 +121,8 @@ def _checkpoint_steps(out: Path) -> list[int]:
 
 def _own_lines(text: str, rank: int) -> list[str]:
   """Lines a process printed through the launcher, without gloo's own connection messages."""
-  return [line for line in text.splitlines() if line.startswith(f"[{rank}] ") and "peer ranks" not in line]
+  return [line for line in text.splitlines()
+          if line.startswith(f"[{rank}] ") and "peer ranks" not in line]
 
 
 @slow
@@ -177,6 +178,29 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   _assert_same_run(out, reference)
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 30 and summary["exit_code"] == 0 and summary["rollbacks"] == 0
+
+
+@slow
+def test_sighup_through_the_launcher_saves_and_exits_130(tmp_path):
+  """A closed terminal's SIGHUP, passed on by the launcher: the trainer saves like on SIGTERM."""
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "stablejax", "launch", "--nproc", "1", "--",
+         str(TRAIN), *sets("train.steps=400", "checkpoint.every=1000", "train.log_every=1"),
+         "--out", str(out)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    _wait_for_step(out, 2, [proc], timeout=300)  # handlers are installed before the first step
+    proc.send_signal(signal.SIGHUP)
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    _kill_all([proc])
+  assert proc.returncode == 130, stderr[-3000:]
+  (line,) = [line for line in stdout.splitlines() if "SIGHUP at step" in line]
+  assert line.startswith("[0] ")
+  assert line.endswith("checkpoint saved; run the same command to resume")
+  stopped = int(line.split("SIGHUP at step ")[1].split(":")[0])
+  assert _checkpoint_steps(out) == [0, stopped] and stopped >= 2
 
 
 # ----------------------------------------------------------------------------- joining
@@ -252,19 +276,30 @@ if mode == "fail":
     sys.exit(3)
   time.sleep(60)
 elif mode == "signal":
-  signal.signal(signal.SIGTERM, lambda s, f: (print("got", s, flush=True), sys.exit(130)))
+  for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(sig, lambda s, f: (print("got", s, flush=True), sys.exit(130)))
   print("ready", os.getpid(), flush=True)
   time.sleep(60)
+elif mode == "flood":  # far more than a pipe holds, then a clean exit
+  for i in range(20000):
+    print(f"line {i} " + "x" * 80, flush=i % 100 == 0)
+  sys.exit(0)
+elif mode == "devices":
+  print("devices", *(f"{k}={os.environ.get(k)}" for k in sys.argv[2:]), flush=True)
 print("progress 1\rprogress 2\rdone", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 """
 
 
-def _launch(tmp_path, *args, mode="ok", timeout=60):
+def _launch(tmp_path, *args, mode="ok", timeout=60, shell=False, child_args=()):
   script = tmp_path / "child.py"
   script.write_text(CHILD)
-  cmd = [sys.executable, "-m", "stablejax", "launch", *args, "--", str(script), mode]
+  child = [str(script), mode, *child_args]
+  if shell:  # a shell that stays the parent of the Python process (a second command follows)
+    child = ["sh", "-c", f"{sys.executable} {script} {mode}; echo shell done"]
+  cmd = [sys.executable, "-m", "stablejax", "launch", *args, "--", *child]
   env = dict(os.environ, XLA_FLAGS="--xla_cpu_foo=1 --xla_force_host_platform_device_count=7")
+  env.pop("JAX_PLATFORMS", None)
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -343,6 +378,139 @@ def _running(pid: int) -> bool:
     return False
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_launcher_signals_reach_ranks_wrapped_in_a_shell(tmp_path, sig):
+  proc = _launch(tmp_path, "--nproc", "2", "--grace", "20", mode="signal", shell=True)
+  try:
+    pids = _wait_ready(proc)
+    proc.send_signal(sig)
+    stdout, stderr = _communicate(proc, timeout=60)
+  finally:
+    _kill_all([proc])
+  assert f"[0] got {int(sig)}" in stdout and f"[1] got {int(sig)}" in stdout, (stdout, stderr)
+  # the shell's own code: 130 from its rank, or 128 + N when the signal killed the shell first
+  assert proc.returncode in (130, 128 + int(sig)), stderr
+  assert not any(map(_running, pids))
+
+
+def test_launcher_death_takes_ranks_wrapped_in_a_shell_along(tmp_path):
+  proc = _launch(tmp_path, "--nproc", "2", mode="signal", shell=True)
+  pids = _wait_ready(proc)  # the Python processes, children of the shells
+  proc.kill()  # SIGKILL: no chance to forward anything
+  proc.wait(timeout=30)
+  deadline = time.monotonic() + 20
+  while time.monotonic() < deadline and any(map(_running, pids)):
+    time.sleep(0.1)
+  alive = [pid for pid in pids if _running(pid)]
+  for pid in alive:
+    os.kill(pid, signal.SIGKILL)
+  assert not alive
+
+
+def test_launcher_keeps_draining_when_its_stdout_goes_away(tmp_path):
+  """`launch ... | head -1`: the reader exits, the processes keep writing 1.7 MB each; the job
+  must end on its own with its exit code, not block on full pipes."""
+  proc = _launch(tmp_path, "--nproc", "2", mode="flood")
+  try:
+    first = proc.stdout.readline()
+    assert first.startswith(b"["), first
+    proc.stdout.close()  # what head does after its line
+    try:
+      proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+      raise AssertionError("the launcher hung after its stdout closed") from None
+    stderr = proc.stderr.read().decode()
+  finally:
+    _kill_all([proc])
+  assert proc.returncode == 0, stderr
+  notes = [line for line in stderr.splitlines() if line.startswith("launch: stdout was closed")]
+  assert len(notes) == 1, stderr
+  assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+
+
+DEVICE_VARS = ["XLA_FLAGS", "JAX_LOCAL_DEVICE_IDS", "TPU_VISIBLE_CHIPS",
+               "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS", "CLOUD_TPU_TASK_ID",
+               "TPU_PROCESS_PORT", "TPU_PROCESS_ADDRESSES"]
+
+
+def _device_lines(stdout: str) -> dict[int, dict[str, str]]:
+  """{rank: {variable: value}} from the children's "devices" lines."""
+  found = {}
+  for line in stdout.splitlines():
+    if " devices " in line:
+      rank = int(line[1:line.index("]")])
+      found[rank] = dict(item.split("=", 1) for item in _split_vars(line.split(" devices ", 1)[1]))
+  return found
+
+
+def _split_vars(text: str) -> list[str]:
+  """KEY=VALUE items of a devices line (values may hold spaces: XLA_FLAGS)."""
+  items, current = [], None
+  for word in text.split(" "):
+    if "=" in word and word.split("=", 1)[0] in DEVICE_VARS:
+      current = word
+      items.append(current)
+    else:
+      items[-1] += " " + word
+  return items
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_launcher_gives_each_rank_its_own_accelerators(tmp_path, platform):
+  """--platform gpu/tpu on this CPU host: the variables each rank gets (what JAX reads)."""
+  proc = _launch(tmp_path, "--nproc", "2", "--devices-per-proc", "2", "--platform", platform,
+                 mode="devices", child_args=DEVICE_VARS)
+  stdout, stderr = _communicate(proc, timeout=60)
+  assert proc.returncode == 0, stderr
+  got = _device_lines(stdout)
+  assert sorted(got) == [0, 1]
+  for rank in (0, 1):
+    env = got[rank]
+    # CPU devices stay as the user set them; accelerators are split.
+    assert env["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=7"
+    want_ids = "0,1" if rank == 0 else "2,3"
+    if platform == "gpu":
+      assert env["JAX_LOCAL_DEVICE_IDS"] == want_ids and env["TPU_VISIBLE_CHIPS"] == "None"
+    else:
+      assert env["JAX_LOCAL_DEVICE_IDS"] == "None"
+      assert env["TPU_VISIBLE_CHIPS"] == want_ids and env["CLOUD_TPU_TASK_ID"] == str(rank)
+      # JAX's own layout for 2 processes x 2 chips on a 4-chip host
+      assert env["TPU_PROCESS_BOUNDS"] == "2,1,1"
+      assert env["TPU_CHIPS_PER_PROCESS_BOUNDS"] == "1,2,1"
+      addresses = env["TPU_PROCESS_ADDRESSES"].split(",")
+      assert len(set(addresses)) == 2 and addresses[rank] == f"localhost:{env['TPU_PROCESS_PORT']}"
+  assert got[0]["TPU_PROCESS_ADDRESSES"] == got[1]["TPU_PROCESS_ADDRESSES"]
+
+
+def test_device_plan_detection_and_limits(monkeypatch):
+  from stablejax.training import launch as launch_lib
+  detect = launch_lib.detect_platform
+  monkeypatch.setattr(launch_lib, "detect_platform", lambda: ("gpu", 8))
+  assert launch_lib.plan_devices(4, None) == ("gpu", 2)  # divided evenly
+  assert launch_lib.plan_devices(2, 3) == ("gpu", 3)
+  with pytest.raises(launch_lib.LaunchError, match="need 10, but this host has 8"):
+    launch_lib.plan_devices(2, 5)
+  with pytest.raises(launch_lib.LaunchError, match="8 GPU\\(s\\) for 16 processes"):
+    launch_lib.plan_devices(16, None)
+  monkeypatch.setattr(launch_lib, "detect_platform", lambda: ("cpu", 0))
+  assert launch_lib.plan_devices(2, 4) == ("cpu", 4)
+  assert launch_lib.plan_devices(2, None) == ("cpu", None)
+  with pytest.raises(launch_lib.LaunchError, match="not a layout JAX sets up"):
+    launch_lib.plan_devices(3, 1, "tpu", available=4)
+  # Detection reads CUDA_VISIBLE_DEVICES only where NVIDIA's device files exist, and
+  # JAX_PLATFORMS=cpu looks for nothing.
+  monkeypatch.setattr(launch_lib, "_tpu_chips", lambda: 0)
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.setattr(launch_lib.os.path, "exists", lambda p: p == "/dev/nvidiactl")
+  assert detect() == ("gpu", 3)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  assert detect() == ("cpu", 0)
+  monkeypatch.delenv("JAX_PLATFORMS")
+  monkeypatch.setattr(launch_lib.os.path, "exists", lambda p: False)
+  assert detect() == ("cpu", 0)
+
+
 def test_launcher_bad_arguments_exit_2(tmp_path):
   for args in (["--nproc", "0", "--", "x.py"], ["--nproc", "2"]):
     result = subprocess.run([sys.executable, "-m", "stablejax", "launch", *args], cwd=ROOT,
@@ -357,7 +525,8 @@ SLICE = ["mesh.data=2", "mesh.fsdp=2", "train.batch_size=8", "train.eval_batches
 
 
 def _slice_child(out: str) -> None:
-  """In each process of a 2 x 2 launch: this process's rows and the global arrays built from them."""
+  """In each process of a 2 x 2 launch: this process's rows and the global arrays built from
+  them."""
   import jax
   from jax.experimental import multihost_utils
 

@@ -57,7 +57,8 @@ _ORIGINAL_VALUE = jax_array.ArrayImpl._value
 
 def _trapped_value(self):
   if getattr(_local, "forbid", False):
-    raise HostFetch(f"device-to-host fetch of a {self.dtype}{list(self.shape)} array in the hot loop")
+    raise HostFetch(f"device-to-host fetch of a {self.dtype}{list(self.shape)} array in the "
+                    "hot loop")
   _local.fetches = getattr(_local, "fetches", 0) + 1
   return _ORIGINAL_VALUE.fget(self)
 

@@ -1,4 +1,5 @@
-"""The optimizer the trainer builds from its config: weight decay, clipping, rates, the logged lr."""
+"""The optimizer the trainer builds from its config: weight decay, clipping, rates, the logged
+lr."""
 
 from __future__ import annotations
 
@@ -236,7 +237,7 @@ def test_trainer_banner_and_logged_lr(tmp_path):
       "faults.nan_grad_steps=[3, 4]", "checkpoint.every=100", "logging.histogram_every=0",
       "logging.activation_every=0", "train.eval_every=100", fresh=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
-  warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: ")]
+  warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
   assert warnings[:1] == ["warning: optimizer.adam_weight_decay=0.1 has no effect with "
                       "optimizer.name=\"adamw\" (AdamW uses optimizer.learning_rate and "
                       "optimizer.weight_decay)"], result.stderr

@@ -338,3 +338,392 @@ def test_prepare_train_sample_end_to_end(tmp_path, capsys, bpe_dir, kind, tokeni
   prompt_ids = tok.encode("Document 1")
   assert a["samples"][0] == "Document 1" + tok.decode(prompt_ids + a["tokens"][0])[
       len(tok.decode(prompt_ids)):]
+
+
+# ----------------------------------------------------------------------------- files in --out
+
+
+def one_error_line(err: str) -> str:
+  lines = err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), err
+  return lines[0]
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+  return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_files_prepare_did_not_write_are_refused_without_force(tmp_path, capsys):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "nanogpt"
+  out.mkdir()
+  (out / "train.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+  (out / "val.bin").write_bytes(np.arange(10, dtype=np.uint16).tobytes())
+  (out / "meta.json").write_text('{"vocab_size": 50257}\n')  # a user's own meta.json
+  (out / "notes.txt").write_text("mine")
+  before = snapshot(out)
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
+                          "--val-fraction", "0.2")
+  line = one_error_line(err)
+  assert code == 2 and "--force" in line
+  assert all(n in line for n in ("train.bin", "val.bin", "meta.json")) and "notes.txt" not in line
+  assert snapshot(out) == before  # nothing touched
+  # --force replaces exactly the files in the way; other files stay.
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
+                          "--val-fraction", "0.2", "--force")
+  assert code == 0, err
+  assert read_prepared(out)["train_documents"] > 0 and (out / "notes.txt").read_text() == "mine"
+  assert sorted(p.name for p in out.iterdir()) == ["meta.json", "notes.txt", "train.bin",
+                                                    "val.bin"]
+
+
+def test_a_file_of_another_name_or_an_unused_tokenizer_json_is_left_alone(tmp_path, capsys):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "tokenizer.json").write_text("not even JSON")  # bytes writes no tokenizer.json
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
+                          "--val-fraction", "0.2")
+  assert code == 0, err
+  assert (out / "tokenizer.json").read_text() == "not even JSON"
+  # A partial file of another program under prepare's name is refused too.
+  other = tmp_path / "other"
+  other.mkdir()
+  (other / "train.bin.partial").write_text("someone's download")
+  code, _, err = run_main(capsys, inputs["text"], "--out", other, "--tokenizer", "bytes")
+  assert code == 2 and "train.bin.partial" in one_error_line(err)
+  assert (other / "train.bin.partial").read_text() == "someone's download"
+
+
+@pytest.mark.parametrize("spec", ["file", "folder"])
+def test_the_tokenizer_in_out_is_used_in_place_and_never_deleted(tmp_path, capsys, bpe_dir, spec):
+  """--tokenizer DIR/tokenizer.json --out DIR (a user's tokenizer, then a re-prepare with
+  --force and the directory's own tokenizer)."""
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  out.mkdir()
+  original = (bpe_dir / "tokenizer.json").read_bytes()
+  (out / "tokenizer.json").write_bytes(original)
+  inode = (out / "tokenizer.json").stat().st_ino
+  given = out / "tokenizer.json" if spec == "file" else out
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", given,
+                          "--val-fraction", "0.25")
+  assert code == 0, err
+  assert (out / "tokenizer.json").read_bytes() == original
+  assert (out / "tokenizer.json").stat().st_ino == inode  # read in place, not rewritten
+  assert decoded_docs(out, "train") == [d for d in DOCS if not blake_is_val(d, 0.25)]
+  # Re-prepare other inputs with the directory's own tokenizer, --force: it survives again.
+  code, _, err = run_main(capsys, inputs["jsonl"], inputs["parquet"], "--out", out,
+                          "--tokenizer", given, "--val-fraction", "0.25", "--force")
+  assert code == 0, err
+  assert (out / "tokenizer.json").read_bytes() == original
+  assert read_prepared(out)["documents"] == 2 * len(DOCS)
+  # A later prepare with another tokenizer must not take the user's tokenizer.json for its own.
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:280",
+                          "--val-fraction", "0.25", "--force")
+  assert code == 0, err
+  assert (out / "tokenizer.json").read_bytes() != original  # replaced: --force was given
+
+
+def test_reprepare_with_the_directorys_own_bpe_tokenizer(tmp_path, capsys):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  assert run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:300",
+                  "--val-fraction", "0.25")[0] == 0
+  trained = (out / "tokenizer.json").read_bytes()
+  for extra in ([], ["--force"]):
+    code, _, err = run_main(capsys, inputs["jsonl"], "--out", out, "--tokenizer",
+                            out / "tokenizer.json", "--val-fraction", "0.25", *extra)
+    if not extra:  # other settings: refused, nothing touched
+      assert code == 2 and "--force" in one_error_line(err)
+      assert (out / "tokenizer.json").read_bytes() == trained
+      continue
+    assert code == 0, err
+  assert (out / "tokenizer.json").read_bytes() == trained
+  assert decoded_docs(out, "val") == [d for d in DOCS if blake_is_val(d, 0.25)]
+
+
+def test_force_keeps_the_old_corpus_until_the_new_one_is_complete(tmp_path, capsys):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  assert run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
+                  "--val-fraction", "0.2")[0] == 0
+  before = snapshot(out)
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+  code, _, err = run_main(capsys, inputs["text"], bad, "--out", out, "--tokenizer", "bytes",
+                          "--val-fraction", "0.2", "--force")
+  assert code == 2 and "bad.jsonl:2" in one_error_line(err)
+  assert snapshot(out) == before and read_prepared(out) is not None
+
+
+def test_interrupted_while_replacing_leaves_none_of_its_files(tmp_path, monkeypatch):
+  """Ctrl-C after the old meta.json is gone (--force, renaming the new files into place): the old
+  corpus is gone by then, so none of this tool's files stay; a file of the user's stays."""
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  prep.prepare([str(inputs["text"])], out, "bpe:300", opts=prep.Options(val_fraction=0.25),
+               progress=False, log=lambda line: None)
+  (out / "notes.txt").write_text("mine")
+  real = os.replace
+
+  def replace(src, dst):
+    if str(dst).endswith("val.bin"):
+      raise KeyboardInterrupt
+    real(src, dst)
+
+  monkeypatch.setattr(prep.os, "replace", replace)
+  with pytest.raises(KeyboardInterrupt):
+    prep.prepare([str(inputs["jsonl"])], out, "bytes", opts=prep.Options(val_fraction=0.25),
+                 progress=False, log=lambda line: None, force=True)
+  assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+KILL_IN_FINISH = r"""
+import os, sys
+from stablejax.data import prepare as prep
+real = os.replace
+def replace(src, dst):
+  if str(dst).endswith(sys.argv[3]):
+    os._exit(9)  # as if SIGKILLed here
+  real(src, dst)
+prep.os.replace = replace
+prep.prepare([sys.argv[1]], sys.argv[2], "bpe:300", opts=prep.Options(val_fraction=0.25),
+             progress=False, force=True)
+"""
+
+
+@pytest.mark.parametrize("killed_before,again", [("val.bin", "bpe:300"), ("meta.json", "bpe:300"),
+                                                 ("meta.json", "bytes")])
+def test_a_killed_prepare_is_incomplete_for_the_trainer_and_redone_without_force(
+    tmp_path, capsys, killed_before, again):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  script = tmp_path / "kill.py"
+  script.write_text(KILL_IN_FINISH)
+  r = subprocess.run([sys.executable, str(script), str(inputs["text"]), str(out), killed_before],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 9, r.stderr
+  assert (out / "train.bin").exists() and not (out / "meta.json").exists()
+  with pytest.raises(DataError) as e:
+    build_data(DataConfig(train=str(out)), seq_len=16, batch_size=4, seed=0)
+  assert "incomplete" in str(e.value) and "run the same prepare command again" in str(e.value)
+  assert "name a .bin" not in str(e.value)
+  # The command again (no --force): the leftovers are this tool's, so they are replaced, or
+  # removed when the new corpus has no such file (bytes: no tokenizer.json).
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", again,
+                          "--val-fraction", "0.25")
+  assert code == 0, err
+  reference = tmp_path / "reference"
+  assert run_main(capsys, inputs["text"], "--out", reference, "--tokenizer", again,
+                  "--val-fraction", "0.25")[0] == 0
+  names = sorted(p.name for p in reference.iterdir())
+  assert sorted(p.name for p in out.iterdir()) == names
+  for name in names:
+    if name != "meta.json":  # (meta.json records the seconds taken)
+      assert (out / name).read_bytes() == (reference / name).read_bytes()
+
+
+def test_bins_without_meta_json_are_called_incomplete(tmp_path):
+  out = tmp_path / "half"
+  out.mkdir()
+  (out / "train.bin").write_bytes(np.arange(1000, dtype=np.uint16).tobytes())
+  with pytest.raises(DataError) as e:
+    build_data(DataConfig(train=str(out)), seq_len=16, batch_size=4, seed=0)
+  message = str(e.value)
+  assert "no meta.json" in message and "run python -m stablejax prepare again" in message
+  assert "name a .bin file directly" not in message
+
+
+# ----------------------------------------------------------------------------- Ctrl-C
+
+
+def test_ctrl_c_with_workers_exits_130_and_cleans_up_every_time(tmp_path, bpe_dir):
+  """SIGINT to the whole process group (as a terminal's Ctrl-C) at several points of a 2-worker
+  run: exit 130 with one line, no worker traceback, nothing left in --out, never a hang."""
+  import random
+  import signal
+  import time
+  rng = random.Random(0)
+  words = "alpha beta gamma delta the quick brown fox jumps over a lazy dog".split()
+  docs = [" ".join(rng.choice(words) for _ in range(150)) for _ in range(16_000)]
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("<|endoftext|>".join(docs))  # about 13 MB: seconds of tokenizing
+  # When to send it: as soon as the directory is claimed (the pool starting), or a little
+  # after the first token file appears (the workers busy).
+  plans = [("meta.json.partial", 0.0), ("train.bin.partial", 0.0), ("train.bin.partial", 0.1),
+           ("train.bin.partial", 0.3), ("train.bin.partial", 0.6), ("meta.json.partial", 0.05)]
+  for i, (wait_for, delay) in enumerate(plans):
+    out = tmp_path / f"out{i}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stablejax", "prepare", str(corpus), "--out", str(out),
+         "--tokenizer", str(bpe_dir / "tokenizer.json"), "--workers", "2", "--no-progress"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    try:
+      deadline = time.monotonic() + 120
+      while not (out / wait_for).exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"no {wait_for} within 120 s"
+        time.sleep(0.005)
+      time.sleep(delay)
+      os.killpg(proc.pid, signal.SIGINT)
+      try:
+        stdout, stderr = proc.communicate(timeout=60)
+      except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGABRT)  # the faulthandler prints every thread's stack
+        stderr = proc.communicate(timeout=30)[1]
+        raise AssertionError(f"plan {i}: prepare still running 60 s after Ctrl-C (a hang): "
+                             f"{stderr[-6000:]}") from None
+    finally:
+      if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 130, (i, proc.returncode, stderr[-2000:])
+    assert stderr.strip().splitlines() == [
+        f"interrupted: partial files in {out} removed; run the same command again"], (i, stderr)
+    assert list(out.iterdir()) == [], (i, sorted(p.name for p in out.iterdir()))
+    time.sleep(0.2)
+    orphans = [p for p in _children_of(proc.pid)]
+    assert not orphans, (i, orphans)
+
+
+def _children_of(pid: int) -> list[int]:
+  """Live processes whose parent is `pid` (workers a dead parent left behind are re-parented, so
+  also look for processes of its session)."""
+  found = []
+  for stat in Path("/proc").glob("[0-9]*/stat"):
+    try:
+      fields = stat.read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+      continue
+    state, ppid, sid = fields[0], int(fields[1]), int(fields[3])
+    if state != "Z" and (ppid == pid or sid == pid):
+      found.append(int(stat.parent.name))
+  return found
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def _lonely_val_document(fraction: float) -> str:
+  """A document the hash rule puts in validation (found by the documented rule)."""
+  return next(d for d in (f"A lonely document number {i}." for i in range(10_000))
+              if blake_is_val(d, fraction))
+
+
+@pytest.mark.parametrize("weights", [[], ["--weights", "1", "1"]])
+def test_an_input_entirely_in_validation_is_an_error(tmp_path, capsys, weights):
+  inputs = write_inputs(tmp_path)
+  lonely = tmp_path / "lonely.txt"
+  lonely.write_text(_lonely_val_document(0.2))
+  out = tmp_path / "out"
+  code, _, err = run_main(capsys, inputs["text"], lonely, "--out", out, "--tokenizer", "bytes",
+                          "--val-fraction", "0.2", *weights)
+  line = one_error_line(err)
+  assert code == 2 and "lonely.txt" in line and "validation split" in line
+  assert "--val-fraction" in line and "split it into more documents" in line
+  assert not out.exists() or list(out.iterdir()) == []
+
+
+ORDINARY_EOT_DOCS = ["Code that prints <|endoftext|> as text.", "plain", "<|endoftext|>",
+                     "a<|endoftext|>b<|endoftext|>"]
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe:300", "tokenizer.json"])
+def test_literal_endoftext_in_a_document_is_ordinary_text(tmp_path, capsys, bpe_dir, tokenizer):
+  docs = DOCS + ORDINARY_EOT_DOCS
+  jsonl = tmp_path / "docs.jsonl"
+  jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+  spec = bpe_dir / "tokenizer.json" if tokenizer == "tokenizer.json" else tokenizer
+  out = tmp_path / "out"
+  code, _, err = run_main(capsys, jsonl, "--out", out, "--tokenizer", spec, "--val-fraction",
+                          "0.25")
+  assert code == 0, err
+  meta = read_prepared(out)
+  for split in ("train", "val"):
+    ids = tokens(out, split)
+    # one end-of-text per document, the one prepare appends, and nothing else
+    assert np.count_nonzero(ids == meta["eot_id"]) == meta[f"{split}_documents"]
+  want = [d for d in docs if not blake_is_val(d, 0.25)], [d for d in docs if blake_is_val(d, 0.25)]
+  assert (decoded_docs(out, "train"), decoded_docs(out, "val")) == want
+  assert any("<|endoftext|>" in d for d in want[0] + want[1])
+  tok = tokenizer_lib.from_meta(meta, out)  # what sample encodes prompts with
+  assert meta["eot_id"] not in tok.encode("<|endoftext|>")
+  assert tok.decode(tok.encode("x<|endoftext|>y")) == "x<|endoftext|>y"
+
+
+def test_tiktoken_encodes_literal_endoftext_as_text_in_prepare():
+  """tiktoken (no download here: a byte-level encoding built in place of gpt2's files)."""
+  import tiktoken
+  enc = tiktoken.Encoding("bytes_eot", pat_str=r"\S+|\s+",
+                          mergeable_ranks={bytes([i]): i for i in range(256)},
+                          special_tokens={"<|endoftext|>": 256})
+  tok = tokenizer_lib.TiktokenTokenizer.__new__(tokenizer_lib.TiktokenTokenizer)
+  tok._enc, tok.name, tok.vocab_size, tok.eot_id = enc, "bytes_eot", enc.n_vocab, enc.eot_token
+  spec = ("name", "bytes_eot", None)
+  prep._WORKER_TOKENIZER.clear()
+  prep._WORKER_TOKENIZER[spec] = tok
+  try:
+    result = prep.encode_batch((ORDINARY_EOT_DOCS, spec, prep.Options(val_fraction=1e-9),
+                                np.dtype("uint16")))
+  finally:
+    prep._WORKER_TOKENIZER.clear()
+  ids = result["train"]
+  assert np.count_nonzero(ids == 256) == len(ORDINARY_EOT_DOCS)
+  assert tok.decode(ids.tolist()) == "<|endoftext|>".join(ORDINARY_EOT_DOCS) + "<|endoftext|>"
+
+
+def test_an_end_of_text_token_that_text_can_produce_is_refused(tmp_path, capsys):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))  # "</s>" is an ordinary word
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(tmp_path / "words.json"))
+  (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                            ["hello world", "hello </s> world"] * 20))
+  code, _, err = run_main(capsys, tmp_path / "a.jsonl", "--out", tmp_path / "out", "--tokenizer",
+                          tmp_path / "words.json", "--eot-token", "</s>", "--val-fraction", "0.3")
+  line = one_error_line(err)
+  assert code == 2 and "'</s>' is an ordinary token" in line and "--eot-token" in line
+  assert not (tmp_path / "out" / "meta.json").exists()
+
+
+@pytest.mark.parametrize("case", ["out_is_file", "truncated_gz", "not_gzip", "empty_separator",
+                                  "val_fraction_0", "truncated_gz_bpe", "truncated_jsonl_gz",
+                                  "out_inside_input"])
+def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
+  import gzip
+  text = "<|endoftext|>".join(DOCS * 300).encode()
+  whole = gzip.compress(text)
+  (tmp_path / "cut.txt.gz").write_bytes(whole[:len(whole) // 2])
+  (tmp_path / "plain.txt.gz").write_bytes(text[:5000])
+  lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS * 300).encode()
+  (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines)[:len(gzip.compress(lines)) // 2])
+  (tmp_path / "a.txt").write_text("<|endoftext|>".join(DOCS))
+  (tmp_path / "file").write_text("a file")
+  (tmp_path / "corpus").mkdir()
+  (tmp_path / "corpus" / "a.txt").write_text("<|endoftext|>".join(DOCS))
+  out = tmp_path / "out"
+  args, needle = {
+      "out_is_file": ([tmp_path / "a.txt", "--out", tmp_path / "file"], "is a file"),
+      "truncated_gz": ([tmp_path / "cut.txt.gz", "--out", out], "not a complete gzip file"),
+      "truncated_gz_bpe": ([tmp_path / "cut.txt.gz", "--out", out, "--tokenizer", "bpe:300"],
+                           "not a complete gzip file"),
+      "truncated_jsonl_gz": ([tmp_path / "cut.jsonl.gz", "--out", out],
+                             "not a complete gzip file"),
+      "not_gzip": ([tmp_path / "plain.txt.gz", "--out", out], "not a complete gzip file"),
+      "empty_separator": ([tmp_path / "a.txt", "--out", out, "--separator", ""],
+                          "--separator is empty"),
+      "val_fraction_0": ([tmp_path / "a.txt", "--out", out, "--val-fraction", "0"],
+                         "validation split"),
+      "out_inside_input": ([tmp_path / "corpus", "--out", tmp_path / "corpus" / "prepared"],
+                           "inside the input folder"),
+  }[case]
+  # defaults first: an option the case gives again wins
+  code, _, err = run_main(capsys, "--tokenizer", "bytes", "--val-fraction", "0.2", *args)
+  assert code == 2 and needle in one_error_line(err), err
+  assert (tmp_path / "file").read_text() == "a file"
+  leftovers = [p for p in tmp_path.rglob("*") if p.name in ("meta.json", "meta.json.partial")
+               or p.suffix in (".bin", ".partial")]
+  assert leftovers == []

@@ -76,7 +76,7 @@ def _numpy_rtn(params, bits):
 
 
 def _params_of_trainer_restore(run_dir, tmp_path):
-  """The final parameters, restored by the trainer's own Checkpoints class (on a copy of the run)."""
+  """The final parameters, restored by the trainer's Checkpoints class (on a copy of the run)."""
   from stablejax.training.loop import Run
 
   copy = tmp_path / "copy"

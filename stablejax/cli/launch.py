@@ -11,28 +11,35 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn, Optional, Sequence
 
-from stablejax.training.launch import launch
+from stablejax.training.launch import PLATFORMS, launch
 
 PROG = "python -m stablejax launch"
 
 
 class ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):  # one line and exit code 2, like train.py
+  def error(self, message: str) -> NoReturn:  # one line and exit code 2, like train.py
     print(f"error: {message} (see {PROG} --help)", file=sys.stderr)
     sys.exit(2)
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                      usage="%(prog)s [options] -- COMMAND [ARGS...]")
   p.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
   p.add_argument("--devices-per-proc", type=int, default=None, metavar="N",
-                 help="simulated CPU devices per process (sets XLA_FLAGS); default: leave as is")
+                 help="devices per process: N simulated CPU devices (XLA_FLAGS), or on a GPU/TPU "
+                      "host process r's own devices r*N..r*N+N-1; default: CPU as is, GPUs/TPU "
+                      "chips divided evenly")
+  p.add_argument("--platform", choices=PLATFORMS, default="auto",
+                 help="devices to divide: auto (TPU chips, else NVIDIA GPUs, else CPU), cpu, gpu "
+                      "or tpu (default auto)")
   p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
   p.add_argument("--grace", type=float, default=30.0, metavar="SECONDS",
                  help="after a process fails, how long the others may take to stop (default 30)")
-  p.add_argument("command", nargs=argparse.REMAINDER, help="after --: the command and its arguments")
+  p.add_argument("command", nargs=argparse.REMAINDER,
+                 help="after --: the command and its arguments")
   args = p.parse_args(argv)
   if args.command and args.command[0] == "--":
     args.command = args.command[1:]
@@ -49,10 +56,10 @@ def parse_args(argv):
   return args
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   return launch(args.command, args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
-                grace=args.grace)
+                grace=args.grace, platform=args.platform)
 
 
 if __name__ == "__main__":

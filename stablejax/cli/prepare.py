@@ -1,4 +1,4 @@
-"""Prepare a corpus for the trainer: documents -> tokens -> ``train.bin``, ``val.bin``, ``meta.json``.
+"""Prepare a corpus for the trainer: documents -> tokens -> ``train.bin``, ``val.bin``, meta.json.
 
     python -m stablejax prepare INPUT... --out DIR --tokenizer T [--weights W...] [--workers N]
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from stablejax.data import tokenizer as tokenizer_lib
 from stablejax.data.prepare import SEPARATOR, TEXT_FIELD, Options, PrepareError, prepare
@@ -21,7 +21,7 @@ PROG = "python -m stablejax prepare"
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):
+  def error(self, message: str) -> NoReturn:
     print(f"error: {message} (see {PROG} --help)", file=sys.stderr)
     sys.exit(2)
 
@@ -38,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--separator", default=SEPARATOR, help="document separator in text files")
   p.add_argument("--hf-split", default="train", help="split of hf: datasets (default train)")
   p.add_argument("--val-fraction", type=float, default=0.005,
-                 help="fraction of documents held out for validation (default 0.005)")
+                 help="fraction of documents held out for validation, in (0, 1) (default 0.005)")
   p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
   p.add_argument("--eot-token", default=None, help="end-of-text token of a tokenizer.json")
   p.add_argument("--bpe-train-bytes", type=float, default=None,
@@ -47,7 +47,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="drop documents with a longer run of one byte (0 disables)")
   p.add_argument("--filter-max-nontext", type=float, default=0.3,
                  help="drop documents with a larger fraction of non-text bytes (1 disables)")
-  p.add_argument("--force", action="store_true", help="replace a corpus prepared differently")
+  p.add_argument("--force", action="store_true",
+                 help="replace a corpus prepared differently, or files of the same names that "
+                      "prepare did not write")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
   args = p.parse_args(argv)
   opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
 from stablejax.training.runs import RunError
@@ -24,7 +24,8 @@ PROG = "python -m stablejax quantize-eval"
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):  # one line and exit code 2, like the trainer (main returns it)
+  # One line and exit code 2, like the trainer (main returns it).
+  def error(self, message: str) -> NoReturn:
     raise RunError(f"{message} (see {PROG} --help)")
 
 

@@ -24,8 +24,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   Args:
     argv: arguments without the program name (default ``sys.argv[1:]``).
   """
-  parser = argparse.ArgumentParser(prog="python -m stablejax report",
-                                   description="Plot and summarise a stablejax run's metrics.jsonl.")
+  parser = argparse.ArgumentParser(
+      prog="python -m stablejax report",
+      description="Plot and summarise a stablejax run's metrics.jsonl.")
   parser.add_argument("run_dir", help="run directory containing metrics.jsonl")
   parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/report.png)")
   parser.add_argument("--window", type=int, default=100,

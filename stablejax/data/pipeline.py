@@ -65,16 +65,21 @@ import json
 import math
 import os
 import re
-import sys
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import grain
 import numpy as np
 from grain.experimental import WindowShuffleMapDataset
 
+if TYPE_CHECKING:
+  from stablejax.data.tokenizer import Tokenizer
+
 EMBEDDED = "pydoc"
 PREPARED_META = "meta.json"         # marks a complete directory written by stablejax.data.prepare
 PREPARED_FORMAT = "stablejax.prepared/1"
+# Present while stablejax.data.prepare writes a directory (it becomes meta.json at the end): what it
+# names is that tool's, and without meta.json the directory is an interrupted prepare.
+PREPARED_MARKER = PREPARED_META + ".partial"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".text")
 BIN_SUFFIX = ".bin"
 DEFAULT_BIN_VOCAB = 50304
@@ -95,7 +100,24 @@ class DataError(Exception):
 
 @dataclasses.dataclass
 class DataConfig:
-  train: Union[str, list[str]] = "pydoc"   # "pydoc", a path (text file/folder, .bin, prepared dir) or a list
+  """The ``data`` section of the trainer's config: sources, split, mixing and filters.
+
+  ``train`` is ``"pydoc"`` (the embedded corpus), a path (a text file or folder read as bytes, a
+  nanoGPT-style ``.bin`` token file, or a directory written by ``stablejax prepare``) or a list
+  of them (mixed by ``weights``, by default in proportion to their sizes). Without ``val`` the
+  last ``val_fraction`` of each train source is held out (a prepared directory brings its own
+  ``val.bin``). Documents with a run of one byte longer than ``filter_max_repeat`` or a share of
+  non-text bytes above ``filter_max_nontext`` are dropped before training.
+
+  Example:
+    >>> from stablejax.data.pipeline import DataConfig
+    >>> cfg = DataConfig(train="pydoc", val_fraction=0.05)
+    >>> cfg.train, cfg.val, cfg.vocab_size      # vocab 0: 256 for text, the meta's for prepared
+    ('pydoc', None, 0)
+  """
+
+  # "pydoc", a path (text file/folder, .bin, prepared dir) or a list of them
+  train: Union[str, list[str]] = "pydoc"
   val: Optional[Union[str, list[str]]] = None  # None -> last val_fraction of each train source
   val_fraction: float = 0.05
   weights: Optional[list[float]] = None    # mixing weights of the train sources; None: by size
@@ -122,7 +144,7 @@ class _Source:
     return int(sum(e - s for s, e in self.ranges))
 
 
-def _as_list(value, key: str) -> list[str]:
+def _as_list(value: Any, key: str) -> list[str]:
   if value is None:
     return []
   items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
@@ -147,7 +169,9 @@ def _text_documents(raw: bytes) -> list[bytes]:
   """Blank-line paragraphs packed into documents of at most TEXT_DOC_BYTES (lossless)."""
   if len(raw) <= TEXT_DOC_BYTES:
     return [raw]
-  docs, current, size = [], [], 0
+  docs: list[bytes] = []
+  current: list[bytes] = []
+  size = 0
   for m in _PARAGRAPH.finditer(raw):
     para = m.group(0)
     if not para:
@@ -287,13 +311,13 @@ def _load_bin(path: str, cfg: DataConfig, vocab_size: int) -> _Source:
     if max_token >= vocab_size:
       raise DataError(f"data file {path!r} holds token id {max_token} >= vocab size "
                       f"{vocab_size}: set data.vocab_size (and model.vocab_size) above it")
-  ranges = []
+  ranges: list[tuple[int, int]] = []
   for i in np.flatnonzero(keep):
-    s, e = int(i) * BIN_DOC_TOKENS, min(n, (int(i) + 1) * BIN_DOC_TOKENS)
-    if ranges and ranges[-1][1] == s:
-      ranges[-1] = (ranges[-1][0], e)
+    begin, end = int(i) * BIN_DOC_TOKENS, min(n, (int(i) + 1) * BIN_DOC_TOKENS)
+    if ranges and ranges[-1][1] == begin:
+      ranges[-1] = (ranges[-1][0], end)
     else:
-      ranges.append((s, e))
+      ranges.append((begin, end))
   dropped = int(n_docs - keep.sum())
   stats = dict(name=path, kind="bin", files=1, documents=n_docs, kept=n_docs - dropped,
                dropped_repeat=dropped, dropped_nontext=0, tokens=int(sum(e - s for s, e in ranges)),
@@ -349,7 +373,7 @@ def read_prepared(path: str) -> Optional[dict]:
   return meta
 
 
-def prepared_vocab_size(entry) -> Optional[int]:
+def prepared_vocab_size(entry: str) -> Optional[int]:
   """``vocab_size`` of a prepared directory named by a ``data.train`` value, else None.
 
   Used by the config to set ``model.vocab_size`` when it is not given; any problem is left to
@@ -397,7 +421,8 @@ def _load_prepared(path: str, meta: dict, cfg: DataConfig) -> tuple[list, _Sourc
 
 def _split_tail(ranges: list, n_tail: int) -> tuple[list, list]:
   """Splits usable ranges into (head, tail) where the tail holds the last n_tail tokens."""
-  head, tail, remaining = list(ranges), [], n_tail
+  head, remaining = list(ranges), n_tail
+  tail: list = []
   while remaining > 0 and head:
     s, e = head.pop()
     if e - s <= remaining:
@@ -477,7 +502,8 @@ class Data:
     return iter(self.train_dataset.to_iter_dataset(opts))
 
   def val_batches(self, num_batches: int) -> list[dict]:
-    """Fixed validation batches (same every call): this process's rows of ``num_batches`` batches."""
+    """Fixed validation batches (same every call): this process's rows of ``num_batches``
+    batches."""
     if num_batches < 1:
       return []
     slots = [(r, k) for r, reader in enumerate(self._val_readers)
@@ -530,8 +556,29 @@ def _validate(cfg: DataConfig, seq_len: int, batch_size: int, process_index: int
                     f"tokenizer's vocabulary size")
 
 
+def _check_not_unfinished(entry: str) -> None:
+  """A folder without meta.json but with what `prepare` writes is an unfinished prepare."""
+  path = os.path.expanduser(entry)
+  if not os.path.isdir(path) or os.path.isfile(os.path.join(path, PREPARED_META)):
+    return
+  if os.path.exists(os.path.join(path, PREPARED_MARKER)):
+    raise DataError(f"{entry!r} is an incomplete prepared directory: python -m stablejax prepare "
+                    f"was interrupted while writing it ({PREPARED_MARKER} is there, "
+                    f"{PREPARED_META} is not): run the same prepare command again")
+  bins = [n for n in ("train.bin", "val.bin") if os.path.isfile(os.path.join(path, n))]
+  has_text = any(n.lower().endswith(TEXT_SUFFIXES) for _, _, names in os.walk(path) for n in names)
+  if bins and not has_text:  # (a folder of text files with a stray .bin is read as text)
+    raise DataError(f"{entry!r} holds {' and '.join(bins)} but no {PREPARED_META}, so it is not "
+                    f"a complete prepared directory (a prepare that did not finish): run python "
+                    f"-m stablejax prepare again; nanoGPT-style token files of your own are read "
+                    f"by naming each file (data.train=DIR/train.bin, data.val=DIR/val.bin)")
+
+
 def _prepared_entry(train_entries: list, val_entries: list) -> Optional[tuple[str, dict]]:
   """(path, meta) when data.train names a prepared directory; checks it stands alone."""
+  for entry in train_entries:
+    if entry != EMBEDDED:
+      _check_not_unfinished(entry)
   found = [(e, m) for e in train_entries for m in [read_prepared(e)] if m is not None]
   if not found:
     return None
@@ -545,7 +592,7 @@ def _prepared_entry(train_entries: list, val_entries: list) -> Optional[tuple[st
   return found[0]
 
 
-def data_tokenizer(cfg: DataConfig):
+def data_tokenizer(cfg: DataConfig) -> Optional[Tokenizer]:
   """The tokenizer of a data config, or None when it cannot be known (plain ``.bin`` files).
 
   A prepared directory's own tokenizer; byte-level text and ``pydoc`` get the ``bytes``
@@ -586,6 +633,17 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
   Raises:
     DataError: a missing, empty or unreadable source, a folder without text files, a ``.bin``
       file with an odd byte count, a corpus shorter than one window, bad weights.
+
+  Example:
+    The embedded corpus, as windows of 64 + 1 byte tokens:
+
+    >>> from stablejax.data.pipeline import DataConfig, build_data
+    >>> data = build_data(DataConfig(), seq_len=64, batch_size=4, seed=0)
+    >>> data.vocab_size, data.stats["sources"][0]["name"]
+    (256, 'pydoc')
+    >>> batch = next(data.train_iter())
+    >>> batch["tokens"].shape, batch["tokens"].dtype
+    ((4, 65), dtype('int32'))
   """
   _validate(cfg, seq_len, batch_size, process_index, process_count)
   window = seq_len + 1
@@ -671,7 +729,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
   for i, reader in enumerate(train_readers):
     shuffle_seed, jitter_seed = _seeds(seed, i)
 
-    def to_window(slot, rng, reader=reader):
+    def to_window(slot: int, rng: np.random.Generator, reader: _WindowReader = reader) -> dict:
       start = reader.start_of(int(slot), int(rng.integers(0, reader.window)))
       return {"tokens": reader.read(start)}
 

@@ -1,4 +1,4 @@
-"""Prepare a corpus for the trainer: documents -> tokens -> ``train.bin``, ``val.bin``, ``meta.json``.
+"""Prepare a corpus for the trainer: documents -> tokens -> ``train.bin``, ``val.bin``, meta.json.
 
     python -m stablejax prepare INPUT... --out DIR --tokenizer T [--weights W...] [--workers N]
 
@@ -27,23 +27,40 @@ N trained here with Hugging Face ``tokenizers`` on the training split of all inp
 Output: every document's tokens followed by the end-of-text id, in ``DIR/train.bin`` or
 ``DIR/val.bin`` (flat ``uint16`` arrays when the vocabulary fits, else ``uint32``), and
 ``DIR/meta.json`` (tokenizer, vocab_size, eot_id, dtype, token and document counts per split and
-per source with each source's token range, weights, the split rule, the filter, the request).
+per source with each source's token range, weights, the split rule, the filter, the request, the
+files written). Document text is encoded as ordinary text with every tokenizer: a literal
+``<|endoftext|>`` inside a JSON/Parquet document stays text, and the end-of-text id appears only
+where this tool puts it (a tokenizer.json whose end-of-text token text can produce is refused).
 A document goes to validation when the first 8 bytes of the BLAKE2b hash of its UTF-8 text,
 read as a little-endian integer, fall below ``--val-fraction`` x 2^64: deterministic, independent
-of order and worker count, and duplicates land on the same side. Documents are filtered like the
-trainer's text (``--filter-max-repeat``, ``--filter-max-nontext``; counts in meta.json).
+of order and worker count, and duplicates land on the same side. An input none of whose
+documents lands in the training split is an error (the trainer would never see it). Documents are
+filtered like the trainer's text (``--filter-max-repeat``, ``--filter-max-nontext``; counts in
+meta.json).
 
 Streaming: documents are read, tokenized in ``--workers`` processes (1: in this process) and
 appended to the output a batch at a time, with a bounded number of batches in flight, so memory
-does not grow with the corpus (one document is held whole while it is tokenized). Files are
-written as ``*.partial`` and renamed when complete, ``meta.json`` last: the trainer accepts a
-directory only with a ``meta.json`` whose token counts match the files, so an interrupted prepare
-never leaves data it would train on. A complete directory prepared with the same request is not
-redone; one prepared differently is an error unless ``--force``.
+does not grow with the corpus (one document is held whole while it is tokenized).
 
-Exit codes: 0 done (or already done); 2 bad input (missing or empty file, unknown field,
-unreadable Parquet, unknown or unavailable tokenizer, vocabulary too large for the dtype, a
-directory holding another corpus); 130 interrupted (partial files removed).
+The directory: this tool replaces or removes only files it wrote, which its ``meta.json`` names
+(or ``meta.json.partial``, written first and turned into ``meta.json`` last). Another file under a
+name it writes (``train.bin``, ``val.bin``, ``tokenizer.json``, ``meta.json``, their
+``.partial``) is refused unless ``--force``; other files in DIR are never touched. The tokenizer
+file being read is never removed: ``--tokenizer DIR/tokenizer.json --out DIR`` uses it in place.
+New files are written as ``*.partial``; a corpus already in DIR stays usable until the new one is
+complete, then the old ``meta.json`` goes, the new files are renamed into place and
+``meta.json`` comes last: the trainer accepts a directory only with a ``meta.json`` whose token
+counts match the files, and calls one with ``meta.json.partial`` and no ``meta.json``
+incomplete. A complete directory prepared with the same request is not redone; one prepared
+differently is an error unless ``--force``. Ctrl-C (with any ``--workers``): the workers ignore
+it, the files of this run are removed and the exit code is 130; a killed run's files are
+recognised and replaced by the next run.
+
+Exit codes: 0 done (or already done); 2 bad input (missing, empty, truncated or non-gzip ``.gz``
+file, unknown field, unreadable Parquet, unknown or unavailable tokenizer, vocabulary too large for
+the dtype, an empty ``--separator``, ``--val-fraction`` outside (0, 1), an input entirely in
+validation, ``--out`` naming a file or inside an input folder, files of another program or
+another corpus in the way); 130 interrupted (this run's files removed).
 
 Example::
 
@@ -54,24 +71,27 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import gzip
 import hashlib
-import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
+import zlib
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
 from stablejax.data import tokenizer as tokenizer_lib
-from stablejax.data.pipeline import (EMBEDDED, PREPARED_FORMAT, PREPARED_META, DataError,
-                                     _max_run, _nontext_fraction, read_prepared)
+from stablejax.data.pipeline import (EMBEDDED, PREPARED_FORMAT, PREPARED_MARKER, PREPARED_META,
+                                     DataError, _max_run, _nontext_fraction, read_prepared)
 
 TEXT_FIELD = "text"
 SEPARATOR = tokenizer_lib.EOT_TEXT
@@ -100,7 +120,7 @@ class Options:
 # ----------------------------------------------------------------------------- documents
 
 
-def _need(module: str, what: str):
+def _need(module: str, what: str) -> Any:
   try:
     return __import__(module)
   except ImportError:
@@ -108,26 +128,42 @@ def _need(module: str, what: str):
                        ) from None
 
 
-def _open(path: Path, mode: str = "rb"):
+def _open(path: Path, mode: str = "rb") -> Any:
   return gzip.open(path, mode) if path.name.endswith(".gz") else open(path, mode)
+
+
+# What reading a damaged file raises: gzip.BadGzipFile (an OSError) for a file that is not gzip,
+# EOFError for a truncated one, zlib.error for corrupt compressed data, OSError for the rest.
+_READ_ERRORS = (OSError, EOFError, zlib.error)
+
+
+def _read_error(path: Path, e: BaseException) -> PrepareError:
+  detail = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else 'no detail'}"
+  if path.name.endswith(".gz"):
+    return PrepareError(f"{path}: not a complete gzip file ({detail}): download it again, or "
+                        f"give the uncompressed file (without .gz)")
+  return PrepareError(f"{path}: cannot read ({detail}): check the file and its permissions")
 
 
 def _text_documents(path: Path, opts: Options) -> Iterator[bytes]:
   """Documents of a text file, split on the separator while streaming 1 MiB blocks."""
   sep = opts.separator.encode("utf-8")
   pending: list[bytes] = []
-  with _open(path) as f:
-    while True:
-      block = f.read(1 << 20)
-      if not block:
-        break
-      tail = pending[-1][1 - len(sep):] if pending else b""
-      pending.append(block)
-      if sep not in tail + block:  # no separator ends in this block: keep reading
-        continue
-      parts = b"".join(pending).split(sep)
-      pending = [parts.pop()]
-      yield from parts
+  try:
+    with _open(path) as f:
+      while True:
+        block = f.read(1 << 20)
+        if not block:
+          break
+        tail = pending[-1][1 - len(sep):] if pending else b""
+        pending.append(block)
+        if sep not in tail + block:  # no separator ends in this block: keep reading
+          continue
+        parts = b"".join(pending).split(sep)
+        pending = [parts.pop()]
+        yield from parts
+  except _READ_ERRORS as e:
+    raise _read_error(path, e) from None
   yield b"".join(pending)
 
 
@@ -149,8 +185,11 @@ def _record_text(record: Any, opts: Options, where: str) -> Optional[str]:
 
 
 def _json_documents(path: Path, opts: Options) -> Iterator[str]:
-  with _open(path) as f:
-    head = f.read(4096).lstrip()
+  try:
+    with _open(path) as f:
+      head = f.read(4096).lstrip()
+  except _READ_ERRORS as e:
+    raise _read_error(path, e) from None
   if head.startswith(b"["):  # one JSON array: read whole (JSON Lines is the streaming format)
     try:
       with _open(path) as f:
@@ -158,23 +197,28 @@ def _json_documents(path: Path, opts: Options) -> Iterator[str]:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise PrepareError(f"{path}: not valid JSON ({e}): fix the file or convert it to JSON "
                          f"Lines") from None
+    except _READ_ERRORS as e:
+      raise _read_error(path, e) from None
     for i, record in enumerate(records):
       text = _record_text(record, opts, f"{path} record {i}")
       if text is not None:
         yield text
     return
-  with _open(path) as f:
-    for lineno, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PrepareError(f"{path}:{lineno}: not a JSON object ({e}): fix the line or remove "
-                           f"it") from None
-      text = _record_text(record, opts, f"{path}:{lineno}")
-      if text is not None:
-        yield text
+  try:
+    with _open(path) as f:
+      for lineno, line in enumerate(f, 1):
+        if not line.strip():
+          continue
+        try:
+          record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+          raise PrepareError(f"{path}:{lineno}: not a JSON object ({e}): fix the line or remove "
+                             f"it") from None
+        text = _record_text(record, opts, f"{path}:{lineno}")
+        if text is not None:
+          yield text
+  except _READ_ERRORS as e:
+    raise _read_error(path, e) from None
 
 
 def _parquet_documents(path: Path, opts: Options) -> Iterator[str]:
@@ -327,10 +371,10 @@ def _classify(raw: bytes, opts: Options) -> str:
   return "val" if is_val(raw, opts.val_fraction) else "train"
 
 
-_WORKER_TOKENIZER: dict = {}
+_WORKER_TOKENIZER: dict[tuple, tokenizer_lib.Tokenizer] = {}
 
 
-def _load_tokenizer(spec: tuple):
+def _load_tokenizer(spec: tuple) -> tokenizer_lib.Tokenizer:
   if spec not in _WORKER_TOKENIZER:
     kind, arg, eot = spec
     tok = tokenizer_lib.HFTokenizer(arg, eot) if kind == "file" else \
@@ -344,8 +388,8 @@ def encode_batch(task: tuple) -> dict:
   """Filters, splits and tokenizes one batch of documents (runs in a worker process)."""
   docs, tok_spec, opts, dtype = task
   tok = _load_tokenizer(tok_spec)
-  counts = collections.Counter()
-  texts = {"train": [], "val": []}
+  counts: collections.Counter[str] = collections.Counter()
+  texts: dict[str, list[str]] = {"train": [], "val": []}
   for doc in docs:
     text, raw = _as_text(doc)
     counts["bytes"] += len(raw)
@@ -354,7 +398,7 @@ def encode_batch(task: tuple) -> dict:
     if label in texts:
       texts[label].append(text)
       counts[f"{label}_bytes"] += len(raw)
-  out = {"counts": counts}
+  out: dict[str, Any] = {"counts": counts}
   for split, batch in texts.items():
     ids = tok.encode_batch(batch) if batch else []
     lengths = [len(x) + 1 for x in ids]
@@ -364,8 +408,20 @@ def encode_batch(task: tuple) -> dict:
       arr[pos:pos + n - 1] = x
       arr[pos + n - 1] = tok.eot_id
       pos += n
+    if np.count_nonzero(arr == tok.eot_id) != len(ids):  # text must never encode to end-of-text
+      raise PrepareError(
+          f"document text encodes to the end-of-text id {tok.eot_id} "
+          f"({getattr(tok, 'eot_token', 'end-of-text')!r} is an ordinary token of this "
+          f"tokenizer), which would cut documents at false boundaries: make it a special token "
+          f"of the tokenizer.json or choose another with --eot-token")
     out[split] = arr
   return out
+
+
+def _ignore_sigint() -> None:
+  """Worker start: Ctrl-C is the parent's to handle (see ``prepare``)."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _batches(docs: Iterator, extra: tuple) -> Iterator[tuple]:
@@ -380,23 +436,74 @@ def _batches(docs: Iterator, extra: tuple) -> Iterator[tuple]:
     yield (batch, *extra)
 
 
-def _ordered_map(pool, fn, tasks: Iterator, inflight: int) -> Iterator:
+class _CtrlC:
+  """Ctrl-C while a worker pool runs: a KeyboardInterrupt at once, as usual, except while this
+  process is inside the pool's own code (its queues, locks and result waits), where it is held
+  until that call returns. An exception raised inside one of the pool's locks would leave it
+  held, and ``Pool.terminate`` would then wait forever. Installed only in the main thread."""
+
+  def __init__(self) -> None:
+    self.inside = False
+    self.requested = False
+    self._previous: Any = None
+
+  def install(self) -> None:
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGINT, self._handle)
+
+  def restore(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGINT, self._previous)
+      self._previous = None
+
+  def _handle(self, signum: int, frame: object) -> None:
+    if not self.inside:
+      raise KeyboardInterrupt
+    self.requested = True
+
+  @contextlib.contextmanager
+  def pool_call(self) -> Iterator[None]:
+    self.inside = True
+    try:
+      yield
+    finally:
+      self.inside = False
+    if self.requested:
+      raise KeyboardInterrupt
+
+
+def _ordered_map(pool: Any, fn: Callable[[Any], Any], tasks: Iterator, inflight: int,
+                 ctrl_c: Optional[_CtrlC] = None) -> Iterator:
   """``pool.imap`` with back-pressure: at most ``inflight`` tasks read ahead (imap reads the
-  whole input at once, which for a 40 GB corpus means 40 GB in memory)."""
+  whole input at once, which for a 40 GB corpus means 40 GB in memory). Waits in short slices
+  inside ``ctrl_c.pool_call()``, so a Ctrl-C takes effect within 0.1 s."""
   if pool is None:
     for task in tasks:
       yield fn(task)
     return
-  queue = collections.deque()
+  guard = ctrl_c.pool_call if ctrl_c is not None else contextlib.nullcontext
+
+  def result_of(pending: Any) -> Any:
+    while True:
+      with guard():
+        if pending.ready():
+          return pending.get()
+        pending.wait(0.1)
+
+  queue: collections.deque = collections.deque()
   for task in tasks:
-    queue.append(pool.apply_async(fn, (task,)))
+    with guard():
+      queue.append(pool.apply_async(fn, (task,)))
     if len(queue) >= inflight:
-      yield queue.popleft().get()
+      yield result_of(queue.popleft())
   while queue:
-    yield queue.popleft().get()
+    yield result_of(queue.popleft())
 
 
 # ----------------------------------------------------------------------------- the directory
+
+SPLIT_FILES = ("train.bin", "val.bin")
+TOKENIZER_FILE = "tokenizer.json"
 
 
 def _describe_input(entry: str) -> dict:
@@ -406,15 +513,6 @@ def _describe_input(entry: str) -> dict:
   return {"input": str(Path(entry).expanduser().resolve()), "files": len(files),
           "bytes": sum(f.stat().st_size for f in files),
           "mtime_ns": max(f.stat().st_mtime_ns for f in files)}
-
-
-def _outputs(out: Path) -> list[Path]:
-  return [out / n for n in ("train.bin", "val.bin", "tokenizer.json", PREPARED_META)]
-
-
-def _remove_partials(out: Path) -> None:
-  for path in _outputs(out):
-    Path(str(path) + PARTIAL).unlink(missing_ok=True)
 
 
 def _dtype_for(vocab_size: int, requested: str) -> str:
@@ -427,12 +525,98 @@ def _dtype_for(vocab_size: int, requested: str) -> str:
   return requested
 
 
+def _read_own_record(path: Path) -> Optional[dict]:
+  """A meta.json (or the marker) this tool wrote: a JSON object of its format; else None."""
+  try:
+    data = json.loads(path.read_text())
+  except (OSError, ValueError):  # missing, a directory, unreadable, not JSON, not UTF-8
+    return None
+  return data if isinstance(data, dict) and data.get("format") == PREPARED_FORMAT else None
+
+
+def _named_files(record: dict) -> set[str]:
+  """The files of --out that a meta.json or marker of this tool says the tool wrote."""
+  if isinstance(record.get("written"), list):
+    names = {n for n in record["written"] if isinstance(n, str)}
+  else:  # a meta.json of an earlier release, which always wrote its tokenizer.json
+    names = set(SPLIT_FILES)
+    tok = record.get("tokenizer")
+    if isinstance(tok, dict) and isinstance(tok.get("file"), str):
+      names.add(tok["file"])
+  return names & {*SPLIT_FILES, TOKENIZER_FILE}  # a record claims only the tool's own names
+
+
+@dataclasses.dataclass
+class _Existing:
+  """What --out holds from earlier runs of this tool."""
+  meta: Optional[dict]  # its meta.json (complete or not), else None
+  complete: bool        # the trainer would accept the directory
+  kept: set[str]        # that meta.json and its files: they stay until the new corpus replaces them
+  leftovers: set[str]   # files of an interrupted run (named by the marker, partials): garbage
+
+
+def _existing(out: Path) -> _Existing:
+  meta = _read_own_record(out / PREPARED_META)
+  marker = _read_own_record(out / PREPARED_MARKER)
+  try:
+    complete = meta is not None and read_prepared(str(out)) is not None
+  except DataError:
+    complete = False
+  kept = _named_files(meta) | {PREPARED_META} if meta is not None else set()
+  leftovers = set()
+  if marker is not None:
+    finals = _named_files(marker)
+    leftovers = (finals - kept) | {n + PARTIAL for n in finals} | {PREPARED_MARKER}
+  return _Existing(meta, complete, kept, leftovers)
+
+
+def _remove(out: Path, names: Iterable[str], keep: Optional[Path]) -> None:
+  for name in sorted(names):
+    path = out / name
+    if keep is not None and path.exists() and path.resolve() == keep:
+      continue  # the tokenizer this prepare reads is never deleted
+    path.unlink(missing_ok=True)
+
+
+def _check_paths(inputs: Sequence[str], out: Path, tokenizer_path: Optional[Path]) -> None:
+  """--out must not be a file, lie inside an input folder, or hold an input or the tokenizer
+  under a name this tool writes."""
+  if out.exists() and not out.is_dir():
+    raise PrepareError(f"--out {str(out)!r} is a file, not a directory: give a directory path "
+                       f"(it is created when missing)")
+  where = out.resolve()
+  own_names = {*SPLIT_FILES, TOKENIZER_FILE, PREPARED_META, PREPARED_MARKER,
+               *(n + PARTIAL for n in (*SPLIT_FILES, TOKENIZER_FILE))}
+  for entry in inputs:
+    if entry == EMBEDDED or entry.startswith("hf:"):
+      continue
+    path = Path(entry).expanduser().resolve()
+    if path.is_dir() and (path == where or path in where.parents):
+      raise PrepareError(f"--out {str(out)!r} is inside the input folder {entry!r}, whose files "
+                         f"would be read as input: put --out outside it")
+    for f in input_files(entry):
+      if f.resolve().parent == where and f.name in own_names:
+        raise PrepareError(f"input {str(f)!r} is a file prepare writes in --out: choose another "
+                           f"--out")
+  if tokenizer_path is not None and tokenizer_path.parent == where and \
+      tokenizer_path.name in own_names - {TOKENIZER_FILE}:
+    raise PrepareError(f"--tokenizer {str(tokenizer_path)!r} is a file prepare writes in --out: "
+                       f"copy it elsewhere or choose another --out")
+
+
 def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
             weights: Optional[Sequence[float]] = None, workers: int = 1, dtype: str = "auto",
             opts: Options = Options(), eot_token: Optional[str] = None,
             bpe_train_bytes: Optional[int] = None, force: bool = False,
-            progress: bool = True, log=print) -> dict:
+            progress: bool = True, log: Callable[[str], Any] = print) -> dict:
   """Prepares ``inputs`` into ``out``; returns the written (or existing) ``meta.json`` as a dict.
+
+  Only files this tool wrote (named by its own ``meta.json``, or by ``meta.json.partial`` while
+  it writes) are replaced or removed; another file under a name it writes (``train.bin``,
+  ``val.bin``, ``tokenizer.json``, ``meta.json``, their ``.partial``) is a ``PrepareError``
+  unless ``force``. The tokenizer file it reads is never removed: ``--tokenizer DIR/tokenizer.json
+  --out DIR`` keeps that file in place as the directory's tokenizer. A corpus already in ``out``
+  stays usable until the new one is complete (``force`` replaces it only then).
 
   Args:
     inputs: INPUT entries (see the module docstring).
@@ -444,19 +628,46 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
     opts: document options (text field, separator, split, filter).
     eot_token: end-of-text token name of a tokenizer.json (default: the first known name).
     bpe_train_bytes: ``bpe:N`` trains on at most this many bytes of training documents.
-    force: redo a directory that holds a corpus prepared with a different request.
+    force: replace a corpus prepared with a different request, and files this tool did not
+      write that are in the way.
     progress: tqdm bars.
     log: one-line messages.
 
   Raises:
     PrepareError: bad input (the message is one line naming the problem and the fix).
+    KeyboardInterrupt: interrupted; the files this run wrote are removed first.
+
+  Example:
+    Four hundred JSONL documents as bytes, 5% of the documents held out for validation:
+
+    >>> import json, os, tempfile
+    >>> from stablejax.data.prepare import Options, prepare
+    >>> folder = tempfile.mkdtemp()
+    >>> with open(os.path.join(folder, "docs.jsonl"), "w") as f:
+    ...   for i in range(400):
+    ...     print(json.dumps({"text": f"Document {i}: the quick brown fox."}), file=f)
+    >>> meta = prepare([os.path.join(folder, "docs.jsonl")], os.path.join(folder, "corpus"),
+    ...                "bytes", opts=Options(val_fraction=0.05), progress=False, log=print)
+    prepared .../corpus: 400 documents (22 val), 13,125 train + 765 val tokens, vocab 256
+    (uint16), ...
+    >>> meta["tokenizer"]["kind"], meta["vocab_size"], meta["dtype"]
+    ('bytes', 256, 'uint16')
+    >>> sorted(os.listdir(os.path.join(folder, "corpus")))
+    ['meta.json', 'train.bin', 'val.bin']
+
+    Train on it with ``data.train=<folder>/corpus``.
   """
   t0 = time.time()
   inputs = list(inputs)
   if not inputs:
-    raise PrepareError("no INPUT given: name text/JSONL/Parquet files or folders, pydoc, or hf:NAME")
-  if not 0.0 <= opts.val_fraction < 1.0:
-    raise PrepareError(f"--val-fraction {opts.val_fraction} is outside [0, 1): use e.g. 0.005")
+    raise PrepareError("no INPUT given: name text/JSONL/Parquet files or folders, pydoc, or "
+                       "hf:NAME")
+  if not 0.0 < opts.val_fraction < 1.0:
+    raise PrepareError(f"--val-fraction {opts.val_fraction} is outside (0, 1): the trainer needs "
+                       f"a validation split; use e.g. 0.005")
+  if opts.separator == "":
+    raise PrepareError(f"--separator is empty: give the string between documents in text files "
+                       f"(default {SEPARATOR})")
   if workers < 1:
     raise PrepareError(f"--workers {workers} must be at least 1")
   if weights is not None:
@@ -468,8 +679,11 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
       raise PrepareError(f"--weights {weights} has a non-positive entry: give positive numbers")
   if opts.text_field == "":
     raise PrepareError("--text-field is empty: name the field that holds the text")
-  bpe_size = _tokenizer_checked(tokenizer)
-  out = Path(out)
+  bpe_size, given_tok = _tokenizer_checked(tokenizer, eot_token)
+  out = Path(out).expanduser()
+  # The tokenizer file this prepare reads: kept in place when it is --out's own tokenizer.json.
+  tok_path = given_tok.path.resolve() if isinstance(given_tok, tokenizer_lib.HFTokenizer) else None
+  _check_paths(inputs, out, tok_path)
 
   request = {"inputs": [_describe_input(e) for e in inputs], "tokenizer": tokenizer,
              "tokenizer_sha256": (hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
@@ -477,44 +691,96 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
              "eot_token": eot_token, "weights": weights, "dtype": dtype,
              "options": dataclasses.asdict(opts), "bpe_train_bytes": bpe_train_bytes}
   request = json.loads(json.dumps(request))
-  try:
-    existing = read_prepared(out)
-  except DataError:
-    existing = None  # an incomplete or damaged directory is simply redone
-  if existing is not None:
-    if existing.get("request") == request:
-      log(f"{out} is already prepared with these settings ({existing['train_tokens']:,} train "
-          f"tokens, {existing['val_tokens']:,} val tokens): nothing to do")
-      return existing
-    if not force:
+  existing = _existing(out)
+  if existing.meta is not None:
+    same = existing.meta.get("request") == request
+    if existing.complete and same:
+      _remove(out, existing.leftovers, tok_path)  # of an interrupted --force run
+      log(f"{out} is already prepared with these settings ({existing.meta['train_tokens']:,} "
+          f"train tokens, {existing.meta['val_tokens']:,} val tokens): nothing to do")
+      return existing.meta
+    if not same and not force:
       raise PrepareError(f"{out} already holds a corpus prepared with other settings: choose "
                          f"another --out or pass --force to replace it")
-  out.mkdir(parents=True, exist_ok=True)
-  _remove_partials(out)
-  for path in _outputs(out):  # an earlier corpus (force) or leftovers of an unfinished rename
-    path.unlink(missing_ok=True)
-
-  pool = None
+    if not existing.complete:
+      log(f"{out}: its files do not match its meta.json; preparing it again")
+  in_place = tok_path is not None and tok_path == (out / TOKENIZER_FILE).resolve()
+  writes = [*SPLIT_FILES] + ([TOKENIZER_FILE] if given_tok is None or (
+      isinstance(given_tok, tokenizer_lib.HFTokenizer) and not in_place) else [])
+  ours = existing.kept | existing.leftovers
+  in_the_way = []
+  for name in (*writes, PREPARED_META, *(n + PARTIAL for n in writes), PREPARED_MARKER):
+    path = out / name
+    if path.is_dir():
+      raise PrepareError(f"{path} is a directory, where prepare writes a file: move it or choose "
+                         f"another --out")
+    if os.path.lexists(path) and name not in ours:
+      in_the_way.append(name)
+  if in_the_way and not force:
+    raise PrepareError(f"{out} holds {', '.join(in_the_way)}, not written by python -m stablejax "
+                       f"prepare (no meta.json of its own names them): choose another --out, or "
+                       f"pass --force to replace them")
   try:
+    out.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise PrepareError(f"cannot create --out {str(out)!r} ({e.strerror or e}): choose a writable "
+                       f"directory") from None
+
+  # The marker names every file of the tool's in --out until meta.json replaces it, so an
+  # interrupted run's files are recognised (and removed) by the next one. `stale`: files of the
+  # corpus already there that the new one does not have (removed once it is in place);
+  # `leftovers`: files of an interrupted run (removed now).
+  stale = existing.kept - {PREPARED_META} - set(writes) - ({TOKENIZER_FILE} if in_place else set())
+  leftovers = existing.leftovers - {PREPARED_MARKER}
+  finals = {n for n in leftovers if not n.endswith(PARTIAL)}
+  marker = {"format": PREPARED_FORMAT, "incomplete": True,
+            "written": sorted({*writes, *stale, *finals}), "request": request}
+  state: dict = {"old_meta_removed": False, "renamed": []}
+  pool = None
+  ctrl_c = _CtrlC()
+  try:
+    (out / PREPARED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    _remove(out, leftovers, tok_path)
     if workers > 1:  # started before any tokenizer runs, so no library thread pool is forked
-      pool = _pool_context().Pool(workers)
-    tok, tok_spec = _make_tokenizer(tokenizer, bpe_size, inputs, out, opts, eot_token,
+      # SIGINT stays blocked while the workers start (they inherit the mask; a pending signal
+      # is not inherited) and their initializer ignores it before unblocking: a worker must
+      # never die of Ctrl-C, or it can take the pool's queue lock with it and Pool.terminate
+      # then waits forever. A Ctrl-C meanwhile is raised here once `pool` is set.
+      # The main thread then talks to the pool only inside ctrl_c.pool_call() (see _CtrlC).
+      mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+      try:
+        ctrl_c.install()
+        pool = _pool_context().Pool(workers, initializer=_ignore_sigint)
+      finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    tok, tok_spec = _make_tokenizer(tokenizer, bpe_size, given_tok, in_place, inputs, out, opts,
                                     bpe_train_bytes, progress, log)
     meta = _tokenize(inputs, out, tok, tok_spec, _dtype_for(tok.vocab_size, dtype), weights,
-                     opts, pool, workers, progress)
-    meta["request"] = request
-    meta["seconds"] = time.time() - t0
-    _finish(out, meta, bpe_size is not None)
-  except BaseException:
+                     opts, pool, workers, progress, ctrl_c)
     if pool is not None:
-      pool.terminate()
+      with ctrl_c.pool_call():
+        pool.close()
+        pool.join()
       pool = None
-    _remove_partials(out)
+    meta["request"] = request
+    meta["written"] = writes
+    meta["seconds"] = time.time() - t0
+    _finish(out, meta, writes, stale, tok_path, state)
+  except BaseException:
+    # Cleaning up must not be cut short by a second Ctrl-C (it is delivered when done).
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+      if pool is not None:
+        pool.terminate()
+      _remove(out, [*(n + PARTIAL for n in writes), *leftovers], tok_path)
+      if state["old_meta_removed"]:  # the earlier corpus is gone: none of its files stay
+        _remove(out, {*state["renamed"], *existing.kept, *stale}, tok_path)
+      _remove(out, [PREPARED_MARKER], tok_path)
+    finally:
+      signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     raise
   finally:
-    if pool is not None:
-      pool.close()
-      pool.join()
+    ctrl_c.restore()
   mb = meta["bytes"] / 1e6
   log(f"prepared {out}: {meta['documents']:,} documents ({meta['val_documents']:,} val), "
       f"{meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, vocab "
@@ -523,7 +789,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
   return meta
 
 
-def _pool_context():
+def _pool_context() -> Any:
   """fork (cheap) unless this process has started JAX's backends, whose threads must not be
   forked (prepare() called from a training script or a bench); then spawn."""
   xla_bridge = sys.modules.get("jax._src.xla_bridge")
@@ -532,32 +798,36 @@ def _pool_context():
   return multiprocessing.get_context("fork" if sys.platform == "linux" else None)
 
 
-def _tokenizer_checked(spec: str) -> Optional[int]:
+def _tokenizer_checked(spec: str, eot_token: Optional[str]) -> tuple[Optional[int], Any]:
+  """(N of bpe:N, None) or (None, the loaded tokenizer); loaded before anything is written, so an
+  unknown name, a missing file or a needed download fails early."""
   try:
     bpe = tokenizer_lib.parse_bpe_size(spec)
-    if bpe is None:
-      tokenizer_lib.get_tokenizer(spec)  # fail early: unknown name, no file, no download
-    return bpe
+    return (bpe, None) if bpe is not None else (None, tokenizer_lib.get_tokenizer(spec, eot_token))
   except tokenizer_lib.TokenizerError as e:
     raise PrepareError(str(e)) from None
 
 
-def _make_tokenizer(spec, bpe_size, inputs, out, opts, eot_token, bpe_train_bytes, progress, log):
+def _make_tokenizer(spec: str, bpe_size: Optional[int],
+                    given_tok: Optional[tokenizer_lib.Tokenizer], in_place: bool,
+                    inputs: list[str], out: Path, opts: Options,
+                    bpe_train_bytes: Optional[int], progress: bool, log: Callable[[str], Any]
+                    ) -> tuple[tokenizer_lib.Tokenizer, tuple]:
   if bpe_size is None:
-    try:
-      tok = tokenizer_lib.get_tokenizer(spec, eot_token)
-    except tokenizer_lib.TokenizerError as e:
-      raise PrepareError(str(e)) from None
+    assert given_tok is not None, "a named tokenizer is loaded before this"
+    tok = given_tok
     if isinstance(tok, tokenizer_lib.HFTokenizer):
-      partial = Path(str(out / "tokenizer.json") + PARTIAL)
+      if in_place:  # --out's own tokenizer.json: read in place, never rewritten
+        return tok, ("file", str(tok.path), tok.eot_token)
+      partial = Path(str(out / TOKENIZER_FILE) + PARTIAL)
       partial.write_bytes(tok.path.read_bytes())  # the directory carries its own tokenizer
       return tok, ("file", str(partial), tok.eot_token)
-    return tok, ("name", spec, eot_token)
+    return tok, ("name", spec, None)
   log(f"training a byte-level BPE of vocabulary {bpe_size} on the training split")
   bar = tqdm(unit="B", unit_scale=True, desc="bpe data", disable=not progress)
   limit = bpe_train_bytes if bpe_train_bytes else float("inf")
 
-  def training_texts():
+  def training_texts() -> Iterator[str]:
     seen = 0
     for entry in inputs:
       for doc in iter_documents(entry, opts):
@@ -569,7 +839,7 @@ def _make_tokenizer(spec, bpe_size, inputs, out, opts, eot_token, bpe_train_byte
           if seen >= limit:
             return
 
-  partial = Path(str(out / "tokenizer.json") + PARTIAL)
+  partial = Path(str(out / TOKENIZER_FILE) + PARTIAL)
   tok = tokenizer_lib.train_bpe(training_texts(), bpe_size, partial)
   bar.close()
   if tok.vocab_size < bpe_size:
@@ -577,18 +847,20 @@ def _make_tokenizer(spec, bpe_size, inputs, out, opts, eot_token, bpe_train_byte
   return tok, ("file", str(partial), tok.eot_token)
 
 
-def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, progress) -> dict:
+def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_spec: tuple,
+              dtype: str, weights: Optional[list[float]], opts: Options, pool: Any, workers: int,
+              progress: bool, ctrl_c: Optional[_CtrlC] = None) -> dict:
   paths = {split: Path(str(out / f"{split}.bin") + PARTIAL) for split in ("train", "val")}
   files = {split: open(p, "wb") for split, p in paths.items()}
   totals = {"train": 0, "val": 0}
-  sources = []
+  sources: list[dict[str, Any]] = []
   bar = tqdm(unit="B", unit_scale=True, desc="tokenize", disable=not progress, smoothing=0.1)
   try:
     for index, entry in enumerate(inputs):
-      counts = collections.Counter()
+      counts: collections.Counter[str] = collections.Counter()
       start = dict(totals)
       tasks = _batches(iter_documents(entry, opts), (tok_spec, opts, np.dtype(dtype)))
-      for result in _ordered_map(pool, encode_batch, tasks, inflight=2 * workers):
+      for result in _ordered_map(pool, encode_batch, tasks, 2 * workers, ctrl_c):
         for split in ("train", "val"):
           result[split].tofile(files[split])
           totals[split] += int(result[split].size)
@@ -603,6 +875,12 @@ def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, p
                            f"({counts['repeat']} long repeats, {counts['nontext']} non-text, "
                            f"{counts['empty']} empty): check the data or relax "
                            f"--filter-max-repeat / --filter-max-nontext")
+      if counts["train"] == 0:  # it would be in val.bin only, and never trained on
+        raise PrepareError(f"all {counts['val']} document(s) of input {entry!r} fell into the "
+                           f"validation split (--val-fraction {opts.val_fraction}), so training "
+                           f"would never see it: split it into more documents (--separator for "
+                           f"text files, one record per document in JSON Lines/Parquet), lower "
+                           f"--val-fraction, or leave the input out")
       sources.append({
           "input": entry, "documents": documents, "train_documents": counts["train"],
           "val_documents": counts["val"], "dropped_repeat": counts["repeat"],
@@ -616,9 +894,7 @@ def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, p
     bar.close()
     for f in files.values():
       f.close()
-  if totals["train"] == 0:
-    raise PrepareError("no document went to the training split: lower --val-fraction")
-  if totals["val"] == 0 and opts.val_fraction > 0:
+  if totals["val"] == 0:
     n = sum(s["train_documents"] for s in sources)
     raise PrepareError(f"none of the {n} documents fell into the validation split "
                        f"(--val-fraction {opts.val_fraction}): raise --val-fraction or add text")
@@ -644,12 +920,20 @@ def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, p
   }
 
 
-def _finish(out: Path, meta: dict, trained_bpe: bool) -> None:
-  """Renames the partial files into place, meta.json last (the mark of a complete directory)."""
-  meta_partial = Path(str(out / PREPARED_META) + PARTIAL)
-  meta_partial.write_text(json.dumps(meta, indent=2) + "\n")
-  for name in ("train.bin", "val.bin", "tokenizer.json"):
-    partial = Path(str(out / name) + PARTIAL)
-    if partial.exists():
-      os.replace(partial, out / name)
-  os.replace(meta_partial, out / PREPARED_META)
+def _finish(out: Path, meta: dict, writes: Sequence[str], stale: set[str],
+            tok_path: Optional[Path], state: dict) -> None:
+  """Puts the new corpus in place: the old meta.json goes first (from then on the directory is
+  incomplete and the marker says so), the partial files are renamed, files of the old corpus
+  that the new one lacks are removed, and the marker becomes meta.json, atomically, last."""
+  state["old_meta_removed"] = True
+  (out / PREPARED_META).unlink(missing_ok=True)
+  for name in writes:
+    os.replace(Path(str(out / name) + PARTIAL), out / name)
+    state["renamed"].append(name)
+  _remove(out, stale, tok_path)
+  marker = out / PREPARED_MARKER
+  with open(marker, "w") as f:
+    f.write(json.dumps(meta, indent=2) + "\n")
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(marker, out / PREPARED_META)

@@ -13,8 +13,12 @@ Four kinds, each with an end-of-text id that separates documents:
   * ``bpe:N``: a byte-level BPE of vocabulary N trained with Hugging Face ``tokenizers`` on the
     corpus (``train_bpe``), saved as ``tokenizer.json`` and from then on loaded as a path.
 
-``decode`` renders the end-of-text id as ``<|endoftext|>`` for every kind, so
-``decode(encode(text)) == text`` for any text (without NUL characters for ``bytes``).
+``encode`` treats its text as ordinary text with every kind: a literal ``<|endoftext|>`` (or
+another special token's string) in it never becomes the end-of-text id (tiktoken's
+``encode_ordinary``; ``encode_special_tokens`` for Hugging Face tokenizers), so only the id a
+caller appends separates documents. ``decode`` renders the end-of-text id as ``<|endoftext|>`` for
+every kind, so ``decode(encode(text)) == text`` for any text (without NUL characters for
+``bytes``).
 
 Example::
 
@@ -29,7 +33,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 EOT_TEXT = "<|endoftext|>"
 # End-of-text names looked up in a tokenizer.json, in this order.
@@ -45,6 +49,8 @@ class BytesTokenizer:
   """UTF-8 bytes as tokens; NUL (id 0) is the end-of-text token."""
 
   kind = "bytes"
+  # The prompt of an empty sample; set by whoever loads the tokenizer for a run.
+  start_ids: list[int]
   vocab_size = 256
   eot_id = 0
 
@@ -72,6 +78,8 @@ class TiktokenTokenizer:
   """A tiktoken encoding (``gpt2``); special tokens in the text are encoded as plain text."""
 
   kind = "tiktoken"
+  # The prompt of an empty sample; set by whoever loads the tokenizer for a run.
+  start_ids: list[int]
 
   def __init__(self, name: str):
     import tiktoken
@@ -104,6 +112,8 @@ class HFTokenizer:
   """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json``."""
 
   kind = "hf"
+  # The prompt of an empty sample; set by whoever loads the tokenizer for a run.
+  start_ids: list[int]
 
   def __init__(self, path: str | os.PathLike, eot_token: Optional[str] = None):
     from tokenizers import Tokenizer
@@ -116,6 +126,10 @@ class HFTokenizer:
     except Exception as e:  # noqa: BLE001 - the library raises a plain Exception
       raise TokenizerError(f"{str(path)!r} is not a Hugging Face tokenizer.json ({e}): give the "
                            f"tokenizer.json file of a tokenizers/transformers tokenizer") from None
+    # Text is text: a literal "<|endoftext|>" (or any special token's string) in a document is
+    # encoded as ordinary characters, like tiktoken's encode_ordinary; only the id a caller
+    # appends is end-of-text.
+    self._tok.encode_special_tokens = True
     self.path = path
     self.sha256 = hashlib.sha256(path.read_bytes()).hexdigest()
     vocab = self._tok.get_vocab(with_added_tokens=True)
@@ -149,14 +163,33 @@ class HFTokenizer:
             "sha256": self.sha256}
 
 
-def get_tokenizer(spec: str, eot_token: Optional[str] = None):
+# Any of the tokenizers above: they share encode, encode_batch, decode, describe and eot_id.
+Tokenizer = Union[BytesTokenizer, TiktokenTokenizer, HFTokenizer]
+
+
+def get_tokenizer(spec: str, eot_token: Optional[str] = None) -> Tokenizer:
   """Loads ``bytes``, ``gpt2`` (or another tiktoken encoding name) or a tokenizer.json path.
 
   ``bpe:N`` is not loadable: it is trained on a corpus (``train_bpe``).
 
+  Args:
+    spec: ``"bytes"``, a tiktoken encoding name (``"gpt2"``, ``"cl100k_base"``, ...), or the path
+      of a Hugging Face ``tokenizer.json`` (or of a directory holding one).
+    eot_token: the end-of-text token of a ``tokenizer.json`` (default: the first known name,
+      such as ``<|endoftext|>`` or ``</s>``).
+
+  Returns:
+    A tokenizer with ``encode``, ``decode``, ``vocab_size`` and ``eot_id``.
+
   Raises:
     TokenizerError: unknown spec, missing file, no end-of-text token, or an encoding that needs
       a download that failed.
+
+  Example:
+    >>> from stablejax.data.tokenizer import get_tokenizer
+    >>> tok = get_tokenizer("bytes")
+    >>> tok.encode("hi"), tok.decode([104, 105]), tok.vocab_size, tok.eot_id
+    ([104, 105], 'hi', 256, 0)
   """
   if spec == "bytes":
     return BytesTokenizer()
@@ -213,7 +246,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: str | os.PathLike,
   return HFTokenizer(path)
 
 
-def from_meta(meta: dict, directory: str | os.PathLike):
+def from_meta(meta: dict, directory: str | os.PathLike) -> Tokenizer:
   """The tokenizer a prepared directory's ``meta.json`` names."""
   info = meta.get("tokenizer", {})
   kind = info.get("kind")

@@ -75,7 +75,7 @@ def cross_entropy_with_z_loss(
   total = jnp.sum(weights)
   denom = jnp.where(total > 0, total, 1.0)
 
-  def _mean(x):
+  def _mean(x: jax.Array) -> jax.Array:
     # where() so a masked NaN/Inf position cannot leak into the mean.
     return jnp.sum(jnp.where(weights > 0, x * weights, 0.0)) / denom
 

@@ -49,9 +49,13 @@ def init_new_token_embeddings(params, token_ids: Sequence[int] | np.ndarray):
   Returns:
     A new parameter tree (same structure and dtypes) with those rows/columns replaced.
 
-  Example::
+  Example:
+    Token 2 was just added (its row is still zero); it starts at the mean of tokens 0 and 1:
 
-    params = stablejax.init_new_token_embeddings(params, [mask_id])
+    >>> import jax.numpy as jnp, stablejax
+    >>> params = {"tok_embed": {"embedding": jnp.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])}}
+    >>> stablejax.init_new_token_embeddings(params, [2])["tok_embed"]["embedding"].tolist()
+    [[1.0, 2.0], [3.0, 4.0], [2.0, 3.0]]
   """
   inner, rewrap = _unwrap(params)
   if "tok_embed" not in inner or "embedding" not in inner["tok_embed"]:
@@ -101,10 +105,13 @@ def lambda_warmup(steps: int, schedule: str = "linear") -> optax.Schedule:
   Returns:
     An optax-style schedule ``step -> float32 lambda in [0, 1]`` (jit-friendly).
 
-  Example::
+  Example:
+    >>> import stablejax
+    >>> lam = stablejax.lambda_warmup(100, "cosine")
+    >>> [round(float(lam(step)), 4) for step in (0, 25, 50, 100, 200)]
+    [0.0, 0.1464, 0.5, 1.0, 1.0]
 
-    lam_fn = stablejax.lambda_warmup(1000, "cosine")
-    logits = model.apply(variables, tokens, bitnet_lambda=lam_fn(step))
+    In a model: ``model.apply(variables, tokens, bitnet_lambda=lam(step))``.
   """
   if not isinstance(steps, (int, np.integer)) or isinstance(steps, bool) or steps < 0:
     raise ValueError(f"lambda_warmup steps={steps!r} must be a non-negative integer")
@@ -177,10 +184,20 @@ def merge_emb_proj(params, cfg):
     ``(params, cfg)`` for the same model without EmbProj (``emb_proj=False``,
     ``tie_embeddings=False``); parameter dtypes are kept.
 
-  Example::
-
-    params2, cfg2 = stablejax.merge_emb_proj(params, cfg)
-    GPT(cfg2).apply({"params": params2}, tokens)   # == GPT(cfg).apply({"params": params}, tokens)
+  Example:
+    >>> import jax, jax.numpy as jnp, stablejax
+    >>> from stablejax.training.model import GPT, ModelConfig
+    >>> cfg = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, emb_proj=True,
+    ...                   compute_dtype="float32")
+    >>> tokens = jnp.arange(6)[None]
+    >>> params = GPT(cfg).init(jax.random.key(0), tokens)["params"]
+    >>> merged, merged_cfg = stablejax.merge_emb_proj(params, cfg)
+    >>> sorted(merged), merged_cfg.emb_proj
+    (['blocks', 'final_norm', 'lm_head', 'tok_embed'], False)
+    >>> before = GPT(cfg).apply({"params": params}, tokens)
+    >>> after = GPT(merged_cfg).apply({"params": merged}, tokens)
+    >>> bool(jnp.allclose(before, after, atol=1e-5))
+    True
   """
   if not getattr(cfg, "emb_proj", False):
     raise ValueError("merge_emb_proj needs a config with emb_proj=True: there is nothing to merge")
@@ -228,9 +245,13 @@ def quantize_weights_rtn(params, bits: int = 4, *, exclude: Sequence[str] = ()) 
   Returns:
     A tree of the same structure and dtypes holding the fake-quantised weights.
 
-  Example::
+  Example:
+    Per output column, the scale is the column's largest magnitude over ``2**(bits-1) - 1``:
 
-    params_q = stablejax.quantize_weights_rtn(params, bits=4)
+    >>> import jax.numpy as jnp, stablejax
+    >>> params = {"mlp": {"kernel": jnp.array([[0.5, -1.0], [0.26, 0.1]])}}
+    >>> stablejax.quantize_weights_rtn(params, bits=2)["mlp"]["kernel"].tolist()
+    [[0.5, -1.0], [0.5, 0.0]]
   """
   if not isinstance(bits, (int, np.integer)) or isinstance(bits, bool) or not 2 <= bits <= 8:
     raise ValueError(f"bits={bits!r} must be an integer in 2..8 (4 for the usual 4-bit test)")

@@ -11,7 +11,8 @@ from stablejax.monitor.movement import path_str
 from stablejax.transforms.stacked import STACKED_NAMES, stacked_component
 
 
-def per_layer_grad_norms(grads: Any, stacked_names: Iterable[str] = STACKED_NAMES) -> dict[str, jax.Array]:
+def per_layer_grad_norms(grads: Any, stacked_names: Iterable[str] = STACKED_NAMES
+                         ) -> dict[str, jax.Array]:
   """L2 norm of every gradient leaf, per layer slice for scan-stacked parameters.
 
   A leaf is scan-stacked when one of its path components is in
@@ -31,9 +32,16 @@ def per_layer_grad_norms(grads: Any, stacked_names: Iterable[str] = STACKED_NAME
     ``{path: float32 scalar}``; log them as a TensorBoard histogram
     (``grads/norms``) and, at a lower rate, as scalars ``grads/<path>``.
 
-  Example::
+  Example:
+    A stacked ``[2, 3, 4]`` kernel gives one norm per layer:
 
-    norms = jax.jit(per_layer_grad_norms)(grads)
+    >>> import jax, jax.numpy as jnp
+    >>> from stablejax import per_layer_grad_norms
+    >>> grads = {"blocks": {"mlp": {"kernel": jnp.ones((2, 3, 4))}},
+    ...          "lm_head": {"kernel": jnp.ones((4, 3))}}
+    >>> norms = jax.jit(per_layer_grad_norms)(grads)
+    >>> {path: round(float(n), 4) for path, n in norms.items()}
+    {'blocks/0/mlp/kernel': 3.4641, 'blocks/1/mlp/kernel': 3.4641, 'lm_head/kernel': 3.4641}
   """
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:

@@ -29,8 +29,10 @@ _GROUP_PATTERNS = (
     ("embedding", re.compile(r"(embed|wte|wpe|tok_emb|pos_emb)")),
     ("head", re.compile(r"^(lm_head|head|unembed|output|logits|out_head)(_\d+)?$")),
     ("norm", re.compile(r"(norm|^ln(_|\d|$)|^layer_?norm|^rms)")),
-    ("attention", re.compile(r"(attn|attention|^q_?proj|^k_?proj|^v_?proj|^o_?proj|^qkv|^query|^key$|^value)")),
-    ("mlp", re.compile(r"(mlp|ffn|feed_?forward|(^|_)fc|^dense|^w[123]$|^up_?proj|^down_?proj|^gate)")),
+    ("attention", re.compile(r"(attn|attention|^q_?proj|^k_?proj|^v_?proj|^o_?proj|^qkv|^query"
+                             r"|^key$|^value)")),
+    ("mlp", re.compile(r"(mlp|ffn|feed_?forward|(^|_)fc|^dense|^w[123]$|^up_?proj|^down_?proj"
+                       r"|^gate)")),
 )
 
 
@@ -54,20 +56,23 @@ def default_group(path: str) -> str:
   return "other"
 
 
-def _leaf_groups(params: Any, labels: Union[None, Any, Callable[[str], str]]):
+def _leaf_groups(params: Any, labels: Union[None, Any, Callable[[str], str]]
+                 ) -> list[tuple[str, str, Any]]:
   """[(path_str, group, leaf)] for the array leaves of ``params``."""
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
   if labels is None or callable(labels):
     fn = default_group if labels is None else labels
     groups = [str(fn(path_str(p))) for p, _ in leaves_with_path]
   else:
-    label_leaves = treedef.flatten_up_to(labels)
+    # jaxlib ships no type stub for PyTreeDef, so its methods are unknown to the checker.
+    label_leaves = treedef.flatten_up_to(labels)  # type: ignore[attr-defined]
     groups = [str(g) for g in label_leaves]
   return [(path_str(p), g, leaf) for (p, leaf), g in zip(leaves_with_path, groups)]
 
 
 def param_movement(prev_params: Any, params: Any,
-                   labels: Union[None, Any, Callable[[str], str]] = None) -> dict[str, dict[str, jax.Array]]:
+                   labels: Union[None, Any, Callable[[str], str]] = None
+                   ) -> dict[str, dict[str, jax.Array]]:
   """How far each parameter group moved, and whether its updates are resolvable.
 
   Per group ``G`` (sums over all float leaves in the group, in float32)::
@@ -102,10 +107,16 @@ def param_movement(prev_params: Any, params: Any,
     ``{group: {"rel_change", "resolution_ratio", "resolution_ratio_bf16",
     "frozen_fraction", "param_rms"}}`` with float32 scalars.
 
-  Example::
+  Example:
+    The kernel moved by 1%; the norm gains did not move at all:
 
-    move = jax.jit(param_movement)(old_params, new_params)
-    print(movement_warnings(jax.device_get(move), dtypes=param_dtypes(new_params)))
+    >>> import jax, jax.numpy as jnp
+    >>> from stablejax import param_movement
+    >>> old = {"mlp": {"kernel": jnp.ones((4, 4))}, "norm": {"scale": jnp.ones(4)}}
+    >>> new = {"mlp": {"kernel": jnp.full((4, 4), 1.01)}, "norm": {"scale": jnp.ones(4)}}
+    >>> move = jax.device_get(jax.jit(param_movement)(old, new))
+    >>> round(float(move["mlp"]["rel_change"]), 4), float(move["norm"]["frozen_fraction"])
+    (0.01, 1.0)
   """
   prev_leaves = jax.tree_util.tree_leaves(prev_params)
   groups = _leaf_groups(params, labels)
@@ -146,8 +157,25 @@ def param_movement(prev_params: Any, params: Any,
   return out
 
 
-def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = None) -> dict[str, str]:
-  """``{group: dtype name}`` of the parameters (lowest precision in a mixed group)."""
+def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = None
+                 ) -> dict[str, str]:
+  """``{group: dtype name}`` of the parameters (lowest precision in a mixed group).
+
+  Args:
+    params: the parameter pytree.
+    labels: the grouping, as :func:`param_movement` takes it.
+
+  Returns:
+    ``{group: dtype name}`` for the groups with floating-point parameters.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from stablejax import param_dtypes
+    >>> param_dtypes({"mlp": {"kernel": jnp.ones((2, 2), jnp.bfloat16),
+    ...                       "extra": jnp.ones(2, jnp.float32)},
+    ...               "norm": {"scale": jnp.ones(2)}})
+    {'mlp': 'bfloat16', 'norm': 'float32'}
+  """
   out: dict[str, str] = {}
   for _, group, p in _leaf_groups(params, labels):
     dt = jnp.asarray(p).dtype if not hasattr(p, "dtype") else p.dtype
@@ -161,7 +189,8 @@ def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = N
 
 def movement_warnings(movement: Mapping[str, Mapping[str, Any]], min_rel_change: float = 1e-6,
                       min_resolution_ratio: float = 1.0,
-                      dtypes: Optional[Mapping[str, str]] = None, step: Optional[int] = None) -> list[str]:
+                      dtypes: Optional[Mapping[str, str]] = None,
+                      step: Optional[int] = None) -> list[str]:
   """The "parameters are not moving" warning from :func:`param_movement` results.
 
   A group is stuck when its relative change since the last check is below
@@ -184,6 +213,14 @@ def movement_warnings(movement: Mapping[str, Mapping[str, Any]], min_rel_change:
 
   Returns:
     Zero, one or two warning lines.
+
+  Example:
+    >>> from stablejax import movement_warnings
+    >>> movement_warnings({"mlp": {"rel_change": 0.01, "resolution_ratio": 8e4},
+    ...                    "norm": {"rel_change": 0.0, "resolution_ratio": 0.0, "param_rms": 1.0}},
+    ...                   dtypes={"mlp": "float32", "norm": "float32"}, step=100)
+    ['step 100: parameters are not moving: norm scales stuck at 1.000: norm (rel change 0,
+      updates 0x the float32 resolution); learning rate too low']
   """
   stuck, nonfinite = [], []
   low_precision = False
@@ -227,9 +264,17 @@ def movement_warnings(movement: Mapping[str, Mapping[str, Any]], min_rel_change:
 def movement_record(movement: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
   """Flat ``metrics.jsonl`` keys from :func:`param_movement` results.
 
+  Args:
+    movement: ``{group: {"rel_change", ...}}`` (``jax.device_get(param_movement(...))``).
+
   Returns:
     ``{"param_move/<group>": rel_change, "param_move/<group>/resolution_ratio": ...,
     "param_move/<group>/resolution_ratio_bf16": ...}`` as Python floats.
+
+  Example:
+    >>> from stablejax import movement_record
+    >>> movement_record({"mlp": {"rel_change": 0.5, "resolution_ratio": 80.0}})
+    {'param_move/mlp': 0.5, 'param_move/mlp/resolution_ratio': 80.0}
   """
   out = {}
   for group, m in movement.items():

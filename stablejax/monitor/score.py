@@ -44,9 +44,14 @@ def stability_score(rates: Mapping[str, Any]) -> float:
   Returns:
     The score as a Python float in [0, 1]; 1.0 when nothing happened or no data.
 
-  Example::
-
-    stability_score({"zclip_spike_rate": 0.1})   # 0.9
+  Example:
+    >>> from stablejax import stability_score
+    >>> stability_score({})                                # nothing happened
+    1.0
+    >>> stability_score({"zclip_spike_rate": 0.1})         # half the spike budget (0.2)
+    0.9
+    >>> round(stability_score({"skip_rate": 0.05, "muon_outlier_rate": 0.05}), 6)   # two at budget
+    0.6
   """
   penalty = 0.0
   for key, budget in SCORE_BUDGETS.items():

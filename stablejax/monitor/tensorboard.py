@@ -49,6 +49,12 @@ def tensorboard_scalars(record: Mapping[str, Any],
 
   Returns:
     ``{tag: float}``.
+
+  Example:
+    >>> from stablejax import tensorboard_scalars
+    >>> tensorboard_scalars({"step": 10, "loss": 2.5, "lr": 1e-3, "zclip/grad_norm": 0.7,
+    ...                      "health": "healthy"})
+    {'train/loss': 2.5, 'train/lr': 0.001, 'stability/zclip/grad_norm': 0.7, 'health/level': 0.0}
   """
   out: dict[str, float] = {}
   if "event" in record:

@@ -58,7 +58,8 @@ def _ste(x: jax.Array, q: jax.Array) -> jax.Array:
   return x + jax.lax.stop_gradient(q - x)
 
 
-def bitnet_matmul(x: jax.Array, w: jax.Array, lam: jax.Array, dtype) -> jax.Array:
+def bitnet_matmul(x: jax.Array, w: jax.Array, lam: jax.Array, dtype: jax.typing.DTypeLike
+                  ) -> jax.Array:
   """Mixes a full-precision and a BitNet-quantised matmul: ``(1-lam) x@w + lam q(x)@q(w)``.
 
   Args:

@@ -35,11 +35,12 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional, overload
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from jax.experimental import multihost_utils
 
 from stablejax.training.config import ConfigError, MeshConfig
@@ -66,7 +67,8 @@ def resolve(cfg: MeshConfig) -> tuple[Optional[str], Optional[int], Optional[int
   count = cfg.num_processes if cfg.num_processes is not None else _env_int(ENV_COUNT)
   pid = cfg.process_id if cfg.process_id is not None else _env_int(ENV_ID)
   if count is not None and count < 1:
-    raise ConfigError(f"the process count is {count}: set mesh.num_processes (or {ENV_COUNT}) to 1 or more")
+    raise ConfigError(f"the process count is {count}: set mesh.num_processes (or {ENV_COUNT}) to "
+                      "1 or more")
   if count is not None and pid is not None and not 0 <= pid < count:
     raise ConfigError(f"the process id {pid} is outside [0, {count}): set mesh.process_id (or "
                       f"{ENV_ID}) to 0 .. {count - 1} on each process")
@@ -102,7 +104,8 @@ def initialize(cfg: MeshConfig) -> None:
   address, count, pid = resolve(cfg)
   # Cross-process collectives on CPU need an implementation: gloo, JAX 0.10's default (kept
   # explicit for versions where it was off; a user's "mpi" choice is left alone).
-  if jax.config.jax_cpu_collectives_implementation is None:
+  # jax.config's options are attributes it adds at run time, unknown to the checker.
+  if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   try:
     jax.distributed.initialize(
@@ -132,7 +135,7 @@ def barrier(name: str) -> None:
 
 
 @functools.cache
-def _reducer():
+def _reducer() -> tuple[jax.sharding.NamedSharding, Callable[[jax.Array], jax.Array]]:
   """One entry per device in, their maximum out, replicated on every device."""
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("all",))
   spec = jax.sharding.PartitionSpec("all")
@@ -150,7 +153,17 @@ def _all_reduce_max(value: np.ndarray) -> np.ndarray:
   return np.asarray(reduce(stacked))
 
 
-def agree_max(value):
+@overload
+def agree_max(value: bool) -> bool: ...
+@overload
+def agree_max(value: int) -> int: ...
+@overload
+def agree_max(value: float) -> float: ...
+@overload
+def agree_max(value: npt.ArrayLike) -> Any: ...  # a Python scalar for 0-d input, else an array
+
+
+def agree_max(value: npt.ArrayLike) -> Any:
   """The maximum of `value` over all processes, returned on every process.
 
   Args:
@@ -162,7 +175,14 @@ def agree_max(value):
     The global maximum, as a Python scalar for scalar input, else a numpy array.
 
   Example:
-    >>> agree_max(time.monotonic() - start)   # the slowest process's elapsed seconds
+    In a single-process run the value is its own maximum; in a job, every process gets the
+    slowest process's number:
+
+    >>> from stablejax.training.distributed import agree_max
+    >>> agree_max(2.5)
+    2.5
+    >>> agree_max(np.array([1, 7]))
+    array([1, 7])
   """
   array = np.asarray(value)
   if jax.process_count() == 1:
@@ -178,7 +198,12 @@ def agree_any(flag: bool) -> bool:
   """True on every process if `flag` is true on any process (e.g. a stop signal seen by one).
 
   Example:
-    >>> if agree_any(self.stop_signal is not None): ...
+    Every process takes the same branch, so no collective waits for a process that left:
+
+    >>> from stablejax.training.distributed import agree_any
+    >>> stop_signal_seen_here = False
+    >>> agree_any(stop_signal_seen_here)
+    False
   """
   return bool(agree_max(bool(flag)))
 
@@ -200,6 +225,6 @@ def leave(code: int) -> int:
 def lost_peer_message(error: BaseException) -> str:
   """One line for a collective that failed in a multi-process job (usually a peer that died)."""
   first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-  return (f"process {jax.process_index()}: a cross-process operation failed ({first[:300]}); another "
-          "process probably stopped, see its output; run the same command to resume from the last "
-          "checkpoint")
+  return (f"process {jax.process_index()}: a cross-process operation failed ({first[:300]}); "
+          "another process probably stopped, see its output; run the same command to resume from "
+          "the last checkpoint")

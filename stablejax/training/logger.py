@@ -6,10 +6,11 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TextIO
 
 import jax
 import numpy as np
+import numpy.typing as npt
 from tqdm import tqdm
 
 
@@ -29,8 +30,8 @@ class RunLogger:
   def __init__(self, out_dir: Path, tensorboard: bool = True):
     self.enabled = jax.process_index() == 0
     self.out_dir = Path(out_dir)
-    self._jsonl = None
-    self._tb = None
+    self._jsonl: Optional[TextIO] = None
+    self._tb: Any = None  # a tensorboardX SummaryWriter (no type stub published)
     if not self.enabled:
       return
     self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
@@ -39,7 +40,7 @@ class RunLogger:
       self._tb = SummaryWriter(logdir=str(self.out_dir / "tensorboard"))
 
   def record(self, record: dict, tb_scalars: Optional[dict] = None) -> None:
-    if not self.enabled:
+    if not self.enabled or self._jsonl is None:
       return
     plain = {k: _plain(v) for k, v in record.items()}
     self._jsonl.write(json.dumps(plain) + "\n")
@@ -49,12 +50,12 @@ class RunLogger:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
           self._tb.add_scalar(tag, value, step)
 
-  def histogram(self, tag: str, values, step: int) -> None:
+  def histogram(self, tag: str, values: npt.ArrayLike, step: int) -> None:
     if self.enabled and self._tb is not None:
-      values = np.asarray(values, dtype=np.float64)
-      values = values[np.isfinite(values)]
-      if values.size:
-        self._tb.add_histogram(tag, values, step)
+      all_values = np.asarray(values, dtype=np.float64)
+      finite = all_values[np.isfinite(all_values)]
+      if finite.size:
+        self._tb.add_histogram(tag, finite, step)
 
   def text(self, tag: str, text: str, step: int) -> None:
     if self.enabled and self._tb is not None:

@@ -7,6 +7,8 @@ lists devices process by process, so each process's devices hold a contiguous bl
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -20,27 +22,29 @@ def make_mesh(cfg: MeshConfig) -> Mesh:
   devices = jax.devices()
   n = len(devices)
   if n % cfg.fsdp:
-    raise ConfigError(f"mesh.fsdp={cfg.fsdp} does not divide the {n} available devices: choose a divisor of {n}")
+    raise ConfigError(f"mesh.fsdp={cfg.fsdp} does not divide the {n} available devices: "
+                      f"choose a divisor of {n}")
   data = n // cfg.fsdp if cfg.data == -1 else cfg.data
   if data * cfg.fsdp != n:
-    raise ConfigError(f"mesh.data={cfg.data} x mesh.fsdp={cfg.fsdp} != {n} devices: set mesh.data=-1 to use them all")
+    raise ConfigError(f"mesh.data={cfg.data} x mesh.fsdp={cfg.fsdp} != {n} devices: "
+                      "set mesh.data=-1 to use them all")
   return Mesh(np.asarray(devices).reshape(data, cfg.fsdp), BATCH_AXES)
 
 
 def fsdp_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
-  """Shards the largest axis that `fsdp_size` divides; small or indivisible arrays are replicated."""
+  """Shards the largest axis `fsdp_size` divides; small or indivisible arrays are replicated."""
   if fsdp_size == 1 or not shape:
     return P()
   order = sorted(range(len(shape)), key=lambda i: -shape[i])
   for axis in order:
     if shape[axis] % fsdp_size == 0 and shape[axis] >= fsdp_size:
-      spec = [None] * len(shape)
+      spec: list[Optional[str]] = [None] * len(shape)
       spec[axis] = "fsdp"
       return P(*spec)
   return P()
 
 
-def state_shardings(mesh: Mesh, abstract_tree):
+def state_shardings(mesh: Mesh, abstract_tree: Any) -> Any:
   """NamedShardings for a pytree of arrays or ShapeDtypeStructs (params, optimizer state)."""
   fsdp = mesh.shape["fsdp"]
   return jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(tuple(x.shape), fsdp)), abstract_tree)
@@ -59,5 +63,5 @@ def check_batch(batch_size: int, grad_accum: int, mesh: Mesh) -> None:
   per_micro = batch_size // grad_accum
   if per_micro % mesh.size:
     raise ConfigError(
-        f"train.batch_size/train.grad_accum={per_micro} is not divisible by the {mesh.size} devices:"
-        f" use a multiple of {mesh.size}")
+        f"train.batch_size/train.grad_accum={per_micro} is not divisible by the {mesh.size} "
+        f"devices: use a multiple of {mesh.size}")

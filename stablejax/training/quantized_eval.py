@@ -43,11 +43,15 @@ import functools
 import json
 import math
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from stablejax.training.runs import RunError, check_params, load_run_config, restore_params
+
+if TYPE_CHECKING:
+  from stablejax.training.config import Config
+  from stablejax.training.model import ModelConfig
 
 RESULT_FILE = "quantize_eval.json"
 
@@ -55,7 +59,8 @@ RESULT_FILE = "quantize_eval.json"
 QuantizeEvalError = RunError  # one error type for an unusable run (stablejax.training.runs)
 
 
-def make_evaluator(cfg, model_cfg=None, step: int = 0) -> Callable:
+def make_evaluator(cfg: Config, model_cfg: Optional[ModelConfig] = None, step: int = 0
+                   ) -> Callable[[Any, Sequence[Any]], float]:
   """``params, batches -> mean validation cross-entropy``, with the trainer's eval step.
 
   Args:
@@ -79,7 +84,7 @@ def make_evaluator(cfg, model_cfg=None, step: int = 0) -> Callable:
   run_cfg = dataclasses.replace(cfg, model=model_cfg)
   eval_step = _jitted_eval_step(json.dumps(to_dict(run_cfg), sort_keys=True))
 
-  def evaluate(params, batches) -> float:
+  def evaluate(params: Any, batches: Sequence[Any]) -> float:
     losses = [eval_step(params, jnp.asarray(b), jnp.int32(step)) for b in batches]
     return float(np.mean(jax.device_get(losses)))
 

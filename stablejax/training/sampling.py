@@ -8,14 +8,16 @@
 
 After nanoGPT's ``sample.py``. Reads ``RUN_DIR/config.json``, restores the parameters of the newest
 usable checkpoint (the trainer's fingerprint rule; a damaged newest step falls back to the
-previous one with a warning), encodes the prompt with the run's tokenizer (a prepared data
-directory's own, ``bytes`` for byte-level text; plain ``.bin`` data needs ``--tokenizer``),
+previous one with a warning), encodes the prompt with the run's tokenizer (the one the trainer
+recorded in ``RUN_DIR/tokenizer/``, with a copy of a Hugging Face ``tokenizer.json``; a missing
+or changed copy is an error naming ``--tokenizer``; plain ``.bin`` data needs ``--tokenizer``),
 generates with the jitted KV-cache decoder of ``stablejax.training.generate`` and prints the prompt
 and its continuation. An empty prompt starts a new document (the end-of-text token; a blank line
 for byte-level text). The same seed gives the same text. ``--temperature 0`` is greedy.
 
-Data paths in config.json are read as they were given to the trainer, so run this from where the
-run was started (as for ``python -m stablejax quantize-eval``).
+A run trained before runs recorded their tokenizer falls back to the data paths in config.json,
+read as they were given to the trainer: run it from where the run was started (or pass
+``--tokenizer``); a path that does not resolve is an error, never a switch to another tokenizer.
 
 Exit codes: 0 done; 2 missing run directory, config or usable checkpoint, unknown tokenizer, bad
 arguments.
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -41,7 +43,8 @@ SampleError = RunError  # one error type for an unusable run (stablejax.training
 
 def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
            temperature: float = 0.8, top_k: int = 50, seed: int = 0, num_samples: int = 1,
-           tokenizer: Optional[str] = None, on_fallback=lambda step, why: None) -> dict:
+           tokenizer: Optional[str] = None,
+           on_fallback: Callable[[int, str], Any] = lambda step, why: None) -> dict:
   """Samples ``num_samples`` continuations of ``prompt`` from a run's newest usable checkpoint.
 
   Returns:
@@ -62,7 +65,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   cfg = load_run_config(run_dir)
   restored = restore_params(run_dir, on_fallback)
   check_params(restored.params, cfg.model, cfg.train.seq_len)
-  tok = run_tokenizer(cfg, tokenizer)
+  tok = run_tokenizer(cfg, tokenizer, run_dir)
   if tok.vocab_size > cfg.model.vocab_size:
     raise SampleError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
                       f"{cfg.model.vocab_size}: pass the --tokenizer the run was trained with")
@@ -71,10 +74,12 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
     prompt_ids = list(tok.start_ids)
   lam = 1.0
   if cfg.model.bitnet:
-    lam = float(lambda_warmup(cfg.train.lambda_warmup_steps, cfg.train.lambda_schedule)(
-        restored.step))
+    schedule: Callable[[int], Any] = lambda_warmup(cfg.train.lambda_warmup_steps,
+                                                   cfg.train.lambda_schedule)
+    lam = float(schedule(restored.step))
   gen = Generator(cfg.model, top_k=top_k, valid_vocab=tok.vocab_size)
-  kwargs = dict(temperature=temperature, seed=seed, bitnet_lambda=lam, num_samples=num_samples)
+  kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, bitnet_lambda=lam,
+                                num_samples=num_samples)
   t0 = time.perf_counter()
   gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # compile
   t1 = time.perf_counter()

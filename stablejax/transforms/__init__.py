@@ -14,3 +14,20 @@ from stablejax.transforms.skipping import skip_nonfinite
 from stablejax.transforms.skipping import skip_spikes
 from stablejax.transforms.zclip import ZClipState
 from stablejax.transforms.zclip import zclip
+
+__all__ = [
+    "AdaGCState",
+    "DynamicLossScale",
+    "HybridClipState",
+    "SkipNonFiniteState",
+    "SkipSpikesState",
+    "ZClipState",
+    "adagc",
+    "all_finite",
+    "hybrid_clip",
+    "register_state_metrics",
+    "skip_nonfinite",
+    "skip_spikes",
+    "stability_metrics",
+    "zclip",
+]

@@ -7,7 +7,7 @@ values. Statistics are always kept in float32, whatever the gradient dtype.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +81,7 @@ def finite_probe(*arrays: Any) -> jax.Array:
   for x in floats:
     zero = x.astype(STAT_DTYPE) * 0
     by_shape[x.shape] = zero if x.shape not in by_shape else by_shape[x.shape] + zero
-  return sum(jnp.sum(z) for z in by_shape.values())
+  return sum_of_scalars([jnp.sum(z) for z in by_shape.values()])
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -93,7 +93,7 @@ def all_finite_pairs(tree: Any, other: Any) -> jax.Array:
   """``all_finite(tree) & all_finite(other)``, one reduction per pair of same-shaped leaves
   when the trees have the same structure (gradients and updates)."""
   a, b = jax.tree.leaves(tree), jax.tree.leaves(other)
-  if jax.tree.structure(tree) != jax.tree.structure(other):
+  if jax.tree.structure(tree) != jax.tree.structure(other):  # type: ignore[operator]
     return jnp.logical_and(all_finite(tree), all_finite(other))
   return jnp.isfinite(sum_of_scalars([finite_probe(x, y) for x, y in zip(a, b)]))
 
@@ -114,7 +114,8 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 def safe_increment(count: jax.Array) -> jax.Array:
   """int32 counter + 1 that saturates instead of overflowing (optax's)."""
-  return optax.safe_increment(count)
+  # optax annotates its result as ArrayLike; it is always an Array (asarray does not copy it).
+  return jnp.asarray(optax.safe_increment(count))
 
 
 def is_concrete_number(value: Any) -> bool:
@@ -122,7 +123,7 @@ def is_concrete_number(value: Any) -> bool:
   return isinstance(value, numbers.Number) and not isinstance(value, bool)
 
 
-def check(name: str, value: Any, ok, requirement: str) -> None:
+def check(name: str, value: Any, ok: Callable[[Any], bool], requirement: str) -> None:
   """Raises ``ValueError`` if a concrete ``value`` fails ``ok(value)``.
 
   Traced values (e.g. from ``optax.inject_hyperparams``) are not checked.
@@ -133,7 +134,7 @@ def check(name: str, value: Any, ok, requirement: str) -> None:
     raise ValueError(f"{name}={value!r} is invalid: {requirement}.")
 
 
-def extra_arg_scalar(extra_args: dict, name: str) -> jax.Array | None:
+def extra_arg_scalar(extra_args: Mapping[str, Any], name: str) -> jax.Array | None:
   """Returns ``extra_args[name]`` as a float32 array, or None if absent."""
   value = extra_args.get(name)
   if value is None:

@@ -35,7 +35,7 @@ untouched (the statistics never absorb NaN/Inf, even without
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,16 +59,30 @@ class AdaGCState(NamedTuple):
       counted one by one) scaled down at the last step.
     grad_norm: global gradient norm before AdaGC, last step.
     clipped_grad_norm: global gradient norm after AdaGC, last step.
+
+  Example:
+    After the warmup every tensor has its own threshold ``gamma`` (an EMA of its clipped norms):
+
+    >>> import jax.numpy as jnp, stablejax
+    >>> tx = stablejax.adagc(warmup_steps=2)
+    >>> grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 0.0, 1.0])}
+    >>> state = tx.init(grads)
+    >>> for _ in range(3):
+    ...   _, state = tx.update(grads, state)
+    >>> int(state.count), sorted(state.gamma)
+    (3, ['a', 'b'])
+    >>> round(float(state.gamma["a"]), 3), round(float(state.gamma["b"]), 3)
+    (0.982, 0.196)
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as in optax's states
   gamma: Any
   clipped_fraction: jax.Array
   grad_norm: jax.Array
   clipped_grad_norm: jax.Array
 
 
-def _validate(beta, lambda_rel, lambda_abs, warmup_steps):
+def _validate(beta: Any, lambda_rel: Any, lambda_abs: Any, warmup_steps: Any) -> None:
   _common.check("beta", beta, lambda v: 0.0 <= v < 1.0,
                 "use an EMA factor in [0, 1), e.g. 0.98")
   _common.check("lambda_rel", lambda_rel, lambda v: v > 0,
@@ -143,11 +157,11 @@ def adagc(
     stacked_names = (stacked_names,)
   stacked_names = tuple(stacked_names)
 
-  def init_gamma(path, leaf):
+  def init_gamma(path: jax.tree_util.KeyPath, leaf: jax.Array) -> jax.Array:
     shape = leaf.shape[:1] if is_stacked(path, leaf, stacked_names) else ()
     return jnp.full(shape, jnp.inf, _common.STAT_DTYPE)
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> AdaGCState:
     return AdaGCState(
         count=jnp.zeros([], jnp.int32),
         gamma=jax.tree_util.tree_map_with_path(init_gamma, params),
@@ -156,14 +170,16 @@ def adagc(
         clipped_grad_norm=jnp.zeros([], _common.STAT_DTYPE),
     )
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates: optax.Updates, state: AdaGCState, params: Optional[optax.Params] = None
+                ) -> tuple[optax.Updates, AdaGCState]:
     del params
     b = _common.f32(beta)
     l_rel = _common.f32(lambda_rel)
     l_abs = _common.f32(lambda_abs)
 
     leaves, treedef = jax.tree.flatten(updates)
-    gammas = treedef.flatten_up_to(state.gamma)
+    # jaxlib ships no type stub for PyTreeDef, so its methods are unknown to the checker.
+    gammas = treedef.flatten_up_to(state.gamma)  # type: ignore[attr-defined]
     # A [L] gamma marks a stacked leaf: one norm per layer slice.
     norms = [_layer_norms_f32(u) if gamma.ndim else _common.leaf_norm_f32(u)
              for u, gamma in zip(leaves, gammas)]
@@ -200,11 +216,12 @@ def adagc(
     new_state = AdaGCState(
         count=jnp.where(finite, _common.safe_increment(state.count),
                         state.count),
-        gamma=treedef.unflatten(new_gammas),
+        gamma=jax.tree.unflatten(treedef, new_gammas),
         clipped_fraction=clipped_fraction,
         grad_norm=g,
         clipped_grad_norm=clipped_g,
     )
-    return treedef.unflatten(new_leaves), new_state
+    return jax.tree.unflatten(treedef, new_leaves), new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # update_fn takes its own state type where optax's protocol says any OptState.
+  return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]

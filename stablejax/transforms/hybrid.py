@@ -5,7 +5,7 @@ ZClip: Kumar et al., arXiv:2504.02507. AdaGC: Wang et al., arXiv:2502.11034.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, cast
 
 import optax
 
@@ -17,7 +17,18 @@ from stablejax.transforms.zclip import zclip
 
 
 class HybridClipState(NamedTuple):
-  """State of :func:`hybrid_clip`: the two inner states, in order."""
+  """State of :func:`hybrid_clip`: the two inner states, in order.
+
+  Example:
+    >>> import jax.numpy as jnp, stablejax
+    >>> tx = stablejax.hybrid_clip()
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+    >>> float(state.zclip.grad_norm)              # the raw norm ZClip saw
+    5.0
+    >>> round(float(state.adagc.grad_norm), 4)    # what reached AdaGC: clipped to 1.0 first
+    1.0
+  """
 
   zclip: ZClipState
   adagc: AdaGCState
@@ -95,12 +106,18 @@ def hybrid_clip(
             lambda_abs=adagc_lambda_abs, warmup_steps=adagc_warmup_steps,
             stacked_names=adagc_stacked_names)
 
-  def init_fn(params):
-    return HybridClipState(zclip=z.init(params), adagc=a.init(params))
+  # optax's GradientTransformation types its states as any OptState; these are the inner
+  # transforms' own state types.
+  def init_fn(params: optax.Params) -> HybridClipState:
+    return HybridClipState(zclip=cast(ZClipState, z.init(params)),
+                           adagc=cast(AdaGCState, a.init(params)))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates: optax.Updates, state: HybridClipState,
+                params: Optional[optax.Params] = None) -> tuple[optax.Updates, HybridClipState]:
     updates, z_state = z.update(updates, state.zclip, params)
     updates, a_state = a.update(updates, state.adagc, params)
-    return updates, HybridClipState(zclip=z_state, adagc=a_state)
+    return updates, HybridClipState(zclip=cast(ZClipState, z_state),
+                                    adagc=cast(AdaGCState, a_state))
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # update_fn takes its own state type where optax's protocol says any OptState.
+  return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ not need loss scaling.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +70,7 @@ class DynamicLossScale:
       backoff_factor: float = 0.5,
       min_scale: float = 1.0,
       counter: Any = 0,
-  ):
+  ) -> None:
     if isinstance(growth_interval, bool) or not isinstance(
         growth_interval, int) or growth_interval < 1:
       raise ValueError(f"growth_interval={growth_interval!r} is invalid: use "
@@ -125,23 +125,24 @@ class DynamicLossScale:
                min_scale=min_scale)
 
   # -- pytree protocol: arrays are leaves, the policy is static metadata. --
-  def tree_flatten(self):
+  def tree_flatten(self) -> tuple[tuple[jax.Array, jax.Array], tuple[int, float, float, float]]:
     aux = (self.growth_interval, self.growth_factor, self.backoff_factor,
            self.min_scale)
     return (self.loss_scale, self.counter), aux
 
   @classmethod
-  def tree_unflatten(cls, aux, children):
+  def tree_unflatten(cls, aux: tuple[int, float, float, float], children: Sequence[Any]
+                     ) -> "DynamicLossScale":
     obj = object.__new__(cls)  # leaves may be tracers, shardings, None...
     obj.loss_scale, obj.counter = children
     (obj.growth_interval, obj.growth_factor, obj.backoff_factor,
      obj.min_scale) = aux
     return obj
 
-  def _replace(self, loss_scale, counter):
+  def _replace(self, loss_scale: jax.Array, counter: jax.Array) -> "DynamicLossScale":
     return self.tree_unflatten(self.tree_flatten()[1], (loss_scale, counter))
 
-  def __repr__(self):
+  def __repr__(self) -> str:
     return (f"DynamicLossScale(loss_scale={self.loss_scale!r}, "
             f"counter={self.counter!r}, growth_interval={self.growth_interval}"
             f", growth_factor={self.growth_factor}, backoff_factor="

@@ -12,7 +12,7 @@ types with :func:`register_state_metrics`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -73,7 +73,7 @@ def register_state_metrics(state_type: type, prefix: str,
   _REGISTRY[state_type] = (prefix, fn)
 
 
-def _lookup(node: Any):
+def _lookup(node: Any) -> Optional[tuple[str, MetricsFn]]:
   for klass in type(node).__mro__:
     entry = _REGISTRY.get(klass)
     if entry is not None:
@@ -85,16 +85,21 @@ def _is_registered(node: Any) -> bool:
   return _lookup(node) is not None
 
 
-def _walk(node: Any, out: list) -> None:
-  """Depth-first, in pytree order: collects registered states."""
+def _registered_inside(state: Any) -> Callable[[Any], bool]:
+  """``is_leaf`` for flattening ``state``: the registered states nested in it (not itself)."""
+  return lambda x: x is not state and _is_registered(x)
+
+
+def _walk(node: Any, out: list[tuple[Any, tuple[str, MetricsFn]]]) -> None:
+  """Depth-first, in pytree order: collects registered states with their entries."""
   found = jax.tree_util.tree_leaves(node, is_leaf=_is_registered)
   for leaf in found:
-    if not _is_registered(leaf):
+    entry = _lookup(leaf)
+    if entry is None:
       continue
-    out.append(leaf)
+    out.append((leaf, entry))
     # Look inside the registered state for nested ones (e.g. inner_state).
-    fields = jax.tree_util.tree_flatten(
-        leaf, is_leaf=lambda x: x is not leaf and _is_registered(x))[0]
+    fields = jax.tree_util.tree_flatten(leaf, is_leaf=_registered_inside(leaf))[0]
     for field in fields:
       if _is_registered(field):
         _walk(field, out)
@@ -143,12 +148,11 @@ def stability_metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> m["skip_nonfinite/total_skips"], "zclip/z" in m
     (Array(0, dtype=int32), True)
   """
-  states: list = []
+  states: list[tuple[Any, tuple[str, MetricsFn]]] = []
   _walk(opt_state, states)
   metrics: dict[str, jax.Array] = {}
   seen: dict[str, int] = {}
-  for state in states:
-    prefix, fn = _lookup(state)
+  for state, (prefix, fn) in states:
     n = seen.get(prefix, 0)
     seen[prefix] = n + 1
     name = prefix if n == 0 else f"{prefix}_{n}"
@@ -180,7 +184,7 @@ def _adagc_metrics(s: AdaGCState) -> dict[str, jax.Array]:
   }
 
 
-def _skip_metrics(s) -> dict[str, jax.Array]:
+def _skip_metrics(s: Union[SkipNonFiniteState, SkipSpikesState]) -> dict[str, jax.Array]:
   return {
       "skipped": s.skipped,
       "total_skips": s.total_skips,

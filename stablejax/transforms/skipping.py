@@ -19,7 +19,7 @@ no Python branch on traced values, no host transfer.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ from stablejax.transforms import _common
 
 _WATCHABLE = ("loss", "grad_norm")
 _STATISTICS = ("winsorized", "olmo_core")
+
+# One watched signal's rolling window: (history, count, next), fields of the skip_spikes state.
+_Window = tuple[jax.Array, jax.Array, jax.Array]
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -46,6 +49,19 @@ class SkipNonFiniteState(NamedTuple):
       compares it with the value it last acted on, so a burst of skips that
       ended between two reads is not missed.
     inner_state: state of the wrapped transform (unchanged by skipped steps).
+
+  Example:
+    Two non-finite steps in a row: both skipped, and with ``max_consecutive=2`` a rollback is
+    requested:
+
+    >>> import jax.numpy as jnp, optax, stablejax
+    >>> tx = stablejax.skip_nonfinite(optax.sgd(0.1), max_consecutive=2)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for bad in (jnp.nan, jnp.inf):
+    ...   updates, state = tx.update({"w": jnp.array([bad, 1.0])}, state, params)
+    >>> updates["w"].tolist(), int(state.total_skips), bool(state.needs_rollback)
+    ([0.0, 0.0], 2, True)
   """
 
   skipped: jax.Array
@@ -74,6 +90,18 @@ class SkipSpikesState(NamedTuple):
     grad_norm_next: ring-buffer position of the next gradient norm.
     grad_norm: raw global gradient norm of the last step (float32).
     inner_state: state of the wrapped transform (unchanged by skipped steps).
+
+  Example:
+    A loss of 50 after four losses near 2 is skipped:
+
+    >>> import jax.numpy as jnp, optax, stablejax
+    >>> tx = stablejax.skip_spikes(optax.sgd(0.1), window=8, min_history=4)
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for loss in (2.0, 2.1, 1.9, 2.0, 50.0):
+    ...   updates, state = tx.update({"w": jnp.ones(2)}, state, params, loss=jnp.asarray(loss))
+    >>> bool(state.skipped), updates["w"].tolist(), int(state.loss_count)
+    (True, [0.0, 0.0], 5)
   """
 
   skipped: jax.Array
@@ -91,7 +119,9 @@ class SkipSpikesState(NamedTuple):
   inner_state: Any
 
 
-def _skip_counters(skip, state, max_consecutive):
+def _skip_counters(skip: jax.Array, state: Union[SkipNonFiniteState, SkipSpikesState],
+                   max_consecutive: Optional[int]
+                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """New (skipped, total, consecutive, needs_rollback, rollback_requests)."""
   total = jnp.where(skip, _common.safe_increment(state.total_skips),
                     state.total_skips)
@@ -111,7 +141,8 @@ def _skip_counters(skip, state, max_consecutive):
   return skip, total, consecutive, rollback, requests
 
 
-def _apply_or_skip(skip, inner_updates, inner_new_state, inner_old_state):
+def _apply_or_skip(skip: jax.Array, inner_updates: optax.Updates, inner_new_state: optax.OptState,
+                   inner_old_state: optax.OptState) -> tuple[optax.Updates, optax.OptState]:
   """Zero updates and the old inner state if ``skip``; else the inner result."""
   updates = jax.tree.map(
       lambda u: jnp.where(skip, jnp.zeros_like(u), u), inner_updates)
@@ -119,11 +150,11 @@ def _apply_or_skip(skip, inner_updates, inner_new_state, inner_old_state):
   return updates, inner_state
 
 
-def _loss_all_finite(loss) -> jax.Array:
+def _loss_all_finite(loss: jax.typing.ArrayLike) -> jax.Array:
   return jnp.all(jnp.isfinite(jnp.asarray(loss)))
 
 
-def _check_max_consecutive(max_consecutive):
+def _check_max_consecutive(max_consecutive: Optional[int]) -> None:
   _common.check("max_consecutive", max_consecutive,
                 lambda v: v >= 1 and float(v).is_integer(),
                 "use an integer >= 1, or None for no rollback flag")
@@ -180,7 +211,7 @@ def skip_nonfinite(
   _check_max_consecutive(max_consecutive)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> SkipNonFiniteState:
     return SkipNonFiniteState(
         skipped=jnp.array(False),
         total_skips=jnp.zeros([], jnp.int32),
@@ -190,7 +221,9 @@ def skip_nonfinite(
         inner_state=inner.init(params),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: SkipNonFiniteState,
+                params: Optional[optax.Params] = None, **extra_args: Any
+                ) -> tuple[optax.Updates, SkipNonFiniteState]:
     inner_updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args)
     ok = _common.all_finite_pairs(updates, inner_updates)
@@ -211,10 +244,12 @@ def skip_nonfinite(
         inner_state=new_inner,
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # update_fn takes its own state type where optax's protocol says any OptState.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-def window_stats(history: jax.Array, count: jax.Array, ddof: int = 0):
+def window_stats(history: jax.Array, count: jax.Array, ddof: int = 0
+                 ) -> tuple[jax.Array, jax.Array]:
   """Mean and std of the first ``count`` entries of ``history``.
 
   ``ddof=0`` gives the population std, ``ddof=1`` the unbiased one (torch's
@@ -228,9 +263,11 @@ def window_stats(history: jax.Array, count: jax.Array, ddof: int = 0):
   return mean, jnp.sqrt(var)
 
 
-def _spike_check(value, history, count, nxt, min_history, sigma, factor,
-                 statistics):
-  """Returns (is_bad, new_history, new_count, new_next) for one signal."""
+def _spike_check(value: jax.Array, window_state: _Window, min_history: int,
+                 sigma: Optional[float], factor: Optional[float], statistics: str
+                 ) -> tuple[jax.Array, _Window]:
+  """Returns (is_bad, (new_history, new_count, new_next)) for one signal."""
+  history, count, nxt = window_state
   window = history.shape[0]
   olmo = statistics == "olmo_core"
   mean, std = window_stats(history, count, ddof=1 if olmo else 0)
@@ -249,8 +286,7 @@ def _spike_check(value, history, count, nxt, min_history, sigma, factor,
   new_history = jnp.where(finite, history.at[nxt].set(entry), history)
   new_count = jnp.where(finite, jnp.minimum(count + 1, window), count)
   new_next = jnp.where(finite, (nxt + 1) % window, nxt)
-  return bad, new_history, new_count.astype(jnp.int32), new_next.astype(
-      jnp.int32)
+  return bad, (new_history, new_count.astype(jnp.int32), new_next.astype(jnp.int32))
 
 
 def skip_spikes(
@@ -368,7 +404,7 @@ def skip_spikes(
   _check_max_consecutive(max_consecutive)
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> SkipSpikesState:
     empty = jnp.zeros([window], _common.STAT_DTYPE)
     zero = jnp.zeros([], jnp.int32)
     return SkipSpikesState(
@@ -387,12 +423,14 @@ def skip_spikes(
         inner_state=inner.init(params),
     )
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: optax.Updates, state: SkipSpikesState,
+                params: Optional[optax.Params] = None, **extra_args: Any
+                ) -> tuple[optax.Updates, SkipSpikesState]:
     grad_norm = _common.global_norm_f32(updates)
     skip = jnp.array(False)
-    loss_hist = (state.loss_history, state.loss_count, state.loss_next)
-    norm_hist = (state.grad_norm_history, state.grad_norm_count,
-                 state.grad_norm_next)
+    loss_hist: _Window = (state.loss_history, state.loss_count, state.loss_next)
+    norm_hist: _Window = (state.grad_norm_history, state.grad_norm_count,
+                          state.grad_norm_next)
     if "loss" in watch:
       loss = extra_args.get("loss")
       if loss is None:
@@ -400,12 +438,12 @@ def skip_spikes(
             "skip_spikes watches 'loss' but update() got no loss=: pass "
             "loss=... or use watch=('grad_norm',).")
       loss = jnp.mean(_common.f32(loss))
-      bad, *loss_hist = _spike_check(loss, *loss_hist, min_history, sigma,
-                                     factor, statistics)
+      bad, loss_hist = _spike_check(loss, loss_hist, min_history, sigma,
+                                    factor, statistics)
       skip = jnp.logical_or(skip, bad)
     if "grad_norm" in watch:
-      bad, *norm_hist = _spike_check(grad_norm, *norm_hist, min_history,
-                                     sigma, factor, statistics)
+      bad, norm_hist = _spike_check(grad_norm, norm_hist, min_history,
+                                    sigma, factor, statistics)
       skip = jnp.logical_or(skip, bad)
     skip = _common.materialize(skip)
 
@@ -431,4 +469,5 @@ def skip_spikes(
         inner_state=new_inner,
     )
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  # update_fn takes its own state type where optax's protocol says any OptState.
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]

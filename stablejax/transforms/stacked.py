@@ -55,7 +55,8 @@ def stacked_component(parts: Sequence[str], stacked_names: Iterable[str] = STACK
   return None
 
 
-def is_stacked(path: Sequence[Any], leaf: Any, stacked_names: Iterable[str] = STACKED_NAMES) -> bool:
+def is_stacked(path: Sequence[Any], leaf: Any,
+               stacked_names: Iterable[str] = STACKED_NAMES) -> bool:
   """Whether the leaf at ``path`` (a ``jax.tree_util`` key path) is a stacked ``[L, ...]`` leaf."""
   if len(getattr(leaf, "shape", ())) < 1:
     return False

@@ -30,7 +30,7 @@ of such a step are not repaired: wrap the chain in
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -65,9 +65,22 @@ class ZClipState(NamedTuple):
       ``"percentile"``).
     spike_count: total number of spikes (int32).
     clip_count: total number of clipped steps (int32).
+
+  Example:
+    Three steps of a gradient of norm 5, still in the warmup, are clipped to the 1.0 ceiling:
+
+    >>> import jax.numpy as jnp, stablejax
+    >>> tx = stablejax.zclip()
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> for _ in range(3):
+    ...   _, state = tx.update({"w": jnp.array([3.0, 4.0])}, state)
+    >>> int(state.count), float(state.grad_norm), bool(state.was_clipped)
+    (3, 5.0, True)
+    >>> round(float(state.clipped_grad_norm), 4)
+    1.0
   """
 
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as in optax's states
   ema_mean: jax.Array
   ema_var: jax.Array
   grad_norm: jax.Array
@@ -80,8 +93,8 @@ class ZClipState(NamedTuple):
   clip_count: jax.Array
 
 
-def _validate(alpha, z_thresh, max_grad_norm, eps, warmup_steps, mode,
-              clip_option, clip_factor):
+def _validate(alpha: Any, z_thresh: Any, max_grad_norm: Any, eps: Any, warmup_steps: Any,
+              mode: Any, clip_option: Any, clip_factor: Any) -> None:
   _common.check("alpha", alpha, lambda v: 0.0 < v < 1.0,
                 "use an EMA factor strictly between 0 and 1, e.g. 0.97")
   _common.check("z_thresh", z_thresh, lambda v: v > 0,
@@ -163,7 +176,7 @@ def zclip(
   mode = mode.lower()
   clip_option = clip_option.lower() if isinstance(clip_option, str) else None
 
-  def init_fn(params):
+  def init_fn(params: optax.Params) -> ZClipState:
     del params
     zero_f = jnp.zeros([], _common.STAT_DTYPE)
     zero_i = jnp.zeros([], jnp.int32)
@@ -181,7 +194,8 @@ def zclip(
         clip_count=zero_i,
     )
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates: optax.Updates, state: ZClipState, params: Optional[optax.Params] = None
+                ) -> tuple[optax.Updates, ZClipState]:
     del params
     a = _common.f32(alpha)
     zt = _common.f32(z_thresh)
@@ -262,4 +276,5 @@ def zclip(
     )
     return updates, new_state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  # update_fn takes its own state type where optax's protocol says any OptState.
+  return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
