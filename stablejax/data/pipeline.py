@@ -373,7 +373,7 @@ def read_prepared(path: str) -> Optional[dict]:
   return meta
 
 
-def prepared_vocab_size(entry: str) -> Optional[int]:
+def prepared_vocab_size(entry: Any) -> Optional[int]:
   """``vocab_size`` of a prepared directory named by a ``data.train`` value, else None.
 
   Used by the config to set ``model.vocab_size`` when it is not given; any problem is left to

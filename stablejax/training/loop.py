@@ -43,7 +43,8 @@ from stablejax.training.model import GPT, count_params, model_flops_per_token
 from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
                                       lr_schedule, main_optimizer, set_lr_scale)
 from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent
-from stablejax.training.step import TrainState, make_eval_step, make_train_step
+from stablejax.training.step import (TrainState, make_eval_step, make_logit_telemetry,
+                                     make_train_step)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
@@ -275,6 +276,9 @@ class Run:
     self.set_lr_backoff = jax.jit(_with_lr_backoff, out_shardings=self.state_sharding,
                                   donate_argnums=0)
     self.activation_stats = jax.jit(self._activation_stats, out_shardings=replicated)
+    # At log steps: attention-logit growth and output-logit statistics on a slice of the batch.
+    self.logit_telemetry = jax.jit(make_logit_telemetry(self.model, cfg, self.bitnet_lambda),
+                                   out_shardings=replicated)
     self.grad_norms = jax.jit(self._grad_norms, out_shardings=replicated)
     self.param_movement = jax.jit(stablejax.param_movement, out_shardings=replicated)
     self.previous_params = None
@@ -367,6 +371,9 @@ class Run:
       is_ckpt = step % cfg.checkpoint.every == 0 or step == total or (
           save_deferred and is_log)
       if is_log or is_ckpt:
+        if cfg.logging.attention_logits:
+          metrics = {**metrics, **self.logit_telemetry(self.state.params, batch["tokens"],
+                                                       np.int32(step))}
         pending = (step, metrics)
       if is_ckpt and cause is None:
         cause = self._log(*pending, bar)  # a checkpoint needs this step's health now

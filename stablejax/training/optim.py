@@ -2,7 +2,10 @@
 
 Default shape (every layer switchable in `stability`):
 
-    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale)))
+    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale[, qk_clip])))
+
+`qk_clip` (with `stability.qk_clip_tau` set) takes the step's per-head max attention logits as
+the extra argument `max_logits`; the train step computes them in its forward pass only then.
 
 `lr_scale` is `optax.inject_hyperparams(optax.scale)`, a multiplier on the final update (so it
 scales decoupled weight decay too, like a learning rate). It lives in the optimizer state, so the
@@ -146,10 +149,15 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
     (True, 1.0)
   """
   s = cfg.stability
+  # QK-clip goes last, after every scaling of the update, and inside the skip wrappers (a
+  # skipped step clips nothing); its max logits come from the train step as `max_logits=`.
+  qk = [] if s.qk_clip_tau is None else [
+      stablejax.qk_clip(tau=s.qk_clip_tau, num_heads=cfg.model.n_heads)]
   tx = optax.chain(
       *clipping(cfg),
       main if main is not None else main_optimizer(cfg),
       optax.inject_hyperparams(optax.scale)(step_size=1.0),
+      *qk,
   )
   if s.skip_spikes:
     tx = stablejax.skip_spikes(
@@ -197,5 +205,5 @@ def applied_updates(opt_state: Any) -> jax.Array:
   return _lr_scale_states(opt_state)[0].count
 
 
-def set_lr_scale(opt_state, value: float):
+def set_lr_scale(opt_state, value: float | jax.Array):
   return _map_lr_scale(opt_state, lambda x: jnp.asarray(value, x.dtype))
