@@ -285,7 +285,8 @@ def stack_axes(leaves: Sequence[Leaf]) -> list[Optional[int]]:
   A subtree is a stack of ``L`` layers along axis ``a`` (0, or 1 as with ``nn.scan(...,
   variable_axes={'params': 1})``) when it holds at least two parameters, all with size ``L`` on
   axis ``a``, at least one of 3+ axes (a stacked matrix) and one of at most 2 (a stacked norm
-  gain, bias or scalar). None for a leaf outside every stack.
+  gain, bias or scalar), and, along axis 1, at least two modules. None for a leaf outside every
+  stack.
   """
   members = collections.defaultdict(list)
   for i, leaf in enumerate(leaves):
@@ -300,7 +301,12 @@ def stack_axes(leaves: Sequence[Leaf]) -> list[Optional[int]]:
     ndims = [len(s) for s in shapes]
     if len(idx) < 2 or max(ndims) < 3 or min(ndims) > 2:
       return None
+    # Along axis 1 only a stack of several modules (MaxText scans whole decoder layers): the
+    # kernel [D, H, hd] and bias [H, hd] of one attention projection share axis 1 when H == hd.
+    modules = len({leaves[i].names[:-1] for i in idx})
     for a in (0, 1):
+      if a == 1 and modules < 2:
+        break
       if min(ndims) > a and len({s[a] for s in shapes}) == 1:
         return a
     return None
