@@ -268,3 +268,12 @@ def test_one_summary_warning_for_unrecognised_kernels_grouped_by_layout():
   assert "8 kernels of 3+ axes match no layout rule" in text
   assert "4 x (3, 3, 4, 8) as 9 x 4x8 (layer_0/conv/kernel, layer_1/conv/kernel and 2 more)" in text
   assert "4 x (2, 5, 6, 7) as 10 x 6x7" in text
+
+
+def test_attention_with_as_many_heads_as_head_dims_is_not_a_stack():
+  # [D, H, hd] kernels and [H, hd] biases share axis 1 when H == hd: one attention layer,
+  # orthogonalised as whole matrices, not a stack along axis 1 cut into per-head slices.
+  mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
+  attn = jax.jit(mha.init)(jax.random.key(0), jnp.ones((1, 3, 16)))["params"]
+  dims = stablejax.muon_dimension_numbers({"embed": jnp.zeros((50, 16)), "attn": attn})["attn"]
+  assert [dims[p]["kernel"] for p in ("query", "key", "value", "out")] == [QKV, QKV, QKV, OUT]
