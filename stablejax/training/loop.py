@@ -19,7 +19,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -262,7 +262,8 @@ class Run:
     self.tokens_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
     batch_sharding = {"tokens": self.tokens_sharding, "grad_scale": mesh_lib.replicated(mesh)}
-    step_fn = make_train_step(self.model, self.tx, cfg, self.schedule, self.bitnet_lambda)
+    step_fn = _under_mesh(mesh, make_train_step(self.model, self.tx, cfg, self.schedule,
+                                                self.bitnet_lambda))
     self.train_step = jax.jit(step_fn, in_shardings=(self.state_sharding, batch_sharding),
                               out_shardings=(self.state_sharding, mesh_lib.replicated(mesh)),
                               donate_argnums=0)
@@ -812,6 +813,15 @@ class Run:
           self.log.console(f"advice: {line}")
     self.log.close()
     return exit_code
+
+
+def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` traced with ``mesh`` as the context mesh, so code inside the step (Muon's gather of
+  each sharded matrix before Newton-Schulz) can place its sharding constraints."""
+  def traced(*args: Any) -> Any:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args)
+  return traced
 
 
 def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> TrainState:
