@@ -135,8 +135,6 @@ def test_every_public_name_has_a_docstring(name):
   assert _own_docstring(_resolve(name)), f"{name} has no docstring of its own"
 
 
-@pytest.mark.xfail(reason="not required yet: the examples come with the modules' current changes; "
-                   "remove this marker to require them", strict=False)
 def test_every_public_name_has_an_example():
   missing = [n for n in PUBLIC if not _has_example(_own_docstring(_resolve(n)))]
   assert not missing, (f"{len(missing)} of {len(PUBLIC)} public names have no 'Example:' section "

@@ -88,6 +88,17 @@ class OutlierSafeMuonState(NamedTuple):
     nonfinite_rate: float32 fraction of all tensors skipped that way this step.
 
   A scan-stacked ``[L, in, out]`` parameter counts as ``L`` matrices.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, stablejax
+    >>> params = {"w": jnp.full((8, 16), 0.1), "b": jnp.zeros((16,))}
+    >>> tx = stablejax.outlier_safe_muon(learning_rate=0.02, adam_learning_rate=1e-3)
+    >>> grad_w = jax.random.normal(jax.random.key(0), (8, 16)).at[0, 0].set(1000.0)
+    >>> _, state = tx.update({"w": grad_w, "b": jnp.ones((16,))}, tx.init(params), params)
+    >>> muon = {k: optax.tree_utils.tree_get(state, k)
+    ...         for k in ("outlier_count", "outlier_rate", "fallback_rate")}
+    >>> {k: v.item() for k, v in muon.items()}  # the 1000 is clamped: 1 of 128 entries
+    {'outlier_count': 1, 'outlier_rate': 0.0078125, 'fallback_rate': 0.0}
   """
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as in optax states
   mu: optax.Updates
@@ -109,6 +120,19 @@ class GroupUpdateRmsState(NamedTuple):
       in a :class:`TensorGuardState`).
     muon, adam, embedding, head: float32 RMS of the final update (after learning rate and
       weight decay) applied to that group at the last step; 0 for an empty group.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, stablejax
+    >>> params = {"w": jnp.full((8, 16), 0.1), "b": jnp.zeros((16,))}
+    >>> tx = stablejax.outlier_safe_muon(learning_rate=0.02, adam_learning_rate=1e-3)
+    >>> grads = {"w": jax.random.normal(jax.random.key(0), (8, 16)), "b": jnp.ones((16,))}
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(x))))
+    >>> bool(jnp.isclose(state.muon, rms(updates["w"])))
+    True
+    >>> # Adam's first step has the size of its learning rate; there is no embedding here
+    >>> round(float(state.adam), 6), float(state.embedding)
+    (0.001, 0.0)
   """
   inner_state: Any
   muon: jax.Array
