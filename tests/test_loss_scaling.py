@@ -118,9 +118,11 @@ def test_create_defaults_are_the_documented_policy():
 def test_unscale_divides_by_the_current_scale():
   ls = stablejax.DynamicLossScale(loss_scale=4096.0)
   assert ls.unscale(jnp.full(2, 8192.0, jnp.float16)).tolist() == [2.0, 2.0]
-  backed_off = ls.adjust(jnp.array(False)).adjust(jnp.array(False))  # 4096 -> 2048 -> 1024
-  assert float(backed_off.loss_scale) == 1024.0
-  assert backed_off.unscale(jnp.full(2, 3072.0, jnp.float16)).tolist() == [3.0, 3.0]
+  backed_off = ls
+  for _ in range(5):  # 4096 -> 2048 -> 1024 -> 512 -> 256 -> 128
+    backed_off = backed_off.adjust(jnp.array(False))
+  assert float(backed_off.loss_scale) == 128.0
+  assert backed_off.unscale(jnp.full(2, 384.0, jnp.float16)).tolist() == [3.0, 3.0]
 
 
 def test_a_custom_policy_is_kept_by_every_adjust_and_through_jit():
