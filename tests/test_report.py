@@ -179,7 +179,8 @@ def test_skips_are_counted_from_both_wrappers_and_skip_events(tmp_path):
 
 
 def test_rollbacks_are_listed_and_lower_the_replayed_score(tmp_path):
-  # One rollback in the window is the rollback budget (1 per window): score 0.8 (docs/monitoring.md).
+  # One rollback in the window is the rollback budget (1 per window): score 0.8
+  # (docs/monitoring.md).
   records = _clean(range(1, 201))
   records.insert(150, {"step": 150, "event": "rollback", "cause": "train loss diverged"})
   lines = _summary(tmp_path, records)
