@@ -34,19 +34,32 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  try:
+    return _main(args)
+  except KeyboardInterrupt:  # before the trainer's own handler is installed: nothing written yet
+    print("interrupted during start-up: stopped before the first step; run the same command to "
+          "start again", flush=True)
+    return 130
+
+
+def _main(args) -> int:
   # Imported here so that --help and argument errors answer instantly.
   import jax
   from stablejax.data.pipeline import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, load_config
-  from stablejax.training.loop import Run, write_config
+  from stablejax.training.loop import Interrupted, Run, write_config
 
   out = Path(args.out or Path("runs") / Path(args.config).stem)
   try:
     cfg = load_config(args.config, args.set)
     write_config(cfg, out)  # joins a multi-process job first when mesh.distributed=true
     return Run(cfg, out, fresh=args.fresh).train()
+  except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)
+    if distributed.is_main():
+      print(e, flush=True)
+    return distributed.leave(130)
   except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return distributed.leave(2)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import resource
 import time
@@ -12,7 +14,7 @@ import pytest
 from stablejax.training import budget as budget_lib
 from stablejax.training.budget import Budget, Timings, plan_total_steps
 
-from trainer_utils import read_metrics, run_inprocess, slow, summary
+from trainer_utils import ROOT, read_metrics, slow, summary
 
 
 def test_plan_total_steps_arithmetic():
@@ -26,6 +28,10 @@ def test_plan_total_steps_arithmetic():
   t.diagnostics_seconds = 1.5  # every 50 steps: + 0.03 s per step
   assert plan_total_steps(600, 30, t, eval_every=100, checkpoint_every=200, max_steps=10**9,
                           diagnostics_every=50) == math.floor(514 / 0.58)
+  # A sample of 2 s every 25 steps: + 0.08 s per step, and the final sample's 2 s. No cap.
+  t.sample_seconds = 2.0
+  assert plan_total_steps(600, 30, t, eval_every=100, checkpoint_every=200, max_steps=None,
+                          diagnostics_every=50, sample_every=25) == math.floor(512 / 0.66)
 
 
 def test_out_of_time_guards_the_budget():
@@ -38,7 +44,7 @@ def test_out_of_time_guards_the_budget():
 
 
 def train_cfg(**kw):
-  return types.SimpleNamespace(time_budget_minutes=kw.get("budget"),
+  return types.SimpleNamespace(time_budget_minutes=kw.get("budget"), steps=kw.get("steps"),
                                target_val_loss=kw.get("target"))
 
 
@@ -60,12 +66,87 @@ def test_target_is_recorded_once_and_survives_a_resume():
   assert never.summary()["time_to_target_s"] is None and never.summary()["step_to_target"] is None
 
 
+TIMINGS = Timings(step_seconds=1.0, eval_seconds=2.0, save_seconds=3.0, compile_seconds=10.0)
+
+
 def test_stored_step_count_is_kept_without_measuring(monkeypatch):
   b = Budget(train_cfg(budget=90.0), t_start=time.time())
-  b.load_state_dict({"budget_steps": 1234, "elapsed_seconds": 60.0})
-  monkeypatch.setattr(budget_lib, "measure", lambda run: pytest.fail("re-measured on resume"))
-  assert b.plan(run=None) == 1234
+  b.load_state_dict({"budget_steps": 1234, "elapsed_seconds": 60.0, "step": 100,
+                     "budget_timings": dataclasses.asdict(TIMINGS)})
+  monkeypatch.setattr(budget_lib, "measure", lambda *a: pytest.fail("re-measured on resume"))
+  assert b.plan(run=None) == 1234 and b.timings == TIMINGS
   assert Budget(train_cfg(), t_start=0).plan(run=None) is None
+  # A checkpoint of a version that stored no timings: the count is kept, the timings re-measured
+  # (without them the resumed run could not stop early).
+  legacy = Budget(train_cfg(budget=90.0), t_start=time.time())
+  legacy.load_state_dict({"budget_steps": 1234, "elapsed_seconds": 60.0, "step": 100})
+  monkeypatch.setattr(budget_lib, "measure", lambda *a: TIMINGS)
+  assert legacy.plan(run=None) == 1234 and legacy.timings == TIMINGS
+
+
+def test_a_resumed_budget_keeps_its_timings_and_wall_clock(tmp_path):
+  # Segment 1 planned with measured timings, saved a checkpoint 40 s in, ticked its clock at 50 s
+  # and was killed. Segment 2 resumes: 50 s are spent, and with 1 + 2 + 3 s of margin a 1-minute
+  # budget has room for at most 4 more seconds before the run must stop.
+  clock = tmp_path / budget_lib.CLOCK_FILE
+  first = Budget(train_cfg(budget=1.0), t_start=time.time() - 40, clock_file=clock)
+  first.steps, first.timings, first.fixed_by = 500, TIMINGS, "time_budget"
+  meta = {**first.state_dict(), "step": 200}
+  first.t_start -= 10
+  first.tick(force=True)
+  assert 49.5 < json.loads(clock.read_text())["elapsed_seconds"] < 51
+  second = Budget(train_cfg(budget=1.0), t_start=time.time(), clock_file=clock)
+  second.load_state_dict(meta)
+  assert second.steps == 500 and second.timings == TIMINGS and second.segments == 2
+  assert 49.5 < second.elapsed() < 52  # the clock's time, not only the checkpoint's 40 s
+  assert not second.out_of_time()      # 50 + 6 <= 60
+  assert second.out_of_time(recent_step_seconds=5.0)  # steps now take 5 s: 50 + 10 + ... > 60
+  second.t_start -= 5
+  assert second.out_of_time()          # 55 + 6 > 60
+  s = second.summary()
+  assert s["segments"] == 2 and s["steps_fixed_by"] == "time_budget"
+  assert s["within_time_budget"] is True and s["budget_timings"]["step_seconds"] == 1.0
+  # A clock without a checkpoint belongs to another run: a fresh run does not read it.
+  fresh = Budget(train_cfg(budget=1.0), t_start=time.time(), clock_file=clock)
+  fresh.load_state_dict({})
+  assert fresh.elapsed() < 1 and fresh.segments == 1
+
+
+def test_budget_owns_the_step_count_unless_steps_is_given_next_to_it(tmp_path):
+  from stablejax.training.config import ConfigError, config_from_dict, load_config
+  default = ROOT / "configs" / "default.json"  # "steps": 250
+  assert load_config(default).train.steps == 250
+  assert load_config(default, ["train.time_budget_minutes=2"]).train.steps is None
+  assert load_config(default, ["train.steps=400", "train.time_budget_minutes=2"]).train.steps == 400
+  assert load_config(default, ["train.time_budget_minutes=2",
+                              "train.steps=null"]).train.steps is None
+  both = tmp_path / "both.json"
+  both.write_text(json.dumps({"train": {"steps": 900, "time_budget_minutes": 5}}))
+  assert load_config(both).train.steps == 900  # given together: a cap
+  assert load_config(both, ["train.time_budget_minutes=3"]).train.steps is None
+  assert config_from_dict({"train": {"time_budget_minutes": 2}}).train.steps is None
+  assert config_from_dict({"train": {"time_budget_minutes": 2, "steps": 50}}).train.steps == 50
+  with pytest.raises(ConfigError, match="train.steps=null needs train.time_budget_minutes"):
+    load_config(default, ["train.steps=null"])
+
+
+def test_plan_without_a_cap_and_with_one_says_what_fixed_the_length(monkeypatch):
+  monkeypatch.setattr(budget_lib, "measure", lambda *a: TIMINGS)
+  cfg = types.SimpleNamespace(
+      train=types.SimpleNamespace(eval_every=100, warmup_steps=10),
+      checkpoint=types.SimpleNamespace(every=200),
+      logging=types.SimpleNamespace(activation_every=0, histogram_every=0, sample_every=0))
+  run = types.SimpleNamespace(cfg=cfg, sampler=None)
+  # 0.95 * 600 - 10 compile - 2 eval - 3 save = 555 s; 1 + 2/100 + 3/200 = 1.035 s a step.
+  fits = math.floor((0.95 * 600 - 10 - 2 - 3) / 1.035)
+  owned = Budget(train_cfg(budget=10.0), t_start=time.time())
+  assert owned.plan(run) == fits and owned.fixed_by == "time_budget"
+  assert "fixed by train.time_budget_minutes=10" in owned.describe_length(fits)
+  capped = Budget(train_cfg(budget=10.0, steps=250), t_start=time.time())
+  assert capped.plan(run) == 250 and capped.fixed_by == "train.steps"
+  assert capped.summary()["steps_fixed_by"] == "train.steps"
+  loose = Budget(train_cfg(budget=10.0, steps=10**6), t_start=time.time())
+  assert loose.plan(run) == fits and loose.fixed_by == "time_budget"
 
 
 def test_peak_memory_on_cpu_is_the_process_rss_labelled_as_such():
@@ -77,23 +158,47 @@ def test_peak_memory_on_cpu_is_the_process_rss_labelled_as_such():
 
 
 # AdamW without the clipping and skipping layers: the budget logic is the same and compiles in a
-# fraction of the time, which the budget would otherwise spend on this shared machine.
+# fraction of the time, which the budget would otherwise spend on this shared machine. No
+# train.steps: the budget owns the count (configs/default.json's "steps": 250 is no cap).
 BUDGET_RUN = ("optimizer.name=adamw", "stability.zclip=false", "stability.adagc=false",
-              "stability.skip_spikes=false", "train.steps=100000", "train.warmup_steps=5", "train.eval_every=50",
+              "stability.skip_spikes=false", "train.warmup_steps=5", "train.eval_every=50",
               "checkpoint.every=50", "train.log_every=1", "logging.histogram_every=0",
               "logging.activation_every=0", "logging.sample_every=0", "train.batch_size=4",
               "train.seq_len=16")
 
 
+def budget_argv(out, *overrides, fresh=True):
+  """train.py's arguments for a tiny run without TINY's train.steps."""
+  from trainer_utils import TINY
+  args = []
+  for item in (*[x for x in TINY if not x.startswith("train.steps=")], *BUDGET_RUN, *overrides):
+    args += ["--set", item]
+  return args + ["--out", str(out)] + (["--fresh"] if fresh else [])
+
+
+def run_budget(out, *overrides, fresh=True):
+  import sys
+  sys.path.insert(0, str(ROOT))
+  try:
+    import train
+  finally:
+    sys.path.pop(0)
+  return train.main(budget_argv(out, *overrides, fresh=fresh))
+
+
 @slow
-def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count(tmp_path):
+def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count(tmp_path, capsys):
   out = tmp_path / "budget"
   minutes = 2.0
-  assert run_inprocess(out, f"train.time_budget_minutes={minutes}", "train.target_val_loss=5.0",
-                       *BUDGET_RUN) == 0
+  capsys.readouterr()
+  assert run_budget(out, f"train.time_budget_minutes={minutes}", "train.target_val_loss=5.0") == 0
+  printed = capsys.readouterr().out
   s = summary(out)
-  assert s["planned_steps"] == s["steps"] > 5
+  # The budget fixed the length, not configs/default.json's 250 steps, and says so.
+  assert s["planned_steps"] == s["steps"] > 250 and s["steps_fixed_by"] == "time_budget"
+  assert f"{s['steps']} steps (fixed by train.time_budget_minutes=2)" in printed
   assert s["total_wall_seconds"] <= 1.1 * minutes * 60, s["budget_timings"]
+  assert s["within_time_budget"] is (s["total_wall_seconds"] <= minutes * 60)
   train = [r for r in read_metrics(out) if "lr" in r and "event" not in r]
   peak, floor = 0.01, 0.01 * 0.1  # TINY's learning rate and the default min_lr_ratio
   assert max(r["lr"] for r in train) == pytest.approx(peak, rel=1e-3)
@@ -104,6 +209,84 @@ def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count
   assert 0 < s["time_to_target_s"] <= s["total_wall_seconds"]
   assert s["peak_memory_bytes"] > 0 and "peak_memory_source" in s
   # Run again with ten times the budget: the checkpoints hold the step count, nothing re-plans.
-  assert run_inprocess(out, "train.time_budget_minutes=15", "train.target_val_loss=5.0",
-                       *BUDGET_RUN, fresh=False) == 0
+  assert run_budget(out, "train.time_budget_minutes=15", "train.target_val_loss=5.0",
+                    fresh=False) == 0
   assert summary(out)["planned_steps"] == s["planned_steps"] == summary(out)["steps"]
+  assert summary(out)["segments"] == 2
+
+
+@slow
+def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
+  # Stopped (as by SIGTERM) at step 8, then resumed on a "slower machine": every step takes 50 ms
+  # more than measured. The two segments together must end within the budget: the resumed run
+  # keeps the plan's timings and the wall time already spent, and stops early.
+  import signal
+
+  from stablejax.training.config import load_config
+  from stablejax.training.loop import Run
+
+  minutes = 2.0
+  argv = budget_argv(tmp_path, f"train.time_budget_minutes={minutes}")
+  cfg = load_config(ROOT / "configs" / "default.json", argv[1:-2:2])
+  assert cfg.train.steps is None
+  out = tmp_path / "interrupted"
+  started = time.monotonic()
+
+  class StopAt8(Run):
+    def _next_batch(self, step):
+      if step + 1 == 8:
+        self.stop_signal = signal.SIGTERM
+      return super()._next_batch(step)
+
+  class Slower(Run):
+    def _next_batch(self, step):
+      if time.monotonic() - started > 2 * minutes * 60:
+        raise AssertionError("the resumed run went on past twice its budget")
+      time.sleep(0.05)
+      return super()._next_batch(step)
+
+  t0 = time.monotonic()
+  assert StopAt8(cfg, out, fresh=True).train() == 130
+  first = time.monotonic() - t0
+  planned = summary(out)["planned_steps"]
+  t0 = time.monotonic()
+  assert Slower(cfg, out).train() == 0
+  second = time.monotonic() - t0
+  s = summary(out)
+  assert s["planned_steps"] == planned and s["segments"] == 2
+  assert 8 < s["stopped_early_at"] < planned and s["steps"] == s["stopped_early_at"]
+  assert abs(s["total_wall_seconds"] - (first + second)) < 2.0, (s["total_wall_seconds"], first,
+                                                                 second)
+  # Within the budget, to the accuracy of the measured eval and save times on a busy machine.
+  assert first + second <= 1.02 * minutes * 60, (first, second, s["budget_timings"])
+  assert s["within_time_budget"] is (s["total_wall_seconds"] <= minutes * 60)
+
+
+@slow
+def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, monkeypatch):
+  # In a multi-process run every process writes its shards of the probe save into one folder.
+  # A process other than 0 must neither clear it first (process 0 may already be writing) nor
+  # remove it after: here the file "from process 0" must survive a measurement on process 1.
+  from stablejax.training import distributed
+  from stablejax.training.loop import Run
+
+  from trainer_utils import tiny_config
+  cfg = tiny_config(*BUDGET_RUN, "train.time_budget_minutes=5", "train.steps=null")
+  run = Run(cfg, tmp_path / "run", fresh=True)
+  run.train_iter = run.data.train_iter()
+  run.state, _ = run._restore_or_init()
+  probe = tmp_path / "run" / budget_lib.PROBE_DIR
+  probe.mkdir()
+  (probe / "written_by_process_0").write_text("shard")
+  barriers = []
+  monkeypatch.setattr(distributed, "is_main", lambda: False)
+  monkeypatch.setattr(distributed, "barrier", barriers.append)
+  timings = budget_lib.measure(run)
+  assert timings.save_seconds > 0
+  assert (probe / "written_by_process_0").read_text() == "shard"
+  # Both sides of the save are barriers: clear, then write, then remove.
+  assert barriers == ["budget_probe_clear", "budget_probe"]
+  monkeypatch.setattr(distributed, "is_main", lambda: True)
+  budget_lib.measure(run)
+  assert not probe.exists()  # process 0 removes it, leftovers included
+  run.checkpoints.close()

@@ -478,3 +478,37 @@ def test_second_rollback_goes_further_back_and_survives_a_kill_before_cleanup(tm
   assert first_train["step"] == 2
   assert first_train["lr_scale"] == pytest.approx(
       events[1]["lr_scale"] + (1 - events[1]["lr_scale"]) * 1 / 100, rel=1e-6)
+
+
+@slow
+def test_rollback_past_a_damaged_target_replays_the_good_batches(tmp_path):
+  # The NaN batches of NAN_BATCHES trigger a rollback to checkpoint 10 at step 17, but checkpoint
+  # 10 is damaged by then: restore falls back to step 0. The data that led to the failure is
+  # still batches 10..16; batches 0..9 between the two checkpoints were good and are trained on
+  # again (before, the skip started at the restored step's position and dropped them too).
+  from stablejax.data.pipeline import garbage_batch
+  cfg = tiny_config(*NAN_BATCHES)
+  base = _recording_run_class()
+
+  class DamagedTargetRun(base):
+    def _rollback(self, step, cause):
+      for f in (self.out_dir / "checkpoints" / "10" / "state").rglob("*"):
+        if f.is_file() and f.parent.name == "d":
+          f.write_bytes(b"\0" * f.stat().st_size)
+      return super()._rollback(step, cause)
+
+  run = DamagedTargetRun(cfg, tmp_path / "damaged_target", fresh=True)
+  assert run.train() == 0
+  out = run.out_dir
+  (event,) = [r for r in read_metrics(out) if r.get("event") == "rollback"]
+  assert event["restored_step"] == 0 and event["skipped_batches"] == [10, 17]
+  assert [r["step"] for r in read_metrics(out) if r.get("event") == "fallback_checkpoint"] == [10]
+  assert (out / "damaged_checkpoints" / "10" / "state").is_dir()
+  stream = data_stream(cfg, 17 + 30)
+  garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
+  # fed: 0..15, garbage 16; after the rollback to step 0: 0..9 again, then 17..46
+  want = stream[:16] + [garbage] + stream[:10] + stream[17:47]
+  assert len(run.fed) == len(want)
+  for got, expected in zip(run.fed, want):
+    np.testing.assert_array_equal(got, expected)
+  assert summary(out)["rollbacks"] == 1 and summary(out)["steps"] == 40

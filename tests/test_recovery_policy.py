@@ -256,8 +256,87 @@ def _damage(step_dir: Path, kind: str) -> None:
     meta = json.loads(meta_file.read_text())
     meta["fingerprint"] = [v + 1.0 for v in meta["fingerprint"]]
     meta_file.write_text(json.dumps(meta))
+  elif kind == "zeroed_chunk":  # a lost block: the largest array-chunk file reads back as zeros
+    chunk = max(_data_files(step_dir), key=lambda f: f.stat().st_size)
+    chunk.write_bytes(b"\0" * chunk.stat().st_size)
+  elif kind == "missing_data_file":  # the Grain iterator state of process 0
+    (step_dir / "data" / "process_0-of-1.json").unlink()
+  elif kind == "missing_state_metadata":
+    (step_dir / "state" / "_METADATA").unlink()
+  elif kind == "missing_meta_file":
+    (step_dir / "meta" / "metadata").unlink()
   else:
     raise AssertionError(kind)
+
+
+def _train_state(seed):
+  """The trainer's own state type around `_state`: a flax PyTreeNode holding an optax state."""
+  import optax
+
+  from stablejax.training.step import TrainState
+  params = {k: v for k, v in _state(seed).items() if k != "n"}
+  opt_state = optax.adamw(1e-3).init(params)
+  opt_state = jax.tree.map(lambda x: x + seed if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                           opt_state)
+  return TrainState(step=jnp.int32(seed), params=params, opt_state=opt_state,
+                    lr_backoff=LRBackoff.none())
+
+
+# With shardings, as the trainer restores it (without them Orbax reads a missing _METADATA as a
+# FileNotFoundError; with them, as a tree mismatch).
+TRAIN_ABSTRACT = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.NamedSharding(
+        jax.sharding.Mesh(jax.devices()[:1], ("data",)), jax.sharding.PartitionSpec())),
+    _train_state(0))
+
+
+@pytest.fixture
+def train_state_steps(tmp_path):
+  """Steps 10 and 20 of a trainer-shaped state (TrainState, optax state, Grain iterator)."""
+  directory = tmp_path / "checkpoints"
+  ckpt = Checkpoints(directory, keep=5, async_save=False)
+  for step in (10, 20):
+    ckpt.save(step, _train_state(step), _data_iter(), {"batches_consumed": step // 10})
+  ckpt.close()
+  return directory
+
+
+# The damage that a restore of the trainer's own state type reports without a damage status: a
+# zeroed chunk fails as FAILED_PRECONDITION ("Unknown frame descriptor"), a missing Grain file as a
+# plain ValueError, and a missing _METADATA as a pytree structure mismatch.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("kind", ["zeroed_chunk", "missing_data_file", "missing_state_metadata",
+                                  "missing_meta_file", "truncated", "flipped_bytes"])
+def test_damaged_train_state_checkpoint_falls_back_and_is_set_aside(train_state_steps, kind):
+  _damage(train_state_steps / "20", kind)
+  calls = []
+  ckpt = Checkpoints(train_state_steps, keep=5, async_save=False)
+  try:
+    state, meta = ckpt.restore(TRAIN_ABSTRACT, _data_iter(),
+                               on_fallback=lambda step, why: calls.append((step, why)))
+  finally:
+    ckpt.close()
+  assert meta["step"] == 10 and [s for s, _ in calls] == [20], calls
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state),
+               jax.device_get(_train_state(10)))
+  assert (train_state_steps.parent / "damaged_checkpoints" / "20" / "state").is_dir()
+  assert Checkpoints(train_state_steps, keep=5).all_steps() == [10]
+
+
+def test_checkpoint_of_another_process_count_is_not_damage(train_state_steps):
+  # What a 2-process run leaves in `data/`; restored by one process, Grain looks for
+  # process_0-of-1.json. The files are complete: a setup difference, not damage.
+  for step in (10, 20):
+    data = train_state_steps / str(step) / "data"
+    text = (data / "process_0-of-1.json").read_text()
+    (data / "process_0-of-1.json").rename(data / "process_0-of-2.json")
+    (data / "process_1-of-2.json").write_text(text)
+  before = _listing(train_state_steps)
+  ckpt = Checkpoints(train_state_steps, keep=5, async_save=False)
+  with pytest.raises(CheckpointError, match="saved by 2 processes"):
+    ckpt.restore(TRAIN_ABSTRACT, _data_iter())
+  ckpt.close()
+  assert _listing(train_state_steps) == before
 
 
 # Orbax leaves a coroutine behind when tensorstore fails a read; its "event loop is closed" at
@@ -310,7 +389,8 @@ def test_checkpoint_of_another_model_is_not_damage(two_steps):
   before = _listing(two_steps)
   ckpt = Checkpoints(two_steps, keep=5)
   other = dict(ABSTRACT, w=jax.ShapeDtypeStruct((16, 65), jnp.float32))
-  with pytest.raises(CheckpointError, match=r"reading checkpoint 20 in .* failed \(ValueError: Requested shape"):
+  with pytest.raises(CheckpointError,
+                     match=r"reading checkpoint 20 in .* failed \(ValueError: Requested shape"):
     ckpt.restore(other, _data_iter())
   ckpt.close()
   assert _listing(two_steps) == before
@@ -400,6 +480,9 @@ def test_damage_evidence_classification():
            ValueError("OUT_OF_RANGE: Requested byte range [0, 323) is not valid"),
            ValueError("DATA_LOSS: Error decoding manifest"),
            ValueError('Error reading "b/.zarray": Error decoding b-tree node: ZSTD failed'),
+           ValueError('FAILED_PRECONDITION: Error reading "params.w/0.0" in OCDBT database at '
+                      'local file "/c/20/state/": ZSTD_decompressStream() failed: Unknown frame '
+                      'descriptor; at byte 0; at uncompressed byte 0'),
            json.JSONDecodeError("Expecting value", "", 0),
            KeyError('Item "data" was not found in the checkpoint. Available items: []'),
            checkpoint_lib.CheckpointDamaged("contents do not match the fingerprint")]

@@ -78,18 +78,65 @@ def test_sample_logits_top_k_matches_numpy():
   assert drawn <= allowed and len(drawn) >= 3
 
 
-def test_generation_past_the_context_window():
-  cfg = ModelConfig(**BASE)
+SHORT = dict(BASE, max_seq_len=8, n_layers=1)  # a short window: every prompt length is cheap
+
+
+def test_greedy_kv_cache_uses_the_whole_window_for_every_prompt_length():
+  # While prompt + generated tokens fit in the window W, the cached decoder must give what full
+  # recomputation gives: for a P-token prompt that is W - P + 1 tokens, the last one drawn from a
+  # context of exactly W tokens (P = W: one token from the full window).
+  cfg = ModelConfig(**SHORT)
+  window = cfg.max_seq_len
   params = init(cfg)
-  prompt = list(range(1, 41))  # longer than max_seq_len: its last 31 tokens are kept
-  out = Generator(cfg).generate(params, prompt, 50, temperature=0.0)[0].tolist()
-  assert len(out) == 50
-  ref, _ = greedy_reference(cfg, params, prompt[-31:], 1)
-  assert out[0] == ref[0]
-  # After the first token the cache is full; the last 16 tokens are prefilled and greedy
-  # decoding continues from that context.
-  ref2, _ = greedy_reference(cfg, params, (prompt[-31:] + out[:1])[-16:], 5)
-  assert out[1:6] == ref2
+  gen = Generator(cfg)
+  rng = np.random.default_rng(0)
+  for length in range(1, window + 1):
+    prompt = rng.integers(1, cfg.vocab_size, size=length).tolist()
+    n_new = window - length + 1
+    want, _ = greedy_reference(cfg, params, prompt, n_new)
+    got = gen.generate(params, prompt, n_new, temperature=0.0)[0].tolist()
+    assert got == want, f"prompt length {length}"
+
+
+_FORWARD: dict = {}
+
+
+def _forward(cfg):
+  """One jitted forward pass per model config, so the reference compiles once."""
+  key = repr(cfg)
+  if key not in _FORWARD:
+    _FORWARD[key] = jax.jit(GPT(cfg).apply)
+  return _FORWARD[key]
+
+
+def windowed_reference(cfg, params, prompt, n_new):
+  """Greedy decoding by full recomputation under the documented policy past the window W: the
+  context is the last W tokens of the prompt; once a token would need W + 1 tokens of context,
+  it restarts from the last W // 2 tokens and grows again."""
+  apply = _forward(cfg)
+  window, keep = cfg.max_seq_len, cfg.max_seq_len // 2
+  ids = list(prompt)
+  start = max(0, len(ids) - window)
+  for _ in range(n_new):
+    if len(ids) - start > window:
+      start = len(ids) - keep
+    context = ids[start:]
+    padded = np.zeros((1, window), np.int32)
+    padded[0, :len(context)] = context
+    logits = np.asarray(apply({"params": params}, jnp.asarray(padded)))[0, len(context) - 1]
+    ids.append(int(np.argmax(logits)))
+  return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 20])
+def test_generation_past_the_context_window_follows_the_stated_policy(length):
+  cfg = ModelConfig(**SHORT)
+  params = init(cfg)
+  prompt = np.random.default_rng(length).integers(1, cfg.vocab_size, size=length).tolist()
+  n_new = 3 * cfg.max_seq_len + 5  # several re-prefills
+  got = Generator(cfg).generate(params, prompt, n_new, temperature=0.0)[0].tolist()
+  assert got == windowed_reference(cfg, params, prompt, n_new)
+  assert len(set(got)) > 2
 
 
 def test_sample_cli_errors(tmp_path, capsys):
@@ -103,3 +150,80 @@ def test_sample_cli_errors(tmp_path, capsys):
   from stablejax.training.config import load_config
   with pytest.raises(runs.RunError, match="--tokenizer"):
     runs.run_tokenizer(load_config(tmp_path / "config.json"))
+
+
+@pytest.mark.slow
+def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path, monkeypatch,
+                                                                      capsys):
+  # A run on a prepared BPE directory given as a relative path, sampled from another directory:
+  # the data path does not resolve there, so only what the run recorded can decode it.
+  import json
+  import shutil
+
+  from stablejax.cli import prepare as prepare_cli
+  from stablejax.cli import sample as sample_cli
+  from stablejax.data import tokenizer as tokenizer_lib
+  from stablejax.training import runs, sampling
+
+  from trainer_utils import run_inprocess
+  home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
+  home.mkdir()
+  elsewhere.mkdir()
+  docs = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times." * 3
+          for i in range(80)]
+  (home / "corpus.txt").write_text("<|endoftext|>".join(docs))
+  monkeypatch.chdir(home)
+  assert prepare_cli.main(["corpus.txt", "--out", "data", "--tokenizer", "bpe:300",
+                           "--val-fraction", "0.2", "--no-progress"]) == 0
+  run = home / "run"
+  assert run_inprocess(run, "data.train=data", "train.steps=6", "train.warmup_steps=2",
+                       "train.eval_every=6", "checkpoint.every=6") == 0
+  record = json.loads((run / "tokenizer" / "record.json").read_text())
+  original = tokenizer_lib.get_tokenizer(str(home / "data" / "tokenizer.json"))
+  assert record["kind"] == "hf" and record["sha256"] == original.sha256
+  assert (run / "tokenizer" / "tokenizer.json").read_bytes() == \
+      (home / "data" / "tokenizer.json").read_bytes()
+
+  monkeypatch.chdir(elsewhere)
+  got = sampling.sample(run, "Document 1", max_new_tokens=8, temperature=0.0)
+  ids = original.encode("Document 1")
+  assert got["prompt_ids"] == ids  # encoded with the run's BPE, not bytes
+  assert got["samples"][0] == "Document 1" + original.decode(ids + got["tokens"][0])[
+      len(original.decode(ids)):]
+
+  def cli(*args):
+    capsys.readouterr()
+    code = sample_cli.main([str(run), "--prompt", "Document 1", "--max-new-tokens", "4",
+                            "--temperature", "0", *args])
+    return code, [line for line in capsys.readouterr().err.splitlines()
+                  if line.startswith("error:")]
+
+  copy = run / "tokenizer" / "tokenizer.json"
+  saved = copy.read_bytes()
+  copy.write_bytes(saved + b" ")  # changed (still a loadable tokenizer.json)
+  code, errors = cli()
+  assert code == 2 and len(errors) == 1 and str(copy) in errors[0] and "--tokenizer" in errors[0]
+  copy.unlink()  # missing
+  code, errors = cli()
+  assert code == 2 and len(errors) == 1 and "is missing" in errors[0] and "--tokenizer" in errors[0]
+  code, errors = cli("--tokenizer", "bytes")  # not the recorded one
+  assert code == 2 and len(errors) == 1
+  assert "not the tokenizer the run was trained with" in errors[0]
+  assert cli("--tokenizer", str(home / "data" / "tokenizer.json")) == (0, [])
+  # A run from before tokenizer records: its relative data path does not resolve from here.
+  shutil.rmtree(run / "tokenizer")
+  code, errors = cli()
+  assert code == 2 and len(errors) == 1 and "'data'" in errors[0] and "--tokenizer" in errors[0]
+  monkeypatch.chdir(home)
+  assert cli() == (0, [])  # from where it was started, it still works
+  assert runs.read_tokenizer_record(run) is None
+
+  # Resuming the run on data of another tokenizer is refused (it would train on other ids).
+  assert run_inprocess(run, "data.train=data", "train.steps=8", "train.warmup_steps=2",
+                       "train.eval_every=6", "checkpoint.every=6", fresh=False) == 0
+  assert runs.read_tokenizer_record(run)["sha256"] == original.sha256  # recorded on resume
+  capsys.readouterr()
+  assert run_inprocess(run, "data.train=corpus.txt", "model.vocab_size=320", "train.steps=10",
+                       "train.warmup_steps=2", fresh=False) == 2
+  err = capsys.readouterr().err
+  assert "is not the one this run was trained with" in err and "--fresh" in err

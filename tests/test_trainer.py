@@ -118,3 +118,62 @@ def test_unknown_key_in_config_file_exits_2(tmp_path):
   assert result.stderr.strip() == ("error: unknown config key 'train.learnin_rate': valid keys here are "
                                    + result.stderr.split("valid keys here are ")[1].strip())
   assert "steps" in result.stderr and "Traceback" not in result.stderr
+
+
+@slow
+def test_sample_every_samples_at_the_steps_it_names(tmp_path, capsys):
+  # sample_every=6 with eval_every=20: samples at 6, 12 and 18 (not only where an eval falls, which
+  # made it act as lcm(20, 6) = 60), plus the final one; none in between.
+  out = tmp_path / "samples"
+  capsys.readouterr()
+  assert run_inprocess(out, "train.steps=20", "logging.sample_every=6",
+                       "logging.sample_tokens=4") == 0
+  printed = capsys.readouterr().out.splitlines()
+  sampled = [int(line.split()[1].rstrip(":")) for line in printed if ": sample " in line]
+  assert sampled == [6, 12, 18, 20], printed
+
+
+@slow
+@pytest.mark.parametrize("moment", ["config.json", "budget_probe", "checkpoints/0.*"])
+def test_ctrl_c_during_startup_exits_130_with_one_line_and_nothing_half_written(tmp_path, moment):
+  # SIGINT as soon as the file that marks a start-up phase appears: config.json (loading the
+  # data, initialising, compiling), the time budget's probe folder (measuring the budget), Orbax's
+  # temporary directory of step 0 (saving it). Whatever phase the signal lands in: exit 130, one
+  # line, no traceback, no probe folder, and every checkpoint left is complete.
+  import signal
+  import subprocess
+  import sys
+  import time
+
+  from trainer_utils import ROOT, TRAIN, sets
+  out = tmp_path / "run"
+  cmd = [sys.executable, str(TRAIN), *sets("train.time_budget_minutes=5", "train.steps=400",
+                                           "checkpoint.async_save=true"), "--out", str(out)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not list(out.glob(moment)):
+      assert proc.poll() is None, proc.communicate()[1][-2000:]
+      assert time.monotonic() < deadline, f"no {moment} within 300 s"
+      time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == 130, stderr[-3000:]
+  assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+  lines = [line for line in (stdout + stderr).splitlines()
+           if "SIGINT" in line or "interrupt" in line]
+  assert len(lines) == 1, lines
+  assert not (out / "budget_probe").exists()
+  steps = [p for p in (out / "checkpoints").iterdir() if p.name.isdigit()] \
+      if (out / "checkpoints").exists() else []
+  if steps:  # complete: they restore, none falls back
+    from stablejax.training.runs import restore_params
+    fallbacks = []
+    restore_params(out, on_fallback=lambda step, why: fallbacks.append((step, why)))
+    assert not fallbacks
+  assert json.loads((out / "config.json").read_text())["train"]["steps"] == 400

@@ -4,10 +4,12 @@
                                [--top-k 50] [--seed 0] [--num-samples 1] [--tokenizer T]
 
 The command line of :func:`stablejax.training.sampling.sample`: prints each sample (the prompt
-and its continuation) and, on stderr, the speed. Run it from where the run was started (data
-paths in config.json are read as given).
+and its continuation) and, on stderr, the speed. The tokenizer is the one the run recorded in
+``RUN_DIR/tokenizer/`` (runs trained before that read their data paths in config.json as given:
+run those from where the run was started, or pass ``--tokenizer``).
 
-Exit codes: 0 done; 2 missing run directory, config or usable checkpoint, unknown tokenizer, bad
+Exit codes: 0 done; 2 missing run directory, config or usable checkpoint, unknown tokenizer, a
+recorded tokenizer that is missing or differs (or a ``--tokenizer`` that differs from it), bad
 arguments.
 """
 
@@ -39,7 +41,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--num-samples", type=int, default=1)
   p.add_argument("--tokenizer", default=None,
-                 help="override the run's tokenizer (bytes, gpt2 or a tokenizer.json)")
+                 help="the run's tokenizer when it has no usable record (bytes, gpt2 or a "
+                      "tokenizer.json); it must match a recorded one")
 
   def fallback(step: int, reason: str) -> None:
     print(f"warning: checkpoint {step} is unusable ({reason}); trying the previous one",

@@ -97,6 +97,22 @@ class DataError(Exception):
 
 @dataclasses.dataclass
 class DataConfig:
+  """The ``data`` section of the trainer's config: sources, split, mixing and filters.
+
+  ``train`` is ``"pydoc"`` (the embedded corpus), a path (a text file or folder read as bytes, a
+  nanoGPT-style ``.bin`` token file, or a directory written by ``stablejax prepare``) or a list
+  of them (mixed by ``weights``, by default in proportion to their sizes). Without ``val`` the
+  last ``val_fraction`` of each train source is held out (a prepared directory brings its own
+  ``val.bin``). Documents with a run of one byte longer than ``filter_max_repeat`` or a share of
+  non-text bytes above ``filter_max_nontext`` are dropped before training.
+
+  Example:
+    >>> from stablejax.data.pipeline import DataConfig
+    >>> cfg = DataConfig(train="pydoc", val_fraction=0.05)
+    >>> cfg.train, cfg.val, cfg.vocab_size      # vocab 0: 256 for text, the meta's for prepared
+    ('pydoc', None, 0)
+  """
+
   # "pydoc", a path (text file/folder, .bin, prepared dir) or a list of them
   train: Union[str, list[str]] = "pydoc"
   val: Optional[Union[str, list[str]]] = None  # None -> last val_fraction of each train source
@@ -611,6 +627,17 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
   Raises:
     DataError: a missing, empty or unreadable source, a folder without text files, a ``.bin``
       file with an odd byte count, a corpus shorter than one window, bad weights.
+
+  Example:
+    The embedded corpus, as windows of 64 + 1 byte tokens:
+
+    >>> from stablejax.data.pipeline import DataConfig, build_data
+    >>> data = build_data(DataConfig(), seq_len=64, batch_size=4, seed=0)
+    >>> data.vocab_size, data.stats["sources"][0]["name"]
+    (256, 'pydoc')
+    >>> batch = next(data.train_iter())
+    >>> batch["tokens"].shape, batch["tokens"].dtype
+    ((4, 65), dtype('int32'))
   """
   _validate(cfg, seq_len, batch_size, process_index, process_count)
   window = seq_len + 1

@@ -636,6 +636,26 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
   Raises:
     PrepareError: bad input (the message is one line naming the problem and the fix).
     KeyboardInterrupt: interrupted; the files this run wrote are removed first.
+
+  Example:
+    Four hundred JSONL documents as bytes, 5% of the documents held out for validation:
+
+    >>> import json, os, tempfile
+    >>> from stablejax.data.prepare import Options, prepare
+    >>> folder = tempfile.mkdtemp()
+    >>> with open(os.path.join(folder, "docs.jsonl"), "w") as f:
+    ...   for i in range(400):
+    ...     print(json.dumps({"text": f"Document {i}: the quick brown fox."}), file=f)
+    >>> meta = prepare([os.path.join(folder, "docs.jsonl")], os.path.join(folder, "corpus"),
+    ...                "bytes", opts=Options(val_fraction=0.05), progress=False, log=print)
+    prepared .../corpus: 400 documents (22 val), 13,125 train + 765 val tokens, vocab 256
+    (uint16), ...
+    >>> meta["tokenizer"]["kind"], meta["vocab_size"], meta["dtype"]
+    ('bytes', 256, 'uint16')
+    >>> sorted(os.listdir(os.path.join(folder, "corpus")))
+    ['meta.json', 'train.bin', 'val.bin']
+
+    Train on it with ``data.train=<folder>/corpus``.
   """
   t0 = time.time()
   inputs = list(inputs)

@@ -162,9 +162,24 @@ def get_tokenizer(spec: str, eot_token: Optional[str] = None):
 
   ``bpe:N`` is not loadable: it is trained on a corpus (``train_bpe``).
 
+  Args:
+    spec: ``"bytes"``, a tiktoken encoding name (``"gpt2"``, ``"cl100k_base"``, ...), or the path
+      of a Hugging Face ``tokenizer.json`` (or of a directory holding one).
+    eot_token: the end-of-text token of a ``tokenizer.json`` (default: the first known name,
+      such as ``<|endoftext|>`` or ``</s>``).
+
+  Returns:
+    A tokenizer with ``encode``, ``decode``, ``vocab_size`` and ``eot_id``.
+
   Raises:
     TokenizerError: unknown spec, missing file, no end-of-text token, or an encoding that needs
       a download that failed.
+
+  Example:
+    >>> from stablejax.data.tokenizer import get_tokenizer
+    >>> tok = get_tokenizer("bytes")
+    >>> tok.encode("hi"), tok.decode([104, 105]), tok.vocab_size, tok.eot_id
+    ([104, 105], 'hi', 256, 0)
   """
   if spec == "bytes":
     return BytesTokenizer()

@@ -6,7 +6,10 @@ checkpoints are untouched), and the total step count is fixed so that the whole 
 already spent, a second compilation, the steps, the periodic evals and saves, the final eval and
 save) ends within the budget with a safety margin (``SAFETY``). The warmup + cosine schedule is
 then laid over that count, so the learning rate reaches its floor on the last step. The count is
-stored in every checkpoint: a resumed run keeps it. ``train.steps`` remains an upper bound.
+stored in every checkpoint with the measured timings: a resumed run keeps it, counts the wall time
+of every earlier segment (``Budget``) and still stops early once the budget runs out. Unless
+``train.steps`` is given next to the budget (``config.load_config``), the budget alone fixes the
+count; a given one is an upper bound, and ``summary.json``'s ``steps_fixed_by`` says which.
 
 ``train.target_val_loss``: the first evaluation with a validation loss below it sets
 ``time_to_target_s`` (wall time since the run started, summed over resumes) and
@@ -27,7 +30,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,23 +50,28 @@ class BudgetError(ConfigError):
 @dataclasses.dataclass
 class Timings:
   step_seconds: float      # one compiled train step, data included
-  eval_seconds: float      # one evaluation (all eval batches, plus the sample if enabled)
+  eval_seconds: float      # one evaluation (all eval batches)
   save_seconds: float      # one checkpoint save, waited for
-  compile_seconds: float   # compiling the train and eval steps (paid again once the schedule is fixed)
+  compile_seconds: float   # compiling the train and eval steps (paid again once the schedule
+                           # is fixed)
   diagnostics_seconds: float = 0.0  # one run of the periodic diagnostics (activations, grad norms)
+  sample_seconds: float = 0.0       # one printed sample (logging.sample_*; 0 when off)
 
 
 def plan_total_steps(budget_seconds: float, elapsed_seconds: float, t: Timings, *,
-                     eval_every: int, checkpoint_every: int, max_steps: int,
-                     diagnostics_every: int = 0, safety: float = SAFETY) -> int:
+                     eval_every: int, checkpoint_every: int, max_steps: Optional[int],
+                     diagnostics_every: int = 0, sample_every: int = 0,
+                     safety: float = SAFETY) -> int:
   """Total steps that fit: start-up + recompile + N x (step + eval/eval_every + save/ckpt_every
-  + diagnostics/diagnostics_every) + the final eval and save <= safety x budget. Capped at
-  ``max_steps``; may be <= 0."""
+  + diagnostics/diagnostics_every + sample/sample_every) + the final eval, sample and save
+  <= safety x budget. Capped at ``max_steps`` (None: no cap); may be <= 0."""
   available = (safety * budget_seconds - elapsed_seconds - t.compile_seconds
-               - t.eval_seconds - t.save_seconds)
+               - t.eval_seconds - t.sample_seconds - t.save_seconds)
   per_step = (t.step_seconds + t.eval_seconds / eval_every + t.save_seconds / checkpoint_every
-              + (t.diagnostics_seconds / diagnostics_every if diagnostics_every else 0.0))
-  return int(min(max_steps, math.floor(available / per_step)))
+              + (t.diagnostics_seconds / diagnostics_every if diagnostics_every else 0.0)
+              + (t.sample_seconds / sample_every if sample_every else 0.0))
+  steps = math.floor(available / per_step)
+  return int(steps if max_steps is None else min(max_steps, steps))
 
 
 def _timed(fn, *args) -> float:
@@ -72,11 +80,19 @@ def _timed(fn, *args) -> float:
   return time.perf_counter() - t0
 
 
-def measure(run) -> Timings:
-  """Times the run's compiled step, an eval (+ sample) and a save without changing the run.
+PROBE_DIR = "budget_probe"  # scratch checkpoint directory of the measured save, in the run dir
+
+
+def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timings:
+  """Times the run's compiled step, an eval, a sample and a save without changing the run.
 
   Steps run on a copy of ``run.state`` with batches from a fresh data iterator; the save goes to
-  a scratch checkpoint directory that is deleted afterwards.
+  a scratch checkpoint directory (``PROBE_DIR``) that is deleted afterwards. ``check(phase)`` is
+  called between the measurements (the trainer stops there when interrupted: it raises).
+
+  Multi-process: the save is collective, so every process writes its shards into the one scratch
+  directory; process 0 alone clears it before (what a killed probe left) and removes it after,
+  each time behind a barrier, so no process deletes files another is writing.
   """
   from stablejax.training.checkpoint import Checkpoints
 
@@ -91,28 +107,35 @@ def measure(run) -> Timings:
     jax.block_until_ready(metrics)
     return state
 
+  phase = "measuring the time budget"
   t0 = time.perf_counter()
   state = one_step(state)
   compile_seconds = time.perf_counter() - t0
+  check(phase)
   times = []
   for _ in range(TIMED_STEPS):
     t0 = time.perf_counter()
     state = one_step(state)
     times.append(time.perf_counter() - t0)
 
+  params = state.params
   val = run._val_batches()
-  evaluate = lambda: [run.eval_step(state.params, b, jnp.int32(0)) for b in val]  # noqa: E731
+  evaluate = lambda: [run.eval_step(params, b, jnp.int32(0)) for b in val]  # noqa: E731
   eval_compile = _timed(evaluate)  # compiles; the run compiles its eval step again
   eval_seconds = _timed(evaluate)
   compile_seconds += max(0.0, eval_compile - eval_seconds)
+  sample_seconds = 0.0
   if run.sampler is not None:
-    run.sampler(state.params, 0)  # compiles
+    run.sampler(params, 0)  # compiles
     t0 = time.perf_counter()
-    run.sampler(state.params, 0)
-    eval_seconds += time.perf_counter() - t0
+    run.sampler(params, 0)
+    sample_seconds = time.perf_counter() - t0
+  check(phase)
 
-  scratch = Path(run.out_dir) / "budget_probe"
-  shutil.rmtree(scratch, ignore_errors=True)
+  scratch = Path(run.out_dir) / PROBE_DIR
+  if distributed.is_main():
+    shutil.rmtree(scratch, ignore_errors=True)
+  distributed.barrier("budget_probe_clear")  # cleared before any process writes into it
   probe = Checkpoints(scratch, keep=1, async_save=run.cfg.checkpoint.async_save)
   try:
     t0 = time.perf_counter()
@@ -124,17 +147,18 @@ def measure(run) -> Timings:
     distributed.barrier("budget_probe")  # every process is done with the scratch directory
     if distributed.is_main():
       shutil.rmtree(scratch, ignore_errors=True)
+  check(phase)
   diagnostics_seconds = 0.0
-  if _diagnostics_every(run.cfg):
-    tokens = val[0] if val else None
-    if tokens is not None:
-      diagnose = lambda: (run.activation_stats(state.params, tokens, jnp.int32(0)),  # noqa: E731
-                          run.grad_norms(state.params, tokens))
-      first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
-      diagnostics_seconds = _timed(diagnose)
-      compile_seconds += max(0.0, first - diagnostics_seconds)
-  del state
-  return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds)
+  if _diagnostics_every(run.cfg) and val:
+    tokens = val[0]
+    diagnose = lambda: (run.activation_stats(params, tokens, jnp.int32(0)),  # noqa: E731
+                        run.grad_norms(params, tokens))
+    first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
+    diagnostics_seconds = _timed(diagnose)
+    compile_seconds += max(0.0, first - diagnostics_seconds)
+    check(phase)
+  return Timings(max(times), eval_seconds, save_seconds, compile_seconds, diagnostics_seconds,
+                 sample_seconds)
 
 
 def _diagnostics_every(cfg) -> int:
@@ -143,19 +167,42 @@ def _diagnostics_every(cfg) -> int:
   return min(every) if every else 0
 
 
-class Budget:
-  """The time budget's step count, the target-loss record and the run's wall time over resumes."""
+def _sample_every(cfg: Any) -> int:
+  """Steps between printed samples (logging.sample_every; None: every eval; 0 when off)."""
+  every = cfg.logging.sample_every
+  return cfg.train.eval_every if every is None else every
 
-  def __init__(self, train_cfg, t_start: float):
+
+CLOCK_FILE = "budget_clock.json"  # the run's wall time so far, in the run directory
+CLOCK_INTERVAL = 5.0               # seconds between two writes of it (at log steps)
+
+
+class Budget:
+  """The time budget's step count, the target-loss record and the run's wall time over resumes.
+
+  The wall time of a run is the sum over its segments (a resumed run is a new segment): the
+  checkpoint stores it, and so does ``CLOCK_FILE`` (written atomically at log steps, at most
+  every ``CLOCK_INTERVAL`` seconds), so the time a killed segment spent after its last
+  checkpoint counts too. The plan (step count, measured timings, what fixed the length) is
+  stored in every checkpoint, so a resumed run keeps it and still stops early when the budget
+  runs out (``out_of_time``).
+  """
+
+  def __init__(self, train_cfg: Any, t_start: float, clock_file: Optional[Path] = None):
     self.budget_minutes = train_cfg.time_budget_minutes
+    self.max_steps: Optional[int] = train_cfg.steps  # None: the budget alone fixes the count
     self.target = train_cfg.target_val_loss
     self.t_start = t_start
+    self.clock_file = clock_file
     self.prior_seconds = 0.0      # wall time of earlier segments of a resumed run
+    self.segments = 1             # this segment and the earlier ones
     self.steps: Optional[int] = None
+    self.fixed_by = "train.steps"  # what fixed the step count: "train.steps" or "time_budget"
     self.timings: Optional[Timings] = None
     self.time_to_target: Optional[float] = None
     self.step_to_target: Optional[int] = None
     self.stopped_at: Optional[int] = None  # step at which out_of_time() ended the run early
+    self._clock_written = -math.inf
 
   @property
   def active(self) -> bool:
@@ -165,29 +212,65 @@ class Budget:
     return self.prior_seconds + time.time() - self.t_start
 
   def load_state_dict(self, meta: dict) -> None:
-    self.prior_seconds = float(meta.get("elapsed_seconds", 0.0))
+    """Restores what a checkpoint's metadata holds (``{}`` for a fresh run: nothing to restore).
+
+    The earlier segments' wall time is the larger of the checkpoint's and the clock file's (the
+    clock is only read together with a checkpoint: without one it belongs to another run).
+    """
+    if not meta:
+      return
+    prior = float(meta.get("elapsed_seconds", 0.0))
+    segments = int(meta.get("budget_segments", 1))
+    clock = _read_clock(self.clock_file)
+    if clock is not None and clock["elapsed_seconds"] >= prior:
+      prior, segments = clock["elapsed_seconds"], max(segments, int(clock["segments"]))
+    self.prior_seconds, self.segments = prior, segments + 1
     self.steps = meta.get("budget_steps", self.steps)
+    self.fixed_by = meta.get("steps_fixed_by", self.fixed_by)
+    if meta.get("budget_timings"):
+      self.timings = Timings(**meta["budget_timings"])
     self.time_to_target = meta.get("time_to_target_s")
     self.step_to_target = meta.get("step_to_target")
 
   def state_dict(self) -> dict:
-    return {"elapsed_seconds": self.elapsed(), "budget_steps": self.steps,
+    return {"elapsed_seconds": self.elapsed(), "budget_segments": self.segments,
+            "budget_steps": self.steps, "steps_fixed_by": self.fixed_by,
+            "budget_timings": dataclasses.asdict(self.timings) if self.timings else None,
             "time_to_target_s": self.time_to_target, "step_to_target": self.step_to_target}
 
-  def plan(self, run) -> Optional[int]:
-    """The total step count (measured now, or the one a checkpoint stored); None without budget."""
+  def tick(self, force: bool = False) -> None:
+    """Writes the wall time so far to the clock file (process 0; throttled unless `force`)."""
+    now = time.time()
+    if self.clock_file is None or not distributed.is_main() or (
+        not force and now - self._clock_written < CLOCK_INTERVAL):
+      return
+    from stablejax.training.checkpoint import write_json_atomic
+    write_json_atomic(self.clock_file, {"elapsed_seconds": self.elapsed(),
+                                        "segments": self.segments})
+    self._clock_written = now
+
+  def plan(self, run: Any, check: Callable[[str], None] = lambda phase: None) -> Optional[int]:
+    """The total step count (measured now, or the one a checkpoint stored); None without budget.
+
+    Without a cap (``train.steps`` null) the count is what fits in the budget; with one, the
+    smaller of the two, and ``fixed_by`` says which.
+    """
     if not self.active:
       return None
     if self.steps is not None:
+      if self.timings is None:  # a checkpoint of a version that did not store them: re-measure
+        self.timings = measure(run, check)
       return self.steps
     cfg = run.cfg
-    self.timings = measure(run)
-    steps = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
-                             eval_every=cfg.train.eval_every,
-                             checkpoint_every=cfg.checkpoint.every, max_steps=cfg.train.steps,
-                             diagnostics_every=_diagnostics_every(cfg))
+    self.timings = measure(run, check)
+    fits = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
+                            eval_every=cfg.train.eval_every,
+                            checkpoint_every=cfg.checkpoint.every, max_steps=None,
+                            diagnostics_every=_diagnostics_every(cfg),
+                            sample_every=_sample_every(cfg) if run.sampler is not None else 0)
     # Every process measured its own timings: all take the smallest count, or they would part.
-    steps = -int(distributed.agree_max(np.array(-steps)))
+    fits = -int(distributed.agree_max(np.array(-fits)))
+    steps = fits if self.max_steps is None else min(self.max_steps, fits)
     if steps <= cfg.train.warmup_steps:
       raise BudgetError(
           f"train.time_budget_minutes={self.budget_minutes} leaves time for {max(steps, 0)} steps "
@@ -196,22 +279,38 @@ class Budget:
           f"s, {self.elapsed():.0f} s already spent), not more than train.warmup_steps="
           f"{cfg.train.warmup_steps}: raise the budget or lower the warmup")
     self.steps = steps
+    self.fixed_by = "train.steps" if steps < fits else "time_budget"
     return steps
 
-  def out_of_time(self) -> bool:
-    """Whether another step, the final eval and the final save would end past the budget (the
-    plan was made for a slower or busier machine than the one measured): the run then stops
-    early, with a warning, and its learning rate does not reach the floor."""
+  def out_of_time(self, recent_step_seconds: Optional[float] = None) -> bool:
+    """Whether another step, the final eval and sample and the final save would end past the
+    budget (the plan was made for a faster or quieter machine, or earlier segments of a resumed
+    run used part of it): the run then stops early, with a warning, and its learning rate does
+    not reach the floor. A step takes the measured time, or `recent_step_seconds` (the steps
+    since the previous check) when that is longer."""
     if not self.active or self.timings is None:
       return False
     t = self.timings
-    return (self.elapsed() + t.step_seconds + t.eval_seconds + t.save_seconds
+    step = max(t.step_seconds, recent_step_seconds or 0.0)
+    return (self.elapsed() + step + t.eval_seconds + t.sample_seconds + t.save_seconds
             > self.budget_minutes * 60.0)
+
+  def describe_length(self, steps: int) -> str:
+    """What fixed the step count, for the banner."""
+    if not self.active:
+      return "train.steps"
+    if self.fixed_by == "time_budget":
+      return f"fixed by train.time_budget_minutes={self.budget_minutes:g}"
+    return (f"train.steps={steps}, below what train.time_budget_minutes={self.budget_minutes:g}"
+            f" allows")
 
   def describe(self) -> str:
     t = self.timings
-    if t is None:
-      return f"time budget {self.budget_minutes} min: {self.steps} steps (from the checkpoint)"
+    if self.segments > 1:
+      return (f"time budget {self.budget_minutes} min: {self.steps} steps (from the checkpoint; "
+              f"{self.prior_seconds:.0f} s spent in {self.segments - 1} earlier segment(s), "
+              f"{self.elapsed():.0f} s in all)")
+    assert t is not None
     return (f"time budget {self.budget_minutes} min: {self.steps} steps (step {t.step_seconds:.3f} "
             f"s, eval {t.eval_seconds:.2f} s, save {t.save_seconds:.2f} s, compile "
             f"{t.compile_seconds:.1f} s, {self.elapsed():.0f} s spent before training)")
@@ -224,13 +323,30 @@ class Budget:
     return True
 
   def summary(self) -> dict:
+    elapsed = self.elapsed()
     out = {"time_budget_minutes": self.budget_minutes, "planned_steps": self.steps,
-           "stopped_early_at": self.stopped_at,
+           "steps_fixed_by": self.fixed_by,
+           "stopped_early_at": self.stopped_at, "segments": self.segments,
+           "within_time_budget": (elapsed <= self.budget_minutes * 60.0) if self.active else None,
            "target_val_loss": self.target, "time_to_target_s": self.time_to_target,
            "step_to_target": self.step_to_target}
     if self.timings is not None:
       out["budget_timings"] = dataclasses.asdict(self.timings)
     return out
+
+
+def _read_clock(path: Optional[Path]) -> Optional[dict]:
+  """The clock file's contents; None when there is none or it is unreadable (then the
+  checkpoint's own time counts: the clock only refines it)."""
+  import json
+  if path is None:
+    return None
+  try:
+    clock = json.loads(Path(path).read_text())
+    return {"elapsed_seconds": float(clock["elapsed_seconds"]),
+            "segments": int(clock.get("segments", 1))}
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def peak_memory() -> dict:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,9 +41,15 @@ class CheckpointDamaged(ValueError):
 
 # tensorstore reports these status codes for a missing file, a file shorter than the byte range
 # its index points to, and bytes that fail a consistency check. Its Python errors are ValueErrors
-# whose message starts with the code, except INVALID_ARGUMENT (no prefix), which is how a chunk
-# that fails to decompress is reported ("Error decoding ...").
+# whose message starts with the code, except INVALID_ARGUMENT (no prefix).
 _DAMAGE_STATUS = ("NOT_FOUND:", "OUT_OF_RANGE:", "DATA_LOSS:")
+# Stored bytes that the codec cannot decode, whatever status code carries them: a b-tree node or
+# chunk that fails to decode comes as INVALID_ARGUMENT ("Error decoding ..."), a zstd chunk whose
+# frame header was zeroed as FAILED_PRECONDITION ("ZSTD_decompressStream() failed: Unknown frame
+# descriptor"). The phrases are tensorstore's own (its codec error messages).
+_DECODE_FAILURES = ("Error decoding", "ZSTD_decompressStream() failed",
+                    "Error in ZSTD_decompressStream", "Blosc error",
+                    "Failed to read all expected data during decompression")
 
 
 def damage_evidence(error: BaseException) -> Optional[str]:
@@ -50,10 +57,13 @@ def damage_evidence(error: BaseException) -> Optional[str]:
 
   Proof: the fingerprint check failed (`CheckpointDamaged`); a file is missing
   (`FileNotFoundError`, tensorstore NOT_FOUND, an item directory Orbax does not find); a file is
-  truncated (tensorstore OUT_OF_RANGE); bytes do not decode (tensorstore DATA_LOSS or "Error
-  decoding", invalid JSON or UTF-8 in a metadata file). Anything else, e.g. TimeoutError,
-  MemoryError, PermissionError, tensorstore UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED,
-  or a tree/shape mismatch with the model being trained, proves nothing about the files.
+  truncated (tensorstore OUT_OF_RANGE); bytes do not decode (tensorstore DATA_LOSS, or a codec
+  failure such as "Error decoding" or "ZSTD_decompressStream() failed" under any status code;
+  invalid JSON or UTF-8 in a metadata file). Anything else, e.g. TimeoutError, MemoryError,
+  PermissionError, tensorstore UNAVAILABLE / DEADLINE_EXCEEDED / RESOURCE_EXHAUSTED, or a
+  tree/shape mismatch with the model being trained, proves nothing about the files. (Some damage
+  surfaces only as such an error, e.g. a missing ``_METADATA`` as a tree mismatch:
+  `Checkpoints.restore` then also looks for the files every save writes, `missing_files`.)
   """
   seen = set()
   while error is not None and id(error) not in seen:
@@ -67,10 +77,60 @@ def damage_evidence(error: BaseException) -> Optional[str]:
       return f"corrupt metadata file: {type(error).__name__}: {text}"
     if isinstance(error, KeyError) and "was not found in the checkpoint" in text:
       return f"missing item: {text}"
-    if type(error) is ValueError and (text.startswith(_DAMAGE_STATUS) or "Error decoding" in text):
+    if type(error) is ValueError and (text.startswith(_DAMAGE_STATUS)
+                                      or any(phrase in text for phrase in _DECODE_FAILURES)):
       return text
     error = error.__cause__
   return None
+
+
+# Files that every complete save of `Checkpoints` writes into a step directory, whatever the
+# model: the PyTree item's tree metadata, the JSON item's file, and one Grain iterator state per
+# process (`data/process_<i>-of-<n>.json`, checked separately). Their absence is proof of damage
+# even when the read fails with an error that proves nothing by itself.
+_REQUIRED_FILES = ("state/_METADATA", "meta/metadata")
+_PROCESS_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json")
+
+
+def _exists(path: Path) -> Optional[bool]:
+  """Whether `path` exists; None when the file system does not say (an I/O error proves nothing)."""
+  try:
+    path.stat()
+    return True
+  except FileNotFoundError:
+    return False
+  except OSError:
+    return None
+
+
+def process_files(step_dir: Path) -> dict[int, set[int]]:
+  """The `data/process_<i>-of-<n>.json` files of a step as {n: {i, ...}} ({} when none or the
+  directory cannot be listed)."""
+  try:
+    names = [p.name for p in (Path(step_dir) / "data").iterdir()]
+  except OSError:
+    return {}
+  found: dict[int, set[int]] = {}
+  for match in filter(None, map(_PROCESS_FILE.fullmatch, names)):
+    found.setdefault(int(match.group(2)), set()).add(int(match.group(1)))
+  return found
+
+
+def missing_files(step_dir: Path) -> list[str]:
+  """The files every complete save writes that `step_dir` lacks (paths relative to it).
+
+  Example: ``missing_files(Path("checkpoints/20")) == ["state/_METADATA"]`` after that file was
+  deleted; ``[]`` for an intact step (or one whose directory cannot be listed: no proof).
+  """
+  step_dir = Path(step_dir)
+  missing = [name for name in _REQUIRED_FILES if _exists(step_dir / name) is False]
+  if _exists(step_dir / "data") is True:
+    found = process_files(step_dir)
+    if not found:
+      missing.append("data/process_<i>-of-<n>.json")
+    for n, indices in sorted(found.items()):
+      missing += [f"data/process_{i}-of-{n}.json" for i in range(n) if i not in indices]
+  return missing
 
 
 def _first_line(error: BaseException, limit: int = 200) -> str:
@@ -108,7 +168,36 @@ def fingerprint_matches(expected, actual) -> bool:
 
 
 class Checkpoints:
-  """A thin layer over `ocp.CheckpointManager` with items `state`, `data` and `meta`."""
+  """The run's checkpoints: an Orbax ``CheckpointManager`` with items ``state``, ``data``, ``meta``.
+
+  ``state`` is the train state (any pytree of arrays, sharded or not), ``data`` the Grain
+  iterator's position, so a resumed run reads the same batches, and ``meta`` a JSON dict (with the
+  step and a fingerprint of the state, checked on restore). Saves are asynchronous; the newest
+  ``keep`` are kept. :meth:`restore` falls back past checkpoints proven damaged and moves them to
+  ``damaged_checkpoints/``; any other read error stops with nothing moved.
+
+  Args:
+    directory: where the checkpoints live (created if missing).
+    keep: how many checkpoints to keep.
+    async_save: save in the background (the next save or :meth:`wait` waits for it).
+
+  Example:
+    >>> import pathlib, tempfile, jax, jax.numpy as jnp
+    >>> from stablejax.data.pipeline import DataConfig, build_data
+    >>> from stablejax.training.checkpoint import Checkpoints
+    >>> data = build_data(DataConfig(), seq_len=16, batch_size=2, seed=0)
+    >>> batches = data.train_iter()
+    >>> _ = next(batches), next(batches)
+    >>> ckpts = Checkpoints(pathlib.Path(tempfile.mkdtemp()), keep=2)
+    >>> state = {"w": jnp.arange(3.0)}
+    >>> ckpts.save(2, state, batches, {"note": "two batches read"})
+    >>> ckpts.wait()
+    >>> fresh = data.train_iter()
+    >>> restored, meta = ckpts.restore(jax.eval_shape(lambda: state), fresh)
+    >>> restored["w"].tolist(), meta["step"], fresh.get_state()
+    ([0.0, 1.0, 2.0], 2, {'next_index': 2})
+    >>> ckpts.close()
+  """
 
   def __init__(self, directory: Path, keep: int, async_save: bool = True):
     self.directory = Path(directory).absolute()
@@ -164,13 +253,14 @@ class Checkpoints:
         state, meta, error = None, None, e
       # Each process reads its own shards, so they decide together: a process that fell back
       # alone would wait for the others in a collective that never comes.
-      why = None if error is None else damage_evidence(error)
+      why = None if error is None else (damage_evidence(error) or self._missing_evidence(step))
       if distributed.agree_any(error is not None and why is None):
         cause = _first_line(error) if error is not None else "a read error on another process"
         raise CheckpointError(
-            f"reading checkpoint {step} in {self.directory} failed ({cause}); that"
-            " does not show it is damaged, so every checkpoint was left as it is: fix the cause"
-            " (memory, storage, or a config that differs from the run's) and run again") from error
+            f"reading checkpoint {step} in {self.directory} failed ({cause}"
+            f"{self._process_count_note(step)}); that does not show it is damaged, so every"
+            " checkpoint was left as it is: fix the cause (memory, storage, or a config that"
+            " differs from the run's) and run again") from error
       if distributed.agree_any(why is not None):
         on_fallback(step, (why or "damaged on another process").splitlines()[0][:200])
         damaged.append(step)
@@ -196,6 +286,20 @@ class Checkpoints:
     if not fingerprint_matches(meta.get("fingerprint", []), actual):
       raise CheckpointDamaged("contents do not match the fingerprint saved with it")
     return state, meta
+
+  def _missing_evidence(self, step: int) -> Optional[str]:
+    missing = missing_files(self.directory / str(step))
+    return f"missing file: {', '.join(missing)}" if missing else None
+
+  def _process_count_note(self, step: int) -> str:
+    """Names a process-count difference (a setup change, not damage) when the files show one."""
+    found = process_files(self.directory / str(step))
+    if len(found) == 1:
+      ((n, indices),) = found.items()
+      if n != jax.process_count() and indices == set(range(n)):
+        return (f"; it was saved by {n} processes and this run has {jax.process_count()}: run"
+                f" it with {n} processes")
+    return ""
 
   @property
   def damaged_directory(self) -> Path:
@@ -232,13 +336,13 @@ def remove_run_checkpoints(directory: Path) -> None:
     shutil.rmtree(directory)
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
+def write_json_atomic(path: Path, data: dict, indent: int = 1) -> None:
   """Writes `data` to `path` so that a crash at any moment leaves the old file or the new one:
   a temporary file in the same directory, flushed to disk, then renamed over the old one."""
   path = Path(path)
   tmp = path.with_name(f".{path.name}.tmp")
   with open(tmp, "w") as f:
-    f.write(json.dumps(data, indent=1, default=float) + "\n")
+    f.write(json.dumps(data, indent=indent, default=float) + "\n")
     f.flush()
     os.fsync(f.fileno())
   os.replace(tmp, path)

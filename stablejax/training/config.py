@@ -12,7 +12,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 from stablejax.data.pipeline import DataConfig, prepared_vocab_size
 from stablejax.training.model import ModelConfig
@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass
 class TrainConfig:
-  steps: int = 300
+  # With train.time_budget_minutes, the budget fixes the step count unless steps is given next to
+  # it (same config file or dict, or --set): then steps caps it. null: no cap (needs a budget).
+  steps: Optional[int] = 300
   batch_size: int = 16            # global batch (sequences per optimizer step, all devices)
   seq_len: int = 128
   seed: int = 0
@@ -235,14 +237,48 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
   return cls(**kwargs)
 
 
-def config_from_dict(raw: dict) -> Config:
-  """Builds and validates a `Config` from a (possibly partial) nested dict."""
+def config_from_dict(raw: dict, layers: Optional[list[set[str]]] = None) -> Config:
+  """Builds and validates a `Config` from a (possibly partial) nested dict.
+
+  Args:
+    raw: the config values, e.g. ``{"train": {"steps": 100}}``.
+    layers: the dotted keys each source gave, in the order they were applied (a config file,
+      then ``--set`` overrides); None: ``raw`` is one source. They tell a ``train.steps`` given
+      next to (or after) ``train.time_budget_minutes`` from one that only came with the file.
+  """
   if not isinstance(raw, dict):
     raise ConfigError("the config must be a JSON object with sections like 'model' and 'train'")
   _vocab_from_prepared_data(raw)
+  _budget_fixes_steps(raw, [flat_keys(raw)] if layers is None else layers)
   cfg = _build(Config, raw)
   validate(cfg)
   return cfg
+
+
+def flat_keys(raw: Any, prefix: str = "") -> set[str]:
+  """The dotted keys of a nested dict: ``{"train": {"steps": 1}}`` -> ``{"train", "train.steps"}``."""
+  keys: set[str] = set()
+  if isinstance(raw, dict):
+    for key, value in raw.items():
+      dotted = f"{prefix}.{key}" if prefix else str(key)
+      keys |= {dotted} | flat_keys(value, dotted)
+  return keys
+
+
+def _budget_fixes_steps(raw: dict, layers: list[set[str]]) -> None:
+  """With a time budget, the budget owns the step count (train.steps=null) unless train.steps
+  was given in the same source as the budget or a later one; that one is then a cap.
+
+  So ``--set train.time_budget_minutes=2`` on a config file with ``"steps": 250`` trains as
+  long as two minutes allow, and a file (or ``--set``) giving both caps the budget at its steps.
+  """
+  train = raw.get("train")
+  if not isinstance(train, dict) or train.get("time_budget_minutes") is None:
+    return
+  given = [i for i, keys in enumerate(layers) if "train.time_budget_minutes" in keys]
+  if given and any("train.steps" in keys for keys in layers[given[-1]:]):
+    return
+  raw["train"] = dict(train, steps=None)
 
 
 def _vocab_from_prepared_data(raw: dict) -> None:
@@ -280,17 +316,25 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
   return raw
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+  """The config of a JSON file (None: the defaults) with ``section.key=value`` overrides.
+
+  A time budget in the file or the overrides owns the step count unless ``train.steps`` is given
+  in the same place or later (`config_from_dict`).
+  """
   raw: dict = {}
   if path is not None:
     path = Path(path)
     if not path.is_file():
-      raise ConfigError(f"config file {path} does not exist: pass an existing --config (see configs/)")
+      raise ConfigError(f"config file {path} does not exist: pass an existing --config (see "
+                        "configs/)")
     try:
       raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
-      raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-  return config_from_dict(apply_overrides(raw, list(overrides)))
+      raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") \
+          from None
+  layers = [flat_keys(raw), flat_keys(apply_overrides({}, list(overrides)))]
+  return config_from_dict(apply_overrides(raw, list(overrides)), layers)
 
 
 def to_dict(cfg: Config) -> dict:
@@ -307,11 +351,17 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
 def validate(cfg: Config) -> None:
   """Cross-field checks; each failure names the key and what to set instead."""
   t, o, s = cfg.train, cfg.optimizer, cfg.stability
-  for name in ("steps", "batch_size", "seq_len", "eval_every", "log_every", "grad_accum"):
+  for name in ("batch_size", "seq_len", "eval_every", "log_every", "grad_accum"):
     _positive(f"train.{name}", getattr(t, name))
   _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
-  if t.warmup_steps >= t.steps:
-    raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be below train.steps={t.steps}")
+  if t.steps is None:
+    if t.time_budget_minutes is None:
+      raise ConfigError("train.steps=null needs train.time_budget_minutes (the budget then fixes"
+                        " the step count): set train.steps or a budget")
+  else:
+    _positive("train.steps", t.steps)
+    if t.warmup_steps >= t.steps:
+      raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be below train.steps={t.steps}")
   if t.batch_size % t.grad_accum:
     raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
   if t.seq_len > cfg.model.max_seq_len:

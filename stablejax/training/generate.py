@@ -6,9 +6,13 @@ against the cached keys and values (``GPT(..., decode=True)``). Sampling: logits
 restricted to the ``top_k`` largest (0: all), ids at or above ``valid_vocab`` (padding rows of the
 embedding) never drawn; ``temperature=0`` is greedy. The same seed gives the same tokens.
 
-Context longer than ``model.max_seq_len``: the prompt keeps its last ``max_seq_len - 1`` tokens,
-and when the cache is full the last ``max_seq_len // 2`` tokens are prefilled into a fresh cache
-and generation continues from there.
+The context window is ``W = model.max_seq_len`` tokens, all of them used: while prompt and
+generated tokens fit in ``W`` (each new token drawn from at most ``W`` tokens of context), the
+cached decoder gives what full recomputation over the whole sequence gives. Past the window
+(the re-prefill policy): the prompt keeps its last ``W`` tokens; once the next token would need
+``W + 1`` tokens of context, the last ``W // 2`` tokens are prefilled into a fresh cache and
+decoding continues from there, so every token past the window is drawn from between ``W // 2``
+and ``W`` tokens of context (a re-prefill every ``W - W // 2 + 1`` tokens, not one per token).
 
 Example::
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,19 +61,25 @@ class Generator:
 
   def generate(self, params, prompt_ids: Sequence[int], n_new: int, *, temperature: float = 0.8,
                seed: int = 0, bitnet_lambda: float = 1.0, num_samples: int = 1) -> np.ndarray:
-    """``n_new`` tokens after ``prompt_ids`` (a non-empty list), ``[num_samples, n_new]`` int32."""
+    """``n_new`` tokens after ``prompt_ids`` (a non-empty list), ``[num_samples, n_new]`` int32.
+
+    Past the context window the module's re-prefill policy applies: the last ``W`` prompt
+    tokens, then a fresh cache from the last ``W // 2`` tokens whenever the window is full.
+    """
     window = self.cfg.max_seq_len
     if not prompt_ids:
       raise ValueError("the prompt has no tokens: give at least one (e.g. the end-of-text id)")
     if n_new < 1:
       return np.zeros((num_samples, 0), np.int32)
-    context = np.asarray(list(prompt_ids)[-(window - 1):], np.int32)
+    context = np.asarray(list(prompt_ids)[-window:], np.int32)
     context = np.broadcast_to(context, (num_samples, context.size))
     rng = jax.random.key(seed)
     out = []
     remaining = n_new
     while remaining:
-      n = min(remaining, window - context.shape[1])
+      # Prefill P tokens, then W - P decode steps fill the cache: W - P + 1 tokens, the last one
+      # drawn from all W cached positions.
+      n = min(remaining, window - context.shape[1] + 1)
       rng, sub = jax.random.split(rng)
       new = np.asarray(self._segment(params, jnp.asarray(context), sub, jnp.float32(temperature),
                                      jnp.float32(bitnet_lambda), n_new=n))
@@ -106,6 +116,13 @@ def _segment_fn(model_cfg_json: str, top_k: int, valid_vocab: int):
   return jax.jit(segment, static_argnames=("n_new",))
 
 
+@functools.lru_cache(maxsize=8)
+def _forward_fn(model_cfg_json: str) -> Callable[..., Any]:
+  """The jitted full forward pass of one model config (cached: one compilation per shape)."""
+  model = GPT(ModelConfig(**json.loads(model_cfg_json)))
+  return jax.jit(model.apply)
+
+
 def greedy_reference(model_cfg: ModelConfig, params, prompt_ids: Sequence[int], n_new: int,
                      valid_vocab: Optional[int] = None) -> tuple[list[int], list[np.ndarray]]:
   """Greedy decoding by full recomputation (no cache), for tests: (tokens, last-position logits).
@@ -113,8 +130,7 @@ def greedy_reference(model_cfg: ModelConfig, params, prompt_ids: Sequence[int], 
   Each step runs the whole sequence, right-padded to ``max_seq_len`` (causal attention: the
   padding cannot change earlier positions) so that one compilation serves every step.
   """
-  model = GPT(model_cfg)
-  apply = jax.jit(functools.partial(model.apply))
+  apply = _forward_fn(json.dumps(dataclasses.asdict(model_cfg), sort_keys=True))
   ids, all_logits = list(prompt_ids), []
   vocab = valid_vocab or model_cfg.vocab_size
   if len(ids) + n_new - 1 > model_cfg.max_seq_len:

@@ -33,7 +33,8 @@ from stablejax.modeling.utils import excess_kurtosis, lambda_warmup
 from stablejax.muon.describe import NoOutlierSafeMuonError
 from stablejax.training import distributed
 from stablejax.training import mesh as mesh_lib
-from stablejax.training.budget import Budget, peak_memory
+from stablejax.training import runs
+from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
 from stablejax.training.generate import EvalSampler
@@ -46,6 +47,12 @@ from stablejax.training.step import TrainState, make_eval_step, make_train_step
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
+
+
+class Interrupted(Exception):
+  """SIGINT/SIGTERM during start-up: the run stopped at a safe point before its first step (the
+  message is the one line to print; exit code 130). Nothing half-written is left behind: a
+  checkpoint save or the time budget's probe in progress completes or is removed first."""
 
 # bf16 dense peak per device, for MFU on accelerators we can name; CPUs are measured instead.
 PEAK_FLOPS = {"H100": 989e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12,
@@ -93,12 +100,16 @@ class Run:
     self.cfg = cfg
     self.out_dir = Path(out_dir)
     self.t_start = time.time()
+    # From here a signal stops the run at the next safe point (between start-up phases, or at a
+    # step), never in the middle of a compilation, a checkpoint save or the budget's probe.
+    self.stop_signal: Optional[int] = None
+    self._install_signal_handlers()
     distributed.initialize(cfg.mesh)  # before anything touches a JAX backend
     self.is_main = distributed.is_main()
     if fresh and self.is_main:
       for name in ("checkpoints", "damaged_checkpoints", RECOVERY_FILE, RECOVERY_FILE + ".stale",
                    "tensorboard", "metrics.jsonl", "summary.json", "report.png",
-                   "quantize_eval.json"):
+                   "quantize_eval.json", CLOCK_FILE, PROBE_DIR):
         path = self.out_dir / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
     distributed.barrier("fresh")  # no process may look for checkpoints before they are gone
@@ -111,16 +122,23 @@ class Run:
     if self.data.vocab_size > cfg.model.vocab_size:
       raise ConfigError(f"the data has {self.data.vocab_size} token ids but model.vocab_size="
                         f"{cfg.model.vocab_size}: set model.vocab_size >= {self.data.vocab_size}")
+    self._startup_check("loading the data")
+    self.budget = Budget(cfg.train, self.t_start, clock_file=self.out_dir / CLOCK_FILE)
+    if cfg.train.steps is None:
+      # The time budget fixes the count (Budget.plan) after timing the compiled step, which does
+      # not depend on it: until then the schedule is laid over a provisional count.
+      cfg = self.cfg = dataclasses.replace(
+          cfg, train=dataclasses.replace(cfg.train, steps=cfg.train.warmup_steps + 1))
 
     self.mesh = mesh_lib.make_mesh(cfg.mesh)
     mesh_lib.check_batch(t.batch_size, t.grad_accum, self.mesh)
     self.model = GPT(cfg.model)
     self.custom_tx = tx
+    self._load_data_skips({})  # none yet: the restored checkpoint's replace them (_start)
     self._build_optimizer()
     self.bitnet_lambda = None
     if cfg.model.bitnet:
       self.bitnet_lambda = lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule)
-    self.budget = Budget(cfg.train, self.t_start)
     self.sampler = self._make_sampler()
 
     self.log = RunLogger(self.out_dir, tensorboard=cfg.logging.tensorboard)
@@ -131,9 +149,24 @@ class Run:
     self.checkpoints = Checkpoints(self.out_dir / "checkpoints", cfg.checkpoint.keep,
                                    cfg.checkpoint.async_save)
     self._compile()
-    self.stop_signal: Optional[int] = None
 
   # ------------------------------------------------------------------ setup
+
+  @property
+  def total_steps(self) -> int:
+    """The run's step count: train.steps, or the time budget's count once it is planned."""
+    steps = self.cfg.train.steps
+    assert steps is not None  # __init__ replaces null (the budget's to fix) with a provisional one
+    return steps
+
+  def _startup_check(self, phase: str) -> None:
+    """Raises Interrupted when a signal came during start-up (all processes agree on it)."""
+    stop = self.stop_signal or 0
+    if jax.process_count() > 1:
+      stop = int(distributed.agree_max(np.array(stop)))
+    if stop:
+      raise Interrupted(f"{signal.Signals(stop).name} during start-up ({phase}): stopped before "
+                        "the first step; run the same command to start again")
 
   def _build_optimizer(self) -> None:
     cfg, tx = self.cfg, self.custom_tx
@@ -142,9 +175,22 @@ class Run:
     # Logged as "lr": the main learning rate (Muon's, or AdamW's) with the recovery's backoff.
     self.schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
 
+  def _record_tokenizer(self, resuming: bool) -> None:
+    """RUN_DIR/tokenizer/: what decoding this run needs (runs.write_tokenizer_record). A resumed
+    run's data must have the tokenizer it recorded (then the record is written again, the same,
+    which restores a deleted copy)."""
+    try:
+      problem = runs.tokenizer_mismatch(self.out_dir, self.cfg.data) if resuming else None
+      if problem:
+        raise ConfigError(problem)
+      if self.is_main:
+        runs.write_tokenizer_record(self.out_dir, self.cfg.data)
+    except runs.RunError as e:
+      raise ConfigError(str(e)) from None
+
   def _apply_budget(self) -> None:
     """train.time_budget_minutes: fix the step count and lay the schedule over it (budget.py)."""
-    steps = self.budget.plan(self)
+    steps = self.budget.plan(self, self._startup_check)
     if steps is None:
       return
     if self.custom_tx is not None:
@@ -227,33 +273,62 @@ class Run:
   # ------------------------------------------------------------------ run
 
   def train(self) -> int:
-    cfg = self.cfg
+    try:
+      step = self._start()
+    except Interrupted as e:
+      self.log.console(str(e))
+      self.checkpoints.close()  # a step-0 save in flight completes
+      self.log.close()
+      return EXIT_INTERRUPTED
+    return self._train_from(step)
+
+  def _start(self) -> int:
+    """Restores or initialises the state, fixes the budget's step count and saves step 0; returns
+    the step to continue from. Raises Interrupted when a signal came in the meantime."""
     self.train_iter = self.data.train_iter()
     self.state, meta = self._restore_or_init()
     self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self._load_data_skips(meta)
     self.abandoned_skips = int(meta.get("abandoned_skips", 0))  # skips on rolled-back branches
     self.recovery.load_state_dict(meta.get("recovery", {}))
     if meta.get("monitor"):
       self.monitor.load_state_dict(meta["monitor"])
     step = int(meta.get("step", 0))
+    self._record_tokenizer(resuming=bool(meta))
+    self._startup_check("restoring the checkpoint" if meta else "initialising the model")
     self.budget.load_state_dict(meta)
     self._apply_budget()
-    cfg = self.cfg
     if step == 0 and not self.checkpoints.all_steps():
       self._save(0)  # the initial state is good by definition: a rollback target from the start
+      self._startup_check("saving step 0")
     self._banner(step)
     self.val_batches = self._val_batches()
+    if self.budget.active and self.val_batches:
+      # Compile the eval (and sample) now, at start-up: the budget's margin for the final eval
+      # holds their compiled times, and a resumed segment has not compiled them yet.
+      jax.block_until_ready(self.eval_step(self.state.params, self.val_batches[0], np.int32(step)))
+      if self.sampler is not None:
+        self.sampler(self.state.params, step)
+      self._startup_check("compiling the evaluation")
     self.agreed_stop: Optional[int] = None
-    self._install_signal_handlers()
+    return step
 
-    bar = tqdm(total=cfg.train.steps, initial=step, disable=not (self.is_main and cfg.logging.progress),
+  def _train_from(self, step: int) -> int:
+    cfg, total = self.cfg, self.total_steps
+    bar = tqdm(total=total, initial=step, disable=not (self.is_main and cfg.logging.progress),
                dynamic_ncols=True, desc="train")
     pending: Optional[tuple[int, Any]] = None
     save_deferred = False  # a checkpoint step came while the loss was elevated
     self.t_interval, self.tokens_interval = time.time(), 0
     self.tokens_per_sec = float("nan")
     exit_code = EXIT_OK
-    while step < cfg.train.steps:
+    self.time_check = (time.time(), step)  # the steps since the last out-of-time check, timed
+    if step < total and self._out_of_time():  # earlier segments used up the budget
+      self._stop_for_time(step, saved=step in self.checkpoints.all_steps())
+      step_limit = step
+    else:
+      step_limit = total
+    while step < step_limit:
       if self._stop_requested():
         exit_code = self._interrupted(step)
         break
@@ -268,15 +343,17 @@ class Run:
       cause = self._log(*pending, bar) if pending else None
       pending = None
       is_log = step % cfg.train.log_every == 0
-      is_ckpt = step % cfg.checkpoint.every == 0 or step == cfg.train.steps or (
+      is_ckpt = step % cfg.checkpoint.every == 0 or step == total or (
           save_deferred and is_log)
       if is_log or is_ckpt:
         pending = (step, metrics)
       if is_ckpt and cause is None:
         cause = self._log(*pending, bar)  # a checkpoint needs this step's health now
         pending = None
-      if cause is None and step % cfg.train.eval_every == 0 and step < cfg.train.steps:
+      if cause is None and step % cfg.train.eval_every == 0 and step < total:
         cause = self._evaluate(step)
+      if cause is None and self._sample_due(step):
+        self._sample(step)
       if cause is None and self._diagnostics_due(step):
         self._diagnostics(step)
       if cause is None and is_ckpt:
@@ -287,20 +364,17 @@ class Run:
                            "cause": "train loss elevated"})
         else:
           self._save(step)
-      if cause is None and is_log and step < cfg.train.steps and self._out_of_time():
-        self.log.console(f"warning: step {step}: stopping before the planned {cfg.train.steps} "
-                         f"steps to stay within train.time_budget_minutes (steps ran slower than "
-                         f"measured); the learning rate is not at its floor")
-        self.budget.stopped_at = step
-        if not is_ckpt and self.recovery.healthy():
-          self._save(step)
+      if is_log:
+        self.budget.tick()
+      if cause is None and is_log and step < total and self._out_of_time(step):
+        self._stop_for_time(step, saved=is_ckpt)
         break
       if cause is not None:
         if not (cfg.stability.recovery and self.recovery.budget_left):
           exit_code = self._diverged(step, cause)
           break
         step = self._rollback(step, cause)
-        bar.reset(total=cfg.train.steps)
+        bar.reset(total=total)
         bar.update(step)
         pending = None
         save_deferred = False
@@ -313,6 +387,9 @@ class Run:
 
   def _next_batch(self, step: int) -> dict:
     f = self.cfg.faults
+    while self.pending_skips and self.batches_consumed >= self.pending_skips[0][0]:
+      _, last = self.pending_skips.pop(0)  # a rollback's skip, deferred until the replay got here
+      self._skip_batches(last - self.batches_consumed)
     index = self.batches_consumed  # position of this batch in the data stream
     tokens = next(self.train_iter)["tokens"]
     self.batches_consumed += 1
@@ -327,6 +404,24 @@ class Run:
       grad_scale = f.grad_scale_factor
     return {"tokens": self._device_tokens(np.asarray(tokens, np.int32)),
             "grad_scale": np.float32(grad_scale)}
+
+  def _load_data_skips(self, meta: dict) -> None:
+    """The deferred data skips and the data position of each older checkpoint, as a restored
+    checkpoint recorded them (empty for a fresh run or a checkpoint that predates them)."""
+    self.pending_skips: list[tuple[int, int]] = sorted(
+        (int(a), int(b)) for a, b in meta.get("pending_skips", []))
+    known = {int(k): int(v) for k, v in meta.get("checkpoint_batches", {}).items()}
+    if "step" in meta:
+      known[int(meta["step"])] = int(meta.get("batches_consumed", 0))
+    self.checkpoint_batches: dict[int, int] = known
+
+  def _schedule_skip(self, first: int, last: int) -> None:
+    """Skips data batches [first, last): now when the stream is at `first` or past it, else once
+    the replay reaches `first` (the batches before it were good)."""
+    if self.batches_consumed >= first:
+      self._skip_batches(last - self.batches_consumed)
+    else:
+      self.pending_skips = sorted(self.pending_skips + [(first, last)])
 
   def _skip_batches(self, n: int) -> None:
     """Advances the data stream by `n` batches without training on them."""
@@ -373,15 +468,21 @@ class Run:
     if self.budget.check_target(step, val_loss):
       self.log.console(f"step {step}: val_loss below the target {self.budget.target} after "
                        f"{self.budget.time_to_target:.0f} s")
-    self._sample(step, final)
+    if final and self.sampler is not None:
+      self._sample(step)
     if final or not self.cfg.stability.recovery:
       return None
     return self._agree(self.recovery.check_val(val_loss))
 
-  def _sample(self, step: int, final: bool) -> None:
+  def _sample_due(self, step: int) -> bool:
+    """logging.sample_every: at the steps it names (None: at each eval); the final eval samples."""
     every = self.cfg.logging.sample_every
-    if self.sampler is None or not (final or every is None or step % every == 0):
-      return
+    if self.sampler is None or step >= self.total_steps:
+      return False
+    return step % (self.cfg.train.eval_every if every is None else every) == 0
+
+  def _sample(self, step: int) -> None:
+    assert self.sampler is not None
     text = self.sampler(self.state.params, step)
     self.log.console(f"step {step}: sample {json.dumps(text, ensure_ascii=False)}")
     self.log.text("samples", f"```\n{text}\n```", step)
@@ -445,7 +546,8 @@ class Run:
         f"({jax.process_count()} process(es)); mesh {dict(self.mesh.shape)}",
         f"data: {json.dumps(self.data.stats, default=str)}",
         f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
-        f"{cfg.train.steps} steps, warmup {cfg.train.warmup_steps}",
+        f"{self.total_steps} steps ({self.budget.describe_length(self.total_steps)}), warmup "
+        f"{cfg.train.warmup_steps}",
         f"output: {self.out_dir}" + (f" (resuming at step {step})" if step else ""),
     ]
     try:  # the configured chain or Run(tx=...): any chain holding an outlier_safe_muon
@@ -460,7 +562,12 @@ class Run:
   # ------------------------------------------------------------------ checkpoints and recovery
 
   def _meta(self, step: int) -> dict:
+    self.checkpoint_batches[step] = self.batches_consumed
+    on_disk = set(self.checkpoints.all_steps()) | {step}
     return {"step": step, "batches_consumed": self.batches_consumed,
+            "pending_skips": [list(r) for r in self.pending_skips],
+            "checkpoint_batches": {str(s): b for s, b in sorted(self.checkpoint_batches.items())
+                                   if s in on_disk},
             "abandoned_skips": self.abandoned_skips,
             "recovery": self.recovery.state_dict(), "monitor": self.monitor.state_dict(),
             **self.budget.state_dict(), "good": True}
@@ -506,11 +613,13 @@ class Run:
                               "--fresh to start over")
     self.checkpoints.delete_after(int(meta["step"]))
     self.batches_consumed = int(meta.get("batches_consumed", 0))
-    self._skip_batches(event.skipped_batches[1] - self.batches_consumed)
+    self._load_data_skips(meta)
+    self._schedule_skip(*event.skipped_batches)
     self.log.console(f"re-applying rollback {len(decision['recovery']['events'])} "
                      f"({event.describe()}) recorded in {RECOVERY_FILE}")
     state = self.set_lr_backoff(state, jnp.float32(event.lr_scale), jnp.int32(meta["step"]))
     meta = {**meta, "batches_consumed": self.batches_consumed,
+            "pending_skips": [list(r) for r in self.pending_skips],
             "abandoned_skips": decision["abandoned_skips"], "recovery": decision["recovery"],
             "monitor": decision["monitor"]}
     return state, meta
@@ -538,8 +647,14 @@ class Run:
     restored_step = int(meta["step"])
     restored_metrics = self._state_metrics(self.state)
     self.abandoned_skips += max(0, _total_skips(record) - _total_skips(restored_metrics))
-    self.batches_consumed = first_skipped = int(meta.get("batches_consumed", 0))
-    self._skip_batches(failed_at - first_skipped)
+    # The data to skip is what was read since the target checkpoint. When the target was damaged
+    # and an older one restored, the batches between the two were good: they are replayed, and
+    # the skip waits until the stream reaches the target's position.
+    target_batches = self.checkpoint_batches.get(target) if target is not None else None
+    self.batches_consumed = int(meta.get("batches_consumed", 0))
+    self._load_data_skips(meta)
+    first_skipped = self.batches_consumed if target_batches is None else target_batches
+    self._schedule_skip(first_skipped, failed_at)
     # The LR that failed, backed off; it returns to 1.0 over stability.lr_recovery_steps.
     lr_scale = float(record.get("lr_scale", 1.0)) * self.cfg.stability.emergency_lr_factor
     self.state = self.set_lr_backoff(self.state, jnp.float32(lr_scale), jnp.int32(restored_step))
@@ -596,9 +711,28 @@ class Run:
       cause = "a rollback trigger on another process"
     return cause
 
-  def _out_of_time(self) -> bool:
-    """The time budget's early stop; processes read their own clocks, so they agree on it."""
-    return distributed.agree_any(self.budget.out_of_time())
+  def _out_of_time(self, step: Optional[int] = None) -> bool:
+    """The time budget's early stop; processes read their own clocks, so they agree on it. The
+    next step is taken to last as long as the steps since the previous check did, if longer than
+    measured (a busier machine, or a resumed run on a slower one)."""
+    recent = None
+    if step is not None:
+      (then, previous), now = self.time_check, time.time()
+      if step > previous:
+        recent = (now - then) / (step - previous)
+      self.time_check = (now, step)
+    return distributed.agree_any(self.budget.out_of_time(recent))
+
+  def _stop_for_time(self, step: int, saved: bool) -> None:
+    """Ends the run early at `step` because the budget would be exceeded (a checkpoint first)."""
+    why = ("earlier segments of this run used the rest of it" if self.budget.segments > 1
+           else "steps ran slower than measured")
+    self.log.console(f"warning: step {step}: stopping before the planned {self.cfg.train.steps} "
+                     f"steps to stay within train.time_budget_minutes ({why}); the learning rate"
+                     f" is not at its floor")
+    self.budget.stopped_at = step
+    if not saved and self.recovery.healthy():
+      self._save(step)
 
   def _stop_requested(self) -> bool:
     if jax.process_count() == 1:
@@ -616,6 +750,7 @@ class Run:
 
   def _finish(self, step: int, exit_code: int) -> int:
     self.checkpoints.close()
+    self.budget.tick(force=True)
     wall = time.time() - self.t_start
     record = getattr(self, "last_record", {})
     skipped = _total_skips(record) + self.abandoned_skips
@@ -659,7 +794,8 @@ def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> T
 
 
 def write_config(cfg: Config, out_dir: Path) -> None:
+  """Writes the run's config.json (atomically: an interrupted write leaves the old file)."""
   distributed.initialize(cfg.mesh)  # process_index() below would otherwise start a backend
   if distributed.is_main():
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "config.json").write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+    write_json_atomic(Path(out_dir) / "config.json", to_dict(cfg), indent=2)

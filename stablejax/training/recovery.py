@@ -14,7 +14,8 @@ a multi-host run takes the same decision from the same numbers):
 The action (carried out by the training loop): restore the newest checkpoint (one further back
 when the previous rollback already returned to it and no newer checkpoint was saved since),
 multiply the LR scale in effect by `emergency_lr_factor`, let it return to 1.0 over
-`lr_recovery_steps` steps, and skip the data batches read since the restored checkpoint.
+`lr_recovery_steps` steps, and skip the data batches read since the target checkpoint (when it
+is damaged and an older one is restored, the batches in between are replayed first).
 """
 
 from __future__ import annotations

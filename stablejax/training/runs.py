@@ -3,17 +3,33 @@ parameters and its tokenizer.
 
 Shared by :mod:`stablejax.training.sampling` and :mod:`stablejax.training.quantized_eval` (and
 their command lines, ``python -m stablejax sample`` and ``python -m stablejax quantize-eval``).
-Everything here only reads the run directory. Data paths in ``config.json`` are read as they
-were given to the trainer (a relative path is relative to the current directory).
+Everything here only reads the run directory, except `write_tokenizer_record`, which the trainer
+calls at the start of a run.
+
+A run carries what decoding needs: ``RUN_DIR/tokenizer/record.json`` names the tokenizer the
+run was trained with (kind, tiktoken name or the SHA-256 of a Hugging Face ``tokenizer.json``,
+vocabulary size, end-of-text id, the ids of an empty prompt), and for a Hugging Face tokenizer
+``RUN_DIR/tokenizer/tokenizer.json`` is a copy of the file itself. Both are written atomically
+(the copy first, the record last). Runs without a record (trained before it existed) fall back
+to their ``config.json`` data paths, read as they were given to the trainer (a relative path is
+relative to the current directory); a path that does not resolve is an error, never a silent
+switch to another tokenizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 import math
+import os
+import shutil
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+if TYPE_CHECKING:
+  from stablejax.data.pipeline import DataConfig
 
 import numpy as np
 
@@ -147,15 +163,185 @@ def check_params(params, model_cfg, seq_len: int) -> None:
                    "was config.json edited after training? restore the original config")
 
 
-def run_tokenizer(cfg, spec: Optional[str] = None):
-  """The tokenizer of a run's data config (or ``spec``), with its ``start_ids``."""
+TOKENIZER_DIR = "tokenizer"     # in the run directory: what decoding needs
+TOKENIZER_RECORD = "record.json"
+TOKENIZER_COPY = "tokenizer.json"  # a Hugging Face tokenizer's own file
+
+
+def tokenizer_record(data_cfg: "DataConfig") -> tuple[dict, Optional[Path]]:
+  """What decoding a run on `data_cfg` needs: the tokenizer's identity (as the prepared
+  directory's ``meta.json`` names it, or ``bytes`` for text; ``kind`` None for plain ``.bin``
+  files) and, for a Hugging Face tokenizer, the file to carry.
+
+  Raises:
+    RunError: the data's tokenizer cannot be read (e.g. a prepared directory's meta.json).
+  """
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.data.pipeline import DataError, data_tokenizer
+  from stablejax.data.pipeline import DataError, data_tokenizer, read_prepared
   try:
-    if spec:
+    tok = data_tokenizer(data_cfg)
+  except tokenizer_lib.TokenizerError:  # e.g. tiktoken's files not cached: its name suffices
+    entries = data_cfg.train if isinstance(data_cfg.train, list) else [data_cfg.train]
+    meta = read_prepared(entries[0]) or {}
+    info = dict(meta.get("tokenizer", {}))
+    if info.get("kind") != "tiktoken":
+      raise
+    return {"kind": "tiktoken", "name": info.get("name", "gpt2"),
+            "vocab_size": meta["vocab_size"], "eot_id": meta["eot_id"],
+            "start_ids": [meta["eot_id"]]}, None
+  except DataError as e:
+    raise RunError(str(e)) from None
+  if tok is None:
+    return {"kind": None, "reason": "plain .bin token files: their tokenizer is unknown"}, None
+  record = {**tok.describe(), "vocab_size": int(tok.vocab_size), "eot_id": int(tok.eot_id),
+            "start_ids": [int(i) for i in tok.start_ids]}
+  if record["kind"] == "hf":
+    record["file"] = TOKENIZER_COPY
+    return record, Path(tok.path)
+  return record, None
+
+
+def _identity(record: dict) -> tuple:
+  """What makes two tokenizers the same: kind, tiktoken name, file hash, vocabulary, end-of-text."""
+  return (record.get("kind"), record.get("name"), record.get("sha256"),
+          record.get("vocab_size"), record.get("eot_id"))
+
+
+def _describe(record: dict) -> str:
+  kind = record.get("kind")
+  if kind == "hf":
+    return f"the Hugging Face tokenizer.json with sha256 {str(record.get('sha256'))[:12]}..."
+  if kind == "tiktoken":
+    return f"tiktoken's {record.get('name')}"
+  return "byte-level (bytes)" if kind == "bytes" else "an unknown tokenizer (plain .bin data)"
+
+
+def read_tokenizer_record(run_dir: str | Path) -> Optional[dict]:
+  """``RUN_DIR/tokenizer/record.json``, or None for a run trained before runs recorded it."""
+  path = Path(run_dir) / TOKENIZER_DIR / TOKENIZER_RECORD
+  if not path.is_file():
+    return None
+  try:
+    record = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise RunError(f"{path} cannot be read ({e}): pass --tokenizer with the tokenizer the run "
+                   "was trained with") from None
+  if not isinstance(record, dict) or "kind" not in record:
+    raise RunError(f"{path} is not a tokenizer record: pass --tokenizer with the tokenizer the "
+                   "run was trained with")
+  return record
+
+
+def write_tokenizer_record(run_dir: str | Path, data_cfg: "DataConfig") -> None:
+  """Records the tokenizer of `data_cfg` in the run directory (the trainer, at the start of a
+  run): the Hugging Face file is copied first, the record written last, both atomically (a
+  temporary file renamed over the old one), so an interrupted write leaves the old record or
+  the new one with its file."""
+  from stablejax.training.checkpoint import write_json_atomic
+  record, source = tokenizer_record(data_cfg)
+  directory = Path(run_dir) / TOKENIZER_DIR
+  directory.mkdir(parents=True, exist_ok=True)
+  if source is not None:
+    target = directory / TOKENIZER_COPY
+    tmp = directory / f".{TOKENIZER_COPY}.tmp"
+    shutil.copyfile(source, tmp)
+    with open(tmp, "rb") as f:
+      os.fsync(f.fileno())
+    os.replace(tmp, target)
+  write_json_atomic(directory / TOKENIZER_RECORD, record)
+
+
+def tokenizer_mismatch(run_dir: str | Path, data_cfg: "DataConfig") -> Optional[str]:
+  """Why the data's tokenizer is not the one the run recorded (one line), or None (the same, or
+  nothing recorded yet). A resumed run on data of another tokenizer would train on other ids."""
+  recorded = read_tokenizer_record(run_dir)
+  if recorded is None:
+    return None
+  current, _ = tokenizer_record(data_cfg)
+  if _identity(current) == _identity(recorded):
+    return None
+  path = Path(run_dir) / TOKENIZER_DIR / TOKENIZER_RECORD
+  return (f"the data's tokenizer ({_describe(current)}) is not the one this run was trained "
+          f"with ({_describe(recorded)}, recorded in {path}): point data.train at the run's data, "
+          "or pass --fresh to start a new run")
+
+
+def _from_record(run_dir: Path, record: dict) -> Any:
+  """The tokenizer a record names, loaded from the run directory's own copy."""
+  from stablejax.data import tokenizer as tokenizer_lib
+  path = run_dir / TOKENIZER_DIR / TOKENIZER_RECORD
+  kind = record.get("kind")
+  if kind is None:
+    raise RunError("the run trained on plain .bin token files, whose tokenizer is unknown: "
+                   "pass --tokenizer gpt2 (or the tokenizer.json that made them)")
+  if kind == "hf":
+    copy = run_dir / TOKENIZER_DIR / TOKENIZER_COPY
+    if not copy.is_file():
+      raise RunError(f"{copy} is missing ({path} names {_describe(record)}): restore it, or pass "
+                     "--tokenizer with the tokenizer.json the run was trained with")
+    digest = hashlib.sha256(copy.read_bytes()).hexdigest()
+    if digest != record.get("sha256"):
+      raise RunError(f"{copy} differs from the tokenizer the run was trained with (sha256 "
+                     f"{digest[:12]}..., {path} records {str(record.get('sha256'))[:12]}...): "
+                     "restore it, or pass --tokenizer with the tokenizer.json the run was trained "
+                     "with")
+    spec: Any = copy
+  elif kind == "tiktoken":
+    spec = record.get("name", "gpt2")
+  elif kind == "bytes":
+    spec = "bytes"
+  else:
+    raise RunError(f"{path} names an unknown tokenizer kind {kind!r}: pass --tokenizer")
+  try:
+    tok: Any = (tokenizer_lib.HFTokenizer(spec, record.get("eot_token")) if kind == "hf"
+                else tokenizer_lib.get_tokenizer(spec))
+  except tokenizer_lib.TokenizerError as e:
+    raise RunError(str(e)) from None
+  tok.start_ids = list(record.get("start_ids") or [tok.eot_id])
+  return tok
+
+
+def run_tokenizer(cfg: Any, spec: Optional[str] = None,
+                  run_dir: Optional[str | Path] = None) -> Any:
+  """The tokenizer to decode a run with, with its ``start_ids`` (the prompt of an empty sample).
+
+  In order: ``spec`` (``--tokenizer``), which must be the one the run recorded if it recorded
+  one; the run's own record (``RUN_DIR/tokenizer/``); for a run without a record, its data
+  config, whose paths must resolve from the current directory.
+
+  Raises:
+    RunError: the recorded tokenizer is missing or differs from its record, ``spec`` differs
+      from it, an old run's data path does not resolve, or plain ``.bin`` data without ``spec``.
+  """
+  from stablejax.data import tokenizer as tokenizer_lib
+  from stablejax.data.pipeline import EMBEDDED, DataError, data_tokenizer
+  record = read_tokenizer_record(run_dir) if run_dir is not None else None
+  if spec:
+    try:
       tok = tokenizer_lib.get_tokenizer(spec)
-      tok.start_ids = [tok.eot_id]
-      return tok
+    except tokenizer_lib.TokenizerError as e:
+      raise RunError(str(e)) from None
+    tok.start_ids = [tok.eot_id]
+    if record is not None and record.get("kind") is not None:
+      given = {**tok.describe(), "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+      if _identity(given) != _identity(record):
+        raise RunError(f"--tokenizer {spec} ({_describe(given)}) is not the tokenizer the run was "
+                       f"trained with ({_describe(record)}, recorded in "
+                       f"{Path(run_dir or '.') / TOKENIZER_DIR / TOKENIZER_RECORD}): pass that "
+                       "one, or leave out --tokenizer")
+      tok.start_ids = list(record.get("start_ids") or tok.start_ids)
+    return tok
+  if record is not None:
+    return _from_record(Path(run_dir or "."), record)
+  entries = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]
+  missing = [e for e in entries if e != EMBEDDED and not Path(os.path.expanduser(e)).exists()]
+  if missing:
+    where = f"{run_dir}/config.json" if run_dir is not None else "the run's config"
+    raise RunError(f"{where} names data.train {missing[0]!r}, which does not exist from "
+                   f"{Path.cwd()}, and the run has no tokenizer record (it was trained before "
+                   "runs recorded one): run this from the directory the run was started in, or "
+                   "pass --tokenizer (bytes, gpt2 or the tokenizer.json the run was trained with)")
+  try:
     tok = data_tokenizer(cfg.data)
   except (tokenizer_lib.TokenizerError, DataError) as e:
     raise RunError(str(e)) from None

@@ -8,14 +8,16 @@
 
 After nanoGPT's ``sample.py``. Reads ``RUN_DIR/config.json``, restores the parameters of the newest
 usable checkpoint (the trainer's fingerprint rule; a damaged newest step falls back to the
-previous one with a warning), encodes the prompt with the run's tokenizer (a prepared data
-directory's own, ``bytes`` for byte-level text; plain ``.bin`` data needs ``--tokenizer``),
+previous one with a warning), encodes the prompt with the run's tokenizer (the one the trainer
+recorded in ``RUN_DIR/tokenizer/``, with a copy of a Hugging Face ``tokenizer.json``; a missing
+or changed copy is an error naming ``--tokenizer``; plain ``.bin`` data needs ``--tokenizer``),
 generates with the jitted KV-cache decoder of ``stablejax.training.generate`` and prints the prompt
 and its continuation. An empty prompt starts a new document (the end-of-text token; a blank line
 for byte-level text). The same seed gives the same text. ``--temperature 0`` is greedy.
 
-Data paths in config.json are read as they were given to the trainer, so run this from where the
-run was started (as for ``python -m stablejax quantize-eval``).
+A run trained before runs recorded their tokenizer falls back to the data paths in config.json,
+read as they were given to the trainer: run it from where the run was started (or pass
+``--tokenizer``); a path that does not resolve is an error, never a switch to another tokenizer.
 
 Exit codes: 0 done; 2 missing run directory, config or usable checkpoint, unknown tokenizer, bad
 arguments.
@@ -62,7 +64,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   cfg = load_run_config(run_dir)
   restored = restore_params(run_dir, on_fallback)
   check_params(restored.params, cfg.model, cfg.train.seq_len)
-  tok = run_tokenizer(cfg, tokenizer)
+  tok = run_tokenizer(cfg, tokenizer, run_dir)
   if tok.vocab_size > cfg.model.vocab_size:
     raise SampleError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
                       f"{cfg.model.vocab_size}: pass the --tokenizer the run was trained with")
