@@ -32,7 +32,8 @@ def test_grad_health_level_custom_thresholds_and_low():
       "low", "healthy", "high", "critical"]
 
 
-@pytest.mark.parametrize("kwargs", [dict(high=10.0, critical=5.0), dict(high=-1.0),
+@pytest.mark.parametrize("kwargs", [dict(high=10.0, critical=5.0), dict(high=5.0, critical=5.0),
+                                    dict(high=-1.0),
                                     dict(low=6.0), dict(critical=float("inf"))])
 def test_health_thresholds_reject_bad_values(kwargs):
   with pytest.raises(ValueError):
@@ -43,7 +44,7 @@ def test_level_warnings_on_entry_only():
   m = StabilityMonitor(window=100)
   norms = [1.0, 0.3, 6.0, 7.0, 12.0, float("nan"), 2.0, 2.0]
   lines = {step: m.update(step, {"loss": 1.0, "grad_norm": g}) for step, g in enumerate(norms, 1)}
-  assert {s for s, l in lines.items() if l} == {3, 5, 6, 7}
+  assert {s for s, got in lines.items() if got} == {3, 5, 6, 7}
   assert "gradient health high" in lines[3][0] and "6" in lines[3][0]
   assert "gradient health critical" in lines[5][0]
   assert "gradient health exploded" in lines[6][0]
@@ -77,7 +78,8 @@ def test_rates_from_counter_differences():
   m = StabilityMonitor(window=100)
   # first record: no baseline, the per-step flags count as one step (clipped, no spike, no skip)
   m.update(10, _rec(0, 1, 0, was_clipped=True, **{"zclip/threshold": 1.5}))
-  m.update(20, _rec(2, 4, 1, **{"zclip/threshold": 2.0}))  # +2 spikes, +3 clips, +1 skip in 10 steps
+  # +2 spikes, +3 clips, +1 skip in 10 steps
+  m.update(20, _rec(2, 4, 1, **{"zclip/threshold": 2.0}))
   m.update(30, _rec(2, 5, 1))                              # +0, +1, +0 in 10 steps
   r = m.rates()
   assert r["zclip_spike_rate"] == pytest.approx(2 / 21)
@@ -116,7 +118,8 @@ def test_counter_going_back_uses_flags_after_rollback():
 def test_sampled_rates_and_muon_fallbacks():
   m = StabilityMonitor(window=100)
   seq = [
-      (10, {"adagc/clipped_fraction": 0.5, "muon/outlier_rate": 0.02, "muon/ns_instability_rate": 0.0,
+      (10, {"adagc/clipped_fraction": 0.5, "muon/outlier_rate": 0.02,
+            "muon/ns_instability_rate": 0.0,
             "muon/fallback_rate": 0.0, "muon/fallback_count": 0}),
       (20, {"adagc/clipped_fraction": 0.25, "muon/outlier_rate": float("nan"),
             "muon/ns_instability_rate": 0.1, "muon/fallback_rate": 0.5, "muon/fallback_count": 4}),
@@ -143,6 +146,51 @@ def test_both_skip_wrappers_add_up():
   assert r["skip_nonfinite_rate"] == pytest.approx(1 / 10)
   assert r["skip_spikes_rate"] == pytest.approx(2 / 10)
   assert r["skip_rate"] == pytest.approx(3 / 10)
+
+
+def test_a_muon_fallback_flag_is_one_event_whatever_the_fraction() -> None:
+  # rates(): the first record's flag `muon/fallback_rate > 0` counts as one event in one step.
+  m = StabilityMonitor(window=100)
+  m.update(10, {"muon/fallback_rate": 0.25})
+  assert m.rates()["muon_fallback_rate"] == 1.0
+
+
+def test_skip_rate_is_skipped_steps_per_step_even_when_both_wrappers_skip() -> None:
+  # A NaN step is skipped by both wrappers at once: one skipped step, not two.
+  m = StabilityMonitor(window=100)
+  m.update(1, {"skip_nonfinite/skipped": True, "skip_spikes/skipped": True})
+  r = m.rates()
+  assert r["skip_nonfinite_rate"] == 1.0 and r["skip_spikes_rate"] == 1.0
+  assert r["skip_rate"] == 1.0
+
+
+def test_event_rates_are_at_most_one_per_step() -> None:
+  # zclip_spike_rate is "events per step": a counter that jumped by more than the steps (a
+  # restored optimizer state) still gives at most one spike per step.
+  m = StabilityMonitor(window=100)
+  m.update(0, _rec(0, 0, 0))
+  m.update(10, _rec(15, 0, 0))
+  assert m.rates()["zclip_spike_rate"] == 1.0
+
+
+def test_rollbacks_count_only_inside_the_window() -> None:
+  m = StabilityMonitor(window=10)
+  m.update(1, _rec(0, 0, 0))
+  m.record_rollback(1, "loss spike")
+  assert m.rates()["rollbacks"] == 1.0
+  for step in range(2, 13):
+    m.update(step, _rec(0, 0, 0))
+  assert m.rates()["rollbacks"] == 0.0
+  assert m.summary()["rollbacks_total"] == 1
+
+
+def test_a_flat_loss_is_a_plateau() -> None:
+  # "the mean loss of the last window is not below that of the window before"
+  m = StabilityMonitor(window=10)
+  lines = []
+  for step in range(1, 31):
+    lines += m.update(step, {"loss": 2.0, "grad_norm": 1.0})
+  assert any("warmup" in line for line in lines)
 
 
 # ---------------------------------------------------------------- score
@@ -206,7 +254,7 @@ def test_advice_is_rate_limited():
   advice_steps = []
   for step in range(1, 26):  # a spike every step
     lines = m.update(step, _rec(step, step, 0, is_spike=True, was_clipped=True))
-    if any("stability score" in l for l in lines):
+    if any("stability score" in line for line in lines):
       advice_steps.append(step)
       assert "< target 0.80" in lines[-1] and "lower the learning rates by 20%" in lines[-1]
   assert advice_steps == [10, 20]  # none before a full window of data, then once per window
@@ -218,7 +266,7 @@ def test_loss_plateau_adds_warmup_advice():
   lines = []
   for step in range(1, 31):
     lines += m.update(step, {"loss": 2.0 + 0.001 * step, "grad_norm": 1.0})
-  assert any("warmup" in l for l in lines)
+  assert any("warmup" in line for line in lines)
   m2 = StabilityMonitor(window=10)
   assert not any(m2.update(s, {"loss": 5.0 - 0.1 * s, "grad_norm": 1.0}) for s in range(1, 31))
 

@@ -1,8 +1,10 @@
-"""The optimizer the trainer builds from its config: weight decay, clipping, rates, the logged lr."""
+"""The optimizer the trainer builds from its config: weight decay, clipping, rates, the logged
+lr."""
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +188,55 @@ def test_olmo_core_spike_statistics_from_the_config():
     _cfg(stability={"spike_statistics": "olmo"})
 
 
+def test_spike_statistics_from_the_config_reach_skip_spikes() -> None:
+  # skip_spikes' docstring: with min_history unset, skipping starts after window // 2 values
+  # (winsorized) or max(20, window // 2) - 1 values (olmo_core). At window 20 a spike after 12
+  # ordinary steps is skipped by the first rule and not yet by the second.
+  def skipped_after_12_steps(statistics: str) -> bool:
+    cfg = _cfg(stability={"zclip": False, "adagc": False, "skip_nonfinite": False,
+                          "max_grad_norm": None, "spike_window": 20, "spike_min_history": None,
+                          "spike_statistics": statistics},
+               optimizer={"name": "adamw", "learning_rate": 1e-3})
+    tx = optim.build_optimizer(cfg)
+    params = {"w": jnp.zeros(4)}
+    update = jax.jit(tx.update)
+    state: Any = tx.init(params)
+    for i in range(12):
+      _, state = update({"w": jnp.full(4, 0.5 + 0.01 * (i % 3))}, state, params,
+                        loss=jnp.float32(2.0 + 0.01 * (i % 2)))
+    assert not bool(state.skipped)
+    _, state = update({"w": jnp.full(4, 500.0)}, state, params, loss=jnp.float32(50.0))
+    return bool(state.skipped)
+
+  assert skipped_after_12_steps("winsorized")
+  assert not skipped_after_12_steps("olmo_core")
+
+
+def test_max_consecutive_skips_reaches_both_skip_wrappers() -> None:
+  # stability.max_consecutive_skips: that many skipped steps in a row raise needs_rollback.
+  cfg = _cfg(stability={"zclip": False, "adagc": False, "max_grad_norm": None,
+                        "max_consecutive_skips": 2, "spike_window": 8, "spike_min_history": 4,
+                        "spike_sigma": None, "spike_factor": 10.0},
+             optimizer={"name": "adamw", "learning_rate": 1e-3})
+  tx = optim.build_optimizer(cfg)
+  params = {"w": jnp.zeros(4)}
+  update = jax.jit(tx.update)
+
+  def run(bad: float) -> list[tuple[bool, bool]]:
+    state = tx.init(params)
+    for _ in range(4):
+      _, state = update({"w": jnp.full(4, 0.5)}, state, params, loss=jnp.float32(2.0))
+    flags = []
+    for _ in range(2):
+      _, state = update({"w": jnp.full(4, bad)}, state, params, loss=jnp.float32(2.0))
+      flags.append((bool(state.needs_rollback), bool(state.inner_state.needs_rollback)))
+    return flags
+
+  # skip_nonfinite (outer) sees the NaN steps; skip_spikes (inner) the 100x norm.
+  assert [f[0] for f in run(jnp.nan)] == [False, True]
+  assert [f[1] for f in run(100.0)] == [False, True]
+
+
 # ---------------------------------------------------------------- 12.6: the logged lr
 
 
@@ -236,7 +287,7 @@ def test_trainer_banner_and_logged_lr(tmp_path):
       "faults.nan_grad_steps=[3, 4]", "checkpoint.every=100", "logging.histogram_every=0",
       "logging.activation_every=0", "train.eval_every=100", fresh=True, timeout=300)
   assert result.returncode == 0, result.stderr[-2000:]
-  warnings = [l for l in result.stderr.splitlines() if l.startswith("warning: ")]
+  warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
   assert warnings[:1] == ["warning: optimizer.adam_weight_decay=0.1 has no effect with "
                       "optimizer.name=\"adamw\" (AdamW uses optimizer.learning_rate and "
                       "optimizer.weight_decay)"], result.stderr

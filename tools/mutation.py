@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,6 +66,15 @@ PIPELINE = "stablejax/data/pipeline.py"
 DISTRIBUTED = "stablejax/training/distributed.py"
 MESH = "stablejax/training/mesh.py"
 LAUNCH = "stablejax/training/launch.py"
+MUON = "stablejax/muon/muon.py"
+BUDGET = "stablejax/training/budget.py"
+CONFIG = "stablejax/training/config.py"
+OPTIM = "stablejax/training/optim.py"
+STEP = "stablejax/training/step.py"
+GENERATE = "stablejax/training/generate.py"
+LOOP = "stablejax/training/loop.py"
+HEALTH = "stablejax/monitor/health.py"
+STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
@@ -104,16 +113,28 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     # test_multiprocess.py without its trainer runs (minutes each): the launcher's own tests.
     LAUNCH: ("tests/test_launch.py", "tests/test_multiprocess.py", "-k",
              "not (one_device or sigterm_kill or sighup or disjoint or join)"),
+    MUON: ("tests/test_muon.py", "-k", "not (export or pallas or converges or flax_attention)"),
+    # Without the trainer runs (@slow, minutes each): the budget's own logic.
+    BUDGET: ("tests/test_budget.py", "-m", "not slow"),
+    CONFIG: ("tests/test_config.py", "tests/test_optim.py", "-k", "config or ineffective"),
+    OPTIM: ("tests/test_optim.py", "-m", "not slow"),
+    STEP: ("tests/test_train_step.py", "tests/test_optim.py", "-k",
+           "micro_batches or fp16 or logged_lr_is"),
+    GENERATE: ("tests/test_sample.py", "-k", "not cli and not carries"),
+    # The loop's decisions on a bare Run (its trainer runs take minutes each).
+    LOOP: ("tests/test_loop_decisions.py",),
+    HEALTH: ("tests/test_monitor.py", "-k", "health or level or exploded"),
+    STABILITY_MONITOR: ("tests/test_monitor.py", "-k", "not movement and not tensorboard"),
 }
 
 # Modules of stablejax/ without mutants, and why.
 MODULES_NOT_COVERED = {
-    "muon/routing.py, muon/muon.py, muon/describe.py, muon/layout.py, muon/heads.py":
-        "being rewritten; their mutants come with the new code",
-    "monitor/health.py, monitor/stability_monitor.py, monitor/tensorboard.py": "being rewritten",
-    "training/config.py, optim.py, step.py, budget.py, generate.py, loop.py, model.py, runs.py, "
-    "sampling.py": "being rewritten",
-    "cli/sample.py, modeling/attention.py, transforms/qk_clip.py": "being rewritten",
+    "muon/routing.py, muon/describe.py, muon/layout.py, muon/heads.py, modeling/attention.py, "
+    "transforms/qk_clip.py": "being rewritten; their mutants come with the new code",
+    "monitor/tensorboard.py, training/model.py, runs.py, sampling.py, cli/sample.py":
+        "being rewritten",
+    "training/loop.py beyond its decisions on a bare Run": "only trainer runs (minutes each) "
+        "reach the rest; tests/test_trainer.py and tests/test_recovery.py run them in CI",
     "modeling/utils.py: excess_kurtosis": "being rewritten",
     "transforms/metrics.py: QK-clip entry": "comes with the QK-clip transform",
 }
@@ -134,7 +155,13 @@ class Mutant(NamedTuple):
     return self.path.removeprefix("stablejax/").removesuffix(".py")
 
 
-def _m(id, path, find, replace, what, tests=None, equivalent=""):
+def _muon_tests(k: str) -> tuple[str, ...]:
+  """tests/test_muon.py is minutes long on 2 cores: each Muon mutant runs the tests of its part."""
+  return ("tests/test_muon.py", "-k", k)
+
+
+def _m(id: str, path: str, find: str, replace: str, what: str,
+       tests: Optional[tuple[str, ...]] = None, equivalent: str = "") -> Mutant:
   return Mutant(id, path, find, replace, what, tuple(tests or AREA_TESTS[path]), equivalent)
 
 
@@ -960,6 +987,262 @@ MUTANTS = [
        "      while target.exists():\n        target, n = self.damaged_directory / "
        "f\"{step}.{n}\", n + 1\n", "",
        "a second damaged copy of a step is moved into the first one's directory"),
+
+    # ---------------------------------------------------------------- muon/muon.py
+    _m("MU1", MUON, "  clamped = jnp.where(active, jnp.clip(xf, lo, hi), xf)",
+       "  clamped = jnp.where(active, jnp.minimum(xf, hi), xf)",
+       "the outlier clamp loses its lower bound (a negative outlier is kept)",
+       _muon_tests("outlier")),
+    _m("MU2", MUON, "      return treedef.unflatten([jnp.where(k, n, o) for k, n, o in",
+       "      return treedef.unflatten([n for k, n, o in",
+       "a non-finite tensor's momentum and Adam moments are not kept",
+       _muon_tests("nonfinite")),
+    _m("MU3", MUON, "    lo, hi = mean - threshold * std, mean + threshold * std",
+       "    lo, hi = mean - 2 * threshold * std, mean + 2 * threshold * std",
+       "the z-score clamp uses twice the threshold",
+       _muon_tests("outlier")),
+    _m("MU4", MUON, "    k = threshold / 2.0", "    k = threshold",
+       "the IQR clamp uses k = threshold instead of threshold / 2",
+       _muon_tests("outlier")),
+    _m("MU5", MUON, "  active = (spread > 0) & jnp.isfinite(lo) & jnp.isfinite(hi)",
+       "  active = jnp.isfinite(lo) & jnp.isfinite(hi)",
+       "a zero-spread matrix (mostly zero momentum) is clamped",
+       _muon_tests("zero_spread or outlier")),
+    _m("MU6", MUON, "      fro >= _HEALTH_MIN_FRO * normalised)", "      fro >= 0.0)",
+       "the NS health check loses its lower bound",
+       _muon_tests("fall_back or nan_in_ns or health or near_zero")),
+    _m("MU7", MUON, "  fallback = jnp.where(mom_finite[..., None, None], xf / (norm + eps), 0.0)",
+       "  fallback = xf / (norm + eps)",
+       "the fallback of a non-finite momentum is not zero",
+       _muon_tests("nan_in_ns or nonfinite or fall_back")),
+    _m("MU8", MUON, "  return consistent_rms * math.sqrt(max(fan_in, fan_out))",
+       "  return consistent_rms * math.sqrt(min(fan_in, fan_out))",
+       "the Moonlight scale uses the smaller dimension",
+       _muon_tests("matches_optax")),
+    _m("MU9", MUON,
+       "      return node._replace(nonfinite_count=_saturating_add(node.nonfinite_count, "
+       "skipped),", "      return node._replace(nonfinite_count=node.nonfinite_count,",
+       "skipped non-finite tensors are not counted",
+       _muon_tests("nonfinite")),
+    _m("MU10", MUON,
+       "      \"adam\": optax.adam(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps),",
+       "      \"adam\": adamw(adam_learning_rate, adam_weight_decay),",
+       "norm gains, biases and scalars are weight decayed",
+       _muon_tests("adam_groups or metrics_keys")),
+    _m("MU11", MUON, "    embedding_learning_rate = adam_learning_rate\n",
+       "    embedding_learning_rate = learning_rate\n",
+       "the embedding rate defaults to the Muon rate instead of the AdamW rate",
+       _muon_tests("adam_groups or metrics_keys")),
+    _m("MU12", MUON, "    counts[label] += u.size", "    counts[label] += 1",
+       "a group's update RMS divides by the number of tensors, not of entries",
+       _muon_tests("metrics_keys")),
+    _m("MU13", MUON, "  return jnp.where(total > _INT32_MAX - inc, _INT32_MAX, total + inc)"
+       ".astype(jnp.int32)", "  return (total + inc).astype(jnp.int32)",
+       "the counters wrap around instead of saturating at int32 max",
+       _muon_tests("saturate")),
+    _m("MU14", MUON, "      corr_now = 1 - beta ** count_inc.astype(m.dtype)",
+       "      corr_now = 1 - beta ** (count_inc + 1).astype(m.dtype)",
+       "Nesterov's gradient term is bias-corrected for the wrong step",
+       _muon_tests("matches_optax")),
+
+    # ---------------------------------------------------------------- training/budget.py
+    _m("BU1", BUDGET, "  return Timings(max(times), eval_seconds,",
+       "  return Timings(min(times), eval_seconds,",
+       "the plan takes the fastest timed step instead of the slowest"),
+    _m("BU2", BUDGET, "    prior = float(meta.get(\"elapsed_seconds\", 0.0))", "    prior = 0.0",
+       "a resumed run's clock starts from zero (earlier segments not counted)"),
+    _m("BU3", BUDGET, "    if clock is not None and clock[\"elapsed_seconds\"] >= prior:",
+       "    if False:", "the clock file's later time is not read on resume"),
+    _m("BU4", BUDGET, "    self.prior_seconds, self.segments = prior, segments + 1",
+       "    self.prior_seconds, self.segments = prior, segments",
+       "a resumed run is not counted as a new segment"),
+    _m("BU5", BUDGET, "    step = max(t.step_seconds, recent_step_seconds or 0.0)",
+       "    step = t.step_seconds", "out_of_time ignores steps slower than measured"),
+    _m("BU6", BUDGET, "    return (self.elapsed() + step + t.eval_seconds + t.sample_seconds + "
+       "t.save_seconds", "    return (self.elapsed() + step + t.eval_seconds + t.sample_seconds",
+       "out_of_time leaves out the final save"),
+    _m("BU7", BUDGET,
+       "  available = (safety * budget_seconds - elapsed_seconds - t.compile_seconds",
+       "  available = (budget_seconds - elapsed_seconds - t.compile_seconds",
+       "the plan has no safety margin"),
+    _m("BU8", BUDGET, "    if steps <= cfg.train.warmup_steps:",
+       "    if steps < cfg.train.warmup_steps:",
+       "a budget with room for exactly warmup_steps steps is accepted"),
+    _m("BU9", BUDGET, "    self.fixed_by = \"train.steps\" if steps < fits else \"time_budget\"",
+       "    self.fixed_by = \"train.steps\" if steps <= fits else \"time_budget\"",
+       "a count fixed by the budget is reported as fixed by train.steps"),
+    _m("BU10", BUDGET, "  compile_seconds += max(0.0, eval_compile - eval_seconds)\n", "",
+       "the eval step's compilation is left out of the plan"),
+    _m("BU11", BUDGET, "  return min(every) if every else 0", "  return max(every) if every else 0",
+       "diagnostics are planned at the rarer of the two intervals"),
+    _m("BU12", BUDGET, "    if self.target is None or self.step_to_target is not None or "
+       "not val_loss < self.target:", "    if self.target is None or not val_loss < self.target:",
+       "a later eval below the target overwrites the first one"),
+
+    # ---------------------------------------------------------------- training/config.py
+    _m("CF1", CONFIG, "    if t.warmup_steps >= t.steps:", "    if t.warmup_steps > t.steps:",
+       "train.warmup_steps equal to train.steps is accepted"),
+    _m("CF2", CONFIG, "  if t.batch_size % t.grad_accum:", "  if False:",
+       "a batch size not divisible by grad_accum is accepted"),
+    _m("CF3", CONFIG, "  if t.seq_len > cfg.model.max_seq_len:",
+       "  if t.seq_len > cfg.model.max_seq_len + 1:",
+       "train.seq_len one past model.max_seq_len is accepted"),
+    _m("CF4", CONFIG, "  if not 0 <= t.min_lr_ratio <= 1:", "  if not 0 <= t.min_lr_ratio:",
+       "train.min_lr_ratio above 1 is accepted"),
+    _m("CF5", CONFIG, "    if s.spike_min_history is not None and not 1 <= s.spike_min_history "
+       "<= s.spike_window:", "    if s.spike_min_history is not None and not 1 <= "
+       "s.spike_min_history:", "spike_min_history above spike_window is accepted"),
+    _m("CF6", CONFIG, "s.spike_min_history is None and s.spike_window < 19:",
+       "s.spike_min_history is None and s.spike_window < 18:",
+       "an OLMo-core window of 18 (which never skips) is accepted"),
+    _m("CF7", CONFIG, "  if not 0 < s.emergency_lr_factor <= 1:",
+       "  if not 0 <= s.emergency_lr_factor <= 1:", "stability.emergency_lr_factor=0 is accepted"),
+    _m("CF8", CONFIG, "  if not cfg.mesh.distributed:\n", "  if False:\n",
+       "mesh.process_id without mesh.distributed is accepted"),
+    _m("CF9", CONFIG, "      if value != getattr(type(section)(), key):", "      if value:",
+       "a key left at a non-zero default is named as ineffective"),
+    _m("CF10", CONFIG, "     lambda c: c.optimizer.name == \"muon\" and c.optimizer.outlier_method "
+       "is None,", "     lambda c: False,",
+       "optimizer.outlier_threshold with outlier_method=null is not named as ineffective"),
+
+    # ---------------------------------------------------------------- training/optim.py
+    _m("OP1", OPTIM, "        statistics=s.spike_statistics)", "        statistics=\"winsorized\")",
+       "stability.spike_statistics does not reach skip_spikes"),
+    _m("OP2", OPTIM, "        factor=s.spike_factor, max_consecutive=s.max_consecutive_skips,",
+       "        factor=s.spike_factor,",
+       "stability.max_consecutive_skips does not reach skip_spikes"),
+    _m("OP3", OPTIM, "      decay_steps=t.steps, end_value=peak * t.min_lr_ratio)",
+       "      decay_steps=t.steps, end_value=0.0)", "train.min_lr_ratio is ignored (decay to 0)"),
+    _m("OP4", OPTIM, "  return jax.tree.map(lambda label: label != \"adam\", "
+       "stablejax.label_params(params))", "  return jax.tree.map(lambda label: True, "
+       "stablejax.label_params(params))", "AdamW mode decays norm gains and biases"),
+    _m("OP5", OPTIM, "      adam_weight_decay=o.adam_weight_decay,\n", "",
+       "optimizer.adam_weight_decay does not reach Muon mode's AdamW groups"),
+    _m("OP6", OPTIM, "  ceiling = [] if s.max_grad_norm is None else "
+       "[optax.clip_by_global_norm(s.max_grad_norm)]", "  ceiling = []",
+       "max_grad_norm does not clip when ZClip is off"),
+    _m("OP7", OPTIM, "          \"head\": adam if o.head_learning_rate is None else "
+       "o.head_learning_rate}", "          \"head\": o.learning_rate if o.head_learning_rate is "
+       "None else o.head_learning_rate}", "an unset head rate resolves to the Muon rate"),
+    _m("OP8", OPTIM,
+       "    tx = stablejax.skip_nonfinite(tx, max_consecutive=s.max_consecutive_skips)",
+       "    tx = stablejax.skip_nonfinite(tx)",
+       "stability.max_consecutive_skips does not reach skip_nonfinite"),
+
+    # ---------------------------------------------------------------- training/step.py
+    _m("TS1", STEP, "    loss, z_loss = loss / n, z_loss / n",
+       "    loss, z_loss = loss, z_loss / n",
+       "the logged loss is the sum over micro-batches, not the mean"),
+    _m("TS2", STEP, "    grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, "
+       "state.params)", "    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, "
+       "state.params)", "accumulated gradients are summed, not averaged"),
+    _m("TS3", STEP, "    lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)",
+       "    lr = lr_schedule(state.step) * get_lr_scale(opt_state)",
+       "the logged lr counts skipped steps (not the rate applied)"),
+    _m("TS4", STEP, "      loss_scale = loss_scale.adjust(all_finite(grads))",
+       "      loss_scale = loss_scale.adjust(jnp.bool_(True))",
+       "the fp16 loss scale does not back off on overflow"),
+    _m("TS5", STEP, "      grads = state.loss_scale.unscale(grads)\n", "",
+       "fp16 gradients are not unscaled"),
+    _m("TS6", STEP, "    lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)",
+       "    lr = lr_schedule(applied_updates(opt_state))",
+       "the logged lr leaves out the recovery's backoff"),
+
+    # ---------------------------------------------------------------- training/generate.py
+    _m("GE1", GENERATE, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",
+       "    logits = jnp.where(jnp.arange(vocab) <= valid_vocab, logits, -jnp.inf)",
+       "the first padding id of the embedding can be drawn"),
+    _m("GE2", GENERATE, "    logits = jnp.where(logits < kth, -jnp.inf, logits)",
+       "    logits = jnp.where(logits <= kth, -jnp.inf, logits)",
+       "top_k keeps k - 1 ids"),
+    _m("GE3", GENERATE, "      n = min(remaining, window - context.shape[1] + 1)",
+       "      n = min(remaining, window - context.shape[1])",
+       "the last token of a window is not drawn from all W cached positions"),
+    _m("GE4", GENERATE,
+       "      context = np.concatenate([context, new], axis=1)[:, -(window // 2):]",
+       "      context = np.concatenate([context, new], axis=1)[:, -(window // 4):]",
+       "past the window, a quarter of the window is prefilled instead of half"),
+    _m("GE5", GENERATE, "    context = np.asarray(list(prompt_ids)[-window:], np.int32)",
+       "    context = np.asarray(list(prompt_ids)[:window], np.int32)",
+       "a long prompt keeps its first W tokens instead of its last"),
+    _m("GE6", GENERATE, "  drawn = jax.random.categorical(rng, logits / jnp.maximum(temperature, "
+       "1e-6), axis=-1)", "  drawn = jax.random.categorical(rng, logits, axis=-1)",
+       "the temperature is ignored"),
+
+    # ---------------------------------------------------------------- training/loop.py
+    _m("LO1", LOOP,
+       "  return sum(int(v) for k, v in record.items() if k.endswith(\"/total_skips\"))",
+       "  return max([int(v) for k, v in record.items() if k.endswith(\"/total_skips\")], "
+       "default=0)", "skipped steps of two skip wrappers are not added up"),
+    _m("LO2", LOOP, "    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:",
+       "    if step in f.nan_grad_steps or step in f.nan_grad_batch_indices:",
+       "faults.nan_grad_batch_indices counts steps instead of data positions"),
+    _m("LO3", LOOP, "    elif step in f.grad_scale_steps:\n      grad_scale = f.grad_scale_factor",
+       "    elif step in f.grad_scale_steps:\n      grad_scale = 1.0",
+       "faults.grad_scale_factor is not applied"),
+    _m("LO4", LOOP, "    if self.batches_consumed >= first:\n      self._skip_batches",
+       "    if self.batches_consumed > first:\n      self._skip_batches",
+       "a rollback's skip starting at the current data position is deferred",
+       equivalent="the stream is then at `first`, so the next _next_batch takes the deferred skip "
+                  "before it draws a batch, and a checkpoint in between records it in "
+                  "pending_skips, which a resume takes the same way"),
+    _m("LO5", LOOP, "    if self.sampler is None or step >= self.total_steps:",
+       "    if self.sampler is None or step > self.total_steps:",
+       "the last step samples twice (periodic and final)"),
+    _m("LO6", LOOP, "        recent = (now - then) / (step - previous)",
+       "        recent = now - then", "the early stop takes a whole interval as one step"),
+    _m("LO7", LOOP, "    while self.pending_skips and self.batches_consumed >= "
+       "self.pending_skips[0][0]:", "    while self.pending_skips and self.batches_consumed > "
+       "self.pending_skips[0][0]:", "a deferred skip is one batch late"),
+
+    # ---------------------------------------------------------------- monitor/health.py
+    _m("HE1", HEALTH, "  if g > thresholds.critical:", "  if g >= thresholds.critical:",
+       "a norm exactly at the critical threshold is critical"),
+    _m("HE2", HEALTH, "  if g > thresholds.high:", "  if g >= thresholds.high:",
+       "a norm exactly at the high threshold is high"),
+    _m("HE3", HEALTH, "  if thresholds.low is not None and g < thresholds.low:",
+       "  if thresholds.low is not None and g <= thresholds.low:",
+       "a norm exactly at the low threshold is low"),
+    _m("HE4", HEALTH, "    if not self.high < self.critical:",
+       "    if not self.high <= self.critical:",
+       "high equal to critical is accepted"),
+    _m("HE5", HEALTH, "  if g is None or not math.isfinite(g):", "  if g is None:",
+       "a non-finite norm is not exploded"),
+
+    # ---------------------------------------------------------------- monitor/stability_monitor.py
+    _m("SM1", STABILITY_MONITOR, "    if prev is not None and steps > 0 and c >= prev:",
+       "    if prev is not None and steps > 0 and c > prev:",
+       "an unchanged counter falls back to the one-step flag"),
+    _m("SM2", STABILITY_MONITOR, "      f = 1.0 if f > 0 else 0.0  # fraction",
+       "      f = f  # fraction",
+       "a Muon fallback flag counts the fraction of tensors, not one event"),
+    _m("SM3", STABILITY_MONITOR, "    while self._entries and self._entries[0][0] <= start:",
+       "    while self._entries and self._entries[0][0] < start:",
+       "the window keeps one interval too many"),
+    _m("SM4", STABILITY_MONITOR, "      out[\"skip_rate\"] = min(skip, 1.0)",
+       "      out[\"skip_rate\"] = skip", "the combined skip rate can exceed 1"),
+    _m("SM5", STABILITY_MONITOR,
+       "    out[\"rollbacks\"] = float(sum(1 for c, _, _ in self._rollbacks "
+       "if c > start))", "    out[\"rollbacks\"] = float(len(self._rollbacks))",
+       "rollbacks older than the window still count"),
+    _m("SM6", STABILITY_MONITOR, "    if level == old or (old is None and level == \"healthy\"):",
+       "    if level == old:", "the first healthy record prints a line"),
+    _m("SM7", STABILITY_MONITOR, "    if skipped_nonfinite or (loss is not None and not "
+       "math.isfinite(loss)):", "    if loss is not None and not math.isfinite(loss):",
+       "a non-finite skip with a finite state norm is not exploded"),
+    _m("SM8", STABILITY_MONITOR, "    if (not below and not advice) or self._clock < self.window:",
+       "    if not below and not advice:", "advice is given before a full window was seen"),
+    _m("SM9", STABILITY_MONITOR,
+       "        and self._clock - self._last_advice_clock < self.advice_every):",
+       "        and self._clock - self._last_advice_clock < 1):", "advice is not rate-limited"),
+    _m("SM10", STABILITY_MONITOR, "    return sum(recent) / len(recent) >= sum(older) / len(older)",
+       "    return sum(recent) / len(recent) > sum(older) / len(older)",
+       "a flat loss is not a plateau"),
+    _m("SM11", STABILITY_MONITOR, "      return r if kind == \"muon_fallback\" else min(r, 1.0)",
+       "      return r", "an event rate can exceed one per step"),
+    _m("SM12", STABILITY_MONITOR, "    self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in "
+       "state[\"rollbacks\"]]", "    self._rollbacks = []",
+       "rollbacks are lost over a save and restore"),
 ]
 
 COPIED = ("stablejax", "tests", "train.py", "configs", "pyproject.toml", "README.md", "examples",
@@ -974,7 +1257,7 @@ def apply(source: str, mutant: Mutant) -> str:
   return source.replace(mutant.find, mutant.replace)
 
 
-def check(mutants=MUTANTS) -> list[str]:
+def check(mutants: Sequence[Mutant] = MUTANTS) -> list[str]:
   """Problems: snippets not occurring exactly once, duplicate ids, mutants that change nothing."""
   problems, seen = [], set()
   for m in mutants:
@@ -990,11 +1273,12 @@ def check(mutants=MUTANTS) -> list[str]:
   return problems
 
 
-def select(mutants, only=None, modules=None) -> list[Mutant]:
+def select(mutants: Sequence[Mutant], only: Optional[Sequence[str]] = None,
+           modules: Optional[Sequence[str]] = None) -> list[Mutant]:
   """The mutants named by id (`only`) or by module (`modules`: "zclip" or "transforms/zclip")."""
   def in_module(m: Mutant) -> bool:
     return any(m.module == name or m.module.endswith("/" + name)
-               for name in (n.removesuffix(".py") for n in modules))
+               for name in (n.removesuffix(".py") for n in modules or ()))
   return [m for m in mutants if (not only or m.id in only) and (not modules or in_module(m))]
 
 
@@ -1015,7 +1299,7 @@ def _pytest(copy: Path, tests: tuple, timeout: float) -> tuple[str, float]:
 
 def rate_table(results: list[tuple[Mutant, bool]]) -> list[str]:
   """Lines of the per-module table: mutants, killed, equivalent, kill rate; then the total."""
-  per = collections.defaultdict(lambda: [0, 0, 0])
+  per: collections.defaultdict[str, list[int]] = collections.defaultdict(lambda: [0, 0, 0])
   for m, killed in results:
     row = per[m.module]
     row[0] += 1
@@ -1031,7 +1315,7 @@ def rate_table(results: list[tuple[Mutant, bool]]) -> list[str]:
   return lines
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--only", nargs="*", help="mutant ids to run")
   parser.add_argument("--module", nargs="*", help="modules to run (zclip, transforms/zclip, ...)")
@@ -1096,8 +1380,8 @@ def main(argv=None) -> int:
   print()
   for line in rate_table(results):
     print(line)
-  killed = sum(k for _, k in results)
-  print(f"kill rate: {killed}/{len(results)} = {killed / len(results):.0%}")
+  n_killed = sum(k for _, k in results)
+  print(f"kill rate: {n_killed}/{len(results)} = {n_killed / len(results):.0%}")
   survivors = [m for m, k in results if not k]
   for m in survivors:
     why = f"equivalent: {m.equivalent}" if m.equivalent else "NOT EQUIVALENT: add a test"
