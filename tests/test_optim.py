@@ -66,6 +66,25 @@ def test_adamw_mode_decays_matrices_with_optimizer_weight_decay_and_never_norms_
   assert any(path.startswith("blocks/attn_norm") for path in _paths(params))
 
 
+def test_muon_mode_decays_embedding_and_head_with_adam_weight_decay_and_never_norms() -> None:
+  # optimizer.adam_weight_decay: the AdamW decay of the embedding and head groups in Muon mode;
+  # norm gains and biases are never decayed.
+  cfg = _cfg(optimizer={"name": "muon", "learning_rate": 1e-2, "adam_learning_rate": 1e-3,
+                        "weight_decay": 0.0, "adam_weight_decay": 0.1},
+             train={"warmup_steps": 0})
+  params = _params(cfg)
+  tx = optim.main_optimizer(cfg)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  got, want = _paths(updates), _paths(params)
+  # Zero gradients: the update of an AdamW group is its decoupled decay -lr * wd * p alone.
+  np.testing.assert_allclose(got["tok_embed/embedding"], -1e-3 * 0.1 * want["tok_embed/embedding"],
+                             rtol=1e-6)
+  for path, u in got.items():
+    if path.endswith("/scale") or path.endswith("/bias"):
+      np.testing.assert_array_equal(u, 0.0, err_msg=path)
+
+
 def test_adam_weight_decay_is_reported_as_ineffective_in_adamw_mode():
   cfg = _cfg(optimizer={"name": "adamw", "learning_rate": 1e-3, "adam_weight_decay": 0.1})
   lines = config_lib.ineffective_keys(cfg)
