@@ -556,3 +556,11 @@ def test_recovery_config_errors_name_the_key(override, match):
   with pytest.raises(ConfigError, match=match):
     load_config(None, [override])
   assert load_config(None, ["stability.lr_recovery_steps=null"]).stability.lr_recovery_steps is None
+
+
+def test_rollback_line_names_the_skipped_batches_as_an_inclusive_range():
+  # skipped_batches is [first, last): batches 20 to 29 for (20, 30).
+  event = RollbackEvent(step=30, cause="loss spike", restored_step=20, lr_scale=0.2,
+                        skipped_batches=(20, 30))
+  assert event.describe() == ("step 30: loss spike; restored step 20, lr scale 0.2, "
+                              "skipped data batches 20..29")
