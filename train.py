@@ -3,8 +3,9 @@
     python train.py                                   # configs/default.json into runs/default
     python train.py --config configs/X.json --set train.steps=100 --set data.train=my.txt --out DIR
 
-A checkpoint in --out resumes the run; --fresh starts over. Exit codes: 0 done; 2 bad command line,
-config, data or checkpoints; 3 diverged beyond the recovery budget; 130 interrupted (checkpoint saved).
+A checkpoint in --out resumes the run; --fresh starts over. Exit codes: 0 done; 2 bad command
+line, config, data or checkpoints; 3 diverged beyond the recovery budget; 130 interrupted
+(checkpoint saved).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def parse_args(argv):
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value (JSON-parsed), repeatable")
   parser.add_argument("--out", default=None, help="run directory (default runs/<config name>)")
-  parser.add_argument("--fresh", action="store_true", help="delete checkpoints and logs in --out first")
+  parser.add_argument("--fresh", action="store_true",
+                      help="delete checkpoints and logs in --out first")
   return parser.parse_args(argv)
 
 

@@ -274,8 +274,10 @@ def set_lr_factor(opt_state, factor: float):
 def trainer_run_class():
   """`Run` with two bench hooks, built lazily so importing this module stays light.
 
-  - `lr_factor`: every learning rate times this factor, applied by a multiplier after the whole
-    chain (`with_lr_factor`) held in the optimizer state, instead of through the config. The
+  - `lr_factor`: every learning rate times this factor, applied by a multiplier held in the
+    optimizer state instead of through the config: right after the optimizer inside the
+    configured chain (before QK-clip, which must see the final update), or after the whole chain
+    of a `tx` given to `Run` (`with_lr_factor`). The
     update is the same (`lr * factor * u`; weight decay scales with it, as with a larger
     configured rate), but the compiled train step does not depend on the rate, so every rate of a
     grid reuses one compilation from the persistent cache. The trainer's own learning-rate scale
@@ -292,7 +294,14 @@ def trainer_run_class():
 
     def _build_optimizer(self):
       super()._build_optimizer()
-      self.tx = with_lr_factor(self.tx)
+      if self.custom_tx is None:
+        # The factor right after the optimizer, inside the configured chain: QK-clip, which goes
+        # last, must see the final update (a factor after it would scale its correction too).
+        from stablejax.training.optim import build_optimizer
+        self.tx = build_optimizer(self.cfg, optax.chain(
+            self.main_tx, optax.inject_hyperparams(_scale_by_lr_factor)(lr_factor=1.0)))
+      else:
+        self.tx = with_lr_factor(self.tx)
 
     def _restore_or_init(self):
       state, meta = super()._restore_or_init()

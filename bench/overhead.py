@@ -51,7 +51,8 @@ def variants(base: dict, breakdown: bool) -> dict[str, tuple[dict, bool]]:
          "stack": ({"stability": {}}, False)}
   if breakdown:
     out.update({
-        "skip_nonfinite": ({"stability": {**off, "skip_nonfinite": True, "max_grad_norm": 1.0}}, False),
+        "skip_nonfinite": ({"stability": {**off, "skip_nonfinite": True, "max_grad_norm": 1.0}},
+                           False),
         "skip_spikes": ({"stability": {**off, "skip_spikes": True, "max_grad_norm": 1.0}}, False),
         "zclip": ({"stability": {**off, "zclip": True}}, False),
         "adagc": ({"stability": {**off, "max_grad_norm": None, "adagc": True}}, False),
@@ -91,8 +92,8 @@ def main(argv=None) -> int:
         f"1 warm-up round; ms per step")
   print()
 
-  times = _common.interleaved({k: (lambda s=s: s.run(args.steps_per_call)) for k, s in steps.items()},
-                              rounds)
+  calls = {k: (lambda s=s: s.run(args.steps_per_call)) for k, s in steps.items()}
+  times = _common.interleaved(calls, rounds)
   base_t = times["baseline"]
   rows = []
   for name, s in steps.items():

@@ -1,7 +1,8 @@
 """Learning-rate sensitivity of each defence (Wortsman et al., arXiv 2309.14322), real trainer runs.
 
 Usage:
-  python bench/stress.py                  # full sweep (about an hour on 2 cores), bench/results/stress*
+  python bench/stress.py                  # full sweep (about an hour on 2 cores):
+                                          #   bench/results/stress*
   python bench/stress.py --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
   python bench/stress.py --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
   python bench/stress.py --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
@@ -119,7 +120,17 @@ MODELS = {
     "postln_qk": {"model": {"post_ln": True, "qk_norm": True}},
     "preln_nowarmup": {"train": {"warmup_steps": 0}},
     "preln_fp16": {"model": {"compute_dtype": "float16"}},
+    # The long horizon (LONG_STEPS), where attention logits of Pre-LN models without QK-norm
+    # grow until the loss degrades (Wortsman et al., section 3.1.1). A model fragment with
+    # train.steps fixes the run length (--steps does not apply to it).
+    "long": {"train": {"steps": 800, "warmup_steps": 0}},
+    "long_warmup": {"train": {"steps": 800, "warmup_steps": 80}},
+    "long_qk": {"model": {"qk_norm": True}, "train": {"steps": 800, "warmup_steps": 0}},
+    "long_qk_warmup": {"model": {"qk_norm": True}, "train": {"steps": 800, "warmup_steps": 80}},
 }
+LONG_MODELS = ("long", "long_warmup", "long_qk", "long_qk_warmup")
+QK_TWIN = {"long": "long_qk", "long_warmup": "long_qk_warmup"}  # the same model with QK-norm
+QK_GAIN_MIN = 0.05
 
 _MUON_OPT = {"name": "muon", "learning_rate": MUON_LR, "adam_learning_rate": MUON_ADAM_LR,
              "embedding_learning_rate": MUON_ADAM_LR, "head_learning_rate": MUON_ADAM_LR}
@@ -134,6 +145,17 @@ DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": {**_OFF, "max_gr
 DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
 # The AdamW stack with AdaGC inside (hybrid_clip), the trainer's default before this sweep.
 DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": True}}, None)
+# The stacks with QK-clip (Kimi K2, arXiv 2507.20534) at QK_TAU: healthy Muon runs' logits reach
+# ~300 at this scale (README), so Kimi's tau = 100 clips healthy heads; 300 sits just above.
+QK_TAU = 300.0
+DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip_tau": QK_TAU}}, None)
+DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT,
+                                      "stability": {"qk_clip_tau": QK_TAU}}, None)
+# Kimi K2's own tau (the main QK-clip defence of the long sweep), and tau = 30 (an ablation).
+for _tau in (100, 30):
+  DEFENCES[f"stablejax_qkclip{_tau}"] = ({"stability": {"qk_clip_tau": float(_tau)}}, None)
+  DEFENCES[f"stablejax_muon_qkclip{_tau}"] = ({"optimizer": _MUON_OPT,
+                                               "stability": {"qk_clip_tau": float(_tau)}}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -148,6 +170,64 @@ PLAN = {
     "preln_nowarmup": PAIR,
     "preln_fp16": PAIR,
 }
+# --long: the long-horizon sweep. Learning rates up to where clip 1.0 degrades badly: AdamW
+# 3e-3 .. 0.95 (factors 1 .. 316), Muon 0.03 .. 0.3 (factors 1 .. 10; its AdamW groups
+# 0.009 .. 0.09). The QK-norm models are the architectural reference, with the baselines only.
+# QK-clip runs at Kimi K2's tau = 100 (stablejax_qkclip100): on the first seed it beat tau = 300
+# (stablejax_qkclip, QK_TAU) at every Muon rate and at AdamW's 10x and 100x (a tie at 1x; at
+# 316x, where every model breaks in its first steps, tau = 300 ended lower), so tau = 300 stays
+# a one-seed ablation.
+LONG_DEFENCES = ("clip1", "stablejax", "stablejax_qkclip100", "muon_clip1", "stablejax_muon",
+                 "stablejax_muon_qkclip100")
+LONG_PLAN = {"long": LONG_DEFENCES, "long_warmup": LONG_DEFENCES,
+             "long_qk": ("clip1", "muon_clip1"), "long_qk_warmup": ("clip1", "muon_clip1")}
+# Sized to this shared 2-core machine (a run of 800 steps takes 2-8 minutes with the load of
+# other jobs): a decade grid for AdamW plus its highest rate, half a decade for Muon.
+LONG_FACTORS = {"adamw": (1.0, 10.0, 100.0, 316.2), "muon": (1.0, 3.162, 10.0)}
+# The short-horizon rows planned in the first sweep and not run then.
+SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
+# The order runs start in (--long without --models/--defences), stage by stage, so that an
+# interrupted sweep still has whole comparisons: (models, defences, rates per optimizer or None
+# for LONG_FACTORS, seeds). 1. one seed of everything on the main (no-warmup) pair, and the
+# tau = 300 ablation; 2. the warmup pair at the rates that decide (one seed: the lead time of the
+# attention-logit warning with warmup, and QK-clip with warmup); 3. seeds 1 and 2 of the main
+# comparison; 4. the stacks without QK-clip on seeds 1 and 2 (does QK-clip earn its place?);
+# 5. a one-seed ablation at tau = 30; 6. tau = 30 on the whole grid and all seeds, Muon first
+# (its one-seed ablation beat tau = 100 at every rate it ran, by 0.08 to 0.36 nats).
+LONG_LAST = ("stablejax", "stablejax_muon")
+LONG_STAGES = (
+    (("long", "long_qk"), None, None, (0,)),
+    (("long",), ("stablejax_qkclip", "stablejax_muon_qkclip"), None, (0,)),
+    (("long_warmup",), ("clip1", "muon_clip1"), {"adamw": (1.0, 100.0, 316.2), "muon": (1.0, 10.0)},
+     (0,)),
+    (("long_warmup",), ("stablejax_qkclip100", "stablejax_muon_qkclip100"),
+     {"adamw": (100.0, 316.2), "muon": (10.0,)}, (0,)),
+    (("long_qk_warmup",), ("clip1", "muon_clip1"), {"adamw": (100.0, 316.2), "muon": (10.0,)},
+     (0,)),
+    (("long", "long_qk"), "main", None, (1, 2)),
+    (("long",), LONG_LAST, None, (1, 2)),
+    (("long",), ("stablejax_qkclip30", "stablejax_muon_qkclip30"),
+     {"adamw": (10.0, 100.0), "muon": (1.0, 3.162, 10.0)}, (0,)),
+    (("long",), ("stablejax_muon_qkclip30",), None, (0, 1, 2)),
+    (("long",), ("stablejax_qkclip30",), {"adamw": (1.0, 100.0, 316.2, 10.0)}, (0, 1, 2)),
+)
+
+
+def long_cells() -> list[tuple]:
+  """The cells of --long in LONG_STAGES order (each once)."""
+  cells: list[tuple] = []
+  for models, defences, rates, seeds in LONG_STAGES:
+    for s in seeds:
+      for m in models:
+        chosen = LONG_PLAN[m] if defences is None else (
+            [d for d in LONG_PLAN[m] if d not in LONG_LAST] if defences == "main" else defences)
+        for d in chosen:
+          for f in (rates or LONG_FACTORS)[_family(d)]:
+            if (m, d, f, s) not in cells:
+              cells.append((m, d, f, s))
+  return cells
+# The short-horizon rows planned in the first sweep and not run then.
+SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
          "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
 
@@ -245,11 +325,17 @@ def cell_config(model: str, defence: str, seed: int, steps: int,
   raw = _common.deep_merge(BASE, MODELS[model])
   raw = _common.deep_merge(raw, fragment)
   raw = _common.deep_merge(raw, overrides)
+  steps = model_steps(model, steps)
   warmup = raw["train"].get("warmup_steps", max(2, steps // 10))
   raw["train"].update(steps=steps, warmup_steps=warmup, seed=seed,
                       eval_every=max(1, steps // 2))
   raw["checkpoint"]["every"] = max(1, steps // 4)
   return raw, tx_kind
+
+
+def model_steps(model: str, steps: int) -> int:
+  """The run length of a model: its own train.steps (the long-horizon models), else `steps`."""
+  return MODELS[model].get("train", {}).get("steps", steps)
 
 
 def main_lr(raw: dict) -> float:
@@ -277,7 +363,8 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
             "init_loss": None, "diverged": True, "spikes": None, "skipped": None,
             "rollbacks": None, "warnings": None, "zclip_clip_rate": None,
             "adagc_clip_frac": None, "adagc_norm_ratio": None, "wall_s": None, "ms_step": None,
-            "events": [], "curve": [], "error": ""}
+            "events": [], "curve": [], "attn_curve": [], "warning_steps": [],
+            "qk_clipped": None, "max_attn_logit": None, "error": ""}
   t0, cpu0 = time.time(), time.process_time()
   log = io.StringIO()
   try:
@@ -310,7 +397,16 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
                                 if r.get("adagc/grad_norm")]),
         wall_s=summary["wall_seconds"],
         ms_step=1e3 * statistics.median(step_times) if step_times else None,
-        events=summary.get("events", []), curve=losses)
+        events=summary.get("events", []), curve=losses,
+        # Telemetry at the logged steps: max attention logit over layers, and per layer.
+        attn_curve=[(r["step"], r["attn_logit_max"],
+                     [r.get(f"attn_logit_max/layer_{i}") for i in range(cfg.model.n_layers)])
+                    for r in train if "attn_logit_max" in r],
+        max_attn_logit=max((float(r["attn_logit_max"]) for r in train
+                            if r.get("attn_logit_max") is not None), default=None),
+        warning_steps=[(r["step"], r.get("cause", "")) for r in records
+                       if r.get("event") == "warning"],
+        qk_clipped=(train[-1].get("qk_clip/total_clipped") if train else None))
   except Exception as e:  # a crashed cell is a result, not the end of the sweep
     result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     result["wall_s"] = time.time() - t0
@@ -376,7 +472,7 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
           "runs_rolled_back": sum(1 for r in runs if r["rollbacks"]),
           "spikes": sum(r["spikes"] or 0 for r in runs),
           "skipped": sum(r["skipped"] or 0 for r in runs),
-          "warnings": sum(r["warnings"] or 0 for r in runs),
+          "warnings": sum(_warnings(r) for r in runs),
           "crashed": sum(1 for r in runs if r["error"]),
       })
   # The comparison with the baseline of the same optimizer family and model.
@@ -389,14 +485,17 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
       continue
     f = base["best_factor"]
     row["warnings_at_base_best"] = sum(
-        r["warnings"] or 0 for r in results
+        _warnings(r) for r in results
         if (r["model"], r["defence"], r["lr_factor"]) == (row["model"], row["defence"], f))
     row["gap_best"] = row["best_mean"] - base["best_mean"]
     if f in row["mean"]:
       row["gap_at_base_best"] = row["mean"][f] - base["mean"][f]
       row["base_se"] = base["sd"][f] / math.sqrt(base["n"][f])
+    # Sensitivities compare only over the same grid (the one-seed warmup stage runs a defence
+    # at some of its baseline's rates).
     row["sensitivity_ratio"] = (row["sensitivity"] / base["sensitivity"]
-                                if base["sensitivity"] > 0 else None)
+                                if base["sensitivity"] > 0 and row["factors"] == base["factors"]
+                                else None)
     # Rollbacks in runs whose baseline twin (same model, rate, seed) did not diverge.
     by_cell = {(r["lr_factor"], r["seed"]): r for r in results
                if r["model"] == row["model"] and r["defence"] == base_name}
@@ -410,7 +509,42 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
         if r["model"] == row["model"] and r["defence"] == row["defence"] and r["diverged"]
         and (r["lr_factor"], r["seed"]) in by_cell
         and not by_cell[(r["lr_factor"], r["seed"])]["diverged"])
+  # Long horizon: the share of the QK-norm model's advantage over the baseline (same optimizer
+  # family and warmup) that a defence recovers at the highest rate all three share where that
+  # advantage exists (`qk_gain_floor`: at AdamW's 316x no-warmup rate every model breaks in its
+  # first steps, and what separates them there is within the seed noise).
+  for row in rows:
+    twin = QK_TWIN.get(row["model"])
+    base = index.get((row["model"], row.get("baseline")))
+    ref = index.get((twin, row.get("baseline"))) if twin else None
+    if not (base and ref):
+      continue
+    common = [f for f in row["factors"] if f in base["mean"] and f in ref["mean"]
+              and base["mean"][f] - ref["mean"][f] > qk_gain_floor(base, ref, f)]
+    if not common:
+      continue
+    top = max(common)
+    gain = base["mean"][top] - ref["mean"][top]
+    row["top_factor"] = top
+    row["qk_recovery"] = (base["mean"][top] - row["mean"][top]) / gain if gain > 0 else None
   return rows
+
+
+def qk_gain_floor(base: dict, ref: dict, factor: float) -> float:
+  """The smallest advantage of the QK-norm model (`ref`) over the baseline (`base`) at `factor`
+  that counts as one: QK_GAIN_MIN nats, and two standard errors of the difference of the two
+  seed means (with one seed, QK_GAIN_MIN alone)."""
+  se = math.sqrt(base["sd"][factor] ** 2 / base["n"][factor]
+                 + ref["sd"][factor] ** 2 / ref["n"][factor])
+  return max(QK_GAIN_MIN, 2.0 * se)
+
+
+def _warnings(r: dict) -> int:
+  """Monitor warnings of a run: under the current rules when the run saved what replaying them
+  needs (`current_warnings`), else as the trainer printed them."""
+  if r.get("warning_steps") is not None and r.get("attn_curve") is not None:
+    return len(current_warnings(r))
+  return r["warnings"] or 0
 
 
 def _family(defence: str) -> str:
@@ -422,8 +556,8 @@ def _family(defence: str) -> str:
 
 RUN_HEADERS = ["model", "defence", "lr_factor", "lr", "seed", "status", "val_loss", "init_loss",
                "diverged", "spikes", "skipped", "rollbacks", "warnings", "zclip_clip_rate",
-               "adagc_clip_frac", "adagc_norm_ratio", "wall_s", "cpu_s", "ms_step", "events",
-               "error"]
+               "adagc_clip_frac", "adagc_norm_ratio", "max_attn_logit", "qk_clipped", "wall_s",
+               "cpu_s", "ms_step", "events", "error"]
 
 
 def _cell(x, fmt="%.4f"):
@@ -455,17 +589,19 @@ def _pm(mean, sd):
 
 def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
   headers = ["model", "defence", "best LR", "best-LR loss", "LR sensitivity", "vs baseline",
-             "gap at baseline's best LR (SE)", "diverged", "rollbacks (false)", "spikes", "skips",
-             "monitor warnings (at baseline's best LR)"]
+             "gap at baseline's best LR (SE)", "share of QK-norm's gain at the top LR", "diverged",
+             "rollbacks (false)", "spikes", "skips", "monitor warnings (at baseline's best LR)"]
   out = []
   for r in rows:
     ratio = r.get("sensitivity_ratio")
     gap = r.get("gap_at_base_best")
+    share = r.get("qk_recovery")
     out.append([
         r["model"], r["defence"], f"{r['best_lr']:.3g} ({r['best_factor']:g}x)",
         _pm(r["best_mean"], r["best_sd"]), _pm(r["sensitivity"], r["sensitivity_sd"]),
         "-" if ratio is None else f"{ratio:.2f}x",
         "-" if gap is None else f"{gap:+.3f} ({r['base_se']:.3f})",
+        "-" if share is None else f"{100 * share:.0f}% ({r['top_factor']:g}x)",
         f"{r['diverged']}/{r['runs']}",
         f"{r['rollbacks']} ({r.get('false_rollbacks', '-')})", r["spikes"], r["skipped"],
         f"{r['warnings']} ({r.get('warnings_at_base_best', '-')})"])
@@ -504,6 +640,15 @@ def plot_curves(results: list[dict], rows: list[dict], path: Path, title: str) -
                   color=colors[row["defence"]], marker="o", ms=3, lw=1, capsize=2,
                   ls="--" if _family(row["defence"]) == "muon" else "-",
                   label=f"{row['defence']} (sens. {row['sensitivity']:.2f})")
+    for row in rows:  # the same model with QK-norm, the architectural reference
+      if row["model"] != QK_TWIN.get(model):
+        continue
+      fs = row["factors"]
+      lrs = [row["best_lr"] / row["best_factor"] * f for f in fs]
+      ax.errorbar(lrs, [row["mean"][f] for f in fs], yerr=[row["sd"][f] for f in fs],
+                  color="black", alpha=0.6, marker="s", ms=3, lw=1, capsize=2,
+                  ls="--" if _family(row["defence"]) == "muon" else ":",
+                  label=f"QK-norm model, {row['defence']} (sens. {row['sensitivity']:.2f})")
     top = max(row["mean"][f] + row["sd"][f] for row in rows if row["model"] == model
               for f in row["factors"])
     if inits:
@@ -574,14 +719,16 @@ def diagnostics_rows(results: list[dict], defences, models, factors) -> tuple[li
   for model in models:
     for defence in defences:
       for f in factors:
-        rs = [r for r in results if (r["model"], r["defence"], r["lr_factor"]) == (model, defence, f)]
+        rs = [r for r in results
+              if (r["model"], r["defence"], r["lr_factor"]) == (model, defence, f)]
         if not rs:
           continue
         losses = [clamped_loss(r) for r in rs if r["init_loss"]]
         causes = sorted({e.split(";")[0].split(": ", 1)[1] if ": " in e else e
                          for r in rs for e in r["events"]})
         out.append([model, defence, f"{rs[0]['lr']:.3g}",
-                    _pm(statistics.fmean(losses), statistics.stdev(losses) if len(losses) > 1 else 0.0)
+                    _pm(statistics.fmean(losses),
+                        statistics.stdev(losses) if len(losses) > 1 else 0.0)
                     if losses else "-",
                     sum(r["diverged"] for r in rs), sum(r["rollbacks"] or 0 for r in rs),
                     sum(r["skipped"] or 0 for r in rs),
@@ -596,6 +743,160 @@ def _fmt_rate(x, pct=True):
   if x is None:
     return "-"
   return f"{100 * x:.0f}%" if pct else f"{x:.2f}"
+
+
+# ----------------------------------------------------------------------------- attention logits
+#
+# How early the monitor's attention-logit rule warns, replayed over each run's logged telemetry
+# (so the rule can be re-tuned without re-running the sweep), against when the loss degraded.
+
+PLATEAU_WINDOW = 100   # steps, as the monitor's plateau rule (StabilityMonitor window)
+TWIN_MARGIN = 0.1      # nats above the QK-norm twin that make a run "hurt by logit growth"
+
+
+def attention_warning_steps(run: dict, rule=None) -> list[int]:
+  """Steps at which StabilityMonitor's attention rule warns, replayed over `attn_curve`."""
+  from stablejax.monitor import AttentionLogitThresholds, StabilityMonitor
+  monitor = StabilityMonitor(attention=rule or AttentionLogitThresholds())
+  steps = []
+  for step, top, layers in run.get("attn_curve") or []:
+    rec = {"attn_logit_max": top}
+    rec.update({f"attn_logit_max/layer_{i}": v for i, v in enumerate(layers) if v is not None})
+    if any("attention logits" in line for line in monitor.update(step, rec)):
+      steps.append(step)
+  return steps
+
+
+def degradation_step(run: dict) -> int | None:
+  """The first logged step where the train loss degraded: non-finite or above the loss at
+  init, a spike (> 1.25 x the median of the previous SPIKE_WINDOW logged losses), or a plateau
+  (from step 2 x PLATEAU_WINDOW on, the mean logged loss of the last PLATEAU_WINDOW steps not
+  below that of the PLATEAU_WINDOW steps before, the monitor's plateau rule)."""
+  curve = [(s, v) for s, v in run.get("curve") or []]
+  init = run.get("init_loss") or float("inf")
+  history: list[float] = []
+  for i, (step, loss) in enumerate(curve):
+    if not math.isfinite(loss) or loss > init:
+      return step
+    if len(history) >= SPIKE_WINDOW and loss > 1.25 * statistics.median(history[-SPIKE_WINDOW:]):
+      return step
+    history.append(loss)
+    if step >= 2 * PLATEAU_WINDOW:
+      recent = [v for s, v in curve[:i + 1] if s > step - PLATEAU_WINDOW]
+      older = [v for s, v in curve[:i + 1]
+               if step - 2 * PLATEAU_WINDOW < s <= step - PLATEAU_WINDOW]
+      if recent and older and statistics.fmean(recent) >= statistics.fmean(older):
+        return step
+  return None
+
+
+def behind_twin_step(run: dict, twin: dict, points: int = SPIKE_WINDOW) -> int | None:
+  """The first logged step where the run's train loss, averaged over its last `points` logged
+  values, is TWIN_MARGIN above its QK-norm twin's at the same steps (same data order): where
+  the run fell behind the model that keeps its logits bounded."""
+  theirs = dict((s, v) for s, v in twin.get("curve") or [])
+  gaps: list[float] = []
+  for step, loss in run.get("curve") or []:
+    if step not in theirs:
+      continue
+    gaps.append(loss - theirs[step] if math.isfinite(loss) else float("inf"))
+    if statistics.fmean(gaps[-points:]) > TWIN_MARGIN:
+      return step
+  return None
+
+
+def _twin(results: list[dict], r: dict) -> dict | None:
+  """The QK-norm model's clip-1.0 run at the same rate, seed and warmup (the counterfactual)."""
+  model = {"long": "long_qk", "long_warmup": "long_qk_warmup"}.get(r["model"])
+  base = "muon_clip1" if _family(r["defence"]) == "muon" else "clip1"
+  return next((t for t in results if (t["model"], t["defence"], t["lr_factor"], t["seed"])
+               == (model, base, r["lr_factor"], r["seed"]) and t.get("val_loss") is not None),
+              None)
+
+
+def lead_time_rows(results: list[dict], rule=None) -> tuple[list[str], list[list], dict]:
+  """Per clip-1.0 run hurt by logit growth: when its loss degraded, the first attention warning.
+
+  Hurt: a clip-1.0 run of a model without QK-norm, above the base rate, that ended more than
+  TWIN_MARGIN above its QK-norm twin (same optimizer, rate, seed and warmup). Degraded: the first
+  logged step where it fell behind the twin (`behind_twin_step`), and, the issue's wording,
+  the first spike or plateau (`degradation_step`). Lead: degraded minus first warning.
+  """
+  headers = ["model", "defence", "LR", "seed", "val loss (QK-norm twin)", "max attn logit",
+             "first attention warning", "behind QK-norm twin at (lead)",
+             "spike/plateau at (lead)"]
+  out, leads, leads_sp, hurt, before, before_sp = [], [], [], 0, 0, 0
+  for r in results:
+    if r["defence"] not in ("clip1", "muon_clip1") or r["model"] not in ("long", "long_warmup"):
+      continue
+    twin = _twin(results, r)
+    if twin is None or r["val_loss"] is None or r["lr_factor"] == 1.0:
+      continue
+    if not r["val_loss"] > twin["val_loss"] + TWIN_MARGIN:
+      continue
+    hurt += 1
+    warned = attention_warning_steps(r, rule)
+    first = warned[0] if warned else None
+    cols = []
+    for i, degraded in enumerate((behind_twin_step(r, twin), degradation_step(r))):
+      lead = None if first is None or degraded is None else degraded - first
+      if lead is not None:
+        (leads, leads_sp)[i].append(lead)
+      if first is not None and (degraded is None or first < degraded):
+        if i == 0:
+          before += 1
+        else:
+          before_sp += 1
+      cols.append(f"{_cell(degraded)} ({_cell(lead)})")
+    out.append([r["model"], r["defence"], f"{r['lr']:.3g}", r["seed"],
+                f"{r['val_loss']:.3f} ({twin['val_loss']:.3f})",
+                _cell(r.get("max_attn_logit"), "%.3g"), _cell(first), *cols])
+  summary = {"hurt": hurt, "warned_before": before, "warned_before_sp": before_sp,
+             "median_lead": statistics.median(leads) if leads else None,
+             "median_lead_sp": statistics.median(leads_sp) if leads_sp else None}
+  return headers, out, summary
+
+
+def _lr_fraction(run: dict, step: int) -> float:
+  """The run's learning rate at `step` as a fraction of its peak (warmup + cosine to 10%)."""
+  train = MODELS[run["model"]].get("train", {})
+  steps = train.get("steps", STEPS)
+  warmup = train.get("warmup_steps", max(2, steps // 10))
+  if step < warmup:
+    return step / warmup
+  t = min(1.0, (step - warmup) / max(1, steps - warmup))
+  return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def current_warnings(run: dict, rule=None) -> list[tuple[int, str]]:
+  """The monitor warnings of a run under the current rules, from what the run logged.
+
+  The trainer's lines are kept, except two kinds, which are replayed instead: the attention
+  rule's lines (replayed over the logged telemetry with `rule`), and a score line whose only
+  reason was the loss-plateau row (kept only if that row still applies: the learning rate at
+  least half its peak, from the run's schedule; the row ignores the decay phase since the
+  long-horizon sweep)."""
+  out = []
+  for step, line in run.get("warning_steps") or []:
+    if "attention logits" in line:
+      continue
+    if line.split(": ", 1)[-1].startswith("stability score") and "< target" not in line:
+      reasons = [r.strip() for r in line.split(";")[1:]]
+      if reasons and all(r.startswith(("loss plateau", "if early")) for r in reasons) \
+          and _lr_fraction(run, step) < 0.5:
+        continue
+    out.append((step, line))
+  out += [(step, "attention logits growing") for step in attention_warning_steps(run, rule)]
+  return sorted(out)
+
+
+def clean_run_warnings(results: list[dict], rule=None) -> tuple[int, int, int, int]:
+  """(base-rate runs, their warnings under the current rules, QK-norm runs, their attention
+  warnings)."""
+  base = [r for r in results if r["lr_factor"] == 1.0 and r.get("attn_curve")]
+  qk = [r for r in results if "qk" in r["model"].split("_") and r.get("attn_curve")]
+  return (len(base), sum(len(current_warnings(r, rule)) for r in base), len(qk),
+          sum(len(attention_warning_steps(r, rule)) for r in qk))
 
 
 def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -> None:
@@ -615,6 +916,22 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
   dh, dbody = diagnostics_rows(results, defences, models, factors)
   print()
   print(_common.table(dbody, dh))
+  lh, lbody, lead = lead_time_rows(results)
+  n_base, w_base, n_qk, w_qk = clean_run_warnings(results)
+  lead_lines = []
+  if lead["hurt"]:
+    lead_lines = [
+        f"Attention-logit warning (the monitor's rule, replayed over the logged telemetry) in the "
+        f"{lead['hurt']} clip-1.0 runs above the base rate that ended more than {TWIN_MARGIN} "
+        f"nats above their QK-norm twin: strictly before the run fell behind its twin in "
+        f"{lead['warned_before']} of {lead['hurt']} (median lead "
+        f"{_cell(lead['median_lead'], '%.0f')} steps), before its first spike or plateau in "
+        f"{lead['warned_before_sp']} (median lead {_cell(lead['median_lead_sp'], '%.0f')} steps)."
+        f" Monitor warnings under the current rules (`current_warnings`) in the {n_base} runs "
+        f"at the base rate: {w_base}; attention warnings in the {n_qk} QK-norm runs: {w_qk}."]
+    print()
+    print(_common.table(lbody, lh))
+    print(lead_lines[0])
   print(f"\n{header['timing']}")
   for r in results:
     if r["error"]:
@@ -634,11 +951,23 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         "baseline's (clip1 for AdamW, muon_clip1 for Muon); gap = this defence minus the "
         "baseline at the baseline's best rate, (SE) = the baseline's standard error there; "
         "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge; monitor "
-        "warnings = warning lines the trainer printed, all rates, and at the baseline's best "
-        "rate):", "",
+        "warnings = warning lines the trainer printed (for the long-horizon runs: under the "
+        "current rules, `current_warnings`), all rates, and at the baseline's best rate; share "
+        "of QK-norm's gain = (baseline - defence) / (baseline - QK-norm model) at the highest "
+        f"rate where the QK-norm model is better by more than {QK_GAIN_MIN} nats and two "
+        "standard errors of the difference):", "",
         _common.markdown_table(body, h), "", "Loss over the grid:", "",
         _common.markdown_table(cbody, ch), "", "Clipping statistics per rate:", "",
         _common.markdown_table(dbody, dh), ""]
+  if lead_lines:
+    md += ["Lead time of the attention-logit warning: the first warning (the monitor's rule "
+           "replayed over the logged telemetry) against when the loss degraded, by two "
+           "definitions: the first logged step where the run's train loss (mean of its last "
+           f"{SPIKE_WINDOW} logged values) is {TWIN_MARGIN} nats above its QK-norm twin's, and the "
+           "first logged step with a non-finite loss or one above the loss at init, a spike "
+           f"(> 1.25 x the median of the previous {SPIKE_WINDOW}), or a plateau of the "
+           f"{PLATEAU_WINDOW}-step mean; lead = degraded - first warning:", "",
+           _common.markdown_table(lbody, lh), "", *lead_lines, ""]
   (out_dir / f"{name}.md").write_text("\n".join(md))
   print(f"wrote {out_dir / (name + '.csv')}, {name}.png, {name}_sensitivity.png, {name}.md "
         f"in {out_dir}")
@@ -647,7 +976,7 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
 # ----------------------------------------------------------------------------- main
 
 
-_INT_FIELDS = ("seed", "spikes", "skipped", "rollbacks", "warnings")
+_INT_FIELDS = ("seed", "spikes", "skipped", "rollbacks", "warnings", "qk_clipped")
 _STR_FIELDS = ("model", "defence", "status", "error")
 
 
@@ -679,6 +1008,53 @@ def read_csv(path: Path) -> tuple[list[dict], dict]:
                    "timing": rest[1] if len(rest) > 1 else "", "command": command}
 
 
+def _key(r: dict) -> tuple:
+  return (r["model"], r["defence"], float(r["lr_factor"]), int(r["seed"]))
+
+
+def _rounded(x):
+  """Floats to 5 significant digits (the runs file stays small), recursively."""
+  if isinstance(x, float):
+    return float(f"{x:.5g}") if math.isfinite(x) else x
+  if isinstance(x, (list, tuple)):
+    return [_rounded(v) for v in x]
+  if isinstance(x, dict):
+    return {k: _rounded(v) for k, v in x.items()}
+  return x
+
+
+def append_run(path: Path, result: dict) -> None:
+  """Appends one finished run as one JSON line (written whole and flushed at once: a killed
+  sweep leaves at most a truncated last line, which read_runs skips and the next append leaves
+  on a line of its own)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  line = json.dumps(_rounded(result)) + "\n"
+  with open(path, "a+b") as f:
+    # A sweep killed mid-write leaves a last line without its newline: start on a fresh line, so
+    # the fragment stays a line of its own (skipped) and does not swallow this run.
+    if f.seek(0, os.SEEK_END) > 0:
+      f.seek(-1, os.SEEK_END)
+      if f.read(1) != b"\n":
+        line = "\n" + line
+    f.write(line.encode())
+    f.flush()
+    os.fsync(f.fileno())
+
+
+def read_runs(path: Path) -> list[dict]:
+  """The runs of a JSON-lines file written by append_run (a later line of a run wins; a
+  truncated line is skipped)."""
+  runs: dict[tuple, dict] = {}
+  for line in path.read_text().splitlines():
+    try:
+      r = json.loads(line)
+      key = _key(r)
+    except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+      continue
+    runs[key] = r
+  return list(runs.values())
+
+
 def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
   """Results and one header from saved results (.json or this script's .csv; a later file's
   cells win)."""
@@ -687,6 +1063,15 @@ def merge_saved(paths: list[Path]) -> tuple[list[dict], dict]:
   for path in paths:
     if path.suffix == ".csv":
       results, header = read_csv(path)
+    elif path.suffix == ".jsonl":
+      results = read_runs(path)
+      walls = sorted(r["wall_s"] for r in results if r.get("wall_s"))
+      header = {"machine": _common.machine_lines()[1:],
+                "setting": "",
+                "timing": f"{len(results)} runs from {path.name}" + (
+                    f" (per run median {statistics.median(walls):.0f}s wall, 2 in parallel, on "
+                    "the 2 shared cores)" if walls else ""),
+                "command": shlex.join(["python", "bench/stress.py", "--replot", str(path)])}
     else:
       saved = json.loads(path.read_text())
       results, header = saved["results"], saved["header"]
@@ -718,6 +1103,15 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true", help="Pre-LN, 3 rates, 1 seed, 100 steps")
+  p.add_argument("--long", action="store_true",
+                 help="the long-horizon sweep: LONG_PLAN at 800 steps, LONG_FACTORS per "
+                 "optimizer, 3 seeds")
+  p.add_argument("--short-plan", action="store_true",
+                 help="the short-horizon rows planned and not run in the first sweep "
+                 "(SHORT_PLAN: QK-norm, no warmup, fp16)")
+  p.add_argument("--results", default=None, metavar="RUNS_JSONL",
+                 help="append each finished run to this JSON-lines file and skip the runs it "
+                 "already holds (resume an interrupted sweep); also accepted by --replot")
   p.add_argument("--diagnose", action="store_true",
                  help="the DIAGNOSIS variants of the stacks (+ the baselines) at 1x and 10x, "
                  "3 seeds")
@@ -740,10 +1134,21 @@ def main(argv=None) -> int:
                  help="only rebuild the outputs from saved results.json files (several are "
                  "merged, e.g. a full run and a run of new variants)")
   args = p.parse_args(argv)
-  name = args.name or ("stress_diagnosis" if args.diagnose else "stress")
+  name = args.name or ("stress_diagnosis" if args.diagnose else "stress_long" if args.long
+                       else "stress_short" if args.short_plan else "stress")
 
   if args.replot:
     results, header = merge_saved([Path(x) for x in args.replot.split(",")])
+    if args.long and header["setting"] == "":
+      b = BASE
+      header["setting"] = (
+          f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, data pydoc; "
+          f"models without QK-norm (long, long_warmup: warmup 0 / 80 steps) and with it "
+          f"(long_qk, long_qk_warmup); base LR AdamW {ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW "
+          f"groups {MUON_ADAM_LR:g}); QK-clip tau 100 (stablejax_qkclip100), 300 "
+          f"(stablejax_qkclip), 30 (stablejax_qkclip30); command of the runs: python "
+          f"bench/stress.py --long --results bench/results/stress_long_runs.jsonl")
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
@@ -759,10 +1164,12 @@ def main(argv=None) -> int:
     p.error(str(e))
 
   preset = QUICK if args.quick else DIAGNOSE if args.diagnose else {}
+  plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
-  models = args.models.split(",") if args.models else list(preset.get("models", PLAN))
+  default_models = LONG_MODELS if args.long else preset.get("models", plan)
+  models = args.models.split(",") if args.models else list(default_models)
   factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
-             else list(preset.get("lr_factors", LR_FACTORS)))
+             else None if args.long else list(preset.get("lr_factors", LR_FACTORS)))
   seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds
            else list(preset.get("seeds", SEEDS)))
   if args.defences:
@@ -780,20 +1187,29 @@ def main(argv=None) -> int:
     if d not in DEFENCES and d not in variants:
       p.error(f"unknown defence {d!r}: choose from {', '.join(DEFENCES)} or define it with "
               "--variant")
-  cells = [(m, d, f, s) for m in models for d in (chosen or PLAN[m]) for f in factors
-           for s in seeds]
+  # Seeds innermost, then rates: the runs of one curve finish together, so an interrupted sweep
+  # still has whole curves.
+  cells = [(m, d, f, s) for m in models for d in (chosen or plan[m])
+           for f in (factors or LONG_FACTORS[_family(d)]) for s in seeds]
+  if args.long and not (args.models or args.defences or args.lr_factors or args.seeds):
+    cells = long_cells()
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
 
   machine = _common.machine_lines()
   for line in machine:
     print(line)
   b = BASE
+  if factors:
+    grid = ", ".join(f"{f:g}" for f in factors)
+  else:
+    grid = "; ".join(f"{k} {', '.join(f'{f:g}' for f in v)}" for k, v in LONG_FACTORS.items())
+  lengths = sorted({model_steps(m, steps) for m in models})
   setting = (f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
-             f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, {steps} steps "
-             f"(warmup {max(2, steps // 10)} unless the model says 0), data pydoc; base LR AdamW "
-             f"{ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}); LR factors "
-             f"{', '.join(f'{f:g}' for f in factors)}; seeds {', '.join(map(str, seeds))}; "
-             f"{len(cells)} runs, {args.jobs} in parallel")
+             f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, "
+             f"{'/'.join(map(str, lengths))} steps (warmup 10% unless the model says otherwise), "
+             f"data pydoc; base LR AdamW {ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups "
+             f"{MUON_ADAM_LR:g}); LR factors {grid}; seeds {', '.join(map(str, seeds))}; "
+             f"QK-clip tau {QK_TAU:g}; {len(cells)} runs, {args.jobs} in parallel")
   if variants:
     setting += "; variants: " + "; ".join(
         f"{k} = {b_} + {json.dumps(o)}" for k, (b_, o) in variants.items()
@@ -806,19 +1222,28 @@ def main(argv=None) -> int:
   cache_dir = None if args.no_cache else os.path.join(workdir, "xla_cache")
   t0 = time.time()
   results: dict[tuple, dict] = {}
+  runs_file = Path(args.results) if args.results else None
+  if runs_file is not None and runs_file.exists():
+    done = {_key(r): r for r in read_runs(runs_file)}
+    results = {c: done[c] for c in cells if c in done}
+    print(f"resuming: {len(results)} of {len(cells)} runs already in {runs_file}", flush=True)
+  todo = [c for c in cells if c not in results]
   ctx = multiprocessing.get_context("spawn")
   with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                    initializer=_common.use_compilation_cache,
                                    initargs=(cache_dir,)) as pool:
     jobs = {pool.submit(run_one, m, d, f, s, steps, variants, workdir): (m, d, f, s)
-            for m, d, f, s in _jobs(cells)}
+            for m, d, f, s in (todo if args.long else _jobs(todo))}
     for job in futures.as_completed(jobs):
       r = job.result()
       results[jobs[job]] = r
+      if runs_file is not None:
+        append_run(runs_file, r)
       print(f"[{time.time() - t0:6.0f}s] {r['model']} {r['defence']} x{r['lr_factor']:g} "
             f"s{r['seed']}: {r['status']} val {_cell(r['val_loss'])} init {_cell(r['init_loss'])}"
             f" skips {_cell(r['skipped'])} rollbacks {_cell(r['rollbacks'])} "
-            f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s ms/step {_cell(r['ms_step'], '%.0f')} "
+            f"wall {_cell(r['wall_s'], '%.0f')}s cpu {r['cpu_s']:.0f}s "
+            f"ms/step {_cell(r['ms_step'], '%.0f')} "
             f"load {os.getloadavg()[0]:.1f}" + (f"  {r['error']}" if r["error"] else ""),
             flush=True)
       # Finished runs so far, so an interrupted sweep can still be reported with --replot.

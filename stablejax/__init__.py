@@ -15,6 +15,8 @@ from stablejax.transforms.skipping import SkipNonFiniteState
 from stablejax.transforms.skipping import SkipSpikesState
 from stablejax.transforms.skipping import skip_nonfinite
 from stablejax.transforms.skipping import skip_spikes
+from stablejax.transforms.qk_clip import QKClipState
+from stablejax.transforms.qk_clip import qk_clip
 from stablejax.transforms.zclip import ZClipState
 from stablejax.transforms.zclip import zclip
 # --- end transforms ---
@@ -36,9 +38,13 @@ from stablejax.modeling.utils import lambda_warmup
 from stablejax.modeling.utils import excess_kurtosis
 from stablejax.modeling.utils import merge_emb_proj
 from stablejax.modeling.utils import quantize_weights_rtn
+from stablejax.modeling.attention import attention_logit_max
+from stablejax.modeling.attention import collect_attention_logits
+from stablejax.modeling.attention import sow_attention_logits
 # --- end model utilities ---
 
 # --- monitoring ---
+from stablejax.monitor import AttentionLogitThresholds
 from stablejax.monitor import HealthThresholds
 from stablejax.monitor import StabilityMonitor
 from stablejax.monitor import grad_health_level
@@ -57,12 +63,14 @@ __all__ = [
     "AdaGCState",
     "DynamicLossScale",
     "HybridClipState",
+    "QKClipState",
     "SkipNonFiniteState",
     "SkipSpikesState",
     "ZClipState",
     "adagc",
     "cross_entropy_with_z_loss",
     "hybrid_clip",
+    "qk_clip",
     "register_state_metrics",
     "skip_nonfinite",
     "skip_spikes",
@@ -85,8 +93,12 @@ __all__ = [
     "excess_kurtosis",
     "merge_emb_proj",
     "quantize_weights_rtn",
+    "attention_logit_max",
+    "collect_attention_logits",
+    "sow_attention_logits",
     # --- end all model utilities ---
     # --- all monitoring ---
+    "AttentionLogitThresholds",
     "HealthThresholds",
     "StabilityMonitor",
     "grad_health_level",

@@ -50,7 +50,7 @@ class LinenLM(nn.Module):
 
 
 def linen_params(model: LinenLM, seq_len: int = 8):
-  return model.init(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
+  return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, seq_len), jnp.int32))["params"]
 
 
 # ------------------------------------------------------------------ NNX
@@ -98,3 +98,241 @@ class NNXLM(nnx.Module):
         x = block(x)
     x = self.ln_f(x)
     return self.embed.attend(x) if self.out is None else self.out(x)
+
+
+# ------------------------------------------------------------------ layouts of public models
+# Written here after reading the public code; each keeps the parameter tree (paths, shapes and
+# metadata) of the model it is named after, at toy sizes.
+
+
+class DenseGeneralAttention(nn.Module):
+  """Causal attention with ``nn.DenseGeneral`` projections under a custom module name.
+
+  The layout of google-deepmind/nanodo's ``CausalAttn``: ``query/key/value/kernel [D, H, hd]``,
+  ``attn_out_proj/kernel [H, hd, D]``, no biases; ``partition`` boxes kernels in
+  ``nn.Partitioned`` with mesh axis names (FSDP over ``'data'``) as nanodo's ``fsdp.init`` does.
+  """
+  d_model: int
+  heads: int
+  partition: bool = False
+
+  def _init(self, names):
+    init = nn.initializers.xavier_uniform()
+    return nn.with_partitioning(init, names) if self.partition else init
+
+  @nn.compact
+  def __call__(self, x):
+    hd = self.d_model // self.heads
+    q, k, v = (nn.DenseGeneral((self.heads, hd), use_bias=False, name=n,
+                               kernel_init=self._init(("data", None, None)))(x)
+               for n in ("query", "key", "value"))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q / hd ** 0.5, k)
+    mask = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+    probs = jax.nn.softmax(jnp.where(mask, logits, -1e9), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+    return nn.DenseGeneral(self.d_model, axis=(-2, -1), use_bias=False, name="attn_out_proj",
+                           kernel_init=self._init((None, None, "data")))(out)
+
+
+class DenseGeneralBlock(nn.Module):
+  d_model: int
+  heads: int
+  ff: int
+  partition: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    x = x + DenseGeneralAttention(self.d_model, self.heads, self.partition)(
+        nn.LayerNorm(use_bias=False)(x))
+    init = nn.initializers.xavier_uniform()
+    init = nn.with_partitioning(init, ("data", None)) if self.partition else init
+    h = nn.LayerNorm(use_bias=False)(x)
+    h = nn.gelu(nn.Dense(self.ff, use_bias=False, kernel_init=init)(h))
+    return x + nn.Dense(self.d_model, use_bias=False, kernel_init=init)(h)
+
+
+class DenseGeneralLM(nn.Module):
+  """nanodo's ``TransformerDo`` layout: token and position ``nn.Embed``, blocks, tied head."""
+  vocab: int = 64
+  d_model: int = 32
+  heads: int = 4
+  ff: int = 128
+  layers: int = 2
+  max_len: int = 16
+  partition: bool = False
+
+  def setup(self):
+    init = nn.initializers.normal(0.02)
+    init = nn.with_partitioning(init, (None, "data")) if self.partition else init
+    self.embed = nn.Embed(self.vocab, self.d_model, embedding_init=init)
+    self.pos_embed = nn.Embed(self.max_len, self.d_model, embedding_init=init)
+    self.blocks = [DenseGeneralBlock(self.d_model, self.heads, self.ff, self.partition)
+                   for _ in range(self.layers)]
+    self.out_ln = nn.LayerNorm(use_bias=False)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[1])[None])
+    for block in self.blocks:
+      x = block(x)
+    return self.embed.attend(self.out_ln(x))
+
+
+def _logical(init, names, boxed):
+  return nn.with_logical_partitioning(init, names) if boxed else init
+
+
+class LogicalBlock(nn.Module):
+  """Flax ``examples/lm1b``'s decoder block: every parameter boxed with logical axis names.
+
+  ``nn.SelfAttention`` gets the kernel initialiser with two names ``('embed', 'kv')`` for its
+  3-axis kernels, exactly as lm1b passes them (``DenseGeneral`` names its flattened kernel).
+  """
+  heads: int
+  mlp: int
+  boxed: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    ones, zeros = nn.initializers.ones, nn.initializers.zeros
+    norm = dict(scale_init=_logical(ones, ("embed",), self.boxed),
+                bias_init=_logical(zeros, ("embed",), self.boxed))
+    kernel = nn.initializers.xavier_uniform()
+    h = nn.LayerNorm(**norm)(x)
+    h = nn.SelfAttention(num_heads=self.heads, qkv_features=d, use_bias=False,
+                         kernel_init=_logical(kernel, ("embed", "kv"), self.boxed),
+                         deterministic=True)(h, nn.make_causal_mask(jnp.ones(x.shape[:2])))
+    x = x + h
+    h = nn.LayerNorm(**norm)(x)
+    h = nn.relu(nn.Dense(self.mlp, kernel_init=_logical(kernel, ("embed", "mlp"), self.boxed),
+                         bias_init=_logical(zeros, ("mlp",), self.boxed))(h))
+    return x + nn.Dense(d, kernel_init=_logical(kernel, ("mlp", "embed"), self.boxed),
+                        bias_init=_logical(zeros, ("embed",), self.boxed))(h)
+
+
+class LogicalDecoder(nn.Module):
+  vocab: int
+  d_model: int
+  heads: int
+  mlp: int
+  layers: int
+  boxed: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(self.vocab, self.d_model, embedding_init=_logical(
+        nn.initializers.normal(1.0), ("vocab", "embed"), self.boxed))
+    x = embed(tokens)
+    for i in range(self.layers):
+      x = LogicalBlock(self.heads, self.mlp, self.boxed, name=f"encoderdecoderblock_{i}")(x)
+    x = nn.LayerNorm(name="encoderdecoder_norm",
+                     scale_init=_logical(nn.initializers.ones, ("embed",), self.boxed),
+                     bias_init=_logical(nn.initializers.zeros, ("embed",), self.boxed))(x)
+    return nn.Dense(self.vocab, name="logitdense",
+                    kernel_init=_logical(nn.initializers.xavier_uniform(), ("embed", "vocab"),
+                                         self.boxed),
+                    bias_init=_logical(nn.initializers.zeros, ("vocab",), self.boxed))(x)
+
+
+class LogicalLM(nn.Module):
+  """Flax ``examples/lm1b``'s ``TransformerLM``: the untied head sits under ``decoder/``."""
+  vocab: int = 64
+  d_model: int = 32
+  heads: int = 4
+  mlp: int = 128
+  layers: int = 2
+  boxed: bool = True
+
+  @nn.compact
+  def __call__(self, tokens):
+    return LogicalDecoder(self.vocab, self.d_model, self.heads, self.mlp, self.layers,
+                          self.boxed, name="decoder")(tokens)
+
+
+class EinsumParam(nnx.Module):
+  """Gemma's ``layers.Einsum``: one ``w`` parameter contracted by an einsum string."""
+
+  def __init__(self, spec: str, shape, *, rngs: nnx.Rngs):
+    self.spec = spec
+    self.w = nnx.Param(nnx.initializers.normal(0.05)(rngs.params(), shape))
+
+  def __call__(self, x):
+    return jnp.einsum(self.spec, x, self.w[...])
+
+
+class EinsumRMSNorm(nnx.Module):
+  def __init__(self, dim: int, *, rngs: nnx.Rngs):
+    self.scale = nnx.Param(jnp.zeros((dim,)))
+
+  def __call__(self, x):
+    x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    return x * (1 + self.scale[...])
+
+
+class EinsumAttention(nnx.Module):
+  """Flax ``examples/gemma``'s attention: fused ``qkv_einsum`` when ``kv_heads == heads``,
+  otherwise ``q_einsum`` and a fused ``kv_einsum``; ``attn_vec_einsum`` out."""
+
+  def __init__(self, d_model, heads, kv_heads, head_dim, qk_norm=False, *, rngs):
+    self.heads, self.kv_heads = heads, kv_heads
+    self.attn_vec_einsum = EinsumParam("BTNH,NHD->BTD", (heads, head_dim, d_model), rngs=rngs)
+    if heads == kv_heads:
+      self.qkv_einsum = EinsumParam("BTD,SNDH->SBTNH", (3, heads, d_model, head_dim), rngs=rngs)
+    else:
+      self.q_einsum = EinsumParam("BTD,NDH->BTNH", (heads, d_model, head_dim), rngs=rngs)
+      self.kv_einsum = EinsumParam("BSD,CKDH->CBSKH", (2, kv_heads, d_model, head_dim), rngs=rngs)
+    if qk_norm:
+      self._query_norm = EinsumRMSNorm(head_dim, rngs=rngs)
+      self._key_norm = EinsumRMSNorm(head_dim, rngs=rngs)
+    self.qk_norm = qk_norm
+
+  def __call__(self, x):
+    if self.heads == self.kv_heads:
+      q, k, v = self.qkv_einsum(x)
+    else:
+      q = self.q_einsum(x)
+      k, v = self.kv_einsum(x)
+    if self.qk_norm:
+      q, k = self._query_norm(q), self._key_norm(k)
+    groups = self.heads // self.kv_heads
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    logits = jnp.einsum("BTNH,BSNH->BTNS", q * q.shape[-1] ** -0.5, k)
+    t = x.shape[1]
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool))[:, None], logits, -1e9)
+    return self.attn_vec_einsum(jnp.einsum("BTNS,BSNH->BTNH", jax.nn.softmax(logits, -1), v))
+
+
+class EinsumBlock(nnx.Module):
+  def __init__(self, d_model, heads, kv_heads, head_dim, hidden, qk_norm=False, *, rngs):
+    self.pre_attention_norm = EinsumRMSNorm(d_model, rngs=rngs)
+    self.attn = EinsumAttention(d_model, heads, kv_heads, head_dim, qk_norm, rngs=rngs)
+    self.pre_ffw_norm = EinsumRMSNorm(d_model, rngs=rngs)
+    self.mlp = nnx.Dict(  # Gemma's FeedForward: three bias-free nnx.Linear
+        gate_proj=nnx.Linear(d_model, hidden, use_bias=False, rngs=rngs),
+        up_proj=nnx.Linear(d_model, hidden, use_bias=False, rngs=rngs),
+        down_proj=nnx.Linear(hidden, d_model, use_bias=False, rngs=rngs))
+
+  def __call__(self, x):
+    x = x + self.attn(self.pre_attention_norm(x))
+    h = self.pre_ffw_norm(x)
+    h = nnx.gelu(self.mlp["gate_proj"](h)) * self.mlp["up_proj"](h)
+    return x + self.mlp["down_proj"](h)
+
+
+class EinsumLM(nnx.Module):
+  """Flax ``examples/gemma``'s ``Transformer``: ``embedder/input_embedding``, ``layers``, tied."""
+
+  def __init__(self, vocab=64, d_model=32, heads=4, kv_heads=4, head_dim=8, hidden=64,
+               layers=2, qk_norm=False, *, rngs):
+    self.embedder = nnx.Dict(input_embedding=nnx.Param(
+        nnx.initializers.normal(1.0)(rngs.params(), (vocab, d_model))))
+    self.layers = nnx.List([EinsumBlock(d_model, heads, kv_heads, head_dim, hidden, qk_norm,
+                                        rngs=rngs) for _ in range(layers)])
+    self.final_norm = EinsumRMSNorm(d_model, rngs=rngs)
+
+  def __call__(self, tokens):
+    table = self.embedder["input_embedding"][...]
+    x = table[tokens] * jnp.sqrt(table.shape[1])
+    for layer in self.layers:
+      x = layer(x)
+    return self.final_norm(x) @ table.T

@@ -84,7 +84,8 @@ def test_each_defence_builds_the_chain_it_names(defence):
 def _updates(tx, steps=3):
   state = tx.init(PARAMS)
   for i in range(steps):
-    grads = jax.tree.map(lambda p: 10.0 * jax.random.normal(jax.random.key(i), p.shape), PARAMS)
+    key = jax.random.key(i)
+    grads = jax.tree.map(lambda p, key=key: 10.0 * jax.random.normal(key, p.shape), PARAMS)
     updates, state = tx.update(grads, state, PARAMS, loss=jnp.float32(3.0))
   return updates
 
@@ -225,6 +226,59 @@ def test_summary_headline_numbers_by_hand():
   assert stack["extra_divergences"] == 0
 
 
+def test_qk_recovery_is_read_where_qk_norm_is_better_beyond_the_seed_noise():
+  # The no-QK-norm model ("long") with clip 1.0 and QK-clip, its QK-norm twin ("long_qk") with
+  # clip 1.0; two seeds at 1x, 10x, 100x. QK-norm's advantage over clip 1.0 (seed means): 1x
+  # none, 10x 3.0 - 2.0 = 1.0 (both seeds alike), 100x 4.1 - 3.9 = 0.2 with clip 1.0's seeds
+  # at 3.8 and 4.4: sd 0.424, standard error of the difference sqrt(0.18 / 2) = 0.3, so 0.2 is
+  # noise and the top rate with an advantage is 10x: share (3.0 - 2.4) / 1.0 = 0.6.
+  def cell(model, defence, factor, seed, loss):
+    return {**_cell(defence, factor, seed, loss), "model": model}
+  results = []
+  for seed, (c100, q100) in enumerate([(3.8, 4.0), (4.4, 4.0)]):
+    results += [cell("long", "clip1", 1, seed, 2.0), cell("long", "clip1", 10, seed, 3.0),
+                cell("long", "clip1", 100, seed, c100),
+                cell("long_qk", "clip1", 1, seed, 2.0), cell("long_qk", "clip1", 10, seed, 2.0),
+                cell("long_qk", "clip1", 100, seed, 3.9),
+                cell("long", "stablejax_qkclip100", 1, seed, 2.0),
+                cell("long", "stablejax_qkclip100", 10, seed, 2.4),
+                cell("long", "stablejax_qkclip100", 100, seed, q100)]
+  rows = {(r["model"], r["defence"]): r for r in stress.summarize(
+      results, ["long", "long_qk"], ["clip1", "stablejax_qkclip100"], [1, 10, 100], [0, 1])}
+  qk = rows[("long", "stablejax_qkclip100")]
+  assert qk["top_factor"] == 10
+  assert qk["qk_recovery"] == pytest.approx(0.6)
+  assert rows[("long", "clip1")]["qk_recovery"] == pytest.approx(0.0)
+  assert qk["sensitivity_ratio"] == pytest.approx((0.4 / 3 + 2.0 / 3) / ((1.0 + 2.1) / 3))
+  # a defence run at some of its baseline's rates only: no sensitivity ratio (other grid)
+  part = stress.summarize([r for r in results if r["lr_factor"] != 1 or r["defence"] == "clip1"],
+                          ["long"], ["clip1", "stablejax_qkclip100"], [1, 10, 100], [0, 1])
+  assert next(r for r in part if r["defence"] != "clip1")["sensitivity_ratio"] is None
+  # one seed: no spread to judge by, the fixed floor alone (100x: 0.2 > 0.05 counts)
+  one = stress.summarize([r for r in results if r["seed"] == 1], ["long", "long_qk"],
+                         ["clip1", "stablejax_qkclip100"], [1, 10, 100], [1])
+  one_qk = next(r for r in one if (r["model"], r["defence"]) == ("long", "stablejax_qkclip100"))
+  assert one_qk["top_factor"] == 100
+  assert one_qk["qk_recovery"] == pytest.approx((4.4 - 4.0) / (4.4 - 3.9))
+
+
+def test_runs_file_survives_a_sweep_killed_mid_write(tmp_path):
+  # A killed sweep leaves its last line cut short; the resumed sweep appends after it. Both whole
+  # runs must read back, the fragment is dropped, and a later line of the same cell wins.
+  path = tmp_path / "runs.jsonl"
+  first = _cell("clip1", 1.0, 0, 2.5)
+  stress.append_run(path, first)
+  with open(path, "a") as f:
+    f.write('{"model": "preln", "defence": "clip1", "lr_fac')   # killed here
+  second = _cell("clip1", 10.0, 0, 2.0)
+  stress.append_run(path, second)
+  stress.append_run(path, {**first, "val_loss": 2.4})
+  runs = {(r["lr_factor"], r["seed"]): r["val_loss"] for r in stress.read_runs(path)}
+  assert runs == {(1.0, 0): 2.4, (10.0, 0): 2.0}
+  # the fragment is kept as a line of its own (nothing the sweep wrote is rewritten)
+  assert len(path.read_text().splitlines()) == 4
+
+
 def _stress_tx(defence, variants=None):
   raw, kind = stress.cell_config("preln", defence, seed=0, steps=100, variants=variants or {})
   cfg = config_from_dict(raw)
@@ -232,10 +286,21 @@ def _stress_tx(defence, variants=None):
   return cfg, kind, (tx if tx is not None else build_optimizer(cfg))
 
 
-@pytest.mark.parametrize("defence", [d for d in stress.DEFENCES if d not in ("clip1", "muon_clip1")])
+@pytest.mark.parametrize("defence",
+                         [d for d in stress.DEFENCES if d not in ("clip1", "muon_clip1")])
 def test_each_stress_defence_builds_the_chain_it_names(defence):
   cfg, kind, tx = _stress_tx(defence)
-  present, absent = EXPECTED["stablejax+muon" if defence == "stablejax_muon" else defence]
+  stack = "stablejax+muon" if "muon" in defence else "stablejax"
+  if "qkclip" in defence:  # the stack with QK-clip at the end, at the tau its name says
+    present, absent = EXPECTED[stack]
+    present = present | {"QKClipState"}
+    tau = {"stablejax_qkclip": stress.QK_TAU, "stablejax_muon_qkclip": stress.QK_TAU}.get(
+        defence, float(defence.rsplit("qkclip", 1)[1] or 0))
+    assert cfg.stability.qk_clip_tau == tau
+  else:
+    present, absent = EXPECTED[stack if defence == "stablejax_muon" else defence]
+    if defence in ("stablejax", "stablejax_muon"):
+      absent = absent | {"QKClipState"}
   types = _state_types(tx)
   assert present <= types, present - types
   assert not (absent & types), absent & types
@@ -268,7 +333,8 @@ def test_stress_muon_clip1_is_clip_then_optax_muon_on_the_stacked_matrices():
   def updates(chain, scale):
     state = chain.init(PARAMS)
     for i in range(2):
-      grads = jax.tree.map(lambda p: scale * jax.random.normal(jax.random.key(i), p.shape), PARAMS)
+      key = jax.random.key(i)
+      grads = jax.tree.map(lambda p, key=key: scale * jax.random.normal(key, p.shape), PARAMS)
       out, state = chain.update(grads, state, PARAMS)
     return out
   # gradients of norm < 1: the clip is idle and the chain is optax's Muon with this routing
@@ -302,7 +368,8 @@ def test_lr_factor_multiplier_equals_a_larger_configured_rate(defence):
     if f is not None:
       state = _common.set_lr_factor(state, f)
     for i in range(3):
-      grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(i), p.shape), PARAMS)
+      key = jax.random.key(i)
+      grads = jax.tree.map(lambda p, key=key: jax.random.normal(key, p.shape), PARAMS)
       out, state = chain.update(grads, state, PARAMS, loss=jnp.float32(3.0))
     return out
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9),
@@ -340,7 +407,8 @@ def test_stress_variants_and_diagnosis_configs():
   name, base, overrides = stress.parse_variant(
       "lam2=stablejax:stability.adagc_lambda_rel=2.0,stability.recovery=false")
   assert (name, base) == ("lam2", "stablejax")
-  raw, _ = stress.cell_config("postln", "lam2", seed=1, steps=100, variants={name: (base, overrides)})
+  raw, _ = stress.cell_config("postln", "lam2", seed=1, steps=100,
+                              variants={name: (base, overrides)})
   cfg = config_from_dict(raw)
   assert cfg.stability.adagc_lambda_rel == 2.0 and not cfg.stability.recovery
   assert cfg.model.post_ln and cfg.train.seed == 1 and cfg.stability.zclip

@@ -130,13 +130,7 @@ def test_every_public_name_has_an_api_page(name):
 # Names that have no docstring of their own today (the two dataclasses only have the one
 # dataclasses writes from their fields). Their modules are being changed elsewhere and the
 # docstrings come with those changes; each leaves this set when its docstring is written.
-_NO_DOCSTRING_YET = {"stablejax.training.config.load_config", "stablejax.training.config.Config",
-                     "stablejax.data.pipeline.DataConfig"}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(reason="no docstring yet", strict=False))
-    if n in _NO_DOCSTRING_YET else n for n in PUBLIC])
+@pytest.mark.parametrize("name", PUBLIC)
 def test_every_public_name_has_a_docstring(name):
   assert _own_docstring(_resolve(name)), f"{name} has no docstring of its own"
 

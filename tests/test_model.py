@@ -90,7 +90,8 @@ def test_param_layout_names_and_kernel_ranks():
   for path, leaf in jax.tree_util.tree_leaves_with_path(blocks):
     assert leaf.ndim in (2, 3), path
   # EmbProj starts orthogonal.
-  p = np.asarray(_init(dataclasses.replace(BASE, emb_proj=True), _tokens())["emb_proj_in"]["kernel"])
+  params = _init(dataclasses.replace(BASE, emb_proj=True), _tokens())
+  p = np.asarray(params["emb_proj_in"]["kernel"])
   np.testing.assert_allclose(p.T @ p, np.eye(32), atol=1e-5)
   # Tied: no head.
   tied = _shapes(dataclasses.replace(BASE, tie_embeddings=True))
@@ -116,7 +117,7 @@ def test_scan_and_unscanned_models_agree():
   p_scan = _init(cfg_scan, tokens)
   p_flat = {k: v for k, v in p_scan.items() if k != "blocks"}
   for i in range(cfg_flat.n_layers):
-    p_flat[f"block_{i}"] = jax.tree_util.tree_map(lambda x: x[i], p_scan["blocks"])
+    p_flat[f"block_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], p_scan["blocks"])
   a = _apply(cfg_scan, p_scan, tokens)
   b = _apply(cfg_flat, p_flat, tokens)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

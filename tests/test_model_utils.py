@@ -110,6 +110,23 @@ def test_kurtosis_gaussian_near_zero_and_outlier_large():
   assert float(excess_kurtosis(rng.uniform(size=(2, 1000)))) == 0.0
 
 
+
+@pytest.mark.parametrize("peak", [5e9, 1e19, 3e38])
+def test_kurtosis_is_finite_for_huge_finite_activations(peak):
+  # The raw fourth moment overflows float32 from |x| ~ 4e9 (the logged kurtosis read inf on the
+  # runs whose attention logits diverged); the standardised moments never do. Reference: float64
+  # numpy on the same values (at 3e38 numpy's own fourth power overflows, so divide first).
+  rng = np.random.default_rng(1)
+  acts = rng.normal(size=(2, 8, 64)).astype(np.float32)
+  acts[1, 3, 5] = np.float32(peak)
+  acts[0] *= np.float32(peak / 1e3)          # a whole layer of large values
+  got = np.asarray(excess_kurtosis(acts))
+  assert np.isfinite(got)
+  scaled = acts.astype(np.float64) / np.abs(acts.astype(np.float64)).max(axis=(1, 2), keepdims=True)
+  np.testing.assert_allclose(float(got), _np_excess_kurtosis(scaled), rtol=1e-3)
+  n = acts[1].size
+  assert float(got) <= (n - 3) / 2 + 1e-3 * n  # layer 1 at most n - 3, layer 0 Gaussian (~0)
+
 # ----------------------------------------------------------------------------- EmbProj merge
 
 

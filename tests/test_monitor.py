@@ -44,7 +44,7 @@ def test_level_warnings_on_entry_only():
   m = StabilityMonitor(window=100)
   norms = [1.0, 0.3, 6.0, 7.0, 12.0, float("nan"), 2.0, 2.0]
   lines = {step: m.update(step, {"loss": 1.0, "grad_norm": g}) for step, g in enumerate(norms, 1)}
-  assert {s for s, got in lines.items() if got} == {3, 5, 6, 7}
+  assert {s for s, warned in lines.items() if warned} == {3, 5, 6, 7}
   assert "gradient health high" in lines[3][0] and "6" in lines[3][0]
   assert "gradient health critical" in lines[5][0]
   assert "gradient health exploded" in lines[6][0]
@@ -119,8 +119,8 @@ def test_sampled_rates_and_muon_fallbacks():
   m = StabilityMonitor(window=100)
   seq = [
       (10, {"adagc/clipped_fraction": 0.5, "muon/outlier_rate": 0.02,
-            "muon/ns_instability_rate": 0.0,
-            "muon/fallback_rate": 0.0, "muon/fallback_count": 0}),
+            "muon/ns_instability_rate": 0.0, "muon/fallback_rate": 0.0,
+            "muon/fallback_count": 0}),
       (20, {"adagc/clipped_fraction": 0.25, "muon/outlier_rate": float("nan"),
             "muon/ns_instability_rate": 0.1, "muon/fallback_rate": 0.5, "muon/fallback_count": 4}),
       (30, {"adagc/clipped_fraction": 0.0, "muon/outlier_rate": 0.04,
@@ -269,6 +269,26 @@ def test_loss_plateau_adds_warmup_advice():
   assert any("warmup" in line for line in lines)
   m2 = StabilityMonitor(window=10)
   assert not any(m2.update(s, {"loss": 5.0 - 0.1 * s, "grad_norm": 1.0}) for s in range(1, 31))
+
+
+def test_loss_plateau_is_not_flagged_in_the_decay_phase():
+  # The same flat loss late in a cosine schedule (lr below half its peak) is expected: no advice
+  # (the long-horizon sweep's clean runs all got it at step 700 of 800 before this rule).
+  def lines_with(lr_of_step):
+    m = StabilityMonitor(window=10)
+    out = []
+    for step in range(1, 41):
+      out += m.update(step, {"loss": 2.0 + 0.001 * step, "grad_norm": 1.0,
+                             "lr": lr_of_step(step)})
+    return [line for line in out if "plateau" in line]
+  assert lines_with(lambda s: 1e-3)                                # constant rate: flagged
+  assert not lines_with(lambda s: 1e-3 if s < 10 else 4e-4)        # decayed below half: not
+  m = StabilityMonitor(window=10)
+  for step in range(1, 41):
+    m.update(step, {"loss": 2.0, "lr": 1e-3 if step < 10 else 4e-4})
+  b = StabilityMonitor(window=10)
+  b.load_state_dict(json.loads(json.dumps(m.state_dict())))
+  assert b.state_dict() == m.state_dict() and b.advice() == m.advice() == []
 
 
 def test_missing_and_nonfinite_keys_are_tolerated():
@@ -498,3 +518,79 @@ def test_names_of_the_former_module_import_from_the_package(name):
   namespace = {}
   exec(f"from stablejax.monitor import {name}", namespace)
   assert namespace[name] is getattr(mon, name)
+
+
+# ---------------------------------------------------------------- attention-logit growth
+
+def _attn_run(values, every=10, **kwargs):
+  """Feeds attn_logit_max values at steps every, 2*every, ...; returns [(step, line)]."""
+  m = StabilityMonitor(**kwargs)
+  out = []
+  for i, v in enumerate(values, 1):
+    rec = {"loss": 2.0, "grad_norm": 1.0, "attn_logit_max": v,
+           "attn_logit_max/layer_0": v / 2, "attn_logit_max/layer_1": v}
+    out += [(i * every, line) for line in m.update(i * every, rec) if "attention" in line]
+  return out, m
+
+
+def test_attention_rule_level_warns_once_with_advice_and_layer():
+  rule = mon.AttentionLogitThresholds(high=1000.0, growth=8.0, growth_window=100,
+                                      growth_floor=200.0)
+  # A healthy ramp from 5 to 900 within the growth limit, then above the level.
+  values = [5.0 * 1.1 ** i for i in range(55)] + [1500.0, 1600.0, 2000.0]
+  assert max(values[:55]) < 1000
+  lines, m = _attn_run(values, attention=rule)
+  assert len(lines) == 1 and lines[0][0] == 560
+  assert "above 1000" in lines[0][1] and "layer_1" in lines[0][1]
+  assert "qk_norm" in lines[0][1] and "qk_clip_tau" in lines[0][1]
+  assert any("attention logits" in a for a in m.advice())
+  # Ten times further: one more warning.
+  more = m.update(590, {"attn_logit_max": 20001.0})
+  assert len(more) == 1 and "logit 2e+04" in more[0]
+
+
+def test_attention_rule_trend_warns_below_the_level_and_floor_blocks_early_growth():
+  rule = mon.AttentionLogitThresholds(high=1e4, growth=8.0, growth_window=100,
+                                      growth_floor=200.0)
+  # x10 within 100 steps but below the floor: no warning; then 50 -> 450 in 100 steps: warning.
+  early = [1.0, 2.0, 5.0, 10.0, 20.0, 40.0] + [50.0] * 12          # steps 10 .. 180
+  lines, _ = _attn_run(early + [100.0, 150.0, 250.0, 350.0, 450.0], attention=rule)
+  assert len(lines) == 1 and lines[0][0] == 230                     # 450 / 50 = 9 >= 8
+  assert "x9 within 100 steps" in lines[0][1]
+
+
+def test_attention_rule_quiet_on_flat_or_slow_series_and_off_with_none():
+  flat = [250.0 + 10 * math.sin(i) for i in range(80)]
+  assert _attn_run(flat)[0] == []
+  slow = [10.0 * 1.02 ** i for i in range(150)]          # x1.22 per 100 steps, up to ~195
+  assert _attn_run(slow)[0] == []
+  assert _attn_run([10.0, 1e6], attention=None)[0] == []
+  with pytest.raises(ValueError):
+    mon.AttentionLogitThresholds(growth=1.0)
+  with pytest.raises(ValueError):
+    StabilityMonitor(attention=(1000.0,))
+
+
+def test_attention_rule_state_survives_a_checkpoint():
+  a = StabilityMonitor()
+  for i, v in enumerate([10.0, 20.0, 40.0, 100.0], 1):
+    a.update(10 * i, {"attn_logit_max": v})
+  b = StabilityMonitor()
+  b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+  assert a.update(50, {"attn_logit_max": 900.0}) == b.update(50, {"attn_logit_max": 900.0})
+  assert b.state_dict() == a.state_dict()
+  old = a.state_dict()
+  for key in ("attn", "attn_warned", "attn_active"):   # a state saved before the rule existed
+    old.pop(key)
+  StabilityMonitor().load_state_dict(old)
+
+
+def test_tensorboard_tags_of_the_logit_telemetry():
+  tags = stablejax.tensorboard_scalars({
+      "step": 10, "attn_logit_max": 300.0, "attn_logit_max/layer_2": 300.0,
+      "attn_logit_max/layer_2/head_1": 299.0, "output_logit_max": 9.0,
+      "output_log_z_mean": 5.0, "output_log_z_max": 7.0, "qk_clip/heads_clipped": 3})
+  assert tags == {"attention/max_logit": 300.0, "attention/max_logit/layer_2": 300.0,
+                  "attention/max_logit/layer_2/head_1": 299.0, "output_logits/max": 9.0,
+                  "output_logits/log_z_mean": 5.0, "output_logits/log_z_max": 7.0,
+                  "stability/qk_clip/heads_clipped": 3.0}

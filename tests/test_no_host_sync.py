@@ -35,8 +35,10 @@ TINY = {
     "data": {"train": "pydoc"},
     "optimizer": {"name": "muon", "learning_rate": 0.01, "adam_learning_rate": 0.003,
                   "embedding_learning_rate": 0.003, "head_learning_rate": 0.003},
+    # QK-clip on: the step's forward pass computes every head's max logit for it; with the
+    # attention-logit telemetry (on by default) dispatched at log steps, neither may fetch.
     "stability": {"zclip_warmup_steps": 2, "adagc_warmup_steps": 2, "spike_window": 8,
-                  "spike_min_history": 4},
+                  "spike_min_history": 4, "qk_clip_tau": 0.05},
     "train": {"steps": 12, "batch_size": 4, "seq_len": 32, "warmup_steps": 2, "log_every": 4,
               "eval_every": 6, "eval_batches": 1, "peak_flops_per_device": 1e12},
     "checkpoint": {"every": 6, "async_save": False},

@@ -61,8 +61,11 @@ def test_garbage_batch_step_is_skipped_exactly(clean_run, tmp_path):
   assert run.train() == 0
   records = {r["step"]: r for r in read_metrics(run.out_dir) if "skip_spikes/skipped" in r}
   assert records[26]["skip_spikes/skipped"] and records[26]["loss"] > records[24]["loss"] + 2
-  assert [s for s, r in records.items() if r["skip_spikes/skipped"] or r["skip_nonfinite/skipped"]] == [26]
-  assert records[40]["skip_spikes/total_skips"] == 1 and records[40]["skip_nonfinite/total_skips"] == 0
+  skipped = [s for s, r in records.items()
+             if r["skip_spikes/skipped"] or r["skip_nonfinite/skipped"]]
+  assert skipped == [26]
+  assert records[40]["skip_spikes/total_skips"] == 1
+  assert records[40]["skip_nonfinite/total_skips"] == 0
   import jax
   before, after = run.watched[25]
   jax.tree.map(np.testing.assert_array_equal, after.params, before.params)
@@ -103,7 +106,8 @@ def test_garbage_batch_gradient_is_clipped_to_the_zclip_threshold(clean_run, tmp
 
 HOT = ("optimizer.name=\"adamw\"", "optimizer.learning_rate=1.0", "stability.zclip=false",
        "stability.adagc=false", "stability.max_grad_norm=null", "stability.skip_spikes=false",
-       "stability.max_rollbacks=2", "stability.loss_window=2", "stability.loss_explosion_factor=1.5")
+       "stability.max_rollbacks=2", "stability.loss_window=2",
+       "stability.loss_explosion_factor=1.5")
 
 
 @slow
@@ -182,12 +186,14 @@ def test_kill_during_checkpoint_save_then_resume(clean_run, tmp_path, capsys):
 
 
 @slow
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # see test_recovery_policy
+# see test_recovery_policy
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_corrupt_latest_checkpoint_falls_back(clean_run, tmp_path, capsys):
   out = tmp_path / "corrupt"
   first = run_subprocess(out, "faults.kill_at_step=35", fresh=True)
   assert first.returncode == -9
-  latest = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+  latest = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()),
+               key=lambda p: int(p.name))
   assert latest.name == "30"
   for f in (latest / "state").rglob("*"):
     if f.is_file() and f.stat().st_size > 64 and "json" not in f.name:
@@ -408,8 +414,8 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
 
 
 @slow
-def test_kill_right_after_rollback_resumes_with_its_skip_lr_and_count(rollback_run, tmp_path, capsys,
-                                                                      monkeypatch):
+def test_kill_right_after_rollback_resumes_with_its_skip_lr_and_count(rollback_run, tmp_path,
+                                                                      capsys, monkeypatch):
   import orbax.checkpoint as ocp
 
   reference, _, _ = rollback_run

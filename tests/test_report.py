@@ -48,17 +48,21 @@ def _write_run(run_dir, n_steps=300, every=5, truncate=True, muon=True):
     }
     if muon:
       rec.update({"muon/outlier_rate": 0.001, "muon/ns_instability_rate": 0.0,
-                  "muon/fallback_rate": 0.0, "muon/outlier_count": 3 * step, "muon/fallback_count": 0,
+                  "muon/fallback_rate": 0.0, "muon/outlier_count": 3 * step,
+                  "muon/fallback_count": 0,
                   "muon/update_rms/muon": 0.2, "muon/update_rms/adam": 1e-3,
                   "muon/update_rms/embedding": 2e-3, "muon/update_rms/head": 1.5e-3})
     lines.append(json.dumps(rec))
     if step == 150:
       checkpoint = (spikes, clips, skips)
     if step % 50 == 0 and not rerun:
-      lines.append(json.dumps({"step": step, "val_loss": loss + 0.1 if math.isfinite(loss) else 9.0}))
+      val = loss + 0.1 if math.isfinite(loss) else 9.0
+      lines.append(json.dumps({"step": step, "val_loss": val}))
     if step == 200 and not rerun:
-      lines.append(json.dumps({"step": 200, "event": "rollback", "cause": "loss spike", "to_step": 150}))
-      lines.append(json.dumps({"step": 200, "event": "warning", "cause": "gradient health critical"}))
+      lines.append(json.dumps({"step": 200, "event": "rollback", "cause": "loss spike",
+                               "to_step": 150}))
+      lines.append(json.dumps({"step": 200, "event": "warning",
+                               "cause": "gradient health critical"}))
   text = "\n".join(lines) + "\n"
   if truncate:
     text += '{"step": 305, "loss": 1.2, "grad_'  # a run killed mid-write
@@ -112,7 +116,8 @@ def test_analyse_replays_monitor_over_records(tmp_path):
   i100 = [r["step"] for r in analysis["train"]].index(100)
   assert analysis["rates"][i100]["zclip_spike_rate"] == pytest.approx(1 / 96)  # 1 + 19*5 steps
   levels = [line for _, line in analysis["monitor_warnings"] if "gradient health" in line]
-  assert any("critical" in l for l in levels) and any("exploded" in l for l in levels)
+  assert any("critical" in line for line in levels)
+  assert any("exploded" in line for line in levels)
   assert all(0.0 <= s <= 1.0 for s in analysis["score"])
 
 
@@ -241,3 +246,20 @@ def test_the_last_windows_rates_are_printed(tmp_path):
     r["skip_nonfinite/total_skips"] = r["step"] // 10  # one skip in steps 1..10, one in 11..20
   rates = [line for line in _summary(tmp_path, records) if line.startswith("rates (last window)")]
   assert len(rates) == 1 and "skip_rate" in rates[0]
+
+
+def test_report_draws_attention_telemetry_and_replays_its_warning(tmp_path):
+  recs = []
+  for i, step in enumerate(range(10, 310, 10)):
+    top = 20.0 * 1.3 ** i                            # x13.8 per 100 steps: the rule's trend
+    recs.append({"step": step, "loss": 3.0, "grad_norm": 1.0, "attn_logit_max": top,
+                 "attn_logit_max/layer_0": top, "attn_logit_max/layer_1": top / 3,
+                 "qk_clip/max_logit": top * 1.1, "output_logit_max": 9.0,
+                 "output_log_z_mean": 5.0, "output_log_z_max": 6.5})
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+  out, text = report.make_report(tmp_path)
+  assert out.read_bytes()[:8] == PNG_SIGNATURE
+  warned = [line for _, line in report.analyse(recs)["monitor_warnings"]
+            if "attention logits growing" in line]
+  assert warned and "layer_0" in warned[0]
+  assert "attention logits growing" in text

@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+import stablejax
+
 from trainer_utils import tiny_config
 
 SMALL = ("train.batch_size=8", "train.steps=12", "checkpoint.async_save=false",
@@ -100,3 +102,46 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   assert float(restored.loss_scale.loss_scale) == scale
   assert int(restored.loss_scale.counter) == counter
   run.checkpoints.close()
+
+
+def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path):
+  # Two runs from the same initial parameters on the same batch, without and with QK-clip: the
+  # clip is the chain's last link, so the second run's parameters are the first's with every
+  # head whose max logit (re-derived here from the initial parameters) exceeded tau scaled by
+  # sqrt(tau / max) in its q_proj and k_proj columns, and nothing else changed.
+  from stablejax.training.model import layer_max_logits
+  plain = make_run(tmp_path, "plain", "model.qk_norm=false")  # QK-clip needs a model without it
+  batch = stream(plain, 1)[0]
+  params0 = plain.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
+  _, sown = plain.model.apply({"params": params0}, batch[:, :-1], attention_logits=True,
+                              mutable=["intermediates"])
+  s = np.asarray(layer_max_logits(plain.cfg.model, stablejax.collect_attention_logits(sown)),
+                 np.float64)                                            # [L, H]
+  tau = float(np.median(s))
+  assert (s > tau).any() and (s < tau).any()
+  clipped = make_run(tmp_path, "clip", "model.qk_norm=false", f"stability.qk_clip_tau={tau!r}")
+  state_a, hist_a = steps(plain, [batch])
+  state_b, hist_b = steps(clipped, [batch])
+  assert hist_b[0]["qk_clip/heads_clipped"] == int((s > tau).sum())
+  assert hist_b[0]["qk_clip/max_logit"] == pytest.approx(s.max(), rel=1e-5)
+  assert hist_b[0]["loss"] == pytest.approx(hist_a[0]["loss"], rel=1e-6)
+  hd = plain.cfg.model.head_dim
+  factor = np.repeat(np.sqrt(np.where(s > tau, tau / s, 1.0)), hd, axis=-1)   # [L, H * hd]
+  a, b = state_a.params, state_b.params
+  for proj in ("q_proj", "k_proj"):
+    want = np.asarray(a["blocks"]["attn"][proj]["kernel"]) * factor[:, None, :]
+    np.testing.assert_allclose(np.asarray(b["blocks"]["attn"][proj]["kernel"]), want,
+                               rtol=1e-5, atol=1e-7)
+  rest = lambda p: {k: v for k, v in p.items() if k != "blocks"}  # noqa: E731
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
+               rest(a), rest(b))
+  np.testing.assert_allclose(b["blocks"]["attn"]["v_proj"]["kernel"],
+                             a["blocks"]["attn"]["v_proj"]["kernel"], rtol=1e-6, atol=1e-7)
+
+
+def test_qk_clip_config_errors():
+  from stablejax.training.config import ConfigError
+  with pytest.raises(ConfigError, match="qk_norm"):
+    tiny_config("stability.qk_clip_tau=100.0", "model.qk_norm=true")
+  with pytest.raises(ConfigError, match="qk_clip_tau"):
+    tiny_config("stability.qk_clip_tau=0", "model.qk_norm=false")

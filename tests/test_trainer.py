@@ -43,8 +43,16 @@ def test_metrics_records_have_documented_keys(clean_run):
   for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "zclip/grad_norm",
               "zclip/threshold", *adagc, "skip_nonfinite/total_skips",
               "skip_spikes/total_skips", "muon/outlier_rate", "muon/fallback_rate",
-              "stability_score", "health"):
+              "stability_score", "health", "attn_logit_max", "attn_logit_max/layer_0",
+              "attn_logit_max/layer_1", "output_logit_max", "output_log_z_mean",
+              "output_log_z_max"):
     assert key in train[-1], key
+  # The telemetry at every log step: the overall max is the max over layers; log Z >= max logit
+  # - log(V) and the mean log Z <= its max.
+  for r in train:
+    assert r["attn_logit_max"] == max(r["attn_logit_max/layer_0"], r["attn_logit_max/layer_1"])
+    assert r["output_log_z_mean"] <= r["output_log_z_max"]
+    assert r["output_log_z_max"] >= r["output_logit_max"]
   evals = [r for r in records if "val_loss" in r]
   assert [r["step"] for r in evals] == [20, 40]
   # The logged lr is the configured optax schedule's value (not a fraction of the peak): warmup

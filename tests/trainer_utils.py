@@ -69,7 +69,8 @@ def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:
 
 
 def run_subprocess(out: Path, *overrides: str, fresh: bool = False, devices: int | None = None,
-                   extra_args: tuple[str, ...] = (), timeout: float = 600) -> subprocess.CompletedProcess:
+                   extra_args: tuple[str, ...] = (), timeout: float = 600
+                   ) -> subprocess.CompletedProcess:
   env = dict(os.environ)
   if devices is not None:
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -88,7 +89,8 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def train_losses(out: Path) -> dict[int, float]:
-  """step -> loss of the train records (a step logged twice, e.g. after a resume, keeps the last)."""
+  """step -> loss of the train records (a step logged twice, e.g. after a resume, keeps the
+  last)."""
   return {r["step"]: r["loss"] for r in read_metrics(out) if "loss" in r and "event" not in r}
 
 

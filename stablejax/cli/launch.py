@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn, Optional, Sequence
 
 from stablejax.training.launch import PLATFORMS, launch
 
@@ -18,12 +19,12 @@ PROG = "python -m stablejax launch"
 
 
 class ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):  # one line and exit code 2, like train.py
+  def error(self, message: str) -> NoReturn:  # one line and exit code 2, like train.py
     print(f"error: {message} (see {PROG} --help)", file=sys.stderr)
     sys.exit(2)
 
 
-def parse_args(argv):
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
   p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
                      usage="%(prog)s [options] -- COMMAND [ARGS...]")
   p.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
@@ -55,7 +56,7 @@ def parse_args(argv):
   return args
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(sys.argv[1:] if argv is None else argv)
   return launch(args.command, args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
                 grace=args.grace, platform=args.platform)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from stablejax.data import tokenizer as tokenizer_lib
 from stablejax.data.prepare import SEPARATOR, TEXT_FIELD, Options, PrepareError, prepare
@@ -21,7 +21,7 @@ PROG = "python -m stablejax prepare"
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):
+  def error(self, message: str) -> NoReturn:
     print(f"error: {message} (see {PROG} --help)", file=sys.stderr)
     sys.exit(2)
 

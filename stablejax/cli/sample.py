@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import NoReturn, Optional, Sequence
 
 from stablejax.training.runs import RunError
 from stablejax.training.sampling import sample
@@ -27,7 +27,7 @@ SEPARATOR = "\n" + "-" * 40
 
 
 class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message):
+  def error(self, message: str) -> NoReturn:
     raise RunError(f"{message} (see {PROG} --help)")
 
 

@@ -65,11 +65,14 @@ import json
 import math
 import os
 import re
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import grain
 import numpy as np
 from grain.experimental import WindowShuffleMapDataset
+
+if TYPE_CHECKING:
+  from stablejax.data.tokenizer import Tokenizer
 
 EMBEDDED = "pydoc"
 PREPARED_META = "meta.json"         # marks a complete directory written by stablejax.data.prepare
@@ -141,7 +144,7 @@ class _Source:
     return int(sum(e - s for s, e in self.ranges))
 
 
-def _as_list(value, key: str) -> list[str]:
+def _as_list(value: Any, key: str) -> list[str]:
   if value is None:
     return []
   items = [value] if isinstance(value, (str, os.PathLike)) else list(value)
@@ -166,7 +169,9 @@ def _text_documents(raw: bytes) -> list[bytes]:
   """Blank-line paragraphs packed into documents of at most TEXT_DOC_BYTES (lossless)."""
   if len(raw) <= TEXT_DOC_BYTES:
     return [raw]
-  docs, current, size = [], [], 0
+  docs: list[bytes] = []
+  current: list[bytes] = []
+  size = 0
   for m in _PARAGRAPH.finditer(raw):
     para = m.group(0)
     if not para:
@@ -306,13 +311,13 @@ def _load_bin(path: str, cfg: DataConfig, vocab_size: int) -> _Source:
     if max_token >= vocab_size:
       raise DataError(f"data file {path!r} holds token id {max_token} >= vocab size "
                       f"{vocab_size}: set data.vocab_size (and model.vocab_size) above it")
-  ranges = []
+  ranges: list[tuple[int, int]] = []
   for i in np.flatnonzero(keep):
-    s, e = int(i) * BIN_DOC_TOKENS, min(n, (int(i) + 1) * BIN_DOC_TOKENS)
-    if ranges and ranges[-1][1] == s:
-      ranges[-1] = (ranges[-1][0], e)
+    begin, end = int(i) * BIN_DOC_TOKENS, min(n, (int(i) + 1) * BIN_DOC_TOKENS)
+    if ranges and ranges[-1][1] == begin:
+      ranges[-1] = (ranges[-1][0], end)
     else:
-      ranges.append((s, e))
+      ranges.append((begin, end))
   dropped = int(n_docs - keep.sum())
   stats = dict(name=path, kind="bin", files=1, documents=n_docs, kept=n_docs - dropped,
                dropped_repeat=dropped, dropped_nontext=0, tokens=int(sum(e - s for s, e in ranges)),
@@ -368,7 +373,7 @@ def read_prepared(path: str) -> Optional[dict]:
   return meta
 
 
-def prepared_vocab_size(entry) -> Optional[int]:
+def prepared_vocab_size(entry: Any) -> Optional[int]:
   """``vocab_size`` of a prepared directory named by a ``data.train`` value, else None.
 
   Used by the config to set ``model.vocab_size`` when it is not given; any problem is left to
@@ -416,7 +421,8 @@ def _load_prepared(path: str, meta: dict, cfg: DataConfig) -> tuple[list, _Sourc
 
 def _split_tail(ranges: list, n_tail: int) -> tuple[list, list]:
   """Splits usable ranges into (head, tail) where the tail holds the last n_tail tokens."""
-  head, tail, remaining = list(ranges), [], n_tail
+  head, remaining = list(ranges), n_tail
+  tail: list = []
   while remaining > 0 and head:
     s, e = head.pop()
     if e - s <= remaining:
@@ -586,7 +592,7 @@ def _prepared_entry(train_entries: list, val_entries: list) -> Optional[tuple[st
   return found[0]
 
 
-def data_tokenizer(cfg: DataConfig):
+def data_tokenizer(cfg: DataConfig) -> Optional[Tokenizer]:
   """The tokenizer of a data config, or None when it cannot be known (plain ``.bin`` files).
 
   A prepared directory's own tokenizer; byte-level text and ``pydoc`` get the ``bytes``
@@ -723,7 +729,7 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
   for i, reader in enumerate(train_readers):
     shuffle_seed, jitter_seed = _seeds(seed, i)
 
-    def to_window(slot, rng, reader=reader):
+    def to_window(slot: int, rng: np.random.Generator, reader: _WindowReader = reader) -> dict:
       start = reader.start_of(int(slot), int(rng.integers(0, reader.window)))
       return {"tokens": reader.read(start)}
 

@@ -84,7 +84,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -120,7 +120,7 @@ class Options:
 # ----------------------------------------------------------------------------- documents
 
 
-def _need(module: str, what: str):
+def _need(module: str, what: str) -> Any:
   try:
     return __import__(module)
   except ImportError:
@@ -128,7 +128,7 @@ def _need(module: str, what: str):
                        ) from None
 
 
-def _open(path: Path, mode: str = "rb"):
+def _open(path: Path, mode: str = "rb") -> Any:
   return gzip.open(path, mode) if path.name.endswith(".gz") else open(path, mode)
 
 
@@ -371,10 +371,10 @@ def _classify(raw: bytes, opts: Options) -> str:
   return "val" if is_val(raw, opts.val_fraction) else "train"
 
 
-_WORKER_TOKENIZER: dict = {}
+_WORKER_TOKENIZER: dict[tuple, tokenizer_lib.Tokenizer] = {}
 
 
-def _load_tokenizer(spec: tuple):
+def _load_tokenizer(spec: tuple) -> tokenizer_lib.Tokenizer:
   if spec not in _WORKER_TOKENIZER:
     kind, arg, eot = spec
     tok = tokenizer_lib.HFTokenizer(arg, eot) if kind == "file" else \
@@ -388,8 +388,8 @@ def encode_batch(task: tuple) -> dict:
   """Filters, splits and tokenizes one batch of documents (runs in a worker process)."""
   docs, tok_spec, opts, dtype = task
   tok = _load_tokenizer(tok_spec)
-  counts = collections.Counter()
-  texts = {"train": [], "val": []}
+  counts: collections.Counter[str] = collections.Counter()
+  texts: dict[str, list[str]] = {"train": [], "val": []}
   for doc in docs:
     text, raw = _as_text(doc)
     counts["bytes"] += len(raw)
@@ -398,7 +398,7 @@ def encode_batch(task: tuple) -> dict:
     if label in texts:
       texts[label].append(text)
       counts[f"{label}_bytes"] += len(raw)
-  out = {"counts": counts}
+  out: dict[str, Any] = {"counts": counts}
   for split, batch in texts.items():
     ids = tok.encode_batch(batch) if batch else []
     lengths = [len(x) + 1 for x in ids]
@@ -472,8 +472,8 @@ class _CtrlC:
       raise KeyboardInterrupt
 
 
-def _ordered_map(pool, fn, tasks: Iterator, inflight: int, ctrl_c: Optional[_CtrlC] = None
-                 ) -> Iterator:
+def _ordered_map(pool: Any, fn: Callable[[Any], Any], tasks: Iterator, inflight: int,
+                 ctrl_c: Optional[_CtrlC] = None) -> Iterator:
   """``pool.imap`` with back-pressure: at most ``inflight`` tasks read ahead (imap reads the
   whole input at once, which for a 40 GB corpus means 40 GB in memory). Waits in short slices
   inside ``ctrl_c.pool_call()``, so a Ctrl-C takes effect within 0.1 s."""
@@ -483,7 +483,7 @@ def _ordered_map(pool, fn, tasks: Iterator, inflight: int, ctrl_c: Optional[_Ctr
     return
   guard = ctrl_c.pool_call if ctrl_c is not None else contextlib.nullcontext
 
-  def result_of(pending):
+  def result_of(pending: Any) -> Any:
     while True:
       with guard():
         if pending.ready():
@@ -570,7 +570,7 @@ def _existing(out: Path) -> _Existing:
   return _Existing(meta, complete, kept, leftovers)
 
 
-def _remove(out: Path, names, keep: Optional[Path]) -> None:
+def _remove(out: Path, names: Iterable[str], keep: Optional[Path]) -> None:
   for name in sorted(names):
     path = out / name
     if keep is not None and path.exists() and path.resolve() == keep:
@@ -789,7 +789,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
   return meta
 
 
-def _pool_context():
+def _pool_context() -> Any:
   """fork (cheap) unless this process has started JAX's backends, whose threads must not be
   forked (prepare() called from a training script or a bench); then spawn."""
   xla_bridge = sys.modules.get("jax._src.xla_bridge")
@@ -808,9 +808,13 @@ def _tokenizer_checked(spec: str, eot_token: Optional[str]) -> tuple[Optional[in
     raise PrepareError(str(e)) from None
 
 
-def _make_tokenizer(spec, bpe_size, given_tok, in_place, inputs, out, opts, bpe_train_bytes,
-                    progress, log):
+def _make_tokenizer(spec: str, bpe_size: Optional[int],
+                    given_tok: Optional[tokenizer_lib.Tokenizer], in_place: bool,
+                    inputs: list[str], out: Path, opts: Options,
+                    bpe_train_bytes: Optional[int], progress: bool, log: Callable[[str], Any]
+                    ) -> tuple[tokenizer_lib.Tokenizer, tuple]:
   if bpe_size is None:
+    assert given_tok is not None, "a named tokenizer is loaded before this"
     tok = given_tok
     if isinstance(tok, tokenizer_lib.HFTokenizer):
       if in_place:  # --out's own tokenizer.json: read in place, never rewritten
@@ -823,7 +827,7 @@ def _make_tokenizer(spec, bpe_size, given_tok, in_place, inputs, out, opts, bpe_
   bar = tqdm(unit="B", unit_scale=True, desc="bpe data", disable=not progress)
   limit = bpe_train_bytes if bpe_train_bytes else float("inf")
 
-  def training_texts():
+  def training_texts() -> Iterator[str]:
     seen = 0
     for entry in inputs:
       for doc in iter_documents(entry, opts):
@@ -843,16 +847,17 @@ def _make_tokenizer(spec, bpe_size, given_tok, in_place, inputs, out, opts, bpe_
   return tok, ("file", str(partial), tok.eot_token)
 
 
-def _tokenize(inputs, out, tok, tok_spec, dtype, weights, opts, pool, workers, progress,
-              ctrl_c=None) -> dict:
+def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_spec: tuple,
+              dtype: str, weights: Optional[list[float]], opts: Options, pool: Any, workers: int,
+              progress: bool, ctrl_c: Optional[_CtrlC] = None) -> dict:
   paths = {split: Path(str(out / f"{split}.bin") + PARTIAL) for split in ("train", "val")}
   files = {split: open(p, "wb") for split, p in paths.items()}
   totals = {"train": 0, "val": 0}
-  sources = []
+  sources: list[dict[str, Any]] = []
   bar = tqdm(unit="B", unit_scale=True, desc="tokenize", disable=not progress, smoothing=0.1)
   try:
     for index, entry in enumerate(inputs):
-      counts = collections.Counter()
+      counts: collections.Counter[str] = collections.Counter()
       start = dict(totals)
       tasks = _batches(iter_documents(entry, opts), (tok_spec, opts, np.dtype(dtype)))
       for result in _ordered_map(pool, encode_batch, tasks, 2 * workers, ctrl_c):

@@ -33,7 +33,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
 EOT_TEXT = "<|endoftext|>"
 # End-of-text names looked up in a tokenizer.json, in this order.
@@ -49,6 +49,8 @@ class BytesTokenizer:
   """UTF-8 bytes as tokens; NUL (id 0) is the end-of-text token."""
 
   kind = "bytes"
+  # The prompt of an empty sample; set by whoever loads the tokenizer for a run.
+  start_ids: list[int]
   vocab_size = 256
   eot_id = 0
 
@@ -76,6 +78,8 @@ class TiktokenTokenizer:
   """A tiktoken encoding (``gpt2``); special tokens in the text are encoded as plain text."""
 
   kind = "tiktoken"
+  # The prompt of an empty sample; set by whoever loads the tokenizer for a run.
+  start_ids: list[int]
 
   def __init__(self, name: str):
     import tiktoken
@@ -108,6 +112,8 @@ class HFTokenizer:
   """A Hugging Face ``tokenizers`` tokenizer loaded from a ``tokenizer.json``."""
 
   kind = "hf"
+  # The prompt of an empty sample; set by whoever loads the tokenizer for a run.
+  start_ids: list[int]
 
   def __init__(self, path: str | os.PathLike, eot_token: Optional[str] = None):
     from tokenizers import Tokenizer
@@ -157,7 +163,11 @@ class HFTokenizer:
             "sha256": self.sha256}
 
 
-def get_tokenizer(spec: str, eot_token: Optional[str] = None):
+# Any of the tokenizers above: they share encode, encode_batch, decode, describe and eot_id.
+Tokenizer = Union[BytesTokenizer, TiktokenTokenizer, HFTokenizer]
+
+
+def get_tokenizer(spec: str, eot_token: Optional[str] = None) -> Tokenizer:
   """Loads ``bytes``, ``gpt2`` (or another tiktoken encoding name) or a tokenizer.json path.
 
   ``bpe:N`` is not loadable: it is trained on a corpus (``train_bpe``).
@@ -236,7 +246,7 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: str | os.PathLike,
   return HFTokenizer(path)
 
 
-def from_meta(meta: dict, directory: str | os.PathLike):
+def from_meta(meta: dict, directory: str | os.PathLike) -> Tokenizer:
   """The tokenizer a prepared directory's ``meta.json`` names."""
   info = meta.get("tokenizer", {})
   kind = info.get("kind")

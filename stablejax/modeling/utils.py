@@ -17,15 +17,18 @@ a tree wrapped as ``{"params": ...}`` is accepted too.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+if TYPE_CHECKING:
+  from stablejax.training.model import ModelConfig
 
-def _unwrap(params):
+
+def _unwrap(params: Any) -> tuple[Any, Callable[[Any], Any]]:
   """Returns (inner params, rewrap function) for trees given with or without a "params" key."""
   if isinstance(params, dict) and "tok_embed" not in params and "params" in params:
     outer = params
@@ -33,7 +36,7 @@ def _unwrap(params):
   return params, lambda inner: inner
 
 
-def init_new_token_embeddings(params, token_ids: Sequence[int] | np.ndarray):
+def init_new_token_embeddings(params: Any, token_ids: Sequence[int] | np.ndarray) -> Any:
   """Sets the embeddings of new tokens to the mean embedding of the rest of the vocabulary.
 
   The input embedding rows ``tok_embed/embedding[token_ids]`` and, for an untied model, the output
@@ -75,7 +78,7 @@ def init_new_token_embeddings(params, token_ids: Sequence[int] | np.ndarray):
   keep[ids] = False
   keep_j = jnp.asarray(keep)
 
-  def masked_mean(x, axis):
+  def masked_mean(x: jax.Array, axis: int) -> jax.Array:
     w = keep_j.astype(jnp.float32)
     w = w[:, None] if axis == 0 else w[None, :]
     return jnp.sum(x.astype(jnp.float32) * w, axis=axis) / float(keep.sum())
@@ -126,12 +129,14 @@ def lambda_warmup(steps: int, schedule: str = "linear") -> optax.Schedule:
   return lambda step: jnp.asarray(1.0 - decay(step), jnp.float32)
 
 
-def excess_kurtosis(hidden) -> jax.Array:
+def excess_kurtosis(hidden: Any) -> jax.Array:
   """Mean over layers of ``max(0, E[(x - mu)^4] / sigma^4 - 3)``.
 
   Statistics are per layer over *all* entries of that layer (batch, positions and features
-  pooled), centred on the layer mean, in float32. A Gaussian gives ~0; a few massive activations
-  give large values.
+  pooled), centred on the layer mean, in float32 from standardised values (``x / max|x|``, then
+  ``(x - mean) / std``): finite activations always give a finite value, however large they are
+  (a layer of ``n`` entries gives at most ``n - 3``). A Gaussian gives ~0; a few massive
+  activations give large values.
 
   Args:
     hidden: array ``[n_layers, ...]`` (leading axis = layer), e.g. ``activations["residual"]``
@@ -156,16 +161,24 @@ def excess_kurtosis(hidden) -> jax.Array:
   return jnp.mean(jax.vmap(_layer_excess_kurtosis)(flat))
 
 
-def _layer_excess_kurtosis(x) -> jax.Array:
+def _layer_excess_kurtosis(x: jax.Array) -> jax.Array:
+  # Standardised before any power is taken: y = x / max|x| lies in [-1, 1], and z = (y - mean) / std
+  # has |z| <= sqrt(n), so z**4 <= n**2 and neither the moments nor their ratio can overflow
+  # float32 for finite activations (the raw fourth moment overflows from |x| ~ 4e9 on).
   x = jnp.asarray(x, jnp.float32).reshape(-1)
-  centred = x - jnp.mean(x)
-  var = jnp.mean(centred ** 2)
-  m4 = jnp.mean(centred ** 4)
-  kurt = m4 / jnp.maximum(var ** 2, jnp.finfo(jnp.float32).tiny)
+  peak = jnp.max(jnp.abs(x))
+  # Twice by 1 / sqrt(peak), not once by 1 / peak: near float32's maximum 1 / peak is subnormal,
+  # and XLA on CPU flushes subnormals to zero.
+  r = jax.lax.rsqrt(jnp.where(peak > 0, peak, 1.0))
+  y = (x * r) * r
+  centred = y - jnp.mean(y)
+  var = jnp.mean(jnp.square(centred))
+  z = centred * jnp.where(var > 0, jax.lax.rsqrt(jnp.where(var > 0, var, 1.0)), 0.0)
+  kurt = jnp.mean(jnp.square(jnp.square(z)))
   return jnp.maximum(kurt - 3.0, 0.0)
 
 
-def merge_emb_proj(params, cfg):
+def merge_emb_proj(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
   """Folds the EmbProj projections into the embedding table and the output head.
 
   The model computes ``x0 = s * E[t] @ P_in`` (``s`` = sqrt(D) with ``embed_scale``, else 1) and
@@ -218,14 +231,14 @@ def merge_emb_proj(params, cfg):
   return rewrap(new), dataclasses.replace(cfg, emb_proj=False, tie_embeddings=False)
 
 
-def _path_str(path) -> str:
+def _path_str(path: Sequence[Any]) -> str:
   parts = []
   for k in path:
     parts.append(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))))
   return "/".join(parts)
 
 
-def quantize_weights_rtn(params, bits: int = 4, *, exclude: Sequence[str] = ()) -> Any:
+def quantize_weights_rtn(params: Any, bits: int = 4, *, exclude: Sequence[str] = ()) -> Any:
   """Per-channel symmetric round-to-nearest weight quantisation (returns dequantised weights).
 
   Every leaf with ``ndim >= 2`` is quantised per output channel: for kernels ``[..., in, out]``
@@ -257,7 +270,7 @@ def quantize_weights_rtn(params, bits: int = 4, *, exclude: Sequence[str] = ()) 
     raise ValueError(f"bits={bits!r} must be an integer in 2..8 (4 for the usual 4-bit test)")
   qmax = float(2 ** (bits - 1) - 1)
 
-  def quant(path, w):
+  def quant(path: Sequence[Any], w: jax.Array) -> jax.Array:
     name = _path_str(path)
     leaf = name.rsplit("/", 1)[-1]
     if getattr(w, "ndim", 0) < 2 or leaf == "scale" or any(e in name for e in exclude):

@@ -37,6 +37,7 @@ importable from ``stablejax.monitor`` directly.
 
 from stablejax.monitor._numbers import _as_float  # noqa: F401 (stablejax.monitor.report uses it)
 from stablejax.monitor.health import HEALTH_LEVELS
+from stablejax.monitor.health import AttentionLogitThresholds
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.health import grad_health_level
 from stablejax.monitor.health import health_code
@@ -59,6 +60,7 @@ from stablejax.monitor.tensorboard import tensorboard_scalars
 
 
 __all__ = [
+    "AttentionLogitThresholds",
     "HEALTH_LEVELS",
     "HealthThresholds",
     "PLATEAU_ADVICE",

@@ -36,7 +36,7 @@ class HealthThresholds:
   critical: float = 10.0
   low: Optional[float] = None
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     for name in ("high", "critical"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -84,4 +84,50 @@ def health_code(level: Optional[str]) -> float:
 
   Returns -1 low, 0 healthy, 1 high, 2 critical, 3 exploded, NaN for unknown.
   """
-  return float(_LEVEL_CODE.get(level, float("nan")))
+  return float(_LEVEL_CODE.get(level or "", float("nan")))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLogitThresholds:
+  """When :class:`StabilityMonitor` warns about attention-logit growth (level and trend).
+
+  Reads the logged maximum pre-softmax attention logit (``attn_logit_max`` of a train record,
+  the maximum over layers, heads, batch and positions of ``q.k / sqrt(head_dim)``). Without
+  QK-norm, runaway logits are the first of Wortsman et al.'s small-scale proxies of large-scale
+  instability (arXiv 2309.14322, section 3.1.1; every run of theirs whose logits passed ~1e4
+  diverged). Two conditions, either of which warns:
+
+  * level: ``max_logit > high``;
+  * trend: ``max_logit > growth_floor`` and ``max_logit >= growth`` times the smallest value
+    logged in the preceding ``growth_window`` steps.
+
+  A warning is given when a condition first holds and again only when the logit has grown
+  ``repeat_factor`` times past the value of the previous warning. The defaults come from the
+  long-horizon stress sweep of ``bench/stress.py`` (docs/results.md): no warning on its clean
+  runs, a warning before the loss degraded on its unstable ones.
+
+  Args:
+    high: logit level that warns on its own.
+    growth: growth factor within ``growth_window`` steps that warns above ``growth_floor``.
+    growth_window: steps over which the growth is measured.
+    growth_floor: no trend warning below this logit (early training grows fast from ~1).
+    repeat_factor: a further warning needs the logit this many times above the last one.
+  """
+
+  high: float = 1000.0
+  growth: float = 8.0
+  growth_window: int = 100
+  growth_floor: float = 200.0
+  repeat_factor: float = 10.0
+
+  def __post_init__(self) -> None:
+    for name in ("high", "growth", "growth_floor", "repeat_factor"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"AttentionLogitThresholds.{name} must be a positive finite number, "
+                         f"got {value!r}")
+    if self.growth <= 1 or self.repeat_factor <= 1:
+      raise ValueError("AttentionLogitThresholds.growth and repeat_factor must be > 1")
+    if not isinstance(self.growth_window, int) or self.growth_window < 1:
+      raise ValueError(f"AttentionLogitThresholds.growth_window must be a positive int of steps, "
+                       f"got {self.growth_window!r}")

@@ -17,7 +17,10 @@ clipped gradient norm with the ZClip band (EMA mean +- std) and threshold;
 learning rate; stability score (the logged ``stability_score`` or, for runs
 that did not log it, the score replayed with :class:`StabilityMonitor`) with
 the target; window rates (spike, clip, skip); per-group update RMS
-(``muon/update_rms/*``).
+(``muon/update_rms/*``); the maximum attention logit per layer
+(``attn_logit_max/layer_*``, log scale, with QK-clip's pre-clip maximum and its
+threshold crossings when it ran) and the output-logit statistics (max logit,
+mean and max log Z).
 """
 
 from __future__ import annotations
@@ -74,8 +77,10 @@ _num = _as_float  # number or None, "NaN"/"Infinity" strings included
 
 
 def _series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
-  """Steps and values of ``key``; a NaN point breaks the line where the step goes back (rollback)."""
-  xs, ys = [], []
+  """Steps and values of ``key``; a NaN point breaks the line where the step goes back
+  (rollback)."""
+  xs: list[float] = []
+  ys: list[float] = []
   for r in records:
     v = _num(r.get(key))
     if v is not None:
@@ -87,8 +92,10 @@ def _series(records: Sequence[dict], key: str) -> tuple[list[float], list[float]
   return xs, ys
 
 
-def _break_rewinds(steps: Sequence[int], values: Sequence[float]) -> tuple[list[float], list[float]]:
-  xs, ys = [], []
+def _break_rewinds(steps: Sequence[int],
+                   values: Sequence[float]) -> tuple[list[float], list[float]]:
+  xs: list[float] = []
+  ys: list[float] = []
   for x, y in zip(steps, values):
     if xs and x < xs[-1]:
       xs.append(float("nan"))
@@ -166,14 +173,14 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   from matplotlib.figure import Figure
 
   train, evals = analysis["train"], analysis["eval"]
-  fig = Figure(figsize=(14, 12), dpi=90)
+  fig = Figure(figsize=(14, 16), dpi=90)
   FigureCanvasAgg(fig)
-  axes = fig.subplots(3, 2)
+  axes = fig.subplots(4, 2)
   fig.suptitle(title or "stablejax run report")
   skip_steps = analysis["skip_steps"]
   rollback_steps = [s for s, _ in analysis["rollbacks"]]
 
-  def mark_events(ax, label=True):
+  def mark_events(ax: Any, label: bool = True) -> None:
     for i, s in enumerate(rollback_steps):
       ax.axvline(s, color="tab:red", lw=1.2, ls="--", alpha=0.8,
                  label="rollback" if label and i == 0 else None)
@@ -181,14 +188,15 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
       ax.axvline(s, color="tab:orange", lw=0.8, alpha=0.35,
                  label="skipped step" if label and i == 0 else None)
 
-  def finish(ax, title, ylabel=None, log=False):
+  def finish(ax: Any, title: str, ylabel: Optional[str] = None, log: bool = False) -> None:
     ax.set_title(title, fontsize=10)
     ax.set_xlabel("step", fontsize=8)
     if ylabel:
       ax.set_ylabel(ylabel, fontsize=8)
     ax.grid(alpha=0.3)
     ax.tick_params(labelsize=8)
-    if log and any(np.any(np.asarray(l.get_ydata(), dtype=float) > 0) for l in ax.get_lines()):
+    if log and any(np.any(np.asarray(line.get_ydata(), dtype=float) > 0)
+                    for line in ax.get_lines()):
       ax.set_yscale("log")
     handles, labels = ax.get_legend_handles_labels()
     if handles:
@@ -299,6 +307,37 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   mark_events(ax, label=False)
   finish(ax, "update RMS per group", log=True)
 
+  # 7. attention logits per layer (Wortsman et al.'s first proxy of instability)
+  ax = axes[3, 0]
+  def layer_index(key: str) -> int:
+    tail = key.rsplit("_", 1)[1]
+    return int(tail) if tail.isdigit() else 0
+  layer_keys = sorted({k for r in train for k in r
+                       if k.startswith("attn_logit_max/layer_") and k.count("/") == 1},
+                      key=layer_index)
+  for key in layer_keys:
+    xs, ys = _series(train, key)
+    ax.plot(xs, ys, lw=0.9, label=key[len("attn_logit_max/"):])
+  if not layer_keys:
+    xs, ys = _series(train, "attn_logit_max")
+    if xs:
+      ax.plot(xs, ys, lw=1.2, label="max over layers")
+  xs, ys = _series(train, "qk_clip/max_logit")
+  if xs:
+    ax.plot(xs, ys, "k:", lw=1, label="QK-clip: step max (before clipping)")
+  mark_events(ax, label=False)
+  finish(ax, "max attention logit q.k/sqrt(d) per layer", log=True)
+
+  # 8. output logits
+  ax = axes[3, 1]
+  for key, label in (("output_logit_max", "max logit"), ("output_log_z_mean", "mean log Z"),
+                     ("output_log_z_max", "max log Z")):
+    xs, ys = _series(train, key)
+    if xs:
+      ax.plot(xs, ys, lw=1, label=label)
+  mark_events(ax, label=False)
+  finish(ax, "output logits")
+
   fig.tight_layout(rect=(0, 0, 1, 0.97))
   out_path = Path(out_path)
   fig.savefig(out_path, format="png")
@@ -333,14 +372,14 @@ def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int 
   losses = [(r["step"], _num(r.get("loss"))) for r in train if _num(r.get("loss")) is not None]
   if losses:
     out.append(f"final train loss: {_fmt(losses[-1][1])} at step {losses[-1][0]}")
-  vals = [(r["step"], _num(r.get("val_loss"))) for r in evals if _num(r.get("val_loss")) is not None]
+  vals = [(r["step"], v) for r in evals if (v := _num(r.get("val_loss"))) is not None]
   if vals:
     finite = [v for v in vals if math.isfinite(v[1])]
     best = min(finite, key=lambda v: v[1]) if finite else None
     out.append(f"final val loss: {_fmt(vals[-1][1])} at step {vals[-1][0]}"
                + (f"; best {_fmt(best[1])} at step {best[0]}" if best else ""))
   nonfinite = [r["step"] for r in train
-               if _num(r.get("loss")) is not None and not math.isfinite(_num(r.get("loss")))]
+               if (v := _num(r.get("loss"))) is not None and not math.isfinite(v)]
   if nonfinite:
     out.append(f"non-finite loss at {len(nonfinite)} logged step(s): {_list(nonfinite, max_lines)}")
   total_skips = 0
@@ -376,7 +415,8 @@ def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int 
                + ", ".join(f"{k} {levels[k]}" for k in
                            ("low", "healthy", "high", "critical", "exploded") if k in levels)
                + f"; max grad norm {_fmt(summ.get('max_grad_norm'))}")
-  logged_scores = [_num(r.get("stability_score")) for r in train if _num(r.get("stability_score")) is not None]
+  logged_scores = [_num(r.get("stability_score")) for r in train
+                   if _num(r.get("stability_score")) is not None]
   score = logged_scores[-1] if logged_scores else summ["score"]
   out.append(f"stability score (last window): {score:.3f} (target {summ['score_target']:.2f})")
   rates = summ.get("rates") or {}
@@ -395,7 +435,8 @@ def _list(items: Sequence[Any], limit: int) -> str:
   return text + (f", ... ({len(items)} total)" if len(items) > limit else "")
 
 
-def make_report(run_dir: Path, out_path: Optional[Path] = None, window: int = 100) -> tuple[Path, str]:
+def make_report(run_dir: Path, out_path: Optional[Path] = None,
+                window: int = 100) -> tuple[Path, str]:
   """Reads ``run_dir/metrics.jsonl``, writes the PNG and returns ``(png_path, summary_text)``.
 
   Args:
@@ -417,6 +458,7 @@ def make_report(run_dir: Path, out_path: Optional[Path] = None, window: int = 10
   if not records:
     raise ReportError(f"{path} has no readable records yet; wait for the first log step")
   analysis = analyse(records, window=window)
-  out = plot_report(analysis, out_path or run_dir / REPORT_FILE, title=f"stablejax run: {run_dir.name}")
+  out = plot_report(analysis, out_path or run_dir / REPORT_FILE,
+                    title=f"stablejax run: {run_dir.name}")
   text = format_summary(analysis, bad_lines=bad)
   return out, text

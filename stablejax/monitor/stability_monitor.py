@@ -7,7 +7,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from stablejax.monitor._numbers import _as_float
-from stablejax.monitor.health import HealthThresholds, grad_health_level
+from stablejax.monitor.health import AttentionLogitThresholds, HealthThresholds, grad_health_level
 from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
 
 
@@ -29,6 +29,11 @@ _SAMPLED = {
     "muon_ns_instability_rate": "muon/ns_instability_rate",
 }
 _GRAD_NORM_KEYS = ("grad_norm", "zclip/grad_norm", "adagc/grad_norm", "skip_spikes/grad_norm")
+_ATTN_KEY = "attn_logit_max"
+ATTENTION_ADVICE = ("without QK-norm, attention logits past ~1e4 preceded divergence in every run "
+                    "of Wortsman et al. (arXiv 2309.14322): turn on QK-norm (model.qk_norm=true), "
+                    "or QK-clip (stability.qk_clip_tau, stablejax.qk_clip), or lower the learning "
+                    "rate")
 
 
 def _event_sample(kind: str, metrics: Mapping[str, Any], prev_counters: Mapping[str, float],
@@ -86,7 +91,11 @@ class StabilityMonitor:
     advice_every: minimum number of steps between two advice warnings
       (default: ``window``).
     loss_plateau_check: whether to add the "slow convergence" row when the mean
-      loss of the last window is not below that of the window before.
+      loss of the last window is not below that of the window before. Not while
+      the logged learning rate (``lr``) is below half of its largest value so far:
+      in the decay phase of a schedule a flattening loss is expected (and the
+      row's advice, a longer warmup, does not apply).
+    attention: thresholds of the attention-logit rule; None turns it off.
 
   Example::
 
@@ -96,15 +105,20 @@ class StabilityMonitor:
 
   def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),
                score_target: float = 0.8, advice_every: Optional[int] = None,
-               loss_plateau_check: bool = True):
+               loss_plateau_check: bool = True,
+               attention: Optional[AttentionLogitThresholds] = AttentionLogitThresholds()):
     if not isinstance(window, int) or window < 1:
       raise ValueError(f"StabilityMonitor window must be a positive int of steps, got {window!r}")
     if not 0.0 <= score_target <= 1.0:
       raise ValueError(f"StabilityMonitor score_target must be in [0, 1], got {score_target!r}")
     if advice_every is not None and (not isinstance(advice_every, int) or advice_every < 1):
-      raise ValueError(f"StabilityMonitor advice_every must be a positive int, got {advice_every!r}")
+      raise ValueError(
+          f"StabilityMonitor advice_every must be a positive int, got {advice_every!r}")
     if not isinstance(thresholds, HealthThresholds):
       raise ValueError("StabilityMonitor thresholds must be a HealthThresholds instance")
+    if attention is not None and not isinstance(attention, AttentionLogitThresholds):
+      raise ValueError("StabilityMonitor attention must be an AttentionLogitThresholds or None")
+    self.attention = attention
     self.window = window
     self.thresholds = thresholds
     self.score_target = float(score_target)
@@ -112,7 +126,7 @@ class StabilityMonitor:
     self.loss_plateau_check = loss_plateau_check
     self._reset()
 
-  def _reset(self):
+  def _reset(self) -> None:
     self._clock = 0                     # monotonic count of steps seen
     self._last_step: Optional[int] = None
     self._counters: dict[str, float] = {}
@@ -128,6 +142,11 @@ class StabilityMonitor:
     self._n_warnings = 0
     self._max_grad_norm: Optional[float] = None
     self._last_loss: Optional[float] = None
+    self._peak_lr: Optional[float] = None   # largest logged lr, and the latest
+    self._last_lr: Optional[float] = None
+    self._attn: collections.deque = collections.deque()   # [clock, max logit]
+    self._attn_warned: Optional[float] = None   # max logit of the last attention warning
+    self._attn_active = False                   # the attention rule held at the last record
 
   # ---- feeding ----
 
@@ -176,6 +195,10 @@ class StabilityMonitor:
       self._threshold = thr
 
     self._entries.append([self._clock, events, sampled])
+    lr = _as_float(metrics.get("lr"))
+    if lr is not None and math.isfinite(lr):
+      self._last_lr = lr
+      self._peak_lr = lr if self._peak_lr is None else max(self._peak_lr, lr)
     loss = _as_float(metrics.get("loss"))
     if loss is not None:
       self._last_loss = loss
@@ -185,6 +208,7 @@ class StabilityMonitor:
 
     lines = []
     lines += self._update_level(step, metrics, loss)
+    lines += self._attention_lines(step, metrics)
     lines += self._advice_lines(step)
     self._n_warnings += len(lines)
     return lines
@@ -198,14 +222,15 @@ class StabilityMonitor:
     """
     self._rollbacks.append([self._clock, int(step), str(cause)])
 
-  def _trim(self):
+  def _trim(self) -> None:
     start = self._clock - self.window
     while self._entries and self._entries[0][0] <= start:
       self._entries.popleft()
     while self._losses and self._losses[0][0] <= self._clock - 2 * self.window:
       self._losses.popleft()
 
-  def _update_level(self, step: int, metrics: Mapping[str, Any], loss: Optional[float]) -> list[str]:
+  def _update_level(self, step: int, metrics: Mapping[str, Any],
+                    loss: Optional[float]) -> list[str]:
     g = None
     for key in _GRAD_NORM_KEYS:
       g = _as_float(metrics.get(key))
@@ -240,14 +265,46 @@ class StabilityMonitor:
       detail = "non-finite grad norm or loss"
     return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
 
+  def _attention_lines(self, step: int, metrics: Mapping[str, Any]) -> list[str]:
+    rule = self.attention
+    v = _as_float(metrics.get(_ATTN_KEY))
+    if rule is None or v is None or math.isnan(v):
+      return []
+    while self._attn and self._attn[0][0] < self._clock - rule.growth_window:
+      self._attn.popleft()
+    base = min((x for _, x in self._attn), default=None)
+    if math.isfinite(v):
+      self._attn.append([self._clock, v])
+    level = v > rule.high
+    trend = v > rule.growth_floor and base is not None and base > 0 and v >= rule.growth * base
+    self._attn_active = level or trend
+    if not self._attn_active:
+      return []
+    if self._attn_warned is not None and not v >= rule.repeat_factor * self._attn_warned:
+      return []
+    self._attn_warned = v
+    if trend and base is not None:
+      why = f"x{v / base:.3g} within {rule.growth_window} steps"
+    else:
+      why = f"above {rule.high:g}"
+    layers = {k[len(_ATTN_KEY) + 1:]: _as_float(x) for k, x in metrics.items()
+              if k.startswith(_ATTN_KEY + "/layer_") and k.count("/") == 1}
+    finite = {k: x for k, x in layers.items() if x is not None and not math.isnan(x)}
+    where = f", largest in {max(finite, key=finite.__getitem__)}" if finite else ""
+    return [f"step {step}: attention logits growing: max pre-softmax logit {v:.4g} ({why}{where})"
+            f"; {ATTENTION_ADVICE}"]
+
   def _loss_plateau(self) -> bool:
     if not self.loss_plateau_check or not self._losses:
       return False
+    if self._peak_lr is not None and self._last_lr is not None \
+        and self._last_lr < 0.5 * self._peak_lr:
+      return False  # the schedule's decay phase: a flatter loss is expected
     if self._clock < 2 * self.window:
       return False
     mid = self._clock - self.window
-    recent = [l for c, l in self._losses if c > mid]
-    older = [l for c, l in self._losses if c <= mid]
+    recent = [value for c, value in self._losses if c > mid]
+    older = [value for c, value in self._losses if c <= mid]
     if len(recent) < 2 or len(older) < 2:
       return False
     return sum(recent) / len(recent) >= sum(older) / len(older)
@@ -309,7 +366,7 @@ class StabilityMonitor:
         samples.setdefault(name, []).append(v)
     out: dict[str, float] = {}
 
-    def _rate(kind):
+    def _rate(kind: str) -> float:
       n, s = sums[kind]
       r = n / s if s else 0.0
       return r if kind == "muon_fallback" else min(r, 1.0)
@@ -339,8 +396,12 @@ class StabilityMonitor:
     return stability_score(self.rates())
 
   def advice(self) -> list[str]:
-    """Troubleshooting rows that fire for the current window (not rate-limited)."""
-    return troubleshooting_advice(self.rates(), self._loss_plateau())
+    """Troubleshooting rows that fire for the current window (not rate-limited), and the
+    attention-logit advice while that rule holds."""
+    lines = troubleshooting_advice(self.rates(), self._loss_plateau())
+    if self._attn_active:
+      lines.append(f"attention logits growing: {ATTENTION_ADVICE}")
+    return lines
 
   def summary(self) -> dict[str, Any]:
     """A JSON-able overview: step, level, score, rates, counts.
@@ -386,12 +447,18 @@ class StabilityMonitor:
         "warnings": self._n_warnings,
         "max_grad_norm": self._max_grad_norm,
         "last_loss": self._last_loss,
+        "peak_lr": self._peak_lr,
+        "last_lr": self._last_lr,
+        "attn": [list(x) for x in self._attn],
+        "attn_warned": self._attn_warned,
+        "attn_active": self._attn_active,
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Restores what :meth:`state_dict` returned (the constructor arguments stay)."""
     if not isinstance(state, Mapping) or state.get("version") != 1:
-      raise ValueError("StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1)")
+      raise ValueError(
+          "StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1)")
     self._reset()
     self._clock = int(state["clock"])
     self._last_step = None if state["last_step"] is None else int(state["last_step"])
@@ -399,7 +466,7 @@ class StabilityMonitor:
     self._entries = collections.deque(
         [int(c), {k: [float(v[0]), int(v[1])] for k, v in e.items()},
          {k: float(v) for k, v in s.items()}] for c, e, s in state["entries"])
-    self._losses = collections.deque([int(c), float(l)] for c, l in state["losses"])
+    self._losses = collections.deque([int(c), float(value)] for c, value in state["losses"])
     self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in state["rollbacks"]]
     self._level = state["level"]
     self._level_counts = {str(k): int(v) for k, v in state["level_counts"].items()}
@@ -409,4 +476,10 @@ class StabilityMonitor:
     self._n_warnings = int(state["warnings"])
     self._max_grad_norm = state["max_grad_norm"]
     self._last_loss = state["last_loss"]
+    # Absent from states saved before the attention rule and the lr-aware plateau existed.
+    self._peak_lr = state.get("peak_lr")
+    self._last_lr = state.get("last_lr")
+    self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
+    self._attn_warned = state.get("attn_warned")
+    self._attn_active = bool(state.get("attn_active", False))
     self._trim()

@@ -20,9 +20,13 @@ _TOP_LEVEL_TAGS = {
     "logit_max": "activations/logit_max",
     "excess_kurtosis": "activations/excess_kurtosis",
     "lambda": "train/quant_lambda",
+    "attn_logit_max": "attention/max_logit",
+    "output_logit_max": "output_logits/max",
+    "output_log_z_mean": "output_logits/log_z_mean",
+    "output_log_z_max": "output_logits/log_z_max",
 }
 _STABILITY_PREFIXES = ("zclip/", "adagc/", "skip_nonfinite/", "skip_spikes/", "muon/",
-                       "loss_scale/")
+                       "loss_scale/", "qk_clip/")
 
 
 def tensorboard_scalars(record: Mapping[str, Any],
@@ -37,6 +41,9 @@ def tensorboard_scalars(record: Mapping[str, Any],
   2 critical, 3 exploded); ``movement/<group>`` and
   ``movement/<group>/<ratio>`` for ``param_move/...``;
   ``activations/{rms,max,logit_max,excess_kurtosis}``;
+  ``attention/max_logit`` and ``attention/max_logit/layer_<i>[/head_<h>]`` for the
+  attention-logit telemetry; ``output_logits/{max,log_z_mean,log_z_max}``;
+  ``stability/qk_clip/...`` for QK-clip's metrics;
   ``stability/rate/<name>`` for each monitor rate; ``events/<event>`` = 1
   for event records; ``other/<key>`` for any other numeric key. Booleans
   become 0/1, strings (other than ``health``) and ``step`` are dropped, as
@@ -74,6 +81,8 @@ def tensorboard_scalars(record: Mapping[str, Any],
       out[f"stability/{key}"] = v
     elif key.startswith("param_move/"):
       out["movement/" + key[len("param_move/"):]] = v
+    elif key.startswith("attn_logit_max/"):
+      out["attention/max_logit/" + key[len("attn_logit_max/"):]] = v
     else:
       out[f"other/{key}"] = v
   for name, value in (rates or {}).items():

@@ -15,7 +15,11 @@ axes (``nn.scan`` / ``nnx.scan``: one ``L`` axis; none for an unstacked layer), 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import fnmatch
+import warnings
+from typing import Any, Mapping, Optional
+
+from stablejax.muon import layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,3 +74,179 @@ class AttentionLayer:
                        "parameter")
     if self.stack_ndim < 0:
       raise ValueError(f"attention layer {self.name!r}: stack_ndim={self.stack_ndim} must be >= 0")
+
+
+# ------------------------------------------------------------------ finding them
+
+ROLES = ("query", "key", "value", "out", "none")
+
+
+def _match(pattern: str, path: str) -> bool:
+  return fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern.rstrip("/") + "/")
+
+
+def _role_overrides(leaves: list, overrides: Mapping[str, str], strict: bool) -> dict[int, str]:
+  """Leaf index -> role for every kernel a pattern matches; warns about patterns matching none."""
+  roles: dict[int, str] = {}
+  unmatched = []
+  for pattern, role in overrides.items():
+    if role not in ROLES:
+      raise ValueError(f"find_attention_layers: overrides maps {pattern!r} to {role!r}; use one "
+                       f"of {ROLES}")
+    hits = [i for i, leaf in enumerate(leaves)
+            if not leaf.masked and len(leaf.shape) >= 2 and _match(pattern, leaf.path)]
+    for i in hits:
+      roles[i] = role
+    if not hits:
+      unmatched.append(pattern)
+  if unmatched:
+    example = next((leaf.path for leaf in leaves if len(leaf.shape) >= 2), "")
+    text = (f"find_attention_layers: overrides pattern(s) {unmatched} match no kernel; patterns "
+            f"are fnmatch globs or path prefixes of kernel paths such as {example!r}")
+    if strict:
+      raise ValueError(text)
+    warnings.warn(text, stacklevel=3)
+  return roles
+
+
+def _head_param(analysis: layout.Analysis, index: int, head_axis: Optional[int],
+                fused_axis: Optional[int], part: Optional[int]) -> HeadParam:
+  leaf = analysis.leaves[index]
+  assert head_axis is not None  # every projection of a layer has its head axis
+  select = None
+  if part is not None and fused_axis is not None:
+    select = (len(leaf.shape) + fused_axis, part)
+  return HeadParam(leaf.path, head_axis, select)
+
+
+def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, head_dim: int,
+                stack_ndim: int, part: Optional[int]) -> Optional[HeadParam]:
+  """The bias of a projection, if its shape is ``[*stack, (F,) H, hd]`` or ``[*stack, H*hd]``."""
+  if p.bias is None:
+    return None
+  leaf = analysis.leaves[p.bias]
+  shape = leaf.shape[stack_ndim:]
+  select = None
+  if part is not None:
+    if not shape or shape[0] != p.fused:
+      return None
+    select, shape = (stack_ndim, part), shape[1:]
+  if shape == (heads, head_dim):
+    return HeadParam(leaf.path, -2, select)
+  if shape == (heads * head_dim,):
+    return HeadParam(leaf.path, -1, select)
+  return None
+
+
+def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: Optional[int]
+           ) -> AttentionLayer:
+  parts: dict[str, tuple[layout.Projection, Optional[int]]] = {}
+  for p in group.projections:
+    if p.role == "qkv" and p.fused == 3:
+      parts.setdefault("query", (p, 0))
+      parts.setdefault("key", (p, 1))
+    elif p.role == "kv" and p.fused == 2:
+      parts.setdefault("key", (p, 0))
+    elif p.role in ("query", "key") and p.fused == 1:
+      parts.setdefault(p.role, (p, None))
+  missing = [r for r in ("query", "key") if r not in parts]
+  if missing:
+    kernels = [analysis.leaves[p.kernel].path for p in group.projections if p.role != "out"]
+    raise LookupError(f"attention layer {group.name!r}: no {' or '.join(missing)} projection "
+                      f"could be told apart among {kernels} (by shape or by name); say which with "
+                      f"overrides={{{kernels[0]!r}: 'query', ...}}")
+  (q, q_part), (k, k_part) = parts["query"], parts["key"]
+  heads: int
+  kv_heads: int
+  head_dim: int
+  if q.heads is not None and k.heads is not None and q.head_dim is not None:
+    heads, kv_heads, head_dim = q.heads, k.heads, q.head_dim  # 3+-axis kernels: heads an axis
+    if num_heads is not None and num_heads != heads:
+      raise ValueError(f"attention layer {group.name!r} has {heads} query heads "
+                       f"({analysis.leaves[q.kernel].path} {analysis.leaves[q.kernel].shape}), "
+                       f"not num_heads={num_heads}")
+  else:  # [D, H*hd] kernels: heads split from the output axis, head-major
+    if group.qk_norm_dim is not None:
+      head_dim = group.qk_norm_dim
+    elif num_heads is not None and q.width % num_heads == 0:
+      head_dim = q.width // num_heads
+    else:
+      raise ValueError(
+          f"attention layer {group.name!r}: its query kernel {analysis.leaves[q.kernel].path} "
+          f"{analysis.leaves[q.kernel].shape} holds all heads in one axis of {q.width}; "
+          + ("pass num_heads= (the model's head count)" if num_heads is None else
+             f"num_heads={num_heads} does not divide it"))
+    if q.width % head_dim or k.width % head_dim:
+      raise ValueError(f"attention layer {group.name!r}: query width {q.width} and key width "
+                       f"{k.width} are not multiples of the head size {head_dim}")
+    heads, kv_heads = q.width // head_dim, k.width // head_dim
+    if num_heads is not None and num_heads != heads:
+      raise ValueError(f"attention layer {group.name!r}: num_heads={num_heads} disagrees with "
+                       f"the head size {head_dim} of its query/key norm ({heads} heads)")
+  query = [_head_param(analysis, q.kernel, q.head_axis, q.fused_axis, q_part)]
+  key = [_head_param(analysis, k.kernel, k.head_axis, k.fused_axis, k_part)]
+  for p, part, h, out in ((q, q_part, heads, query), (k, k_part, kv_heads, key)):
+    bias = _bias_param(analysis, p, h, head_dim, group.stack_ndim, part)
+    if bias is not None:
+      out.append(bias)
+  return AttentionLayer(group.name, heads, kv_heads, tuple(query), tuple(key), group.stack_ndim)
+
+
+def find_attention_layers(params: Any, num_heads: Optional[int] = None,
+                          overrides: Optional[Mapping[str, str]] = None,
+                          strict: bool = False) -> list[AttentionLayer]:
+  """The attention layers of a model: where each layer's query and key heads lie.
+
+  Reads the same layout analysis as the Muon routing (:mod:`stablejax.muon.layout`: Flax
+  partitioning metadata first, shapes second, names last). Recognised:
+
+  * 3+-axis projections with a heads axis: Flax Linen ``MultiHeadDotProductAttention`` and
+    ``nnx.MultiHeadAttention`` (query/key ``[D, H, hd]``, biases ``[H, hd]``), ``DenseGeneral``
+    attention under any module name, Gemma's einsum kernels (fused ``qkv_einsum [3, H, D, hd]``;
+    ``q_einsum [H, D, hd]`` with ``kv_einsum [2, K, D, hd]`` for grouped-query attention), and
+    the same under ``nn.scan`` / ``nnx.scan`` (a leading layer axis) or with logical axis names;
+    the query is told from the key by name (``query`` / ``q_proj`` / ``wq``...), by position in a
+    fused kernel, or as the projection with the most heads.
+  * 2-D projections ``[D, H*hd]`` named like ``q_proj`` / ``k_proj`` (stablejax's own GPT:
+    ``blocks/attn/{q,k}_proj/kernel [L, D, D]``): heads are split from the output axis, head
+    major; the head count comes from ``num_heads`` or from a query/key norm gain ``[hd]``
+    (``q_norm/scale``) next to them.
+
+  Args:
+    params: the parameter tree (arrays, ``jax.ShapeDtypeStruct``, Linen boxes, NNX ``Variable``
+      objects, ``{'params': ...}``).
+    num_heads: the query head count, needed only for 2-D projections without a query/key norm;
+      checked against the shapes otherwise.
+    overrides: ``{path pattern: role}`` with role ``"query"``, ``"key"``, ``"value"``, ``"out"``
+      or ``"none"`` (not a projection), for kernels whose role the names do not tell; patterns
+      are fnmatch globs or path prefixes of kernel paths. A pattern that matches no projection
+      warns (so one mapping can serve several variants of a model).
+    strict: raise instead of warning for such a pattern.
+
+  Returns:
+    One :class:`AttentionLayer` per attention module (per stack of layers for scanned models),
+    in path order.
+
+  Raises:
+    ValueError: the head count of a 2-D layer cannot be read (pass ``num_heads``), or
+      ``num_heads`` disagrees with the shapes.
+    LookupError: a layer's query or key cannot be told apart (pass ``overrides``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from stablejax.muon.heads import find_attention_layers
+    >>> params = {"embed": jnp.zeros((50, 8)),
+    ...           "attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
+    ...                    "key": {"kernel": jnp.zeros((8, 2, 4))},
+    ...                    "value": {"kernel": jnp.zeros((8, 2, 4))},
+    ...                    "out": {"kernel": jnp.zeros((2, 4, 8))}}}
+    >>> [(l.name, l.num_heads, l.query[0].head_axis) for l in find_attention_layers(params)]
+    [('attn', 2, -2)]
+  """
+  if overrides is not None and not isinstance(overrides, Mapping):
+    raise ValueError(f"overrides must be a mapping {{path pattern: role}}, got {overrides!r}")
+  leaves, _ = layout.param_leaves(params)
+  roles = _role_overrides(leaves, overrides, strict) if overrides else None
+  analysis = layout.analyse(leaves, roles)
+  layers = [_layer(analysis, g, num_heads) for g in analysis.groups]
+  return sorted(layers, key=lambda layer: layer.name)

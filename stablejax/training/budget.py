@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablejax.training import distributed
-from stablejax.training.config import ConfigError
+from stablejax.training.config import Config, ConfigError
 
 SAFETY = 0.95          # plan for this fraction of the remaining budget
 TIMED_STEPS = 5        # steps timed after the compiling one; the slowest counts
@@ -74,7 +74,7 @@ def plan_total_steps(budget_seconds: float, elapsed_seconds: float, t: Timings, 
   return int(steps if max_steps is None else min(max_steps, steps))
 
 
-def _timed(fn, *args) -> float:
+def _timed(fn: Callable[..., Any], *args: Any) -> float:
   t0 = time.perf_counter()
   jax.block_until_ready(fn(*args))
   return time.perf_counter() - t0
@@ -99,7 +99,7 @@ def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timi
   state = jax.tree.map(jnp.copy, run.state)
   batches = run.data.train_iter()
 
-  def one_step(state):
+  def one_step(state: Any) -> Any:
     tokens = next(batches)["tokens"]
     batch = {"tokens": run._device_tokens(np.asarray(tokens, np.int32)),
              "grad_scale": jnp.float32(1.0)}
@@ -161,7 +161,7 @@ def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timi
                  sample_seconds)
 
 
-def _diagnostics_every(cfg) -> int:
+def _diagnostics_every(cfg: Config) -> int:
   """Steps between diagnostics runs (the more frequent of the two kinds; 0 when off)."""
   every = [n for n in (cfg.logging.activation_every, cfg.logging.histogram_every) if n]
   return min(every) if every else 0

@@ -52,7 +52,7 @@ _DECODE_FAILURES = ("Error decoding", "ZSTD_decompressStream() failed",
                     "Failed to read all expected data during decompression")
 
 
-def damage_evidence(error: BaseException) -> Optional[str]:
+def damage_evidence(error: Optional[BaseException]) -> Optional[str]:
   """Why `error` (raised by a restore) proves the checkpoint damaged; None when it does not.
 
   Proof: the fingerprint check failed (`CheckpointDamaged`); a file is missing
@@ -65,7 +65,7 @@ def damage_evidence(error: BaseException) -> Optional[str]:
   surfaces only as such an error, e.g. a missing ``_METADATA`` as a tree mismatch:
   `Checkpoints.restore` then also looks for the files every save writes, `missing_files`.)
   """
-  seen = set()
+  seen: set[int] = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     text = str(error).strip()
@@ -139,7 +139,7 @@ def _first_line(error: BaseException, limit: int = 200) -> str:
 
 
 @jax.jit
-def fingerprint(tree) -> jax.Array:
+def fingerprint(tree: Any) -> jax.Array:
   """Three float32 numbers summarising every floating leaf: the sum and the sum of squares of
   its finite entries, and the number of entries that are not finite.
 
@@ -157,7 +157,7 @@ def fingerprint(tree) -> jax.Array:
   return jnp.stack([total, squares, not_finite])
 
 
-def fingerprint_matches(expected, actual) -> bool:
+def fingerprint_matches(expected: Any, actual: Any) -> bool:
   """Whether a restored state's fingerprint equals the saved one (relative tolerance 1e-4)."""
   if len(expected) != len(actual):
     return False
@@ -213,7 +213,7 @@ class Checkpoints:
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
 
-  def save(self, step: int, state, data_iter, meta: dict) -> None:
+  def save(self, step: int, state: Any, data_iter: Any, meta: dict) -> None:
     meta = dict(meta, step=int(step),
                 fingerprint=[float(v) for v in np.asarray(fingerprint(state))])
     self.manager.save(
@@ -228,7 +228,7 @@ class Checkpoints:
   def wait(self) -> None:
     self.manager.wait_until_finished()
 
-  def restore(self, abstract_state, data_iter, *, at_most: Optional[int] = None,
+  def restore(self, abstract_state: Any, data_iter: Any, *, at_most: Optional[int] = None,
               on_fallback: Callable[[int, str], None] = lambda step, why: None
               ) -> Optional[tuple[Any, dict]]:
     """Restores the newest checkpoint that is not damaged (at step `at_most` or older when given).
@@ -246,11 +246,11 @@ class Checkpoints:
       return None
     damaged: list[int] = []
     for step in reversed(steps):
+      state, meta, error = None, None, None
       try:
         state, meta = self._restore_step(step, abstract_state, data_iter)
-        error = None
       except Exception as e:  # noqa: BLE001 - sorted into damage / not damage just below
-        state, meta, error = None, None, e
+        error = e
       # Each process reads its own shards, so they decide together: a process that fell back
       # alone would wait for the others in a collective that never comes.
       why = None if error is None else (damage_evidence(error) or self._missing_evidence(step))
@@ -267,12 +267,13 @@ class Checkpoints:
         continue
       for bad in damaged:
         self._set_aside(bad)
+      assert meta is not None, "a restore that raised nothing returned its meta"
       return state, meta
     raise CheckpointError(
         f"all {len(steps)} checkpoints in {self.directory} are damaged (left in place): delete"
         " that directory or pass --fresh to start over")
 
-  def _restore_step(self, step: int, abstract_state, data_iter) -> tuple[Any, dict]:
+  def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> tuple[Any, dict]:
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(

@@ -1,4 +1,5 @@
-"""Run configuration: one dataclass per section, loaded from JSON, overridable from the command line.
+"""Run configuration: one dataclass per section, loaded from JSON, overridable from the command
+line.
 
 Unknown keys and values of the wrong type are errors (`ConfigError`, one line naming the key and
 the fix), never silently ignored: a typo in a learning-rate key must not train with the default.
@@ -36,8 +37,10 @@ class TrainConfig:
   grad_accum: int = 1             # micro-batches per step; the stability transforms see their mean
   warmup_steps: int = 30
   min_lr_ratio: float = 0.1       # cosine decays to learning_rate * min_lr_ratio
-  peak_flops_per_device: Optional[float] = None  # for MFU; None: known accelerators, measured on CPU
-  lambda_warmup_steps: int = 1000  # model.bitnet: quantisation strength ramps 0 -> 1 over these steps
+  # for MFU; None: known accelerators, measured on CPU
+  peak_flops_per_device: Optional[float] = None
+  # model.bitnet: quantisation strength ramps 0 -> 1 over these steps
+  lambda_warmup_steps: int = 1000
   lambda_schedule: str = "linear"  # "linear" or "cosine"
   time_budget_minutes: Optional[float] = None  # fix the step count to end within this (budget.py)
   target_val_loss: Optional[float] = None      # summary.json: time_to_target_s, step_to_target
@@ -52,10 +55,14 @@ class OptimizerConfig:
   """
   name: str = "muon"              # "muon" (outlier-safe Muon + AdamW groups) or "adamw"
   learning_rate: float = 0.01     # Muon matrices (muon) or every parameter (adamw)
-  adam_learning_rate: Optional[float] = 3e-3       # norms, biases, scalars (muon only; null: learning_rate)
-  embedding_learning_rate: Optional[float] = None  # token embedding (muon only; null: adam_learning_rate)
-  head_learning_rate: Optional[float] = None       # output head (muon only; null: adam_learning_rate)
-  weight_decay: float = 0.0       # Muon matrices (muon) or every matrix (adamw); never norms, biases
+  # norms, biases, scalars (muon only; null: learning_rate)
+  adam_learning_rate: Optional[float] = 3e-3
+  # token embedding (muon only; null: adam_learning_rate)
+  embedding_learning_rate: Optional[float] = None
+  # output head (muon only; null: adam_learning_rate)
+  head_learning_rate: Optional[float] = None
+  # Muon matrices (muon) or every matrix (adamw); never norms, biases
+  weight_decay: float = 0.0
   adam_weight_decay: float = 0.0  # AdamW groups' matrices (muon only); never norms, biases
   b1: float = 0.9
   b2: float = 0.95
@@ -93,13 +100,17 @@ class StabilityConfig:
   spike_statistics: str = "winsorized"     # or "olmo_core": OLMo-core's exact rule
   max_consecutive_skips: int = 16
   z_loss: float = 1e-4
+  # QK-clip (Kimi K2, arXiv 2507.20534): after each update, rescale W_q and W_k of every head
+  # whose max pre-softmax logit in the step's forward pass exceeded this (null: off).
+  qk_clip_tau: Optional[float] = None
   loss_scale_init: float = 2.0**10   # fp16 only (model.compute_dtype == "float16")
   loss_scale_growth_interval: int = 200
   loss_scale_growth_factor: float = 1.5
   # Recovery (stablejax/training/recovery.py).
   recovery: bool = True
   emergency_lr_factor: float = 0.2    # a rollback multiplies the LR scale in effect by this
-  lr_recovery_steps: Optional[int] = 100  # then it returns to 1.0 over this many steps (null: never)
+  # then it returns to 1.0 over this many steps (null: never)
+  lr_recovery_steps: Optional[int] = 100
   lr_recovery_schedule: str = "linear"    # "linear" or "geometric" (log-linear) return to 1.0
   max_rollbacks: int = 3
   loss_window: int = 5               # divergence: this many logged train losses in a row ...
@@ -119,6 +130,11 @@ class LoggingConfig:
   progress: bool = True
   histogram_every: int = 100        # per-layer gradient-norm histograms (0 disables)
   activation_every: int = 100       # residual-stream RMS/max, logit max, kurtosis (0 disables)
+  # At every log step: per-layer max attention logit and output-logit statistics, measured on
+  # the first attention_sequences sequences of the step's batch with the updated parameters.
+  attention_logits: bool = True
+  attention_per_head: bool = False  # also one max logit per head and layer
+  attention_sequences: int = 4
   grad_norm_high: float = 5.0
   grad_norm_critical: float = 10.0
   sample_every: Optional[int] = None  # steps between printed samples; None: at each eval; 0: off
@@ -131,9 +147,11 @@ class MeshConfig:
   data: int = -1                   # -1: every device not used by fsdp
   fsdp: int = 1                    # parameters and optimizer state sharded over this axis
   # Multi-process (multi-host) runs: see stablejax/training/distributed.py and README "Multi-host".
-  distributed: bool = False        # join a job with jax.distributed.initialize() before anything else
+  # join a job with jax.distributed.initialize() before anything else
+  distributed: bool = False
   coordinator_address: Optional[str] = None  # HOST:PORT of process 0; else $JAX_COORDINATOR_ADDRESS
-  num_processes: Optional[int] = None        # else $JAX_NUM_PROCESSES, else the cluster's (SLURM...)
+  # else $JAX_NUM_PROCESSES, else the cluster's (SLURM...)
+  num_processes: Optional[int] = None
   process_id: Optional[int] = None           # else $JAX_PROCESS_ID, else the cluster's
   local_device_ids: Optional[list[int]] = None  # devices this process uses (None: all it sees)
   initialization_timeout: int = 300  # seconds to wait for every process to join
@@ -159,13 +177,27 @@ class FaultsConfig:
   grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
   grad_scale_factor: float = 1e4
   kill_at_step: Optional[int] = None        # SIGKILL just before this step runs
-  kill_during_save_step: Optional[int] = None  # SIGKILL while the checkpoint of this step is written
+  # SIGKILL while the checkpoint of this step is written
+  kill_during_save_step: Optional[int] = None
   kill_after_rollback: Optional[int] = None  # SIGKILL once the n-th rollback (1-based) is recorded,
                                              # before the abandoned branch's checkpoints are deleted
 
 
 @dataclasses.dataclass
 class Config:
+  """A training run's whole configuration: one dataclass per section of the JSON file.
+
+  Build it with `load_config` (a JSON file plus ``section.key=value`` overrides, checked and with
+  one-line errors) rather than by hand; `Run` trains it.
+
+  Example:
+    >>> from stablejax.training.config import Config, load_config
+    >>> cfg = load_config(None, ["model.n_layers=2", "optimizer.name=adamw"])
+    >>> isinstance(cfg, Config), cfg.model.n_layers, cfg.optimizer.name
+    (True, 2, 'adamw')
+    >>> cfg.train.steps == Config().train.steps  # untouched keys keep their defaults
+    True
+  """
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
@@ -219,7 +251,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if not isinstance(value, str):
       raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected a string")
     return value
-  if dataclasses.is_dataclass(tp):
+  if isinstance(tp, type) and dataclasses.is_dataclass(tp):
     if not isinstance(value, dict):
       raise ConfigError(f"{key} must be a JSON object of {tp.__name__} fields")
     return _build(tp, value, key)
@@ -256,7 +288,8 @@ def config_from_dict(raw: dict, layers: Optional[list[set[str]]] = None) -> Conf
 
 
 def flat_keys(raw: Any, prefix: str = "") -> set[str]:
-  """The dotted keys of a nested dict: ``{"train": {"steps": 1}}`` -> ``{"train", "train.steps"}``."""
+  """The dotted keys of a nested dict: ``{"train": {"steps": 1}}`` -> ``{"train",
+  "train.steps"}``."""
   keys: set[str] = set()
   if isinstance(raw, dict):
     for key, value in raw.items():
@@ -297,13 +330,15 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
   defaults = dataclasses.asdict(Config())
   for item in overrides:
     if "=" not in item:
-      raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. train.steps=100)")
+      raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. "
+                        "train.steps=100)")
     dotted, text = item.split("=", 1)
     parts = dotted.strip().split(".")
     node_default = defaults
     for part in parts:
       if not isinstance(node_default, dict) or part not in node_default:
-        raise ConfigError(f"--set {dotted}: no such config key; see configs/default.json for the keys")
+        raise ConfigError(f"--set {dotted}: no such config key; see configs/default.json for "
+                          "the keys")
       node_default = node_default[part]
     try:
       value = json.loads(text)
@@ -321,6 +356,23 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
 
   A time budget in the file or the overrides owns the step count unless ``train.steps`` is given
   in the same place or later (`config_from_dict`).
+
+  Raises:
+    ConfigError: a missing or invalid file, an unknown key or a bad value (one line naming it).
+
+  Example:
+    >>> import json, pathlib, tempfile
+    >>> from stablejax.training.config import ConfigError, load_config
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "tiny.json"
+    >>> _ = path.write_text(json.dumps({"model": {"d_model": 64, "n_layers": 2}}))
+    >>> cfg = load_config(path, ["model.n_layers=3"])  # overrides win over the file
+    >>> cfg.model.d_model, cfg.model.n_layers
+    (64, 3)
+    >>> try:
+    ...   load_config(path, ["model.n_layer=3"])
+    ... except ConfigError as e:
+    ...   print(e)
+    --set model.n_layer: no such config key; see configs/default.json for the keys
   """
   raw: dict = {}
   if path is not None:
@@ -363,9 +415,11 @@ def validate(cfg: Config) -> None:
     if t.warmup_steps >= t.steps:
       raise ConfigError(f"train.warmup_steps={t.warmup_steps} must be below train.steps={t.steps}")
   if t.batch_size % t.grad_accum:
-    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}")
+    raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by "
+                      f"train.grad_accum={t.grad_accum}")
   if t.seq_len > cfg.model.max_seq_len:
-    raise ConfigError(f"train.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len")
+    raise ConfigError(f"train.seq_len={t.seq_len} exceeds "
+                      f"model.max_seq_len={cfg.model.max_seq_len}: raise model.max_seq_len")
   if not 0 <= t.min_lr_ratio <= 1:
     raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
   if t.time_budget_minutes is not None:
@@ -375,19 +429,22 @@ def validate(cfg: Config) -> None:
   _positive("logging.sample_tokens", cfg.logging.sample_tokens)
   if o.name not in ("muon", "adamw"):
     raise ConfigError(f"optimizer.name={o.name!r} is not known: use \"muon\" or \"adamw\"")
-  for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate", "head_learning_rate"):
+  for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate",
+               "head_learning_rate"):
     value = getattr(o, name)
     if value is not None:
       _positive(f"optimizer.{name}", value)
   _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
   _positive("optimizer.adam_weight_decay", o.adam_weight_decay, allow_zero=True)
   if o.name == "muon" and o.adam_learning_rate is None and o.consistent_rms is None:
-    raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's width "
-                      "scaling runs at ~0.02, far too high for AdamW; set adam_learning_rate (e.g. 3e-3)")
+    raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
+                      "width scaling runs at ~0.02, far too high for AdamW; set "
+                      "adam_learning_rate (e.g. 3e-3)")
   if s.skip_spikes:
     if s.spike_sigma is None and s.spike_factor is None:
       raise ConfigError("stability.spike_sigma and stability.spike_factor are both null: set one "
-                        "(e.g. spike_sigma=6.0 or spike_factor=10.0) or stability.skip_spikes=false")
+                        "(e.g. spike_sigma=6.0 or spike_factor=10.0) or "
+                        "stability.skip_spikes=false")
     for name in ("spike_sigma", "spike_factor"):
       if getattr(s, name) is not None:
         _positive(f"stability.{name}", getattr(s, name))
@@ -414,23 +471,35 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"stability.loss_explosion_factor={s.loss_explosion_factor} must be > 1"
                       " (a multiple of the best loss)")
   _positive("stability.max_consecutive_skips", s.max_consecutive_skips)
+  if s.qk_clip_tau is not None:
+    _positive("stability.qk_clip_tau", s.qk_clip_tau)
+    if cfg.model.qk_norm:
+      raise ConfigError("stability.qk_clip_tau with model.qk_norm=true: QK-norm removes the scale"
+                        " of W_q and W_k from the logits, so QK-clip would shrink them every step "
+                        "without lowering a logit; set stability.qk_clip_tau=null (QK-norm already"
+                        " bounds the logits) or model.qk_norm=false")
+  _positive("logging.attention_sequences", cfg.logging.attention_sequences)
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
   for name in ("nan_grad_steps", "nan_grad_batch_indices", "garbage_batch_steps",
                "garbage_batch_indices", "grad_scale_steps"):
     if any(i < 0 for i in getattr(cfg.faults, name)):
-      raise ConfigError(f"faults.{name}={getattr(cfg.faults, name)} has a negative entry: use 0-based indices")
+      raise ConfigError(f"faults.{name}={getattr(cfg.faults, name)} has a negative entry: use "
+                        "0-based indices")
   if cfg.faults.garbage_kind not in ("repeat", "random"):
-    raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use \"repeat\" or \"random\"")
+    raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use "
+                      "\"repeat\" or \"random\"")
   if cfg.mesh.fsdp < 1 or cfg.mesh.data == 0 or cfg.mesh.data < -1:
-    raise ConfigError(f"mesh.data={cfg.mesh.data}, mesh.fsdp={cfg.mesh.fsdp}: use fsdp >= 1 and data >= 1 or -1")
+    raise ConfigError(f"mesh.data={cfg.mesh.data}, mesh.fsdp={cfg.mesh.fsdp}: use fsdp >= 1 and "
+                      "data >= 1 or -1")
   for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
     _positive(f"mesh.{name}", getattr(cfg.mesh, name))
   if not cfg.mesh.distributed:
     for name in ("coordinator_address", "num_processes", "process_id", "local_device_ids"):
       if getattr(cfg.mesh, name) is not None:
-        raise ConfigError(f"mesh.{name} is set but mesh.distributed=false: set mesh.distributed=true"
-                          f" to join a multi-process job, or drop mesh.{name}")
+        raise ConfigError(f"mesh.{name} is set but mesh.distributed=false: set "
+                          f"mesh.distributed=true to join a multi-process job, or drop "
+                          f"mesh.{name}")
   try:
     cfg.model.validate()
   except ValueError as e:
@@ -473,6 +542,8 @@ _INEFFECTIVE_RULES = (
       "stability.loss_explosion_factor", "stability.lr_recovery_steps",
       "stability.lr_recovery_schedule"),
      lambda c: not c.stability.recovery, "stability.recovery=false"),
+    (("logging.attention_per_head", "logging.attention_sequences"),
+     lambda c: not c.logging.attention_logits, "logging.attention_logits=false"),
     (("train.lambda_warmup_steps", "train.lambda_schedule"),
      lambda c: not c.model.bitnet, "model.bitnet=false"),
     (("faults.garbage_kind",),

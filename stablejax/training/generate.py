@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,11 @@ import numpy as np
 
 from stablejax.training.model import GPT, ModelConfig
 
+if TYPE_CHECKING:
+  from stablejax.data.tokenizer import Tokenizer
 
-def sample_logits(logits: jax.Array, rng: jax.Array, temperature, top_k: int,
+
+def sample_logits(logits: jax.Array, rng: jax.Array, temperature: float | jax.Array, top_k: int,
                   valid_vocab: int) -> jax.Array:
   """Next token ids ``[B]`` from float32 logits ``[B, V]``."""
   vocab = logits.shape[-1]
@@ -59,8 +62,9 @@ class Generator:
     self._segment = _segment_fn(json.dumps(dataclasses.asdict(model_cfg), sort_keys=True),
                                 self.top_k, self.valid_vocab)
 
-  def generate(self, params, prompt_ids: Sequence[int], n_new: int, *, temperature: float = 0.8,
-               seed: int = 0, bitnet_lambda: float = 1.0, num_samples: int = 1) -> np.ndarray:
+  def generate(self, params: Any, prompt_ids: Sequence[int], n_new: int, *,
+               temperature: float = 0.8, seed: int = 0, bitnet_lambda: float = 1.0,
+               num_samples: int = 1) -> np.ndarray:
     """``n_new`` tokens after ``prompt_ids`` (a non-empty list), ``[num_samples, n_new]`` int32.
 
     Past the context window the module's re-prefill policy applies: the last ``W`` prompt
@@ -90,20 +94,22 @@ class Generator:
 
 
 @functools.lru_cache(maxsize=8)
-def _segment_fn(model_cfg_json: str, top_k: int, valid_vocab: int):
+def _segment_fn(model_cfg_json: str, top_k: int, valid_vocab: int) -> Callable[..., Any]:
   """The jitted segment for one model config (cached, so repeated samplers compile once)."""
   cfg = ModelConfig(**json.loads(model_cfg_json))
   model = GPT(cfg)
 
-  def segment(params, prompt, rng, temperature, lam, n_new: int):
+  def segment(params: Any, prompt: jax.Array, rng: jax.Array, temperature: jax.Array,
+              lam: jax.Array, n_new: int) -> jax.Array:
     """Prefill ``prompt`` [B, P] into a fresh cache, then draw ``n_new`` tokens."""
-    kwargs = {"bitnet_lambda": lam} if cfg.bitnet else {}
+    kwargs: dict[str, Any] = {"bitnet_lambda": lam} if cfg.bitnet else {}
     logits, variables = model.apply({"params": params}, prompt, decode=True, mutable=["cache"],
                                     **kwargs)
     rngs = jax.random.split(rng, n_new)
     first = sample_logits(logits[:, -1], rngs[0], temperature, top_k, valid_vocab)
 
-    def step(carry, rng_i):
+    def step(carry: tuple[Any, jax.Array], rng_i: jax.Array
+             ) -> tuple[tuple[Any, jax.Array], jax.Array]:
       cache, token = carry
       logits, variables = model.apply({"params": params, "cache": cache}, token[:, None],
                                       decode=True, mutable=["cache"], **kwargs)
@@ -123,7 +129,7 @@ def _forward_fn(model_cfg_json: str) -> Callable[..., Any]:
   return jax.jit(model.apply)
 
 
-def greedy_reference(model_cfg: ModelConfig, params, prompt_ids: Sequence[int], n_new: int,
+def greedy_reference(model_cfg: ModelConfig, params: Any, prompt_ids: Sequence[int], n_new: int,
                      valid_vocab: Optional[int] = None) -> tuple[list[int], list[np.ndarray]]:
   """Greedy decoding by full recomputation (no cache), for tests: (tokens, last-position logits).
 
@@ -147,8 +153,9 @@ def greedy_reference(model_cfg: ModelConfig, params, prompt_ids: Sequence[int], 
 class EvalSampler:
   """The trainer's sample at each eval: a fixed prompt, seed and length, decoded to text."""
 
-  def __init__(self, model_cfg: ModelConfig, tok, prompt: str, n_tokens: int, seed: int,
-               bitnet_lambda=None, temperature: float = 0.8, top_k: int = 50):
+  def __init__(self, model_cfg: ModelConfig, tok: Tokenizer, prompt: str, n_tokens: int, seed: int,
+               bitnet_lambda: Optional[Callable[[int], Any]] = None, temperature: float = 0.8,
+               top_k: int = 50):
     self.tok = tok
     self.prompt = prompt
     self.prompt_ids = (tok.encode(prompt) if prompt else []) or list(tok.start_ids)
@@ -156,7 +163,7 @@ class EvalSampler:
     self.bitnet_lambda = bitnet_lambda
     self.gen = Generator(model_cfg, top_k=top_k, valid_vocab=tok.vocab_size)
 
-  def __call__(self, params, step: int) -> str:
+  def __call__(self, params: Any, step: int) -> str:
     lam = float(self.bitnet_lambda(step)) if self.bitnet_lambda is not None else 1.0
     ids = self.gen.generate(params, self.prompt_ids, self.n_tokens, temperature=self.temperature,
                             seed=self.seed, bitnet_lambda=lam)[0]

@@ -43,7 +43,8 @@ from stablejax.training.model import GPT, count_params, model_flops_per_token
 from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
                                       lr_schedule, main_optimizer, set_lr_scale)
 from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent
-from stablejax.training.step import TrainState, make_eval_step, make_train_step
+from stablejax.training.step import (TrainState, make_eval_step, make_logit_telemetry,
+                                     make_train_step)
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
@@ -90,7 +91,27 @@ def _fetch(tree) -> dict:
 
 
 class Run:
-  """One training run in `out_dir`; `Run(cfg, out_dir, fresh).train()` returns the exit code."""
+  """One training run in `out_dir`; `Run(cfg, out_dir, fresh).train()` returns the exit code.
+
+  The exit codes are train.py's: 0 done, 2 bad config/data/checkpoints, 3 diverged beyond the
+  recovery budget, 130 interrupted (checkpoint saved). `out_dir` receives the checkpoints,
+  ``metrics.jsonl``, ``summary.json`` and the TensorBoard logs; a checkpoint there resumes.
+
+  Example:
+    >>> import contextlib, io, json, pathlib, tempfile
+    >>> from stablejax.training.config import load_config
+    >>> from stablejax.training.loop import Run
+    >>> cfg = load_config(None, [
+    ...     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
+    ...     "train.seq_len=16", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
+    ...     "train.eval_every=4", "train.eval_batches=1", "train.peak_flops_per_device=1e12",
+    ...     "logging.sample_every=0", "logging.progress=false", "checkpoint.every=4"])
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> with contextlib.redirect_stdout(io.StringIO()):
+    ...   code = Run(cfg, out).train()
+    >>> code, json.loads((out / "summary.json").read_text())["steps"]
+    (0, 4)
+  """
 
   def __init__(self, cfg: Config, out_dir: Path, fresh: bool = False,
                tx: Optional[optax.GradientTransformationExtraArgs] = None):
@@ -254,6 +275,9 @@ class Run:
     self.set_lr_backoff = jax.jit(_with_lr_backoff, out_shardings=self.state_sharding,
                                   donate_argnums=0)
     self.activation_stats = jax.jit(self._activation_stats, out_shardings=replicated)
+    # At log steps: attention-logit growth and output-logit statistics on a slice of the batch.
+    self.logit_telemetry = jax.jit(make_logit_telemetry(self.model, cfg, self.bitnet_lambda),
+                                   out_shardings=replicated)
     self.grad_norms = jax.jit(self._grad_norms, out_shardings=replicated)
     self.param_movement = jax.jit(stablejax.param_movement, out_shardings=replicated)
     self.previous_params = None
@@ -346,6 +370,9 @@ class Run:
       is_ckpt = step % cfg.checkpoint.every == 0 or step == total or (
           save_deferred and is_log)
       if is_log or is_ckpt:
+        if cfg.logging.attention_logits:
+          metrics = {**metrics, **self.logit_telemetry(self.state.params, batch["tokens"],
+                                                       np.int32(step))}
         pending = (step, metrics)
       if is_ckpt and cause is None:
         cause = self._log(*pending, bar)  # a checkpoint needs this step's health now

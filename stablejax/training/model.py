@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stablejax.modeling.attention import MAX_LOGIT, causal_attention_with_max_logit
 from stablejax.training.bitnet import bitnet_matmul
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -200,9 +201,15 @@ def _f32_accum_dtype(dtype):
 
 class Attention(nn.Module):
   """Causal self-attention; with ``decode`` it reads and appends to a KV cache (``"cache"``
-  collection: ``k``, ``v`` of shape ``[B, max_seq_len, H, hd]`` and the next position ``index``)."""
+  collection: ``k``, ``v`` of shape ``[B, max_seq_len, H, hd]`` and the next position ``index``).
+
+  With ``sow_logits`` it also sows its per-head maximum pre-softmax logit (float32 ``[H]``) into
+  the ``"intermediates"`` collection as ``max_logit``, taken from the very logits the softmax
+  uses (the attention is then computed as XLA's reference implementation does, in plain jnp).
+  """
   config: ModelConfig
   decode: bool = False
+  sow_logits: bool = False
 
   @nn.compact
   def __call__(self, x, lam):
@@ -226,7 +233,12 @@ class Attention(nn.Module):
     else:
       q = _rope(q, cfg.rope_theta)
       k = _rope(k, cfg.rope_theta)
-      y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt), is_causal=True)
+      if self.sow_logits:
+        y, max_logit = causal_attention_with_max_logit(q.astype(adt), k.astype(adt), v.astype(adt))
+        self.sow("intermediates", MAX_LOGIT, max_logit)
+      else:
+        y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt),
+                                         is_causal=True)
     y = y.astype(cdt)
     return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
 
@@ -270,6 +282,7 @@ class Block(nn.Module):
   config: ModelConfig
   collect: bool = False
   decode: bool = False
+  sow_logits: bool = False
 
   @nn.compact
   def __call__(self, x, lam):
@@ -278,7 +291,7 @@ class Block(nn.Module):
     single = cfg.norm == "ssnorm"
     attn_norm = RMSNorm(cdt, pdt, single_scale=single, name="attn_norm")
     mlp_norm = RMSNorm(cdt, pdt, single_scale=single, name="mlp_norm")
-    attn = Attention(cfg, decode=self.decode, name="attn")
+    attn = Attention(cfg, decode=self.decode, sow_logits=self.sow_logits, name="attn")
     mlp = MLP(cfg, name="mlp")
     if cfg.post_ln:
       x = attn_norm(x + attn(x, lam))
@@ -294,7 +307,8 @@ class GPT(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, *, bitnet_lambda=None, return_activations=False, decode=False):
+  def __call__(self, tokens, *, bitnet_lambda=None, return_activations=False, decode=False,
+               attention_logits=False):
     """Runs the model.
 
     Args:
@@ -307,6 +321,12 @@ class GPT(nn.Module):
         (fully quantised). Ignored unless ``config.bitnet``.
       return_activations: also return ``{"residual": float32 [n_layers + 1, B, T, D]}``, the
         residual stream after the embedding (and ``emb_proj_in``) and after each block.
+      attention_logits: each attention layer sows its per-head maximum pre-softmax logit
+        ``max(q.k / sqrt(head_dim))`` over batch and positions (float32 ``[H]``, stacked to
+        ``[n_layers, H]`` under ``scan_layers``) into the ``"intermediates"`` collection; apply
+        with ``mutable=["intermediates"]`` and read them with
+        :func:`stablejax.collect_attention_logits` (keys ``"blocks/attn"`` or
+        ``"block_<i>/attn"``). Not with ``decode``.
 
     Returns:
       float32 logits ``[B, T, vocab_size]``, or ``(logits, activations)``.
@@ -335,10 +355,12 @@ class GPT(nn.Module):
     block_cls = Block
     if cfg.remat and not decode:
       block_cls = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+    if decode and attention_logits:
+      raise ValueError("attention_logits is for training and evaluation calls, not decode")
     block_args = dict(collect=return_activations, decode=True) if decode else \
-        dict(collect=return_activations)
+        dict(collect=return_activations, sow_logits=attention_logits)
     if cfg.scan_layers:
-      axes = {"params": 0, "cache": 0} if decode else {"params": 0}
+      axes = {"params": 0, "cache": 0} if decode else {"params": 0, "intermediates": 0}
       scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
                         in_axes=nn.broadcast, length=cfg.n_layers)
       x, ys = scanned(cfg, **block_args, name="blocks")(x, lam)
@@ -383,6 +405,16 @@ class _Head(nn.Module):
                         (x.shape[-1], self.vocab_size), self.param_dtype)
     hdt = _f32_accum_dtype(self.compute_dtype)
     return jnp.dot(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
+
+
+def layer_max_logits(cfg: ModelConfig, collected: dict) -> jax.Array:
+  """``[n_layers, H]`` per-head max logits, in layer order, from the values
+  ``GPT(..., attention_logits=True)`` sows (:func:`stablejax.collect_attention_logits`: keyed
+  by the attention module's path, ``"blocks/attn"`` ``[L, H]`` under ``scan_layers``, else
+  ``"block_<i>/attn"`` ``[H]``, the names ``find_attention_layers`` gives the layers)."""
+  if cfg.scan_layers:
+    return collected["blocks/attn"]
+  return jnp.stack([collected[f"block_{i}/attn"] for i in range(cfg.n_layers)])
 
 
 def count_params(params) -> int:

@@ -2,7 +2,10 @@
 
 Default shape (every layer switchable in `stability`):
 
-    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale)))
+    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale[, qk_clip])))
+
+`qk_clip` (with `stability.qk_clip_tau` set) takes the step's per-head max attention logits as
+the extra argument `max_logits`; the train step computes them in its forward pass only then.
 
 `lr_scale` is `optax.inject_hyperparams(optax.scale)`, a multiplier on the final update (so it
 scales decoupled weight decay too, like a learning rate). It lives in the optimizer state, so the
@@ -17,8 +20,9 @@ schedule runs k steps behind the step number, so the last step ends slightly abo
 The `lr_scale` state's own `count` is the same count (it sits inside the skip wrappers next to the
 optimizer), and the train step logs `lr` from it: the rate actually applied.
 
-Weight decay never touches norm gains, biases and scalars (label "adam" of `stablejax.label_params`):
-in adamw mode `optimizer.weight_decay` decays every other leaf through optax's own `mask=`.
+Weight decay never touches norm gains, biases and scalars (label "adam" of
+`stablejax.label_params`): in adamw mode `optimizer.weight_decay` decays every other leaf
+through optax's own `mask=`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from stablejax.transforms.stacked import STACKED_NAMES
 def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
   """Linear warmup from 0 to `peak`, cosine decay to `peak * min_lr_ratio` at the last step."""
   t = cfg.train
+  if t.steps is None:  # a time budget sets it (stablejax.training.budget) before this is called
+    raise ValueError("train.steps is unset: set it, or let the time budget plan it first")
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak, warmup_steps=t.warmup_steps,
       decay_steps=t.steps, end_value=peak * t.min_lr_ratio)
@@ -67,7 +73,7 @@ def learning_rate_warnings(cfg: Config) -> list[str]:
       head_lr=rates["head"], consistent_rms=cfg.optimizer.consistent_rms)
 
 
-def decay_mask(params) -> Any:
+def decay_mask(params: Any) -> Any:
   """True for the leaves weight decay may touch: all but norm gains, biases and scalars."""
   return jax.tree.map(lambda label: label != "adam", stablejax.label_params(params))
 
@@ -102,11 +108,13 @@ def clipping(cfg: Config) -> list[optax.GradientTransformation]:
   """`max_grad_norm` is the global-norm ceiling in every mode: ZClip's own ceiling when ZClip runs,
   else `optax.clip_by_global_norm` (before AdaGC when AdaGC runs alone)."""
   s = cfg.stability
-  zclip_args = dict(alpha=s.zclip_alpha, z_thresh=s.z_thresh, max_grad_norm=s.max_grad_norm,
-                    warmup_steps=s.zclip_warmup_steps)
-  adagc_args = dict(beta=s.adagc_beta, lambda_rel=s.adagc_lambda_rel,
-                    lambda_abs=s.adagc_lambda_abs, warmup_steps=s.adagc_warmup_steps,
-                    stacked_names=STACKED_NAMES if s.adagc_per_layer else ())
+  zclip_args: dict[str, Any] = dict(alpha=s.zclip_alpha, z_thresh=s.z_thresh,
+                                    max_grad_norm=s.max_grad_norm,
+                                    warmup_steps=s.zclip_warmup_steps)
+  adagc_args: dict[str, Any] = dict(beta=s.adagc_beta, lambda_rel=s.adagc_lambda_rel,
+                                    lambda_abs=s.adagc_lambda_abs,
+                                    warmup_steps=s.adagc_warmup_steps,
+                                    stacked_names=STACKED_NAMES if s.adagc_per_layer else ())
   if s.zclip and s.adagc:
     return [stablejax.hybrid_clip(**{f"zclip_{k}": v for k, v in zclip_args.items()},
                                   **{f"adagc_{k}": v for k, v in adagc_args.items()})]
@@ -120,12 +128,36 @@ def clipping(cfg: Config) -> list[optax.GradientTransformation]:
 
 def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None
                     ) -> optax.GradientTransformationExtraArgs:
-  """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it."""
+  """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from stablejax.training.config import load_config
+    >>> from stablejax.training.optim import build_optimizer, get_lr_scale
+    >>> cfg = load_config(None, ["optimizer.name=adamw", "train.steps=10",
+    ...                          "train.warmup_steps=2"])
+    >>> tx = build_optimizer(cfg)
+    >>> params = {"w": jnp.ones((4, 4))}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.full((4, 4), 0.1)}
+    >>> # the spike skip watches the loss: the train step passes it as an extra argument
+    >>> updates, state = tx.update(grads, state, params, loss=jnp.float32(3.0))
+    >>> float(jnp.abs(updates["w"]).max())  # the warmup starts at a learning rate of 0
+    0.0
+    >>> updates, state = tx.update(grads, state, params, loss=jnp.float32(3.0))
+    >>> bool(jnp.all(updates["w"] < 0)), float(get_lr_scale(state))
+    (True, 1.0)
+  """
   s = cfg.stability
+  # QK-clip goes last, after every scaling of the update, and inside the skip wrappers (a
+  # skipped step clips nothing); its max logits come from the train step as `max_logits=`.
+  qk = [] if s.qk_clip_tau is None else [
+      stablejax.qk_clip(tau=s.qk_clip_tau, num_heads=cfg.model.n_heads)]
   tx = optax.chain(
       *clipping(cfg),
       main if main is not None else main_optimizer(cfg),
       optax.inject_hyperparams(optax.scale)(step_size=1.0),
+      *qk,
   )
   if s.skip_spikes:
     tx = stablejax.skip_spikes(
@@ -144,7 +176,7 @@ def _is_lr_scale_state(node: Any) -> bool:
   return isinstance(node, _INJECT_STATES) and "step_size" in node.hyperparams
 
 
-def _lr_scale_states(opt_state) -> list:
+def _lr_scale_states(opt_state: Any) -> list:
   nodes = jax.tree.leaves(opt_state, is_leaf=_is_lr_scale_state)
   found = [node for node in nodes if _is_lr_scale_state(node)]
   if len(found) != 1:
@@ -152,8 +184,8 @@ def _lr_scale_states(opt_state) -> list:
   return found
 
 
-def _map_lr_scale(opt_state, fn: Callable[[jax.Array], jax.Array]):
-  def visit(node):
+def _map_lr_scale(opt_state: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
+  def visit(node: Any) -> Any:
     if _is_lr_scale_state(node):
       hyper = dict(node.hyperparams, step_size=fn(node.hyperparams["step_size"]))
       return node._replace(hyperparams=hyper)
@@ -161,11 +193,11 @@ def _map_lr_scale(opt_state, fn: Callable[[jax.Array], jax.Array]):
   return jax.tree.map(visit, opt_state, is_leaf=_is_lr_scale_state)
 
 
-def get_lr_scale(opt_state) -> jax.Array:
+def get_lr_scale(opt_state: Any) -> jax.Array:
   return _lr_scale_states(opt_state)[0].hyperparams["step_size"]
 
 
-def applied_updates(opt_state) -> jax.Array:
+def applied_updates(opt_state: Any) -> jax.Array:
   """Updates applied so far (skipped steps excluded): the count the learning-rate schedules see.
 
   Read from the `lr_scale` state, which sits inside the skip wrappers like the schedules.
@@ -173,5 +205,5 @@ def applied_updates(opt_state) -> jax.Array:
   return _lr_scale_states(opt_state)[0].count
 
 
-def set_lr_scale(opt_state, value: float):
+def set_lr_scale(opt_state, value: float | jax.Array):
   return _map_lr_scale(opt_state, lambda x: jnp.asarray(value, x.dtype))

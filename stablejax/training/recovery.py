@@ -73,7 +73,7 @@ def backoff_lr_scale(backoff: LRBackoff, step: jax.Array, recovery_steps: Option
     return backoff.scale
   count = step - backoff.start
   if schedule == "linear":
-    return optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count)
+    return jnp.asarray(optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count))
   if schedule == "geometric":
     return jnp.exp(optax.linear_schedule(jnp.log(backoff.scale), 0.0, recovery_steps)(count))
   raise ValueError(f"unknown LR recovery schedule {schedule!r}: use 'linear' or 'geometric'")
@@ -128,9 +128,9 @@ class Recovery:
       if len(self.recent) == self.window:
         self.best_loss_median = min(self.best_loss_median, statistics.median(self.recent))
     if self.elevated_run >= self.window:
-      return (f"train loss diverged: the last {self.window} logged losses are all non-finite or "
-              f"above {self.cfg.loss_explosion_factor:g} x the best median {self.best_loss_median:.3g}"
-              f" (latest {loss:.3g})")
+      return (f"train loss diverged: the last {self.window} logged losses are all non-finite "
+              f"or above {self.cfg.loss_explosion_factor:g} x the best median "
+              f"{self.best_loss_median:.3g} (latest {loss:.3g})")
     return None
 
   def check_val(self, val_loss: float) -> Optional[str]:
@@ -140,7 +140,8 @@ class Recovery:
     return None
 
   def healthy(self) -> bool:
-    """True when the latest logged loss gives no reason to doubt the current state (safe to save)."""
+    """True when the latest logged loss gives no reason to doubt the current state (safe to save).
+    """
     return self.elevated_run == 0
 
   def rollback_target(self, steps: list[int]) -> Optional[int]:

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
   from stablejax.data.pipeline import DataConfig
+  from stablejax.training.config import Config
+  from stablejax.training.model import ModelConfig
 
 import numpy as np
 
@@ -47,7 +49,7 @@ class RestoredParams:
   directory: Path     # the checkpoint directory they came from
 
 
-def load_run_config(run_dir: str | Path):
+def load_run_config(run_dir: str | Path) -> Config:
   """Reads ``RUN_DIR/config.json`` as a trainer ``Config``.
 
   Raises:
@@ -147,7 +149,7 @@ def restore_params(run_dir: str | Path,
                  f"train the run again (python train.py --fresh)")
 
 
-def check_params(params, model_cfg, seq_len: int) -> None:
+def check_params(params: Any, model_cfg: ModelConfig, seq_len: int) -> None:
   """Raises RunError if ``params`` do not fit ``GPT(model_cfg)`` (shapes and names)."""
   import jax
   import jax.numpy as jnp
@@ -195,7 +197,7 @@ def tokenizer_record(data_cfg: "DataConfig") -> tuple[dict, Optional[Path]]:
     return {"kind": None, "reason": "plain .bin token files: their tokenizer is unknown"}, None
   record = {**tok.describe(), "vocab_size": int(tok.vocab_size), "eot_id": int(tok.eot_id),
             "start_ids": [int(i) for i in tok.start_ids]}
-  if record["kind"] == "hf":
+  if isinstance(tok, tokenizer_lib.HFTokenizer):
     record["file"] = TOKENIZER_COPY
     return record, Path(tok.path)
   return record, None
@@ -318,19 +320,19 @@ def run_tokenizer(cfg: Any, spec: Optional[str] = None,
   record = read_tokenizer_record(run_dir) if run_dir is not None else None
   if spec:
     try:
-      tok = tokenizer_lib.get_tokenizer(spec)
+      named = tokenizer_lib.get_tokenizer(spec)
     except tokenizer_lib.TokenizerError as e:
       raise RunError(str(e)) from None
-    tok.start_ids = [tok.eot_id]
+    named.start_ids = [named.eot_id]
     if record is not None and record.get("kind") is not None:
-      given = {**tok.describe(), "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+      given = {**named.describe(), "vocab_size": named.vocab_size, "eot_id": named.eot_id}
       if _identity(given) != _identity(record):
         raise RunError(f"--tokenizer {spec} ({_describe(given)}) is not the tokenizer the run was "
                        f"trained with ({_describe(record)}, recorded in "
                        f"{Path(run_dir or '.') / TOKENIZER_DIR / TOKENIZER_RECORD}): pass that "
                        "one, or leave out --tokenizer")
-      tok.start_ids = list(record.get("start_ids") or tok.start_ids)
-    return tok
+      named.start_ids = list(record.get("start_ids") or named.start_ids)
+    return named
   if record is not None:
     return _from_record(Path(run_dir or "."), record)
   entries = cfg.data.train if isinstance(cfg.data.train, list) else [cfg.data.train]

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -43,7 +43,8 @@ SampleError = RunError  # one error type for an unusable run (stablejax.training
 
 def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
            temperature: float = 0.8, top_k: int = 50, seed: int = 0, num_samples: int = 1,
-           tokenizer: Optional[str] = None, on_fallback=lambda step, why: None) -> dict:
+           tokenizer: Optional[str] = None,
+           on_fallback: Callable[[int, str], Any] = lambda step, why: None) -> dict:
   """Samples ``num_samples`` continuations of ``prompt`` from a run's newest usable checkpoint.
 
   Returns:
@@ -73,10 +74,12 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
     prompt_ids = list(tok.start_ids)
   lam = 1.0
   if cfg.model.bitnet:
-    lam = float(lambda_warmup(cfg.train.lambda_warmup_steps, cfg.train.lambda_schedule)(
-        restored.step))
+    schedule: Callable[[int], Any] = lambda_warmup(cfg.train.lambda_warmup_steps,
+                                                   cfg.train.lambda_schedule)
+    lam = float(schedule(restored.step))
   gen = Generator(cfg.model, top_k=top_k, valid_vocab=tok.vocab_size)
-  kwargs = dict(temperature=temperature, seed=seed, bitnet_lambda=lam, num_samples=num_samples)
+  kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, bitnet_lambda=lam,
+                                num_samples=num_samples)
   t0 = time.perf_counter()
   gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # compile
   t1 = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
+from stablejax.training.model import layer_max_logits
 from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale
 from stablejax.training.recovery import backoff_lr_scale
 from stablejax.transforms.loss_scaling import all_finite
@@ -27,47 +29,73 @@ class TrainState(flax.struct.PyTreeNode):
   params: Any                      # float32 unless model.param_dtype says otherwise
   opt_state: Any
   loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
-  lr_backoff: Optional[Any] = None  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
+  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
+  lr_backoff: Optional[Any] = None
 
 
-def make_loss_fn(model, cfg: Config):
-  def loss_fn(params, tokens, bitnet_lambda):
+LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict[str, Any]]]
+
+
+def make_loss_fn(model: nn.Module, cfg: Config, max_logits: bool = False) -> LossFn:
+  """`(params, tokens, lambda) -> (loss, aux)`; with `max_logits`, `aux["max_logits"]` holds
+  each attention layer's per-head max pre-softmax logit of this forward pass
+  (`{layer name: [*stack, H]}`, what `stablejax.qk_clip` takes)."""
+  def loss_fn(params: Any, tokens: jax.Array,
+              bitnet_lambda: Any) -> tuple[jax.Array, dict[str, Any]]:
     kwargs = {"bitnet_lambda": bitnet_lambda} if cfg.model.bitnet else {}
-    logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
-    loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:], z_loss=cfg.stability.z_loss)
-    return loss, aux
+    if max_logits:
+      logits, sown = model.apply({"params": params}, tokens[:, :-1], attention_logits=True,
+                                 mutable=["intermediates"], **kwargs)
+    else:
+      logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
+    loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:],
+                                                    z_loss=cfg.stability.z_loss)
+    out: dict[str, Any] = dict(aux)
+    if max_logits:
+      out["max_logits"] = stablejax.collect_attention_logits(sown)
+    return loss, out
   return loss_fn
 
 
-def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Config,
+def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs, cfg: Config,
                     lr_schedule: optax.Schedule,
-                    bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None):
-  loss_fn = make_loss_fn(model, cfg)
+                    bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+                    ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  # QK-clip needs each head's max logit of this step's forward pass; nothing else does.
+  clip_logits = cfg.stability.qk_clip_tau is not None
+  loss_fn = make_loss_fn(model, cfg, max_logits=clip_logits)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     lam = bitnet_lambda(state.step) if bitnet_lambda is not None else jnp.float32(1.0)
     scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
 
-    def micro_grads(tokens):
-      def scaled(params):
+    def micro_grads(tokens: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
+      def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
         loss, aux = loss_fn(params, tokens, lam)
         return (loss * scale if scale is not None else loss), (loss, aux)
       (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
       return grads, loss, aux
 
     # tokens: [grad_accum, micro_batch, seq_len + 1]; scan keeps one micro-batch live at a time.
-    def accumulate(carry, tokens):
+    # The step's max logits are the max over its micro-batches.
+    def accumulate(carry: tuple, tokens: jax.Array) -> tuple[tuple, None]:
       grads, loss, aux = micro_grads(tokens)
       total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
-      return (total, carry[1] + loss, carry[2] + aux["z_loss"]), None
+      peaks = jax.tree.map(jnp.maximum, carry[3], aux["max_logits"]) if clip_logits else None
+      return (total, carry[1] + loss, carry[2] + aux["z_loss"], peaks), None
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    (grads, loss, z_loss), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.float32(0), jnp.float32(0)), batch["tokens"])
+    no_peaks = None
+    if clip_logits:
+      shapes = jax.eval_shape(lambda p, t: loss_fn(p, t, lam)[1]["max_logits"], state.params,
+                              batch["tokens"][0])
+      no_peaks = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, jnp.float32), shapes)
+    (grads, loss, z_loss, max_logits), _ = jax.lax.scan(
+        accumulate, (zeros, jnp.float32(0), jnp.float32(0), no_peaks), batch["tokens"])
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
-    if scale is not None:
+    if state.loss_scale is not None:
       grads = state.loss_scale.unscale(grads)
     grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)
 
@@ -79,7 +107,8 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
     # The schedules count applied updates (a skipped step keeps their count), so the rate this
     # step applies is the schedule at that count, not at state.step (see training/optim.py).
     lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
-    updates, opt_state = tx.update(grads, opt_state, state.params, loss=loss)
+    extra = {"max_logits": max_logits} if clip_logits else {}
+    updates, opt_state = tx.update(grads, opt_state, state.params, loss=loss, **extra)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
     if loss_scale is not None:
@@ -106,12 +135,49 @@ def make_train_step(model, tx: optax.GradientTransformationExtraArgs, cfg: Confi
   return train_step
 
 
-def make_eval_step(model, cfg: Config, bitnet_lambda=None):
+def make_eval_step(model: nn.Module, cfg: Config,
+                   bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+                   ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
   loss_fn = make_loss_fn(model, cfg)
 
-  def eval_step(params, tokens, step):
+  def eval_step(params: Any, tokens: jax.Array, step: jax.Array) -> jax.Array:
     lam = bitnet_lambda(step) if bitnet_lambda is not None else jnp.float32(1.0)
     _, aux = loss_fn(params, tokens, lam)
     return aux["cross_entropy"]
 
   return eval_step
+
+
+def make_logit_telemetry(model: nn.Module, cfg: Config,
+                         bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+                         ) -> Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]:
+  """`(params, tokens, step) -> metrics`: attention-logit growth and output-logit statistics.
+
+  Wortsman et al. (arXiv 2309.14322) sections 3.1.1 and 3.1.2: one forward pass of the first
+  `logging.attention_sequences` sequences of a batch (`tokens`: `[grad_accum, micro_batch,
+  T + 1]`) gives each layer's maximum pre-softmax attention logit (`attn_logit_max/layer_<i>`,
+  their maximum `attn_logit_max`, per head with `logging.attention_per_head`) and the output
+  logits' maximum and mean and maximum log Z. The loop calls it at log steps, so the train step
+  itself is untouched.
+  """
+  lg = cfg.logging
+
+  def telemetry(params: Any, tokens: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
+    rows = tokens[0, :min(lg.attention_sequences, tokens.shape[1])]
+    kwargs: dict[str, Any] = {}
+    if cfg.model.bitnet:
+      kwargs["bitnet_lambda"] = bitnet_lambda(step) if bitnet_lambda is not None else 1.0
+    logits, sown = model.apply({"params": params}, rows[:, :-1], attention_logits=True,
+                               mutable=["intermediates"], **kwargs)
+    per_head = layer_max_logits(cfg.model, stablejax.collect_attention_logits(sown))  # [L, H]
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    out = {"attn_logit_max": jnp.max(per_head), "output_logit_max": jnp.max(logits),
+           "output_log_z_mean": jnp.mean(log_z), "output_log_z_max": jnp.max(log_z)}
+    for i in range(per_head.shape[0]):
+      out[f"attn_logit_max/layer_{i}"] = jnp.max(per_head[i])
+      if lg.attention_per_head:
+        for h in range(per_head.shape[1]):
+          out[f"attn_logit_max/layer_{i}/head_{h}"] = per_head[i, h]
+    return out
+
+  return telemetry

@@ -8,6 +8,8 @@ from stablejax.transforms.loss_scaling import DynamicLossScale
 from stablejax.transforms.loss_scaling import all_finite
 from stablejax.transforms.metrics import register_state_metrics
 from stablejax.transforms.metrics import stability_metrics
+from stablejax.transforms.qk_clip import QKClipState
+from stablejax.transforms.qk_clip import qk_clip
 from stablejax.transforms.skipping import SkipNonFiniteState
 from stablejax.transforms.skipping import SkipSpikesState
 from stablejax.transforms.skipping import skip_nonfinite

@@ -1,0 +1,257 @@
+"""Attention-logit telemetry: the maximum pre-softmax logit of each attention head.
+
+Attention-logit growth is the first small-scale proxy of large-scale training instability that
+Wortsman et al. name ("Small-scale proxies for large-scale Transformer training instabilities",
+arXiv 2309.14322, section 3.1.1): without QK-norm the logits ``q.k / sqrt(head_dim)`` of some
+heads grow without bound, the attention entropy collapses and the loss degrades; in their runs
+every model whose logits passed about 1e4 diverged. Kimi K2's QK-clip (arXiv 2507.20534,
+:func:`stablejax.qk_clip`) reads the same number, per head, to rescale the query and key weights.
+
+Everything here measures ``max over batch, query and key positions of q.k / sqrt(head_dim)`` per
+query head, in float32, over the positions the mask keeps (an additive bias such as ALiBi is not
+part of ``q.k`` and not included):
+
+* :func:`attention_logit_max`: the number itself, from queries and keys (any model).
+* :func:`sow_attention_logits`: wraps an ``attention_fn`` of Flax's
+  ``nn.MultiHeadDotProductAttention`` or ``nnx.MultiHeadAttention`` so that it sows that number
+  into the intermediates (when the layer is called with ``sow_weights=True``).
+* :func:`collect_attention_logits`: reads every sown value back as ``{layer name: [*stack, H]}``,
+  the layout :func:`stablejax.qk_clip` takes (the layer name is the module path, as in
+  :class:`stablejax.muon.heads.AttentionLayer`).
+
+The trainer's GPT sows the same intermediate (``GPT(..., attention_logits=True)``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MAX_LOGIT = "max_logit"
+"""Name of the sown intermediate: a layer's per-head maximum pre-softmax logit (float32 ``[H]``)."""
+
+
+def _grouped_logits(query: jax.Array, key: jax.Array) -> jax.Array:
+  """float32 ``q.k / sqrt(d)`` of shape ``[batch..., H, T, S]``; key heads shared by groups."""
+  h, kh, depth = query.shape[-2], key.shape[-2], query.shape[-1]
+  if h % kh:
+    raise ValueError(f"query heads {h} are not a multiple of key heads {kh}: grouped-query "
+                     "attention needs H = G * K")
+  g = h // kh
+  q = query.reshape(query.shape[:-2] + (kh, g, depth))
+  logits = jnp.einsum("...tkgd,...skd->...kgts", q, key, preferred_element_type=jnp.float32)
+  logits = logits.reshape(logits.shape[:-4] + (h,) + logits.shape[-2:])
+  return logits.astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(depth))
+
+
+def _per_head_max(logits: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
+  """Max over every axis but the head axis (-3) of the kept entries; -inf if none is kept."""
+  if keep is not None:
+    logits = jnp.where(keep, logits, -jnp.inf)
+  moved = jnp.moveaxis(logits, -3, 0)
+  return jax.lax.stop_gradient(jnp.max(moved.reshape(moved.shape[0], -1), axis=1))
+
+
+def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.Array] = None,
+                        is_causal: bool = False) -> jax.Array:
+  """Per-head maximum pre-softmax attention logit ``max q.k / sqrt(head_dim)``.
+
+  The maximum runs over the batch, the query positions and the key positions that ``mask`` and
+  ``is_causal`` keep; it is computed in float32 and carries no gradient. Grouped-query and
+  multi-query attention (fewer key heads than query heads) are supported: query head ``h``
+  attends with key head ``h // (H // K)``.
+
+  Args:
+    query: ``[batch..., T, H, head_dim]`` queries (after RoPE, if the model uses it).
+    key: ``[batch..., S, K, head_dim]`` keys, ``K`` dividing ``H``.
+    mask: optional boolean mask broadcastable to ``[batch..., H, T, S]``; False entries are left
+      out (as ``flax.linen.dot_product_attention`` masks them).
+    is_causal: also leave out key positions after the query position (``T == S``).
+
+  Returns:
+    float32 ``[H]``: each query head's maximum logit (``-inf`` for a head whose every entry is
+    masked).
+
+  References:
+    Wortsman et al., `Small-scale proxies for large-scale Transformer training instabilities
+    <https://arxiv.org/abs/2309.14322>`_ (arXiv 2309.14322), section 3.1.1; Kimi Team, `Kimi K2
+    <https://arxiv.org/abs/2507.20534>`_ (arXiv 2507.20534), section 2.1 (``S_max`` per head).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import stablejax
+    >>> q = jnp.zeros((1, 2, 2, 4)).at[0, 1, 0].set(2.0)   # [B, T, H, head_dim]
+    >>> k = jnp.ones((1, 2, 2, 4))
+    >>> stablejax.attention_logit_max(q, k, is_causal=True).tolist()   # 2 * 4 / sqrt(4) = 4
+    [4.0, 0.0]
+  """
+  query, key = jnp.asarray(query), jnp.asarray(key)
+  if query.ndim < 3 or query.ndim != key.ndim or query.shape[-1] != key.shape[-1]:
+    raise ValueError(f"query {query.shape} and key {key.shape} must be [batch..., length, heads, "
+                     "head_dim] with the same rank and head_dim")
+  logits = _grouped_logits(query, key)
+  keep = None
+  if mask is not None:
+    keep = jnp.asarray(mask, bool)
+  if is_causal:
+    t, s = logits.shape[-2:]
+    causal = jnp.asarray(np.tril(np.ones((t, s), bool), k=s - t))
+    keep = causal if keep is None else jnp.logical_and(keep, causal)
+  return _per_head_max(logits, keep)
+
+
+def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax.Array
+                                    ) -> tuple[jax.Array, jax.Array]:
+  """Causal attention and its per-head maximum logit from the same logits.
+
+  The computation is that of ``jax.nn.dot_product_attention(..., is_causal=True)``'s XLA
+  implementation (float32 logits, float32 softmax, probabilities cast to the key dtype); the
+  maximum is read from the logits the softmax uses, so it costs one reduction, no second
+  ``q.k`` product.
+
+  Args:
+    query: ``[B, T, H, head_dim]``.
+    key: ``[B, T, H, head_dim]``.
+    value: ``[B, T, H, head_dim]``.
+
+  Returns:
+    ``(out [B, T, H, head_dim] in value's dtype, max_logit float32 [H])``.
+  """
+  logits = _grouped_logits(query, key)                       # [B, H, T, T]
+  t = logits.shape[-1]
+  causal = jnp.asarray(np.tril(np.ones((t, t), bool)))
+  max_logit = _per_head_max(logits, causal)
+  masked = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(masked, axis=-1).astype(key.dtype)
+  out = jnp.einsum("bhts,bshd->bthd", probs, value)
+  return out, max_logit
+
+
+_MHA_KWARGS = ("bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",
+               "dtype", "precision", "force_fp32_for_softmax", "qk_attn_weights_einsum",
+               "attn_weights_value_einsum", "is_causal")
+
+
+def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """An ``attention_fn`` for Flax attention layers that also sows the per-head max logit.
+
+  Pass it as ``attention_fn=`` to ``flax.linen.MultiHeadDotProductAttention`` (wrapping
+  ``flax.linen.dot_product_attention``) or ``flax.nnx.MultiHeadAttention`` (wrapping
+  ``flax.nnx.dot_product_attention``). Called with ``sow_weights=True``, the layer hands its
+  module to the attention function; the wrapper then sows :func:`attention_logit_max` of the
+  queries and keys (with the layer's mask, and ``is_causal`` for NNX) as ``"max_logit"`` into the
+  intermediates (Linen: the ``"intermediates"`` collection; NNX: ``nnx.Intermediate``) and calls
+  ``attention_fn`` *without* the module, so the full attention weights are not stored. Without
+  ``sow_weights`` it is ``attention_fn`` unchanged (no extra work). Read the values with
+  :func:`collect_attention_logits`.
+
+  Args:
+    attention_fn: the attention function to wrap (e.g. ``nn.dot_product_attention``).
+
+  Returns:
+    An attention function with the signature the Flax layers call.
+
+  Example:
+    >>> import flax.linen as nn
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import stablejax
+    >>> layer = nn.MultiHeadDotProductAttention(
+    ...     num_heads=2, qkv_features=8,
+    ...     attention_fn=stablejax.sow_attention_logits(nn.dot_product_attention))
+    >>> x = jnp.ones((1, 3, 8))
+    >>> variables = layer.init(jax.random.key(0), x)
+    >>> y, state = layer.apply(variables, x, sow_weights=True, mutable=["intermediates"])
+    >>> {k: v.shape for k, v in stablejax.collect_attention_logits(state).items()}
+    {'': (2,)}
+  """
+  if not callable(attention_fn):
+    raise ValueError("attention_fn must be callable: pass e.g. flax.linen.dot_product_attention")
+  params: Mapping[str, inspect.Parameter]
+  try:
+    params = inspect.signature(attention_fn).parameters
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+  except (TypeError, ValueError):
+    params, takes_all = {}, True
+
+  def wrapped(query: jax.Array, key: jax.Array, value: jax.Array,
+              bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+              broadcast_dropout: bool = True, dropout_rng: Optional[jax.Array] = None,
+              dropout_rate: float = 0.0, deterministic: bool = False, dtype: Any = None,
+              precision: Any = None, module: Any = None, force_fp32_for_softmax: bool = False,
+              qk_attn_weights_einsum: Optional[Callable[..., jax.Array]] = None,
+              attn_weights_value_einsum: Optional[Callable[..., jax.Array]] = None,
+              is_causal: bool = False) -> jax.Array:
+    given = dict(bias=bias, mask=mask, broadcast_dropout=broadcast_dropout,
+                 dropout_rng=dropout_rng, dropout_rate=dropout_rate, deterministic=deterministic,
+                 dtype=dtype, precision=precision, force_fp32_for_softmax=force_fp32_for_softmax,
+                 qk_attn_weights_einsum=qk_attn_weights_einsum,
+                 attn_weights_value_einsum=attn_weights_value_einsum, is_causal=is_causal)
+    defaults = inspect.signature(wrapped).parameters
+    # Forward what the caller set (or the inner function understands), nothing it cannot take.
+    kwargs = {k: v for k, v in given.items()
+              if (takes_all or k in params) and (k in params or v is not defaults[k].default)}
+    if module is not None:
+      module.sow(_intermediate_collection(module), MAX_LOGIT,
+                 attention_logit_max(query, key, mask=mask, is_causal=is_causal))
+    return attention_fn(query, key, value, **kwargs)
+
+  return wrapped
+
+
+def _intermediate_collection(module: Any) -> Any:
+  """Linen's "intermediates" collection name, or NNX's ``Intermediate`` variable type."""
+  import flax.linen as nn
+  if isinstance(module, nn.Module):
+    return "intermediates"
+  from flax import nnx
+  return nnx.Intermediate
+
+
+def _key_name(entry: Any) -> str:
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def collect_attention_logits(intermediates: Any) -> dict[str, jax.Array]:
+  """Every sown per-head max logit, keyed by the ``/``-joined path of the layer that sowed it.
+
+  Accepts Linen intermediates (the ``"intermediates"`` collection, or the whole mutable dict
+  ``apply`` returned) and NNX state (``nnx.state(model, nnx.Intermediate)`` or what
+  ``nnx.pop(model, nnx.Intermediate)`` returns). A layer called several times in one apply gives
+  the elementwise maximum of its calls. Under ``nn.scan`` / ``nnx.scan`` the stacked-layer axes
+  come first: ``[*stack, H]``, the layout of :func:`stablejax.qk_clip`'s ``max_logits``.
+
+  Args:
+    intermediates: the tree holding the sown ``"max_logit"`` values.
+
+  Returns:
+    ``{layer path: float32 [*stack, H]}`` (a layer at the root has the path ``""``), in the
+    order the tree lists them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import stablejax
+    >>> sown = {"intermediates": {"blocks": {"attn": {"max_logit": (jnp.ones((4, 2)),)}}}}
+    >>> {k: v.shape for k, v in stablejax.collect_attention_logits(sown).items()}
+    {'blocks/attn': (4, 2)}
+  """
+  found: dict[str, jax.Array] = {}
+  leaves = jax.tree_util.tree_flatten_with_path(intermediates)[0]
+  for path, leaf in leaves:
+    names = [_key_name(p) for p in path]
+    if MAX_LOGIT not in names:
+      continue
+    where = names.index(MAX_LOGIT)
+    module_path = [n for n in names[:where] if n != "intermediates"]
+    name = "/".join(module_path)
+    value = jnp.asarray(leaf, jnp.float32)
+    found[name] = value if name not in found else jnp.maximum(found[name], value)
+  return found
