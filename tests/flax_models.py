@@ -336,3 +336,133 @@ class EinsumLM(nnx.Module):
     for layer in self.layers:
       x = layer(x)
     return self.final_norm(x) @ table.T
+
+
+class ShardedNamesLM(nnx.Module):
+  """An NNX model whose Variables carry logical ``out_sharding`` names (``nnx.with_partitioning``).
+
+  Attention as separate ``nnx.LinearGeneral`` projections: query/key/value ``[D, H, hd]`` named
+  ``('embed', 'heads', 'head_dim')``, out ``[H, hd, D]`` named ``('heads', 'head_dim', 'embed')``.
+  Module names say nothing (``wa``, ``wb``...), so only the metadata and the shapes tell.
+  Create it under ``nnx.use_eager_sharding(False)`` (no mesh) or under a mesh with rules.
+  """
+
+  def __init__(self, vocab=64, d_model=32, heads=4, ff=96, layers=2, *, rngs):
+    part = nnx.with_partitioning
+    init = nnx.initializers.lecun_normal()
+    hd = d_model // heads
+    self.tokens = nnx.Embed(vocab, d_model, rngs=rngs, embedding_init=part(
+        nnx.initializers.normal(1.0), ("vocab", "embed")))
+    self.layers = nnx.List()
+    for _ in range(layers):
+      proj = {n: nnx.LinearGeneral(d_model, (heads, hd), use_bias=False, rngs=rngs,
+                                   kernel_init=part(init, ("embed", "heads", "head_dim")))
+              for n in ("wa", "wb", "wc")}
+      proj["wd"] = nnx.LinearGeneral((heads, hd), d_model, axis=(-2, -1), use_bias=False,
+                                     rngs=rngs, kernel_init=part(init, ("heads", "head_dim",
+                                                                        "embed")))
+      proj["up"] = nnx.Linear(d_model, ff, use_bias=False, rngs=rngs,
+                              kernel_init=part(init, ("embed", "mlp")))
+      proj["down"] = nnx.Linear(ff, d_model, use_bias=False, rngs=rngs,
+                                kernel_init=part(init, ("mlp", "embed")))
+      proj["gain"] = nnx.RMSNorm(d_model, rngs=rngs, scale_init=part(nnx.initializers.ones,
+                                                                     ("norm",)))
+      self.layers.append(nnx.Dict(proj))
+    self.unembed_w = nnx.Param(init(rngs.params(), (d_model, vocab)),
+                               out_sharding=("embed", "vocab"))
+
+  def __call__(self, tokens):
+    x = self.tokens(tokens)
+    for layer in self.layers:
+      h = layer["gain"](x)
+      q, k, v = layer["wa"](h), layer["wb"](h), layer["wc"](h)
+      logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / q.shape[-1] ** 0.5
+      t = x.shape[1]
+      logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -1e9)
+      x = x + layer["wd"](jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v))
+      x = x + layer["down"](nnx.relu(layer["up"](x)))
+    return x @ self.unembed_w[...]
+
+
+class LayerAxisBlock(nn.Module):
+  """A Linen block whose every parameter is boxed with logical names, for ``nn.scan`` over an
+  axis that is not the leading one (MaxText's ``param_scan_axis=1``)."""
+  heads: int
+  mlp: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    d = x.shape[-1]
+    hd = d // self.heads
+    init = nn.initializers.lecun_normal()
+
+    def proj(names, features, axis=-1, name=None):
+      return nn.DenseGeneral(features, axis=axis, use_bias=False, name=name,
+                             kernel_init=nn.with_logical_partitioning(init, names))
+    h = nn.RMSNorm(scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)))(x)
+    q, k, v = (proj(("embed", "heads", "kv"), (self.heads, hd), name=n)(h) for n in "qkv")
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / hd ** 0.5
+    x = x + proj(("heads", "kv", "embed"), d, axis=(-2, -1), name="o")(
+        jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), v))
+    x = x + proj(("mlp", "embed"), d, name="wo")(nn.relu(proj(("embed", "mlp"), self.mlp,
+                                                             name="wi")(x)))
+    return x, None
+
+
+class LayerAxisLM(nn.Module):
+  vocab: int = 64
+  d_model: int = 32
+  heads: int = 4
+  mlp: int = 96
+  layers: int = 3
+
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(self.vocab, self.d_model, embedding_init=nn.with_logical_partitioning(
+        nn.initializers.normal(1.0), ("vocab", "embed")))(tokens)
+    stack = nn.scan(LayerAxisBlock, variable_axes={"params": 1}, split_rngs={"params": True},
+                    length=self.layers, metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = stack(self.heads, self.mlp, name="decoder")(x, None)
+    return nn.Dense(self.vocab, use_bias=False, name="logits_dense", kernel_init=(
+        nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "vocab"))))(x)
+
+
+class MiniGPTLike(nnx.Module):
+  """The Flax NNX miniGPT tutorial's tree: ``embedding_layer/{token_emb,pos_emb}``,
+  ``transformer_blocks/layers/i/{mha,layer_norm1,mlp,layer_norm2}``, untied ``output_layer``;
+  kernels annotated with mesh axes ``P(None, 'model')`` as the tutorial does."""
+
+  def __init__(self, vocab=64, d_model=32, heads=4, ff=32, layers=2, maxlen=16, *, rngs):
+    from jax.sharding import PartitionSpec as P
+    model = {"out_sharding": P(None, "model")}
+    vec = {"out_sharding": P("model")}
+    self.embedding_layer = nnx.Dict(token_emb=nnx.Embed(vocab, d_model, rngs=rngs),
+                                    pos_emb=nnx.Embed(maxlen, d_model, rngs=rngs))
+    blocks = []
+    for _ in range(layers):
+      blocks.append(nnx.Dict(
+          mha=nnx.MultiHeadAttention(num_heads=heads, in_features=d_model, decode=False,
+                                     kernel_metadata=model, bias_metadata=vec, rngs=rngs),
+          layer_norm1=nnx.LayerNorm(d_model, epsilon=1e-6, scale_metadata=vec,
+                                    bias_metadata=vec, rngs=rngs),
+          mlp=nnx.Sequential(
+              nnx.Linear(d_model, ff, kernel_metadata=model, bias_metadata=vec, rngs=rngs),
+              nnx.relu,
+              nnx.Linear(ff, d_model, kernel_metadata=model, bias_metadata=vec, rngs=rngs)),
+          layer_norm2=nnx.LayerNorm(d_model, epsilon=1e-6, scale_metadata=vec,
+                                    bias_metadata=vec, rngs=rngs)))
+    self.transformer_blocks = nnx.Sequential(*blocks)
+    self.output_layer = nnx.Linear(d_model, vocab, kernel_metadata=model, bias_metadata=vec,
+                                   rngs=rngs)
+
+  def __call__(self, tokens):
+    emb = self.embedding_layer
+    sharding = jax.typeof(tokens).sharding
+    explicit = not sharding.mesh.empty  # under jax.set_mesh, as the tutorial runs
+    kw = {"out_sharding": sharding} if explicit else {}
+    x = emb["token_emb"](tokens, **kw) + emb["pos_emb"](jnp.arange(tokens.shape[1])[None])
+    for block in self.transformer_blocks.layers:
+      x = block["layer_norm1"](x + block["mha"](x, is_causal=True, decode=False))
+      x = block["layer_norm2"](x + block["mlp"](x))
+    logits = self.output_layer(x)
+    return jax.sharding.reshard(logits, sharding) if explicit else logits

@@ -1,5 +1,5 @@
 """CI (.ci/run) runs what README promises: its test command verbatim, then the docs build with
-warnings as errors."""
+warnings as errors, the lint and the type check."""
 
 import re
 from pathlib import Path
@@ -30,3 +30,17 @@ def test_ci_builds_the_docs_with_warnings_as_errors_after_the_tests():
   docs = [i for i, c in enumerate(commands) if re.search(r"\bsphinx-build\b.* -W .*\bdocs\b", c)]
   assert docs and docs[0] > tests, commands
   assert commands[0:2] == ["set -euo pipefail", 'cd "$(dirname "$0")/.."'], commands
+
+
+def test_ci_lints_and_type_checks_after_the_tests():
+  commands = _ci_commands()
+  tests = commands.index(_readme_test_command())
+  assert commands.index(".venv/bin/ruff check .") > tests, commands
+  assert commands.index(".venv/bin/mypy") > tests, commands
+
+
+def test_the_test_extra_brings_the_lint_and_docs_tools():
+  pyproject = (ROOT / "pyproject.toml").read_text()
+  test_extra = re.search(r"^test = \[(.*?)\]$", pyproject, flags=re.M | re.S)
+  assert test_extra, "pyproject.toml has no test extra"
+  assert '"stablejax[lint]"' in test_extra.group(1) and '"stablejax[docs]"' in test_extra.group(1)

@@ -84,7 +84,8 @@ def test_linen_routing_leaf_by_leaf(variant):
   nested = _flat(stablejax.label_params({"params": params}))
   assert {k[len("params/"):]: v for k, v in nested.items()} == labels
   with_tx = stablejax.describe_routing(params, stablejax.outlier_safe_muon(2e-3))
-  notes = [l for l in with_tx.splitlines() if l.startswith(("note:", "unsure:", "warning:"))]
+  notes = [line for line in with_tx.splitlines()
+           if line.startswith(("note:", "unsure:", "warning:"))]
   assert len(notes) == 1  # head found by shape, or taken as tied; nothing unrecognised
   assert ("tied to the embedding Embed_0/embedding" in notes[0]) == bool(kw.get("tied"))
 
@@ -97,8 +98,8 @@ def test_nnx_routing_leaf_by_leaf_and_init_update_agree(variant):
   # At init nnx.Optimizer passes Variables, at update pure arrays: the same labels, leaf by leaf.
   at_init = stablejax.label_params(state)
   assert jax.tree.leaves(at_init) == [labels[k] for k in _flat(nnx.as_pure(state))]
-  notes = [l for l in stablejax.describe_routing(state).splitlines()
-           if l.startswith(("note:", "unsure:", "warning:"))]
+  notes = [line for line in stablejax.describe_routing(state).splitlines()
+           if line.startswith(("note:", "unsure:", "warning:"))]
   assert notes == ([] if not NNX[variant].get("tied") else notes[:1])
 
 
@@ -162,7 +163,8 @@ def test_scanned_tied_linen_model_trains_under_jit():
   @jax.jit
   def step(params, opt_state, x, y):
     def loss_fn(p):
-      return optax.softmax_cross_entropy_with_integer_labels(model.apply({"params": p}, x), y).mean()
+      logits = model.apply({"params": p}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
     return optax.apply_updates(params, updates), opt_state, loss

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from flax_models import (DenseGeneralLM, EinsumLM, LinenLM, LogicalLM, NNXLM, linen_params)
+from flax_models import (DenseGeneralLM, EinsumLM, LayerAxisLM, LinenLM, LogicalLM, NNXLM,
+                         linen_params)
 from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
 from stablejax.training.model import GPT, ModelConfig
 
@@ -144,6 +145,16 @@ def test_logically_partitioned_boxes_as_lm1b_writes_them():
   assert [lay.name for lay in layers] == [
       f"params/decoder/encoderdecoderblock_{i}/SelfAttention_0" for i in range(2)]
   _check_heads_mean_heads(lambda v: model.apply(v, TOKENS), nn.unbox(boxed), layers, 8)
+
+
+@pytest.mark.parametrize("boxed", [True, False])
+def test_layers_stacked_on_a_later_axis_are_refused_not_misread(boxed):
+  # nn.scan(..., variable_axes={'params': 1}) (MaxText's param_scan_axis=1): q kernels are
+  # [D, L, H, hd]. An AttentionLayer describes leading stacked axes only, so reading axis 0 as
+  # the layer axis would give QK-clip the wrong heads: a clear error instead.
+  params = jax.jit(LayerAxisLM().init)(jax.random.key(0), TOKENS)
+  with pytest.raises(ValueError, match="not the leading one"):
+    find_attention_layers(params if boxed else nn.unbox(params))
 
 
 @pytest.mark.parametrize("kv_heads,head_dim", [(4, 8), (2, 8), (1, 8), (2, 16)])

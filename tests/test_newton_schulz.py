@@ -1,5 +1,7 @@
-"""Newton-Schulz: reference numerics, optax parity, Pallas kernels (interpret mode), export lowering."""
+"""Newton-Schulz: reference numerics, optax parity, Pallas kernels (interpret mode), export
+lowering."""
 
+import functools
 import warnings
 
 import jax
@@ -159,11 +161,23 @@ def test_auto_on_cpu_is_the_reference_without_warning():
 
 
 def _export(platform, shape, dtype=jnp.float32):
-  exported = jax.export.export(
-      jax.jit(stablejax.newton_schulz), platforms=[platform],
-      disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-  )(jax.ShapeDtypeStruct(shape, dtype))
+  # backend="pallas" carries both kernels ("auto" on this CPU host traces the reference only).
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # "no kernel for the 'cpu' backend": this host is a CPU
+    exported = jax.export.export(
+        jax.jit(functools.partial(stablejax.newton_schulz, backend="pallas")),
+        platforms=[platform],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
+    )(jax.ShapeDtypeStruct(shape, dtype))
   return exported.mlir_module()
+
+
+def test_auto_on_a_cpu_host_traces_no_kernel():
+  # The default backend traces the kernels only where they can run: exported for CUDA from this
+  # CPU host, "auto" carries the reference (compile time), "pallas" the kernel.
+  exported = jax.export.export(jax.jit(stablejax.newton_schulz), platforms=["cuda"])(
+      jax.ShapeDtypeStruct((2, 256, 384), jnp.float32))
+  assert TRITON_CALL not in exported.mlir_module()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -108,23 +108,26 @@ def test_describe_routing_table_with_transform():
                                    embedding_learning_rate=3e-3, head_learning_rate=5e-4)
   table = stablejax.describe_routing(params, tx)
   lines = table.splitlines()
-  assert lines[0].split() == ["path", "shape", "group", "muon", "matrix", "learning", "rate"]
-  row = next(l for l in lines if l.startswith("params/tok_embed/embedding"))
+  assert re.split(r"\s{2,}", lines[0]) == ["path", "shape", "group", "muon matrix", "matrix from",
+                                           "learning rate"]
+  row = next(line for line in lines if line.startswith("params/tok_embed/embedding"))
   assert row.split()[1:4] == ["(32,", "8)", "embedding"] and row.rstrip().endswith("0.003")
-  row = next(l for l in lines if l.startswith("params/lm_head/kernel"))
+  row = next(line for line in lines if line.startswith("params/lm_head/kernel"))
   assert "head" in row.split() and row.rstrip().endswith("0.0005")
-  row = next(l for l in lines if l.startswith("params/block_0/attn_qkv/kernel"))
-  assert row.split()[3:5] == ["muon", "8x16"] and "schedule (start 0, peak 0.02)" in row
+  row = next(line for line in lines if line.startswith("params/block_0/attn_qkv/kernel"))
+  assert re.split(r"\s{2,}", row)[2:5] == ["muon", "8x16", "last two axes"]
+  assert "schedule (start 0, peak 0.02)" in row
   # Summary: tensor and parameter counts per group.
   n_leaves = len(jax.tree.leaves(params))
-  summary = {l.split(":")[0]: l for l in lines if l.split(":")[0] in stablejax.muon.routing.GROUPS}
+  groups = stablejax.muon.routing.GROUPS
+  summary = {line.split(":")[0]: line for line in lines if line.split(":")[0] in groups}
   assert sum(int(v.split(": ")[1].split()[0]) for v in summary.values()) == n_leaves
   assert "muon: 3 tensors" in summary["muon"] and summary["muon"].endswith("peak 0.02)")
   assert summary["adam"].endswith("learning rate 0.001")
 
 
 def _group_of(table, path):
-  row = next(l for l in table.splitlines() if l.startswith(path + " "))
+  row = next(line for line in table.splitlines() if line.startswith(path + " "))
   return re.split(r"\s{2,}", row)[2]  # columns are separated by at least two spaces
 
 
@@ -144,8 +147,8 @@ def test_describe_routing_with_labels_or_callable_or_default():
 
 def _rates(table):
   """group -> learning-rate text, from the summary lines."""
-  return {l.split(":")[0]: l.split("learning rate ")[1] for l in table.splitlines()
-          if l.split(":")[0] in stablejax.muon.routing.GROUPS}
+  return {line.split(":")[0]: line.split("learning rate ")[1] for line in table.splitlines()
+          if line.split(":")[0] in stablejax.muon.routing.GROUPS}
 
 
 def test_describe_routing_finds_outlier_safe_muon_in_any_chain():
@@ -184,8 +187,7 @@ def test_same_labels_for_every_wrapping_of_the_same_parameters():
   state = nnx.state(Net(nnx.Rngs(0)), nnx.Param)  # what nnx.Optimizer gives init: Variables
   at_init = stablejax.label_params(state)
   at_update = stablejax.label_params(nnx.as_pure(state))  # what nnx.Optimizer.update passes
-  leaves = lambda t: jax.tree.leaves(t)
-  assert leaves(at_init) == leaves(at_update)
+  assert jax.tree.leaves(at_init) == jax.tree.leaves(at_update)
   assert jax.tree.structure(at_update) == jax.tree.structure(nnx.as_pure(state))
   assert at_update["attn"]["query"]["bias"] == "adam"  # [H, hd] bias: the labels that once split
   assert at_update["attn"]["query"]["kernel"] == "muon" and at_update["out"]["kernel"] == "head"
@@ -197,24 +199,42 @@ def test_overrides_mapping():
                                                       "*/attn_*/kernel": "adam"})
   p = labels["params"]
   assert p["emb_proj_out"]["kernel"] == "head" and p["emb_proj_out"]["bias"] == "head"
-  assert p["block_0"]["attn_qkv"]["kernel"] == "adam" and p["block_0"]["attn_out"]["kernel"] == "adam"
+  assert p["block_0"]["attn_qkv"]["kernel"] == "adam"
+  assert p["block_0"]["attn_out"]["kernel"] == "adam"
   assert p["tok_embed"]["embedding"] == "embedding"  # untouched by the overrides
   # The same mapping is what outlier_safe_muon's param_labels takes.
   tx = stablejax.outlier_safe_muon(2e-3, param_labels={"params/emb_proj_out": "head"})
   assert _group_of(stablejax.describe_routing(params, tx), "params/emb_proj_out/kernel") == "head"
-  with pytest.raises(ValueError, match="matches no parameter"):
+  # A pattern matching nothing warns once, naming it (one mapping may serve several variants of
+  # a model); strict=True makes it an error.
+  with pytest.warns(UserWarning, match="'params/nothing' matches no parameter of this model"):
     stablejax.label_params(params, overrides={"params/nothing": "head"})
+  with pytest.raises(ValueError, match="'params/nothing' matches no parameter"):
+    stablejax.label_params(params, overrides={"params/nothing": "head"}, strict=True)
+  tx = stablejax.outlier_safe_muon(2e-3, param_labels={"params/emb_proj_out": "head",
+                                                       "params/gqa/*": "adam"})
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = tx.init(params)
+    tx.init(params)  # the same model again: no second warning
+    tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+  assert [str(w.message).count("'params/gqa/*'") for w in caught] == [1]
+  strict = stablejax.outlier_safe_muon(2e-3, param_labels={"params/gqa/*": "adam"},
+                                       strict_overrides=True)
+  with pytest.raises(ValueError, match="'params/gqa/[*]' matches no parameter"):
+    strict.init(params)
   with pytest.raises(ValueError, match="unknown group 'sgd'"):
     stablejax.label_params(params, overrides={"params/lm_head": "sgd"})
 
 
 def _notes(table):
-  return [l for l in table.splitlines() if l.startswith(("note:", "unsure:", "warning:"))]
+  return [line for line in table.splitlines()
+          if line.startswith(("note:", "unsure:", "warning:"))]
 
 
 def test_head_found_by_shape_or_reported():
   emb = jnp.zeros((50, 8))
-  # Linen's auto-named last Dense: the only top-level [D, V] matrix is the head.
+  # Linen's auto-named last Dense: the only [D, V] matrix outside the blocks is the head.
   params = {"Embed_0": {"embedding": emb}, "Block_0": {"Dense_0": {"kernel": jnp.zeros((8, 50))}},
             "Dense_0": {"kernel": jnp.zeros((8, 32))}, "Dense_1": {"kernel": jnp.zeros((8, 50)),
                                                                    "bias": jnp.zeros(50)}}
@@ -223,22 +243,33 @@ def test_head_found_by_shape_or_reported():
   assert labels["Block_0"]["Dense_0"]["kernel"] == "muon"  # same shape, but inside a block
   assert labels["Dense_0"]["kernel"] == "muon"
   notes = _notes(stablejax.describe_routing(params))
-  assert len(notes) == 1 and notes[0].startswith("note: Dense_1/kernel (8, 50) is routed to 'head'")
+  assert len(notes) == 1
+  assert notes[0].startswith("note: Dense_1/kernel (8, 50) is routed to 'head'")
   assert "param_labels={'Dense_1/kernel': 'muon'}" in notes[0]
   # "out" / "decoder" count as heads only when shaped like one.
   params = {"embed": emb, "attn": {"out": {"kernel": jnp.zeros((8, 8))}},
-            "blocks": {"decoder": {"kernel": jnp.zeros((8, 50))}}}
+            "model": {"decoder": {"kernel": jnp.zeros((8, 50))}}}
   labels = stablejax.label_params(params)
-  assert labels["attn"]["out"]["kernel"] == "muon" and labels["blocks"]["decoder"]["kernel"] == "head"
+  assert labels["attn"]["out"]["kernel"] == "muon"
+  assert labels["model"]["decoder"]["kernel"] == "head"
   # Tied: no other leaf has the vocabulary's size.
   notes = _notes(stablejax.describe_routing({"embed": emb, "w": jnp.zeros((8, 8))}))
   assert len(notes) == 1 and "taken as tied to the embedding embed (50, 8)" in notes[0]
-  # Unsure: a [D, V] matrix only inside a block, or a vocabulary-sized axis elsewhere.
+  # A [D, V] matrix inside a block (an MLP as wide as the vocabulary) is not the head: tied, and
+  # the note names no MLP kernel.
   notes = _notes(stablejax.describe_routing(
       {"embed": emb, "block": {"proj": {"kernel": jnp.zeros((8, 50))}}}))
-  assert len(notes) == 1 and notes[0].startswith("unsure: no output head found")
-  assert "param_labels={'block/proj/kernel': 'head'}" in notes[0]
+  assert len(notes) == 1 and "taken as tied" in notes[0] and "block/proj" not in notes[0]
+  # A nested [D, V] matrix outside the blocks is the head whatever its parent is called.
+  labels = stablejax.label_params({"decoder": {"embed": emb, "logitdense": {
+      "kernel": jnp.zeros((8, 50))}, "layer_0": {"mlp": {"kernel": jnp.zeros((8, 50))}}}})
+  assert labels["decoder"]["logitdense"]["kernel"] == "head"
+  assert labels["decoder"]["layer_0"]["mlp"]["kernel"] == "muon"
+  # [V, D] outside the blocks (a transposed head) is taken too, as unsure.
   notes = _notes(stablejax.describe_routing({"embed": emb, "w_out": jnp.zeros((50, 8))}))
+  assert len(notes) == 1 and notes[0].startswith("unsure: w_out (50, 8) is routed to 'head'")
+  # Unsure: a vocabulary-sized axis on a matrix of another shape.
+  notes = _notes(stablejax.describe_routing({"embed": emb, "w_out": jnp.zeros((50, 4))}))
   assert len(notes) == 1 and "w_out also have a vocabulary-sized axis" in notes[0]
   # A named head needs no note.
   assert _notes(stablejax.describe_routing({"embed": emb, "lm_head": jnp.zeros((8, 50))})) == []

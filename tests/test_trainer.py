@@ -1,4 +1,5 @@
-"""End-to-end tests of train.py on tiny configs: learning, files written, resume, devices, errors."""
+"""End-to-end tests of train.py on tiny configs: learning, files written, resume, devices,
+errors."""
 
 from __future__ import annotations
 
@@ -120,11 +121,13 @@ def test_unknown_key_in_config_file_exits_2(tmp_path):
   from trainer_utils import ROOT, TRAIN
   config = tmp_path / "bad.json"
   config.write_text(json.dumps({"train": {"steps": 10, "learnin_rate": 0.1}}))
-  result = subprocess.run([sys.executable, str(TRAIN), "--config", str(config), "--out", str(tmp_path / "run")],
+  result = subprocess.run([sys.executable, str(TRAIN), "--config", str(config),
+                           "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert result.returncode == 2
-  assert result.stderr.strip() == ("error: unknown config key 'train.learnin_rate': valid keys here are "
-                                   + result.stderr.split("valid keys here are ")[1].strip())
+  assert result.stderr.strip() == (
+      "error: unknown config key 'train.learnin_rate': valid keys here are "
+      + result.stderr.split("valid keys here are ")[1].strip())
   assert "steps" in result.stderr and "Traceback" not in result.stderr
 
 

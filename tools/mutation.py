@@ -297,7 +297,8 @@ MUTANTS = [
     # ---------------------------------------------------------------- skipping.py
     _m("S1", SKIPPING, "      ok = jnp.logical_and(ok, _loss_all_finite(loss))", "      pass",
        "skip_nonfinite ignores a non-finite loss"),
-    _m("S2", SKIPPING, "    ok = jnp.logical_and(ok, _common.all_finite(inner_updates))\n", "",
+    _m("S2", SKIPPING, "    ok = _common.all_finite_pairs(updates, inner_updates)\n",
+       "    ok = _common.all_finite(updates)\n",
        "skip_nonfinite lets a non-finite inner update through"),
     _m("S3", SKIPPING, "inner_state = _common.select_tree(skip, inner_old_state, inner_new_state)",
        "inner_state = inner_new_state", "a skipped step still changes the inner state"),
@@ -364,7 +365,8 @@ MUTANTS = [
        "      loss = jnp.max(_common.f32(loss))", "a non-scalar loss is not averaged"),
     _m("S26", SKIPPING, "    rollback = jnp.array(False)", "    rollback = consecutive >= 1",
        "max_consecutive=None still raises needs_rollback"),
-    _m("S27", SKIPPING, "    ok = _common.all_finite(updates)\n", "    ok = jnp.array(True)\n",
+    _m("S27", SKIPPING, "    ok = _common.all_finite_pairs(updates, inner_updates)\n",
+       "    ok = _common.all_finite(inner_updates)\n",
        "skip_nonfinite does not look at the gradients (only at what the inner transform made "
        "of them)"),
 
@@ -510,10 +512,10 @@ MUTANTS = [
        '  if len(getattr(leaf, "shape", ())) < 0:', "a scalar leaf counts as scan-stacked"),
 
     # ---------------------------------------------------------------- _common.py
-    _m("CM1", COMMON, "  return optax.tree.norm(optax.tree.cast(tree, STAT_DTYPE))",
-       "  return optax.tree.norm(tree)", "bf16 gradient norms are computed in bf16"),
-    _m("CM2", COMMON, "  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))",
-       "  return jnp.all(jnp.stack([jnp.all(~jnp.isnan(x)) for x in leaves]))",
+    _m("CM1", COMMON, "  return optax.tree.norm(jnp.asarray(x, STAT_DTYPE))",
+       "  return optax.tree.norm(x)", "bf16 gradient norms are computed in bf16"),
+    _m("CM2", COMMON, "    zero = x.astype(STAT_DTYPE) * 0\n",
+       "    zero = jnp.where(jnp.isnan(x), jnp.nan, 0.0).astype(STAT_DTYPE)\n",
        "an Inf counts as finite"),
     _m("CM3", COMMON, "  return (jnp.asarray(x, STAT_DTYPE) * scale).astype(jnp.asarray(x).dtype)",
        "  return jnp.asarray(x, STAT_DTYPE) * scale", "scaled updates lose their dtype"),
@@ -522,8 +524,8 @@ MUTANTS = [
     _m("CM5", COMMON, "  if not ok(value):\n    raise ValueError",
        "  if False:\n    raise ValueError",
        "invalid hyperparameters are accepted"),
-    _m("CM6", COMMON, "  if not leaves:\n    return jnp.array(True)",
-       "  if not leaves:\n    return jnp.array(False)",
+    _m("CM6", COMMON, "  if not values:\n    return jnp.zeros((), STAT_DTYPE)",
+       "  if not values:\n    return jnp.full((), jnp.nan, STAT_DTYPE)",
        "an empty tree is not finite (a stateless step would always be skipped)"),
 
     # ---------------------------------------------------------------- metrics.py
@@ -753,17 +755,19 @@ MUTANTS = [
        "(a / _PE_SAFETY, b / _PE_SAFETY**3, c / _PE_SAFETY**3)",
        "the safety factor divides c by 1.01^3 instead of 1.01^5"),
     _m("NS4", NEWTON_SCHULZ,
-       "  per_step = tuple(table[min(i, len(table) - 1)] for i in range(steps))",
-       "  per_step = tuple(table[i % len(table)] for i in range(steps))",
+       "  per_step = tuple(_triple(table[min(i, len(table) - 1)]) for i in range(steps))",
+       "  per_step = tuple(_triple(table[i % len(table)]) for i in range(steps))",
        "steps past the list cycle through it instead of repeating its last triple"),
-    _m("NS5", NEWTON_SCHULZ, "  norm = jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True))",
-       "  norm = jnp.sqrt(jnp.sum(xf * xf, keepdims=True))",
+    _m("NS5", NEWTON_SCHULZ, "  return jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1)))",
+       "  return jnp.sqrt(jnp.sum(xf * xf)) * jnp.ones(xf.shape[:-2])",
        "a stacked input is normalised as a whole, not per slice"),
-    _m("NS6", NEWTON_SCHULZ, "  return (xf / (norm * norm_factor + eps)).astype(x.dtype)",
-       "  return (xf / (norm + eps)).astype(x.dtype)",
+    _m("NS6", NEWTON_SCHULZ,
+       "  return (xf / (norm[..., None, None] * norm_factor + eps)).astype(x.dtype)",
+       "  return (xf / (norm[..., None, None] + eps)).astype(x.dtype)",
        "the Polar Express input is not divided by 1.01 ||X||"),
-    _m("NS7", NEWTON_SCHULZ, "  return (xf / (norm * norm_factor + eps)).astype(x.dtype)",
-       "  return (xf / (norm * norm_factor)).astype(x.dtype)", "a zero input becomes NaN"),
+    _m("NS7", NEWTON_SCHULZ,
+       "  return (xf / (norm[..., None, None] * norm_factor + eps)).astype(x.dtype)",
+       "  return (xf / (norm[..., None, None] * norm_factor)).astype(x.dtype)", "a zero input becomes NaN"),
     _m("NS8", NEWTON_SCHULZ,
        "    poly = (b * gram.astype(jnp.float32) + c * _mm(gram, gram, True)).astype(dtype)",
        "    poly = (b * gram.astype(jnp.float32) + c * gram.astype(jnp.float32)).astype(dtype)",
@@ -772,12 +776,12 @@ MUTANTS = [
        "a tall matrix is not transposed (the Gram matrix is built on the large side)",
        equivalent="p(X X^T) X = X p(X^T X) for a polynomial p, so the result is the same up to "
                   "float rounding; only the cost changes"),
-    _m("NS10", NEWTON_SCHULZ, "        default=ref,",
-       "        default=functools.partial(kernel_or_ref, \"triton\"),",
+    _m("NS10", NEWTON_SCHULZ, "**kernels, default=ref)",
+       "**kernels, default=functools.partial(kernel_or_ref, \"triton\"))",
        "on CPU the dispatcher picks the Triton kernel instead of the XLA reference"),
-    _m("NS11", NEWTON_SCHULZ, "      if current not in (\"gpu\", \"cuda\", \"tpu\"):\n"
-       "        warnings.warn(f\"newton_schulz: backend='pallas' has no kernel",
-       "      if False:\n        warnings.warn(f\"newton_schulz: backend='pallas' has no kernel",
+    _m("NS11", NEWTON_SCHULZ, "    elif backend == \"pallas\":\n"
+       "      warnings.warn(f\"newton_schulz: backend='pallas' has no kernel",
+       "    elif False:\n      warnings.warn(f\"newton_schulz: backend='pallas' has no kernel",
        "backend='pallas' on CPU falls back without a warning"),
 
     # ---------------------------------------------------------------- data/prepare.py
@@ -1011,8 +1015,9 @@ MUTANTS = [
     _m("MU6", MUON, "      fro >= _HEALTH_MIN_FRO * normalised)", "      fro >= 0.0)",
        "the NS health check loses its lower bound",
        _muon_tests("fall_back or nan_in_ns or health or near_zero")),
-    _m("MU7", MUON, "  fallback = jnp.where(mom_finite[..., None, None], xf / (norm + eps), 0.0)",
-       "  fallback = xf / (norm + eps)",
+    _m("MU7", MUON, "    fallback = jnp.where(mom_finite[..., None, None], xf / (norm[..., None, "
+       "None] + eps),\n                         0.0)",
+       "    fallback = (xf / (norm[..., None, None] + eps))",
        "the fallback of a non-finite momentum is not zero",
        _muon_tests("nan_in_ns or nonfinite or fall_back")),
     _m("MU8", MUON, "  return consistent_rms * math.sqrt(max(fan_in, fan_out))",

@@ -94,7 +94,8 @@ def init_new_token_embeddings(params: Any, token_ids: Sequence[int] | np.ndarray
   return rewrap(new)
 
 
-def lambda_warmup(steps: int, schedule: str = "linear") -> optax.Schedule:
+def lambda_warmup(steps: int, schedule: str = "linear"
+                  ) -> Callable[[jax.typing.ArrayLike], jax.Array]:
   """Ramp of the BitNet quantisation strength lambda from 0 to 1 over ``steps`` steps.
 
   ``linear``: ``lambda(s) = min(s / steps, 1)``. ``cosine``: ``lambda(s) = (1 - cos(pi *
@@ -146,10 +147,18 @@ def excess_kurtosis(hidden: Any) -> jax.Array:
   Returns:
     float32 scalar.
 
-  Example::
+  Example:
+    >>> import jax
+    >>> import stablejax
+    >>> hidden = jax.random.normal(jax.random.key(0), (2, 4096))   # 2 layers of Gaussians
+    >>> float(stablejax.excess_kurtosis(hidden))
+    0.0
+    >>> spiky = hidden.at[:, 0].set(200.0)    # one massive activation per layer
+    >>> float(stablejax.excess_kurtosis(spiky)) > 1000
+    True
 
-    _, acts = model.apply(variables, eval_tokens, return_activations=True)
-    kurt = stablejax.excess_kurtosis(acts["residual"][1:])
+    On a model (``GPT(..., return_activations=True)``), the block outputs are
+    ``excess_kurtosis(activations["residual"][1:])``.
   """
   if isinstance(hidden, (list, tuple)):
     values = [_layer_excess_kurtosis(h) for h in hidden]

@@ -30,6 +30,13 @@ class HealthThresholds:
     high: upper edge of the healthy range (default 5.0).
     critical: upper edge of the high range (default 10.0).
     low: optional lower edge of the healthy range; ``None`` disables "low".
+
+  Example:
+    >>> from stablejax import HealthThresholds, grad_health_level
+    >>> grad_health_level(7.0), grad_health_level(7.0, HealthThresholds(high=8.0, critical=20.0))
+    ('high', 'healthy')
+    >>> grad_health_level(0.01, HealthThresholds(low=0.1))
+    'low'
   """
 
   high: float = 5.0
@@ -61,10 +68,12 @@ def grad_health_level(grad_norm: Any, thresholds: HealthThresholds = HealthThres
     missing norm), or ``"low"`` when ``thresholds.low`` is set and the norm is
     below it.
 
-  Example::
-
-    grad_health_level(7.0)            # "high"
-    grad_health_level(float("nan"))   # "exploded"
+  Example:
+    >>> from stablejax import grad_health_level
+    >>> grad_health_level(1.2), grad_health_level(7.0), grad_health_level(12.0)
+    ('healthy', 'high', 'critical')
+    >>> grad_health_level(float("nan"))
+    'exploded'
   """
   g = _as_float(grad_norm)
   if g is None or not math.isfinite(g):
@@ -112,6 +121,16 @@ class AttentionLogitThresholds:
     growth_window: steps over which the growth is measured.
     growth_floor: no trend warning below this logit (early training grows fast from ~1).
     repeat_factor: a further warning needs the logit this many times above the last one.
+
+  Example:
+    >>> from stablejax import AttentionLogitThresholds, StabilityMonitor
+    >>> monitor = StabilityMonitor(attention=AttentionLogitThresholds(high=50.0,
+    ...                                                               growth_floor=10.0))
+    >>> [monitor.update(s, {"loss": 3.0, "grad_norm": 1.0, "attn_logit_max": v})
+    ...  for s, v in [(10, 5.0), (20, 12.0)]]
+    [[], []]
+    >>> monitor.update(30, {"loss": 3.0, "grad_norm": 1.0, "attn_logit_max": 60.0})
+    ['step 30: attention logits growing: max pre-softmax logit 60 (x12 within 100 steps); ...']
   """
 
   high: float = 1000.0

@@ -97,10 +97,15 @@ class StabilityMonitor:
       row's advice, a longer warmup, does not apply).
     attention: thresholds of the attention-logit rule; None turns it off.
 
-  Example::
-
-    monitor = StabilityMonitor(window=100)
-    lines = monitor.update(10, {"loss": 3.2, "grad_norm": 1.1, "zclip/spike_count": 0})
+  Example:
+    >>> from stablejax import StabilityMonitor
+    >>> monitor = StabilityMonitor(window=100)
+    >>> monitor.update(10, {"loss": 3.2, "grad_norm": 1.1, "zclip/spike_count": 0})
+    []
+    >>> monitor.update(20, {"loss": 3.1, "grad_norm": 12.0})
+    ['step 20: gradient health critical (grad norm 12; grad norm > 10)']
+    >>> monitor.update(30, {"loss": 3.0, "grad_norm": 1.0})
+    ['step 30: gradient health back to healthy (grad norm 1)']
   """
 
   def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),

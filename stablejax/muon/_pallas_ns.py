@@ -44,7 +44,7 @@ the XLA reference):
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,20 +76,21 @@ def _mosaic_tile(dim: int, candidates: Sequence[int], align: int) -> Optional[in
   return tile
 
 
-def matmul_tiles(m: int, n: int, k: int, platform: str, itemsize: int = 4):
+def matmul_tiles(m: int, n: int, k: int, platform: str,
+                 itemsize: int = 4) -> Optional[tuple[int, int, int]]:
   """Tile sizes ``(bm, bn, bk)`` for an ``[m, k] x [k, n]`` product, or None if untileable."""
   if platform == "triton":
     bm = _first_divisor(m, _TRITON_TILES)
     bn = _first_divisor(n, _TRITON_TILES)
     bk = _first_divisor(k, _TRITON_CHUNKS)
-    if None in (bm, bn, bk):
+    if bm is None or bn is None or bk is None:
       return None
     return bm, bn, bk
   if platform == "mosaic":
     bm = _mosaic_tile(m, _MOSAIC_TILES[1:], 8)  # 128 rows keeps the K strips small
     bn = _mosaic_tile(n, _MOSAIC_TILES, 8)
     bk = _mosaic_tile(k, _MOSAIC_CHUNKS, 8)
-    if None in (bm, bn, bk):
+    if bm is None or bn is None or bk is None:
       return None
     # Double-buffered operand strips (bm x K and bn x K or K x bn) plus addend and output tiles.
     vmem = 2 * itemsize * (bm * k + bn * k + 2 * bm * bn)
@@ -108,7 +109,8 @@ def ns_tileable(n: int, m: int, platform: str, itemsize: int = 4) -> bool:
   )
 
 
-def _fused_matmul_kernel(lhs_ref, rhs_ref, *rest, alpha, beta, trans_rhs, bk, nk):
+def _fused_matmul_kernel(lhs_ref: Any, rhs_ref: Any, *rest: Any, alpha: float, beta: float,
+                         trans_rhs: bool, bk: int, nk: int) -> None:
   if len(rest) == 2:
     add_ref, out_ref = rest
   else:
@@ -116,7 +118,7 @@ def _fused_matmul_kernel(lhs_ref, rhs_ref, *rest, alpha, beta, trans_rhs, bk, nk
     add_ref = None
   bm, bn = out_ref.shape
 
-  def body(kk, acc):
+  def body(kk: jax.Array, acc: jax.Array) -> jax.Array:
     start = pl.multiple_of(kk * bk, bk)
     lhs = lhs_ref[:, pl.ds(start, bk)]
     if trans_rhs:
@@ -134,8 +136,9 @@ def _fused_matmul_kernel(lhs_ref, rhs_ref, *rest, alpha, beta, trans_rhs, bk, nk
   out_ref[...] = out.astype(out_ref.dtype)
 
 
-def fused_matmul(lhs, rhs, addend, *, alpha: float, beta: float, trans_rhs: bool,
-                 platform: str, interpret: bool = False):
+def fused_matmul(lhs: jax.Array, rhs: jax.Array, addend: Optional[jax.Array], *, alpha: float,
+                 beta: float, trans_rhs: bool, platform: str,
+                 interpret: bool = False) -> jax.Array:
   """``alpha * addend + beta * lhs @ op(rhs)`` batched over the leading axis, f32 accumulation.
 
   Args:
@@ -166,6 +169,7 @@ def fused_matmul(lhs, rhs, addend, *, alpha: float, beta: float, trans_rhs: bool
   if addend is not None:
     in_specs.append(pl.BlockSpec((None, bm, bn), lambda b, i, j: (b, i, j)))
     args.append(addend)
+  compiler_params: Any
   if platform == "triton":
     compiler_params = plgpu.CompilerParams(num_warps=4, num_stages=3)
   else:
@@ -186,7 +190,8 @@ def fused_matmul(lhs, rhs, addend, *, alpha: float, beta: float, trans_rhs: bool
   )(*args)
 
 
-def ns_iterations(x, coeffs, *, platform: str, interpret: bool = False):
+def ns_iterations(x: jax.Array, coeffs: Sequence[Sequence[float]], *, platform: str,
+                  interpret: bool = False) -> jax.Array:
   """Runs the NS iterations on a normalised ``[B, n, m]`` array with ``n <= m``.
 
   Args:

@@ -13,6 +13,7 @@ import inspect
 import math
 import types
 import warnings
+from typing import Any
 
 import jax
 import numpy as np
@@ -26,11 +27,11 @@ class NoOutlierSafeMuonError(ValueError):
   """The transform given to :func:`describe_routing` contains no ``outlier_safe_muon``."""
 
 
-def _is_transform(x) -> bool:
+def _is_transform(x: Any) -> bool:
   return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
 
 
-def _closure_env(fn) -> dict:
+def _closure_env(fn: Any) -> dict:
   env = {}
   code = getattr(fn, "__code__", None)
   for name, cell in zip(getattr(code, "co_freevars", ()), getattr(fn, "__closure__", None) or ()):
@@ -41,7 +42,7 @@ def _closure_env(fn) -> dict:
   return env
 
 
-def _injected_hyperparams(tx) -> dict:
+def _injected_hyperparams(tx: Any) -> dict:
   """Arguments given to ``optax.inject_hyperparams(outlier_safe_muon)(...)`` inside ``tx``.
 
   Under ``inject_hyperparams`` the rates reach outlier_safe_muon as traced arrays; the values the
@@ -76,7 +77,7 @@ def _injected_hyperparams(tx) -> dict:
   return {}
 
 
-def _format_lr(lr) -> str:
+def _format_lr(lr: Any) -> str:
   if lr is None:
     return "-"
   if callable(lr):
@@ -85,7 +86,7 @@ def _format_lr(lr) -> str:
   return f"{float(np.asarray(lr)):.3g}"
 
 
-def _rates_for_display(info: routing.RoutingInfo, tx) -> dict:
+def _rates_for_display(info: routing.RoutingInfo, tx: Any) -> dict:
   rates = {}
   injected = None
   for group, lr in info.learning_rates.items():
@@ -103,14 +104,16 @@ def _rates_for_display(info: routing.RoutingInfo, tx) -> dict:
 def _table(p: routing.RoutingPlan, rates: dict) -> str:
   rows = []
   totals = {g: [0, 0] for g in routing.GROUPS}
-  for leaf, label, dims in zip(p.leaves, p.labels, p.layouts):
+  sources = p.sources or [None] * len(p.leaves)
+  for leaf, label, dims, source in zip(p.leaves, p.labels, p.layouts, sources):
     if leaf.masked:
       continue
     matrix = routing._layout_name(dims, leaf.shape) if label == "muon" else "-"
-    rows.append((leaf.path, str(leaf.shape), label, matrix, rates.get(label, "-")))
+    read = routing.LAYOUT_SOURCES[source] if label == "muon" else "-"
+    rows.append((leaf.path, str(leaf.shape), label, matrix, read, rates.get(label, "-")))
     totals[label][0] += 1
     totals[label][1] += math.prod(leaf.shape)
-  header = ("path", "shape", "group", "muon matrix", "learning rate")
+  header = ("path", "shape", "group", "muon matrix", "matrix from", "learning rate")
   widths = [max([len(header[i])] + [len(r[i]) for r in rows]) for i in range(len(header))]
   fmt = "  ".join(f"{{:<{w}}}" for w in widths)
   lines = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))]
@@ -119,14 +122,15 @@ def _table(p: routing.RoutingPlan, rates: dict) -> str:
   for g in routing.GROUPS:
     n_tensors, n_params = totals[g]
     if n_tensors:
-      lines.append(f"{g}: {n_tensors} tensor{'s' if n_tensors > 1 else ''}, {n_params:,} parameters, "
+      plural = "s" if n_tensors > 1 else ""
+      lines.append(f"{g}: {n_tensors} tensor{plural}, {n_params:,} parameters, "
                    f"learning rate {rates.get(g, '-')}")
   for note in p.notes:
     lines.append(f"{'note' if note.kind == 'info' else note.kind}: {note.text}")
   return "\n".join(lines)
 
 
-def describe_routing(params, tx_or_labels: routing.LabelsOrFn = None) -> str:
+def describe_routing(params: Any, tx_or_labels: routing.LabelsOrFn = None) -> str:
   """The routing in effect as a printable table: path, shape, group, Muon matrix, learning rate.
 
   Args:
@@ -139,9 +143,12 @@ def describe_routing(params, tx_or_labels: routing.LabelsOrFn = None) -> str:
       mapping, a label tree or a callable).
 
   Returns:
-    A multi-line string: one row per parameter, one summary line per group (tensors, parameters,
-    learning rate), then notes: heads found by shape, heads taken as tied, unsure cases and
-    unrecognised 3+ axis kernels, each with the override that changes it.
+    A multi-line string: one row per parameter (path, shape, group, the matrix Muon
+    orthogonalises, what that matrix was read from: ``metadata``, ``shapes``, ``attention
+    layer``, ``given`` or ``last two axes``, and the learning rate), one summary line per group
+    (tensors, parameters, learning rate), then notes: heads found by shape, heads taken as tied,
+    unsure cases, override patterns that match nothing and unrecognised 3+ axis kernels (one
+    line for all of them, grouped by layout), each with the override that changes it.
 
   Raises:
     NoOutlierSafeMuonError: (a ``ValueError``) if the transform contains no outlier_safe_muon.
@@ -154,7 +161,7 @@ def describe_routing(params, tx_or_labels: routing.LabelsOrFn = None) -> str:
   """
   if not _is_transform(tx_or_labels):
     return _table(routing.plan(params, tx_or_labels), {})
-  tx = tx_or_labels
+  tx: Any = tx_or_labels
   with routing._capture() as found, warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the notes below repeat init's warnings
     jax.eval_shape(tx.init, params)

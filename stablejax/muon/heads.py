@@ -140,6 +140,10 @@ def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, hea
 
 def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: Optional[int]
            ) -> AttentionLayer:
+  if not group.leading_stack:
+    raise ValueError(f"attention layer {group.name!r} is stacked along an axis that is not the "
+                     "leading one (nn.scan with variable_axes={'params': 1}); AttentionLayer "
+                     "describes leading stacked axes only")
   parts: dict[str, tuple[layout.Projection, Optional[int]]] = {}
   for p in group.projections:
     if p.role == "qkv" and p.fused == 3:
@@ -228,8 +232,9 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
     in path order.
 
   Raises:
-    ValueError: the head count of a 2-D layer cannot be read (pass ``num_heads``), or
-      ``num_heads`` disagrees with the shapes.
+    ValueError: the head count of a 2-D layer cannot be read (pass ``num_heads``),
+      ``num_heads`` disagrees with the shapes, or a layer is stacked along an axis that is not
+      the leading one (``nn.scan(..., variable_axes={'params': 1})``).
     LookupError: a layer's query or key cannot be told apart (pass ``overrides``).
 
   Example:

@@ -263,7 +263,8 @@ def is_vector_name(leaf: Leaf) -> bool:
 
 
 def is_strong_head(name: str) -> bool:
-  return name in _STRONG_HEAD or (name.endswith("head") and not name.endswith("multihead"))
+  return (name in _STRONG_HEAD or "unembed" in name
+          or (name.endswith("head") and not name.endswith("multihead")))
 
 
 def is_embedding_name(leaf: Leaf) -> bool:
@@ -278,12 +279,14 @@ def is_positional(leaf: Leaf) -> bool:
 
 # ------------------------------------------------------------------ stacks and blocks
 
-def stacked_flags(leaves: Sequence[Leaf]) -> list[bool]:
-  """Whether each leaf lies in a scan-stacked subtree (``nn.scan`` / ``nnx.scan`` over layers).
+def stack_axes(leaves: Sequence[Leaf]) -> list[Optional[int]]:
+  """The stacked-layer axis of each leaf in a scan-stacked subtree (``nn.scan`` / ``nnx.scan``).
 
-  A subtree is a stack of length ``L`` when it holds at least two parameters, all with leading
-  axis ``L``, at least one of 3+ axes (a stacked matrix) and one of at most 2 (a stacked norm
-  gain, bias or scalar).
+  A subtree is a stack of ``L`` layers along axis ``a`` (0, or 1 as with ``nn.scan(...,
+  variable_axes={'params': 1})``) when it holds at least two parameters, all with size ``L`` on
+  axis ``a``, at least one of 3+ axes (a stacked matrix) and one of at most 2 (a stacked norm
+  gain, bias or scalar), and, along axis 1, at least two modules. None for a leaf outside every
+  stack.
   """
   members = collections.defaultdict(list)
   for i, leaf in enumerate(leaves):
@@ -292,17 +295,35 @@ def stacked_flags(leaves: Sequence[Leaf]) -> list[bool]:
         members[leaf.names[:k]].append(i)
 
   @functools.lru_cache(maxsize=None)
-  def is_stack(prefix: tuple) -> bool:
+  def stack_axis(prefix: tuple) -> Optional[int]:
     idx = members[prefix]
     shapes = [leaves[i].shape for i in idx]
-    if len(idx) < 2 or any(len(s) == 0 for s in shapes) or len({s[0] for s in shapes}) != 1:
-      return False
     ndims = [len(s) for s in shapes]
-    return max(ndims) >= 3 and min(ndims) <= 2
+    if len(idx) < 2 or max(ndims) < 3 or min(ndims) > 2:
+      return None
+    # Along axis 1 only a stack of several modules (MaxText scans whole decoder layers): the
+    # kernel [D, H, hd] and bias [H, hd] of one attention projection share axis 1 when H == hd.
+    modules = len({leaves[i].names[:-1] for i in idx})
+    for a in (0, 1):
+      if a == 1 and modules < 2:
+        break
+      if min(ndims) > a and len({s[a] for s in shapes}) == 1:
+        return a
+    return None
 
-  return [not leaf.masked and len(leaf.shape) >= 1
-          and any(is_stack(leaf.names[:k]) for k in range(len(leaf.names)))
-          for leaf in leaves]
+  out: list[Optional[int]] = []
+  for leaf in leaves:
+    found = None
+    if not leaf.masked and leaf.shape:
+      found = next((a for k in range(len(leaf.names))
+                    if (a := stack_axis(leaf.names[:k])) is not None), None)
+    out.append(found)
+  return out
+
+
+def stacked_flags(leaves: Sequence[Leaf]) -> list[bool]:
+  """Whether each leaf lies in a scan-stacked subtree (see :func:`stack_axes`)."""
+  return [a is not None for a in stack_axes(leaves)]
 
 
 def block_flags(leaves: Sequence[Leaf], stacked: Sequence[bool]) -> list[bool]:
@@ -374,13 +395,15 @@ class AttentionGroup:
   stack_ndim: int
   head_dim: Optional[int]
   qk_norm_dim: Optional[int]
+  leading_stack: bool = True   # the stacked-layer axes lead every parameter
 
 
 @dataclasses.dataclass
 class Analysis:
   """Everything the routing and the head finder read about one parameter tree."""
   leaves: list
-  stacked: list
+  stacked: list                # bool per leaf: inside a scan-stacked subtree
+  stack_axis: list             # that subtree's layer axis (0 or 1), or None
   in_block: list
   d_model: Optional[int]
   kinds: list                  # axis_kinds per leaf (None: no usable metadata)
@@ -388,10 +411,8 @@ class Analysis:
   groups: list                 # AttentionGroup
 
 
-def _stack_axes(leaf: Leaf, stacked: bool, kinds: Optional[tuple]) -> tuple:
-  if kinds is not None:
-    return tuple(i for i, k in enumerate(kinds) if k in (STACK, EXPERT))
-  return (0,) if stacked and len(leaf.shape) >= 3 else ()
+def _stack_axes(leaf: Leaf, axis: Optional[int]) -> tuple:
+  return (axis,) if axis is not None and len(leaf.shape) > axis + 1 else ()
 
 
 def _infer_d_model(leaves: Sequence[Leaf], kinds: Sequence, stacked: Sequence[bool]
@@ -482,7 +503,8 @@ def analyse(leaves: Sequence[Leaf], roles: Optional[dict] = None) -> Analysis:
       ``"value"``, ``"out"``, ``"none"``) that wins over the names.
   """
   leaves = list(leaves)
-  stacked = stacked_flags(leaves)
+  stack_axis = stack_axes(leaves)
+  stacked = [a is not None for a in stack_axis]
   in_block = block_flags(leaves, stacked)
   kinds = [None if leaf.masked else axis_kinds(leaf) for leaf in leaves]
   d_model = _infer_d_model(leaves, kinds, stacked)
@@ -497,7 +519,11 @@ def analyse(leaves: Sequence[Leaf], roles: Optional[dict] = None) -> Analysis:
       if meta is not None:
         layouts[i] = meta
         continue
-    stack = _stack_axes(leaf, stacked[i], None)
+    stack = _stack_axes(leaf, stack_axis[i])
+    rest = [a - len(leaf.shape) for a in range(len(leaf.shape)) if a not in stack]
+    if stack and stack != (0,) and len(rest) == 2:  # [in, L, out]: stacked on axis 1
+      layouts[i] = KernelLayout(_dims(rest[:1], rest[1:]), "shape")
+      continue
     r = _shape_reading(leaf, stack, d_model)
     if r is None:
       continue
@@ -507,8 +533,8 @@ def analyse(leaves: Sequence[Leaf], roles: Optional[dict] = None) -> Analysis:
       layouts[i] = _reading_layout(leaf, r, "shape")  # [D, H, hd]: DenseGeneral in any module
     elif r["position"] == "last" and r["fused"] is None and not experts:
       layouts[i] = _reading_layout(leaf, r, "shape")  # [H, hd, D]
-  groups = _attention_groups(leaves, stacked, kinds, d_model, layouts, readings, roles or {})
-  return Analysis(leaves, stacked, in_block, d_model, kinds, layouts, groups)
+  groups = _attention_groups(leaves, stack_axis, kinds, d_model, layouts, readings, roles or {})
+  return Analysis(leaves, stacked, stack_axis, in_block, d_model, kinds, layouts, groups)
 
 
 # ------------------------------------------------------------------ attention layers
@@ -524,7 +550,7 @@ def _bias_of(leaves: Sequence[Leaf], by_path: dict, kernel: Leaf) -> Optional[in
   return None
 
 
-def _attention_groups(leaves: list, stacked: list, kinds: list, d_model: Optional[int],
+def _attention_groups(leaves: list, stack_axis: list, kinds: list, d_model: Optional[int],
                       layouts: dict, readings: dict, roles: dict) -> list:
   by_path = {leaf.names: i for i, leaf in enumerate(leaves) if not leaf.masked}
   members: dict = collections.defaultdict(list)
@@ -537,13 +563,33 @@ def _attention_groups(leaves: list, stacked: list, kinds: list, d_model: Optiona
       members[proj[:-1]].append(i)
   groups = []
   for parent, idx in members.items():
-    group = _group_from_shapes(leaves, stacked, kinds, d_model, layouts, readings, by_path,
-                               parent, idx, roles)
+    group = None
+    for d in _widths_to_try(leaves, stack_axis, idx, d_model):
+      group_readings = dict(readings) if d == d_model else {
+          i: r for i in idx
+          if (r := _shape_reading(leaves[i], _stack_axes(leaves[i], stack_axis[i]), d))}
+      group = _group_from_shapes(leaves, stack_axis, kinds, d, layouts, group_readings, by_path,
+                                 parent, idx, roles)
+      if group is not None:
+        break
     if group is None:
-      group = _group_from_names(leaves, stacked, d_model, by_path, parent, idx, roles)
+      group = _group_from_names(leaves, stack_axis, d_model, by_path, parent, idx, roles)
     if group is not None:
       groups.append(group)
   return groups
+
+
+def _widths_to_try(leaves: list, stack_axis: list, idx: list, d_model: Optional[int]) -> list:
+  """The model width, or without one, every first or last axis size of the group's kernels."""
+  if d_model is not None:
+    return [d_model]
+  sizes: set = set()
+  for i in idx:
+    leaf = leaves[i]
+    axes = [a for a in range(len(leaf.shape)) if a not in _stack_axes(leaf, stack_axis[i])]
+    if len(axes) >= 3:
+      sizes.update((leaf.shape[axes[0]], leaf.shape[axes[-1]]))
+  return sorted(sizes, reverse=True)
 
 
 def _qk_norm_dim(leaves: Sequence[Leaf], parent: tuple, stack: int) -> Optional[int]:
@@ -556,7 +602,7 @@ def _qk_norm_dim(leaves: Sequence[Leaf], parent: tuple, stack: int) -> Optional[
   return dims.pop() if len(dims) == 1 else None
 
 
-def _group_from_shapes(leaves: list, stacked: list, kinds: list, d_model: Optional[int],
+def _group_from_shapes(leaves: list, stack_axis: list, kinds: list, d_model: Optional[int],
                        layouts: dict, readings: dict, by_path: dict, parent: tuple, idx: list,
                        roles: dict) -> Optional[AttentionGroup]:
   """An attention layer recognised from 3+-axis kernels (metadata or shapes)."""
@@ -612,11 +658,13 @@ def _group_from_shapes(leaves: list, stacked: list, kinds: list, d_model: Option
   for p in ins:
     if p.kernel in roles and p.fused == 1:
       p.role = roles[p.kernel]
-  stack = 1 if stacked[ins[0].kernel] else 0
   k = kinds[ins[0].kernel]
-  if k is not None:
-    stack = sum(1 for kind in k if kind == STACK)
-  return AttentionGroup("/".join(parent), ins + outs, stack, head_dims.pop(), None)
+  if k is not None and layouts[ins[0].kernel].source == "metadata":
+    axes = tuple(a for a, kind in enumerate(k) if kind == STACK)
+  else:
+    axes = _stack_axes(leaves[ins[0].kernel], stack_axis[ins[0].kernel])
+  return AttentionGroup("/".join(parent), ins + outs, len(axes), head_dims.pop(), None,
+                        axes == tuple(range(len(axes))))
 
 
 def _assign_roles(leaves: Sequence[Leaf], ins: list, q_heads: int) -> None:
@@ -647,7 +695,7 @@ def _assign_roles(leaves: Sequence[Leaf], ins: list, q_heads: int) -> None:
           p.role = None
 
 
-def _group_from_names(leaves: list, stacked: list, d_model: Optional[int], by_path: dict,
+def _group_from_names(leaves: list, stack_axis: list, d_model: Optional[int], by_path: dict,
                       parent: tuple, idx: list, roles: dict) -> Optional[AttentionGroup]:
   """An attention layer of 2-D ``[D, H*hd]`` kernels, recognised by its projections' names."""
   if d_model is None:
@@ -655,8 +703,8 @@ def _group_from_names(leaves: list, stacked: list, d_model: Optional[int], by_pa
   projs = []
   for i in idx:
     leaf = leaves[i]
-    stack = 1 if stacked[i] else 0
-    if len(leaf.shape) - stack != 2:
+    stack = len(_stack_axes(leaf, stack_axis[i]))
+    if len(leaf.shape) - stack != 2 or stack_axis[i] not in (None, 0):
       continue
     comp = leaf.names[-2] if _projection_path(leaf) != leaf.names else leaf.names[-1]
     role = roles.get(i) or projection_name(comp)
@@ -676,6 +724,6 @@ def _group_from_names(leaves: list, stacked: list, d_model: Optional[int], by_pa
   found = [p.role for p in projs]
   if "query" not in found or "key" not in found or len(set(found)) != len(found):
     return None
-  stack = 1 if stacked[projs[0].kernel] else 0
+  stack = len(_stack_axes(leaves[projs[0].kernel], stack_axis[projs[0].kernel]))
   return AttentionGroup("/".join(parent), projs, stack, None,
                         _qk_norm_dim(leaves, parent, stack))

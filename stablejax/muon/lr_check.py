@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Optional
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,13 +21,14 @@ MUON_MIN_LR = 1e-3
 ADAM_MAX_LR = 3e-3
 # Schedules are probed at every step up to 4096 (warmups end exactly there) and geometrically
 # beyond, up to 10 million steps.
-_PROBES = np.unique(np.concatenate([np.arange(4097), np.geomspace(4096, 1e7, 256).astype(np.int64)]))
+_PROBES = np.unique(np.concatenate([np.arange(4097),
+                                    np.geomspace(4096, 1e7, 256).astype(np.int64)]))
 
 _MUON_NAMES = ("muon", "outlier_safe_muon")
 _ADAM_NAMES = ("adam", "adamw")
 
 
-def schedule_values(schedule) -> np.ndarray:
+def schedule_values(schedule: Any) -> np.ndarray:
   """Values of an optax schedule at every step up to 4096 and geometrically up to 1e7."""
   try:
     values = np.asarray(schedule(jnp.asarray(_PROBES, jnp.int32)), np.float64)
@@ -38,7 +39,7 @@ def schedule_values(schedule) -> np.ndarray:
   return np.array([float(schedule(int(step))) for step in _PROBES[::16]])
 
 
-def _peak(lr) -> Optional[float]:
+def _peak(lr: Any) -> Optional[float]:
   """Peak value of a float or an optax schedule."""
   if lr is None:
     return None
@@ -47,14 +48,15 @@ def _peak(lr) -> Optional[float]:
   return float(lr)
 
 
-def _muon_suggestion(consistent_rms) -> str:
+def _muon_suggestion(consistent_rms: Optional[float]) -> str:
   if consistent_rms is None:
     return "Muon with consistent_rms=None usually runs at about 0.02"
   return f"Muon with consistent_rms={consistent_rms} usually runs at about 2e-3 to 1e-2"
 
 
-def check_learning_rates(optimizer: Optional[str] = None, learning_rate=None, *, muon_lr=None,
-                         adam_lr=None, embedding_lr=None, head_lr=None, consistent_rms=0.2,
+def check_learning_rates(optimizer: Optional[str] = None, learning_rate: Any = None, *,
+                         muon_lr: Any = None, adam_lr: Any = None, embedding_lr: Any = None,
+                         head_lr: Any = None, consistent_rms: Optional[float] = 0.2,
                          warn: bool = False) -> list[str]:
   """Warnings for learning rates that look set for the other optimizer.
 

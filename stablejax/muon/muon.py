@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +51,9 @@ import optax
 
 from stablejax.muon import newton_schulz as _ns
 from stablejax.muon import routing
+from stablejax.muon import sharding as _sharding
+from stablejax.transforms._common import finite_probe
+from stablejax.transforms._common import sum_of_scalars
 from stablejax.transforms.metrics import register_state_metrics
 
 OUTLIER_METHODS = (None, "zscore", "iqr")
@@ -87,7 +89,7 @@ class OutlierSafeMuonState(NamedTuple):
 
   A scan-stacked ``[L, in, out]`` parameter counts as ``L`` matrices.
   """
-  count: jax.Array
+  count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as in optax states
   mu: optax.Updates
   outlier_count: jax.Array
   instability_count: jax.Array
@@ -126,12 +128,20 @@ class TensorGuardState(NamedTuple):
   skipped: jax.Array
 
 
-def _saturating_add(total, inc):
+def _total(vectors: list) -> jax.Array:
+  """Sum of the per-matrix numbers of every leaf, as one reduction (see ``sum_of_scalars``)."""
+  if not vectors:
+    return jnp.zeros((), jnp.float32)
+  joined = jnp.concatenate(vectors)
+  return jnp.sum(joined) if joined.shape[0] == 1 else jnp.sum(jnp.sort(joined))
+
+
+def _saturating_add(total: jax.Array, inc: jax.Array) -> jax.Array:
   inc = inc.astype(jnp.int32)
   return jnp.where(total > _INT32_MAX - inc, _INT32_MAX, total + inc).astype(jnp.int32)
 
 
-def _strided_sample(x2, size):
+def _strided_sample(x2: jax.Array, size: int) -> jax.Array:
   """``x2`` is ``[..., r, c]``; returns ``[..., k]`` with k <= IQR_EXACT_MAX entries."""
   r, c = x2.shape[-2:]
   flat = x2.reshape(x2.shape[:-2] + (r * c,))
@@ -143,7 +153,8 @@ def _strided_sample(x2, size):
   return flat[..., ::stride]
 
 
-def clamp_outliers(x, method: Optional[str], threshold: float):
+def clamp_outliers(x: jax.Array, method: Optional[str],
+                   threshold: float) -> tuple[jax.Array, jax.Array]:
   """Clamps outlier entries of each matrix (last two axes) back to the boundary.
 
   Args:
@@ -163,8 +174,15 @@ def clamp_outliers(x, method: Optional[str], threshold: float):
     entries. A matrix with zero spread (std or IQR of 0, e.g. mostly-zero momentum) or with
     non-finite statistics is left unchanged.
   """
+  clamped, per_matrix = _clamp(x, method, threshold)
+  return clamped, jnp.sum(per_matrix, dtype=jnp.int32)
+
+
+def _clamp(x: jax.Array, method: Optional[str],
+           threshold: float) -> tuple[jax.Array, jax.Array]:
+  """:func:`clamp_outliers` with the count per matrix (shape ``x.shape[:-2]``)."""
   if method is None:
-    return x, jnp.zeros((), jnp.int32)
+    return x, jnp.zeros(x.shape[:-2], jnp.int32)
   xf = x.astype(jnp.float32)
   axes = (-2, -1)
   if method == "zscore":
@@ -185,35 +203,43 @@ def clamp_outliers(x, method: Optional[str], threshold: float):
     raise ValueError(f"outlier_method must be one of {OUTLIER_METHODS}, got {method!r}")
   active = (spread > 0) & jnp.isfinite(lo) & jnp.isfinite(hi)
   clamped = jnp.where(active, jnp.clip(xf, lo, hi), xf)
-  n = jnp.sum((clamped != xf) & jnp.isfinite(xf), dtype=jnp.int32)
+  n = jnp.sum((clamped != xf) & jnp.isfinite(xf), axis=axes, dtype=jnp.int32)
   return clamped.astype(x.dtype), n
 
 
 
-def ns_health(out, mom, eps: float = 0.0):
+def ns_health(out: jax.Array, mom: jax.Array, eps: float = 0.0, mom_norm: Optional[jax.Array] = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-slice health of an NS output ``out`` for momentum ``mom`` (both ``[..., r, c]``).
 
   Healthy: finite, and ``0.1 * ||mom|| / (||mom|| + eps) <= ||out||_F <= 2 sqrt(rank)`` (see the
-  module docstring for why NS output always lies there).
+  module docstring for why NS output always lies there). "Finite" is read off the Frobenius
+  norms (NaN or Inf in any entry makes them so; so does a norm above about 1e19, far outside
+  what NS produces), which also serve the bounds: one sum per slice (two without ``mom_norm``),
+  no boolean all-reductions (several times slower to compile on XLA:CPU).
+
+  Args:
+    out: the NS output.
+    mom: its input.
+    eps: the ``eps`` NS normalised with.
+    mom_norm: the float32 Frobenius norms of ``mom``'s slices, if already computed.
 
   Returns:
-    ``(healthy, mom_finite)``: bool arrays of shape ``out.shape[:-2]``.
+    ``(healthy, mom_finite, mom_norm)``: bool arrays of shape ``out.shape[:-2]`` and the float32
+    Frobenius norm of each momentum slice.
   """
-  axes = (-2, -1)
-  of = out.astype(jnp.float32)
-  mf = mom.astype(jnp.float32)
-  fro = jnp.sqrt(jnp.sum(of * of, axis=axes))
-  mom_fro = jnp.sqrt(jnp.sum(mf * mf, axis=axes))
+  fro = _ns.frobenius_norm(out)
+  mom_fro = _ns.frobenius_norm(mom) if mom_norm is None else mom_norm
   rank_bound = min(out.shape[-2:])
-  finite = jnp.all(jnp.isfinite(of), axis=axes)
-  mom_finite = jnp.all(jnp.isfinite(mf), axis=axes)
+  finite = jnp.isfinite(fro)
+  mom_finite = jnp.isfinite(mom_fro)
   normalised = mom_fro / (mom_fro + eps) if eps else jnp.where(mom_fro > 0, 1.0, 0.0)
   in_range = (fro <= _HEALTH_MAX_FRO_PER_SQRT_RANK * math.sqrt(rank_bound)) & (
       fro >= _HEALTH_MIN_FRO * normalised)
-  return finite & in_range & mom_finite, mom_finite
+  return finite & in_range & mom_finite, mom_finite, mom_fro
 
 
-def shape_scale(fan_in: int, fan_out: int, consistent_rms):
+def shape_scale(fan_in: int, fan_out: int, consistent_rms: Any) -> Any:
   """Muon update scale for a ``[fan_in, fan_out]`` matrix.
 
   ``consistent_rms * sqrt(max(fan_in, fan_out))`` (Moonlight, arXiv 2502.16982) or, when
@@ -225,7 +251,7 @@ def shape_scale(fan_in: int, fan_out: int, consistent_rms):
   return consistent_rms * math.sqrt(max(fan_in, fan_out))
 
 
-def _to_matrices(x, dims):
+def _to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
   """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
   red, out = routing._normalize_axes(dims, x.ndim)
   batch = [a for a in range(x.ndim) if a not in red and a not in out]
@@ -236,21 +262,21 @@ def _to_matrices(x, dims):
   inverse = tuple(sorted(range(x.ndim), key=perm.__getitem__))
   identity = perm == tuple(range(x.ndim))
 
-  def back(m):
+  def back(m: jax.Array) -> jax.Array:
     m = m.reshape(permuted_shape)
     return m if identity else jnp.transpose(m, inverse)
 
   return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
 
 
-def _static_int(value, name: str) -> int:
+def _static_int(value: Any, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f"{name} must be a Python int, got {value!r} (under optax.inject_hyperparams "
                      f"pass static_args=({name!r},))")
   return int(value)
 
 
-def _concrete(value) -> Optional[float]:
+def _concrete(value: Any) -> Optional[float]:
   """``float(value)``, or None for a traced value (a hyperparameter under inject_hyperparams)."""
   try:
     return float(value)
@@ -259,10 +285,12 @@ def _concrete(value) -> Optional[float]:
 
 
 def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                               ns_coeffs="standard", consistent_rms: Optional[float] = 0.2,
-                               outlier_threshold: float = 5.0, outlier_method: Optional[str] = "zscore",
+                               ns_coeffs: Any = "standard", consistent_rms: Optional[float] = 0.2,
+                               outlier_threshold: float = 5.0,
+                               outlier_method: Optional[str] = "zscore",
                                ns_backend: str = "auto", eps: float = 1e-8,
-                               weight_dimension_numbers=None) -> optax.GradientTransformation:
+                               weight_dimension_numbers: Any = None
+                               ) -> optax.GradientTransformation:
   """The Muon direction for matrices: momentum, outlier clamp, NS, health check, shape scale.
 
   Every leaf must have ``ndim >= 2``. Its matrix is given by ``weight_dimension_numbers`` (as
@@ -299,13 +327,21 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
     >>> tx = optax.chain(scale_by_outlier_safe_muon(), optax.scale(-1e-3))
     >>> state = tx.init({"w": jnp.ones((8, 16))})
   """
+  def layouts_of(tree: Any) -> list:
+    return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
+
+  return _muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms,
+                         outlier_threshold, outlier_method, ns_backend, eps, layouts_of)
+
+
+def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any,
+                    consistent_rms: Any, outlier_threshold: Any, outlier_method: Optional[str],
+                    ns_backend: str, eps: float, layouts: Any) -> optax.GradientTransformation:
+  """:func:`scale_by_outlier_safe_muon` with the layouts given as ``tree -> [dims per leaf]``."""
   ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
   _ns.resolve_coeffs(ns_coeffs, ns_steps)  # validates early
 
-  def layouts(tree):
-    return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
-
-  def init_fn(params):
+  def init_fn(params: Any) -> OutlierSafeMuonState:
     leaves, _ = routing.param_leaves(params)
     for leaf in leaves:
       if not leaf.masked and len(leaf.shape) < 2:
@@ -320,7 +356,8 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
         ns_instability_rate=zero_f, fallback_rate=zero_f, nonfinite_count=zero_i,
         nonfinite_rate=zero_f)
 
-  def one(g, m, count_inc, dims):
+  def momentum_input(g: jax.Array, m: jax.Array,
+                     count_inc: jax.Array) -> tuple[jax.Array, jax.Array]:
     m = (momentum * m + (1 - momentum) * g).astype(m.dtype)
     beta = jnp.asarray(momentum, m.dtype)
     if nesterov:
@@ -329,23 +366,26 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
       m_hat = beta * (m / corr_next) + (1 - beta) * (g / corr_now)
     else:
       m_hat = m / (1 - beta ** count_inc.astype(m.dtype))
-    x, back = _to_matrices(m_hat, dims)
-    x, n_out = clamp_outliers(x, outlier_method, outlier_threshold)
-    o = _ns.newton_schulz(x, steps=ns_steps, coeffs=ns_coeffs, eps=eps, backend=ns_backend)
-    healthy, mom_finite = ns_health(o, x, eps)
-    xf = x.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True))
-    fallback = jnp.where(mom_finite[..., None, None], xf / (norm + eps), 0.0).astype(o.dtype)
-    o = jnp.where(healthy[..., None, None], o, fallback)
-    o = (o * shape_scale(o.shape[-2], o.shape[-1], consistent_rms)).astype(g.dtype)
-    n_slices = math.prod(o.shape[:-2])
-    unstable = jnp.sum(~healthy & mom_finite, dtype=jnp.int32)
-    fell_back = jnp.sum(~healthy, dtype=jnp.int32)
-    return back(o), m, n_out, unstable, fell_back, o.size, n_slices
+    return m, m_hat
 
-  def update_fn(updates, state, params=None):
+  def orthogonalise(x: jax.Array) -> tuple[jax.Array, ...]:
+    """Clamp, NS, health check and scale of a stack ``[n, fan_in, fan_out]`` of matrices."""
+    x, n_out = _clamp(x, outlier_method, outlier_threshold)
+    norm = _ns.frobenius_norm(x)  # shared by NS's normalisation and the health check
+    o = _ns.newton_schulz_given_norm(x, norm, ns_steps, ns_coeffs, eps, ns_backend)
+    healthy, mom_finite, norm = ns_health(o, x, eps, norm)
+    xf = x.astype(jnp.float32)
+    fallback = jnp.where(mom_finite[..., None, None], xf / (norm[..., None, None] + eps),
+                         0.0).astype(o.dtype)
+    o = jnp.where(healthy[..., None, None], o, fallback)
+    o = o * shape_scale(o.shape[-2], o.shape[-1], consistent_rms)
+    return o, n_out, ~healthy & mom_finite, ~healthy  # per matrix
+
+  def update_fn(updates: Any, state: OutlierSafeMuonState,
+                params: Any = None) -> tuple[Any, OutlierSafeMuonState]:
     del params
-    count_inc = optax.safe_increment(state.count)
+    count_inc = jnp.asarray(optax.safe_increment(state.count))
+    treedef: Any  # jaxlib ships no type stub for PyTreeDef: its methods are unknown to mypy
     g_leaves, treedef = jax.tree.flatten(updates)
     try:
       m_leaves = treedef.flatten_up_to(state.mu)
@@ -359,18 +399,26 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
         raise ValueError(f"outlier_safe_muon: {routing.path_to_str(path_g[0])} has shape "
                          f"{jnp.shape(path_g[1])} in the update but {jnp.shape(m)} in the state")
     dims = layouts(updates)
-    results = [one(g, m, count_inc, d) for g, m, d in zip(g_leaves, m_leaves, dims)]
-    new_updates = treedef.unflatten([r[0] for r in results])
-    new_mu = treedef.unflatten([r[1] for r in results])
-    zero_i = jnp.zeros((), jnp.int32)
-    n_out = sum((r[2] for r in results), zero_i)
-    n_unstable = sum((r[3] for r in results), zero_i)
-    n_fallback = sum((r[4] for r in results), zero_i)
-    n_entries = max(1, sum(r[5] for r in results))
-    n_mats = max(1, sum(r[6] for r in results))
-    return new_updates, OutlierSafeMuonState(
+    new_mu, new_leaves, per_matrix = [], [], []
+    n_entries = n_mats = 0
+    for g, m, d in zip(g_leaves, m_leaves, dims):
+      m, m_hat = momentum_input(g, m, count_inc)
+      new_mu.append(m)
+      # NS needs whole matrices: a sharded leaf is gathered once here (not once per iteration).
+      m_hat, restore = _sharding.gather(m_hat)
+      x, back = _to_matrices(m_hat, d)
+      o, *counts = orthogonalise(_sharding.replicated(x))
+      new_leaves.append(restore(back(_sharding.replicated(o).astype(g.dtype))))
+      per_matrix.append([c.reshape(-1).astype(jnp.float32) for c in counts])
+      n_entries += x.size
+      n_mats += math.prod(x.shape[:-2])
+    # Counts over every matrix, each one reduction (see stablejax.transforms._common).
+    n_out, n_unstable, n_fallback = (_total([c[k] for c in per_matrix]).astype(jnp.int32)
+                                     for k in range(3))
+    n_entries, n_mats = max(1, n_entries), max(1, n_mats)
+    return treedef.unflatten(new_leaves), OutlierSafeMuonState(
         count=count_inc,
-        mu=new_mu,
+        mu=treedef.unflatten(new_mu),
         outlier_count=_saturating_add(state.outlier_count, n_out),
         instability_count=_saturating_add(state.instability_count, n_unstable),
         fallback_count=_saturating_add(state.fallback_count, n_fallback),
@@ -381,10 +429,11 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
         nonfinite_rate=state.nonfinite_rate,
     )
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-def _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend) -> int:
+def _validate_muon_args(momentum: Any, ns_steps: Any, outlier_threshold: Any,
+                        outlier_method: Any, ns_backend: Any) -> int:
   """Validates the arguments that are concrete (traced ones come from inject_hyperparams)."""
   m = _concrete(momentum)
   if m is not None and not 0.0 <= m < 1.0:
@@ -400,11 +449,6 @@ def _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, n
   if ns_backend not in _ns.BACKENDS:
     raise ValueError(f"ns_backend must be one of {_ns.BACKENDS}, got {ns_backend!r}")
   return ns_steps
-
-
-def _all_finite(x):
-  x = jnp.asarray(x)
-  return jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)
 
 
 def skip_nonfinite_tensors(inner: optax.GradientTransformation
@@ -425,28 +469,36 @@ def skip_nonfinite_tensors(inner: optax.GradientTransformation
   """
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params):
+  def init_fn(params: Any) -> TensorGuardState:
     return TensorGuardState(inner.init(params), jnp.zeros((), jnp.int32))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: Any, state: TensorGuardState, params: Any = None,
+                **extra_args: Any) -> tuple[Any, TensorGuardState]:
+    treedef: Any  # jaxlib ships no type stub for PyTreeDef: its methods are unknown to mypy
     leaves, treedef = jax.tree.flatten(updates)
     if not leaves:
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return new_updates, TensorGuardState(inner_state, jnp.zeros((), jnp.int32))
-    ok = [_all_finite(g) for g in leaves]
-    safe = treedef.unflatten([jnp.where(k, g, jnp.zeros_like(g)) for k, g in zip(ok, leaves)])
+    # Finiteness as sums of x * 0 (0 or NaN; see stablejax.transforms._common.finite_probe).
+    # The inner transform sees the gradient with its non-finite entries zeroed (an elementwise
+    # select: no reduction before the update), so a bad tensor cannot disturb shared statistics;
+    # the tensor is then skipped all the same, since its gradient is part of the check below.
+    safe = treedef.unflatten([jnp.where(jnp.isfinite(g), g, jnp.zeros_like(g))
+                              if jnp.issubdtype(g.dtype, jnp.inexact) else g for g in leaves])
     new_updates, inner_state = inner.update(safe, state.inner_state, params, **extra_args)
 
-    def per_param(x):
+    def per_param(x: Any) -> bool:
       return jax.tree.structure(x) == treedef
 
     new_leaves = treedef.flatten_up_to(new_updates)
-    ok = [k & _all_finite(u) for k, u in zip(ok, new_leaves)]
+    per_leaf = [[g, u] for g, u in zip(leaves, new_leaves)]  # and every state entry of each
     for tree in jax.tree.leaves(inner_state, is_leaf=per_param):
       if per_param(tree):
-        ok = [k & _all_finite(x) for k, x in zip(ok, treedef.flatten_up_to(tree))]
+        for arrays, x in zip(per_leaf, treedef.flatten_up_to(tree)):
+          arrays.append(x)
+    ok = [jnp.isfinite(finite_probe(*arrays)) for arrays in per_leaf]
 
-    def keep_old(new, old):
+    def keep_old(new: Any, old: Any) -> Any:
       if not per_param(new):
         return new
       return treedef.unflatten([jnp.where(k, n, o) for k, n, o in
@@ -455,27 +507,27 @@ def skip_nonfinite_tensors(inner: optax.GradientTransformation
     inner_state = jax.tree.map(keep_old, inner_state, state.inner_state, is_leaf=per_param)
     new_updates = treedef.unflatten([jnp.where(k, u, jnp.zeros_like(u))
                                      for k, u in zip(ok, new_leaves)])
-    skipped = sum((~k).astype(jnp.int32) for k in ok)
+    skipped = sum_of_scalars([(~k).astype(jnp.float32) for k in ok]).astype(jnp.int32)
     return new_updates, TensorGuardState(inner_state, skipped)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-def _group_rms(updates, labels):
-  sums = {g: jnp.zeros((), jnp.float32) for g in routing.GROUPS}
+def _group_rms(updates: Any, labels: list) -> dict:
+  squares: dict = {g: [] for g in routing.GROUPS}
   counts = {g: 0 for g in routing.GROUPS}
   for u, label in zip(jax.tree.leaves(updates), labels):
     uf = u.astype(jnp.float32)
-    sums[label] = sums[label] + jnp.sum(uf * uf)
+    squares[label].append(jnp.sum(uf * uf))
     counts[label] += u.size
-  return {g: jnp.sqrt(sums[g] / max(counts[g], 1)) for g in routing.GROUPS}
+  return {g: jnp.sqrt(sum_of_scalars(squares[g]) / max(counts[g], 1)) for g in routing.GROUPS}
 
 
-def _is_zero(value) -> bool:
+def _is_zero(value: Any) -> bool:
   return isinstance(value, numbers.Number) and value == 0
 
 
-def _check_same_parameters(updates, params) -> None:
+def _check_same_parameters(updates: Any, params: Any) -> None:
   got, _ = routing.param_leaves(updates)
   want, _ = routing.param_leaves(params)
   for u, p in zip(got, want):
@@ -488,12 +540,15 @@ def _check_same_parameters(updates, params) -> None:
                      "updates and params with the same structure as the params given to init")
 
 
-def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
-                      ns_coeffs="standard", weight_decay=0.0, consistent_rms=0.2,
-                      adam_learning_rate=None, embedding_learning_rate=None,
-                      head_learning_rate=None, adam_b1=0.9, adam_b2=0.95, adam_eps=1e-8,
-                      adam_weight_decay=0.0, outlier_threshold=5.0, outlier_method="zscore",
-                      ns_backend="auto", param_labels=None, weight_dimension_numbers=None
+def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool = True,
+                      ns_steps: int = 5, ns_coeffs: Any = "standard", weight_decay: Any = 0.0,
+                      consistent_rms: Any = 0.2, adam_learning_rate: Any = None,
+                      embedding_learning_rate: Any = None, head_learning_rate: Any = None,
+                      adam_b1: Any = 0.9, adam_b2: Any = 0.95, adam_eps: Any = 1e-8,
+                      adam_weight_decay: Any = 0.0, outlier_threshold: Any = 5.0,
+                      outlier_method: Optional[str] = "zscore", ns_backend: str = "auto",
+                      param_labels: routing.LabelsOrFn = None,
+                      weight_dimension_numbers: Any = None, strict_overrides: bool = False
                       ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden matrices, AdamW for embeddings, head, norms and biases, with safety guards.
 
@@ -564,6 +619,8 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
       default tree and takes per-leaf overrides. Without it, Flax attention kernels are one
       ``[D, H*hd]`` / ``[H*hd, D]`` matrix, other leaves their last two axes, and a leaf of 3+
       axes that no rule recognises gets a warning at init naming it and this fix.
+    strict_overrides: a ``param_labels`` pattern that matches no parameter is an error (by
+      default it warns once at ``init``, so one mapping can serve several variants of a model).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its state is :class:`GroupUpdateRmsState`
@@ -597,29 +654,44 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
     head_learning_rate = adam_learning_rate
     rate_sources["head"] = rate_sources["adam"]
   if isinstance(param_labels, dict) or not (param_labels is None or callable(param_labels)):
-    bad = sorted({str(l) for l in jax.tree.leaves(param_labels) if l not in routing.GROUPS})
+    bad = sorted({str(lab) for lab in jax.tree.leaves(param_labels) if lab not in routing.GROUPS})
     if bad:  # validates the label values early
       raise ValueError(f"param_labels contains unknown group(s) {bad}; use labels from "
                        f"{routing.GROUPS}")
 
-  def plan(tree):
-    return routing.plan(tree, param_labels, weight_dimension_numbers)
+  # The routing of a parameter tree is decided once, at its first init (where nnx.Optimizer
+  # passes Variables that still carry their metadata), and reused for every tree with the same
+  # paths and shapes: update's pure arrays and the Muon branch's masked view of them.
+  plans: dict = {}
+  warned: set = set()
 
-  def labels_fn(tree):
+  def plan(tree: Any) -> routing.RoutingPlan:
+    key = routing.layout.structure_key(routing.param_leaves(tree)[0])
+    found = plans.get(key)
+    if found is None:
+      found = routing.plan(tree, param_labels, weight_dimension_numbers, strict_overrides)
+      plans[key] = found
+      plans.setdefault(found.muon_only_key(), found)
+    return found
+
+  def labels_fn(tree: Any) -> Any:
     return plan(tree).label_tree()
 
+  def muon_layouts(tree: Any) -> list:
+    found = plans.get(routing.layout.structure_key(routing.param_leaves(tree)[0]))
+    if found is None:  # a tree the router never saw: route it as it is
+      return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
+    return found.muon_layouts()
+
   muon_parts = [
-      scale_by_outlier_safe_muon(
-          momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coeffs=ns_coeffs,
-          consistent_rms=consistent_rms, outlier_threshold=outlier_threshold,
-          outlier_method=outlier_method, ns_backend=ns_backend, eps=1e-8,
-          weight_dimension_numbers=weight_dimension_numbers),
+      _muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms, outlier_threshold,
+                      outlier_method, ns_backend, 1e-8, muon_layouts),
   ]
   if not _is_zero(weight_decay):
     muon_parts.append(optax.add_decayed_weights(weight_decay))
   muon_parts.append(optax.scale_by_learning_rate(learning_rate))
 
-  def adamw(lr, weight_decay):
+  def adamw(lr: Any, weight_decay: Any) -> optax.GradientTransformation:
     return optax.adamw(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay)
 
   # "adam" holds exactly norm gains, biases and scalars: never decayed, whatever their rank.
@@ -637,15 +709,17 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
                       "embedding": embedding_learning_rate, "head": head_learning_rate},
       rate_sources=rate_sources)
 
-  def init_fn(params):
-    for note in plan(params).notes:
-      if note.kind == "warning":
-        warnings.warn(f"outlier_safe_muon: {note.text}", stacklevel=2)
+  def init_fn(params: Any) -> GroupUpdateRmsState:
+    found = plan(params)
+    if id(found) not in warned and not routing.capturing():  # once; describe_routing repeats them
+      warned.add(id(found))
+      routing.warn_notes(found.notes, "outlier_safe_muon")
     routing.record_init(info, params)
     zero = jnp.zeros((), jnp.float32)
     return GroupUpdateRmsState(partition.init(params), zero, zero, zero, zero)
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def update_fn(updates: Any, state: GroupUpdateRmsState, params: Any = None,
+                **extra_args: Any) -> tuple[Any, GroupUpdateRmsState]:
     if params is not None:
       _check_same_parameters(updates, params)
     new_updates, inner_state = partition.update(updates, state.inner_state, params, **extra_args)
@@ -655,7 +729,7 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
         x, TensorGuardState)) if isinstance(s, TensorGuardState)]
     skipped = sum((s.skipped for s in guards), jnp.zeros((), jnp.int32))
 
-    def count_skips(node):  # every group's skipped tensors, reported with the Muon counters
+    def count_skips(node: Any) -> Any:  # every group's skipped tensors, with the Muon counters
       if not isinstance(node, OutlierSafeMuonState):
         return node
       return node._replace(nonfinite_count=_saturating_add(node.nonfinite_count, skipped),
@@ -665,7 +739,7 @@ def outlier_safe_muon(learning_rate, momentum=0.95, nesterov=True, ns_steps=5,
                                is_leaf=lambda x: isinstance(x, OutlierSafeMuonState))
     return new_updates, GroupUpdateRmsState(inner_state, **rms)
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
 def _muon_metrics(s: OutlierSafeMuonState) -> dict:

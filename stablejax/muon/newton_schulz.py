@@ -22,11 +22,13 @@ Coefficient presets:
   triple (1.875, -1.25, 0.375), and the input is normalised by ``1.01 * ||X||_F`` as in the paper.
 
 Backends: ``"xla"`` is the plain ``jnp`` reference, ``"pallas"`` the kernels of
-:mod:`stablejax.muon._pallas_ns`, and ``"auto"`` decides per platform *at lowering time* with
-``jax.lax.platform_dependent``: the Triton kernel on CUDA, the Mosaic kernel on TPU, the reference
-elsewhere (CPU, ROCm) and for any shape the platform's kernel cannot tile. So a function jitted
-on a CPU machine and exported with ``jax.export`` for ``platforms=["cuda"]`` or ``["tpu"]``
-carries the kernel for that platform.
+:mod:`stablejax.muon._pallas_ns`, and ``"auto"`` the kernel of the machine's accelerator: on a
+GPU or TPU host the Triton (CUDA) or Mosaic (TPU) kernel, chosen at lowering time with
+``jax.lax.platform_dependent`` (the reference for other lowering targets and for any shape the
+kernel cannot tile); on a host without one (CPU) the reference alone, so no kernel is traced
+for nothing. ``"pallas"`` traces both kernels, so a function jitted on a CPU machine and exported
+with ``jax.export`` for ``platforms=["cuda"]`` or ``["tpu"]`` carries the kernel for that
+platform.
 """
 
 from __future__ import annotations
@@ -34,12 +36,13 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 
 from stablejax.muon import _pallas_ns
+from stablejax.muon import sharding as _sharding
 
 STANDARD_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -61,9 +64,13 @@ POLAR_EXPRESS_COEFFS = tuple(
 
 CoeffsSpec = Union[str, Sequence[float], Sequence[Sequence[float]]]
 BACKENDS = ("auto", "xla", "pallas")
+_ACCELERATORS = ("gpu", "cuda", "tpu")
 
 
-def resolve_coeffs(coeffs: CoeffsSpec, steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
+Triple = tuple[float, float, float]
+
+
+def resolve_coeffs(coeffs: CoeffsSpec, steps: int) -> tuple[tuple[Triple, ...], float]:
   """Turns a ``coeffs`` argument into one ``(a, b, c)`` triple per step and a norm factor.
 
   Args:
@@ -77,6 +84,7 @@ def resolve_coeffs(coeffs: CoeffsSpec, steps: int) -> tuple[tuple[tuple[float, f
   if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
     raise ValueError(f"steps must be a non-negative int, got {steps!r}")
   norm_factor = 1.0
+  table: tuple[tuple[float, ...], ...]
   if isinstance(coeffs, str):
     if coeffs == "standard":
       table = (STANDARD_COEFFS,)
@@ -88,30 +96,42 @@ def resolve_coeffs(coeffs: CoeffsSpec, steps: int) -> tuple[tuple[tuple[float, f
           f"unknown coeffs preset {coeffs!r}; use 'standard', 'polar_express' or (a, b, c) tuples")
   else:
     try:
-      seq = [float(v) for v in coeffs]  # a single triple
+      seq = [float(v) for v in coeffs]  # type: ignore[arg-type]  # a single triple
       table = (tuple(seq),)
     except TypeError:
-      table = tuple(tuple(float(v) for v in triple) for triple in coeffs)
+      table = tuple(tuple(float(v) for v in triple)  # type: ignore[union-attr]
+                    for triple in coeffs)
     if not table or any(len(t) != 3 for t in table):
       raise ValueError(
           f"coeffs must be one (a, b, c) triple or a non-empty list of triples, got {coeffs!r}")
-  per_step = tuple(table[min(i, len(table) - 1)] for i in range(steps))
+  per_step = tuple(_triple(table[min(i, len(table) - 1)]) for i in range(steps))
   return per_step, norm_factor
 
 
-def _normalise(x, eps, norm_factor):
-  """Frobenius-normalises the last two axes, computing the norm in f32."""
+def _triple(t: Sequence[float]) -> Triple:
+  return (t[0], t[1], t[2])
+
+
+def frobenius_norm(x: jax.Array) -> jax.Array:
+  """float32 Frobenius norm of each matrix (last two axes) of ``x``, shape ``x.shape[:-2]``."""
   xf = x.astype(jnp.float32)
-  norm = jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1), keepdims=True))
-  return (xf / (norm * norm_factor + eps)).astype(x.dtype)
+  return jnp.sqrt(jnp.sum(xf * xf, axis=(-2, -1)))
 
 
-def _mm(lhs, rhs, trans_rhs):
+def _normalise(x: jax.Array, eps: float, norm_factor: float,
+               norm: Optional[jax.Array] = None) -> jax.Array:
+  """Frobenius-normalises the last two axes, computing the norm in f32 (unless given)."""
+  xf = x.astype(jnp.float32)
+  norm = frobenius_norm(x) if norm is None else norm
+  return (xf / (norm[..., None, None] * norm_factor + eps)).astype(x.dtype)
+
+
+def _mm(lhs: jax.Array, rhs: jax.Array, trans_rhs: bool) -> jax.Array:
   spec = "...ik,...jk->...ij" if trans_rhs else "...ik,...kj->...ij"
   return jnp.einsum(spec, lhs, rhs, preferred_element_type=jnp.float32)
 
 
-def reference_iterations(x, coeffs):
+def reference_iterations(x: jax.Array, coeffs: Sequence[Sequence[float]]) -> jax.Array:
   """XLA reference of the iterations on a normalised ``[..., n, m]`` array (``n <= m``).
 
   Every product accumulates in f32; ``A``, ``B`` and ``X`` are rounded to the input dtype after
@@ -125,19 +145,20 @@ def reference_iterations(x, coeffs):
   return x
 
 
-def _pallas_iterations(x, coeffs, platform, interpret):
+def _pallas_iterations(x: jax.Array, coeffs: Sequence[Sequence[float]], platform: str,
+                       interpret: bool) -> jax.Array:
   batch_shape = x.shape[:-2]
   flat = x.reshape((math.prod(batch_shape),) + x.shape[-2:])
   out = _pallas_ns.ns_iterations(flat, coeffs, platform=platform, interpret=interpret)
   return out.reshape(x.shape)
 
 
-def _interpret_platform():
+def _interpret_platform() -> str:
   return "mosaic" if jax.default_backend() == "tpu" else "triton"
 
 
-def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float = 1e-7,
-                  backend: str = "auto", interpret: bool = False):
+def newton_schulz(x: jax.Array, steps: int = 5, coeffs: CoeffsSpec = "standard",
+                  eps: float = 1e-7, backend: str = "auto", interpret: bool = False) -> jax.Array:
   """Approximate polar factor ``U V^T`` of the last two axes of ``x`` by Newton-Schulz.
 
   Leading axes are batch axes: a scan-stacked ``[L, in, out]`` kernel is ``L`` independent
@@ -148,15 +169,17 @@ def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float
 
   Args:
     x: array with ``ndim >= 2``; float32 or bfloat16 (any float dtype works with ``"xla"``).
+      Under explicit sharding (``jax.set_mesh`` with ``AxisType.Explicit`` axes) a sharded
+      ``x`` is gathered once, orthogonalised whole on every device and given its sharding back.
     steps: number of iterations.
     coeffs: "standard" (3.4445, -4.7750, 2.0315), "polar_express" (arXiv 2505.16932), one
       ``(a, b, c)`` tuple for every step, or a list of per-step tuples (the last one repeats).
     eps: added to the Frobenius norm before dividing (a zero input maps to zero).
-    backend: "auto" (Pallas on CUDA/TPU chosen at lowering time, XLA elsewhere and for shapes
-      the kernel cannot tile; warns about such a shape when running on a GPU/TPU), "xla"
-      (reference), or "pallas" (kernel; warns and uses the
-      reference for an untileable shape or when no GPU/TPU backend is present and ``interpret``
-      is False).
+    backend: "auto" (on a GPU/TPU host, its Pallas kernel, the XLA reference for shapes the
+      kernel cannot tile, with a warning; on a CPU host, the reference), "xla" (reference), or
+      "pallas" (the CUDA and TPU kernels, chosen at lowering time, e.g. for ``jax.export`` from a
+      CPU host; warns and uses the reference for an untileable shape or when no GPU/TPU backend
+      is present and ``interpret`` is False).
     interpret: run the Pallas kernel in interpret mode (works on CPU; slow, for testing).
       Implies the kernel for ``backend="pallas"`` and ``"auto"``.
 
@@ -175,18 +198,33 @@ def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   per_step, norm_factor = resolve_coeffs(coeffs, steps)
+  # Under explicit sharding the matrix axes must be whole on each device: one gather here, not a
+  # collective (or a ShardingTypeError) in every product; the kernels then only see such arrays.
+  x, restore = _sharding.gather(x)
+  return restore(_newton_schulz(x, steps, per_step, norm_factor, eps, backend, interpret))
 
+
+def newton_schulz_given_norm(x: jax.Array, norm: jax.Array, steps: int, coeffs: CoeffsSpec,
+                             eps: float, backend: str) -> jax.Array:
+  """:func:`newton_schulz` of matrices whose Frobenius norms (``frobenius_norm(x)``) the caller
+  already has (Muon's health check needs them too): one reduction per matrix instead of two."""
+  per_step, norm_factor = resolve_coeffs(coeffs, steps)
+  return _newton_schulz(x, steps, per_step, norm_factor, eps, backend, False, norm)
+
+
+def _newton_schulz(x: jax.Array, steps: int, per_step: tuple, norm_factor: float, eps: float,
+                   backend: str, interpret: bool, norm: jax.Array | None = None) -> jax.Array:
   transposed = x.shape[-2] > x.shape[-1]
   if transposed:
     x = jnp.swapaxes(x, -1, -2)
   n, m = x.shape[-2:]
-  x = _normalise(x, eps, norm_factor)
+  x = _normalise(x, eps, norm_factor, norm)
   itemsize = x.dtype.itemsize
 
-  def ref(y):
+  def ref(y: jax.Array) -> jax.Array:
     return reference_iterations(y, per_step)
 
-  def kernel_or_ref(platform, y):
+  def kernel_or_ref(platform: str, y: jax.Array) -> jax.Array:
     if _pallas_ns.ns_tileable(n, m, platform, itemsize) and steps > 0:
       return _pallas_iterations(y, per_step, platform, False)
     return ref(y)
@@ -200,31 +238,32 @@ def newton_schulz(x, steps: int = 5, coeffs: CoeffsSpec = "standard", eps: float
     else:
       if backend == "pallas":
         warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
-                      "using the XLA reference", stacklevel=2)
+                      "using the XLA reference", stacklevel=3)
       out = ref(x)
+  elif backend == "auto" and jax.default_backend() not in _ACCELERATORS:
+    # No GPU/TPU here: only the reference is traced. Tracing the kernels for other platforms
+    # (a Pallas call per product, per matrix) roughly doubled the optimizer's compile time on
+    # CPU; backend="pallas" still carries them into a jax.export for CUDA or TPU.
+    out = ref(x)
   else:
     current = jax.default_backend()
-    if backend == "auto" and current in ("gpu", "cuda", "tpu"):
+    if current in _ACCELERATORS:
       platform = "mosaic" if current == "tpu" else "triton"
       if not _pallas_ns.ns_tileable(n, m, platform, itemsize):
         warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
-                      "using the XLA reference", stacklevel=2)
-    if backend == "pallas":
-      if current not in ("gpu", "cuda", "tpu"):
-        warnings.warn(f"newton_schulz: backend='pallas' has no kernel for the {current!r} backend "
-                      "(pass interpret=True to run it in interpret mode); the XLA reference is "
-                      "used unless the function is lowered for CUDA or TPU", stacklevel=2)
-      else:
-        platform = "mosaic" if current == "tpu" else "triton"
-        if not _pallas_ns.ns_tileable(n, m, platform, itemsize):
-          warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
-                        "using the XLA reference", stacklevel=2)
-    out = jax.lax.platform_dependent(
-        x,
-        cuda=functools.partial(kernel_or_ref, "triton"),
-        tpu=functools.partial(kernel_or_ref, "mosaic"),
-        default=ref,
-    )
+                      "using the XLA reference", stacklevel=3)
+    elif backend == "pallas":
+      warnings.warn(f"newton_schulz: backend='pallas' has no kernel for the {current!r} backend "
+                    "(pass interpret=True to run it in interpret mode); the XLA reference is "
+                    "used unless the function is lowered for CUDA or TPU", stacklevel=3)
+    # The kernel of the platform the function is lowered for, chosen at lowering time; with
+    # backend="auto" on an accelerator, only that accelerator's kernel is traced.
+    kernels = {}
+    if backend == "pallas" or current in ("gpu", "cuda"):
+      kernels["cuda"] = functools.partial(kernel_or_ref, "triton")
+    if backend == "pallas" or current == "tpu":
+      kernels["tpu"] = functools.partial(kernel_or_ref, "mosaic")
+    out = jax.lax.platform_dependent(x, **kernels, default=ref)
   if transposed:
     out = jnp.swapaxes(out, -1, -2)
   return out

@@ -4,25 +4,38 @@ Muon is defined for the hidden weight matrices of a network. Embedding tables (a
 matrix-vector product), the output head, and vectors (norm scales, biases) are trained with AdamW
 in every published Muon setup (Jordan et al., modded-nanogpt; Liu et al., arXiv 2502.16982).
 Optimizers that route by ``ndim == 2`` alone silently send the embedding and the head to Muon,
-so the routing here goes by the parameter's role, read from its path and shape, and can be printed
-with :func:`describe_routing`.
+so the routing here goes by the parameter's role, and can be printed with
+:func:`describe_routing`.
 
 Groups: ``"muon"`` (hidden matrices), ``"adam"`` (norm gains, biases, scalars: never weight
 decayed), ``"embedding"`` and ``"head"`` (AdamW matrices with their own learning rates).
 
-**A function of the parameter, not of its wrapping.** Labels depend only on each parameter's path
-and shape. A Flax NNX ``Variable`` counts as one parameter at the path of the ``Variable`` (so
-``nnx.state(model, nnx.Param)`` at ``init`` and the pure arrays ``nnx.Optimizer.update`` passes
-give the same labels), and Linen ``{'params': ...}`` collections, ``FrozenDict``, ``nnx.State``,
-dicts, lists, tuples and ``jax.ShapeDtypeStruct`` leaves all work.
+**Metadata first, shapes second, names last** (:mod:`stablejax.muon.layout`, the analysis the
+attention-head finder shares). Flax partitioning metadata with logical axis names (Linen
+``nn.LogicallyPartitioned`` / ``nn.Partitioned`` boxes, NNX ``out_sharding``) says what each
+axis is: ``('vocab', 'embed')`` is an embedding, ``('embed', 'vocab')`` a head, and a kernel's
+matrix is its ``embed`` axis against its other non-batch axes (stacked ``layers``, experts and
+fused ``qkv`` axes are batch). Without such metadata the model width ``D`` comes from the
+embedding table and each 3+-axis kernel is read against it (``[D, H, hd]``, ``[H, hd, D]``, and
+Gemma's einsum kernels inside a recognised attention layer); a ``[D, V]`` matrix outside the
+repeated blocks is the head, whatever its module is called. Names decide the rest (norms,
+biases, the usual embedding and head names).
+
+**A function of the parameter tree.** A Flax NNX ``Variable`` or a Linen metadata box counts as
+one parameter at its own path (so boxed and unboxed trees, ``nnx.State`` with ``Variable``
+objects and the pure arrays ``nnx.Optimizer.update`` passes, have the same paths), and Linen
+``{'params': ...}`` collections, ``FrozenDict``, dicts, lists, tuples and
+``jax.ShapeDtypeStruct`` leaves all work. Metadata can only add what the shapes cannot tell
+(a stacked axis that is not the leading one); :func:`stablejax.outlier_safe_muon` decides the
+routing at ``init`` and reuses it at ``update`` for the same paths and shapes, so metadata seen
+at ``init`` (``nnx.Optimizer`` passes ``Variable`` objects there) also holds for the pure arrays
+of ``update``.
 
 **Matrix layout.** A leaf's matrix is described by an ``optax.contrib.MuonDimensionNumbers``
 (reduction axes = fan-in, output axes = fan-out, every other axis a batch axis, as in
-``optax.contrib.muon``). Defaults: the last two axes ``[..., fan_in, fan_out]`` (Flax ``Dense``
-kernels are ``[in, out]``; a scan-stacked ``[L, in, out]`` kernel is ``L`` matrices); the query,
-key and value kernels ``[..., D, H, hd]`` of Flax's ``MultiHeadDotProductAttention`` and
-``nnx.MultiHeadAttention`` are the ``[D, H*hd]`` matrix and their output kernel ``[..., H, hd, D]``
-the ``[H*hd, D]`` matrix (also stacked under ``nn.scan`` / ``nnx.scan``).
+``optax.contrib.muon``); by default the recognised layout above, else the last two axes
+``[..., fan_in, fan_out]`` (Flax ``Dense`` kernels are ``[in, out]``; a scan-stacked
+``[L, in, out]`` kernel is ``L`` matrices).
 """
 
 from __future__ import annotations
@@ -31,18 +44,20 @@ import collections
 import contextlib
 import dataclasses
 import fnmatch
-import functools
 import math
 import re
-import sys
-from typing import Any, Callable, Mapping, NamedTuple, Optional, Union
+import warnings
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
 import numpy as np
 import optax
 
+from stablejax.muon import layout
+from stablejax.muon.layout import Leaf, param_leaves, path_to_str  # noqa: F401 (re-exported)
+
 GROUPS = ("muon", "adam", "embedding", "head")
-MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
+MuonDimensionNumbers: Any = optax.contrib.MuonDimensionNumbers  # Any: usable in isinstance
 
 LAST_TWO_AXES = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 ATTENTION_QKV = MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))
@@ -50,81 +65,19 @@ ATTENTION_OUT = MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
 
 LabelsOrFn = Union[None, Mapping[str, str], Any, Callable[[Any], Any]]
 
-# Name rules (on lower-cased path components).
-_NORM = re.compile(r"norm|^ln(_\w+|\d+)?$")          # rms_norm, LayerNorm_0, ln_f, ln1 ...
-_VECTOR_NAMES = ("bias", "scale")
-_STRONG_HEAD = ("lm_head", "head", "logits", "unembed", "unembedding")
-_AMBIGUOUS_HEAD = ("out", "output", "decoder")       # a head only if shaped like one
-_ATTENTION = ("query", "key", "value", "out")
+# What decided a Muon leaf's matrix, as describe_routing prints it.
+LAYOUT_SOURCES = {"given": "given", "metadata": "metadata", "shape": "shapes",
+                  "attention": "attention layer", None: "last two axes"}
 
 
-# ------------------------------------------------------------------ canonical view of a tree
-
-def _key_name(entry) -> str:
-  for attr in ("key", "name", "idx"):
-    if hasattr(entry, attr):
-      return str(getattr(entry, attr))
-  return str(entry)
+def pure(tree: Any) -> Any:
+  """``tree`` with every NNX ``Variable`` and Linen box replaced by its value."""
+  return jax.tree.map(layout.value_of, tree, is_leaf=layout.is_param_leaf)
 
 
-def path_to_str(path) -> str:
-  """``('params', 'block_0', 'attn', 'kernel')`` style key path -> ``params/block_0/attn/kernel``."""
-  return "/".join(_key_name(e) for e in path)
-
-
-def _is_variable(x) -> bool:
-  nnx = sys.modules.get("flax.nnx")  # no NNX Variable can exist unless flax.nnx was imported
-  return nnx is not None and isinstance(x, nnx.Variable)
-
-
-def _is_param_leaf(x) -> bool:
-  return _is_variable(x) or isinstance(x, optax.MaskedNode)
-
-
-def _value(x):
-  return x.get_value() if _is_variable(x) else x
-
-
-def pure(tree):
-  """``tree`` with every NNX ``Variable`` replaced by its value (other trees are unchanged)."""
-  return jax.tree.map(_value, tree, is_leaf=_is_variable)
-
-
-@dataclasses.dataclass
-class Leaf:
-  """One parameter of a tree: its path, shape, and whether it is masked out (``MaskedNode``)."""
-  names: tuple
-  shape: tuple
-  masked: bool
-
-  @property
-  def path(self) -> str:
-    return "/".join(self.names)
-
-  @property
-  def lower(self) -> tuple:
-    return tuple(n.lower() for n in self.names)
-
-
-def param_leaves(tree, with_values: bool = False):
-  """The parameters of ``tree`` (an NNX ``Variable`` is one parameter) and the treedef to rebuild it.
-
-  Returns ``(leaves, treedef)``, or ``(leaves, values, treedef)`` with ``with_values``.
-  """
-  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_param_leaf)
-  leaves = []
-  for path, leaf in flat:
-    masked = isinstance(leaf, optax.MaskedNode)
-    shape = () if masked else tuple(np.shape(_value(leaf)))
-    leaves.append(Leaf(tuple(_key_name(k) for k in path), shape, masked))
-  if with_values:
-    return leaves, [leaf for _, leaf in flat], treedef
-  return leaves, treedef
-
-
-def _broadcast(prefix_tree, tree, is_value, what: str) -> list:
+def _broadcast(prefix_tree: Any, tree: Any, is_value: Callable[[Any], bool], what: str) -> list:
   """Expands a prefix tree of values (leaves matching ``is_value``) to one value per parameter."""
-  def expand(value, subtree):
+  def expand(value: Any, subtree: Any) -> list:
     return [value] * len(param_leaves(subtree)[0])
   try:
     expanded = jax.tree.map(expand, prefix_tree, tree, is_leaf=is_value)
@@ -132,7 +85,7 @@ def _broadcast(prefix_tree, tree, is_value, what: str) -> list:
     raise ValueError(f"{what} must have the structure of the params (one entry per parameter) or "
                      f"be a prefix of it; pass a callable params -> {what} to derive it ({e})"
                      ) from None
-  out = []
+  out: list = []
   for chunk in jax.tree.leaves(expanded, is_leaf=lambda x: isinstance(x, list)):
     out.extend(chunk)
   return out
@@ -158,53 +111,102 @@ def _dims_hint(path: str) -> str:
 
 # ------------------------------------------------------------------ the role rules
 
-def _stacked(leaves: list[Leaf]) -> list[bool]:
-  """Whether each leaf lies in a scan-stacked subtree (``nn.scan`` / ``nnx.scan`` over layers).
-
-  A subtree is a stack of length ``L`` when it holds at least two parameters, all with leading
-  axis ``L``, at least one of 3+ axes (a stacked matrix) and one of at most 2 (a stacked norm
-  gain, bias or scalar).
-  """
-  members = collections.defaultdict(list)
-  for i, leaf in enumerate(leaves):
-    if not leaf.masked:
-      for k in range(len(leaf.names)):
-        members[leaf.names[:k]].append(i)
-
-  @functools.lru_cache(maxsize=None)
-  def is_stack(prefix) -> bool:
-    idx = members[prefix]
-    shapes = [leaves[i].shape for i in idx]
-    if len(idx) < 2 or any(len(s) == 0 for s in shapes) or len({s[0] for s in shapes}) != 1:
-      return False
-    ndims = [len(s) for s in shapes]
-    return max(ndims) >= 3 and min(ndims) <= 2
-
-  return [not leaf.masked and len(leaf.shape) >= 1
-          and any(is_stack(leaf.names[:k]) for k in range(len(leaf.names)))
-          for leaf in leaves]
+def _batch_ndim(a: layout.Analysis, i: int) -> int:
+  kinds = a.kinds[i]
+  if kinds is not None:
+    return sum(1 for k in kinds if k in layout._BATCH_KINDS)
+  return 1 if a.stacked[i] else 0
 
 
-def _is_strong_head(name: str) -> bool:
-  return name in _STRONG_HEAD or (name.endswith("head") and not name.endswith("multihead"))
-
-
-def _role(leaf: Leaf, stacked: bool) -> str:
-  lower = leaf.lower
-  name = lower[-1] if lower else ""
-  joined = "/".join(lower)
-  if len(leaf.shape) - stacked < 2 or name in _VECTOR_NAMES or any(_NORM.search(n) for n in lower):
+def _metadata_role(a: layout.Analysis, i: int) -> Optional[str]:
+  kinds = a.kinds[i]
+  if kinds is None:
+    return None
+  if layout.NORM in kinds:
     return "adam"
-  if any(_is_strong_head(n) for n in lower):
+  rest = [k for k in kinds if k not in layout._BATCH_KINDS]
+  if len(rest) < 2:
+    return "adam"
+  if rest == [layout.VOCAB, layout.MODEL]:
+    return "embedding"
+  if rest == [layout.MODEL, layout.VOCAB]:
     return "head"
-  if ("embed" in joined and "emb_proj" not in joined) or any(n in ("wte", "wpe") for n in lower):
+  return None
+
+
+def _role(a: layout.Analysis, i: int) -> str:
+  leaf = a.leaves[i]
+  by_metadata = _metadata_role(a, i)
+  if by_metadata is not None:
+    return by_metadata
+  lower = leaf.lower
+  if len(leaf.shape) - _batch_ndim(a, i) < 2 or layout.is_vector_name(leaf):
+    return "adam"
+  if any(layout.is_strong_head(n) for n in lower):
+    return "head"
+  if layout.is_embedding_name(leaf):
     return "embedding"
   return "muon"
 
 
-def _is_top_level(leaf: Leaf) -> bool:
-  n = len(leaf.names)
-  return n == 2 or (n == 3 and leaf.lower[0] == "params")
+def _embedding_table(a: layout.Analysis, labels: list) -> Optional[int]:
+  tables = [i for i, leaf in enumerate(a.leaves)
+            if labels[i] == "embedding" and len(leaf.shape) == 2 and not a.stacked[i]
+            and not layout.is_positional(leaf)]
+  return max(tables, key=lambda i: a.leaves[i].shape[0]) if tables else None
+
+
+def _find_head(a: layout.Analysis, labels: list, fixed: list) -> list[Note]:
+  """Finds an output head the names did not mark, by its shape against the embedding table."""
+  if any(label == "head" for label in labels):
+    return []
+  table = _embedding_table(a, labels)
+  if table is None:
+    return []
+  leaves = a.leaves
+  vocab, dim = leaves[table].shape
+  emb = f"{leaves[table].path} {leaves[table].shape}"
+  if vocab == dim:
+    return [Note("unsure", f"the embedding {emb} is square, so no head can be told apart by "
+                           "shape; if the model has an output head, route it with "
+                           + _labels_hint("<path of the head kernel>", "head"))]
+
+  def candidates(shape: tuple) -> list[int]:
+    return [i for i, leaf in enumerate(leaves)
+            if labels[i] == "muon" and not fixed[i] and not a.in_block[i] and leaf.shape == shape]
+  for shape, kind in (((dim, vocab), "info"), ((vocab, dim), "unsure")):
+    found = candidates(shape)
+    if not found:
+      continue
+    named = [i for i in found if set(leaves[i].lower[-2:]) & set(layout._AMBIGUOUS_HEAD)]
+    pool = named or found
+    depth = min(len(leaves[i].names) for i in pool)
+    pool = [i for i in pool if len(leaves[i].names) == depth]
+    head = max(pool, key=lambda i: (_auto_index(leaves[i]), leaves[i].path))
+    labels[head] = "head"
+    rest = [leaves[i].path for i in found if i != head]
+    if named and not rest and shape == (dim, vocab):
+      return []  # named like a head and shaped like one: nothing to report
+    what = "[d_model, vocab]" if shape == (dim, vocab) else "[vocab, d_model]"
+    text = (f"{leaves[head].path} {leaves[head].shape} is routed to 'head': the {what} matrix "
+            f"outside the repeated blocks, next to the embedding {emb}")
+    if rest:
+      kind = "unsure"
+      text += (f" (also that shape: {', '.join(rest)}; if one of them is the head instead, say "
+               f"so with {_labels_hint(rest[0], 'head')})")
+    text += f"; if it is not the head: {_labels_hint(leaves[head].path, 'muon')}"
+    return [Note(kind, text)]
+  other = [leaves[i].path for i, leaf in enumerate(leaves)
+           if i != table and labels[i] in ("muon", "embedding") and not a.in_block[i]
+           and vocab in leaf.shape]
+  if other:
+    return [Note("unsure", f"no output head found next to the embedding {emb}; "
+                           f"{', '.join(other)} also have a vocabulary-sized axis; if one is the "
+                           f"head: {_labels_hint(other[0], 'head')}")]
+  return [Note("info", f"no output head found outside the repeated blocks: taken as tied to the "
+                       f"embedding {emb} (logits = x @ embedding.T, trained by its AdamW group); "
+                       f"if the model has a separate head, route it with "
+                       f"{_labels_hint('<path>', 'head')}")]
 
 
 def _auto_index(leaf: Leaf) -> int:
@@ -212,116 +214,69 @@ def _auto_index(leaf: Leaf) -> int:
   return int(m.group(1)) if m else -1
 
 
-def _find_head(leaves, labels, stacked, fixed) -> list[Note]:
-  """Finds an output head the name rules missed, by its shape against the embedding table."""
-  if any(l == "head" for l in labels):
-    return []
-  tables = [i for i, leaf in enumerate(leaves)
-            if labels[i] == "embedding" and len(leaf.shape) == 2 and not stacked[i]
-            and not any("pos" in n or n == "wpe" for n in leaf.lower)]
-  if not tables:
-    return []
-  table = max(tables, key=lambda i: leaves[i].shape[0])
-  vocab, dim = leaves[table].shape
-  emb = f"{leaves[table].path} {leaves[table].shape}"
-  if vocab == dim:
-    return [Note("unsure", f"the embedding {emb} is square, so no head can be told apart by "
-                           "shape; if the model has an output head, route it with "
-                           + _labels_hint("<path of the head kernel>", "head"))]
-  candidates = [i for i, leaf in enumerate(leaves)
-                if labels[i] == "muon" and not fixed[i] and not stacked[i]
-                and leaf.shape == (dim, vocab)]
-  named = [i for i in candidates if set(leaves[i].lower[-2:]) & set(_AMBIGUOUS_HEAD)]
-  top = [i for i in candidates if i not in named and _is_top_level(leaves[i])]
-  notes = []
-  if named:
-    heads = named
-  elif top:
-    heads = [max(top, key=lambda i: _auto_index(leaves[i]))]
-    rest = [leaves[i].path for i in top if i not in heads]
-    why = "the last of several top-level" if rest else "the top-level"
-    notes.append(Note("info" if not rest else "unsure",
-                      f"{leaves[heads[0]].path} {leaves[heads[0]].shape} is routed to 'head': "
-                      f"{why} [d_model, vocab] matrix next to the embedding {emb}"
-                      + (f" (also that shape: {', '.join(rest)}; if one of them is the head "
-                         f"instead, say so with {_labels_hint(rest[0], 'head')})" if rest else "")
-                      + f"; if it is not the head: {_labels_hint(leaves[heads[0]].path, 'muon')}"))
-  else:
-    heads = []
-  for i in heads:
-    labels[i] = "head"
-  if heads:
-    return notes
-  inner = [leaves[i].path for i in candidates]
-  if inner:
-    return [Note("unsure", f"no output head found next to the embedding {emb}; "
-                           f"{', '.join(inner)} {'have' if len(inner) > 1 else 'has'} its "
-                           f"[d_model, vocab] shape {(dim, vocab)} but sit inside a block, so "
-                           f"{'they stay' if len(inner) > 1 else 'it stays'} on Muon; if one is the "
-                           f"head: {_labels_hint(inner[0], 'head')}")]
-  other = [leaves[i].path for i, leaf in enumerate(leaves)
-           if i != table and labels[i] in ("muon", "embedding") and vocab in leaf.shape]
-  if other:
-    return [Note("unsure", f"no output head found next to the embedding {emb}; "
-                           f"{', '.join(other)} also have a vocabulary-sized axis; if one is the "
-                           f"head: {_labels_hint(other[0], 'head')}")]
-  return [Note("info", f"no output head found: taken as tied to the embedding {emb} "
-                       "(logits = x @ embedding.T, trained by its AdamW group); if the model has "
-                       f"a separate head, route it with {_labels_hint('<path>', 'head')}")]
-
-
 def _match(pattern: str, path: str) -> bool:
   return fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern.rstrip("/") + "/")
 
 
-def _is_overrides(x) -> bool:
+def _is_overrides(x: Any) -> bool:
   return (isinstance(x, Mapping) and len(x) > 0
           and all(isinstance(k, str) and isinstance(v, str) for k, v in x.items()))
 
 
-def _apply_overrides(leaves, values, overrides: Mapping, what: str, check) -> list[bool]:
+def _apply_overrides(leaves: Sequence[Leaf], values: list, overrides: Mapping, what: str,
+                     check: Callable[[str, Any], None], strict: bool) -> tuple[list, list[Note]]:
+  """Sets ``values[i]`` for every leaf a pattern matches; patterns matching nothing warn."""
   fixed = [False] * len(leaves)
+  unmatched = []
   for pattern, value in overrides.items():
     check(pattern, value)
     hits = [i for i, leaf in enumerate(leaves) if not leaf.masked and _match(pattern, leaf.path)]
     if not hits:
-      example = next((l.path for l in leaves if not l.masked), "")
-      raise ValueError(f"{what} pattern {pattern!r} matches no parameter; patterns are "
-                       f"fnmatch globs or path prefixes on '/'-joined paths such as {example!r}")
+      unmatched.append(pattern)
     for i in hits:
       values[i] = value
       fixed[i] = True
-  return fixed
+  if not unmatched:
+    return fixed, []
+  example = next((leaf.path for leaf in leaves if not leaf.masked), "")
+  text = (f"{what} pattern{'s' if len(unmatched) > 1 else ''} {', '.join(map(repr, unmatched))} "
+          f"match{'' if len(unmatched) > 1 else 'es'} no parameter of this model (ignored); "
+          f"patterns are fnmatch globs or path prefixes on '/'-joined paths such as {example!r}")
+  if strict:
+    raise ValueError(text)
+  return fixed, [Note("warning", text)]
 
 
-def _check_group(pattern, group):
+def _check_group(pattern: str, group: Any) -> None:
   if group not in GROUPS:
     raise ValueError(f"param_labels maps {pattern!r} to unknown group {group!r}; "
                      f"use one of {GROUPS}")
 
 
-def default_labels(leaves: list[Leaf], overrides: Optional[Mapping[str, str]] = None
+def default_labels(leaves: Sequence[Leaf], overrides: Optional[Mapping[str, str]] = None,
+                   strict: bool = False, analysis: Optional[layout.Analysis] = None
                    ) -> tuple[list, list[Note]]:
   """Labels (None for masked leaves) and notes of the default rule, with optional overrides."""
-  stacked = _stacked(leaves)
-  labels = [None if leaf.masked else _role(leaf, s) for leaf, s in zip(leaves, stacked)]
+  a = analysis or layout.analyse(leaves)
+  labels: list = [None if leaf.masked else _role(a, i) for i, leaf in enumerate(leaves)]
   fixed = [False] * len(leaves)
+  notes: list[Note] = []
   if overrides:
-    fixed = _apply_overrides(leaves, labels, overrides, "param_labels", _check_group)
-  notes = _find_head(leaves, labels, stacked, fixed)
-  return labels, notes
+    fixed, notes = _apply_overrides(leaves, labels, overrides, "param_labels", _check_group,
+                                    strict)
+  return labels, notes + _find_head(a, labels, fixed)
 
 
 # ------------------------------------------------------------------ matrix layouts
 
-def _normalize_axes(dims: MuonDimensionNumbers, ndim: int):
-  def norm(axes):
+def _normalize_axes(dims: MuonDimensionNumbers, ndim: int) -> tuple[tuple, tuple]:
+  def norm(axes: Any) -> tuple:
     axes = (axes,) if isinstance(axes, (int, np.integer)) else tuple(axes)
     return tuple(int(a) % ndim if -ndim <= int(a) < ndim else None for a in axes)
   return norm(dims.reduction_axis), norm(dims.output_axis)
 
 
-def check_dims(dims, shape, path: str) -> None:
+def check_dims(dims: Any, shape: Sequence[int], path: str) -> None:
   """Raises a clear error when ``dims`` does not describe a matrix of a ``shape`` leaf."""
   if not isinstance(dims, MuonDimensionNumbers):
     raise ValueError(f"weight_dimension_numbers for {path} must be an "
@@ -334,46 +289,16 @@ def check_dims(dims, shape, path: str) -> None:
                      f"{len(shape)} axes")
 
 
-def matrix_shape(dims: MuonDimensionNumbers, shape) -> tuple[tuple, int, int]:
+def matrix_shape(dims: MuonDimensionNumbers, shape: Sequence[int]) -> tuple[tuple, int, int]:
   """``(batch_shape, fan_in, fan_out)`` of the matrices ``dims`` cut out of a ``shape`` leaf."""
   red, out = _normalize_axes(dims, len(shape))
   batch = tuple(shape[a] for a in range(len(shape)) if a not in red and a not in out)
   return batch, math.prod(shape[a] for a in red), math.prod(shape[a] for a in out)
 
 
-def _attention_layouts(leaves: list[Leaf]) -> dict[int, MuonDimensionNumbers]:
-  """Query/key/value/out kernels of Flax attention modules, recognised by names and shapes."""
-  by_path = {leaf.names: i for i, leaf in enumerate(leaves) if not leaf.masked}
-  found = {}
-  for i, leaf in enumerate(leaves):
-    if leaf.masked or len(leaf.names) < 2 or leaf.lower[-1] != "kernel" or leaf.lower[-2] != "out":
-      continue
-    parent = leaf.names[:-2]
-    kids = {}
-    for name in _ATTENTION:
-      j = next((by_path[p] for p in by_path
-                if p[:-2] == parent and len(p) == len(leaf.names)
-                and p[-2].lower() == name and p[-1].lower() == "kernel"), None)
-      if j is not None:
-        kids[name] = j
-    if len(kids) != 4:
-      continue
-    q, k, v, o = (leaves[kids[n]].shape for n in _ATTENTION)
-    nd = len(o)
-    if nd < 3 or any(len(s) != nd for s in (q, k, v)):
-      continue
-    heads, head_dim = o[-3], o[-2]
-    if q[-2:] == (heads, head_dim) and k[-1] == head_dim and v[-1] == head_dim \
-        and q[:-3] == k[:-3] == v[:-3] == o[:-3]:
-      for n in ("query", "key", "value"):
-        found[kids[n]] = ATTENTION_QKV
-      found[kids["out"]] = ATTENTION_OUT
-  return found
-
-
-def _given_layouts(tree, weight_dimension_numbers) -> list:
+def _given_layouts(tree: Any, weight_dimension_numbers: Any, n: int) -> list:
   if weight_dimension_numbers is None:
-    return [None] * len(param_leaves(tree)[0])
+    return [None] * n
   wdn = weight_dimension_numbers
   if callable(wdn) and not isinstance(wdn, MuonDimensionNumbers):
     wdn = wdn(pure(tree))
@@ -381,37 +306,72 @@ def _given_layouts(tree, weight_dimension_numbers) -> list:
                     "weight_dimension_numbers")
 
 
-def _layouts(tree, weight_dimension_numbers):
-  leaves, _ = param_leaves(tree)
-  given = _given_layouts(tree, weight_dimension_numbers)
-  attention = _attention_layouts(leaves)
-  layouts = []
+def _layouts(tree: Any, leaves: Sequence[Leaf], a: layout.Analysis, weight_dimension_numbers: Any,
+             muon: Sequence[bool]) -> tuple[list, list]:
+  """One layout and its source per leaf (None for leaves that are not Muon's)."""
+  given = _given_layouts(tree, weight_dimension_numbers, len(leaves))
+  layouts: list = []
+  sources: list = []
   for i, leaf in enumerate(leaves):
-    if leaf.masked:
+    if leaf.masked or not muon[i]:
       layouts.append(None)
+      sources.append(None)
       continue
-    dims = given[i] if given[i] is not None else attention.get(i, LAST_TWO_AXES)
+    if given[i] is not None:
+      dims, source = given[i], "given"
+    elif i in a.layouts:
+      dims, source = a.layouts[i].dims, a.layouts[i].source
+    else:
+      dims, source = LAST_TWO_AXES, None
     if len(leaf.shape) >= 2:
       check_dims(dims, leaf.shape, leaf.path)
     layouts.append(dims)
-  return layouts, given, attention
+    sources.append(source)
+  return layouts, sources
 
 
-def matrix_layouts(tree, weight_dimension_numbers=None) -> list:
+def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None) -> list:
   """One ``MuonDimensionNumbers`` per parameter of ``tree`` (None for masked-out leaves).
 
   Every unmasked parameter is taken to be a Muon matrix. Given dimension numbers win (a tree,
   a prefix of one, a single one, or a callable ``params -> tree``, as ``optax.contrib.muon`` takes
-  them; a None entry means "the default layout"); otherwise the Flax attention rule, otherwise
-  the last two axes.
+  them; a None entry means "the default layout"); otherwise the layout the analysis recognises
+  in this tree, otherwise the last two axes.
   """
-  return _layouts(tree, weight_dimension_numbers)[0]
+  leaves, _ = param_leaves(tree)
+  a = layout.analyse(leaves)
+  return _layouts(tree, leaves, a, weight_dimension_numbers, [True] * len(leaves))[0]
 
 
-def _layout_name(dims, shape) -> str:
+def _layout_name(dims: MuonDimensionNumbers, shape: Sequence[int]) -> str:
   batch, fan_in, fan_out = matrix_shape(dims, shape)
   n = math.prod(batch)
   return f"{n} x {fan_in}x{fan_out}" if n > 1 else f"{fan_in}x{fan_out}"
+
+
+def _unrecognised_note(leaves: Sequence[Leaf], a: layout.Analysis, labels: list, layouts: list,
+                       sources: list) -> list[Note]:
+  """One warning for every Muon kernel of 3+ non-batch axes that no rule recognised."""
+  by_layout: dict = collections.defaultdict(list)
+  for i, leaf in enumerate(leaves):
+    if labels[i] != "muon" or sources[i] is not None:
+      continue
+    if len(leaf.shape) - _batch_ndim(a, i) < 3:
+      continue
+    by_layout[(leaf.shape, _layout_name(layouts[i], leaf.shape))].append(leaf.path)
+  if not by_layout:
+    return []
+  n = sum(len(v) for v in by_layout.values())
+  parts = []
+  for (shape, name), paths in by_layout.items():
+    shown = ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "")
+    parts.append(f"{len(paths)} x {shape} as {name} ({shown})")
+  first = next(iter(by_layout.values()))[0]
+  return [Note("warning", f"{n} kernel{'s' if n > 1 else ''} of 3+ axes match no layout rule "
+                          "(no logical axis names, no single d_model axis, not a recognised "
+                          "attention layer), so Muon orthogonalises their last two axes: "
+                          + "; ".join(parts) + "; if that is not their layout: "
+                          + _dims_hint(first))]
 
 
 # ------------------------------------------------------------------ the plan
@@ -423,8 +383,9 @@ class RoutingPlan(NamedTuple):
   labels: list
   layouts: list
   notes: list
+  sources: list = []
 
-  def label_tree(self):
+  def label_tree(self) -> Any:
     """The labels as a tree: the params' structure with each parameter replaced by its group.
 
     Masked-out leaves (``optax.MaskedNode``, when an ``optax.masked`` wraps the transform) stay
@@ -437,120 +398,141 @@ class RoutingPlan(NamedTuple):
     """One label per array leaf of the params, in ``jax.tree.leaves`` order."""
     return [label for leaf, label in zip(self.leaves, self.labels) if not leaf.masked]
 
+  def muon_layouts(self) -> list:
+    """The layout of every Muon leaf, in order (what the Muon branch orthogonalises)."""
+    return [d for leaf, label, d in zip(self.leaves, self.labels, self.layouts)
+            if label == "muon" and not leaf.masked]
 
-def plan(tree, param_labels: LabelsOrFn = None, weight_dimension_numbers=None) -> RoutingPlan:
+  def muon_only_key(self) -> tuple:
+    """The structure key of the params with every non-Muon leaf masked out, as
+    ``optax.partition`` hands them to the Muon branch."""
+    return tuple((leaf.names, leaf.shape, False) if label == "muon" and not leaf.masked
+                 else (leaf.names, (), True) for leaf, label in zip(self.leaves, self.labels))
+
+
+def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: Any = None,
+         strict: bool = False) -> RoutingPlan:
   """Routes every parameter of ``tree``: group, Muon matrix layout, and notes on unsure rules.
 
   Args:
-    tree: the params (any pytree; NNX ``Variable`` objects count as one parameter each).
+    tree: the params (any pytree; NNX ``Variable`` objects and Linen boxes count as one
+      parameter each).
     param_labels: None (default rule), a mapping ``{path pattern: group}`` applied on top of the
       default rule, a label tree (or a prefix of one), or a callable ``params -> labels``.
     weight_dimension_numbers: Muon matrix layouts, as ``optax.contrib.muon`` takes them.
+    strict: a ``param_labels`` pattern that matches no parameter is an error (a warning note
+      otherwise).
 
   Returns:
     A :class:`RoutingPlan`.
   """
   leaves, values, treedef = param_leaves(tree, with_values=True)
+  a = layout.analyse(leaves)
   notes: list[Note] = []
   if param_labels is None or _is_overrides(param_labels):
-    labels, notes = default_labels(leaves, param_labels)
+    overrides: Optional[Mapping[str, str]] = param_labels  # type: ignore[assignment]
+    labels, notes = default_labels(leaves, overrides, strict, a)
   else:
     given = param_labels(pure(tree)) if callable(param_labels) else param_labels
     labels = _broadcast(given, tree, lambda x: isinstance(x, str), "param_labels")
-  bad = sorted({str(l) for l, leaf in zip(labels, leaves) if not leaf.masked and l not in GROUPS})
+  bad = sorted({str(lab) for lab, leaf in zip(labels, leaves) if not leaf.masked
+                and lab not in GROUPS})
   if bad:
     raise ValueError(f"param_labels contains unknown group(s) {bad}; use labels from {GROUPS}")
   for leaf, label in zip(leaves, labels):
     if label == "muon" and len(leaf.shape) < 2:
       raise ValueError(f"Muon needs matrices but {leaf.path} has shape {leaf.shape}; label it "
                        f"'adam' in param_labels, e.g. {_labels_hint(leaf.path, 'adam')}")
-  # The Muon branch sees exactly this masked tree: computing its layouts the same way here
-  # guarantees the table shows what the optimizer does.
-  muon_only = treedef.unflatten([value if label == "muon" and not leaf.masked
-                                 else optax.MaskedNode()
-                                 for leaf, value, label in zip(leaves, values, labels)])
-  layouts, given, attention = _layouts(muon_only, weight_dimension_numbers)
-  stacked = _stacked(leaves)
-  for i, (leaf, label) in enumerate(zip(leaves, labels)):
-    if label != "muon" or len(leaf.shape) < 3 or given[i] is not None or i in attention:
-      continue
-    if stacked[i] and len(leaf.shape) == 3:
-      continue
-    batch, fan_in, fan_out = matrix_shape(layouts[i], leaf.shape)
-    notes.append(Note("warning", f"{leaf.path} {leaf.shape} has {len(leaf.shape)} axes and no "
-                                 "rule recognises its layout (not a Flax attention kernel, not a "
-                                 "scan-stacked layer): Muon treats it as "
-                                 f"{math.prod(batch)} separate {fan_in}x{fan_out} matrices (its "
-                                 f"last two axes); if that is not its layout: "
-                                 f"{_dims_hint(leaf.path)}"))
-  return RoutingPlan(leaves, treedef, labels, layouts, notes)
+  muon = [label == "muon" for label in labels]
+  layouts, sources = _layouts(tree, leaves, a, weight_dimension_numbers, muon)
+  notes += _unrecognised_note(leaves, a, labels, layouts, sources)
+  return RoutingPlan(leaves, treedef, labels, layouts, notes, sources)
+
+
+def warn_notes(notes: Sequence[Note], who: str, stacklevel: int = 3) -> None:
+  """Emits each warning note as one ``UserWarning``."""
+  for note in notes:
+    if note.kind == "warning":
+      warnings.warn(f"{who}: {note.text}", stacklevel=stacklevel)
 
 
 # ------------------------------------------------------------------ public helpers
 
-def label_params(params, overrides: Optional[Mapping[str, str]] = None) -> Any:
+def label_params(params: Any, overrides: Optional[Mapping[str, str]] = None,
+                 strict: bool = False) -> Any:
   """Default routing: a pytree of group labels with the structure of ``params``.
 
-  Rules on each parameter's lower-cased path components and shape, first match wins:
+  Rules, first match wins (see :mod:`stablejax.muon.routing` and :mod:`stablejax.muon.layout`):
 
-  1. ``"adam"`` (never weight decayed): vectors and scalars (fewer than 2 axes, not counting the
+  1. Flax metadata with logical axis names: a ``norm`` axis or fewer than 2 non-batch axes is
+     ``"adam"``, ``('vocab', 'embed')`` is ``"embedding"``, ``('embed', 'vocab')`` is ``"head"``;
+  2. ``"adam"`` (never weight decayed): vectors and scalars (fewer than 2 axes, not counting the
      layer axis of a scan-stacked subtree), leaves named ``bias`` or ``scale``, and anything
      under a component containing ``norm`` or named ``ln``, ``ln_f``, ``ln_1``, ``ln1``...;
-  2. ``"head"``: a component named ``lm_head``, ``head``, ``logits``, ``unembed``,
+  3. ``"head"``: a component named ``lm_head``, ``head``, ``logits``, ``unembed``,
      ``unembedding`` or ending in ``head`` (``value_head``);
-  3. ``"embedding"``: a path containing ``embed`` (but not ``emb_proj``), or a component named
+  4. ``"embedding"``: a path containing ``embed`` (but not ``emb_proj``), or a component named
      ``wte`` / ``wpe``;
-  4. ``"muon"``: every other matrix.
+  5. ``"muon"``: every other matrix.
 
-  Then, when an embedding table ``[V, D]`` exists and no head was named, the head is looked for
-  by shape: a ``[D, V]`` matrix named ``out``, ``output`` or ``decoder``, else an unnamed
-  top-level one (Linen's auto-named last ``Dense_N``); the table's ``V`` must differ from ``D``.
-  :func:`describe_routing` reports what was decided by shape, a head that could not be found
-  (taken as tied to the embedding), and every case it is unsure of, with the override to use.
-
-  A scan-stacked subtree (``nn.scan`` / ``nnx.scan``: every parameter with the same leading
-  axis ``L``, stacked matrices next to stacked norm gains or biases) keeps those roles:
-  ``[L, D]`` norm gains are "adam", ``[L, in, out]`` kernels are ``L`` Muon matrices.
+  Then, when an embedding table ``[V, D]`` (``V != D``) exists and no head was found, the head is
+  looked for by shape: a ``[D, V]`` matrix (else a ``[V, D]`` one) *outside the repeated blocks*
+  (scan-stacked subtrees, structurally identical siblings such as ``block_0``, ``block_1``, and
+  components named like blocks or layers), whatever its module is called (Linen's auto-named
+  ``Dense_3``, lm1b's ``decoder/logitdense``, miniGPT's ``output_layer``). Without one the head
+  is taken as tied to the embedding, and an MLP kernel of the same shape inside a block (MLP
+  width equal to the vocabulary) is not mistaken for it. :func:`describe_routing` reports what
+  was decided by shape, a head taken as tied, and every case it is unsure of, with the override
+  to use.
 
   Args:
     params: any pytree of arrays (or ``jax.ShapeDtypeStruct``), Flax Linen params or
-      variables, ``nnx.State`` (NNX ``Variable`` objects count as one parameter each).
+      variables, boxed (``nn.Partitioned`` / ``nn.LogicallyPartitioned``) or not, ``nnx.State``
+      (NNX ``Variable`` objects count as one parameter each).
     overrides: optional ``{pattern: group}`` applied after the rules; a pattern is an fnmatch
       glob on the ``/``-joined path (``"params/Dense_3/*"``) or a path prefix
-      (``"params/Dense_3"``). A pattern matching nothing is an error.
+      (``"params/Dense_3"``). A pattern matching no parameter warns once, naming it (so one
+      mapping can serve several variants of a model).
+    strict: a pattern matching no parameter is an error instead.
 
   Returns:
     A pytree of strings from :data:`GROUPS`: the structure of ``params`` with each parameter
-    (array or NNX ``Variable``) replaced by its group.
+    (array, box or NNX ``Variable``) replaced by its group.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from stablejax import label_params
-    >>> label_params({"wte": {"embedding": jnp.zeros((10, 4))},
-    ...               "mlp": {"kernel": jnp.zeros((4, 8)), "bias": jnp.zeros(8)},
-    ...               "lm_head": {"kernel": jnp.zeros((4, 10))}})
-    {'lm_head': {'kernel': 'head'}, 'mlp': {'bias': 'adam', 'kernel': 'muon'}, 'wte': {'embedding': 'embedding'}}
+    >>> labels = label_params({"wte": {"embedding": jnp.zeros((10, 4))},
+    ...                        "mlp": {"kernel": jnp.zeros((4, 8)), "bias": jnp.zeros(8)},
+    ...                        "lm_head": {"kernel": jnp.zeros((4, 10))}})
+    >>> labels["lm_head"], labels["mlp"], labels["wte"]
+    ({'kernel': 'head'}, {'bias': 'adam', 'kernel': 'muon'}, {'embedding': 'embedding'})
   """
   if overrides is not None and not isinstance(overrides, Mapping):
     raise ValueError(f"overrides must be a mapping {{path pattern: group}}, got {overrides!r}")
   leaves, treedef = param_leaves(params)
-  labels, _ = default_labels(leaves, overrides or None)
+  labels, notes = default_labels(leaves, overrides or None, strict)
+  warn_notes(notes, "label_params")
   return treedef.unflatten(labels)
 
 
-def muon_dimension_numbers(params, overrides: Optional[Mapping[str, Any]] = None,
-                           param_labels: LabelsOrFn = None) -> Any:
+def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] = None,
+                           param_labels: LabelsOrFn = None, strict: bool = False) -> Any:
   """The matrix layout of every Muon parameter, as ``optax.contrib.MuonDimensionNumbers``.
 
-  The tree :func:`stablejax.outlier_safe_muon` uses by default: the recognised Flax attention
-  layouts, the last two axes otherwise, and None for parameters not routed to Muon. It is also
-  what ``optax.contrib.muon(muon_weight_dimension_numbers=...)`` takes, and, with ``overrides``,
-  the easy way to give one leaf its layout.
+  The tree :func:`stablejax.outlier_safe_muon` uses by default: the layouts read from Flax
+  metadata or shapes (attention kernels as their whole matrix), the last two axes otherwise,
+  and None for parameters not routed to Muon. It is also what
+  ``optax.contrib.muon(muon_weight_dimension_numbers=...)`` takes, and, with ``overrides``, the
+  easy way to give one leaf its layout.
 
   Args:
-    params: the params (any pytree; NNX ``Variable`` objects count as one parameter).
-    overrides: optional ``{pattern: MuonDimensionNumbers}``; patterns as in :func:`label_params`.
+    params: the params (any pytree; NNX ``Variable`` objects and Linen boxes count as one
+      parameter).
+    overrides: optional ``{pattern: MuonDimensionNumbers}``; patterns as in
+      :func:`label_params`. A pattern matching no parameter warns once, naming it.
     param_labels: the routing, as :func:`stablejax.outlier_safe_muon` takes it.
+    strict: a pattern matching no parameter is an error instead.
 
   Returns:
     A tree with the structure of ``params`` (each parameter replaced by its dimension numbers or
@@ -563,28 +545,29 @@ def muon_dimension_numbers(params, overrides: Optional[Mapping[str, Any]] = None
     ...     "conv/kernel": optax.contrib.MuonDimensionNumbers((0, 1, 2), 3)})
     >>> tx = stablejax.outlier_safe_muon(2e-3, weight_dimension_numbers=dims)
   """
-  p = plan(params, param_labels)
+  p = plan(params, param_labels, strict=strict)
   layouts = list(p.layouts)
   if overrides:
-    def check(pattern, dims):
+    def check(pattern: str, dims: Any) -> None:
       if not isinstance(dims, MuonDimensionNumbers):
         raise ValueError(f"overrides maps {pattern!r} to {dims!r}; use "
                          "optax.contrib.MuonDimensionNumbers(reduction_axis=..., output_axis=...)")
-    for pattern, dims in overrides.items():
-      check(pattern, dims)
-      hits = [i for i, leaf in enumerate(p.leaves) if _match(pattern, leaf.path)]
-      if not hits:
-        raise ValueError(f"overrides pattern {pattern!r} matches no parameter")
-      for i in hits:
-        if p.labels[i] != "muon":
-          raise ValueError(f"overrides gives dimension numbers to {p.leaves[i].path}, which is "
-                           f"routed to {p.labels[i]!r}, not Muon")
-        check_dims(dims, p.leaves[i].shape, p.leaves[i].path)
-        layouts[i] = dims
+    given = [None] * len(p.leaves)
+    fixed, notes = _apply_overrides(p.leaves, given, overrides, "muon_dimension_numbers overrides",
+                                    check, strict)
+    for i, hit in enumerate(fixed):
+      if not hit:
+        continue
+      if p.labels[i] != "muon":
+        raise ValueError(f"overrides gives dimension numbers to {p.leaves[i].path}, which is "
+                         f"routed to {p.labels[i]!r}, not Muon")
+      check_dims(given[i], p.leaves[i].shape, p.leaves[i].path)
+      layouts[i] = given[i]
+    warn_notes(notes, "muon_dimension_numbers")
   return p.treedef.unflatten(layouts)
 
 
-def resolve_labels(params, param_labels: LabelsOrFn = None):
+def resolve_labels(params: Any, param_labels: LabelsOrFn = None) -> Any:
   """Labels for ``params`` from None, a ``{pattern: group}`` mapping, a callable or a label tree."""
   return plan(params, param_labels).label_tree()
 
@@ -602,14 +585,19 @@ class RoutingInfo(NamedTuple):
 _CAPTURES: list = []
 
 
-def record_init(info: RoutingInfo, params) -> None:
+def record_init(info: RoutingInfo, params: Any) -> None:
   """Called by outlier_safe_muon's ``init``: lets :func:`describe_routing` find it in any chain."""
   if _CAPTURES:
     _CAPTURES[-1].append((info, params))
 
 
+def capturing() -> bool:
+  """Whether :func:`describe_routing` is tracing an ``init`` (it prints the notes itself)."""
+  return bool(_CAPTURES)
+
+
 @contextlib.contextmanager
-def _capture():
+def _capture() -> Any:
   found: list = []
   _CAPTURES.append(found)
   try:

@@ -1,4 +1,5 @@
-"""The training run: set up, train with logging, eval, checkpoints and automatic recovery, summarise.
+"""The training run: set up, train with logging, eval, checkpoints and automatic recovery,
+summarise.
 
 Exit codes: 0 done, 2 bad config/data/checkpoints (raised as errors and reported by train.py),
 3 diverged beyond the recovery budget, 130 interrupted (SIGINT/SIGTERM/SIGHUP; a checkpoint was
@@ -19,7 +20,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ def _total_skips(record: dict) -> int:
   return sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))
 
 
-def _fetch(tree) -> dict:
+def _fetch(tree: Any) -> dict:
   return {k: np.asarray(v).item() for k, v in jax.device_get(tree).items()}
 
 
@@ -218,7 +219,8 @@ class Run:
       self.log.console("warning: train.time_budget_minutes with Run(tx=...): the step count is "
                        "fixed, but the schedules inside that tx are the caller's")
     if steps != self.cfg.train.steps:
-      self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, steps=steps))
+      self.cfg = dataclasses.replace(self.cfg,
+                                     train=dataclasses.replace(self.cfg.train, steps=steps))
       self._build_optimizer()
       self._compile()
     self.log.console(self.budget.describe())
@@ -238,7 +240,7 @@ class Run:
     return EvalSampler(self.cfg.model, tok, lg.sample_prompt, lg.sample_tokens,
                        self.cfg.train.seed, self.bitnet_lambda)
 
-  def _init_state(self, rng) -> TrainState:
+  def _init_state(self, rng: jax.Array) -> TrainState:
     tokens = jnp.zeros((1, self.cfg.train.seq_len), jnp.int32)
     params = self.model.init(rng, tokens)["params"]
     loss_scale = None
@@ -257,12 +259,14 @@ class Run:
     abstract = jax.eval_shape(self._init_state, rng)
     self.state_sharding = mesh_lib.state_shardings(mesh, abstract)
     self.abstract_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, self.state_sharding)
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+        self.state_sharding)
     self.init_state = jax.jit(self._init_state, out_shardings=self.state_sharding)
     self.tokens_sharding = jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
     batch_sharding = {"tokens": self.tokens_sharding, "grad_scale": mesh_lib.replicated(mesh)}
-    step_fn = make_train_step(self.model, self.tx, cfg, self.schedule, self.bitnet_lambda)
+    step_fn = _under_mesh(mesh, make_train_step(self.model, self.tx, cfg, self.schedule,
+                                                self.bitnet_lambda))
     self.train_step = jax.jit(step_fn, in_shardings=(self.state_sharding, batch_sharding),
                               out_shardings=(self.state_sharding, mesh_lib.replicated(mesh)),
                               donate_argnums=0)
@@ -363,7 +367,7 @@ class Run:
       self.tokens_interval += cfg.train.batch_size * cfg.train.seq_len
       bar.update(1)
 
-      # Metrics of step s are read after step s+1 is dispatched, so the host never stalls the device.
+      # Metrics of step s are read after step s+1 is dispatched: the host never stalls the device.
       cause = self._log(*pending, bar) if pending else None
       pending = None
       is_log = step % cfg.train.log_every == 0
@@ -375,7 +379,7 @@ class Run:
                                                        np.int32(step))}
         pending = (step, metrics)
       if is_ckpt and cause is None:
-        cause = self._log(*pending, bar)  # a checkpoint needs this step's health now
+        cause = self._log(step, metrics, bar)  # a checkpoint needs this step's health now
         pending = None
       if cause is None and step % cfg.train.eval_every == 0 and step < total:
         cause = self._evaluate(step)
@@ -466,7 +470,7 @@ class Run:
 
   # ------------------------------------------------------------------ logging
 
-  def _log(self, step: int, device_metrics, bar) -> Optional[str]:
+  def _log(self, step: int, device_metrics: Any, bar: Any) -> Optional[str]:
     record = {"step": step, **_fetch(device_metrics)}
     now = time.time()
     if self.tokens_interval:
@@ -518,19 +522,21 @@ class Run:
     every = self.cfg.logging
     return any(n and step % n == 0 for n in (every.activation_every, every.histogram_every))
 
-  def _activation_stats(self, params, tokens, step):
+  def _activation_stats(self, params: Any, tokens: jax.Array, step: jax.Array) -> dict:
     lam = self.bitnet_lambda(step) if self.bitnet_lambda is not None else jnp.float32(1.0)
-    kwargs = {"bitnet_lambda": lam} if self.cfg.model.bitnet else {}
-    logits, acts = self.model.apply({"params": params}, tokens[:, :-1], return_activations=True, **kwargs)
+    kwargs: dict[str, Any] = {"bitnet_lambda": lam} if self.cfg.model.bitnet else {}
+    logits, acts = self.model.apply({"params": params}, tokens[:, :-1], return_activations=True,
+                                    **kwargs)
     residual = acts["residual"]
     return {"act_rms": jnp.sqrt(jnp.mean(jnp.square(residual))),
             "act_max": jnp.max(jnp.abs(residual)),
             "logit_max": jnp.max(jnp.abs(logits)),
             "excess_kurtosis": excess_kurtosis(residual[1:])}
 
-  def _grad_norms(self, params, tokens):
-    loss_fn = lambda p: stablejax.cross_entropy_with_z_loss(  # noqa: E731
-        self.model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])[0]
+  def _grad_norms(self, params: Any, tokens: jax.Array) -> dict:
+    def loss_fn(p: Any) -> jax.Array:
+      logits: jax.Array = self.model.apply({"params": p}, tokens[:, :-1])  # type: ignore[assignment]
+      return stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:])[0]
     return stablejax.per_layer_grad_norms(jax.grad(loss_fn)(params))
 
   def _diagnostics(self, step: int) -> None:
@@ -633,11 +639,12 @@ class Run:
     # The run stopped after a rollback and before its next checkpoint: redo that rollback.
     event = RollbackEvent(**{**decision["recovery"]["events"][-1]})
     if int(meta["step"]) > event.restored_step:  # a checkpoint of the abandoned branch
-      state, meta = self._restore(at_most=event.restored_step) or (None, None)
-      if state is None:
+      restored = self._restore(at_most=event.restored_step)
+      if restored is None:
         raise CheckpointError(f"{self.out_dir / RECOVERY_FILE} records a rollback to step "
                               f"{event.restored_step}, but no checkpoint that old is left: pass "
                               "--fresh to start over")
+      state, meta = restored
     self.checkpoints.delete_after(int(meta["step"]))
     self.batches_consumed = int(meta.get("batches_consumed", 0))
     self._load_data_skips(meta)
@@ -693,7 +700,8 @@ class Run:
       write_json_atomic(self.out_dir / RECOVERY_FILE, {
           "recovery": self.recovery.state_dict(), "abandoned_skips": self.abandoned_skips,
           "monitor": self.monitor.state_dict()})
-    self.log.console(f"warning: rollback {self.recovery.rollbacks}/{self.cfg.stability.max_rollbacks}"
+    self.log.console(f"warning: rollback {self.recovery.rollbacks}/"
+                     f"{self.cfg.stability.max_rollbacks}"
                      f" at {event.describe()}")
     self.log.record({"step": step, "event": "rollback", **dataclasses.asdict(event)},
                     {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": lr_scale})
@@ -705,9 +713,11 @@ class Run:
   def _diverged(self, step: int, cause: str) -> int:
     self.log.record({"step": step, "event": "diverged", "cause": cause})
     lines = [f"error: training diverged at step {step}: {cause}",
-             f"recovery budget used: {self.recovery.rollbacks} of {self.cfg.stability.max_rollbacks} rollbacks"]
+             f"recovery budget used: {self.recovery.rollbacks} of "
+             f"{self.cfg.stability.max_rollbacks} rollbacks"]
     lines += [f"  rollback {i + 1}: {e.describe()}" for i, e in enumerate(self.recovery.events)]
-    lines.append("try: a lower optimizer.learning_rate, a longer train.warmup_steps, or check the data"
+    lines.append("try: a lower optimizer.learning_rate, a longer train.warmup_steps, or check the "
+                 "data"
                  f" (see {self.out_dir / 'metrics.jsonl'})")
     for line in lines:
       self.log.console(line)
@@ -715,7 +725,7 @@ class Run:
     return EXIT_DIVERGED
 
   def _install_signal_handlers(self) -> None:
-    def handler(signum, frame):
+    def handler(signum: int, frame: Any) -> None:
       self.stop_signal = signum
     # SIGHUP too: a closed terminal (or `stablejax launch` passing one on) saves like SIGTERM.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -767,7 +777,8 @@ class Run:
     return self.agreed_stop is not None
 
   def _interrupted(self, step: int) -> int:
-    name = signal.Signals(self.agreed_stop or self.stop_signal).name
+    signum = self.agreed_stop or self.stop_signal
+    name = signal.Signals(signum).name if signum is not None else "a stop request"
     if self.recovery.healthy() and step not in self.checkpoints.all_steps():
       self._save(step)
     self.log.console(f"{name} at step {step}: checkpoint saved; run the same command to resume")
@@ -812,6 +823,15 @@ class Run:
           self.log.console(f"advice: {line}")
     self.log.close()
     return exit_code
+
+
+def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` traced with ``mesh`` as the context mesh, so code inside the step (Muon's gather of
+  each sharded matrix before Newton-Schulz) can place its sharding constraints."""
+  def traced(*args: Any) -> Any:
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args)
+  return traced
 
 
 def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> TrainState:

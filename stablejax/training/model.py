@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -138,9 +138,11 @@ class Linear(nn.Module):
   bitnet: bool = False
 
   @nn.compact
-  def __call__(self, x, lam=None):
+  def __call__(self, x: jax.Array, lam: Optional[jax.Array] = None) -> jax.Array:
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
     if self.bitnet:
+      if lam is None:
+        raise ValueError("a BitNet Linear needs its quantisation strength lam")
       return bitnet_matmul(x, kernel, lam, self.compute_dtype)
     return jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype))
 
@@ -153,7 +155,7 @@ class RMSNorm(nn.Module):
   eps: float = 1e-6
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     shape = () if self.single_scale else (x.shape[-1],)
     scale = self.param("scale", nn.initializers.ones, shape, self.param_dtype)
     x32 = x.astype(jnp.float32)
@@ -161,7 +163,7 @@ class RMSNorm(nn.Module):
     return (y * scale.astype(jnp.float32)).astype(self.compute_dtype)
 
 
-def _rope(x, theta: float, offset=None):
+def _rope(x: jax.Array, theta: float, offset: Optional[jax.Array] = None) -> jax.Array:
   """Rotary position embedding (rotate-half form) on ``[B, T, H, hd]``; computed in float32.
 
   ``offset`` (a traced int32, decoding only) shifts the positions to ``offset .. offset + T - 1``;
@@ -175,20 +177,20 @@ def _rope(x, theta: float, offset=None):
     sin = jnp.asarray(np.sin(angles))[None, :, None, :]
   else:
     positions = (offset + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)
-    angles = positions[:, None] * jnp.asarray(inv_freq)[None, :]
-    cos = jnp.cos(angles)[None, :, None, :]
-    sin = jnp.sin(angles)[None, :, None, :]
+    traced_angles = positions[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = jnp.cos(traced_angles)[None, :, None, :]
+    sin = jnp.sin(traced_angles)[None, :, None, :]
   x32 = x.astype(jnp.float32)
   x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
 
 
-def _dtypes(cfg: ModelConfig):
+def _dtypes(cfg: ModelConfig) -> tuple[Any, Any]:
   return _DTYPES[cfg.compute_dtype], _DTYPES[cfg.param_dtype]
 
 
-def _f32_accum_dtype(dtype):
+def _f32_accum_dtype(dtype: Any) -> Any:
   """Input dtype for dots that accumulate in float32.
 
   XLA:CPU has no float16 x float16 -> float32 dot, so on CPU float16 inputs are upcast (fp16
@@ -212,7 +214,7 @@ class Attention(nn.Module):
   sow_logits: bool = False
 
   @nn.compact
-  def __call__(self, x, lam):
+  def __call__(self, x: jax.Array, lam: Optional[jax.Array]) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
     b, t, d = x.shape
@@ -242,7 +244,7 @@ class Attention(nn.Module):
     y = y.astype(cdt)
     return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
 
-  def _cached_attention(self, q, k, v, adt):
+  def _cached_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, adt: Any) -> jax.Array:
     """Writes this call's keys/values at positions ``index ..`` and attends over the cache."""
     cfg = self.config
     b, t, h, hd = q.shape
@@ -265,7 +267,7 @@ class MLP(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, lam):
+  def __call__(self, x: jax.Array, lam: Optional[jax.Array]) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
     init = nn.initializers.normal(cfg.init_std)
@@ -285,7 +287,7 @@ class Block(nn.Module):
   sow_logits: bool = False
 
   @nn.compact
-  def __call__(self, x, lam):
+  def __call__(self, x: jax.Array, lam: Optional[jax.Array]) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
     single = cfg.norm == "ssnorm"
@@ -307,8 +309,9 @@ class GPT(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, *, bitnet_lambda=None, return_activations=False, decode=False,
-               attention_logits=False):
+  def __call__(self, tokens: jax.Array, *, bitnet_lambda: Optional[jax.Array] = None,
+               return_activations: bool = False, decode: bool = False,
+               attention_logits: bool = False) -> Any:
     """Runs the model.
 
     Args:
@@ -350,29 +353,30 @@ class GPT(nn.Module):
       x = Linear(cfg.d_model, compute_dtype=cdt, param_dtype=pdt,
                  kernel_init=nn.initializers.orthogonal(), name="emb_proj_in")(x)
     x = x.astype(cdt)
-    residuals = [x.astype(jnp.float32)] if return_activations else None
+    layer_outputs: list[jax.Array] = [x.astype(jnp.float32)]  # kept when return_activations
+    residuals = None
 
     block_cls = Block
     if cfg.remat and not decode:
       block_cls = nn.remat(Block, prevent_cse=not cfg.scan_layers)
     if decode and attention_logits:
       raise ValueError("attention_logits is for training and evaluation calls, not decode")
-    block_args = dict(collect=return_activations, decode=True) if decode else \
+    block_args: dict[str, Any] = dict(collect=return_activations, decode=True) if decode else \
         dict(collect=return_activations, sow_logits=attention_logits)
     if cfg.scan_layers:
-      axes = {"params": 0, "cache": 0} if decode else {"params": 0, "intermediates": 0}
+      axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
+                              else {"params": 0, "intermediates": 0})
       scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
                         in_axes=nn.broadcast, length=cfg.n_layers)
       x, ys = scanned(cfg, **block_args, name="blocks")(x, lam)
       if return_activations:
-        residuals = jnp.concatenate([residuals[0][None], ys], axis=0)
+        residuals = jnp.concatenate([layer_outputs[0][None], ys], axis=0)
     else:
       for i in range(cfg.n_layers):
         x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, lam)
-        if return_activations:
-          residuals.append(y)
+        layer_outputs.append(y)
       if return_activations:
-        residuals = jnp.stack(residuals, axis=0)
+        residuals = jnp.stack(layer_outputs, axis=0)
 
     if not cfg.post_ln:
       x = RMSNorm(cdt, pdt, single_scale=cfg.norm == "ssnorm", name="final_norm")(x)
@@ -400,7 +404,7 @@ class _Head(nn.Module):
   init_std: float
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x: jax.Array) -> jax.Array:
     kernel = self.param("kernel", nn.initializers.normal(self.init_std),
                         (x.shape[-1], self.vocab_size), self.param_dtype)
     hdt = _f32_accum_dtype(self.compute_dtype)
@@ -417,7 +421,7 @@ def layer_max_logits(cfg: ModelConfig, collected: dict) -> jax.Array:
   return jnp.stack([collected[f"block_{i}/attn"] for i in range(cfg.n_layers)])
 
 
-def count_params(params) -> int:
+def count_params(params: Any) -> int:
   """Total number of parameter entries in a pytree."""
   return int(sum(np.prod(np.shape(p)) for p in jax.tree_util.tree_leaves(params)))
 
@@ -437,8 +441,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   Returns:
     FLOPs per token for one forward + backward pass.
   """
-  d, f, l = cfg.d_model, cfg.ff_dim, cfg.n_layers
-  n = l * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
+  d, f, layers = cfg.d_model, cfg.ff_dim, cfg.n_layers
+  n = layers * (4 * d * d + 3 * d * f) + d * cfg.vocab_size
   if cfg.emb_proj:
     n += 2 * d * d
-  return float(6 * n + 12 * l * d * seq_len)
+  return float(6 * n + 12 * layers * d * seq_len)

@@ -205,5 +205,5 @@ def applied_updates(opt_state: Any) -> jax.Array:
   return _lr_scale_states(opt_state)[0].count
 
 
-def set_lr_scale(opt_state, value: float | jax.Array):
+def set_lr_scale(opt_state: Any, value: float | jax.Array) -> Any:
   return _map_lr_scale(opt_state, lambda x: jnp.asarray(value, x.dtype))

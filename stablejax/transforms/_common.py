@@ -7,7 +7,7 @@ values. Statistics are always kept in float32, whatever the gradient dtype.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,40 @@ def f32(x: Any) -> jax.Array:
 
 def global_norm_f32(tree: Any) -> jax.Array:
   """Global L2 norm of ``tree`` computed in float32 (bf16 grads do not overflow)."""
-  return optax.tree.norm(optax.tree.cast(tree, STAT_DTYPE))
+  leaves = jax.tree.leaves(tree)
+  squares = [jnp.sum(jnp.square(jnp.asarray(x, STAT_DTYPE))) for x in leaves]
+  return jnp.sqrt(sum_of_scalars(squares))
+
+
+def materialize(x: Any) -> jax.Array:
+  """The scalar ``x``, computed once and stored before anything reads it.
+
+  A transform's decision (skip this step, clip by this factor) is a chain of scalar operations
+  that every parameter's update and every state entry then reads. XLA copies cheap scalar
+  chains into each fusion that reads them (``optimization_barrier`` does not stop it on CPU,
+  where it is removed before fusion): a hundred copies of the decision for a 12-layer model.
+  Passing the value through a sort keyed by ``[0, 1]`` (a no-op on two copies of it) makes it
+  the output of an operation XLA does not look through, so it is computed once.
+  """
+  x = jnp.asarray(x)
+  keys = jnp.arange(2, dtype=jnp.int32)
+  return jax.lax.sort((keys, jnp.stack([x, x])), num_keys=1)[1][0]
+
+
+def sum_of_scalars(values: Sequence[jax.Array]) -> jax.Array:
+  """The sum of per-parameter scalars (squared norms, finiteness probes) as one stored value.
+
+  XLA turns a sum of stacked scalars into a chain of adds as long as the model, and copies such
+  cheap chains into every fusion that reads the result: a transform that scales every update
+  by a global norm, or selects every state leaf by an all-finite flag, then compiles a
+  quadratic amount of code (minutes for a 12-layer model on CPU). Sorting the short vector
+  first (about one number per parameter tensor) keeps the sum a single reduction that nothing
+  copies; it also adds the small numbers first.
+  """
+  if not values:
+    return jnp.zeros((), STAT_DTYPE)
+  stacked = jnp.stack([jnp.asarray(v, STAT_DTYPE) for v in values])
+  return jnp.sum(jnp.sort(stacked)) if stacked.shape[0] > 1 else stacked[0]
 
 
 def leaf_norm_f32(x: jax.Array) -> jax.Array:
@@ -32,12 +65,37 @@ def leaf_norm_f32(x: jax.Array) -> jax.Array:
   return optax.tree.norm(jnp.asarray(x, STAT_DTYPE))
 
 
+def finite_probe(*arrays: Any) -> jax.Array:
+  """float32 scalar: 0 if every entry of every array is finite, NaN otherwise.
+
+  ``x * 0`` is 0 for a finite entry and NaN for NaN or +-Inf (XLA keeps floating ``x * 0``), so
+  the sum is finite exactly when ``x`` is. A sum compiles several times faster on XLA:CPU than
+  the boolean all-reduction of ``jnp.all(jnp.isfinite(x))``, and arrays of one shape (a
+  parameter's update, momentum and second moment) share one reduction.
+  """
+  floats = [jnp.asarray(x) for x in arrays]
+  floats = [x for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not floats:
+    return jnp.zeros((), STAT_DTYPE)
+  by_shape: dict = {}
+  for x in floats:
+    zero = x.astype(STAT_DTYPE) * 0
+    by_shape[x.shape] = zero if x.shape not in by_shape else by_shape[x.shape] + zero
+  return sum_of_scalars([jnp.sum(z) for z in by_shape.values()])
+
+
 def all_finite(tree: Any) -> jax.Array:
   """Scalar bool: every entry of every leaf of ``tree`` is finite (True if empty)."""
-  leaves = jax.tree.leaves(tree)
-  if not leaves:
-    return jnp.array(True)
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+  return jnp.isfinite(sum_of_scalars([finite_probe(x) for x in jax.tree.leaves(tree)]))
+
+
+def all_finite_pairs(tree: Any, other: Any) -> jax.Array:
+  """``all_finite(tree) & all_finite(other)``, one reduction per pair of same-shaped leaves
+  when the trees have the same structure (gradients and updates)."""
+  a, b = jax.tree.leaves(tree), jax.tree.leaves(other)
+  if jax.tree.structure(tree) != jax.tree.structure(other):  # type: ignore[operator]
+    return jnp.logical_and(all_finite(tree), all_finite(other))
+  return jnp.isfinite(sum_of_scalars([finite_probe(x, y) for x, y in zip(a, b)]))
 
 
 def scale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:

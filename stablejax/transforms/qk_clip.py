@@ -50,6 +50,20 @@ class QKClipState(NamedTuple):
     max_logit: the largest per-head maximum logit passed in at the last step (float32; over
       every layer and head; non-finite values included, so a runaway logit shows).
     total_clipped: head rescalings since init (int32, saturating).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import stablejax
+    >>> from stablejax.muon.heads import AttentionLayer, HeadParam
+    >>> attn = AttentionLayer("attn", num_heads=2, num_kv_heads=2,
+    ...                       query=(HeadParam("q", head_axis=-1),),
+    ...                       key=(HeadParam("k", head_axis=-1),))
+    >>> tx = stablejax.qk_clip(tau=100.0, layers=[attn])
+    >>> params = {"q": jnp.ones((4, 4)), "k": jnp.ones((4, 4))}
+    >>> _, state = tx.update(params, tx.init(params), params,
+    ...                      max_logits={"attn": jnp.array([400.0, 50.0])})
+    >>> int(state.heads_clipped), float(state.max_logit), int(state.total_clipped)
+    (1, 400.0, 1)
   """
   heads_clipped: jax.Array
   max_logit: jax.Array

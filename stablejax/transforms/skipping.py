@@ -224,14 +224,13 @@ def skip_nonfinite(
   def update_fn(updates: optax.Updates, state: SkipNonFiniteState,
                 params: Optional[optax.Params] = None, **extra_args: Any
                 ) -> tuple[optax.Updates, SkipNonFiniteState]:
-    ok = _common.all_finite(updates)
+    inner_updates, inner_state = inner.update(
+        updates, state.inner_state, params, **extra_args)
+    ok = _common.all_finite_pairs(updates, inner_updates)
     loss = extra_args.get("loss")
     if loss is not None:
       ok = jnp.logical_and(ok, _loss_all_finite(loss))
-    inner_updates, inner_state = inner.update(
-        updates, state.inner_state, params, **extra_args)
-    ok = jnp.logical_and(ok, _common.all_finite(inner_updates))
-    skip = jnp.logical_not(ok)
+    skip = _common.materialize(jnp.logical_not(ok))
     new_updates, new_inner = _apply_or_skip(
         skip, inner_updates, inner_state, state.inner_state)
     skipped, total, consecutive, rollback, requests = _skip_counters(
@@ -446,6 +445,7 @@ def skip_spikes(
       bad, norm_hist = _spike_check(grad_norm, norm_hist, min_history,
                                     sigma, factor, statistics)
       skip = jnp.logical_or(skip, bad)
+    skip = _common.materialize(skip)
 
     inner_updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args)

@@ -254,6 +254,7 @@ def zclip(
     threshold = jnp.where(
         in_warmup, warm_threshold, jnp.where(spike, effective, idle_threshold))
 
+    scale = _common.materialize(scale)  # read by every parameter's update
     updates = jax.tree.map(lambda u: _common.scale_leaf(u, scale), updates)
     new_state = ZClipState(
         count=jnp.where(finite, _common.safe_increment(state.count),

@@ -1,0 +1,144 @@
+"""Compile time and step time of the README chain next to optax.contrib.muon, side by side.
+
+Usage:
+  python bench/compile_time.py                 # 12-layer GPT, d_model 128, unrolled and scanned
+  python bench/compile_time.py --quick         # 4 layers, d_model 64, 2 rounds (a smoke run)
+  python bench/compile_time.py --breakdown     # also the chain's parts, to see what costs
+
+One jitted train step (loss, grads, optimizer update, apply) of the trainer's GPT
+(`stablejax.training.model.GPT`, float32 compute) with each optimizer:
+
+  optax.contrib.muon  optax's Muon given the dimension numbers stablejax routes with
+                      (`stablejax.muon_dimension_numbers(params)`), consistent_rms=0.2: the same
+                      Newton-Schulz work on the same matrices, AdamW for the rest
+  README chain        skip_nonfinite(skip_spikes(chain(zclip(), outlier_safe_muon(...))))
+
+Compile time is trace + lower + compile of a fresh `jax.jit` (`.lower(...).compile()`), as wall
+seconds and as CPU seconds of this process (all its threads; less disturbed by other processes
+on a shared machine), the median over rounds run interleaved (A, B, A, B...), so load from
+other processes hits both alike. Step time is the median over rounds of the mean of `--steps`
+calls of each compiled step, also interleaved, after a warm-up. Ratios are chain / optax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import stablejax  # noqa: E402
+from bench import _common  # noqa: E402
+from stablejax.training.model import GPT, ModelConfig  # noqa: E402
+
+
+def readme_chain(**muon_kw) -> optax.GradientTransformationExtraArgs:
+  return stablejax.skip_nonfinite(stablejax.skip_spikes(optax.chain(
+      stablejax.zclip(),
+      stablejax.outlier_safe_muon(learning_rate=2e-3, adam_learning_rate=1.5e-3, **muon_kw))))
+
+
+def variants(params, breakdown: bool) -> dict:
+  dims = stablejax.muon_dimension_numbers(params)
+  out = {
+      "optax.contrib.muon": (optax.contrib.muon(2e-3, consistent_rms=0.2, eps=1e-8,
+                                                muon_weight_dimension_numbers=dims), False),
+      "README chain": (readme_chain(), True),
+  }
+  if breakdown:
+    out["outlier_safe_muon alone"] = (
+        stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1.5e-3), False)
+    out["... without outlier clamp"] = (
+        stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1.5e-3, outlier_method=None), False)
+    out["... with ns_backend='xla'"] = (
+        stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1.5e-3, ns_backend="xla"), False)
+    out["README chain without the skip wrappers"] = (optax.chain(
+        stablejax.zclip(), stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1.5e-3)), False)
+  return out
+
+
+def make_step(model, tx, takes_loss: bool):
+  def step(params, opt_state, tokens):
+    def loss_fn(p):
+      logits = model.apply({"params": p}, tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    extra = {"loss": loss} if takes_loss else {}
+    updates, opt_state = tx.update(grads, opt_state, params, **extra)
+    return optax.apply_updates(params, updates), opt_state, loss
+  return step
+
+
+def compile_seconds(model, tx, takes_loss, args) -> tuple[float, float, object]:
+  """Wall and CPU seconds (this process, all threads) of trace + lower + compile."""
+  wall, cpu = time.perf_counter(), time.process_time()
+  compiled = jax.jit(make_step(model, tx, takes_loss), donate_argnums=(0, 1)).lower(*args).compile()
+  return time.perf_counter() - wall, time.process_time() - cpu, compiled
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--layers", type=int, default=12)
+  p.add_argument("--d-model", type=int, default=128)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--steps", type=int, default=10)
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq-len", type=int, default=64)
+  p.add_argument("--layouts", default="unrolled,scanned")
+  p.add_argument("--breakdown", action="store_true")
+  p.add_argument("--quick", action="store_true")
+  a = p.parse_args(argv)
+  if a.quick:
+    a.layers, a.d_model, a.rounds, a.steps = 4, 64, 2, 3
+  _common.print_machine()
+  print(f"GPT: {a.layers} layers, d_model {a.d_model}, 4 heads, vocab 256, batch {a.batch} x "
+        f"{a.seq_len} tokens, float32; {a.rounds} interleaved rounds, {a.steps} steps each\n")
+  rows = []
+  for layout in a.layouts.split(","):
+    cfg = ModelConfig(vocab_size=256, d_model=a.d_model, n_layers=a.layers, n_heads=4,
+                      max_seq_len=a.seq_len, compute_dtype="float32",
+                      scan_layers=layout == "scanned")
+    model = GPT(cfg)
+    tokens = jax.random.randint(jax.random.key(1), (a.batch, a.seq_len + 1), 0, 256)
+    params = jax.jit(model.init)(jax.random.key(0), tokens[:, :-1])["params"]
+    txs = variants(params, a.breakdown)
+    compile_s: dict = {name: [] for name in txs}
+    compile_cpu: dict = {name: [] for name in txs}
+    step_s: dict = {name: [] for name in txs}
+    for _ in range(a.rounds):
+      for name, (tx, takes_loss) in txs.items():
+        state = tx.init(params)
+        seconds, cpu, compiled = compile_seconds(model, tx, takes_loss, (params, state, tokens))
+        compile_s[name].append(seconds)
+        compile_cpu[name].append(cpu)
+        p_, s_ = jax.tree.map(jnp.copy, (params, state))
+        p_, s_, loss = compiled(p_, s_, tokens)  # warm-up
+        loss.block_until_ready()
+        start = time.perf_counter()
+        for _ in range(a.steps):
+          p_, s_, loss = compiled(p_, s_, tokens)
+        loss.block_until_ready()
+        step_s[name].append((time.perf_counter() - start) / a.steps)
+    base = "optax.contrib.muon"
+    med = statistics.median
+    c0, u0, t0 = med(compile_s[base]), med(compile_cpu[base]), med(step_s[base])
+    for name in txs:
+      c, u, t = med(compile_s[name]), med(compile_cpu[name]), med(step_s[name])
+      rows.append((layout, name, f"{c:.2f}", f"{c / c0:.2f}x", f"{u:.2f}", f"{u / u0:.2f}x",
+                   f"{t * 1e3:.1f}", f"{t / t0:.3f}x"))
+  print(_common.table(rows, ("layers", "optimizer", "compile s", "ratio", "compile CPU s",
+                             "ratio", "step ms", "step ratio")))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
