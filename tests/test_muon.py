@@ -296,10 +296,10 @@ def test_health_check_rejects_outputs_outside_its_documented_bounds() -> None:
   direction = _normal(7, (16, 16))
   direction = direction / jnp.linalg.norm(direction)
   for fro, healthy in [(0.9 * low, False), (1.1 * low, True), (7.9, True), (8.1, False)]:
-    got, mom_finite = muon_mod.ns_health(direction * fro, mom, 1e-8)
+    got, mom_finite, _ = muon_mod.ns_health(direction * fro, mom, 1e-8)
     assert bool(got) == healthy, fro
     assert bool(mom_finite)
-  got, mom_finite = muon_mod.ns_health(direction, mom.at[0, 0].set(jnp.nan), 1e-8)
+  got, mom_finite, _ = muon_mod.ns_health(direction, mom.at[0, 0].set(jnp.nan), 1e-8)
   assert not bool(got) and not bool(mom_finite)
 
 
