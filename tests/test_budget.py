@@ -8,6 +8,8 @@ import math
 import resource
 import time
 import types
+import typing
+from pathlib import Path
 
 import pytest
 
@@ -147,6 +149,99 @@ def test_plan_without_a_cap_and_with_one_says_what_fixed_the_length(monkeypatch)
   assert capped.summary()["steps_fixed_by"] == "train.steps"
   loose = Budget(train_cfg(budget=10.0, steps=10**6), t_start=time.time())
   assert loose.plan(run) == fits and loose.fixed_by == "time_budget"
+
+
+class _State(typing.NamedTuple):
+  params: dict
+
+
+class _FakeClock:
+  """time.perf_counter for budget.measure: advanced by the fake run's work, nothing else."""
+
+  def __init__(self) -> None:
+    self.now = 0.0
+
+  def perf_counter(self) -> float:
+    return self.now
+
+
+def test_measure_plans_with_the_slowest_timed_step_and_counts_compilation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+  # The module docstring: the compiled step, an eval and a save are timed; TIMED_STEPS steps are
+  # timed after the compiling one and "the slowest counts"; compiling (the first step, the first
+  # eval beyond a timed one) is paid again once the schedule is fixed.
+  import numpy as np
+  from stablejax.training import checkpoint as checkpoint_lib
+  clock = _FakeClock()
+  monkeypatch.setattr(budget_lib, "time", types.SimpleNamespace(perf_counter=clock.perf_counter))
+  step_seconds = iter([10.0, 0.5, 0.9, 0.4, 0.5, 0.6])  # compiling step, then 5 timed ones
+  eval_seconds = iter([5.0, 2.0])                       # compiling eval, then the timed one
+
+  def train_step(state: _State, batch: dict) -> tuple[_State, dict]:
+    clock.now += next(step_seconds)
+    return state, {"loss": 1.0}
+
+  def eval_step(params: dict, tokens: object, step: object) -> float:
+    clock.now += next(eval_seconds)
+    return 1.0
+
+  class FakeCheckpoints:
+    def __init__(self, *args: object, **kwargs: object) -> None:
+      pass
+
+    def save(self, *args: object) -> None:
+      clock.now += 3.0
+
+    def wait(self) -> None:
+      pass
+
+    def close(self) -> None:
+      pass
+
+  monkeypatch.setattr(checkpoint_lib, "Checkpoints", FakeCheckpoints)
+  cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(async_save=False),
+                              logging=types.SimpleNamespace(activation_every=0, histogram_every=0))
+  run = types.SimpleNamespace(
+      state=_State(params={"w": np.zeros(2, np.float32)}), cfg=cfg, out_dir=tmp_path, sampler=None,
+      data=types.SimpleNamespace(train_iter=lambda: iter(lambda: {"tokens": np.zeros((1, 2, 3))},
+                                                          None)),
+      _device_tokens=lambda tokens: tokens, train_step=train_step, eval_step=eval_step,
+      _val_batches=lambda: [np.zeros((2, 3))])
+  t = budget_lib.measure(run)
+  assert budget_lib.TIMED_STEPS == 5
+  assert t.step_seconds == pytest.approx(0.9)  # the slowest of 0.5, 0.9, 0.4, 0.5, 0.6
+  assert t.eval_seconds == pytest.approx(2.0) and t.save_seconds == pytest.approx(3.0)
+  # The first step, and the first eval's 5 - 2 s beyond a timed one.
+  assert t.compile_seconds == pytest.approx(10.0 + 3.0)
+  assert not (tmp_path / budget_lib.PROBE_DIR).exists()
+
+
+def test_a_budget_with_room_for_only_the_warmup_is_an_error(
+    monkeypatch: pytest.MonkeyPatch) -> None:
+  # "not more than train.warmup_steps": a count equal to the warmup leaves no decay at all.
+  monkeypatch.setattr(budget_lib, "measure", lambda *a: TIMINGS)
+  cfg = types.SimpleNamespace(
+      train=types.SimpleNamespace(eval_every=100, warmup_steps=10),
+      checkpoint=types.SimpleNamespace(every=200),
+      logging=types.SimpleNamespace(activation_every=0, histogram_every=0, sample_every=0))
+  run = types.SimpleNamespace(cfg=cfg, sampler=None)
+  # 0.95 * 60 * b - 15 s of compile, final eval and save = 1.035 s x 10 steps, and half a
+  # second for the time the test itself spends (it counts as elapsed).
+  minutes = (15 + 10 * 1.035 + 0.5) / (0.95 * 60)
+  assert plan_total_steps(minutes * 60, 0.0, TIMINGS, eval_every=100, checkpoint_every=200,
+                          max_steps=None) == 10
+  with pytest.raises(budget_lib.BudgetError, match="not more than train.warmup_steps=10"):
+    Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run)
+  cfg.train.warmup_steps = 9
+  assert Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run) == 10
+
+
+def test_diagnostics_are_planned_at_the_more_frequent_interval() -> None:
+  cfg = types.SimpleNamespace(logging=types.SimpleNamespace(activation_every=50,
+                                                            histogram_every=200))
+  assert budget_lib._diagnostics_every(cfg) == 50
+  cfg.logging.activation_every = 0
+  assert budget_lib._diagnostics_every(cfg) == 200
 
 
 def test_peak_memory_on_cpu_is_the_process_rss_labelled_as_such():

@@ -106,3 +106,35 @@ def test_is_a_pytree_of_two_arrays():
 def test_bad_arguments_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
     stablejax.DynamicLossScale(**kwargs)
+
+
+def test_create_defaults_are_the_documented_policy():
+  # 2**10 initial, x1.5 after 200 finite steps in a row, x0.5 on overflow, floor 1.
+  ls = stablejax.DynamicLossScale.create()
+  assert float(ls.loss_scale) == 1024.0 and ls.growth_interval == 200
+  assert ls.growth_factor == 1.5 and ls.backoff_factor == 0.5 and ls.min_scale == 1.0
+
+
+def test_unscale_divides_by_the_current_scale():
+  ls = stablejax.DynamicLossScale(loss_scale=4096.0)
+  assert ls.unscale(jnp.full(2, 8192.0, jnp.float16)).tolist() == [2.0, 2.0]
+  backed_off = ls
+  for _ in range(5):  # 4096 -> 2048 -> 1024 -> 512 -> 256 -> 128
+    backed_off = backed_off.adjust(jnp.array(False))
+  assert float(backed_off.loss_scale) == 128.0
+  assert backed_off.unscale(jnp.full(2, 384.0, jnp.float16)).tolist() == [3.0, 3.0]
+
+
+def test_a_custom_policy_is_kept_by_every_adjust_and_through_jit():
+  ls = stablejax.DynamicLossScale(loss_scale=1024.0, growth_interval=2, growth_factor=4.0,
+                                  backoff_factor=0.25, min_scale=2.0)
+  adjust = jax.jit(lambda ls, ok: ls.adjust(ok))
+  # By hand: 1024 x 0.25 = 256, x 0.25 = 64; two finite steps grow x4 = 256; then 64, 16, 4,
+  # and the floor 2.
+  expected = [(False, 256.0), (False, 64.0), (True, 64.0), (True, 256.0), (False, 64.0),
+              (False, 16.0), (False, 4.0), (False, 2.0), (False, 2.0)]
+  for ok, scale in expected:
+    ls = adjust(ls, jnp.array(ok))
+    assert float(ls.loss_scale) == scale
+  assert (ls.growth_interval, ls.growth_factor, ls.backoff_factor, ls.min_scale) == (
+      2, 4.0, 0.25, 2.0)

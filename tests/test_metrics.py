@@ -180,3 +180,35 @@ def test_empty_and_plain_states():
 def test_register_validation(args, match):
   with pytest.raises(ValueError, match=match):
     stablejax.register_state_metrics(*args)
+
+
+def test_zclip_counters_and_means_against_hand_counts():
+  # Two warmup steps of norm 5 are clipped to the 1.0 ceiling (clip_count 2, no spike); a quiet
+  # step of norm 0.5 after them is neither clipped nor a spike.
+  tx = stablejax.zclip(warmup_steps=2, max_grad_norm=1.0)
+  state = tx.init({"w": jnp.zeros(2)})
+  for g in ([3.0, 4.0], [3.0, 4.0], [0.3, 0.4]):
+    _, state = tx.update({"w": jnp.array(g)}, state)
+  m = stablejax.stability_metrics(state)
+  assert int(m["zclip/clip_count"]) == 2 and int(m["zclip/spike_count"]) == 0
+  assert float(m["zclip/grad_norm"]) == pytest.approx(0.5)
+
+
+def test_skip_spikes_grad_norm_mean_without_a_loss():
+  tx = stablejax.skip_spikes(optax.sgd(0.1), window=4, min_history=2, watch=("grad_norm",))
+  params = {"w": jnp.zeros(2)}
+  state = tx.init(params)
+  for g in ([3.0, 0.0], [0.0, 4.0]):
+    _, state = tx.update({"w": jnp.array(g)}, state, params)
+  m = stablejax.stability_metrics(state)
+  assert float(m["skip_spikes/grad_norm_mean"]) == pytest.approx(3.5)
+  assert float(m["skip_spikes/loss_mean"]) == 0.0  # empty window
+
+
+def test_a_subclass_of_a_registered_state_is_found():
+  class MyZClipState(stablejax.ZClipState):
+    pass
+
+  state = stablejax.zclip().init({"w": jnp.zeros(2)})
+  metrics = stablejax.stability_metrics((MyZClipState(*state),))
+  assert set(metrics) == _keys("zclip", ZCLIP)

@@ -32,7 +32,8 @@ def test_grad_health_level_custom_thresholds_and_low():
       "low", "healthy", "high", "critical"]
 
 
-@pytest.mark.parametrize("kwargs", [dict(high=10.0, critical=5.0), dict(high=-1.0),
+@pytest.mark.parametrize("kwargs", [dict(high=10.0, critical=5.0), dict(high=5.0, critical=5.0),
+                                    dict(high=-1.0),
                                     dict(low=6.0), dict(critical=float("inf"))])
 def test_health_thresholds_reject_bad_values(kwargs):
   with pytest.raises(ValueError):
@@ -145,6 +146,51 @@ def test_both_skip_wrappers_add_up():
   assert r["skip_nonfinite_rate"] == pytest.approx(1 / 10)
   assert r["skip_spikes_rate"] == pytest.approx(2 / 10)
   assert r["skip_rate"] == pytest.approx(3 / 10)
+
+
+def test_a_muon_fallback_flag_is_one_event_whatever_the_fraction() -> None:
+  # rates(): the first record's flag `muon/fallback_rate > 0` counts as one event in one step.
+  m = StabilityMonitor(window=100)
+  m.update(10, {"muon/fallback_rate": 0.25})
+  assert m.rates()["muon_fallback_rate"] == 1.0
+
+
+def test_skip_rate_is_skipped_steps_per_step_even_when_both_wrappers_skip() -> None:
+  # A NaN step is skipped by both wrappers at once: one skipped step, not two.
+  m = StabilityMonitor(window=100)
+  m.update(1, {"skip_nonfinite/skipped": True, "skip_spikes/skipped": True})
+  r = m.rates()
+  assert r["skip_nonfinite_rate"] == 1.0 and r["skip_spikes_rate"] == 1.0
+  assert r["skip_rate"] == 1.0
+
+
+def test_event_rates_are_at_most_one_per_step() -> None:
+  # zclip_spike_rate is "events per step": a counter that jumped by more than the steps (a
+  # restored optimizer state) still gives at most one spike per step.
+  m = StabilityMonitor(window=100)
+  m.update(0, _rec(0, 0, 0))
+  m.update(10, _rec(15, 0, 0))
+  assert m.rates()["zclip_spike_rate"] == 1.0
+
+
+def test_rollbacks_count_only_inside_the_window() -> None:
+  m = StabilityMonitor(window=10)
+  m.update(1, _rec(0, 0, 0))
+  m.record_rollback(1, "loss spike")
+  assert m.rates()["rollbacks"] == 1.0
+  for step in range(2, 13):
+    m.update(step, _rec(0, 0, 0))
+  assert m.rates()["rollbacks"] == 0.0
+  assert m.summary()["rollbacks_total"] == 1
+
+
+def test_a_flat_loss_is_a_plateau() -> None:
+  # "the mean loss of the last window is not below that of the window before"
+  m = StabilityMonitor(window=10)
+  lines = []
+  for step in range(1, 31):
+    lines += m.update(step, {"loss": 2.0, "grad_norm": 1.0})
+  assert any("warmup" in line for line in lines)
 
 
 # ---------------------------------------------------------------- score

@@ -2,6 +2,7 @@
 metrics."""
 
 import warnings
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -240,6 +241,108 @@ def test_nonfinite_gradient_never_enters_momentum():
   assert np.all(np.isfinite(np.asarray(updates["b"]))) and np.any(np.asarray(updates["b"]) != 0)
   metrics = stablejax.stability_metrics(state)
   assert metrics["muon/nonfinite_count"] == 2 and metrics["muon/nonfinite_rate"] == 0
+
+
+def test_nonfinite_tensor_keeps_the_state_it_had_before_the_step() -> None:
+  # The docstring: a tensor whose gradient is not finite "keeps its optimizer state (momentum,
+  # Adam moments)". Two finite steps first, so that kept and overwritten state differ (from
+  # init both would be zero).
+  params = {"w": jnp.zeros((16, 16)), "v": jnp.zeros((16, 32)), "b": jnp.zeros(16)}
+  good = {"w": _normal(8, (16, 16)), "v": _normal(9, (16, 32)), "b": _normal(10, (16,))}
+  bad = dict(good, w=good["w"].at[3, 3].set(jnp.nan), b=good["b"].at[0].set(jnp.inf))
+  tx = _single_matrix_tx()
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  for _ in range(2):
+    _, state = update(good, state, params)
+  guard = state.inner_state.inner_states["adam"].inner_state
+  mu = _muon_state(state).mu
+  before = {"w": np.asarray(mu["w"]), "v": np.asarray(mu["v"]),
+            "b_mu": np.asarray(guard.inner_state[0].mu["b"]),
+            "b_nu": np.asarray(guard.inner_state[0].nu["b"])}
+  assert np.all(before["w"] != 0) and np.all(before["b_nu"] > 0)
+  _, state = update(bad, state, params)
+  guard = state.inner_state.inner_states["adam"].inner_state
+  np.testing.assert_array_equal(_muon_state(state).mu["w"], before["w"])
+  np.testing.assert_array_equal(guard.inner_state[0].mu["b"], before["b_mu"])
+  np.testing.assert_array_equal(guard.inner_state[0].nu["b"], before["b_nu"])
+  # The finite tensor updates normally: mu = 0.95 mu + 0.05 g.
+  np.testing.assert_allclose(_muon_state(state).mu["v"],
+                             0.95 * before["v"] + 0.05 * np.asarray(good["v"]), rtol=1e-6)
+
+
+def test_negative_outlier_is_clamped_to_the_lower_boundary() -> None:
+  # "entries ... that are statistical outliers are clamped back to the boundary": both sides.
+  g = np.array(_normal(5, (32, 32)), np.float64)
+  g[2, 3] = -1e3
+  g[20, 9] = 1e3
+  out, n = muon_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "zscore", 5.0)
+  lo, hi = g.mean() - 5 * g.std(), g.mean() + 5 * g.std()
+  assert lo < -1 and hi > 1
+  np.testing.assert_allclose(float(out[2, 3]), lo, rtol=1e-4)
+  np.testing.assert_allclose(float(out[20, 9]), hi, rtol=1e-4)
+  assert int(n) == 2
+  out, n = muon_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "iqr", 5.0)
+  q1, q3 = np.quantile(g, [0.25, 0.75])
+  np.testing.assert_allclose(float(out[2, 3]), q1 - 2.5 * (q3 - q1), rtol=1e-4)
+  assert int(n) == 2
+
+
+def test_health_check_rejects_outputs_outside_its_documented_bounds() -> None:
+  # ns_health: healthy when finite and 0.1 ||M|| / (||M|| + eps) <= ||O||_F <= 2 sqrt(rank).
+  mom = _normal(6, (16, 16))
+  mom_fro = float(jnp.linalg.norm(mom))
+  low = 0.1 * mom_fro / (mom_fro + 1e-8)
+  direction = _normal(7, (16, 16))
+  direction = direction / jnp.linalg.norm(direction)
+  for fro, healthy in [(0.9 * low, False), (1.1 * low, True), (7.9, True), (8.1, False)]:
+    got, mom_finite, _ = muon_mod.ns_health(direction * fro, mom, 1e-8)
+    assert bool(got) == healthy, fro
+    assert bool(mom_finite)
+  got, mom_finite, _ = muon_mod.ns_health(direction, mom.at[0, 0].set(jnp.nan), 1e-8)
+  assert not bool(got) and not bool(mom_finite)
+
+
+def test_nonfinite_momentum_falls_back_to_a_zero_update() -> None:
+  # Module docstring: the emergency fallback is the normalised momentum, "zero if the momentum
+  # itself is non-finite" (here the Muon direction alone, without the per-tensor guard).
+  g = np.array(_normal(11, (16, 16)))
+  g[4, 4] = np.nan
+  tx = muon_mod.scale_by_outlier_safe_muon(ns_backend="xla")
+  updates: Any
+  state: Any
+  updates, state = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros((16, 16))}))
+  assert np.all(np.asarray(updates["w"]) == 0)
+  assert int(state.fallback_count) == 1 and int(state.instability_count) == 0
+
+
+def test_adam_groups_rates_default_to_the_adamw_rate_and_norms_are_never_decayed() -> None:
+  # outlier_safe_muon: embedding/head rates default to adam_learning_rate; the "adam" group
+  # (norm gains, biases, scalars) is never decayed, the embedding and head are.
+  params = {"tok_embed": jnp.ones((50, 16)), "ln": {"scale": jnp.ones(16)},
+            "lm_head": {"kernel": jnp.ones((16, 50))}, "w": jnp.ones((16, 16))}
+  tx = stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3, adam_weight_decay=0.1)
+  grads = jax.tree.map(jnp.zeros_like, params)
+  updates: Any
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["ln"]["scale"], 0.0)  # zero gradient, no decay
+  # A zero gradient leaves AdamW's decay alone: -lr * wd * param, at the AdamW rate.
+  np.testing.assert_allclose(updates["tok_embed"], -1e-3 * 0.1, rtol=1e-5)
+  np.testing.assert_allclose(updates["lm_head"]["kernel"], -1e-3 * 0.1, rtol=1e-5)
+
+
+def test_counters_saturate_at_int32_max() -> None:
+  # OutlierSafeMuonState.outlier_count "saturates at int32 max" rather than wrapping negative.
+  int32_max = 2**31 - 1
+  g = np.array(_normal(3, (16, 16)))
+  g[1, 1] = 1e4
+  tx = muon_mod.scale_by_outlier_safe_muon(ns_backend="xla")
+  state: Any = tx.init({"w": jnp.zeros((16, 16))})
+  state = state._replace(outlier_count=jnp.int32(int32_max - 1))
+  _, state = tx.update({"w": jnp.asarray(g)}, state)
+  assert int(state.outlier_count) == int32_max
+  _, state = tx.update({"w": jnp.asarray(g)}, state)
+  assert int(state.outlier_count) == int32_max
 
 
 def test_near_zero_momentum_is_not_a_unit_norm_update_nor_an_instability():

@@ -228,3 +228,21 @@ def test_output_range_depends_on_normalised_singular_value(dtype, atol):
   assert 1.19 < mapped.max() <= 1.21 and grid[mapped.argmax()] < 0.0052
   assert mapped[grid < 0.0015].max() < 0.68
   np.testing.assert_allclose(mapped[grid < 1e-4] / grid[grid < 1e-4], 485, rtol=0.01)
+
+
+def test_polar_express_input_is_divided_by_1_01_times_its_norm():
+  # arXiv 2505.16932, Algorithm 1: X0 = X / (1.01 ||X||_F); checked before the iterations wash it
+  # out (after 0 and 1 step), against the paper's first triple with the safety factor.
+  x = _matrix((24, 40), seed=7)
+  x64 = np.asarray(x, np.float64)
+  x0 = x64 / (1.01 * np.linalg.norm(x64))
+  out = stablejax.newton_schulz(x, steps=0, coeffs="polar_express", backend="xla")
+  np.testing.assert_allclose(out, x0, rtol=1e-5, atol=1e-7)
+  a, b, c = 8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3, 17.300387312530933 / 1.01**5
+  gram = x0 @ x0.T
+  x1 = a * x0 + (b * gram + c * gram @ gram) @ x0
+  out = stablejax.newton_schulz(x, steps=1, coeffs="polar_express", backend="xla")
+  np.testing.assert_allclose(out, x1, atol=2e-5 * np.abs(x1).max())
+  # The standard preset divides by the norm alone.
+  out = stablejax.newton_schulz(x, steps=0, backend="xla")
+  np.testing.assert_allclose(out, x64 / np.linalg.norm(x64), rtol=1e-5, atol=1e-7)

@@ -4,6 +4,7 @@ lr."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +64,25 @@ def test_adamw_mode_decays_matrices_with_optimizer_weight_decay_and_never_norms_
       decayed.add(path)
   assert "blocks/attn/q_proj/kernel" in decayed and "tok_embed/embedding" in decayed
   assert any(path.startswith("blocks/attn_norm") for path in _paths(params))
+
+
+def test_muon_mode_decays_embedding_and_head_with_adam_weight_decay_and_never_norms() -> None:
+  # optimizer.adam_weight_decay: the AdamW decay of the embedding and head groups in Muon mode;
+  # norm gains and biases are never decayed.
+  cfg = _cfg(optimizer={"name": "muon", "learning_rate": 1e-2, "adam_learning_rate": 1e-3,
+                        "weight_decay": 0.0, "adam_weight_decay": 0.1},
+             train={"warmup_steps": 0})
+  params = _params(cfg)
+  tx = optim.main_optimizer(cfg)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  got, want = _paths(updates), _paths(params)
+  # Zero gradients: the update of an AdamW group is its decoupled decay -lr * wd * p alone.
+  np.testing.assert_allclose(got["tok_embed/embedding"], -1e-3 * 0.1 * want["tok_embed/embedding"],
+                             rtol=1e-6)
+  for path, u in got.items():
+    if path.endswith("/scale") or path.endswith("/bias"):
+      np.testing.assert_array_equal(u, 0.0, err_msg=path)
 
 
 def test_adam_weight_decay_is_reported_as_ineffective_in_adamw_mode():
@@ -185,6 +205,55 @@ def test_olmo_core_spike_statistics_from_the_config():
   assert state.inner_state.loss_history.shape == (128,)
   with pytest.raises(ConfigError, match="stability.spike_statistics"):
     _cfg(stability={"spike_statistics": "olmo"})
+
+
+def test_spike_statistics_from_the_config_reach_skip_spikes() -> None:
+  # skip_spikes' docstring: with min_history unset, skipping starts after window // 2 values
+  # (winsorized) or max(20, window // 2) - 1 values (olmo_core). At window 20 a spike after 12
+  # ordinary steps is skipped by the first rule and not yet by the second.
+  def skipped_after_12_steps(statistics: str) -> bool:
+    cfg = _cfg(stability={"zclip": False, "adagc": False, "skip_nonfinite": False,
+                          "max_grad_norm": None, "spike_window": 20, "spike_min_history": None,
+                          "spike_statistics": statistics},
+               optimizer={"name": "adamw", "learning_rate": 1e-3})
+    tx = optim.build_optimizer(cfg)
+    params = {"w": jnp.zeros(4)}
+    update = jax.jit(tx.update)
+    state: Any = tx.init(params)
+    for i in range(12):
+      _, state = update({"w": jnp.full(4, 0.5 + 0.01 * (i % 3))}, state, params,
+                        loss=jnp.float32(2.0 + 0.01 * (i % 2)))
+    assert not bool(state.skipped)
+    _, state = update({"w": jnp.full(4, 500.0)}, state, params, loss=jnp.float32(50.0))
+    return bool(state.skipped)
+
+  assert skipped_after_12_steps("winsorized")
+  assert not skipped_after_12_steps("olmo_core")
+
+
+def test_max_consecutive_skips_reaches_both_skip_wrappers() -> None:
+  # stability.max_consecutive_skips: that many skipped steps in a row raise needs_rollback.
+  cfg = _cfg(stability={"zclip": False, "adagc": False, "max_grad_norm": None,
+                        "max_consecutive_skips": 2, "spike_window": 8, "spike_min_history": 4,
+                        "spike_sigma": None, "spike_factor": 10.0},
+             optimizer={"name": "adamw", "learning_rate": 1e-3})
+  tx = optim.build_optimizer(cfg)
+  params = {"w": jnp.zeros(4)}
+  update = jax.jit(tx.update)
+
+  def run(bad: float) -> list[tuple[bool, bool]]:
+    state = tx.init(params)
+    for _ in range(4):
+      _, state = update({"w": jnp.full(4, 0.5)}, state, params, loss=jnp.float32(2.0))
+    flags = []
+    for _ in range(2):
+      _, state = update({"w": jnp.full(4, bad)}, state, params, loss=jnp.float32(2.0))
+      flags.append((bool(state.needs_rollback), bool(state.inner_state.needs_rollback)))
+    return flags
+
+  # skip_nonfinite (outer) sees the NaN steps; skip_spikes (inner) the 100x norm.
+  assert [f[0] for f in run(jnp.nan)] == [False, True]
+  assert [f[1] for f in run(100.0)] == [False, True]
 
 
 # ---------------------------------------------------------------- 12.6: the logged lr

@@ -217,6 +217,36 @@ def test_large_vocabulary_is_uint32_and_uint16_is_refused(tmp_path, capsys):
   assert code == 2 and len(err.strip().splitlines()) == 1 and "uint16" in err
 
 
+@pytest.mark.parametrize("vocab_size,dtype", [(65_536, "uint16"), (65_537, "uint32")])
+def test_uint16_holds_a_vocabulary_of_exactly_65536(tmp_path, capsys, vocab_size, dtype):
+  # uint16 holds ids 0..65535: a vocabulary of 65,536 fits, one of 65,537 (largest id 65,536,
+  # which uint16 would wrap to 0) does not. The trainer reads each back with its own dtype.
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  top = vocab_size - 1
+  vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+  tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(tmp_path / "tok.json"))
+  (tmp_path / "a.txt").write_text("<|endoftext|>".join(f"w{top} w2 w{top} w{3 + i} w{top}"
+                                                       for i in range(60)))
+  out = tmp_path / "o"
+  code, _, err = run_main(capsys, tmp_path / "a.txt", "--out", out, "--tokenizer",
+                          tmp_path / "tok.json", "--val-fraction", "0.3")
+  assert code == 0, err
+  meta = read_prepared(out)
+  assert meta["vocab_size"] == vocab_size and meta["dtype"] == dtype
+  train = tokens(out, "train")
+  assert train.dtype == np.dtype(dtype)
+  assert (os.path.getsize(out / "train.bin") == meta["train_tokens"] * np.dtype(dtype).itemsize)
+  assert np.count_nonzero(train == top) == 3 * np.count_nonzero(train == 0)  # nothing wrapped
+  data = build_data(DataConfig(train=str(out)), seq_len=4, batch_size=2, seed=0)
+  assert data.vocab_size == vocab_size
+  hay = train.astype(np.int64)
+  for row in next(data.train_iter())["tokens"]:
+    assert row.max() <= top
+    assert any(np.array_equal(hay[i:i + row.size], row) for i in range(hay.size - row.size + 1))
+
+
 def test_complete_directory_is_not_redone_and_other_settings_need_force(tmp_path, capsys):
   inputs = write_inputs(tmp_path)
   out = tmp_path / "out"

@@ -356,6 +356,32 @@ def test_damaged_newest_checkpoint_falls_back_and_is_set_aside(two_steps, kind):
   assert Checkpoints(two_steps, keep=5).all_steps() == [10]
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_step_damaged_twice_keeps_both_damaged_copies(two_steps):
+  # _set_aside: a damaged step is "kept for inspection, never deleted". Step 20 is saved again
+  # after its first copy was set aside, and that copy is damaged too: both are kept, apart.
+  def contents(directory):
+    return {str(p.relative_to(directory)): p.read_bytes() for p in directory.rglob("*")
+            if p.is_file()}
+
+  damaged = two_steps.parent / "damaged_checkpoints"
+  _damage(two_steps / "20", "truncated")
+  (_, meta), _ = _restore(two_steps)
+  assert meta["step"] == 10
+  first = contents(damaged / "20")
+  ckpt = Checkpoints(two_steps, keep=5, async_save=False)
+  it = _data_iter()
+  next(it), next(it)
+  ckpt.save(20, _state(20), it, {"batches_consumed": 2})
+  ckpt.close()
+  _damage(two_steps / "20", "flipped_bytes")
+  (_, meta), calls = _restore(two_steps)
+  assert meta["step"] == 10 and [s for s, _ in calls] == [20]
+  assert contents(damaged / "20") == first  # the first copy, untouched
+  assert (damaged / "20.1" / "state").is_dir() and sorted(p.name for p in damaged.iterdir()) == [
+      "20", "20.1"]
+
+
 @pytest.mark.parametrize("error", [TimeoutError("read timed out"), MemoryError(),
                                    PermissionError(13, "Permission denied"),
                                    ValueError("UNAVAILABLE: connection reset"),
@@ -530,3 +556,11 @@ def test_recovery_config_errors_name_the_key(override, match):
   with pytest.raises(ConfigError, match=match):
     load_config(None, [override])
   assert load_config(None, ["stability.lr_recovery_steps=null"]).stability.lr_recovery_steps is None
+
+
+def test_rollback_line_names_the_skipped_batches_as_an_inclusive_range():
+  # skipped_batches is [first, last): batches 20 to 29 for (20, 30).
+  event = RollbackEvent(step=30, cause="loss spike", restored_step=20, lr_scale=0.2,
+                        skipped_batches=(20, 30))
+  assert event.describe() == ("step 30: loss spike; restored step 20, lr scale 0.2, "
+                              "skipped data batches 20..29")

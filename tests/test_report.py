@@ -154,6 +154,100 @@ def test_module_entry_point(tmp_path):
   assert "report written to" in proc.stdout
 
 
+# ----------------------------------------------------------------------------- the printed events
+
+
+def _summary(tmp_path, records, window=100):
+  (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+  return report.make_report(tmp_path, window=window)[1].splitlines()
+
+
+def _clean(steps):
+  return [{"step": s, "loss": 3.0 - 0.001 * s, "grad_norm": 1.0} for s in steps]
+
+
+def test_a_step_that_is_true_or_false_is_a_bad_line(tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": true, "loss": 1.0}\n{"step": 4, "loss": 1.0}\n')
+  records, bad = report.read_metrics(path)
+  assert [r["step"] for r in records] == [4] and bad == 1
+
+
+def test_skips_are_counted_from_both_wrappers_and_skip_events(tmp_path):
+  records = _clean(range(1, 11))
+  records[-1].update({"skip_nonfinite/total_skips": 2, "skip_spikes/total_skips": 3,
+                      "skip_spikes/skipped": True})
+  records.insert(4, {"step": 4, "event": "skip", "cause": "non-finite gradients"})
+  lines = _summary(tmp_path, records)
+  assert ("skipped steps: 5 by the last logged counters; flagged at logged steps or skip events: "
+          "4, 10") in lines
+
+
+def test_rollbacks_are_listed_and_lower_the_replayed_score(tmp_path):
+  # One rollback in the window is the rollback budget (1 per window): score 0.8
+  # (docs/monitoring.md).
+  records = _clean(range(1, 201))
+  records.insert(150, {"step": 150, "event": "rollback", "cause": "train loss diverged"})
+  lines = _summary(tmp_path, records)
+  assert lines[lines.index("rollbacks: 1") + 1] == "  step 150: train loss diverged"
+  assert "stability score (last window): 0.800 (target 0.80)" in lines
+  # With a 20-step window the rollback at 150 is out of the last window at step 200.
+  lines = _summary(tmp_path, records, window=20)
+  assert "stability score (last window): 1.000 (target 0.80)" in lines
+
+
+def test_window_option_reaches_the_report(tmp_path, capsys):
+  records = _clean(range(1, 201))
+  records.insert(150, {"step": 150, "event": "rollback", "cause": "x"})
+  (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+  assert report_cli.main([str(tmp_path), "--window", "20"]) == 0
+  assert "stability score (last window): 1.000" in capsys.readouterr().out
+  assert report_cli.main([str(tmp_path)]) == 0
+  assert "stability score (last window): 0.800" in capsys.readouterr().out
+  for bad in ("0", "-5"):
+    assert report_cli.main([str(tmp_path), "--window", bad]) == 2
+    assert capsys.readouterr().err.startswith("error: --window must be a positive")
+
+
+def test_the_logged_score_wins_over_the_replayed_one(tmp_path):
+  records = _clean(range(1, 11))
+  records[-1]["stability_score"] = 0.42
+  assert "stability score (last window): 0.420 (target 0.80)" in _summary(tmp_path, records)
+
+
+def test_final_and_best_validation_loss(tmp_path):
+  records = _clean(range(1, 31)) + [{"step": 10, "val_loss": 3.0}, {"step": 20, "val_loss": 2.0},
+                                     {"step": 30, "val_loss": 2.5}]
+  assert "final val loss: 2.5 at step 30; best 2 at step 20" in _summary(tmp_path, records)
+
+
+def test_non_finite_losses_are_listed(tmp_path):
+  records = _clean(range(1, 11))
+  records[4]["loss"] = float("nan")
+  records[6]["loss"] = float("inf")
+  assert "non-finite loss at 2 logged step(s): 5, 7" in _summary(tmp_path, records)
+
+
+def test_replayed_warnings_only_when_the_run_logged_none(tmp_path):
+  records = _clean(range(1, 21))
+  records[9]["grad_norm"] = 1e6  # exploded: the replayed monitor warns
+  lines = _summary(tmp_path, records)
+  assert "logged warnings: 0" in lines
+  assert any(line.startswith("monitor warnings (replayed): ") for line in lines)
+  records.append({"step": 20, "event": "warning", "cause": "step 10: gradient health exploded"})
+  lines = _summary(tmp_path, records)
+  assert lines[lines.index("logged warnings: 1") + 1] == "  step 10: gradient health exploded"
+  assert not any(line.startswith("monitor warnings (replayed)") for line in lines)
+
+
+def test_the_last_windows_rates_are_printed(tmp_path):
+  records = _clean(range(1, 21))
+  for r in records:
+    r["skip_nonfinite/total_skips"] = r["step"] // 10  # one skip in steps 1..10, one in 11..20
+  rates = [line for line in _summary(tmp_path, records) if line.startswith("rates (last window)")]
+  assert len(rates) == 1 and "skip_rate" in rates[0]
+
+
 def test_report_draws_attention_telemetry_and_replays_its_warning(tmp_path):
   recs = []
   for i, step in enumerate(range(10, 310, 10)):

@@ -78,6 +78,17 @@ def test_sample_logits_top_k_matches_numpy():
   assert drawn <= allowed and len(drawn) >= 3
 
 
+def test_sample_logits_draws_from_the_softmax_of_logits_over_temperature() -> None:
+  # The module docstring: "logits / temperature". Two ids with logits 0 and 1: id 1 is drawn
+  # with probability 1 / (1 + exp(-1 / T)), 0.982 at T = 0.25 and 0.562 at T = 4.
+  n = 4000
+  logits = jnp.tile(jnp.array([[0.0, 1.0]]), (n, 1))
+  for temperature in (0.25, 4.0):
+    drawn = np.asarray(sample_logits(logits, jax.random.key(1), jnp.float32(temperature), 0, 2))
+    want = 1 / (1 + np.exp(-1 / temperature))
+    assert abs(drawn.mean() - want) < 0.03, (temperature, drawn.mean(), want)
+
+
 SHORT = dict(BASE, max_seq_len=8, n_layers=1)  # a short window: every prompt length is cheap
 
 

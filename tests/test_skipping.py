@@ -487,3 +487,47 @@ def test_skip_spikes_olmo_core_std_is_unbiased():
     norms = np.array(list(history) + [last], np.float32)
     skipped = _skip_decisions(tx, np.zeros_like(norms), norms)
     np.testing.assert_array_equal(skipped, [False] * 19 + [skip])
+
+
+def _loss_steps(tx, losses, grads=None):
+  """Feeds losses (and ones as gradients) one step at a time; returns the state after each."""
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  states = []
+  for i, loss in enumerate(losses):
+    g = {"w": jnp.ones(2)} if grads is None else grads[i]
+    _, state = tx.update(g, state, params, loss=jnp.asarray(loss, jnp.float32))
+    states.append(state)
+  return states
+
+
+@pytest.mark.parametrize("held,skipped", [(3, False), (4, True)])
+def test_skip_spikes_default_min_history_is_half_the_window(held, skipped):
+  # Documented: skipping starts after window // 2 values, 4 at window 8.
+  tx = stablejax.skip_spikes(optax.sgd(0.1), window=8, sigma=None, factor=2.0, watch=("loss",))
+  states = _loss_steps(tx, [1.0] * held + [100.0])
+  assert [bool(s.skipped) for s in states] == [False] * held + [skipped]
+
+
+def test_skip_spikes_averages_a_non_scalar_loss():
+  tx = stablejax.skip_spikes(optax.sgd(0.1), window=4, min_history=2, watch=("loss",))
+  (state,) = _loss_steps(tx, [[1.0, 3.0, 8.0]])
+  assert float(state.loss_history[0]) == 4.0 and int(state.loss_count) == 1
+
+
+def test_no_rollback_flag_without_max_consecutive():
+  for tx in (stablejax.skip_nonfinite(optax.sgd(0.1), max_consecutive=None),
+             stablejax.skip_spikes(optax.sgd(0.1), window=4, min_history=1, watch=("loss",),
+                                   max_consecutive=None)):
+    states = _loss_steps(tx, [1.0] + [jnp.nan] * 5)
+    assert [bool(s.skipped) for s in states] == [False] + [True] * 5
+    assert int(states[-1].consecutive_skips) == 5
+    assert not any(bool(s.needs_rollback) for s in states)
+    assert int(states[-1].rollback_requests) == 0
+
+
+def test_skip_nonfinite_looks_at_the_gradients_themselves():
+  # An inner transform that turns a NaN gradient into a finite update must not hide it.
+  tx = stablejax.skip_nonfinite(optax.set_to_zero())
+  (state,) = _loss_steps(tx, [1.0], grads=[{"w": jnp.array([jnp.nan, 1.0])}])
+  assert bool(state.skipped) and int(state.total_skips) == 1

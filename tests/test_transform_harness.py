@@ -19,6 +19,7 @@ import optax
 import pytest
 
 import stablejax
+from test_zclip import reference_zclip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,10 +186,91 @@ def _alone(name, dtype):
   return history
 
 
+# ---------------------------------------------------------------- independent expected values
+
+
+def _zclip_scales(norms, warmup, ceiling, mode):
+  """Per-step ZClip scale of the default hyperparameters, re-derived in float64."""
+  return [scale for scale, _, _, _ in reference_zclip(
+      norms, alpha=0.97, z_thresh=2.5, max_grad_norm=ceiling, eps=1e-6, warmup_steps=warmup,
+      mode=mode, clip_option="adaptive_scaling", clip_factor=1.0, skip_update_on_spike=False)]
+
+
+def _adagc_updates(grads, warmup, beta=0.98, lambda_rel=1.05, lambda_abs=1.0):
+  """AdaGC (per leaf: no leaf of _params is scan-stacked) re-derived in float64."""
+  gamma = {k: np.inf for k in grads[0]}
+  out = []
+  for t, g in enumerate(grads):
+    norms = {k: np.sqrt(np.sum(v ** 2)) for k, v in g.items()}
+    total = np.sqrt(sum(n ** 2 for n in norms.values()))
+    step = {}
+    for k, v in g.items():
+      if t < warmup:
+        h = min(1.0, lambda_abs / total)
+        gamma[k] = min(gamma[k], h * norms[k])
+      else:
+        h = min(1.0, lambda_rel * gamma[k] / norms[k])
+        gamma[k] = beta * gamma[k] + (1 - beta) * h * norms[k]
+      step[k] = h * v
+    out.append(step)
+  return out
+
+
+def _inner_directly(inner, dtype, grads_of):
+  """Updates of `inner` applied directly (no wrapper, no jit) to the harness gradients."""
+  state = inner.init(_params(dtype))
+  out = []
+  for t in range(STEPS):
+    updates, state = inner.update(grads_of(t), state)
+    out.append({k: np.asarray(v, np.float64) for k, v in updates.items()})
+  return out
+
+
+def _expected(name, dtype):
+  """The updates each case must produce on the harness gradients, from an independent source:
+  ZClip and AdaGC re-derived in float64 from their papers' rules (on the gradients as rounded to
+  `dtype`), the skip wrappers from their inner optax.adam applied directly (a run without a bad
+  step is the inner run; skip_spikes drops the x50 step)."""
+  grads = [{k: np.asarray(np.asarray(v, np.float32), np.float64)
+            for k, v in _grads(t, dtype).items()} for t in range(STEPS)]
+  norms = [np.sqrt(sum(np.sum(v ** 2) for v in g.values())) for g in grads]
+
+  def scaled(scales):
+    return [{k: v * s for k, v in g.items()} for g, s in zip(grads, scales)]
+
+  if name == "zclip":
+    return scaled(_zclip_scales(norms, 2, 1.0, "zscore"))
+  if name == "zclip_percentile_no_ceiling":
+    return scaled(_zclip_scales(norms, 2, None, "percentile"))
+  if name == "adagc":
+    return _adagc_updates(grads, 2)
+  if name == "hybrid_clip":
+    return _adagc_updates(scaled(_zclip_scales(norms, 2, 1.0, "zscore")), 2)
+  adam = _inner_directly(optax.adam(1e-3), dtype, lambda t: _grads(t, dtype))
+  if name == "skip_nonfinite":
+    return adam
+  if name == "skip_spikes":  # the x50 step (loss 12 after three 2s) is skipped
+    return adam[:SPIKE_STEP] + [{k: np.zeros_like(v) for k, v in adam[SPIKE_STEP].items()}]
+  raise KeyError(name)
+
+
+def _assert_updates_close(got, want, dtype, where, rel=None):
+  """Per leaf, to the rounding of `dtype`: float32 1e-5 of the leaf's largest entry, bfloat16
+  one percent (8 significant bits), or `rel` of it."""
+  rel = rel or (1e-5 if dtype == jnp.float32 else 1e-2)
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(np.asarray(got[k], np.float64), want[k], rtol=0,
+                               atol=rel * np.abs(want[k]).max() + 1e-12, err_msg=f"{where} {k}")
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_alone(case, dtype):
-  assert len(_alone(case.name, dtype)) == STEPS
+  history = _alone(case.name, dtype)
+  assert len(history) == STEPS
+  for t, ((updates, *_), want) in enumerate(zip(history, _expected(case.name, dtype))):
+    _assert_updates_close(updates, want, dtype, f"{case.name} step {t}")
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -221,8 +303,18 @@ def test_bf16_agrees_with_float32(case):
 
 @pytest.mark.parametrize("case", CASES, ids=_IDS)
 def test_in_chain_bf16(case):
+  # The chain's updates are optax's Adam (float32, applied directly) of the case's expected
+  # updates: the case feeds the rest of the chain what it promises, in bf16.
+  history = []
   _drive(optax.chain(case.make(), optax.scale_by_adam(), optax.scale(-1e-3)),
-         jnp.bfloat16, case.takes_loss)
+         jnp.bfloat16, case.takes_loss, history)
+  expected = _expected(case.name, jnp.bfloat16)
+  rest = optax.chain(optax.scale_by_adam(), optax.scale(-1e-3))
+  want = _inner_directly(rest, jnp.float32,
+                         lambda t: {k: jnp.asarray(v, jnp.float32) for k, v in expected[t].items()})
+  for t, ((updates, *_), w) in enumerate(zip(history, want)):
+    # 3%: the chain's Adam moments are bf16 too (as in test_bf16_agrees_with_float32).
+    _assert_updates_close(updates, w, jnp.bfloat16, f"{case.name} in a chain, step {t}", 0.03)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.inject is not None],

@@ -189,7 +189,8 @@ def test_preserves_bf16_and_structure():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(alpha=1.5), dict(z_thresh=0.0), dict(max_grad_norm=-1.0),
+    dict(alpha=1.5), dict(alpha=1.0), dict(alpha=0.0), dict(z_thresh=0.0),
+    dict(max_grad_norm=-1.0),
     dict(warmup_steps=0), dict(mode="median"),
     dict(clip_option="max"), dict(clip_factor=0.0),
 ])
@@ -210,3 +211,33 @@ def test_inside_chain_with_optax_adam():
     u, s = tx.update(g, s, params)
     ru, rs = ref.update(g, rs, params)
     np.testing.assert_allclose(u["w"], ru["w"], rtol=1e-6)
+
+
+def _after_warmup(tx, mean, var, warmup_steps):
+  """A state as after the warmup, with the given EMA statistics (float32)."""
+  state = tx.init({"w": jnp.zeros(1)})
+  return state._replace(count=jnp.int32(warmup_steps), ema_mean=jnp.float32(mean),
+                        ema_var=jnp.float32(var))
+
+
+def test_a_z_score_exactly_at_the_threshold_is_not_a_spike():
+  # mean 1, std 0.5, eps 0: g = 2.25 gives z = 1.25 / 0.5 = 2.5 exactly (all binary fractions),
+  # which is not above z_thresh 2.5; the next float32 above 2.25 is.
+  tx = stablejax.zclip(z_thresh=2.5, eps=0.0, max_grad_norm=None, warmup_steps=3)
+  state = _after_warmup(tx, 1.0, 0.25, 3)
+  updates, at = tx.update({"w": jnp.array([2.25])}, state)
+  assert float(at.z) == 2.5 and not bool(at.is_spike) and not bool(at.was_clipped)
+  assert float(updates["w"][0]) == 2.25
+  above = float(np.nextafter(np.float32(2.25), np.float32(3)))
+  _, over = tx.update({"w": jnp.array([above])}, state)
+  assert bool(over.is_spike) and bool(over.was_clipped)
+
+
+def test_idle_threshold_is_where_clipping_would_start_capped_by_the_ceiling():
+  # After warmup, a quiet step reports the norm above which it would have been clipped:
+  # mean + z_thresh * (std + eps) = 5 + 2.5 * (1 + 1e-6), capped by max_grad_norm.
+  for ceiling, expected in ((1.0, 1.0), (None, 5.0 + 2.5 * (1.0 + 1e-6))):
+    tx = stablejax.zclip(z_thresh=2.5, max_grad_norm=ceiling, warmup_steps=2)
+    _, state = tx.update({"w": jnp.array([0.5])}, _after_warmup(tx, 5.0, 1.0, 2))
+    assert not bool(state.is_spike) and not bool(state.was_clipped)
+    assert float(state.threshold) == pytest.approx(expected, rel=1e-6)

@@ -63,7 +63,7 @@ def resolve(cfg: MeshConfig) -> tuple[Optional[str], Optional[int], Optional[int
 
   None means "not given here"; JAX's cluster detection may still fill it in.
   """
-  address = cfg.coordinator_address or os.environ.get(ENV_ADDRESS) or None
+  address = cfg.coordinator_address or os.environ.get(ENV_ADDRESS, "").strip() or None
   count = cfg.num_processes if cfg.num_processes is not None else _env_int(ENV_COUNT)
   pid = cfg.process_id if cfg.process_id is not None else _env_int(ENV_ID)
   if count is not None and count < 1:
