@@ -1,5 +1,6 @@
 """Tests for the Grain data pipeline: determinism, state, sharding, filter, mixing, errors."""
 
+import json
 import os
 
 import grain
@@ -113,6 +114,90 @@ def test_val_batches_fixed_and_from_held_out_tail(tmp_path):
   assert not train_bytes & set(b"XYZ")
 
 
+def test_a_run_of_exactly_filter_max_repeat_bytes_is_kept_and_a_longer_one_dropped(tmp_path):
+  rng = np.random.default_rng(4)
+  for run, kept in ((256, 2), (257, 1)):
+    folder = tmp_path / f"run{run}"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(_words(rng, 300))
+    (folder / "b.txt").write_bytes(_words(rng, 300) + b"=" * run + _words(rng, 50))
+    d = build_data(DataConfig(train=str(folder), filter_max_repeat=256), seq_len=SEQ,
+                   batch_size=BS, seed=0)
+    st = d.stats["sources"][0]
+    assert (st["documents"], st["kept"], st["dropped_repeat"]) == (2, kept, 2 - kept)
+
+def test_nontext_bytes_are_control_bytes_but_the_whitespace_ones():
+  # ASCII control bytes other than \t \n \v \f \r are non-text, DEL (127) included.
+  assert data_lib._nontext_fraction(b"\t\n\v\f\r ok") == 0.0
+  assert data_lib._nontext_fraction(b"ab\x7f\x7f") == 0.5
+  assert data_lib._nontext_fraction(b"\x00\x1b\x08\x0e") == 1.0
+
+def test_a_tiny_val_fraction_still_holds_out_one_window(tmp_path):
+  # At least one window is held out: the val batch is the file's last SEQ + 1 tokens.
+  rng = np.random.default_rng(5)
+  f = tmp_path / "t.txt"
+  f.write_bytes(_words(rng, 2000))
+  d = build_data(DataConfig(train=str(f), val_fraction=1e-9), seq_len=SEQ, batch_size=BS, seed=0)
+  (batch,) = d.val_batches(1)
+  tail = np.frombuffer(f.read_bytes().rstrip(b"\n") + b"\n\n", np.uint8)[-(SEQ + 1):]
+  np.testing.assert_array_equal(batch["tokens"][0], tail)
+
+def test_a_prepared_file_of_another_size_than_meta_json_records_is_an_error(tmp_path):
+  # An unfinished prepare (or a file changed since): train.bin one token short of meta.json.
+  out = tmp_path / "prepared"
+  out.mkdir()
+  (out / "train.bin").write_bytes(np.arange(999, dtype=np.uint16).tobytes())
+  (out / "val.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
+  (out / "meta.json").write_text(json.dumps({
+      "format": data_lib.PREPARED_FORMAT, "dtype": "uint16", "train_tokens": 1000,
+      "val_tokens": 100, "vocab_size": 1000}))
+  with pytest.raises(DataError, match="train.bin has 1998 bytes but meta.json records 2000"):
+    build_data(DataConfig(train=str(out)), seq_len=SEQ, batch_size=BS, seed=0)
+
+def test_a_bin_token_id_equal_to_the_vocabulary_size_is_an_error(tmp_path):
+  f = tmp_path / "train.bin"
+  (np.arange(2 * data_lib.BIN_DOC_TOKENS) % 1001).astype(np.uint16).tofile(f)
+  with pytest.raises(DataError, match="holds token id 1000 >= vocab size 1000"):
+    build_data(DataConfig(train=str(f), vocab_size=1000), seq_len=SEQ, batch_size=BS, seed=0)
+  build_data(DataConfig(train=str(f), vocab_size=1001), seq_len=SEQ, batch_size=BS, seed=0)
+
+def test_a_jittered_window_stays_inside_its_range():
+  # Ranges of 100 and 70 tokens, windows of 33: 3 + 2 slots; any jitter keeps a window inside
+  # the range its slot belongs to.
+  ranges = [(0, 100), (100, 170)]
+  reader = data_lib._WindowReader(np.arange(170), ranges, 33)
+  assert reader.num_windows == 5
+  for slot, (lo, hi) in zip(range(5), [ranges[0]] * 3 + [ranges[1]] * 2):
+    for jitter in range(33):
+      start = reader.start_of(slot, jitter)
+      assert lo <= start and start + 33 <= hi, (slot, jitter, start)
+
+def test_val_rows_are_evenly_spaced_over_the_val_windows(tmp_path):
+  rng = np.random.default_rng(6)
+  train, val = tmp_path / "train.txt", tmp_path / "val.txt"
+  train.write_bytes(_words(rng, 2000))
+  val.write_bytes(_words(rng, 1000).rstrip(b"\n") + b"\n\n")
+  d = build_data(DataConfig(train=str(train), val=str(val)), seq_len=SEQ, batch_size=BS, seed=0)
+  tokens = np.frombuffer(val.read_bytes(), np.uint8)
+  n = len(tokens) // (SEQ + 1)
+  windows = tokens[:n * (SEQ + 1)].reshape(n, SEQ + 1)
+  (batch,) = d.val_batches(1)
+  picks = np.linspace(0, n - 1, BS).round().astype(int)  # first and last window included
+  np.testing.assert_array_equal(batch["tokens"], windows[picks])
+
+def test_train_windows_are_jittered_off_the_window_grid(tmp_path):
+  # Each epoch moves window starts by a random offset, so starts are not all multiples of the
+  # window length (the grid of a range starting at 0).
+  rng = np.random.default_rng(7)
+  f = tmp_path / "t.txt"
+  f.write_bytes(_words(rng, 2000, "abcdefghijklmnopqrstuvwxyz "))
+  corpus = f.read_bytes()
+  d = build_data(DataConfig(train=str(f)), seq_len=SEQ, batch_size=BS, seed=0)
+  rows = np.concatenate(_take(d.train_iter(), 10))
+  starts = [corpus.find(row.astype(np.uint8).tobytes()) for row in rows]
+  assert min(starts) >= 0
+  assert any(start % (SEQ + 1) for start in starts)
+
 def test_filter_drops_planted_garbage_documents(tmp_path):
   rng = np.random.default_rng(1)
   folder = tmp_path / "corpus"
@@ -163,6 +248,11 @@ def test_mixing_proportions_follow_weights(tmp_path):
   d2 = build_data(DataConfig(train=[str(fa), str(fb)]), seq_len=SEQ, batch_size=8, seed=0)
   rows2 = np.concatenate(_take(d2.train_iter(), 50))
   assert abs(np.mean([bool(set(r.tolist()) & set(b"012345")) for r in rows2]) - 0.5) < 0.06
+  # Three times the text: three times the weight.
+  fc = tmp_path / "c.txt"
+  fc.write_bytes(_words(rng, 1000, "012345 "))
+  d3 = build_data(DataConfig(train=[str(fa), str(fc)]), seq_len=SEQ, batch_size=8, seed=0)
+  assert d3.stats["weights"] == pytest.approx([0.75, 0.25], abs=0.02)
   with pytest.raises(DataError, match="one weight per source"):
     build_data(DataConfig(train=[str(fa), str(fb)], weights=[1.0]), seq_len=SEQ, batch_size=8,
                seed=0)

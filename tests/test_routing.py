@@ -348,3 +348,51 @@ def test_check_learning_rates_warn_option():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     assert stablejax.check_learning_rates(muon_lr=0.02, warn=True) == []
+
+
+def test_a_callable_param_labels_sees_the_arrays_of_a_boxed_tree():
+  # Boxed and unboxed trees route alike: a callable `params -> labels` is given the arrays inside
+  # Linen metadata boxes, so one callable serves both.
+  def by_ndim(p):
+    return {k: "adam" if v.ndim < 2 else "muon" for k, v in p.items()}
+  plain = {"w": jnp.ones((4, 8)), "b": jnp.ones(8)}
+  boxed = {"w": nn.LogicallyPartitioned(plain["w"], ("embed", "mlp")),
+           "b": nn.LogicallyPartitioned(plain["b"], ("mlp",))}
+  for tree in (plain, boxed):
+    routed = stablejax.muon.routing.plan(tree, by_ndim)
+    assert [leaf.path for leaf in routed.leaves] == ["b", "w"]
+    assert routed.labels == ["adam", "muon"]
+
+
+def test_logical_axis_names_decide_before_shapes_and_names():
+  # Metadata first: no name rule knows "table", "out" or "w", and without a named embedding no
+  # head can be found by shape; the logical axis names alone say embedding, head, stacked gain.
+  def boxed(shape, names):
+    return nn.LogicallyPartitioned(jnp.ones(shape), names)
+  tree = {"table": boxed((32, 8), ("vocab", "embed")),
+          "blocks": {"w": boxed((3, 8), ("layers", "embed"))},
+          "proj": {"kernel": boxed((8, 16), ("embed", "mlp"))},
+          "out": {"kernel": boxed((8, 32), ("embed", "vocab"))}}
+  assert stablejax.label_params(tree) == {
+      "table": "embedding", "blocks": {"w": "adam"}, "proj": {"kernel": "muon"},
+      "out": {"kernel": "head"}}
+  # The same arrays without metadata: shapes and names only.
+  assert stablejax.label_params(stablejax.muon.routing.pure(tree)) == {
+      "table": "muon", "blocks": {"w": "muon"}, "proj": {"kernel": "muon"},
+      "out": {"kernel": "muon"}}
+
+
+def test_a_metadata_model_axis_of_the_wrong_size_is_not_trusted():
+  # The table says the model width is 8; a kernel whose 'embed' axis has 16 entries has wrong
+  # metadata, so its layout is not taken from it (the last two axes, with a warning, instead).
+  def boxed(shape, names):
+    return nn.LogicallyPartitioned(jnp.ones(shape), names)
+  routing = stablejax.muon.routing
+  for width, want, source in ((8, routing.ATTENTION_QKV, "metadata"),
+                              (16, routing.LAST_TWO_AXES, None)):
+    tree = {"embed": boxed((32, 8), ("vocab", "embed")),
+            "proj": {"kernel": boxed((width, 2, 4), ("embed", "heads", "kv"))}}
+    routed = routing.plan(tree)
+    i = [leaf.path for leaf in routed.leaves].index("proj/kernel")
+    assert routed.labels[i] == "muon"
+    assert (routed.layouts[i], routed.sources[i]) == (want, source)

@@ -75,11 +75,17 @@ GENERATE = "stablejax/training/generate.py"
 LOOP = "stablejax/training/loop.py"
 HEALTH = "stablejax/monitor/health.py"
 STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
+ROUTING = "stablejax/muon/routing.py"
+LAYOUT = "stablejax/muon/layout.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
 RECOVERY_TESTS = ("tests/test_recovery_policy.py", "-k", f"not ({_CHECKPOINT_K} or config_errors)")
 CHECKPOINT_TESTS = ("tests/test_recovery_policy.py", "-k", _CHECKPOINT_K)
+# A prepared directory as build_data reads it (tests/test_prepare.py writes them).
+_PREPARED_TESTS = ("tests/test_prepare.py", "tests/test_data.py", "-k",
+                   "config_takes_vocab or large_vocabulary or uint16_holds or incomplete or "
+                   "bin_source or data_errors")
 
 # The fast tests of each module's area (a mutant may name its own, smaller selection).
 AREA_TESTS: dict[str, tuple[str, ...]] = {
@@ -108,6 +114,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     TOKENIZER: ("tests/test_prepare.py", "tests/test_tokenizer.py", "-k",
                 "tokenizer or round_trip or endoftext or eot"),
     PIPELINE: ("tests/test_data.py", "-k", "not resume_at_every_batch"),
+
     DISTRIBUTED: ("tests/test_distributed.py", DISTRIBUTED),
     MESH: ("tests/test_mesh.py",),
     # test_multiprocess.py without its trainer runs (minutes each): the launcher's own tests.
@@ -125,11 +132,15 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     LOOP: ("tests/test_loop_decisions.py",),
     HEALTH: ("tests/test_monitor.py", "-k", "health or level or exploded"),
     STABILITY_MONITOR: ("tests/test_monitor.py", "-k", "not movement and not tensorboard"),
+    ROUTING: ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+              "not check_learning_rates and not describe_routing_finds"),
+    LAYOUT: ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+             "not check_learning_rates and not describe_routing_finds"),
 }
 
 # Modules of stablejax/ without mutants, and why.
 MODULES_NOT_COVERED = {
-    "muon/routing.py, muon/describe.py, muon/layout.py, muon/heads.py, modeling/attention.py, "
+    "muon/describe.py, muon/heads.py, modeling/attention.py, "
     "transforms/qk_clip.py": "being rewritten; their mutants come with the new code",
     "monitor/tensorboard.py, training/model.py, runs.py, sampling.py, cli/sample.py":
         "being rewritten",
@@ -857,39 +868,52 @@ MUTANTS = [
     _m("D1", PIPELINE,
        "      if cfg.filter_max_repeat > 0 and _max_run(a) > cfg.filter_max_repeat:",
        "      if cfg.filter_max_repeat > 0 and _max_run(a) >= cfg.filter_max_repeat:",
-       "a run of exactly filter_max_repeat bytes drops the document"),
+       "a run of exactly filter_max_repeat bytes drops the document",
+       ("tests/test_data.py", "-k", "filter")),
     _m("D2", PIPELINE, "_CONTROL[list(range(0, 9)) + list(range(14, 32)) + [127]] = True",
-       "_CONTROL[list(range(0, 9)) + list(range(14, 32))] = True", "DEL counts as text"),
+       "_CONTROL[list(range(0, 9)) + list(range(14, 32))] = True", "DEL counts as text",
+       ("tests/test_data.py", "-k", "filter or nontext")),
     _m("D3", PIPELINE, "  if len(raw) <= TEXT_DOC_BYTES:\n    return [raw]",
        "  if len(raw) < TEXT_DOC_BYTES:\n    return [raw]",
-       "a file of exactly 64 KiB is split into paragraph documents"),
+       "a file of exactly 64 KiB is split into paragraph documents",
+       equivalent="paragraphs are packed losslessly into documents of up to 64 KiB, so a file of "
+                  "at most 64 KiB packs into the one document the early return gives"),
     _m("D4", PIPELINE, "      n_val = max(window, math.ceil(src.usable * cfg.val_fraction))",
        "      n_val = math.ceil(src.usable * cfg.val_fraction)",
-       "a small source holds out less than one validation window"),
+       "a small source holds out less than one validation window",
+       ("tests/test_data.py", "-k", "val")),
     _m("D5", PIPELINE, "    ds = ds[process_index::process_count]", "    ds = ds[0::process_count]",
        "every process reads process 0's rows"),
     _m("D6", PIPELINE,
        "      start = reader.start_of(int(slot), int(rng.integers(0, reader.window)))",
        "      start = reader.start_of(int(slot), 0)",
-       "window starts never move between epochs (no jitter)"),
+       "window starts never move between epochs (no jitter)",
+       ("tests/test_data.py", "-k", "jitter")),
     _m("D7", PIPELINE, "    return min(start, int(self.ends[r]) - self.window)", "    return start",
-       "a jittered window runs past the end of its range"),
+       "a jittered window runs past the end of its range",
+       ("tests/test_data.py", "-k", "jittered")),
     _m("D8", PIPELINE, "    weights = [float(s) for s in sizes]",
        "    weights = [1.0 for s in sizes]",
-       "sources are mixed equally instead of by their token counts"),
+       "sources are mixed equally instead of by their token counts",
+       ("tests/test_data.py", "-k", "mixing")),
     _m("D9", PIPELINE,
        "      picks = np.linspace(0, len(slots) - 1, needed).round().astype(np.int64)",
        "      picks = np.arange(needed)",
-       "validation takes the first windows instead of evenly spaced ones"),
+       "validation takes the first windows instead of evenly spaced ones",
+       ("tests/test_data.py", "-k", "val")),
     _m("D10", PIPELINE, '  dtype = np.dtype(meta["dtype"])\n  train_tokens',
        '  dtype = np.dtype("uint16")\n  train_tokens',
-       "a prepared uint32 corpus is read as uint16"),
+       "a prepared uint32 corpus is read as uint16",
+       _PREPARED_TESTS),
     _m("D11", PIPELINE, "    if actual != expected:", "    if actual is None:",
-       "a train.bin/val.bin whose size differs from meta.json is accepted"),
+       "a train.bin/val.bin whose size differs from meta.json is accepted",
+       ("tests/test_data.py", "-k", "meta_json")),
     _m("D12", PIPELINE, "    if max_token >= vocab_size:", "    if max_token > vocab_size:",
-       "a .bin token id equal to the vocabulary size is accepted"),
+       "a .bin token id equal to the vocabulary size is accepted",
+       ("tests/test_data.py", "-k", "vocabulary_size")),
     _m("D13", PIPELINE, '    vocab_size = int(meta["vocab_size"])', "    vocab_size = vocab_size",
-       "a prepared directory's vocabulary size is not used"),
+       "a prepared directory's vocabulary size is not used",
+       _PREPARED_TESTS),
     _m("D14", PIPELINE, "    if size + len(para) > TEXT_DOC_BYTES and current:",
        "    if size + len(para) > 2 * TEXT_DOC_BYTES and current:",
        "paragraphs are packed into documents of up to 128 KiB"),
@@ -1174,6 +1198,71 @@ MUTANTS = [
     _m("GE6", GENERATE, "  drawn = jax.random.categorical(rng, logits / jnp.maximum(temperature, "
        "1e-6), axis=-1)", "  drawn = jax.random.categorical(rng, logits, axis=-1)",
        "the temperature is ignored"),
+
+    # ---------------------------------------------------------------- muon/routing.py
+    _m("RT1", ROUTING, 'if rest == [layout.VOCAB, layout.MODEL]:\n    return "embedding"',
+       'if rest == [layout.VOCAB, layout.MODEL]:\n    return "head"',
+       "a ('vocab', 'embed') table by metadata is routed as the head",
+       ("tests/test_model_layouts.py", "-k", "lm1b or nnx_logical")),
+    _m("RT2", ROUTING, "  if by_metadata is not None:\n    return by_metadata",
+       "  if by_metadata is not None and False:\n    return by_metadata",
+       "logical axis metadata is not read before shapes and names",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "logical_axis_names or lm1b or nnx_logical")),
+    _m("RT3", ROUTING, "  return 1 if a.stacked[i] else 0", "  return 0",
+       "a scan-stacked axis counts as a matrix axis, not a batch axis",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "scan_stacked or stacked_on_axis or rules_by_path")),
+    _m("RT4", ROUTING,
+       'for shape, kind in (((dim, vocab), "info"), ((vocab, dim), "unsure")):',
+       'for shape, kind in (((vocab, dim), "unsure"),):',
+       "a [D, V] matrix outside the blocks is not found as the head",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "head_found_by_shape or nanodo or lm1b")),
+    _m("RT5", ROUTING, "and not a.in_block[i] and leaf.shape == shape]",
+       "and leaf.shape == shape]",
+       "a [D, V] matrix inside the repeated blocks can be taken as the head",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "head_found_by_shape or wide_as_the_vocabulary")),
+    _m("RT6", ROUTING, "      unmatched.append(pattern)", "      pass",
+       "a param_labels pattern that matches nothing neither warns nor raises",
+       ("tests/test_routing.py", "-k", "overrides")),
+    _m("RT7", ROUTING, "  if strict:\n    raise ValueError(text)",
+       "  if False:\n    raise ValueError(text)",
+       "strict=True does not raise on a pattern that matches nothing",
+       ("tests/test_routing.py", "-k", "overrides")),
+    _m("RT8", ROUTING, ' or path.startswith(pattern.rstrip("/") + "/")', "",
+       "a path-prefix pattern (not a glob) matches nothing",
+       ("tests/test_routing.py", "-k", "overrides or override_routes")),
+    _m("RT9", ROUTING, '    if note.kind == "warning":', '    if note.kind == "info":',
+       "warning notes are not emitted as UserWarnings (info notes are)",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "overrides or one_summary_warning")),
+    _m("RT10", ROUTING,
+       "  return jax.tree.map(layout.value_of, tree, is_leaf=layout.is_param_leaf)",
+       "  return tree",
+       "a callable param_labels gets the boxed tree instead of its arrays",
+       ("tests/test_routing.py", "-k", "same_labels or callable")),
+
+    # ---------------------------------------------------------------- muon/layout.py
+    _m("LT1", LAYOUT, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",
+       "return _is_variable(x) or isinstance(x, optax.MaskedNode)",
+       "a Linen metadata box is not one parameter (boxed and unboxed trees differ)",
+       ("tests/test_model_layouts.py", "-k", "lm1b or stacked_on_axis")),
+    _m("LT2", LAYOUT, " or (d_model is not None and leaf.shape[model[0]] != d_model)", "",
+       "a metadata model axis whose size disagrees with the model width is trusted",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "wrong_size or lm1b or nnx_logical")),
+    _m("LT3", LAYOUT, "if m == rest[-1]:  # [..., D]: the model axis is the output",
+       "if m != rest[-1]:", "metadata: the model axis's side of the matrix is swapped",
+       ("tests/test_model_layouts.py", "-k", "lm1b or nnx_logical")),
+    _m("LT4", LAYOUT, "return max(tables, key=lambda leaf: leaf.shape[0]).shape[1]",
+       "return max(tables, key=lambda leaf: leaf.shape[0]).shape[0]",
+       "the model width is read as the vocabulary size",
+       ("tests/test_model_layouts.py", "-k", "nanodo or gemma")),
+    _m("LT5", LAYOUT, "    for a in (0, 1):", "    for a in (0,):",
+       "layers stacked on axis 1 are not recognised as a stack",
+       ("tests/test_model_layouts.py", "-k", "stacked_on_axis")),
 
     # ---------------------------------------------------------------- training/loop.py
     _m("LO1", LOOP,
