@@ -279,3 +279,20 @@ def test_gemma_style_einsum_model_heads_clip_to_tau(kv_heads):
   after = np.asarray(max_logits())
   np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
   assert int(state.heads_clipped) == int((before > tau).sum()) >= 1
+
+
+def test_state_counts_heads_per_step_and_since_init():
+  # QKClipState: heads_clipped is the last step's count of rescaled heads (a head of a stacked
+  # layer counts once per layer), total_clipped the sum since init, max_logit the step's largest.
+  params = jax.tree.map(jnp.asarray, _mha_params(np.random.default_rng(0)))
+  tx = stablejax.qk_clip(tau=TAU, layers=[MHA])
+  state = tx.init(params)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  steps = [np.array([[150.0, 50.0, 120.0, 10.0], [90.0, 300.0, 20.0, 30.0]]),   # 3 heads over
+           np.array([[10.0, 20.0, 30.0, 40.0], [50.0, 60.0, 70.0, 101.0]]),    # 1 head over
+           np.array([[10.0, 20.0, 30.0, 40.0], [50.0, 60.0, 70.0, 80.0]])]     # none
+  totals = []
+  for logits in steps:
+    _, state = tx.update(zeros, state, params, max_logits={"attn": jnp.asarray(logits)})
+    totals.append((int(state.heads_clipped), int(state.total_clipped), float(state.max_logit)))
+  assert totals == [(3, 3, 300.0), (1, 4, 101.0), (0, 4, 80.0)]
