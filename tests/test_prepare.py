@@ -757,3 +757,45 @@ def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
   leftovers = [p for p in tmp_path.rglob("*") if p.name in ("meta.json", "meta.json.partial")
                or p.suffix in (".bin", ".partial")]
   assert leftovers == []
+
+
+def test_filters_drop_beyond_their_bounds_not_at_them():
+  # data.md / DataConfig: a document is dropped for a run of one byte LONGER than
+  # --filter-max-repeat (0 disables the filter) or a non-text share ABOVE --filter-max-nontext.
+  opts = prep.Options(val_fraction=0.5, filter_max_repeat=8, filter_max_nontext=0.25)
+  text = b"plain words "
+  assert prep._classify(b"a" * 8 + text, opts) in ("train", "val")         # a run of exactly 8
+  assert prep._classify(b"a" * 9 + text, opts) == "repeat"
+  no_repeat_filter = prep.Options(val_fraction=0.5, filter_max_repeat=0)
+  assert prep._classify(b"a" * 5000, no_repeat_filter) in ("train", "val")
+  at_limit = b"\x01" * 3 + b"abcdefghi"                                     # 3 of 12 = 0.25
+  assert prep._classify(at_limit, opts) in ("train", "val")
+  assert prep._classify(b"\x01" * 4 + b"abcdefghi", opts) == "nontext"     # 4 of 13 > 0.25
+
+
+def test_default_weights_are_token_shares(tmp_path, capsys):
+  # Without --weights each input is mixed by its share of the training tokens: an input of few
+  # long documents against one of many short ones (document counts would invert the weights).
+  (tmp_path / "long.txt").write_text("<|endoftext|>".join(f"Long {i} " * 400 for i in range(12)))
+  (tmp_path / "short.txt").write_text("<|endoftext|>".join(f"S{i} x" for i in range(300)))
+  out = tmp_path / "mix"
+  code, _, err = run_main(capsys, tmp_path / "long.txt", tmp_path / "short.txt", "--out", out,
+                          "--tokenizer", "bytes", "--val-fraction", "0.2")
+  assert code == 0, err
+  a, b = read_prepared(out)["sources"]
+  tokens_a = a["train_range"][1] - a["train_range"][0]
+  tokens_b = b["train_range"][1] - b["train_range"][0]
+  assert a["weight"] == pytest.approx(tokens_a / (tokens_a + tokens_b))
+  assert b["weight"] == pytest.approx(tokens_b / (tokens_a + tokens_b))
+  assert a["weight"] > 0.5
+
+
+@pytest.mark.parametrize("fraction", ["1", "1.5", "0", "-0.1"])
+def test_val_fraction_outside_the_open_unit_interval_is_one_error_line(tmp_path, capsys, fraction):
+  inputs = write_inputs(tmp_path)
+  code, _, err = run_main(capsys, inputs["text"], "--out", tmp_path / "out", "--tokenizer",
+                          "bytes", "--val-fraction", fraction)
+  # Refused up front for what it is (docs/data.md: in (0, 1)), not later for its consequence.
+  assert code == 2 and len(err.strip().splitlines()) == 1, err
+  assert f"--val-fraction {float(fraction)} is outside (0, 1)" in err, err
+  assert not (tmp_path / "out" / "meta.json").exists()
