@@ -108,12 +108,12 @@ def plain_adamw_chain(cfg: Config, max_grad_norm: float | None = 1.0):
 class CompiledStep:
   """The trainer's `train_step` for one optimizer, jitted (with donation) and compiled.
 
-  Uses `stablejax.training.step.make_train_step` and `stablejax.training.model.GPT`, i.e. exactly
+  Uses `stablejax.training.step.make_train_step` and `stablejax.modeling.gpt.GPT`, i.e. exactly
   the step `train.py` runs, on one device.
   """
 
   def __init__(self, cfg: Config, tx, batch: dict, seed: int = 0):
-    from stablejax.training.model import GPT
+    from stablejax.modeling.gpt import GPT
     from stablejax.training.optim import lr_schedule
     from stablejax.training.step import TrainState, make_train_step
     self.cfg, self.tx = cfg, tx

@@ -1,8 +1,8 @@
 """Which matrix Muon orthogonalises for a Flax attention layer, measured on one update.
 
 Usage:
-  python bench/attention_layout.py            # Linen MultiHeadDotProductAttention, D 64, 4 heads
-  python bench/attention_layout.py --d-model 128 --heads 8 --seeds 5
+  python -m bench.attention_layout            # Linen MultiHeadDotProductAttention, D 64, 4 heads
+  python -m bench.attention_layout --d-model 128 --heads 8 --seeds 5
 
 Flax keeps the query/key/value kernels as ``[D, H, hd]`` and the output kernel as ``[H, hd, D]``.
 One Muon update is computed from the same full-rank random gradients three ways:
@@ -24,8 +24,6 @@ optax's update.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import flax.linen as nn
 import jax
@@ -33,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common  # noqa: E402
+from bench import _common
 
-import stablejax  # noqa: E402
+import stablejax
 
 MDN = optax.contrib.MuonDimensionNumbers
 KERNELS = ("query", "key", "value", "out")

@@ -1,12 +1,12 @@
 """Compile time and step time of the README chain next to optax.contrib.muon, side by side.
 
 Usage:
-  python bench/compile_time.py                 # 12-layer GPT, d_model 128, unrolled and scanned
-  python bench/compile_time.py --quick         # 4 layers, d_model 64, 2 rounds (a smoke run)
-  python bench/compile_time.py --breakdown     # also the chain's parts, to see what costs
+  python -m bench.compile_time                 # 12-layer GPT, d_model 128, unrolled and scanned
+  python -m bench.compile_time --quick         # 4 layers, d_model 64, 2 rounds (a smoke run)
+  python -m bench.compile_time --breakdown     # also the chain's parts, to see what costs
 
 One jitted train step (loss, grads, optimizer update, apply) of the trainer's GPT
-(`stablejax.training.model.GPT`, float32 compute) with each optimizer:
+(`stablejax.modeling.gpt.GPT`, float32 compute) with each optimizer:
 
   optax.contrib.muon  optax's Muon given the dimension numbers stablejax routes with
                       (`stablejax.muon_dimension_numbers(params)`), consistent_rms=0.2: the same
@@ -24,21 +24,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import optax
+
+import stablejax
+from bench import _common
+from stablejax.modeling.gpt import GPT, ModelConfig
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
-
-import stablejax  # noqa: E402
-from bench import _common  # noqa: E402
-from stablejax.training.model import GPT, ModelConfig  # noqa: E402
 
 
 def readme_chain(**muon_kw) -> optax.GradientTransformationExtraArgs:

@@ -1,8 +1,8 @@
 """Collectives in the compiled Muon update under the trainer's FSDP mesh, next to optax's Muon.
 
 Usage:
-  python bench/muon_collectives.py                # 4 simulated CPU devices, mesh (data 1, fsdp 4)
-  python bench/muon_collectives.py --devices 8 --layers 4 --d-model 256
+  python -m bench.muon_collectives                # 4 simulated CPU devices, mesh (data 1, fsdp 4)
+  python -m bench.muon_collectives --devices 8 --layers 4 --d-model 256
 
 The trainer shards every parameter and optimizer-state leaf over the ``fsdp`` axis along its
 largest divisible axis (`stablejax.training.mesh.fsdp_spec`) and traces its step under its mesh.
@@ -29,7 +29,6 @@ import re
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -46,8 +45,6 @@ ARGS = _parse(sys.argv[1:] if __name__ == "__main__" else [])
 # The device count is fixed when jax is first imported.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            f" --xla_force_host_platform_device_count={ARGS.devices}").strip()
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
 import optax  # noqa: E402
@@ -59,7 +56,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from stablejax.muon import routing  # noqa: E402
 from stablejax.training import mesh as mesh_lib  # noqa: E402
 from stablejax.training.config import MeshConfig  # noqa: E402
-from stablejax.training.model import GPT, ModelConfig  # noqa: E402
+from stablejax.modeling.gpt import GPT, ModelConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
 # An HLO instruction of that kind (async pairs counted once, at their -start).

@@ -1,8 +1,8 @@
 """Train-step time of outlier-safe Muon over AdamW, next to the analytic Newton-Schulz cost.
 
 Usage:
-  python bench/muon_overhead.py           # configs/default.json model, 12 interleaved rounds
-  python bench/muon_overhead.py --quick   # a smaller model, 6 rounds
+  python -m bench.muon_overhead      # the default config's model, 12 interleaved rounds
+  python -m bench.muon_overhead --quick   # a smaller model, 6 rounds
 
 Four trainer train steps (`stablejax.training.step.make_train_step`, jitted with donation) on the
 same GPT, batch and compiled shapes, timed interleaved in one process:
@@ -30,20 +30,18 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import stablejax
+from bench import _common
+from stablejax.modeling.gpt import count_params, model_flops_per_token
+from stablejax.training.optim import build_optimizer
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import stablejax  # noqa: E402
-from bench import _common  # noqa: E402
-from stablejax.training.model import count_params, model_flops_per_token  # noqa: E402
-from stablejax.training.optim import build_optimizer  # noqa: E402
-
-DEFAULT_CONFIG = ROOT / "configs" / "default.json"
+DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 QUICK_MODEL = {"model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
                "train": {"seq_len": 64, "batch_size": 8}}
 

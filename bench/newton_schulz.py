@@ -1,9 +1,9 @@
 """Newton-Schulz timing: stablejax's XLA path vs optax's NS, and achieved GFLOP/s vs a plain matmul.
 
 Usage:
-  python bench/newton_schulz.py            # 7 timed repeats per case
-  python bench/newton_schulz.py --quick    # 3 repeats
-  python bench/newton_schulz.py --dtype bfloat16 --steps 5
+  python -m bench.newton_schulz            # 7 timed repeats per case
+  python -m bench.newton_schulz --quick    # 3 repeats
+  python -m bench.newton_schulz --dtype bfloat16 --steps 5
 
 For each shape it reports the compile time (lower + compile, measured separately) and the median
 wall time of the compiled function over the repeats, for ``stablejax.newton_schulz(backend="xla")``

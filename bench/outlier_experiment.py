@@ -1,9 +1,9 @@
 """AdamW vs outlier-safe Muon + SSNorm + EmbProj: activation kurtosis and 4-bit RTN val loss.
 
 Usage:
-  python bench/outlier_experiment.py            # 300 steps per setup, ~5-10 minutes on 2 CPU cores
-  python bench/outlier_experiment.py --quick    # 40 steps, ~1-2 minutes (a smoke test, no CSV)
-  python bench/outlier_experiment.py --steps 1000 --out runs/outlier
+  python -m bench.outlier_experiment            # 300 steps per setup, ~5-10 minutes on 2 CPU cores
+  python -m bench.outlier_experiment --quick    # 40 steps, ~1-2 minutes (a smoke test, no CSV)
+  python -m bench.outlier_experiment --steps 1000 --out runs/outlier
 
 Trains the same model (d_model 128, 4 layers, 4 heads, seq 128, batch 16, float32 on CPU) on the
 embedded corpus with the same seed and data order, twice, through the trainer
@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 
 ADAMW_LR = 3e-3   # AdamW, and the AdamW groups of the Muon run
-MUON_LR = 0.01    # Muon matrices (configs/default.json)
+MUON_LR = 0.01    # Muon matrices (stablejax/configs/default.json)
 
 BASE = {
     "model": {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "max_seq_len": 128,
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
   csv_path.parent.mkdir(parents=True, exist_ok=True)
   with open(csv_path, "w", newline="") as f:
     f.write(f"# {machine_line()}\n# {steps} steps, seed {args.seed}; "
-            f"python bench/outlier_experiment.py{' --quick' if args.quick else ''}\n")
+            f"python -m bench.outlier_experiment{' --quick' if args.quick else ''}\n")
     writer = csv.DictWriter(f, fieldnames=COLUMNS)
     writer.writeheader()
     for row in rows:

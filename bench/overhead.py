@@ -1,8 +1,8 @@
 """Train-step time of the stablejax stability stack over plain `clip_by_global_norm + AdamW`.
 
 Usage:
-  python bench/overhead.py            # configs/default.json model, 15 interleaved rounds
-  python bench/overhead.py --quick    # a smaller model, 8 rounds, no per-component breakdown
+  python -m bench.overhead            # stablejax/configs/default.json model, 15 interleaved rounds
+  python -m bench.overhead --quick    # a smaller model, 8 rounds, no per-component breakdown
 
 Both sides run the trainer's own jitted `train_step` (`stablejax.training.step.make_train_step`,
 donated state) on the same GPT, the same batch of the embedded corpus and the same compiled
@@ -28,17 +28,15 @@ import json
 import sys
 from pathlib import Path
 
+import jax
+
+from bench import _common
+from stablejax.modeling.gpt import count_params, model_flops_per_token
+from stablejax.training.optim import build_optimizer
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-
-from bench import _common  # noqa: E402
-from stablejax.training.model import count_params, model_flops_per_token  # noqa: E402
-from stablejax.training.optim import build_optimizer  # noqa: E402
-
-DEFAULT_CONFIG = ROOT / "configs" / "default.json"
+DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 QUICK_MODEL = {"model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
                "train": {"seq_len": 64, "batch_size": 8}}
 TARGET = 1.05

@@ -1,6 +1,6 @@
 """Throughput of python -m stablejax prepare: MB of text per second, 1 and 2 worker processes.
 
-    python bench/prepare.py [--mb 24] [--rounds 2] [--quick]
+    python -m bench.prepare [--mb 24] [--rounds 2] [--quick]
 
 The corpus is the embedded pydoc text repeated into a JSON Lines file of about ``--mb`` MB (one
 document per topic). Tokenizers: ``bytes`` and a 4096-token byte-level BPE trained on pydoc by
@@ -19,15 +19,12 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench._common import print_machine  # noqa: E402
-from stablejax.data import prepare as prep  # noqa: E402
+from bench._common import print_machine
+from stablejax.data import prepare as prep
 
 
 def make_corpus(path: Path, megabytes: float) -> int:

@@ -1,6 +1,6 @@
 """Sampling speed: tokens/s of the KV-cache decoder against full recomputation, side by side.
 
-    python bench/sample.py [--config configs/default.json] [--new 100] [--rounds 5] [--quick]
+    python -m bench.sample [--config default] [--new 100] [--rounds 5] [--quick]
 
 Both generate greedily from a 16-token prompt with the same randomly initialised model (speed does
 not depend on training) and must produce the same tokens. The KV-cache path is
@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from bench._common import interleaved, print_machine  # noqa: E402
-from stablejax.training.config import load_config  # noqa: E402
-from stablejax.training.generate import Generator  # noqa: E402
-from stablejax.training.model import GPT, count_params  # noqa: E402
+from bench._common import interleaved, print_machine
+from stablejax.training.config import load_config
+from stablejax.training.generate import Generator
+from stablejax.modeling.gpt import GPT, count_params
 
 
 def recompute_fn(model, window: int, prompt_len: int, n_new: int):

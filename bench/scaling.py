@@ -1,10 +1,10 @@
 """FSDP on 1, 2 and 4 simulated devices: the same losses, and per-device memory falling as 1/N.
 
 Usage:
-  python bench/scaling.py               # configs/default.json (Muon + stack), 6 steps per N
-  python bench/scaling.py --quick       # a smaller model, 3 steps
-  python bench/scaling.py --devices 1,2,4,8
-  python bench/scaling.py --no-multiprocess   # skip the 2-process row
+  python -m bench.scaling             # the default config (Muon + stack), 6 steps per N
+  python -m bench.scaling --quick       # a smaller model, 3 steps
+  python -m bench.scaling --devices 1,2,4,8
+  python -m bench.scaling --no-multiprocess   # skip the 2-process row
 
 For each N a subprocess runs with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the
 trainer (`stablejax.training.loop.Run`, i.e. train.py) with ``mesh.fsdp=N, mesh.data=1``: the
@@ -38,10 +38,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
 
-DEFAULT_CONFIG = ROOT / "configs" / "default.json"
+DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 QUICK_MODEL = {"model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
                "train": {"seq_len": 64, "batch_size": 8}}
 

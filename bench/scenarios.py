@@ -1,10 +1,10 @@
 """Stability scenarios x defences: which setups survive which failures, on the same seeds and data.
 
 Usage:
-  python bench/scenarios.py                 # full matrix, 150 steps per run, 2 runs in parallel
-  python bench/scenarios.py --quick         # 60 steps per run (a smoke run of the whole matrix)
-  python bench/scenarios.py --jobs 1 --scenarios clean,nan_grads --defences none,stablejax
-  python bench/scenarios.py --seeds 0,1,2   # every cell with 3 seeds: mean +/- sd per cell
+  python -m bench.scenarios                 # full matrix, 150 steps per run, 2 runs in parallel
+  python -m bench.scenarios --quick         # 60 steps per run (a smoke run of the whole matrix)
+  python -m bench.scenarios --jobs 1 --scenarios clean,nan_grads --defences none,stablejax
+  python -m bench.scenarios --seeds 0,1,2   # every cell with 3 seeds: mean +/- sd per cell
 
 Every run is a real trainer run (`stablejax.training.loop.Run`: the jitted train step, the data
 pipeline, evaluation, checkpoints, monitoring and recovery) of a small GPT on the embedded corpus
@@ -66,11 +66,9 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
+from bench import _common
 
-from bench import _common  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "bench" / "results"
 LR = 3e-3          # AdamW (and the Muon run's AdamW groups)

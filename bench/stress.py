@@ -1,13 +1,13 @@
 """Learning-rate sensitivity of each defence (Wortsman et al., arXiv 2309.14322), real trainer runs.
 
 Usage:
-  python bench/stress.py                  # full sweep (about an hour on 2 cores):
+  python -m bench.stress                  # full sweep (about an hour on 2 cores):
                                           #   bench/results/stress*
-  python bench/stress.py --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
-  python bench/stress.py --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
-  python bench/stress.py --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
+  python -m bench.stress --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
+  python -m bench.stress --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
+  python -m bench.stress --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
       --variant 'lam2=stablejax:stability.adagc_lambda_rel=2.0'
-  python bench/stress.py --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
+  python -m bench.stress --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
 
 What one cell is: a real `stablejax.training.loop.Run` (jitted train step, data pipeline,
 evaluation, checkpoints, monitor, recovery) of a byte-level GPT on the embedded corpus, one seed
@@ -79,12 +79,10 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
+from bench import _common
+from bench import scenarios
 
-from bench import _common  # noqa: E402
-from bench import scenarios  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "bench" / "results"
 

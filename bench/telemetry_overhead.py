@@ -1,12 +1,12 @@
 """Cost of the attention-logit telemetry and of QK-clip, per train step, measured side by side.
 
 Usage:
-  python bench/telemetry_overhead.py            # configs/default.json model and stack, 12 rounds
-  python bench/telemetry_overhead.py --quick    # a smaller model, 6 rounds
+  python -m bench.telemetry_overhead   # the default config's model and stack, 12 rounds
+  python -m bench.telemetry_overhead --quick    # a smaller model, 6 rounds
 
 Three variants of the trainer's own jitted `train_step` (`stablejax.training.step`), same model
-(configs/default.json's, without QK-norm so that QK-clip can run), same batch of the embedded
-corpus, same optimizer (the default stack of configs/default.json),
+(the default config's, without QK-norm so that QK-clip can run), same batch of the embedded
+corpus, same optimizer (the default stack of stablejax/configs/default.json),
 called in turn (A, B, C, A, B, C, ...) in one process; each call runs one log interval
 (`train.log_every` steps, 10) back to back and waits once:
 
@@ -31,18 +31,16 @@ import sys
 import time
 from pathlib import Path
 
+import jax
+
+from bench import _common
+from stablejax.modeling.gpt import GPT, count_params
+from stablejax.training.optim import build_optimizer
+from stablejax.training.step import make_logit_telemetry
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
 
-import jax  # noqa: E402
-
-from bench import _common  # noqa: E402
-from stablejax.training.model import GPT, count_params  # noqa: E402
-from stablejax.training.optim import build_optimizer  # noqa: E402
-from stablejax.training.step import make_logit_telemetry  # noqa: E402
-
-DEFAULT_CONFIG = ROOT / "configs" / "default.json"
+DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 QUICK_MODEL = {"model": {"d_model": 64, "n_layers": 4, "n_heads": 4, "max_seq_len": 64},
                "train": {"seq_len": 64, "batch_size": 8}}
 TARGET = 1.03

@@ -1,14 +1,14 @@
 """Tokens/s of train.py's training loop over a minimal hand-written flax + optax loop.
 
 Usage:
-  python bench/throughput.py            # configs/default.json model, 100 steps, 2 repeats
-  python bench/throughput.py --quick    # a smaller model, 40 steps, 1 repeat
+  python -m bench.throughput            # stablejax/configs/default.json model, 100 steps, 2 repeats
+  python -m bench.throughput --quick    # a smaller model, 40 steps, 1 repeat
 
-Both sides train the same GPT (`stablejax.training.model.GPT`, same config, same seed), on the
+Both sides train the same GPT (`stablejax.modeling.gpt.GPT`, same config, same seed), on the
 same batches (`stablejax.data.pipeline.build_data`, same seed and order) with the same optimizer
 (`clip_by_global_norm(1.0)` + AdamW with the trainer's warmup-cosine schedule) and the same loss
 (cross-entropy + 1e-4 z-loss), fetching the loss every `train.log_every` steps. The trainer side is
-`stablejax.training.loop.Run(cfg, out, fresh=True).train()`, i.e. `python train.py`, with
+`stablejax.training.loop.Run(cfg, out, fresh=True).train()`, i.e. `python -m stablejax train`, with
 optimizer.name="adamw" and the stability layers off (so only the trainer's own machinery
 differs: its step with metrics and fault hooks, sharded batches, the StabilityMonitor, JSONL and
 TensorBoard logging, the progress bookkeeping). Its evaluation and checkpoints are placed outside
@@ -36,23 +36,21 @@ import time
 from functools import partial
 from pathlib import Path
 
+import flax.linen  # noqa: F401
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bench import _common
+from stablejax.data.pipeline import build_data
+from stablejax.training.loop import Run
+from stablejax.modeling.gpt import GPT, count_params
+from stablejax.training.optim import lr_schedule
+
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
 
-import flax.linen  # noqa: E402,F401
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-
-from bench import _common  # noqa: E402
-from stablejax.data.pipeline import build_data  # noqa: E402
-from stablejax.training.loop import Run  # noqa: E402
-from stablejax.training.model import GPT, count_params  # noqa: E402
-from stablejax.training.optim import lr_schedule  # noqa: E402
-
-DEFAULT_CONFIG = ROOT / "configs" / "default.json"
+DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 QUICK_MODEL = {"model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_seq_len": 64},
                "train": {"seq_len": 64, "batch_size": 8}}
 TARGET = 0.95

@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 import stablejax
-from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
-from stablejax.training.model import GPT, ModelConfig, _rope, layer_max_logits
+from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
+from stablejax.modeling.gpt import GPT, ModelConfig, _rope, layer_max_logits
 
 
 def _np_max_logit(q, k, causal=True, mask=None):

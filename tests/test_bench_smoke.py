@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import math
-import sys
 from pathlib import Path
 
 import jax
@@ -18,13 +17,12 @@ import numpy as np
 import optax
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench import _common, scenarios  # noqa: E402
-from bench.scaling import per_device_bytes  # noqa: E402
+from bench import _common, scenarios
+from bench.scaling import per_device_bytes
+from stablejax.training.config import config_from_dict
+from stablejax.training.optim import build_optimizer, main_optimizer
 
-from stablejax.training.config import config_from_dict  # noqa: E402
-from stablejax.training.optim import build_optimizer, main_optimizer  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PARAMS = {"tok_embed": {"embedding": jnp.zeros((8, 4))},
           "blocks": {"attn": {"kernel": jnp.zeros((2, 4, 4))}, "norm": {"scale": jnp.ones((2, 4))}},
@@ -449,9 +447,9 @@ def test_stress_csv_round_trip(tmp_path):
   results = [dict(_cell("clip1", 1, 0, 2.9), events=["step 50: a; restored step 0"]),
              _cell("clip1", 10, 0, float("nan")), _cell("stack", 1, 0, 3.1234567)]
   header = {"machine": ["machine: x", "jax y"], "setting": "s", "timing": "t",
-            "command": "python bench/stress.py --quick"}
+            "command": "python -m bench.stress --quick"}
   stress.write_csv(results, tmp_path / "r.csv", header["machine"] + ["s", "t",
-                   "command: python bench/stress.py --quick"])
+                   "command: python -m bench.stress --quick"])
   back, back_header = stress.read_csv(tmp_path / "r.csv")
   assert back_header == header
   for want, got in zip(results, back):

@@ -116,7 +116,7 @@ def test_a_resumed_budget_keeps_its_timings_and_wall_clock(tmp_path):
 
 def test_budget_owns_the_step_count_unless_steps_is_given_next_to_it(tmp_path):
   from stablejax.training.config import ConfigError, config_from_dict, load_config
-  default = ROOT / "configs" / "default.json"  # "steps": 250
+  default = ROOT / "stablejax" / "configs" / "default.json"  # "steps": 250
   assert load_config(default).train.steps == 250
   assert load_config(default, ["train.time_budget_minutes=2"]).train.steps is None
   assert load_config(default, ["train.steps=400", "train.time_budget_minutes=2"]).train.steps == 400
@@ -254,7 +254,7 @@ def test_peak_memory_on_cpu_is_the_process_rss_labelled_as_such():
 
 # AdamW without the clipping and skipping layers: the budget logic is the same and compiles in a
 # fraction of the time, which the budget would otherwise spend on this shared machine. No
-# train.steps: the budget owns the count (configs/default.json's "steps": 250 is no cap).
+# train.steps: the budget owns the count (stablejax/configs/default.json's "steps": 250 is no cap).
 BUDGET_RUN = ("optimizer.name=adamw", "stability.zclip=false", "stability.adagc=false",
               "stability.skip_spikes=false", "train.warmup_steps=5", "train.eval_every=50",
               "checkpoint.every=50", "train.log_every=1", "logging.histogram_every=0",
@@ -272,13 +272,8 @@ def budget_argv(out, *overrides, fresh=True):
 
 
 def run_budget(out, *overrides, fresh=True):
-  import sys
-  sys.path.insert(0, str(ROOT))
-  try:
-    import train
-  finally:
-    sys.path.pop(0)
-  return train.main(budget_argv(out, *overrides, fresh=fresh))
+  from stablejax.cli.train import main
+  return main(budget_argv(out, *overrides, fresh=fresh))
 
 
 @slow
@@ -289,7 +284,7 @@ def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count
   assert run_budget(out, f"train.time_budget_minutes={minutes}", "train.target_val_loss=5.0") == 0
   printed = capsys.readouterr().out
   s = summary(out)
-  # The budget fixed the length, not configs/default.json's 250 steps, and says so.
+  # The budget fixed the length, not stablejax/configs/default.json's 250 steps, and says so.
   assert s["planned_steps"] == s["steps"] > 250 and s["steps_fixed_by"] == "time_budget"
   assert f"{s['steps']} steps (fixed by train.time_budget_minutes=2)" in printed
   assert s["total_wall_seconds"] <= 1.1 * minutes * 60, s["budget_timings"]
@@ -322,7 +317,7 @@ def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
 
   minutes = 2.0
   argv = budget_argv(tmp_path, f"train.time_budget_minutes={minutes}")
-  cfg = load_config(ROOT / "configs" / "default.json", argv[1:-2:2])
+  cfg = load_config(ROOT / "stablejax" / "configs" / "default.json", argv[1:-2:2])
   assert cfg.train.steps is None
   out = tmp_path / "interrupted"
   started = time.monotonic()

@@ -16,8 +16,8 @@ from flax import nnx
 
 from flax_models import (DenseGeneralLM, EinsumLM, LayerAxisLM, LinenLM, LogicalLM, NNXLM,
                          linen_params)
-from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
-from stablejax.training.model import GPT, ModelConfig
+from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
+from stablejax.modeling.gpt import GPT, ModelConfig
 
 TOKENS = jax.random.randint(jax.random.key(3), (2, 8), 0, 64)
 

@@ -30,8 +30,12 @@ MOVED = {
     "stablejax.report": ("stablejax.monitor.report", "report"),
     "stablejax.launch": ("stablejax.training.launch", "launch"),
     "stablejax.quantize_eval": ("stablejax.training.quantized_eval", "quantize-eval"),
+    "stablejax.training.model": ("stablejax.modeling.gpt", None),
+    "stablejax.training.bitnet": ("stablejax.modeling.bitnet", None),
+    "stablejax.muon.layout": ("stablejax.layout.analysis", None),
+    "stablejax.muon.heads": ("stablejax.layout.heads", None),
 }
-COMMANDS = ("prepare", "sample", "report", "launch", "quantize-eval")
+COMMANDS = ("train", "prepare", "sample", "report", "launch", "quantize-eval")
 
 
 # ----------------------------------------------------------------------------- import graph
@@ -130,10 +134,13 @@ def test_no_import_circle():
 
 def test_package_root_holds_only_the_api_modules_and_folders():
   files = {p.name for p in PACKAGE.iterdir() if p.is_file()}
-  assert files == {"__init__.py", "__main__.py", "py.typed"}
+  assert files == {"__init__.py", "__main__.py", "_compat.py", "py.typed"}
   folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
-  assert folders == {"cli", "data", "modeling", "monitor", "muon", "training", "transforms"}
-  assert all((PACKAGE / f / "__init__.py").is_file() for f in folders)
+  assert folders == {"cli", "configs", "data", "layout", "modeling", "monitor", "muon", "training",
+                     "transforms"}
+  assert all((PACKAGE / f / "__init__.py").is_file() for f in folders - {"configs"})
+  assert sorted(p.name for p in (PACKAGE / "configs").iterdir()) == [
+      "default.json", "gpt2_small.json", "openwebtext_stable.json", "openwebtext_stable_cpu.json"]
 
 
 # ----------------------------------------------------------------------------- old paths
@@ -149,7 +156,7 @@ def _forget(name: str) -> None:
 
 
 def test_every_moved_module_has_an_old_path():
-  assert set(stablejax._MOVED) == set(MOVED)
+  assert set(stablejax._compat._MOVED) == set(MOVED)
 
 
 @pytest.mark.parametrize("old", sorted(MOVED))

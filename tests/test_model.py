@@ -8,8 +8,8 @@ import numpy as np
 import optax
 import pytest
 
-from stablejax.training import bitnet
-from stablejax.training.model import GPT, ModelConfig, count_params, model_flops_per_token
+from stablejax.modeling import bitnet
+from stablejax.modeling.gpt import GPT, ModelConfig, count_params, model_flops_per_token
 
 T = 16
 # Tests run unscanned in float32 unless they are about scan or precision: it compiles much faster.

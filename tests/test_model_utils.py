@@ -11,7 +11,7 @@ import pytest
 import stablejax
 from stablejax.modeling.utils import (excess_kurtosis, init_new_token_embeddings, lambda_warmup,
                                    merge_emb_proj, quantize_weights_rtn)
-from stablejax.training.model import GPT, ModelConfig
+from stablejax.modeling.gpt import GPT, ModelConfig
 
 CFG = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, max_seq_len=8,
                   scan_layers=False, compute_dtype="float32")

@@ -533,7 +533,7 @@ def _slice_child(out: str) -> None:
   from stablejax.training.config import load_config
   from stablejax.training.loop import Run
 
-  cfg = load_config(ROOT / "configs" / "default.json",
+  cfg = load_config(ROOT / "stablejax" / "configs" / "default.json",
                     [*TINY, *SLICE, "mesh.distributed=true", "mesh.initialization_timeout=300"])
   run = Run(cfg, Path(out) / "run")
   it = run.data.train_iter()
@@ -586,7 +586,7 @@ def test_processes_read_disjoint_rows_that_form_the_single_process_batch(tmp_pat
 
   from stablejax.training.config import load_config
   from stablejax.data.pipeline import build_data
-  cfg = load_config(ROOT / "configs" / "default.json", [*TINY, *SLICE])
+  cfg = load_config(ROOT / "stablejax" / "configs" / "default.json", [*TINY, *SLICE])
   t = cfg.train
   single = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed)
   it = single.train_iter()

@@ -17,7 +17,7 @@ from stablejax.muon.lr_check import ADAM_MAX_LR
 from stablejax.muon import routing
 from stablejax.training import config as config_lib
 from stablejax.training.config import Config, ConfigError, config_from_dict, load_config
-from stablejax.training.model import GPT
+from stablejax.modeling.gpt import GPT
 from stablejax.training.step import TrainState, make_train_step
 from trainer_utils import ROOT, read_metrics, run_subprocess, slow
 
@@ -124,7 +124,7 @@ def test_ineffective_keys_are_named(overrides, keys):
 
 @pytest.mark.parametrize("name", ["default.json", "gpt2_small.json", "openwebtext_stable.json"])
 def test_shipped_configs_set_no_ineffective_key(name):
-  assert config_lib.ineffective_keys(load_config(ROOT / "configs" / name)) == []
+  assert config_lib.ineffective_keys(load_config(ROOT / "stablejax" / "configs" / name)) == []
 
 
 # ---------------------------------------------------------------- 12.2: max_grad_norm with AdaGC

@@ -28,7 +28,7 @@ except ModuleNotFoundError:  # Python 3.10: build, in the test extra, brings tom
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "stablejax"
 # Repository folders that are not part of the package and must not be installed with it.
-NOT_SHIPPED = {"tests", "bench", "runs", "docs", "tools", "examples", "configs", ".venv"}
+NOT_SHIPPED = {"tests", "bench", "runs", "docs", "tools", "examples", ".venv"}
 
 
 def _source_version() -> str:

@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import stablejax
-from stablejax.muon.heads import AttentionLayer, HeadParam
+from stablejax.layout.heads import AttentionLayer, HeadParam
 
 TAU = 100.0
 
@@ -250,10 +250,7 @@ def test_gemma_style_einsum_model_heads_clip_to_tau(kv_heads):
   # [3, H, D, hd], or q_einsum with a fused kv_einsum [2, K, D, hd] for GQA/MQA), layers found
   # by find_attention_layers through the NNX state: after clipping with each head's measured
   # max logit, every head above tau has max logit tau on the same input, the others keep theirs.
-  import sys
-  from pathlib import Path
   from flax import nnx
-  sys.path.insert(0, str(Path(__file__).parent))
   from flax_models import EinsumLM
 
   model = EinsumLM(kv_heads=kv_heads, head_dim=8, rngs=nnx.Rngs(0))

@@ -15,7 +15,7 @@ from stablejax.cli.quantize_eval import main
 from stablejax.data.pipeline import build_data
 from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
 from stablejax.training.runs import load_run_config
-from stablejax.training.model import GPT
+from stablejax.modeling.gpt import GPT
 from trainer_utils import run_inprocess, summary
 
 STEPS = 60   # fewer leave the weights so close to their initial noise that 2 bits barely matter

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from stablejax.training.generate import Generator, greedy_reference, sample_logits
-from stablejax.training.model import GPT, ModelConfig
+from stablejax.modeling.gpt import GPT, ModelConfig
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
             compute_dtype="float32", init_std=0.2)

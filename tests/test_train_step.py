@@ -109,7 +109,7 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
   # clip is the chain's last link, so the second run's parameters are the first's with every
   # head whose max logit (re-derived here from the initial parameters) exceeded tau scaled by
   # sqrt(tau / max) in its q_proj and k_proj columns, and nothing else changed.
-  from stablejax.training.model import layer_max_logits
+  from stablejax.modeling.gpt import layer_max_logits
   plain = make_run(tmp_path, "plain", "model.qk_norm=false")  # QK-clip needs a model without it
   batch = stream(plain, 1)[0]
   params0 = plain.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params

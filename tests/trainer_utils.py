@@ -44,7 +44,7 @@ def sets(*overrides: str) -> list[str]:
 def tiny_config(*overrides: str):
   """The Config object of a tiny run (for Run(...) in process, or to re-derive expected values)."""
   from stablejax.training.config import load_config
-  return load_config(ROOT / "configs" / "default.json", [*TINY, *overrides])
+  return load_config(ROOT / "stablejax" / "configs" / "default.json", [*TINY, *overrides])
 
 
 def optax_lr(cfg, count: int, lr_scale: float = 1.0) -> float:
@@ -59,13 +59,9 @@ def optax_lr(cfg, count: int, lr_scale: float = 1.0) -> float:
 
 def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:
   """Runs train.main in this process (no interpreter start-up cost)."""
-  sys.path.insert(0, str(ROOT))
-  try:
-    import train
-  finally:
-    sys.path.pop(0)
+  from stablejax.cli.train import main
   argv = sets(*overrides) + ["--out", str(out)] + (["--fresh"] if fresh else [])
-  return train.main(argv)
+  return main(argv)
 
 
 def run_subprocess(out: Path, *overrides: str, fresh: bool = False, devices: int | None = None,

@@ -76,7 +76,7 @@ LOOP = "stablejax/training/loop.py"
 HEALTH = "stablejax/monitor/health.py"
 STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
 ROUTING = "stablejax/muon/routing.py"
-LAYOUT = "stablejax/muon/layout.py"
+LAYOUT = "stablejax/layout/analysis.py"
 QK_CLIP = "stablejax/transforms/qk_clip.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
@@ -142,9 +142,9 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
 
 # Modules of stablejax/ without mutants, and why.
 MODULES_NOT_COVERED = {
-    "muon/describe.py, muon/heads.py, modeling/attention.py": "not yet: heads.py holds types "
-        "and find_attention_layers, whose layout analysis is mutated in muon/layout.py",
-    "monitor/tensorboard.py, training/model.py, runs.py, sampling.py, cli/sample.py":
+    "muon/describe.py, layout/heads.py, modeling/attention.py": "not yet: heads.py holds types "
+        "and find_attention_layers, whose layout analysis is mutated in layout/analysis.py",
+    "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
     "training/loop.py beyond its decisions on a bare Run": "only trainer runs (minutes each) "
@@ -1281,7 +1281,7 @@ MUTANTS = [
        "a callable param_labels gets the boxed tree instead of its arrays",
        ("tests/test_routing.py", "-k", "same_labels or callable")),
 
-    # ---------------------------------------------------------------- muon/layout.py
+    # ---------------------------------------------------------------- layout/analysis.py
     _m("LT1", LAYOUT, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",
        "return _is_variable(x) or isinstance(x, optax.MaskedNode)",
        "a Linen metadata box is not one parameter (boxed and unboxed trees differ)",
@@ -1377,7 +1377,7 @@ MUTANTS = [
        "rollbacks are lost over a save and restore"),
 ]
 
-COPIED = ("stablejax", "tests", "train.py", "configs", "pyproject.toml", "README.md", "examples",
+COPIED = ("stablejax", "tests", "train.py", "pyproject.toml", "README.md", "examples",
           "bench", "docs")
 
 

@@ -20,6 +20,8 @@ class Command(NamedTuple):
 
 
 COMMANDS = {
+    "train": Command("stablejax.cli.train",
+                     "train a Pre-LN GPT with the stability stack (checkpoints, logs, recovery)"),
     "prepare": Command("stablejax.cli.prepare",
                        "prepare a corpus: documents -> tokens -> train.bin, val.bin, meta.json"),
     "sample": Command("stablejax.cli.sample", "sample text from a trained run"),
@@ -34,7 +36,7 @@ COMMANDS = {
 def usage() -> str:
   width = max(map(len, COMMANDS))
   lines = ["usage: python -m stablejax COMMAND [ARGS...]", "",
-           "Training-stability tools of stablejax (train with: python train.py).", "",
+           "Training-stability tools of stablejax.", "",
            "commands:"]
   lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
   lines += ["", "python -m stablejax COMMAND --help describes a command's arguments."]

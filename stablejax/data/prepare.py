@@ -4,8 +4,8 @@
 
 After nanoGPT's ``data/openwebtext/prepare.py``, as a tool (the command line is
 :mod:`stablejax.cli.prepare`; this module is the library it runs, :func:`prepare`). Then
-``python train.py --set data.train=DIR`` trains on it and ``python -m stablejax sample RUN_DIR``
-samples with its tokenizer.
+``python -m stablejax train --set data.train=DIR`` trains on it and
+``python -m stablejax sample RUN_DIR`` samples with its tokenizer.
 
 INPUT (several mix; ``--weights`` gives their sampling weights, default: their token counts):
   * a text file (any name; ``.gz`` is read compressed): documents are separated by the string

@@ -17,7 +17,7 @@ part of ``q.k`` and not included):
   into the intermediates (when the layer is called with ``sow_weights=True``).
 * :func:`collect_attention_logits`: reads every sown value back as ``{layer name: [*stack, H]}``,
   the layout :func:`stablejax.qk_clip` takes (the layer name is the module path, as in
-  :class:`stablejax.muon.heads.AttentionLayer`).
+  :class:`stablejax.layout.heads.AttentionLayer`).
 
 The trainer's GPT sows the same intermediate (``GPT(..., attention_logits=True)``).
 """

@@ -9,7 +9,7 @@
 * ``quantize_weights_rtn``: per-channel round-to-nearest weight quantisation (fake-quantised), to
   measure how well a model survives 4-bit weights.
 
-These work on the parameter trees of ``stablejax.training.model.GPT`` (``tok_embed/embedding``
+These work on the parameter trees of ``stablejax.modeling.gpt.GPT`` (``tok_embed/embedding``
 ``[V, D]``, ``lm_head/kernel`` ``[D, V]``, ``emb_proj_in/kernel``, ``emb_proj_out/kernel``);
 a tree wrapped as ``{"params": ...}`` is accepted too.
 """
@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 if TYPE_CHECKING:
-  from stablejax.training.model import ModelConfig
+  from stablejax.modeling.gpt import ModelConfig
 
 
 def _unwrap(params: Any) -> tuple[Any, Callable[[Any], Any]]:
@@ -208,7 +208,7 @@ def merge_emb_proj(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
 
   Example:
     >>> import jax, jax.numpy as jnp, stablejax
-    >>> from stablejax.training.model import GPT, ModelConfig
+    >>> from stablejax.modeling.gpt import GPT, ModelConfig
     >>> cfg = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, emb_proj=True,
     ...                   compute_dtype="float32")
     >>> tokens = jnp.arange(6)[None]

@@ -10,7 +10,7 @@ so the routing here goes by the parameter's role, and can be printed with
 Groups: ``"muon"`` (hidden matrices), ``"adam"`` (norm gains, biases, scalars: never weight
 decayed), ``"embedding"`` and ``"head"`` (AdamW matrices with their own learning rates).
 
-**Metadata first, shapes second, names last** (:mod:`stablejax.muon.layout`, the analysis the
+**Metadata first, shapes second, names last** (:mod:`stablejax.layout.analysis`, the analysis the
 attention-head finder shares). Flax partitioning metadata with logical axis names (Linen
 ``nn.LogicallyPartitioned`` / ``nn.Partitioned`` boxes, NNX ``out_sharding``) says what each
 axis is: ``('vocab', 'embed')`` is an embedding, ``('embed', 'vocab')`` a head, and a kernel's
@@ -53,8 +53,8 @@ import jax
 import numpy as np
 import optax
 
-from stablejax.muon import layout
-from stablejax.muon.layout import Leaf, param_leaves, path_to_str  # noqa: F401 (re-exported)
+from stablejax.layout import analysis as layout
+from stablejax.layout.analysis import Leaf, param_leaves, path_to_str  # noqa: F401 (re-exported)
 
 GROUPS = ("muon", "adam", "embedding", "head")
 MuonDimensionNumbers: Any = optax.contrib.MuonDimensionNumbers  # Any: usable in isinstance
@@ -462,7 +462,7 @@ def label_params(params: Any, overrides: Optional[Mapping[str, str]] = None,
                  strict: bool = False) -> Any:
   """Default routing: a pytree of group labels with the structure of ``params``.
 
-  Rules, first match wins (see :mod:`stablejax.muon.routing` and :mod:`stablejax.muon.layout`):
+  Rules, first match wins (see :mod:`stablejax.muon.routing` and :mod:`stablejax.layout.analysis`):
 
   1. Flax metadata with logical axis names: a ``norm`` axis or fewer than 2 non-batch axes is
      ``"adam"``, ``('vocab', 'embed')`` is ``"embedding"``, ``('embed', 'vocab')`` is ``"head"``;

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from stablejax.data.pipeline import DataConfig, prepared_vocab_size
-from stablejax.training.model import ModelConfig
+from stablejax.modeling.gpt import ModelConfig
 
 
 class ConfigError(ValueError):
@@ -337,8 +337,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     node_default = defaults
     for part in parts:
       if not isinstance(node_default, dict) or part not in node_default:
-        raise ConfigError(f"--set {dotted}: no such config key; see configs/default.json for "
-                          "the keys")
+        raise ConfigError(f"--set {dotted}: no such config key; see "
+                          "stablejax/configs/default.json for the keys")
       node_default = node_default[part]
     try:
       value = json.loads(text)
@@ -351,8 +351,40 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
   return raw
 
 
+def packaged_configs() -> dict[str, Path]:
+  """The configs that ship with the package (``stablejax/configs/*.json``), by name."""
+  folder = Path(__file__).resolve().parent.parent / "configs"
+  return {p.stem: p for p in sorted(folder.glob("*.json"))}
+
+
+def config_path(name_or_path: str | Path) -> Path:
+  """The JSON file of ``--config``: an existing file, else a packaged config's name.
+
+  Raises:
+    ConfigError: neither a file nor a packaged config (the message lists the names).
+  """
+  path = Path(name_or_path)
+  if path.is_file():
+    return path
+  packaged = packaged_configs()
+  name = path.stem if path.suffix == ".json" and path.parent == Path("configs") else str(path)
+  if name in packaged:
+    return packaged[name]
+  raise ConfigError(f"config {str(name_or_path)!r} is neither a file nor a packaged config: pass "
+                    f"a JSON file or one of {', '.join(packaged)}")
+
+
+def config_name(name_or_path: str | Path) -> str:
+  """The name a run directory takes by default (``runs/<name>``): the file name without .json."""
+  return Path(name_or_path).stem
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
-  """The config of a JSON file (None: the defaults) with ``section.key=value`` overrides.
+  """The config of a JSON file or packaged config (None: the defaults) with ``section.key=value``
+  overrides.
+
+  ``path`` is a JSON file, or the name of a config that ships with the package (``"default"``,
+  ``"gpt2_small"``, ...; `packaged_configs`).
 
   A time budget in the file or the overrides owns the step count unless ``train.steps`` is given
   in the same place or later (`config_from_dict`).
@@ -372,14 +404,11 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     ...   load_config(path, ["model.n_layer=3"])
     ... except ConfigError as e:
     ...   print(e)
-    --set model.n_layer: no such config key; see configs/default.json for the keys
+    --set model.n_layer: no such config key; see stablejax/configs/default.json for the keys
   """
   raw: dict = {}
   if path is not None:
-    path = Path(path)
-    if not path.is_file():
-      raise ConfigError(f"config file {path} does not exist: pass an existing --config (see "
-                        "configs/)")
+    path = config_path(path)
     try:
       raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablejax.training.model import GPT, ModelConfig
+from stablejax.modeling.gpt import GPT, ModelConfig
 
 if TYPE_CHECKING:
   from stablejax.data.tokenizer import Tokenizer

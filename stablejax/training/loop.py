@@ -40,7 +40,7 @@ from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_jso
 from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
 from stablejax.training.generate import EvalSampler
 from stablejax.training.logger import RunLogger
-from stablejax.training.model import GPT, count_params, model_flops_per_token
+from stablejax.modeling.gpt import GPT, count_params, model_flops_per_token
 from stablejax.training.optim import (build_optimizer, learning_rate_warnings, learning_rates,
                                       lr_schedule, main_optimizer, set_lr_scale)
 from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent

@@ -25,7 +25,7 @@ arguments.
 
 Example::
 
-    python train.py --out runs/small
+    python -m stablejax train --out runs/small
     python -m stablejax quantize-eval runs/small --bits 4 --exclude lm_head
     # checkpoint step 300, 8 validation batches, excluded lm_head
     # val loss full precision: ...
@@ -51,7 +51,7 @@ from stablejax.training.runs import RunError, check_params, load_run_config, res
 
 if TYPE_CHECKING:
   from stablejax.training.config import Config
-  from stablejax.training.model import ModelConfig
+  from stablejax.modeling.gpt import ModelConfig
 
 RESULT_FILE = "quantize_eval.json"
 
@@ -98,7 +98,7 @@ def _jitted_eval_step(config_json: str) -> Callable:
 
   from stablejax.modeling.utils import lambda_warmup
   from stablejax.training.config import config_from_dict
-  from stablejax.training.model import GPT
+  from stablejax.modeling.gpt import GPT
   from stablejax.training.step import make_eval_step
 
   cfg = config_from_dict(json.loads(config_json))

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
   from stablejax.data.pipeline import DataConfig
   from stablejax.training.config import Config
-  from stablejax.training.model import ModelConfig
+  from stablejax.modeling.gpt import ModelConfig
 
 import numpy as np
 
@@ -146,7 +146,7 @@ def restore_params(run_dir: str | Path,
     manager.close()
     absl_logger.setLevel(level)
   raise RunError(f"none of the {len(steps)} checkpoints in {directory} could be restored: "
-                 f"train the run again (python train.py --fresh)")
+                 f"train the run again (python -m stablejax train --fresh)")
 
 
 def check_params(params: Any, model_cfg: ModelConfig, seq_len: int) -> None:
@@ -154,7 +154,7 @@ def check_params(params: Any, model_cfg: ModelConfig, seq_len: int) -> None:
   import jax
   import jax.numpy as jnp
 
-  from stablejax.training.model import GPT
+  from stablejax.modeling.gpt import GPT
 
   tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
   expected = jax.eval_shape(lambda t: GPT(model_cfg).init(jax.random.PRNGKey(0), t), tokens)

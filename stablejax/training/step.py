@@ -18,7 +18,7 @@ import optax
 
 import stablejax
 from stablejax.training.config import Config
-from stablejax.training.model import layer_max_logits
+from stablejax.modeling.gpt import layer_max_logits
 from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale
 from stablejax.training.recovery import backoff_lr_scale
 from stablejax.transforms.loss_scaling import all_finite

@@ -22,7 +22,7 @@ argument ``max_logits`` (as ``loss=`` does for the skip wrappers), computed in t
 pass: :func:`stablejax.collect_attention_logits` reads them from a Flax model's intermediates.
 
 Which parameters are a layer's query and key projections, and where their heads lie, is an
-:class:`~stablejax.muon.heads.AttentionLayer` (see :mod:`stablejax.muon.heads`).
+:class:`~stablejax.layout.heads.AttentionLayer` (see :mod:`stablejax.layout.heads`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
+from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
 from stablejax.transforms import _common
 from stablejax.transforms.metrics import register_state_metrics
 
@@ -54,7 +54,7 @@ class QKClipState(NamedTuple):
   Example:
     >>> import jax.numpy as jnp
     >>> import stablejax
-    >>> from stablejax.muon.heads import AttentionLayer, HeadParam
+    >>> from stablejax.layout.heads import AttentionLayer, HeadParam
     >>> attn = AttentionLayer("attn", num_heads=2, num_kv_heads=2,
     ...                       query=(HeadParam("q", head_axis=-1),),
     ...                       key=(HeadParam("k", head_axis=-1),))
@@ -137,9 +137,9 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
   Args:
     tau: the logit threshold (Kimi K2 uses 100). At small scale healthy heads can exceed 100
       (see the README's measurements), so set it from the logits of a healthy run.
-    layers: the attention layers: a list of :class:`~stablejax.muon.heads.AttentionLayer`, a
+    layers: the attention layers: a list of :class:`~stablejax.layout.heads.AttentionLayer`, a
       function ``params -> list`` of them, or None for
-      ``stablejax.muon.heads.find_attention_layers(params, num_heads)`` (called once per
+      ``stablejax.layout.heads.find_attention_layers(params, num_heads)`` (called once per
       parameter structure, when the step is traced).
     num_heads: with ``layers=None``, the query head count for models whose query and key
       kernels hold every head in one axis (``[D, H * head_dim]``) and have no QK-norm gain to
@@ -161,7 +161,7 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
     >>> import jax.numpy as jnp
     >>> import optax
     >>> import stablejax
-    >>> from stablejax.muon.heads import AttentionLayer, HeadParam, find_attention_layers
+    >>> from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
     >>> attn = AttentionLayer("attn", num_heads=2, num_kv_heads=2,
     ...                       query=(HeadParam("q", head_axis=-1),),
     ...                       key=(HeadParam("k", head_axis=-1),))
@@ -198,7 +198,7 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
           raise ValueError(f"qk_clip layers must be AttentionLayer objects, got {layer!r}")
       if not found:
         raise ValueError("qk_clip found no attention layer in the parameters: pass layers= "
-                         "(a list of stablejax.muon.heads.AttentionLayer)")
+                         "(a list of stablejax.layout.heads.AttentionLayer)")
       resolved[structure] = found
     return resolved[structure]
 

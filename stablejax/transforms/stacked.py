@@ -2,7 +2,7 @@
 
 A model whose blocks run under ``nn.scan`` / ``jax.lax.scan`` keeps each block
 parameter as one leaf with a leading layer axis (``blocks/attn/q_proj/kernel``
-of shape ``[L, D, D]`` in :mod:`stablejax.training.model`; ``layers`` in
+of shape ``[L, D, D]`` in :mod:`stablejax.modeling.gpt`; ``layers`` in
 MaxText, ``blocks`` in Levanter). Per-layer statistics (AdaGC's thresholds,
 the monitor's per-layer gradient norms) treat such a leaf as ``L`` tensors.
 

@@ -19,7 +19,7 @@ import fnmatch
 import warnings
 from typing import Any, Mapping, Optional
 
-from stablejax.muon import layout
+from stablejax.layout import analysis as layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +201,7 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
                           strict: bool = False) -> list[AttentionLayer]:
   """The attention layers of a model: where each layer's query and key heads lie.
 
-  Reads the same layout analysis as the Muon routing (:mod:`stablejax.muon.layout`: Flax
+  Reads the same layout analysis as the Muon routing (:mod:`stablejax.layout.analysis`: Flax
   partitioning metadata first, shapes second, names last). Recognised:
 
   * 3+-axis projections with a heads axis: Flax Linen ``MultiHeadDotProductAttention`` and
@@ -239,7 +239,7 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from stablejax.muon.heads import find_attention_layers
+    >>> from stablejax.layout.heads import find_attention_layers
     >>> params = {"embed": jnp.zeros((50, 8)),
     ...           "attn": {"query": {"kernel": jnp.zeros((8, 2, 4))},
     ...                    "key": {"kernel": jnp.zeros((8, 2, 4))},

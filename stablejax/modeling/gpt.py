@@ -16,7 +16,7 @@ Options (``ModelConfig``):
   * ``tie_embeddings``: logits = h @ embedding.T, no ``lm_head``.
   * ``embed_scale``: embeddings multiplied by sqrt(d_model).
   * ``bitnet``: every block linear is a BitNet b1.58 quantisation-aware linear mixed with full
-    precision by ``bitnet_lambda`` (see ``stablejax.training.bitnet``). Embedding, EmbProj and
+    precision by ``bitnet_lambda`` (see ``stablejax.modeling.bitnet``). Embedding, EmbProj and
     head stay full precision.
 
 Precision: parameters are created and stored in ``param_dtype`` (float32 by default); each call
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablejax.modeling.attention import MAX_LOGIT, causal_attention_with_max_logit
-from stablejax.training.bitnet import bitnet_matmul
+from stablejax.modeling.bitnet import bitnet_matmul
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NORMS = ("rmsnorm", "ssnorm")

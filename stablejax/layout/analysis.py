@@ -2,7 +2,7 @@
 
 One analysis serves the routing (:mod:`stablejax.muon.routing`: which optimizer trains each
 parameter, which matrix Muon orthogonalises) and the attention-head finder
-(:func:`stablejax.muon.heads.find_attention_layers`, used by QK-clip), so a layout is recognised
+(:func:`stablejax.layout.heads.find_attention_layers`, used by QK-clip), so a layout is recognised
 in one place.
 
 **Metadata.** Flax models often say what each axis of a parameter is: Linen's
