@@ -32,7 +32,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from stablejax.monitor import StabilityMonitor, _as_float, health_code
+from stablejax.monitor import StabilityMonitor, _as_float, health_code, specs
+from stablejax.transforms.metrics import MetricsSpec
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
@@ -221,29 +222,17 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   mark_events(ax)
   finish(ax, "loss", "loss")
 
-  # 2. grad norm: raw vs clipped, ZClip band and threshold
+  # 2. grad norm: raw vs clipped, and each clipping defence's band and threshold
   ax = axes[0, 1]
-  raw_key = "zclip/grad_norm" if any("zclip/grad_norm" in r for r in train) else "grad_norm"
+  raw_keys = [key for key in specs.grad_norm_keys()[1:] if any(key in r for r in train)]
+  raw_key = raw_keys[0] if raw_keys else "grad_norm"
   xs, ys = _series(train, raw_key)
   if xs:
     ax.plot(xs, [y if math.isfinite(y) else float("nan") for y in ys], lw=1, label="raw grad norm")
-  xs, ys = _series(train, "zclip/clipped_grad_norm")
-  if xs:
-    ax.plot(xs, ys, lw=1, label="clipped grad norm")
-  bx, lo, hi = [], [], []
-  for r in train:
-    m, s = _num(r.get("zclip/ema_mean")), _num(r.get("zclip/ema_std"))
-    if m is not None and s is not None and math.isfinite(m) and math.isfinite(s) and m > 0:
-      bx.append(r["step"])
-      lo.append(max(m - s, 0.1 * m))  # on a log axis a band down to ~0 would swamp the plot
-      hi.append(m + s)
-  if bx:
-    bxs, los = _break_rewinds(bx, lo)
-    _, his = _break_rewinds(bx, hi)
-    ax.fill_between(bxs, los, his, color="tab:green", alpha=0.2, label="ZClip EMA mean +- std")
-  xs, ys = _series(train, "zclip/threshold")
-  if xs:
-    ax.plot(xs, ys, color="k", lw=0.9, ls=":", label="ZClip threshold")
+  for spec in specs.metric_specs():
+    if spec.band is not None:
+      _plot_band(ax, train, spec, spec.band)
+  _plot_series(ax, train, "grad_norm")
   mark_events(ax, label=False)
   finish(ax, "gradient norm", "global L2 norm", log=True)
 
@@ -285,25 +274,21 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   # 5. window rates
   ax = axes[2, 0]
   steps = [r["step"] for r in train]
-  for key, label, style in (("zclip_spike_rate", "ZClip spike rate", "-"),
-                            ("zclip_clip_rate", "ZClip clip rate", "--"),
-                            ("skip_rate", "skipped-step rate", "-"),
-                            ("adagc_clip_rate", "AdaGC clipped tensors", "-."),
-                            ("muon_outlier_rate", "Muon outlier rate", "-"),
-                            ("muon_ns_instability_rate", "NS instability rate", ":"),
-                            ("muon_fallback_rate", "Muon fallbacks / step", "-")):
+  styles = ("-", "--", "-.", ":")
+  # Each registered rate, the skip rates as their sum (skipped steps per step).
+  rate_lines = [(rate.name, rate.label or rate.name) for _, rate in specs.rates() if not rate.skip]
+  rate_lines.append((specs.SKIP_RATE, "skipped-step rate"))
+  for i, (key, label) in enumerate(rate_lines):
     ys = [rt.get(key, float("nan")) for rt in analysis["rates"]]
     if any(math.isfinite(y) for y in ys):
       xs_k, ys_k = _break_rewinds(steps, ys)
-      ax.plot(xs_k, ys_k, lw=1, ls=style, label=label)
+      ax.plot(xs_k, ys_k, lw=1, ls=styles[i % len(styles)], label=label)
   mark_events(ax, label=False)
   finish(ax, "window rates (replayed monitor)")
 
   # 6. per-group update RMS
   ax = axes[2, 1]
-  for key in sorted({k for r in train for k in r if k.startswith("muon/update_rms/")}):
-    xs, ys = _series(train, key)
-    ax.plot(xs, ys, lw=1, label=key[len("muon/update_rms/"):])
+  _plot_series(ax, train, "update_rms")
   mark_events(ax, label=False)
   finish(ax, "update RMS per group", log=True)
 
@@ -322,9 +307,7 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
     xs, ys = _series(train, "attn_logit_max")
     if xs:
       ax.plot(xs, ys, lw=1.2, label="max over layers")
-  xs, ys = _series(train, "qk_clip/max_logit")
-  if xs:
-    ax.plot(xs, ys, "k:", lw=1, label="QK-clip: step max (before clipping)")
+  _plot_series(ax, train, "attention")
   mark_events(ax, label=False)
   finish(ax, "max attention logit q.k/sqrt(d) per layer", log=True)
 
@@ -342,6 +325,39 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   out_path = Path(out_path)
   fig.savefig(out_path, format="png")
   return out_path
+
+
+def _plot_series(ax: Any, train: Sequence[dict], panel: str) -> None:
+  """The registered specs' lines of one panel (:class:`stablejax.transforms.metrics.Series`)."""
+  for spec in specs.metric_specs():
+    for line in spec.series:
+      if line.panel != panel:
+        continue
+      keys = ([spec.key(line.key)] if line.key != "*" else
+              sorted({k for r in train for k in r if k.startswith(spec.prefix + "/")}))
+      for key in keys:
+        xs, ys = _series(train, key)
+        if xs:
+          label = key[len(spec.prefix) + 1:] if line.label == "*" else line.label
+          ax.plot(xs, ys, lw=1, ls=line.style, color="k" if line.style == ":" else None,
+                  label=label)
+
+
+def _plot_band(ax: Any, train: Sequence[dict], spec: MetricsSpec,
+               band: tuple[str, str, str]) -> None:
+  """A shaded mean +- std band (e.g. ZClip's EMA statistics of the gradient norm)."""
+  mean_key, std_key, label = band
+  bx, lo, hi = [], [], []
+  for r in train:
+    m, s = _num(r.get(spec.key(mean_key))), _num(r.get(spec.key(std_key)))
+    if m is not None and s is not None and math.isfinite(m) and math.isfinite(s) and m > 0:
+      bx.append(r["step"])
+      lo.append(max(m - s, 0.1 * m))  # on a log axis a band down to ~0 would swamp the plot
+      hi.append(m + s)
+  if bx:
+    bxs, los = _break_rewinds(bx, lo)
+    _, his = _break_rewinds(bx, hi)
+    ax.fill_between(bxs, los, his, color="tab:green", alpha=0.2, label=label)
 
 
 def _fmt(v: Optional[float]) -> str:
@@ -384,8 +400,8 @@ def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int 
     out.append(f"non-finite loss at {len(nonfinite)} logged step(s): {_list(nonfinite, max_lines)}")
   total_skips = 0
   if train:
-    for key in ("skip_nonfinite/total_skips", "skip_spikes/total_skips"):
-      v = _num(train[-1].get(key))
+    for spec, rate in specs.rates():
+      v = _num(train[-1].get(spec.key(rate.counter))) if rate.skip and rate.counter else None
       if v is not None and math.isfinite(v):
         total_skips += int(v)
   out.append(f"skipped steps: {total_skips} by the last logged counters; flagged at logged steps "

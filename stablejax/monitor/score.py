@@ -3,25 +3,45 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
 
 
 SCORE_PENALTY_AT_BUDGET = 0.2
 """How much the score drops when one signal reaches its budget."""
 
+
+class _Budgets(Mapping[str, float]):
+  """The budget of every scored rate: the rates registered with a budget
+  (:func:`stablejax.register_state_metrics`), then the skipped-step rate and the rollbacks."""
+
+  def _items(self) -> dict[str, float]:
+    budgets = {rate.name: rate.budget for _, rate in specs.rates() if rate.budget is not None}
+    budgets[specs.SKIP_RATE] = specs.SKIP_RATE_BUDGET
+    budgets[specs.ROLLBACKS] = specs.ROLLBACKS_BUDGET
+    return budgets
+
+  def __getitem__(self, key: str) -> float:
+    return self._items()[key]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self._items())
+
+  def __len__(self) -> int:
+    return len(self._items())
+
+  def __repr__(self) -> str:
+    return repr(self._items())
+
+
 # Only abnormal events count: a z-score spike, not ZClip's warmup or ceiling clipping, and not
 # AdaGC's per-tensor clipping, which clip on most steps of healthy runs by design.
-SCORE_BUDGETS: Mapping[str, float] = {
-    "zclip_spike_rate": 0.2,
-    "muon_outlier_rate": 0.05,
-    "muon_ns_instability_rate": 0.05,
-    "muon_fallback_rate": 0.01,
-    "skip_rate": 0.05,
-    "rollbacks": 1.0,
-}
-"""Per-signal budget ``b_i``: the rate at which that signal alone brings the score to 0.8."""
+SCORE_BUDGETS: Mapping[str, float] = _Budgets()
+"""Per-signal budget ``b_i``: the rate at which that signal alone brings the score to 0.8 (a live
+view of the registered rates' budgets: ZClip spikes 0.2, Muon outliers 0.05, NS instability 0.05,
+emergency fallbacks 0.01, skipped steps 0.05, rollbacks 1)."""
 
 
 def stability_score(rates: Mapping[str, Any]) -> float:
@@ -62,21 +82,26 @@ def stability_score(rates: Mapping[str, Any]) -> float:
   return float(min(1.0, max(0.0, 1.0 - penalty)))
 
 
-TROUBLESHOOTING = (
-    ("zclip_spike_rate", 0.2,
-     "ZClip spike rate {value:.3g} > 0.2: lower the learning rates by 20%"),
-    ("muon_ns_instability_rate", 0.05,
-     "Newton-Schulz instability rate {value:.3g} > 0.05: use fewer NS steps (e.g. 5 -> 3) "
-     "or run NS in float32"),
-    ("muon_outlier_rate", 0.05,
-     "Muon outlier rate {value:.3g} > 0.05: lower the Muon learning rate or check the data "
-     "for pathological batches"),
-    ("muon_fallback_rate", 0.01,
-     "Muon emergency fallbacks {value:.3g} per step > 0.01: lower the Muon learning rate"),
-    ("skip_rate", 0.05,
-     "skipped-step rate {value:.3g} > 0.05: look for bad data windows; lower the learning rate "
-     "(under fp16, a smaller loss scale)"),
-)
+class _Troubleshooting(Sequence[tuple[str, float, str]]):
+  """The rows of the registered rates that carry advice, then the skipped-step rate's."""
+
+  def _rows(self) -> list[tuple[str, float, str]]:
+    rows = [(rate.name, rate.budget, rate.advice) for _, rate in specs.rates()
+            if rate.budget is not None and rate.advice is not None]
+    rows.append((specs.SKIP_RATE, specs.SKIP_RATE_BUDGET, specs.SKIP_RATE_ADVICE))
+    return rows
+
+  def __getitem__(self, index: Any) -> Any:
+    return self._rows()[index]
+
+  def __len__(self) -> int:
+    return len(self._rows())
+
+  def __repr__(self) -> str:
+    return repr(self._rows())
+
+
+TROUBLESHOOTING: Sequence[tuple[str, float, str]] = _Troubleshooting()
 """Rows ``(rate key, limit, advice)``; a row fires when the rate exceeds its limit."""
 
 PLATEAU_ADVICE = ("loss plateau (the last window's mean loss is not below the previous "
@@ -94,7 +119,7 @@ def troubleshooting_advice(rates: Mapping[str, Any], loss_plateau: bool = False)
     One line per fired row, in table order.
   """
   lines = []
-  for key, limit, advice in TROUBLESHOOTING:
+  for key, limit, advice in list(TROUBLESHOOTING):
     r = _as_float(rates.get(key))
     if r is not None and r > limit:
       lines.append(advice.format(value=r))

@@ -6,29 +6,13 @@ import collections
 import math
 from typing import Any, Mapping, Optional
 
+from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
 from stablejax.monitor.health import AttentionLogitThresholds, HealthThresholds, grad_health_level
 from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
+from stablejax.transforms.metrics import MetricsSpec, Rate
 
 
-# kind -> (cumulative counter keys, per-step flag keys). Counter differences
-# between consecutive updates give exact event counts; where a counter is
-# missing or went backwards (rollback, resume), the per-step flag of the
-# logged step is used as a one-step sample.
-_EVENT_KINDS = {
-    "zclip_spike": (("zclip/spike_count",), ("zclip/is_spike",)),
-    "zclip_clip": (("zclip/clip_count",), ("zclip/was_clipped",)),
-    "skip_nonfinite": (("skip_nonfinite/total_skips",), ("skip_nonfinite/skipped",)),
-    "skip_spikes": (("skip_spikes/total_skips",), ("skip_spikes/skipped",)),
-    "muon_fallback": (("muon/fallback_count",), ("muon/fallback_rate",)),
-}
-# rate name -> per-step sampled metric key (averaged over the samples in the window).
-_SAMPLED = {
-    "adagc_clip_rate": "adagc/clipped_fraction",
-    "muon_outlier_rate": "muon/outlier_rate",
-    "muon_ns_instability_rate": "muon/ns_instability_rate",
-}
-_GRAD_NORM_KEYS = ("grad_norm", "zclip/grad_norm", "adagc/grad_norm", "skip_spikes/grad_norm")
 _ATTN_KEY = "attn_logit_max"
 ATTENTION_ADVICE = ("without QK-norm, attention logits past ~1e4 preceded divergence in every run "
                     "of Wortsman et al. (arXiv 2309.14322): turn on QK-norm (model.qk_norm=true), "
@@ -36,26 +20,29 @@ ATTENTION_ADVICE = ("without QK-norm, attention logits past ~1e4 preceded diverg
                     "rate")
 
 
-def _event_sample(kind: str, metrics: Mapping[str, Any], prev_counters: Mapping[str, float],
-                  steps: int) -> tuple[Optional[float], Optional[str], Optional[float]]:
-  """(events, how, counter value): events over ``steps`` from the counter, or a 1-step flag."""
-  counter_keys, flag_keys = _EVENT_KINDS[kind]
-  for key in counter_keys:
-    c = _as_float(metrics.get(key))
-    if c is None or not math.isfinite(c):
-      continue
+_V1_EVENT_KINDS = {"zclip_spike": "zclip_spike_rate", "zclip_clip": "zclip_clip_rate",
+                   "skip_nonfinite": "skip_nonfinite_rate", "skip_spikes": "skip_spikes_rate",
+                   "muon_fallback": "muon_fallback_rate"}
+
+
+def _event_sample(spec: MetricsSpec, rate: Rate, metrics: Mapping[str, Any],
+                  prev_counters: Mapping[str, float],
+                  steps: int) -> tuple[Optional[float], Optional[str]]:
+  """(events, how): events over ``steps`` from the counter, or a one-step sample of the flag."""
+  assert rate.counter is not None
+  key = spec.key(rate.counter)
+  c = _as_float(metrics.get(key))
+  if c is not None and math.isfinite(c):
     prev = prev_counters.get(key)
     if prev is not None and steps > 0 and c >= prev:
-      return c - prev, "counter", c
-    break  # counter present but no usable baseline: fall through to the flag
-  for key in flag_keys:
-    f = _as_float(metrics.get(key))
-    if f is None or not math.isfinite(f):
-      continue
-    if kind == "muon_fallback":
-      f = 1.0 if f > 0 else 0.0  # fraction of tensors -> "a fallback happened this step"
-    return min(max(f, 0.0), 1.0), "flag", None
-  return None, None, None
+      return c - prev, "counter"
+    # counter present but no usable baseline: fall through to the flag
+  f = _as_float(metrics.get(spec.key(rate.flag)))
+  if f is None or not math.isfinite(f):
+    return None, None
+  if rate.tensors:
+    f = 1.0 if f > 0 else 0.0  # fraction of tensors -> "it happened this step"
+  return min(max(f, 0.0), 1.0), "flag"
 
 
 class StabilityMonitor:
@@ -141,7 +128,7 @@ class StabilityMonitor:
     self._rollbacks: list[list] = []    # [clock, step, cause]
     self._level: Optional[str] = None
     self._level_counts: dict[str, int] = {}
-    self._threshold: Optional[float] = None
+    self._thresholds: dict[str, float] = {}   # spec prefix -> latest clip value in effect
     self._last_advice_clock: Optional[int] = None
     self._n_updates = 0
     self._n_warnings = 0
@@ -178,26 +165,26 @@ class StabilityMonitor:
     self._n_updates += 1
 
     events: dict[str, list] = {}
+    sampled: dict[str, float] = {}
     prev = self._counters if have_baseline else {}
     new_counters = {}
-    for kind, (counter_keys, _) in _EVENT_KINDS.items():
-      n, how, c = _event_sample(kind, metrics, prev, steps)
-      for key in counter_keys:
-        value = _as_float(metrics.get(key))
-        if value is not None and math.isfinite(value):
-          new_counters[key] = value
+    for spec, rate in specs.rates():
+      if rate.counter is None:  # a per-step fraction, averaged over the window's records
+        v = _as_float(metrics.get(spec.key(rate.flag)))
+        if v is not None and math.isfinite(v):
+          sampled[rate.name] = v
+        continue
+      n, how = _event_sample(spec, rate, metrics, prev, steps)
+      value = _as_float(metrics.get(spec.key(rate.counter)))
+      if value is not None and math.isfinite(value):
+        new_counters[spec.key(rate.counter)] = value
       if n is not None:
-        events[kind] = [n, steps if how == "counter" else 1]
+        events[rate.name] = [n, steps if how == "counter" else 1]
     self._counters = new_counters
-
-    sampled = {}
-    for name, key in _SAMPLED.items():
-      v = _as_float(metrics.get(key))
-      if v is not None and math.isfinite(v):
-        sampled[name] = v
-    thr = _as_float(metrics.get("zclip/threshold"))
-    if thr is not None and math.isfinite(thr):
-      self._threshold = thr
+    for spec in specs.metric_specs():
+      thr = _as_float(metrics.get(spec.key(spec.threshold))) if spec.threshold else None
+      if thr is not None and math.isfinite(thr):
+        self._thresholds[spec.prefix] = thr
 
     self._entries.append([self._clock, events, sampled])
     lr = _as_float(metrics.get("lr"))
@@ -237,13 +224,14 @@ class StabilityMonitor:
   def _update_level(self, step: int, metrics: Mapping[str, Any],
                     loss: Optional[float]) -> list[str]:
     g = None
-    for key in _GRAD_NORM_KEYS:
+    for key in specs.grad_norm_keys():
       g = _as_float(metrics.get(key))
       if g is not None:
         break
     # a non-finite skip means this step's gradient was NaN/Inf; the optimizer-state norms then
     # still show the last accepted step, so the flag decides.
-    skipped_nonfinite = (_as_float(metrics.get("skip_nonfinite/skipped")) or 0.0) > 0
+    skipped_nonfinite = any((_as_float(metrics.get(key)) or 0.0) > 0
+                            for key in specs.nonfinite_keys())
     if skipped_nonfinite or (loss is not None and not math.isfinite(loss)):
       level = "exploded"
     elif g is not None:
@@ -370,30 +358,25 @@ class StabilityMonitor:
       for name, v in sampled.items():
         samples.setdefault(name, []).append(v)
     out: dict[str, float] = {}
-
-    def _rate(kind: str) -> float:
-      n, s = sums[kind]
-      r = n / s if s else 0.0
-      return r if kind == "muon_fallback" else min(r, 1.0)
-
-    for kind, name in (("zclip_spike", "zclip_spike_rate"), ("zclip_clip", "zclip_clip_rate")):
-      if kind in sums:
-        out[name] = _rate(kind)
-    if self._threshold is not None:
-      out["zclip_threshold"] = self._threshold
-    for name, values in samples.items():
-      out[name] = sum(values) / len(values)
-    if "muon_fallback" in sums:
-      out["muon_fallback_rate"] = _rate("muon_fallback")
     skip = None
-    for kind in ("skip_nonfinite", "skip_spikes"):
-      if kind in sums:
-        out[f"{kind}_rate"] = _rate(kind)
-        skip = (skip or 0.0) + out[f"{kind}_rate"]
+    for spec in specs.metric_specs():
+      for rate in spec.rates:
+        if rate.name in sums:
+          n, s = sums[rate.name]
+          r = n / s if s else 0.0
+          out[rate.name] = r if rate.tensors else min(r, 1.0)
+        elif rate.name in samples:
+          out[rate.name] = sum(samples[rate.name]) / len(samples[rate.name])
+        else:
+          continue
+        if rate.skip:
+          skip = (skip or 0.0) + out[rate.name]
+      if spec.prefix in self._thresholds:
+        out[f"{spec.prefix}_threshold"] = self._thresholds[spec.prefix]
     if skip is not None:
-      out["skip_rate"] = min(skip, 1.0)
+      out[specs.SKIP_RATE] = min(skip, 1.0)
     start = self._clock - self.window
-    out["rollbacks"] = float(sum(1 for c, _, _ in self._rollbacks if c > start))
+    out[specs.ROLLBACKS] = float(sum(1 for c, _, _ in self._rollbacks if c > start))
     return out
 
   def score(self) -> float:
@@ -437,7 +420,7 @@ class StabilityMonitor:
   def state_dict(self) -> dict[str, Any]:
     """The monitor's state as plain JSON-able Python data (for checkpoints)."""
     return {
-        "version": 1,
+        "version": 2,
         "clock": self._clock,
         "last_step": self._last_step,
         "counters": dict(self._counters),
@@ -446,7 +429,7 @@ class StabilityMonitor:
         "rollbacks": [list(x) for x in self._rollbacks],
         "level": self._level,
         "level_counts": dict(self._level_counts),
-        "threshold": self._threshold,
+        "thresholds": dict(self._thresholds),
         "last_advice_clock": self._last_advice_clock,
         "updates": self._n_updates,
         "warnings": self._n_warnings,
@@ -461,21 +444,27 @@ class StabilityMonitor:
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
     """Restores what :meth:`state_dict` returned (the constructor arguments stay)."""
-    if not isinstance(state, Mapping) or state.get("version") != 1:
+    if not isinstance(state, Mapping) or state.get("version") not in (1, 2):
       raise ValueError(
-          "StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1)")
+          "StabilityMonitor.load_state_dict needs a dict from state_dict() (version 1 or 2)")
+    # Version 1 (checkpoints of stablejax 0.1) named its event counts by kind, not by rate, and
+    # kept ZClip's threshold alone.
+    renamed = _V1_EVENT_KINDS if state["version"] == 1 else {}
     self._reset()
     self._clock = int(state["clock"])
     self._last_step = None if state["last_step"] is None else int(state["last_step"])
     self._counters = {k: float(v) for k, v in state["counters"].items()}
     self._entries = collections.deque(
-        [int(c), {k: [float(v[0]), int(v[1])] for k, v in e.items()},
+        [int(c), {renamed.get(k, k): [float(v[0]), int(v[1])] for k, v in e.items()},
          {k: float(v) for k, v in s.items()}] for c, e, s in state["entries"])
     self._losses = collections.deque([int(c), float(value)] for c, value in state["losses"])
     self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in state["rollbacks"]]
     self._level = state["level"]
     self._level_counts = {str(k): int(v) for k, v in state["level_counts"].items()}
-    self._threshold = state["threshold"]
+    if state["version"] == 1:
+      self._thresholds = {} if state["threshold"] is None else {"zclip": state["threshold"]}
+    else:
+      self._thresholds = {str(k): float(v) for k, v in state["thresholds"].items()}
     self._last_advice_clock = state["last_advice_clock"]
     self._n_updates = int(state["updates"])
     self._n_warnings = int(state["warnings"])

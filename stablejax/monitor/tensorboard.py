@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
 from stablejax.monitor.health import health_code
 
@@ -25,8 +26,7 @@ _TOP_LEVEL_TAGS = {
     "output_log_z_mean": "output_logits/log_z_mean",
     "output_log_z_max": "output_logits/log_z_max",
 }
-_STABILITY_PREFIXES = ("zclip/", "adagc/", "skip_nonfinite/", "skip_spikes/", "muon/",
-                       "loss_scale/", "qk_clip/")
+_LOSS_SCALE_PREFIX = "loss_scale/"  # the fp16 loss scale's keys, logged by the train step
 
 
 def tensorboard_scalars(record: Mapping[str, Any],
@@ -35,8 +35,9 @@ def tensorboard_scalars(record: Mapping[str, Any],
 
   Tags: ``train/loss``, ``train/lr``, ``train/grad_norm``,
   ``train/tokens_per_sec``, ``train/quant_lambda``, ``eval/loss``;
-  ``stability/<metric key>`` for every ``stability_metrics`` key (e.g.
-  ``stability/zclip/grad_norm``, ``stability/muon/update_rms/adam``);
+  ``stability/<metric key>`` for every ``stability_metrics`` key of a registered state
+  (:func:`stablejax.register_state_metrics`; e.g. ``stability/zclip/grad_norm``,
+  ``stability/muon/update_rms/adam``);
   ``stability/score``; ``health/level`` (-1 low, 0 healthy, 1 high,
   2 critical, 3 exploded); ``movement/<group>`` and
   ``movement/<group>/<ratio>`` for ``param_move/...``;
@@ -64,6 +65,7 @@ def tensorboard_scalars(record: Mapping[str, Any],
     {'train/loss': 2.5, 'train/lr': 0.001, 'stability/zclip/grad_norm': 0.7, 'health/level': 0.0}
   """
   out: dict[str, float] = {}
+  stability_prefixes = specs.prefixes() + (_LOSS_SCALE_PREFIX,)
   if "event" in record:
     out[f"events/{record['event']}"] = 1.0
   for key, value in record.items():
@@ -77,7 +79,7 @@ def tensorboard_scalars(record: Mapping[str, Any],
       continue
     if key in _TOP_LEVEL_TAGS:
       out[_TOP_LEVEL_TAGS[key]] = v
-    elif key.startswith(_STABILITY_PREFIXES):
+    elif key.startswith(stability_prefixes):
       out[f"stability/{key}"] = v
     elif key.startswith("param_move/"):
       out["movement/" + key[len("param_move/"):]] = v

@@ -54,7 +54,7 @@ from stablejax.muon import routing
 from stablejax.muon import sharding as _sharding
 from stablejax.transforms._common import finite_probe
 from stablejax.transforms._common import sum_of_scalars
-from stablejax.transforms.metrics import register_state_metrics
+from stablejax.transforms.metrics import Rate, Series, register_state_metrics
 
 OUTLIER_METHODS = (None, "zscore", "iqr")
 # Above this many entries per matrix, IQR quartiles come from a strided subsample.
@@ -782,5 +782,18 @@ def _group_rms_metrics(s: GroupUpdateRmsState) -> dict:
   return {g: getattr(s, g) for g in routing.GROUPS}
 
 
-register_state_metrics(OutlierSafeMuonState, "muon", _muon_metrics)
-register_state_metrics(GroupUpdateRmsState, "muon/update_rms", _group_rms_metrics)
+register_state_metrics(
+    OutlierSafeMuonState, "muon", _muon_metrics,
+    rates=(Rate("muon_outlier_rate", flag="outlier_rate", label="Muon outlier rate", budget=0.05,
+                advice="Muon outlier rate {value:.3g} > 0.05: lower the Muon learning rate or "
+                       "check the data for pathological batches"),
+           Rate("muon_ns_instability_rate", flag="ns_instability_rate",
+                label="NS instability rate", budget=0.05,
+                advice="Newton-Schulz instability rate {value:.3g} > 0.05: use fewer NS steps "
+                       "(e.g. 5 -> 3) or run NS in float32"),
+           Rate("muon_fallback_rate", flag="fallback_rate", counter="fallback_count",
+                label="Muon fallbacks / step", budget=0.01, tensors=True,
+                advice="Muon emergency fallbacks {value:.3g} per step > 0.01: lower the Muon "
+                       "learning rate")))
+register_state_metrics(GroupUpdateRmsState, "muon/update_rms", _group_rms_metrics,
+                       series=(Series("*", "*", "update_rms"),))

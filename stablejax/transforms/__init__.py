@@ -1,5 +1,10 @@
-"""Gradient-side stability transforms (optax ``GradientTransformation``s)."""
+"""Gradient-side stability transforms (optax ``GradientTransformation``s).
 
+Imported in chain order, so their metrics are registered (and listed by the monitor) in it.
+"""
+
+from stablejax.transforms.zclip import ZClipState
+from stablejax.transforms.zclip import zclip
 from stablejax.transforms.adagc import AdaGCState
 from stablejax.transforms.adagc import adagc
 from stablejax.transforms.hybrid import HybridClipState
@@ -14,8 +19,6 @@ from stablejax.transforms.skipping import SkipNonFiniteState
 from stablejax.transforms.skipping import SkipSpikesState
 from stablejax.transforms.skipping import skip_nonfinite
 from stablejax.transforms.skipping import skip_spikes
-from stablejax.transforms.zclip import ZClipState
-from stablejax.transforms.zclip import zclip
 
 __all__ = [
     "AdaGCState",

@@ -43,6 +43,7 @@ import optax
 import optax.tree
 
 from stablejax.transforms import _common
+from stablejax.transforms.metrics import Rate, register_state_metrics
 from stablejax.transforms.stacked import STACKED_NAMES
 from stablejax.transforms.stacked import is_stacked
 
@@ -225,3 +226,18 @@ def adagc(
 
   # update_fn takes its own state type where optax's protocol says any OptState.
   return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _adagc_metrics(s: AdaGCState) -> dict[str, jax.Array]:
+  return {
+      "clipped_fraction": s.clipped_fraction,
+      "grad_norm": s.grad_norm,
+      "clipped_grad_norm": s.clipped_grad_norm,
+  }
+
+
+# The clipped fraction is reported, not scored: AdaGC clips some tensors on most steps by design.
+register_state_metrics(
+    AdaGCState, "adagc", _adagc_metrics,
+    rates=(Rate("adagc_clip_rate", flag="clipped_fraction", label="AdaGC clipped tensors"),),
+    grad_norm="grad_norm")

@@ -12,40 +12,121 @@ types with :func:`register_state_metrics`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Union
+import dataclasses
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from stablejax.transforms import _common
-from stablejax.transforms.adagc import AdaGCState
-from stablejax.transforms.skipping import SkipNonFiniteState
-from stablejax.transforms.skipping import SkipSpikesState
-from stablejax.transforms.skipping import window_stats
-from stablejax.transforms.zclip import ZClipState
-
 MetricsFn = Callable[[Any], Dict[str, jax.Array]]
 
-# state type -> (prefix, fn). Looked up along the type's MRO.
-_REGISTRY: dict[type, tuple[str, MetricsFn]] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Rate:
+  """A window rate the monitor keeps from a state's metrics (:class:`stablejax.StabilityMonitor`).
+
+  With a ``counter`` (a cumulative count), the events between two logged steps are the counter's
+  difference; without a baseline (the first record, a rollback) the per-step ``flag`` of the
+  logged step is a one-step sample. Without a counter the rate is the mean of the per-step
+  ``flag`` values (a fraction) over the logged steps of the window.
+
+  Attributes:
+    name: the rate's name in ``StabilityMonitor.rates()``, e.g. ``"zclip_spike_rate"``.
+    flag: metric key (without the prefix) of the per-step flag or fraction.
+    counter: metric key (without the prefix) of the cumulative count, if any.
+    label: how the report and the benchmarks name it, e.g. ``"ZClip spike rate"``.
+    budget: the rate at which this signal alone brings the stability score to 0.8 (None: it
+      is reported, not scored).
+    advice: the troubleshooting line when the rate exceeds its budget (``{value}`` is the rate).
+    skip: counts skipped steps (the monitor's ``skip_rate`` is the sum of these, at most 1).
+    tensors: counts tensors, not steps (a flag above 0 is one event; the rate is not capped at
+      one per step).
+  """
+
+  name: str
+  flag: str
+  counter: Optional[str] = None
+  label: str = ""
+  budget: Optional[float] = None
+  advice: Optional[str] = None
+  skip: bool = False
+  tensors: bool = False
 
 
-def register_state_metrics(state_type: type, prefix: str,
-                           fn: MetricsFn) -> None:
-  """Registers how to turn a state type into metrics.
+@dataclasses.dataclass(frozen=True)
+class Series:
+  """A line of a state's metrics in a panel of the run report (``python -m stablejax report``).
+
+  Attributes:
+    key: metric key without the prefix; ``"*"`` plots every key of the prefix.
+    label: the legend entry (``"*"``: each key's own name).
+    panel: ``"grad_norm"`` (the gradient-norm panel), ``"update_rms"`` or ``"attention"``.
+    style: matplotlib line style.
+  """
+
+  key: str
+  label: str
+  panel: str
+  style: str = "-"
+
+
+@dataclasses.dataclass(frozen=True)
+class MetricsSpec:
+  """How one state type becomes metrics, and how the monitor, TensorBoard and the report read
+  them (see :func:`register_state_metrics`)."""
+
+  state_type: type
+  prefix: str
+  fn: MetricsFn
+  rates: tuple[Rate, ...] = ()
+  series: tuple[Series, ...] = ()
+  band: Optional[tuple[str, str, str]] = None
+  grad_norm: Optional[str] = None
+  threshold: Optional[str] = None
+  nonfinite: Optional[str] = None
+
+  def key(self, name: str) -> str:
+    """The full metric key of ``name`` (``"spike_count"`` -> ``"zclip/spike_count"``)."""
+    return f"{self.prefix}/{name}"
+
+
+# state type -> spec, in registration order. Looked up along the type's MRO.
+_REGISTRY: dict[type, MetricsSpec] = {}
+
+
+def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
+                           rates: Sequence[Rate] = (), series: Sequence[Series] = (),
+                           band: Optional[tuple[str, str, str]] = None,
+                           grad_norm: Optional[str] = None,
+                           threshold: Optional[str] = None,
+                           nonfinite: Optional[str] = None) -> None:
+  """Registers how to turn a state type into metrics, and how they are monitored.
 
   :func:`stability_metrics` calls ``fn(state)`` for every instance of
   ``state_type`` (or a subclass) found in an optimizer state and emits
   ``f"{prefix}/{key}"`` for each key of the returned dict. Registering the
   same type again replaces the earlier entry. The walk continues inside a
   registered state, so wrapper states that hold an ``inner_state`` expose the
-  inner metrics too.
+  inner metrics too. The keyword arguments tell the rest of stablejax what the
+  keys mean: :class:`stablejax.StabilityMonitor` keeps the ``rates`` (and the
+  stability score their budgets), TensorBoard files every key under
+  ``stability/<prefix>/``, and the run report draws the ``series``.
 
   Args:
     state_type: the state class (usually a ``NamedTuple`` of arrays).
     prefix: metric prefix without a trailing slash, e.g. ``"muon"``.
     fn: ``state -> dict[str, scalar jax.Array]`` (keys without the prefix);
       must be traceable (no host transfer).
+    rates: the window rates the monitor keeps from these metrics.
+    series: the report's lines drawn from these metrics.
+    band: ``(mean key, std key, label)``: a shaded mean +- std band in the report's
+      gradient-norm panel.
+    grad_norm: key of the raw global gradient norm, a reading of the gradient health
+      when a record has no top-level ``grad_norm``.
+    threshold: key of the clip value in effect (``StabilityMonitor.rates()`` reports the
+      latest as ``<prefix>_threshold``).
+    nonfinite: key of a flag saying the step's gradient was non-finite (the gradient health
+      level is then "exploded").
 
   Returns:
     None.
@@ -70,10 +151,21 @@ def register_state_metrics(state_type: type, prefix: str,
                      "without a trailing '/', e.g. 'muon'.")
   if not callable(fn):
     raise ValueError("fn is not callable: pass state -> dict of scalars.")
-  _REGISTRY[state_type] = (prefix, fn)
+  _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, tuple(rates), tuple(series),
+                                      band, grad_norm, threshold, nonfinite)
 
 
-def _lookup(node: Any) -> Optional[tuple[str, MetricsFn]]:
+def unregister_state_metrics(state_type: type) -> None:
+  """Forgets ``state_type`` (a no-op when it was not registered)."""
+  _REGISTRY.pop(state_type, None)
+
+
+def metric_specs() -> tuple[MetricsSpec, ...]:
+  """Every registered spec, in registration order (the monitor and the report read these)."""
+  return tuple(_REGISTRY.values())
+
+
+def _lookup(node: Any) -> Optional[MetricsSpec]:
   for klass in type(node).__mro__:
     entry = _REGISTRY.get(klass)
     if entry is not None:
@@ -90,7 +182,7 @@ def _registered_inside(state: Any) -> Callable[[Any], bool]:
   return lambda x: x is not state and _is_registered(x)
 
 
-def _walk(node: Any, out: list[tuple[Any, tuple[str, MetricsFn]]]) -> None:
+def _walk(node: Any, out: list[tuple[Any, MetricsSpec]]) -> None:
   """Depth-first, in pytree order: collects registered states with their entries."""
   found = jax.tree_util.tree_leaves(node, is_leaf=_is_registered)
   for leaf in found:
@@ -148,62 +240,14 @@ def stability_metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> m["skip_nonfinite/total_skips"], "zclip/z" in m
     (Array(0, dtype=int32), True)
   """
-  states: list[tuple[Any, tuple[str, MetricsFn]]] = []
+  states: list[tuple[Any, MetricsSpec]] = []
   _walk(opt_state, states)
   metrics: dict[str, jax.Array] = {}
   seen: dict[str, int] = {}
-  for state, (prefix, fn) in states:
-    n = seen.get(prefix, 0)
-    seen[prefix] = n + 1
-    name = prefix if n == 0 else f"{prefix}_{n}"
-    for key, value in fn(state).items():
+  for state, spec in states:
+    n = seen.get(spec.prefix, 0)
+    seen[spec.prefix] = n + 1
+    name = spec.prefix if n == 0 else f"{spec.prefix}_{n}"
+    for key, value in spec.fn(state).items():
       metrics[f"{name}/{key}"] = jnp.asarray(value)
   return metrics
-
-
-def _zclip_metrics(s: ZClipState) -> dict[str, jax.Array]:
-  return {
-      "grad_norm": s.grad_norm,
-      "clipped_grad_norm": s.clipped_grad_norm,
-      "z": s.z,
-      "threshold": s.threshold,
-      "ema_mean": s.ema_mean,
-      "ema_std": jnp.sqrt(s.ema_var),
-      "was_clipped": s.was_clipped,
-      "is_spike": s.is_spike,
-      "spike_count": s.spike_count,
-      "clip_count": s.clip_count,
-  }
-
-
-def _adagc_metrics(s: AdaGCState) -> dict[str, jax.Array]:
-  return {
-      "clipped_fraction": s.clipped_fraction,
-      "grad_norm": s.grad_norm,
-      "clipped_grad_norm": s.clipped_grad_norm,
-  }
-
-
-def _skip_metrics(s: Union[SkipNonFiniteState, SkipSpikesState]) -> dict[str, jax.Array]:
-  return {
-      "skipped": s.skipped,
-      "total_skips": s.total_skips,
-      "consecutive_skips": s.consecutive_skips,
-      "needs_rollback": s.needs_rollback,
-      "rollback_requests": s.rollback_requests,
-  }
-
-
-def _skip_spikes_metrics(s: SkipSpikesState) -> dict[str, jax.Array]:
-  out = _skip_metrics(s)
-  out["loss_mean"] = window_stats(s.loss_history, s.loss_count)[0]
-  out["grad_norm_mean"] = window_stats(s.grad_norm_history,
-                                       s.grad_norm_count)[0]
-  out["grad_norm"] = s.grad_norm.astype(_common.STAT_DTYPE)
-  return out
-
-
-register_state_metrics(ZClipState, "zclip", _zclip_metrics)
-register_state_metrics(AdaGCState, "adagc", _adagc_metrics)
-register_state_metrics(SkipNonFiniteState, "skip_nonfinite", _skip_metrics)
-register_state_metrics(SkipSpikesState, "skip_spikes", _skip_spikes_metrics)

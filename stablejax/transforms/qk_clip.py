@@ -36,7 +36,7 @@ import optax
 
 from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
 from stablejax.transforms import _common
-from stablejax.transforms.metrics import register_state_metrics
+from stablejax.transforms.metrics import Series, register_state_metrics
 
 LayersArg = Union[Sequence[AttentionLayer], Callable[[Any], Sequence[AttentionLayer]], None]
 
@@ -276,4 +276,6 @@ def _qk_clip_metrics(state: QKClipState) -> dict[str, jax.Array]:
           "total_clipped": state.total_clipped}
 
 
-register_state_metrics(QKClipState, "qk_clip", _qk_clip_metrics)
+register_state_metrics(
+    QKClipState, "qk_clip", _qk_clip_metrics,
+    series=(Series("max_logit", "QK-clip: step max (before clipping)", "attention", ":"),))

@@ -27,6 +27,7 @@ import optax
 import optax.tree
 
 from stablejax.transforms import _common
+from stablejax.transforms.metrics import Rate, register_state_metrics
 
 _WATCHABLE = ("loss", "grad_norm")
 _STATISTICS = ("winsorized", "olmo_core")
@@ -471,3 +472,33 @@ def skip_spikes(
 
   # update_fn takes its own state type where optax's protocol says any OptState.
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _skip_metrics(s: Union[SkipNonFiniteState, SkipSpikesState]) -> dict[str, jax.Array]:
+  return {
+      "skipped": s.skipped,
+      "total_skips": s.total_skips,
+      "consecutive_skips": s.consecutive_skips,
+      "needs_rollback": s.needs_rollback,
+      "rollback_requests": s.rollback_requests,
+  }
+
+
+def _skip_spikes_metrics(s: SkipSpikesState) -> dict[str, jax.Array]:
+  out = _skip_metrics(s)
+  out["loss_mean"] = window_stats(s.loss_history, s.loss_count)[0]
+  out["grad_norm_mean"] = window_stats(s.grad_norm_history, s.grad_norm_count)[0]
+  out["grad_norm"] = s.grad_norm.astype(_common.STAT_DTYPE)
+  return out
+
+
+register_state_metrics(
+    SkipNonFiniteState, "skip_nonfinite", _skip_metrics,
+    rates=(Rate("skip_nonfinite_rate", flag="skipped", counter="total_skips",
+                label="non-finite skips", skip=True),),
+    nonfinite="skipped")
+register_state_metrics(
+    SkipSpikesState, "skip_spikes", _skip_spikes_metrics,
+    rates=(Rate("skip_spikes_rate", flag="skipped", counter="total_skips",
+                label="spike skips", skip=True),),
+    grad_norm="grad_norm")

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from stablejax.transforms import _common
+from stablejax.transforms.metrics import Rate, Series, register_state_metrics
 
 _MODES = ("zscore", "percentile")
 _CLIP_OPTIONS = ("adaptive_scaling", "mean")
@@ -278,3 +279,33 @@ def zclip(
 
   # update_fn takes its own state type where optax's protocol says any OptState.
   return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
+
+
+def _zclip_metrics(s: ZClipState) -> dict[str, jax.Array]:
+  return {
+      "grad_norm": s.grad_norm,
+      "clipped_grad_norm": s.clipped_grad_norm,
+      "z": s.z,
+      "threshold": s.threshold,
+      "ema_mean": s.ema_mean,
+      "ema_std": jnp.sqrt(s.ema_var),
+      "was_clipped": s.was_clipped,
+      "is_spike": s.is_spike,
+      "spike_count": s.spike_count,
+      "clip_count": s.clip_count,
+  }
+
+
+# Only z-score spikes are scored: ZClip's warmup and ceiling clips happen on most early steps of
+# healthy runs by design.
+register_state_metrics(
+    ZClipState, "zclip", _zclip_metrics,
+    rates=(Rate("zclip_spike_rate", flag="is_spike", counter="spike_count",
+                label="ZClip spike rate", budget=0.2,
+                advice="ZClip spike rate {value:.3g} > 0.2: lower the learning rates by 20%"),
+           Rate("zclip_clip_rate", flag="was_clipped", counter="clip_count",
+                label="ZClip clip rate")),
+    series=(Series("clipped_grad_norm", "clipped grad norm", "grad_norm"),
+            Series("threshold", "ZClip threshold", "grad_norm", ":")),
+    band=("ema_mean", "ema_std", "ZClip EMA mean +- std"),
+    grad_norm="grad_norm", threshold="threshold")

@@ -1,0 +1,43 @@
+"""What the monitor, the score, TensorBoard and the report know about each metric: the specs
+that states register with :func:`stablejax.register_state_metrics` (their rates, report lines,
+gradient-norm and threshold keys). Importing this module registers the built-in ones (the
+defences of :mod:`stablejax.transforms` and Muon's), so a run's records can be read without
+building an optimizer first."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import stablejax.muon.muon  # noqa: F401 (registers Muon's metrics)
+import stablejax.transforms  # noqa: F401 (registers the defences' metrics)
+from stablejax.transforms.metrics import MetricsSpec, Rate, metric_specs
+
+SKIP_RATE = "skip_rate"          # skipped steps per step: the sum of the skip rates, at most 1
+SKIP_RATE_BUDGET = 0.05
+SKIP_RATE_ADVICE = ("skipped-step rate {value:.3g} > 0.05: look for bad data windows; lower the "
+                    "learning rate (under fp16, a smaller loss scale)")
+ROLLBACKS = "rollbacks"          # rollbacks in the window
+ROLLBACKS_BUDGET = 1.0
+
+
+def rates() -> Iterator[tuple[MetricsSpec, Rate]]:
+  """Every registered rate with its spec, in registration order."""
+  for spec in metric_specs():
+    for rate in spec.rates:
+      yield spec, rate
+
+
+def grad_norm_keys() -> tuple[str, ...]:
+  """Where a record holds the raw global gradient norm: ``grad_norm``, then each spec's key."""
+  return ("grad_norm",) + tuple(spec.key(spec.grad_norm) for spec in metric_specs()
+                                if spec.grad_norm)
+
+
+def nonfinite_keys() -> tuple[str, ...]:
+  """Flags saying that a step's gradient was non-finite (the step was skipped for it)."""
+  return tuple(spec.key(spec.nonfinite) for spec in metric_specs() if spec.nonfinite)
+
+
+def prefixes() -> tuple[str, ...]:
+  """The metric prefixes of every registered state, each with its trailing slash."""
+  return tuple(spec.prefix + "/" for spec in metric_specs())
