@@ -81,9 +81,22 @@ def make_config(*parts: dict) -> Config:
   return config_from_dict(raw)
 
 
-# Every stability layer off: build_optimizer then gives chain(clip_by_global_norm?, main, lr_scale).
-NO_STABILITY = {"zclip": False, "adagc": False, "skip_nonfinite": False, "skip_spikes": False,
-                "recovery": False}
+def stability_off() -> dict:
+  """A ``stability`` section with every declared defence and the recovery off: build_optimizer
+  then gives ``chain(main, lr_scale)``. From the declarations, so a new defence is off here too."""
+  from stablejax.transforms import defence
+  off: dict = {d.name: {"enabled": False} for d in defence.registered()}
+  return {**off, "recovery": {"enabled": False}}
+
+
+def defences_on(*names: str) -> dict:
+  """``stability_off()`` with the named defences on (at their declared defaults)."""
+  from stablejax.transforms import defence
+  unknown = [n for n in names if defence.get(n) is None]
+  if unknown:
+    raise ValueError(f"no defence named {', '.join(unknown)}: the declared ones are "
+                     f"{', '.join(d.name for d in defence.registered())}")
+  return {**stability_off(), **{n: {"enabled": True} for n in names}}
 
 
 def plain_adamw_chain(cfg: Config, max_grad_norm: float | None = 1.0):

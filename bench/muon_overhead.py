@@ -63,7 +63,7 @@ def main(argv=None) -> int:
   base = json.loads(DEFAULT_CONFIG.read_text())  # Muon LRs of the default config
   if args.quick:
     base = _common.deep_merge(base, QUICK_MODEL)
-  off = {"stability": {**_common.NO_STABILITY, "max_grad_norm": None}}
+  off = {"stability": _common.stability_off()}
   adamw = {"optimizer": {"name": "adamw", "learning_rate": 1e-3}}
   specs = {"adamw": [adamw, off], "muon": [off], "adamw+stack": [adamw], "muon+stack": []}
 

@@ -18,8 +18,10 @@ Defences (all AdamW unless named; only `stablejax` and `stablejax+muon` roll bac
   apply_if_finite  optax.apply_if_finite(AdamW, max_consecutive_errors=16)
   zclip            stablejax.zclip + AdamW
   adagc            stablejax.adagc + AdamW
-  spike_skip       stablejax.skip_spikes(AdamW)
-  stablejax        skip_nonfinite(skip_spikes(hybrid_clip + AdamW)) + rollback recovery
+  skip_spikes      stablejax.skip_spikes(AdamW)
+  skip_nonfinite   stablejax.skip_nonfinite(AdamW)
+  qk_clip          AdamW + stablejax.qk_clip (tau 30)
+  stablejax        the trainer's stack: skip_nonfinite(skip_spikes(zclip + AdamW)) + rollback
   stablejax+muon   the same around outlier-safe Muon (the trainer's default optimizer)
 
 Scenarios: clean; lr10x (every learning rate x10); garbage (a batch of one repeated byte every
@@ -67,6 +69,7 @@ import traceback
 from pathlib import Path
 
 from bench import _common
+from stablejax.transforms import defence as defences
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,25 +79,25 @@ MUON_LR = 0.01     # Muon matrices
 
 BASE = {
     "model": {"vocab_size": 256, "d_model": 64, "n_layers": 2, "n_heads": 4, "max_seq_len": 64,
-              "compute_dtype": "float32"},
+              "compute_dtype": "float32", "qk_norm": False},
     "data": {"train": "pydoc"},
     "optimizer": {"name": "adamw", "learning_rate": LR},
-    "stability": {"zclip_warmup_steps": 25, "adagc_warmup_steps": 50, "spike_window": 64,
-                  "spike_min_history": 32},
+    "stability": {"zclip": {"warmup_steps": 25}, "adagc": {"warmup_steps": 50},
+                  "skip_spikes": {"window": 64, "min_history": 32}},
     "train": {"batch_size": 8, "seq_len": 64, "seed": 0, "eval_batches": 4, "log_every": 1,
               "peak_flops_per_device": 1e11},
     "checkpoint": {"keep": 2},
     "logging": {"tensorboard": False, "progress": False, "histogram_every": 0},
 }
 
-OFF = _common.NO_STABILITY
+# Baselines, then each declared defence alone around AdamW (stablejax.transforms.defence), then
+# the stacks. "clip1" is the plain clip at 1.0, the baseline of every comparison.
 DEFENCES = {
-    "none": {"stability": {**OFF, "max_grad_norm": None}},
-    "clip1": {"stability": {**OFF, "max_grad_norm": 1.0}},
-    "apply_if_finite": {"stability": {**OFF, "max_grad_norm": None}},  # + tx swap, see below
-    "zclip": {"stability": {**OFF, "zclip": True}},
-    "adagc": {"stability": {**OFF, "max_grad_norm": None, "adagc": True}},
-    "spike_skip": {"stability": {**OFF, "max_grad_norm": None, "skip_spikes": True}},
+    "none": {"stability": _common.stability_off()},
+    "clip1": {"stability": _common.defences_on("clip")},
+    "apply_if_finite": {"stability": _common.stability_off()},  # + tx swap, see below
+    **{d.name: {"stability": _common.defences_on(d.name)} for d in defences.registered()
+       if d.name != "clip"},
     "stablejax": {},
     "stablejax+muon": {"optimizer": {"name": "muon", "learning_rate": MUON_LR,
                                      "adam_learning_rate": LR, "embedding_learning_rate": LR,
@@ -108,8 +111,8 @@ SCENARIOS = {
     "garbage": {"garbage": True},
     "nan_grads": {"nan": True},
     "fp16_aggressive": {"model": {"compute_dtype": "float16"},
-                        "stability": {"loss_scale_init": 65536.0, "loss_scale_growth_factor": 2.0,
-                                      "loss_scale_growth_interval": 100}},
+                        "stability": {"loss_scale": {"init": 65536.0, "growth_factor": 2.0,
+                                                     "growth_interval": 100}}},
     "fp16_conservative": {"model": {"compute_dtype": "float16"}},
     "bf16_params": {"model": {"param_dtype": "bfloat16"}, "lr_factor": 0.1},
     "fp32_small_lr": {"lr_factor": 0.1},

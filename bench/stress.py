@@ -6,7 +6,7 @@ Usage:
   python -m bench.stress --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
   python -m bench.stress --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
   python -m bench.stress --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
-      --variant 'lam2=stablejax:stability.adagc_lambda_rel=2.0'
+      --variant 'lam2=stablejax:stability.adagc.lambda_rel=2.0'
   python -m bench.stress --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
 
 What one cell is: a real `stablejax.training.loop.Run` (jitted train step, data pipeline,
@@ -24,15 +24,15 @@ learning-rate scale, so the whole grid shares one compiled train step (see
 
 Defences (the AdamW ones as in bench/scenarios.py; every stablejax chain is built by
 `stablejax.training.optim.build_optimizer` from the config, so changed defaults show up here):
-  none, clip1, apply_if_finite, zclip, adagc, spike_skip   one technique each around AdamW
+  none, clip1, apply_if_finite, zclip, adagc, skip_spikes  one technique each around AdamW
   stablejax        the trainer's default AdamW stack: skip_nonfinite(skip_spikes(ZClip + AdamW))
                    + rollback recovery
-  stablejax_adagc  the same with AdaGC after ZClip (hybrid_clip), the default before this sweep
+  stablejax_adagc  the same with AdaGC after ZClip, the default before this sweep
   muon_clip1       optax.clip_by_global_norm(1.0) + optax.contrib.muon (hidden matrices, same
                    routing as stablejax: embeddings, head and norms go to its AdamW branch)
   stablejax_muon   the trainer's default stack around outlier-safe Muon
 `--variant NAME=BASE:section.key=value,...` adds a defence: BASE with config overrides (JSON
-values), e.g. `lam2=stablejax:stability.adagc_lambda_rel=2.0`. `--diagnose` runs the predefined
+values), e.g. `lam2=stablejax:stability.adagc.lambda_rel=2.0`. `--diagnose` runs the predefined
 variants of DIAGNOSIS.
 
 Models (all 8 layers, d_model 64): preln, preln_qk (QK-norm), postln, postln_qk, preln_nowarmup
@@ -97,11 +97,11 @@ SEEDS = (0, 1, 2)
 
 BASE = {
     "model": {"vocab_size": 256, "d_model": 64, "n_layers": 8, "n_heads": 4, "max_seq_len": 64,
-              "compute_dtype": "float32"},
+              "compute_dtype": "float32", "qk_norm": False},
     "data": {"train": "pydoc"},
     "optimizer": {"name": "adamw", "learning_rate": ADAMW_LR},
-    "stability": {"zclip_warmup_steps": 25, "adagc_warmup_steps": 50, "spike_window": 64,
-                  "spike_min_history": 32},
+    "stability": {"zclip": {"warmup_steps": 25}, "adagc": {"warmup_steps": 50},
+                  "skip_spikes": {"window": 64, "min_history": 32}},
     "train": {"batch_size": 8, "seq_len": 64, "eval_batches": 16, "log_every": 10,
               "peak_flops_per_device": 1e11},
     "checkpoint": {"keep": 2},
@@ -132,29 +132,29 @@ QK_GAIN_MIN = 0.05
 
 _MUON_OPT = {"name": "muon", "learning_rate": MUON_LR, "adam_learning_rate": MUON_ADAM_LR,
              "embedding_learning_rate": MUON_ADAM_LR, "head_learning_rate": MUON_ADAM_LR}
-_OFF = _common.NO_STABILITY
-# name -> (config fragment, optional tx builder cfg -> chain). Fragments of the AdamW defences are
-# bench/scenarios.py's.
-DEFENCES = {name: (scenarios.DEFENCES[name], None) for name in
-            ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax")}
+# name -> (config fragment, optional tx builder cfg -> chain). The AdamW ones are
+# bench/scenarios.py's: the baselines, each declared defence alone, the default stack.
+DEFENCES = {name: (fragment, None) for name, fragment in scenarios.DEFENCES.items()
+            if name != "stablejax+muon"}
 DEFENCES["apply_if_finite"] = (scenarios.DEFENCES["apply_if_finite"], "apply_if_finite")
-DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": {**_OFF, "max_grad_norm": 1.0}},
+DEFENCES["muon_clip1"] = ({"optimizer": _MUON_OPT, "stability": _common.defences_on("clip")},
                           "muon_clip1")
 DEFENCES["stablejax_muon"] = ({"optimizer": _MUON_OPT}, None)
-# The AdamW stack with AdaGC inside (hybrid_clip), the trainer's default before this sweep.
-DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": True}}, None)
+# The AdamW stack with AdaGC after ZClip, the trainer's default before this sweep.
+DEFENCES["stablejax_adagc"] = ({"stability": {"adagc": {"enabled": True}}}, None)
 # The stacks with QK-clip (Kimi K2, arXiv 2507.20534) at QK_TAU: healthy Muon runs' logits reach
 # ~300 at this scale (README), so Kimi's tau = 100 clips healthy heads; 300 sits just above.
 QK_TAU = 300.0
-DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip_tau": QK_TAU}}, None)
-DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT,
-                                      "stability": {"qk_clip_tau": QK_TAU}}, None)
+DEFENCES["stablejax_qkclip"] = ({"stability": {"qk_clip": {"enabled": True, "tau": QK_TAU}}},
+                                None)
+DEFENCES["stablejax_muon_qkclip"] = ({"optimizer": _MUON_OPT, "stability": {
+    "qk_clip": {"enabled": True, "tau": QK_TAU}}}, None)
 # Kimi K2's own tau (the main QK-clip defence of the long sweep), and tau = 30 (an ablation).
 for _tau in (100, 30):
-  DEFENCES[f"stablejax_qkclip{_tau}"] = ({"stability": {"qk_clip_tau": float(_tau)}}, None)
-  DEFENCES[f"stablejax_muon_qkclip{_tau}"] = ({"optimizer": _MUON_OPT,
-                                               "stability": {"qk_clip_tau": float(_tau)}}, None)
-ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "spike_skip", "stablejax",
+  _qk = {"qk_clip": {"enabled": True, "tau": float(_tau)}}
+  DEFENCES[f"stablejax_qkclip{_tau}"] = ({"stability": _qk}, None)
+  DEFENCES[f"stablejax_muon_qkclip{_tau}"] = ({"optimizer": _MUON_OPT, "stability": _qk}, None)
+ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "skip_spikes", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
 
@@ -232,16 +232,16 @@ QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muo
 # --diagnose: what costs the stacks loss on clean runs and what makes them roll back. Each variant
 # changes one thing of a default stack (two where named so); name -> (base defence, overrides).
 DIAGNOSIS = {
-    "adagc_lam1.5": ("stablejax_adagc", "stability.adagc_lambda_rel=1.5"),
-    "adagc_lam2": ("stablejax_adagc", "stability.adagc_lambda_rel=2.0"),
-    "adagc_lam3": ("stablejax_adagc", "stability.adagc_lambda_rel=3.0"),
-    "zclip_no_ceiling": ("stablejax", "stability.max_grad_norm=null"),
-    "adagc_no_ceiling": ("stablejax_adagc", "stability.max_grad_norm=null"),
-    "no_spike_skip": ("stablejax", "stability.skip_spikes=false"),
-    "no_recovery": ("stablejax", "stability.recovery=false"),
+    "adagc_lam1.5": ("stablejax_adagc", "stability.adagc.lambda_rel=1.5"),
+    "adagc_lam2": ("stablejax_adagc", "stability.adagc.lambda_rel=2.0"),
+    "adagc_lam3": ("stablejax_adagc", "stability.adagc.lambda_rel=3.0"),
+    "zclip_no_ceiling": ("stablejax", "stability.zclip.max_grad_norm=null"),
+    "adagc_no_ceiling": ("stablejax_adagc", "stability.zclip.max_grad_norm=null"),
+    "no_spike_skip": ("stablejax", "stability.skip_spikes.enabled=false"),
+    "no_recovery": ("stablejax", "stability.recovery.enabled=false"),
     # the recovery and the monitor see every step, as in bench/scenarios.py
     "log_every1": ("stablejax", "train.log_every=1"),
-    "muon_adagc": ("stablejax_muon", "stability.adagc=true"),
+    "muon_adagc": ("stablejax_muon", "stability.adagc.enabled=true"),
     "muon_no_outlier_clamp": ("stablejax_muon", "optimizer.outlier_method=null"),
 }
 DIAGNOSE = {"models": ("preln",), "lr_factors": (1.0, 10.0), "seeds": SEEDS}
@@ -378,7 +378,7 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
     skipped = summary["skipped_steps"] + scenarios._optax_skips(run.state.opt_state)
     val, init = summary.get("final_val_loss"), run.init_val_loss
     status = scenarios.run_status(code, val)
-    after = [r for r in train if r["step"] > cfg.stability.adagc_warmup_steps]
+    after = [r for r in train if r["step"] > cfg.stability.adagc.warmup_steps]
     step_times = [cfg.train.batch_size * cfg.train.seq_len / r["tokens_per_sec"]
                   for r in train[1:] if r.get("tokens_per_sec")]
     result.update(
@@ -1118,7 +1118,7 @@ def main(argv=None) -> int:
                  "--variant names (default: the full PLAN)")
   p.add_argument("--variant", action="append", default=[], metavar="NAME=BASE:key=value,...",
                  help="a defence BASE with config overrides, e.g. "
-                 "lam2=stablejax:stability.adagc_lambda_rel=2.0 (repeatable)")
+                 "lam2=stablejax:stability.adagc.lambda_rel=2.0 (repeatable)")
   p.add_argument("--lr-factors", default=None, help="comma list of factors of the base rates")
   p.add_argument("--seeds", default=None, help="comma list of seeds (default 0,1,2)")
   p.add_argument("--steps", type=int, default=None, help=f"train steps per run (default {STEPS})")

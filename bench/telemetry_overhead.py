@@ -15,7 +15,7 @@ called in turn (A, B, C, A, B, C, ...) in one process; each call runs one log in
              last step as the loop does (`make_logit_telemetry`: one forward pass of
              `logging.attention_sequences` sequences, per-layer max attention logit, output max
              logit and log Z)
-  qk_clip    log_every train steps with `stability.qk_clip_tau` set (the step's forward pass
+  qk_clip    log_every train steps with `stability.qk_clip.enabled=true` (the step's forward pass
              computes every head's max logit; QK-clip rescales W_q, W_k after the update)
 
 Reported: median ms per train step after compilation and a warm-up round, and the median of the
@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     base = _common.deep_merge(base, QUICK_MODEL)
   _common.print_machine()
   cfg = _common.make_config(base)
-  cfg_qk = _common.make_config(base, {"stability": {"qk_clip_tau": args.tau}})
+  cfg_qk = _common.make_config(base, {"stability": {"qk_clip": {"enabled": True, "tau": args.tau}}})
   batch = _common.fixed_batch(cfg)
   every = cfg.train.log_every
   steps = {"plain": _common.CompiledStep(cfg, build_optimizer(cfg), batch),

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     base = _common.deep_merge(base, QUICK_MODEL)
   common = {
       "optimizer": {"name": "adamw", "learning_rate": 1e-3},
-      "stability": {**_common.NO_STABILITY, "max_grad_norm": 1.0},
+      "stability": _common.defences_on("clip"),
       "train": {"steps": steps, "warmup_steps": min(30, steps // 4), "eval_every": steps,
                 "log_every": 10, "peak_flops_per_device": 1e12},
       "checkpoint": {"every": steps},

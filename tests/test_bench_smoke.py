@@ -52,11 +52,15 @@ EXPECTED = {
                                                    "SkipSpikesState", "HybridClipState"}),
     "adagc": ({"AdaGCState", "ScaleByAdamState"}, {"ZClipState", "SkipNonFiniteState",
                                                    "SkipSpikesState", "HybridClipState"}),
-    "spike_skip": ({"SkipSpikesState", "ScaleByAdamState"},
-                   {"ZClipState", "AdaGCState", "SkipNonFiniteState", "HybridClipState"}),
+    "skip_spikes": ({"SkipSpikesState", "ScaleByAdamState"},
+                    {"ZClipState", "AdaGCState", "SkipNonFiniteState", "HybridClipState"}),
+    "skip_nonfinite": ({"SkipNonFiniteState", "ScaleByAdamState"},
+                       {"ZClipState", "AdaGCState", "SkipSpikesState", "QKClipState"}),
+    "qk_clip": ({"QKClipState", "ScaleByAdamState"},
+                {"ZClipState", "AdaGCState", "SkipNonFiniteState", "SkipSpikesState"}),
     "stablejax": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState", "ScaleByAdamState"},
                   {"OutlierSafeMuonState", "ApplyIfFiniteState", "AdaGCState", "HybridClipState"}),
-    "stablejax_adagc": ({"SkipNonFiniteState", "SkipSpikesState", "HybridClipState",
+    "stablejax_adagc": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState", "AdaGCState",
                          "ScaleByAdamState"}, {"OutlierSafeMuonState", "ApplyIfFiniteState"}),
     "stablejax+muon": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
                         "OutlierSafeMuonState"}, {"ApplyIfFiniteState", "AdaGCState",
@@ -101,7 +105,7 @@ def test_none_and_clip1_equal_plain_optax(defence, max_norm):
 def test_only_the_stablejax_defences_roll_back():
   for name in scenarios.DEFENCES:
     cfg = config_from_dict(scenarios.scenario_config("clean", name, 100, 10))
-    assert cfg.stability.recovery == name.startswith("stablejax"), name
+    assert cfg.stability.recovery.enabled == name.startswith("stablejax"), name
 
 
 def test_every_cell_is_a_valid_config_and_the_scenario_is_applied():
@@ -119,8 +123,8 @@ def test_every_cell_is_a_valid_config_and_the_scenario_is_applied():
   assert len(set(cfg.faults.nan_grad_steps)) == 6
   assert all(15 <= s < 150 for s in cfg.faults.nan_grad_steps)
   cfg = config_from_dict(scenarios.scenario_config("fp16_aggressive", "none", 150, 15))
-  assert (cfg.model.compute_dtype, cfg.stability.loss_scale_init,
-          cfg.stability.loss_scale_growth_factor, cfg.stability.loss_scale_growth_interval) == (
+  assert (cfg.model.compute_dtype, cfg.stability.loss_scale.init,
+          cfg.stability.loss_scale.growth_factor, cfg.stability.loss_scale.growth_interval) == (
               "float16", 65536.0, 2.0, 100)
   cfg = config_from_dict(scenarios.scenario_config("postln_deep", "none", 150, 15))
   assert cfg.model.post_ln and cfg.model.n_layers == 6
@@ -294,7 +298,7 @@ def test_each_stress_defence_builds_the_chain_it_names(defence):
     present = present | {"QKClipState"}
     tau = {"stablejax_qkclip": stress.QK_TAU, "stablejax_muon_qkclip": stress.QK_TAU}.get(
         defence, float(defence.rsplit("qkclip", 1)[1] or 0))
-    assert cfg.stability.qk_clip_tau == tau
+    assert cfg.stability.qk_clip.enabled and cfg.stability.qk_clip.tau == tau
   else:
     present, absent = EXPECTED[stack if defence == "stablejax_muon" else defence]
     if defence in ("stablejax", "stablejax_muon"):
@@ -304,7 +308,7 @@ def test_each_stress_defence_builds_the_chain_it_names(defence):
   assert not (absent & types), absent & types
   # Every stablejax chain is the trainer's own (built from the config by build_optimizer).
   assert (kind is None) == (defence != "apply_if_finite")
-  assert cfg.stability.recovery == defence.startswith("stablejax")
+  assert cfg.stability.recovery.enabled == defence.startswith("stablejax")
   assert cfg.model.n_layers >= 8
 
 
@@ -403,15 +407,15 @@ def test_bench_run_lr_factor_equals_a_larger_configured_rate_in_the_trainer(tmp_
 
 def test_stress_variants_and_diagnosis_configs():
   name, base, overrides = stress.parse_variant(
-      "lam2=stablejax:stability.adagc_lambda_rel=2.0,stability.recovery=false")
+      "lam2=stablejax:stability.adagc.lambda_rel=2.0,stability.recovery.enabled=false")
   assert (name, base) == ("lam2", "stablejax")
   raw, _ = stress.cell_config("postln", "lam2", seed=1, steps=100,
                               variants={name: (base, overrides)})
   cfg = config_from_dict(raw)
-  assert cfg.stability.adagc_lambda_rel == 2.0 and not cfg.stability.recovery
-  assert cfg.model.post_ln and cfg.train.seed == 1 and cfg.stability.zclip
+  assert cfg.stability.adagc.lambda_rel == 2.0 and not cfg.stability.recovery.enabled
+  assert cfg.model.post_ln and cfg.train.seed == 1 and cfg.stability.zclip.enabled
   with pytest.raises(ValueError, match="unknown base defence"):
-    stress.parse_variant("x=nonsense:stability.adagc=false")
+    stress.parse_variant("x=nonsense:stability.adagc.enabled=false")
   with pytest.raises(ValueError, match="section.key=value"):
     stress.parse_variant("x=stablejax:adagc")
   for vname, (base, text) in stress.DIAGNOSIS.items():
@@ -420,10 +424,23 @@ def test_stress_variants_and_diagnosis_configs():
     base_cfg = config_from_dict(stress.cell_config("preln", base, 0, 100, {})[0])
     raw, _ = stress.cell_config("preln", vname, 0, 100, {vname: (base, overrides)})
     cfg = config_from_dict(raw)
-    for section, values in overrides.items():   # each variant changes what it names
-      for key, value in values.items():
-        assert getattr(getattr(cfg, section), key) == value != getattr(
-            getattr(base_cfg, section), key), (vname, key)
+    for dotted, value in _leaves(overrides):   # each variant changes what it names
+      assert _get(cfg, dotted) == value != _get(base_cfg, dotted), (vname, dotted)
+
+
+def _leaves(tree: dict, prefix: str = ""):
+  for key, value in tree.items():
+    dotted = f"{prefix}.{key}" if prefix else key
+    if isinstance(value, dict):
+      yield from _leaves(value, dotted)
+    else:
+      yield dotted, value
+
+
+def _get(cfg, dotted: str):
+  for part in dotted.split("."):
+    cfg = getattr(cfg, part)
+  return cfg
 
 
 def test_stress_models_are_the_named_variants():

@@ -21,14 +21,16 @@ EDGES = [
     (["model.max_seq_len=64", "train.seq_len=64"], ["model.max_seq_len=64", "train.seq_len=65"],
      "train.seq_len=65 exceeds model.max_seq_len=64"),
     (["train.min_lr_ratio=1.0"], ["train.min_lr_ratio=1.5"], "must lie in \\[0, 1\\]"),
-    (["stability.spike_window=16", "stability.spike_min_history=16"],
-     ["stability.spike_window=16", "stability.spike_min_history=17"],
-     "spike_min_history=17 must lie in \\[1, stability.spike_window=16\\]"),
+    (["stability.skip_spikes.window=16", "stability.skip_spikes.min_history=16"],
+     ["stability.skip_spikes.window=16", "stability.skip_spikes.min_history=17"],
+     "skip_spikes.min_history=17 must lie in \\[1, stability.skip_spikes.window=16\\]"),
     # OLMo-core's rule needs 19 losses before it can skip.
-    (["stability.spike_statistics=\"olmo_core\"", "stability.spike_window=19"],
-     ["stability.spike_statistics=\"olmo_core\"", "stability.spike_window=18"],
-     "spike_window=18 is below 19"),
-    (["stability.emergency_lr_factor=1.0"], ["stability.emergency_lr_factor=0.0"],
+    (["stability.skip_spikes.statistics=\"olmo_core\"", "stability.skip_spikes.window=19",
+      "stability.skip_spikes.min_history=null"],
+     ["stability.skip_spikes.statistics=\"olmo_core\"", "stability.skip_spikes.window=18",
+      "stability.skip_spikes.min_history=null"],
+     "skip_spikes.window=18 is below 19"),
+    (["stability.recovery.emergency_lr_factor=1.0"], ["stability.recovery.emergency_lr_factor=0.0"],
      "emergency_lr_factor=0.0 must lie in \\(0, 1\\]"),
     (["mesh.distributed=true", "mesh.process_id=0"], ["mesh.process_id=0"],
      "mesh.process_id is set but mesh.distributed=false"),
@@ -59,3 +61,74 @@ def test_outlier_threshold_without_an_outlier_method_is_named_as_ineffective() -
                                  "optimizer.outlier_threshold=3.0"))
   assert lines == ["optimizer.outlier_threshold=3.0 has no effect with "
                    "optimizer.outlier_method=null"]
+
+
+# ----------------------------------------------------------------------------- keys of 0.1
+
+
+@pytest.mark.parametrize("old,new", [
+    ("stability.z_thresh=3.0", "use stability.zclip.z_thresh"),
+    ("stability.zclip=false", "use stability.zclip.enabled"),
+    ("stability.spike_window=32", "use stability.skip_spikes.window"),
+    ("stability.max_consecutive_skips=3",
+     "use stability.skip_spikes.max_consecutive and stability.skip_nonfinite.max_consecutive"),
+    ("stability.qk_clip_tau=30", "use stability.qk_clip.enabled and stability.qk_clip.tau"),
+    ("stability.max_grad_norm=0.5",
+     "use stability.zclip.max_grad_norm and stability.clip.max_norm"),
+    ("stability.emergency_lr_factor=0.5", "use stability.recovery.emergency_lr_factor"),
+    ("stability.recovery=false", "use stability.recovery.enabled"),
+])
+def test_an_old_flat_key_is_one_line_naming_its_new_key(old: str, new: str, tmp_path) -> None:
+  with pytest.raises(ConfigError, match=new) as e:
+    _load(old)
+  assert "\n" not in str(e.value) and "stablejax 0.1" in str(e.value)
+  # The same key in a config file is refused the same way.
+  import json
+  dotted, value = old.split("=")
+  path = tmp_path / "old.json"
+  path.write_text(json.dumps({"stability": {dotted.split(".")[1]: json.loads(value)}}))
+  with pytest.raises(ConfigError, match=new):
+    load_config(path)
+
+
+def test_a_config_of_0_1_translates_to_the_same_settings() -> None:
+  from stablejax.training.config import config_from_dict, translate_v0_1
+  old = {"stability": {"zclip": True, "z_thresh": 3.0, "max_grad_norm": 0.8, "adagc": False,
+                       "spike_window": 32, "spike_min_history": 8, "max_consecutive_skips": 4,
+                       "qk_clip_tau": 50.0, "loss_scale_init": 256.0, "recovery": True,
+                       "max_rollbacks": 5, "z_loss": 0.0},
+         "model": {"qk_norm": False}}
+  s = config_from_dict(translate_v0_1(old)).stability
+  assert (s.zclip.enabled, s.zclip.z_thresh, s.zclip.max_grad_norm) == (True, 3.0, 0.8)
+  assert not s.clip.enabled and not s.adagc.enabled
+  assert (s.skip_spikes.window, s.skip_spikes.min_history) == (32, 8)
+  assert s.skip_spikes.max_consecutive == s.skip_nonfinite.max_consecutive == 4
+  assert (s.qk_clip.enabled, s.qk_clip.tau) == (True, 50.0)
+  assert (s.loss_scale.init, s.recovery.enabled, s.recovery.max_rollbacks, s.z_loss) == (
+      256.0, True, 5, 0.0)
+  # 0.1's ceiling applied without ZClip as a plain clip (its default 1.0 when not given).
+  no_zclip = config_from_dict(translate_v0_1({"stability": {"zclip": False}})).stability
+  assert (no_zclip.zclip.enabled, no_zclip.clip.enabled, no_zclip.clip.max_norm) == (
+      False, True, 1.0)
+  off = config_from_dict(translate_v0_1(
+      {"stability": {"zclip": False, "max_grad_norm": None, "qk_clip_tau": None}})).stability
+  assert not off.clip.enabled and not off.qk_clip.enabled
+
+
+def test_the_default_config_file_is_the_dataclass_defaults() -> None:
+  import dataclasses
+  import json
+
+  from stablejax.training.config import packaged_configs, to_dict
+  assert load_config("default") == Config() == load_config(None)
+  written = json.loads(packaged_configs()["default"].read_text())
+  expected = to_dict(Config())
+  del expected["model"]["vocab_size"]  # left to the data (a prepared folder's vocabulary)
+  assert written == expected
+  assert dataclasses.asdict(Config().model)["qk_norm"] is True
+
+
+def test_a_wrong_type_names_the_expected_json_types() -> None:
+  with pytest.raises(ConfigError, match=r"logging.sample_every=1.5 has the wrong type: expected "
+                                        r"an integer or null"):
+    _load("logging.sample_every=1.5")

@@ -542,7 +542,7 @@ def test_attention_rule_level_warns_once_with_advice_and_layer():
   lines, m = _attn_run(values, attention=rule)
   assert len(lines) == 1 and lines[0][0] == 560
   assert "above 1000" in lines[0][1] and "layer_1" in lines[0][1]
-  assert "qk_norm" in lines[0][1] and "qk_clip_tau" in lines[0][1]
+  assert "qk_norm" in lines[0][1] and "stability.qk_clip.enabled" in lines[0][1]
   assert any("attention logits" in a for a in m.advice())
   # Ten times further: one more warning.
   more = m.update(590, {"attn_logit_max": 20001.0})

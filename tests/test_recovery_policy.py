@@ -545,17 +545,19 @@ def test_write_json_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("override,match", [
-    ("stability.lr_recovery_steps=0", "lr_recovery_steps=0 must be > 0"),
-    ("stability.lr_recovery_schedule=\"cosine\"", "lr_recovery_schedule='cosine' is not known"),
-    ("stability.loss_explosion_factor=1.0", "loss_explosion_factor=1.0 must be > 1"),
-    ("stability.loss_window=0", "loss_window=0 must be > 0"),
+    ("stability.recovery.lr_recovery_steps=0", "lr_recovery_steps=0 must be > 0"),
+    ("stability.recovery.lr_recovery_schedule=\"cosine\"",
+     "lr_recovery_schedule='cosine' is not known"),
+    ("stability.recovery.loss_explosion_factor=1.0", "loss_explosion_factor=1.0 must be > 1"),
+    ("stability.recovery.loss_window=0", "loss_window=0 must be > 0"),
     ("faults.garbage_batch_indices=[3, -1]", "garbage_batch_indices=\\[3, -1\\] has a negative"),
 ])
 def test_recovery_config_errors_name_the_key(override, match):
   from stablejax.training.config import ConfigError, load_config
   with pytest.raises(ConfigError, match=match):
     load_config(None, [override])
-  assert load_config(None, ["stability.lr_recovery_steps=null"]).stability.lr_recovery_steps is None
+  cfg = load_config(None, ["stability.recovery.lr_recovery_steps=null"])
+  assert cfg.stability.recovery.lr_recovery_steps is None
 
 
 def test_rollback_line_names_the_skipped_batches_as_an_inclusive_range():

@@ -49,7 +49,8 @@ def test_metrics_records_have_documented_keys(clean_run):
   records = read_metrics(clean_run)
   train = [r for r in records if "loss" in r and "event" not in r]
   cfg = tiny_config()
-  adagc = ("adagc/clipped_fraction",) if cfg.stability.adagc else ()  # in the chain when configured
+  # in the chain when configured
+  adagc = ("adagc/clipped_fraction",) if cfg.stability.adagc.enabled else ()
   for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "zclip/grad_norm",
               "zclip/threshold", *adagc, "skip_nonfinite/total_skips",
               "skip_spikes/total_skips", "muon/outlier_rate", "muon/fallback_rate",

@@ -16,13 +16,13 @@ TRAIN = ROOT / "train.py"
 # A model small enough to compile in seconds and learn visibly in a few dozen steps on a CPU.
 TINY = [
     "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.max_seq_len=32",
-    "model.compute_dtype=\"float32\"",
+    "model.compute_dtype=\"float32\"", "model.qk_norm=false",
     "train.seq_len=32", "train.batch_size=8", "train.steps=40", "train.warmup_steps=4",
     "train.log_every=2", "train.eval_every=20", "train.eval_batches=2",
     "optimizer.learning_rate=0.01", "optimizer.adam_learning_rate=0.01",
     "optimizer.embedding_learning_rate=0.01", "optimizer.head_learning_rate=0.01",
-    "stability.spike_min_history=8", "stability.spike_window=16",
-    "stability.zclip_warmup_steps=5",
+    "stability.skip_spikes.min_history=8", "stability.skip_spikes.window=16",
+    "stability.zclip.warmup_steps=5",
     "checkpoint.every=10", "checkpoint.async_save=false",
     "logging.tensorboard=true", "logging.progress=false",
     "logging.histogram_every=20", "logging.activation_every=20",

@@ -78,6 +78,8 @@ STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
 ROUTING = "stablejax/muon/routing.py"
 LAYOUT = "stablejax/layout/analysis.py"
 QK_CLIP = "stablejax/transforms/qk_clip.py"
+CLIP = "stablejax/transforms/clip.py"
+SPECS = "stablejax/monitor/specs.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
@@ -542,24 +544,25 @@ MUTANTS = [
        "an empty tree is not finite (a stateless step would always be skipped)"),
 
     # ---------------------------------------------------------------- metrics.py
-    _m("MT1", METRICS, '      "ema_std": jnp.sqrt(s.ema_var),', '      "ema_std": s.ema_var,',
-       "zclip/ema_std reports the variance"),
-    _m("MT2", METRICS, '    name = prefix if n == 0 else f"{prefix}_{n}"',
-       '    name = prefix if n == 0 else f"{prefix}_{n + 1}"',
+    _m("MT1", ZCLIP, '      "ema_std": jnp.sqrt(s.ema_var),', '      "ema_std": s.ema_var,',
+       "zclip/ema_std reports the variance", AREA_TESTS[METRICS]),
+    _m("MT2", METRICS, '    name = spec.prefix if n == 0 else f"{spec.prefix}_{n}"',
+       '    name = spec.prefix if n == 0 else f"{spec.prefix}_{n + 1}"',
        "the second ZClip is zclip_2 instead of zclip_1"),
     _m("MT3", METRICS, "      if _is_registered(field):\n        _walk(field, out)",
        "      if _is_registered(field):\n        pass",
        "states inside a registered wrapper (inner_state) are not found"),
-    _m("MT4", METRICS, '  out["loss_mean"] = window_stats(s.loss_history, s.loss_count)[0]',
+    _m("MT4", SKIPPING, '  out["loss_mean"] = window_stats(s.loss_history, s.loss_count)[0]',
        '  out["loss_mean"] = window_stats(s.loss_history, s.loss_count)[1]',
-       "skip_spikes/loss_mean is the window's std"),
-    _m("MT5", METRICS, "                                       s.grad_norm_count)[0]",
-       "                                       s.loss_count)[0]",
-       "the grad-norm mean is taken over the loss window's count"),
+       "skip_spikes/loss_mean is the window's std", AREA_TESTS[METRICS]),
+    _m("MT5", SKIPPING,
+       '  out["grad_norm_mean"] = window_stats(s.grad_norm_history, s.grad_norm_count)[0]',
+       '  out["grad_norm_mean"] = window_stats(s.grad_norm_history, s.loss_count)[0]',
+       "the grad-norm mean is taken over the loss window's count", AREA_TESTS[METRICS]),
     _m("MT6", METRICS, "  for klass in type(node).__mro__:", "  for klass in (type(node),):",
        "a subclass of a registered state is not found"),
-    _m("MT7", METRICS, '      "clip_count": s.clip_count,', '      "clip_count": s.spike_count,',
-       "zclip/clip_count reports the spike count"),
+    _m("MT7", ZCLIP, '      "clip_count": s.clip_count,', '      "clip_count": s.spike_count,',
+       "zclip/clip_count reports the spike count", AREA_TESTS[METRICS]),
 
     # ---------------------------------------------------------------- modeling/losses.py
     _m("LS1", LOSSES, "  z_term = jnp.asarray(z_loss, jnp.float32) * jnp.square(log_z)",
@@ -614,9 +617,10 @@ MUTANTS = [
        "  if False:", "a tree wrapped as {'params': ...} is not accepted"),
 
     # ---------------------------------------------------------------- monitor/score.py
-    _m("SC1", SCORE, '    "rollbacks": 1.0,\n', "",
+    _m("SC1", SCORE, "    budgets[specs.ROLLBACKS] = specs.ROLLBACKS_BUDGET\n", "",
        "the stability score no longer counts rollbacks"),
-    _m("SC2", SCORE, '    "skip_rate": 0.05,\n', '    "skip_rate": 0.5,\n',
+    _m("SC2", SCORE, "    budgets[specs.SKIP_RATE] = specs.SKIP_RATE_BUDGET\n",
+       "    budgets[specs.SKIP_RATE] = 10 * specs.SKIP_RATE_BUDGET\n",
        "the skipped-step budget is 0.5 instead of 0.05"),
     _m("SC3", SCORE, "SCORE_PENALTY_AT_BUDGET = 0.2", "SCORE_PENALTY_AT_BUDGET = 0.1",
        "a signal at its budget scores 0.9 instead of the target 0.8"),
@@ -626,13 +630,15 @@ MUTANTS = [
        "a rate exactly at its limit fires the advice"),
     _m("SC6", SCORE, "  return float(min(1.0, max(0.0, 1.0 - penalty)))",
        "  return float(min(1.0, 1.0 - penalty))", "the score goes below 0"),
-    _m("SC7", SCORE, '    ("muon_fallback_rate", 0.01,', '    ("muon_fallback_rate", 0.1,',
-       "the fallback advice fires at 0.1 per step instead of 0.01"),
-    _m("SC8", SCORE, '    "zclip_spike_rate": 0.2,\n',
-       '    "zclip_spike_rate": 0.2,\n    "zclip_clip_rate": 0.2,\n',
-       "routine ZClip clipping is scored"),
-    _m("SC9", SCORE, '    "muon_fallback_rate": 0.01,\n', '    "muon_fallback_rate": 0.05,\n',
-       "the fallback budget is 0.05 instead of 0.01 per step"),
+    _m("SC7", SCORE, "    rows = [(rate.name, rate.budget, rate.advice)",
+       "    rows = [(rate.name, 10 * rate.budget, rate.advice)",
+       "the advice rows fire at ten times their budget (fallbacks at 0.1 per step)"),
+    _m("SC8", ZCLIP, '                label="ZClip clip rate")),',
+       '                label="ZClip clip rate", budget=0.2)),',
+       "routine ZClip clipping is scored", AREA_TESTS[SCORE]),
+    _m("SC9", MUON, '                label="Muon fallbacks / step", budget=0.01, tensors=True,',
+       '                label="Muon fallbacks / step", budget=0.05, tensors=True,',
+       "the fallback budget is 0.05 instead of 0.01 per step", AREA_TESTS[SCORE]),
     _m("SC10", SCORE, "  if loss_plateau:\n    lines.append(PLATEAU_ADVICE)", "",
        "a loss plateau gives no warmup advice"),
 
@@ -693,8 +699,9 @@ MUTANTS = [
        "  for s, cause in rbs[:max_lines]:\n    out.append(f\"  step {s}: {cause}\")\n", "",
        "the summary does not list each rollback's step and cause"),
     _m("RP3", MONITOR_REPORT,
-       '    for key in ("skip_nonfinite/total_skips", "skip_spikes/total_skips"):',
-       '    for key in ("skip_nonfinite/total_skips",):',
+       "      v = _num(train[-1].get(spec.key(rate.counter))) if rate.skip and rate.counter "
+       "else None", "      v = _num(train[-1].get(spec.key(rate.counter))) if rate.skip and "
+       "rate.counter and spec.prefix == \"skip_nonfinite\" else None",
        "skip_spikes' skipped steps are left out of the total"),
     _m("RP4", MONITOR_REPORT, '    if r.get("event") == "skip":',
        '    if r.get("event") == "skipped":',
@@ -1121,45 +1128,49 @@ MUTANTS = [
        "train.seq_len one past model.max_seq_len is accepted"),
     _m("CF4", CONFIG, "  if not 0 <= t.min_lr_ratio <= 1:", "  if not 0 <= t.min_lr_ratio:",
        "train.min_lr_ratio above 1 is accepted"),
-    _m("CF5", CONFIG, "    if s.spike_min_history is not None and not 1 <= s.spike_min_history "
-       "<= s.spike_window:", "    if s.spike_min_history is not None and not 1 <= "
-       "s.spike_min_history:", "spike_min_history above spike_window is accepted"),
-    _m("CF6", CONFIG, "s.spike_min_history is None and s.spike_window < 19:",
-       "s.spike_min_history is None and s.spike_window < 18:",
-       "an OLMo-core window of 18 (which never skips) is accepted"),
-    _m("CF7", CONFIG, "  if not 0 < s.emergency_lr_factor <= 1:",
-       "  if not 0 <= s.emergency_lr_factor <= 1:", "stability.emergency_lr_factor=0 is accepted"),
+    _m("CF5", SKIPPING, "    if self.min_history is not None and not 1 <= self.min_history "
+       "<= self.window:", "    if self.min_history is not None and not 1 <= self.min_history:",
+       "skip_spikes.min_history above skip_spikes.window is accepted", AREA_TESTS[CONFIG]),
+    _m("CF6", SKIPPING, "self.min_history is None and self.window < 19:",
+       "self.min_history is None and self.window < 18:",
+       "an OLMo-core window of 18 (which never skips) is accepted", AREA_TESTS[CONFIG]),
+    _m("CF7", CONFIG, "  if not 0 < r.emergency_lr_factor <= 1:",
+       "  if not 0 <= r.emergency_lr_factor <= 1:",
+       "stability.recovery.emergency_lr_factor=0 is accepted"),
     _m("CF8", CONFIG, "  if not cfg.mesh.distributed:\n", "  if False:\n",
        "mesh.process_id without mesh.distributed is accepted"),
-    _m("CF9", CONFIG, "      if value != getattr(type(section)(), key):", "      if value:",
+    _m("CF9", CONFIG, "      if value != default:", "      if value:",
        "a key left at a non-zero default is named as ineffective"),
     _m("CF10", CONFIG, "     lambda c: c.optimizer.name == \"muon\" and c.optimizer.outlier_method "
        "is None,", "     lambda c: False,",
        "optimizer.outlier_threshold with outlier_method=null is not named as ineffective"),
 
     # ---------------------------------------------------------------- training/optim.py
-    _m("OP1", OPTIM, "        statistics=s.spike_statistics)", "        statistics=\"winsorized\")",
-       "stability.spike_statistics does not reach skip_spikes"),
-    _m("OP2", OPTIM, "        factor=s.spike_factor, max_consecutive=s.max_consecutive_skips,",
-       "        factor=s.spike_factor,",
-       "stability.max_consecutive_skips does not reach skip_spikes"),
+    _m("OP1", SKIPPING, "        max_consecutive=c.max_consecutive, statistics=c.statistics),",
+       "        max_consecutive=c.max_consecutive, statistics=\"winsorized\"),",
+       "stability.skip_spikes.statistics does not reach skip_spikes", AREA_TESTS[OPTIM]),
+    _m("OP2", SKIPPING, "        max_consecutive=c.max_consecutive, statistics=c.statistics),",
+       "        statistics=c.statistics),",
+       "stability.skip_spikes.max_consecutive does not reach skip_spikes", AREA_TESTS[OPTIM]),
     _m("OP3", OPTIM, "      decay_steps=t.steps, end_value=peak * t.min_lr_ratio)",
        "      decay_steps=t.steps, end_value=0.0)", "train.min_lr_ratio is ignored (decay to 0)"),
     _m("OP4", OPTIM, "  return jax.tree.map(lambda label: label != \"adam\", "
-       "stablejax.label_params(params))", "  return jax.tree.map(lambda label: True, "
-       "stablejax.label_params(params))", "AdamW mode decays norm gains and biases"),
+       "label_params(params))", "  return jax.tree.map(lambda label: True, "
+       "label_params(params))", "AdamW mode decays norm gains and biases"),
     _m("OP5", OPTIM, "      adam_weight_decay=o.adam_weight_decay,\n", "",
        "optimizer.adam_weight_decay does not reach Muon mode's AdamW groups"),
-    _m("OP6", OPTIM, "  ceiling = [] if s.max_grad_norm is None else "
-       "[optax.clip_by_global_norm(s.max_grad_norm)]", "  ceiling = []",
-       "max_grad_norm does not clip when ZClip is off"),
+    _m("OP6", CLIP, "    build=lambda c, ctx: optax.clip_by_global_norm(c.max_norm),",
+       "    build=lambda c, ctx: optax.identity(),",
+       "stability.clip does not clip", AREA_TESTS[OPTIM]),
     _m("OP7", OPTIM, "          \"head\": adam if o.head_learning_rate is None else "
        "o.head_learning_rate}", "          \"head\": o.learning_rate if o.head_learning_rate is "
        "None else o.head_learning_rate}", "an unset head rate resolves to the Muon rate"),
-    _m("OP8", OPTIM,
-       "    tx = stablejax.skip_nonfinite(tx, max_consecutive=s.max_consecutive_skips)",
-       "    tx = stablejax.skip_nonfinite(tx)",
-       "stability.max_consecutive_skips does not reach skip_nonfinite"),
+    _m("OP8", SKIPPING,
+       "    build=lambda c, ctx: lambda inner: skip_nonfinite(inner, "
+       "max_consecutive=c.max_consecutive),",
+       "    build=lambda c, ctx: lambda inner: skip_nonfinite(inner),",
+       "stability.skip_nonfinite.max_consecutive does not reach skip_nonfinite",
+       AREA_TESTS[OPTIM]),
 
     # ---------------------------------------------------------------- training/step.py
     _m("TS1", STEP, "    loss, z_loss = loss / n, z_loss / n",
@@ -1345,17 +1356,17 @@ MUTANTS = [
     _m("SM1", STABILITY_MONITOR, "    if prev is not None and steps > 0 and c >= prev:",
        "    if prev is not None and steps > 0 and c > prev:",
        "an unchanged counter falls back to the one-step flag"),
-    _m("SM2", STABILITY_MONITOR, "      f = 1.0 if f > 0 else 0.0  # fraction",
-       "      f = f  # fraction",
+    _m("SM2", STABILITY_MONITOR, "    f = 1.0 if f > 0 else 0.0  # fraction",
+       "    f = f  # fraction",
        "a Muon fallback flag counts the fraction of tensors, not one event"),
     _m("SM3", STABILITY_MONITOR, "    while self._entries and self._entries[0][0] <= start:",
        "    while self._entries and self._entries[0][0] < start:",
        "the window keeps one interval too many"),
-    _m("SM4", STABILITY_MONITOR, "      out[\"skip_rate\"] = min(skip, 1.0)",
-       "      out[\"skip_rate\"] = skip", "the combined skip rate can exceed 1"),
+    _m("SM4", STABILITY_MONITOR, "      out[specs.SKIP_RATE] = min(skip, 1.0)",
+       "      out[specs.SKIP_RATE] = skip", "the combined skip rate can exceed 1"),
     _m("SM5", STABILITY_MONITOR,
-       "    out[\"rollbacks\"] = float(sum(1 for c, _, _ in self._rollbacks "
-       "if c > start))", "    out[\"rollbacks\"] = float(len(self._rollbacks))",
+       "    out[specs.ROLLBACKS] = float(sum(1 for c, _, _ in self._rollbacks "
+       "if c > start))", "    out[specs.ROLLBACKS] = float(len(self._rollbacks))",
        "rollbacks older than the window still count"),
     _m("SM6", STABILITY_MONITOR, "    if level == old or (old is None and level == \"healthy\"):",
        "    if level == old:", "the first healthy record prints a line"),
@@ -1370,8 +1381,9 @@ MUTANTS = [
     _m("SM10", STABILITY_MONITOR, "    return sum(recent) / len(recent) >= sum(older) / len(older)",
        "    return sum(recent) / len(recent) > sum(older) / len(older)",
        "a flat loss is not a plateau"),
-    _m("SM11", STABILITY_MONITOR, "      return r if kind == \"muon_fallback\" else min(r, 1.0)",
-       "      return r", "an event rate can exceed one per step"),
+    _m("SM11", STABILITY_MONITOR,
+       "          out[rate.name] = r if rate.tensors else min(r, 1.0)",
+       "          out[rate.name] = r", "an event rate can exceed one per step"),
     _m("SM12", STABILITY_MONITOR, "    self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in "
        "state[\"rollbacks\"]]", "    self._rollbacks = []",
        "rollbacks are lost over a save and restore"),

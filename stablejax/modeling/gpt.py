@@ -67,20 +67,20 @@ _NORMS = ("rmsnorm", "ssnorm")
 @dataclasses.dataclass
 class ModelConfig:
   vocab_size: int = 256
-  d_model: int = 256
+  d_model: int = 192
   n_layers: int = 4
   n_heads: int = 4
   d_ff: int = 0              # 0 -> SwiGLU hidden = multiple of 64 nearest 8/3 * d_model
-  max_seq_len: int = 256
+  max_seq_len: int = 128
   rope_theta: float = 10000.0
-  qk_norm: bool = False
+  qk_norm: bool = True
   tie_embeddings: bool = False
   norm: str = "rmsnorm"      # "rmsnorm" | "ssnorm" (Single-Scale RMSNorm, arXiv 2506.19697)
   post_ln: bool = False      # Post-LN for comparison; Pre-LN default
   emb_proj: bool = False     # EmbProj (arXiv 2506.19697)
   embed_scale: bool = False  # multiply embeddings by sqrt(d_model)
   bitnet: bool = False       # BitNet b1.58-style quantisation-aware linears mixed by lambda
-  compute_dtype: str = "bfloat16"   # "float32" | "bfloat16" | "float16"
+  compute_dtype: str = "float32"    # "float32" | "bfloat16" | "float16"
   param_dtype: str = "float32"      # "bfloat16" only to reproduce the underflow failure
   init_std: float = 0.02
   scan_layers: bool = True   # nn.scan over blocks: stacked [L, ...] params, fast compile

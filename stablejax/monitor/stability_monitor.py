@@ -16,8 +16,8 @@ from stablejax.transforms.metrics import MetricsSpec, Rate
 _ATTN_KEY = "attn_logit_max"
 ATTENTION_ADVICE = ("without QK-norm, attention logits past ~1e4 preceded divergence in every run "
                     "of Wortsman et al. (arXiv 2309.14322): turn on QK-norm (model.qk_norm=true), "
-                    "or QK-clip (stability.qk_clip_tau, stablejax.qk_clip), or lower the learning "
-                    "rate")
+                    "or QK-clip (stability.qk_clip.enabled=true, stablejax.qk_clip), or lower the "
+                    "learning rate")
 
 
 _V1_EVENT_KINDS = {"zclip_spike": "zclip_spike_rate", "zclip_clip": "zclip_clip_rate",

@@ -15,8 +15,10 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+import stablejax.transforms  # noqa: F401 (registers the built-in defences)
 from stablejax.data.pipeline import DataConfig, prepared_vocab_size
 from stablejax.modeling.gpt import ModelConfig
+from stablejax.transforms import defence
 
 
 class ConfigError(ValueError):
@@ -27,7 +29,7 @@ class ConfigError(ValueError):
 class TrainConfig:
   # With train.time_budget_minutes, the budget fixes the step count unless steps is given next to
   # it (same config file or dict, or --set): then steps caps it. null: no cap (needs a budget).
-  steps: Optional[int] = 300
+  steps: Optional[int] = 250
   batch_size: int = 16            # global batch (sequences per optimizer step, all devices)
   seq_len: int = 128
   seed: int = 0
@@ -77,44 +79,61 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
-class StabilityConfig:
-  zclip: bool = True
-  zclip_alpha: float = 0.97
-  z_thresh: float = 2.5
-  zclip_warmup_steps: int = 25
-  max_grad_norm: Optional[float] = 1.0  # global-norm ceiling in every mode (ZClip's, else a clip)
-  # Off by default: on clean runs AdaGC (lambda_rel 1.05) acts as a learning-rate cut and cost
-  # final loss in every bench/stress.py cell, with no gain at high learning rates (README).
-  adagc: bool = False
-  adagc_beta: float = 0.98
-  adagc_lambda_rel: float = 1.05
-  adagc_lambda_abs: float = 1.0
-  adagc_warmup_steps: int = 100
-  adagc_per_layer: bool = True       # one AdaGC threshold per layer of scan-stacked [L, ...] leaves
-  skip_nonfinite: bool = True
-  skip_spikes: bool = True
-  spike_window: int = 128
-  spike_min_history: Optional[int] = None  # null: the rule's default (64, or 63 for olmo_core)
-  spike_sigma: Optional[float] = 6.0       # skip above mean + sigma * std; null disables the rule
-  spike_factor: Optional[float] = None     # skip above factor * mean; null disables the rule
-  spike_statistics: str = "winsorized"     # or "olmo_core": OLMo-core's exact rule
-  max_consecutive_skips: int = 16
-  z_loss: float = 1e-4
-  # QK-clip (Kimi K2, arXiv 2507.20534): after each update, rescale W_q and W_k of every head
-  # whose max pre-softmax logit in the step's forward pass exceeded this (null: off).
-  qk_clip_tau: Optional[float] = None
-  loss_scale_init: float = 2.0**10   # fp16 only (model.compute_dtype == "float16")
-  loss_scale_growth_interval: int = 200
-  loss_scale_growth_factor: float = 1.5
-  # Recovery (stablejax/training/recovery.py).
-  recovery: bool = True
-  emergency_lr_factor: float = 0.2    # a rollback multiplies the LR scale in effect by this
-  # then it returns to 1.0 over this many steps (null: never)
+class LossScaleConfig:
+  """``stability.loss_scale``: dynamic loss scaling, fp16 only (``model.compute_dtype``)."""
+
+  init: float = 2.0**10
+  growth_interval: int = 200
+  growth_factor: float = 1.5
+
+
+@dataclasses.dataclass
+class RecoveryConfig:
+  """``stability.recovery``: rollback to the last good checkpoint (stablejax/training/recovery.py).
+
+  A rollback multiplies the learning-rate scale in effect by ``emergency_lr_factor``, which then
+  returns to 1.0 over ``lr_recovery_steps`` (null: never). Divergence: ``loss_window`` logged train
+  losses in a row above ``loss_explosion_factor`` x the best median of ``loss_window`` losses.
+  """
+
+  enabled: bool = True
+  emergency_lr_factor: float = 0.2
   lr_recovery_steps: Optional[int] = 100
   lr_recovery_schedule: str = "linear"    # "linear" or "geometric" (log-linear) return to 1.0
   max_rollbacks: int = 3
-  loss_window: int = 5               # divergence: this many logged train losses in a row ...
-  loss_explosion_factor: float = 3.0  # ... above factor x the best median of loss_window losses
+  loss_window: int = 5
+  loss_explosion_factor: float = 3.0
+
+
+def stability_config_class() -> type:
+  """The ``stability`` section's dataclass: ``z_loss``, one section per registered defence
+  (:mod:`stablejax.transforms.defence`, in chain order), ``loss_scale`` and ``recovery``.
+
+  Built from the registry when asked for, so a defence registered at any time (in a test, in a
+  user's module) has its section; the class is reused while the registry is unchanged.
+  """
+  declared = defence.registered()
+  key = tuple((d.name, d.config) for d in declared)
+  cls = _STABILITY_CLASSES.get(key)
+  if cls is None:
+    fields: list[Any] = [("z_loss", float, dataclasses.field(default=1e-4))]
+    fields += [(d.name, d.config, dataclasses.field(default_factory=d.config)) for d in declared]
+    fields += [("loss_scale", LossScaleConfig, dataclasses.field(default_factory=LossScaleConfig)),
+               ("recovery", RecoveryConfig, dataclasses.field(default_factory=RecoveryConfig))]
+    cls = dataclasses.make_dataclass("StabilityConfig", fields)
+    cls.__module__ = __name__
+    cls.__doc__ = ("The ``stability`` section: ``z_loss`` (PaLM's auxiliary loss weight; 0 turns "
+                   "it off), a section per defence (" + ", ".join(d.name for d in declared)
+                   + "), ``loss_scale`` and ``recovery``.")
+    _STABILITY_CLASSES[key] = cls
+  return cls
+
+
+_STABILITY_CLASSES: dict[tuple, type] = {}
+
+
+def _default_stability() -> Any:
+  return stability_config_class()()
 
 
 @dataclasses.dataclass
@@ -201,7 +220,8 @@ class Config:
   model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-  stability: StabilityConfig = dataclasses.field(default_factory=StabilityConfig)
+  # A dataclass built from the registered defences (stability_config_class).
+  stability: Any = dataclasses.field(default_factory=_default_stability)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
@@ -213,6 +233,15 @@ class Config:
 
 
 def _type_name(tp: Any) -> str:
+  """How a value of annotation ``tp`` is written in JSON: "an integer or null", "a number"..."""
+  if typing.get_origin(tp) in (Union, types.UnionType):
+    return " or ".join(_type_name(arm) for arm in typing.get_args(tp))
+  names = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+           type(None): "null"}
+  if tp in names:
+    return names[tp]
+  if typing.get_origin(tp) is list:
+    return "a JSON list"
   return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -259,14 +288,115 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
+  if cls is Config and isinstance(raw.get("stability"), dict):
+    raw = dict(raw, stability=_build(stability_config_class(), raw["stability"], "stability"))
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]
-  for key in raw:
+  for key, value in raw.items():
+    where = f"{prefix}.{key}" if prefix else key
+    old = _old_key_message(where, value)
+    if old:
+      raise ConfigError(old)
     if key not in hints:
-      where = f"{prefix}.{key}" if prefix else key
       raise ConfigError(f"unknown config key '{where}': valid keys here are {', '.join(names)}")
-  kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()}
+  kwargs = {k: v if k in ("stability",) and dataclasses.is_dataclass(v) else
+            _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()}
   return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------- keys of 0.1
+
+# The flat stability keys of stablejax 0.1 and the nested keys that replaced them. A config that
+# uses one is an error naming its new key; a run directory written by 0.1 is translated
+# (translate_v0_1), so it still resumes.
+_RENAMED = {
+    "zclip": ("zclip.enabled",), "zclip_alpha": ("zclip.alpha",),
+    "z_thresh": ("zclip.z_thresh",), "zclip_warmup_steps": ("zclip.warmup_steps",),
+    "adagc": ("adagc.enabled",), "adagc_beta": ("adagc.beta",),
+    "adagc_lambda_rel": ("adagc.lambda_rel",), "adagc_lambda_abs": ("adagc.lambda_abs",),
+    "adagc_warmup_steps": ("adagc.warmup_steps",), "adagc_per_layer": ("adagc.per_layer",),
+    "skip_nonfinite": ("skip_nonfinite.enabled",), "skip_spikes": ("skip_spikes.enabled",),
+    "spike_window": ("skip_spikes.window",), "spike_min_history": ("skip_spikes.min_history",),
+    "spike_sigma": ("skip_spikes.sigma",), "spike_factor": ("skip_spikes.factor",),
+    "spike_statistics": ("skip_spikes.statistics",),
+    "max_consecutive_skips": ("skip_spikes.max_consecutive", "skip_nonfinite.max_consecutive"),
+    "qk_clip_tau": ("qk_clip.enabled", "qk_clip.tau"),
+    "max_grad_norm": ("zclip.max_grad_norm", "clip.max_norm"),
+    "loss_scale_init": ("loss_scale.init",),
+    "loss_scale_growth_interval": ("loss_scale.growth_interval",),
+    "loss_scale_growth_factor": ("loss_scale.growth_factor",),
+    "recovery": ("recovery.enabled",),
+    "emergency_lr_factor": ("recovery.emergency_lr_factor",),
+    "lr_recovery_steps": ("recovery.lr_recovery_steps",),
+    "lr_recovery_schedule": ("recovery.lr_recovery_schedule",),
+    "max_rollbacks": ("recovery.max_rollbacks",), "loss_window": ("recovery.loss_window",),
+    "loss_explosion_factor": ("recovery.loss_explosion_factor",),
+}
+_RENAME_NOTES = {
+    "qk_clip_tau": " (null: stability.qk_clip.enabled=false)",
+    "max_grad_norm": " (ZClip's ceiling, or the plain clip's norm with "
+                     "stability.clip.enabled=true when ZClip is off)",
+}
+
+
+def _old_key_message(dotted: str, value: Any = None) -> Optional[str]:
+  """The error for a key of stablejax 0.1 (``stability.z_thresh``, ``stability.zclip=false``)."""
+  parts = dotted.split(".")
+  if len(parts) != 2 or parts[0] != "stability" or parts[1] not in _RENAMED:
+    return None
+  old = parts[1]
+  if old in ("zclip", "adagc", "skip_nonfinite", "skip_spikes", "recovery") \
+      and isinstance(value, dict):
+    return None  # the new section of the same name
+  new = " and ".join(f"stability.{k}" for k in _RENAMED[old])
+  return (f"stability.{old} is a key of stablejax 0.1: use {new}{_RENAME_NOTES.get(old, '')}; "
+          "docs/trainer.md lists the stability sections")
+
+
+def is_v0_1(raw: Any) -> bool:
+  """Whether a config dict uses the flat stability keys of stablejax 0.1."""
+  stability = raw.get("stability") if isinstance(raw, dict) else None
+  return isinstance(stability, dict) and any(
+      _old_key_message(f"stability.{k}", v) for k, v in stability.items())
+
+
+def translate_v0_1(raw: dict) -> dict:
+  """A config dict of stablejax 0.1 (flat stability keys) in the nested form of this version.
+
+  ``max_grad_norm`` was the global-norm ceiling in every mode: ZClip's own ceiling when ZClip ran,
+  else ``optax.clip_by_global_norm``; ``qk_clip_tau`` null meant QK-clip off.
+  """
+  if not is_v0_1(raw):
+    return raw
+  old = dict(raw["stability"])
+  new: dict[str, Any] = {}
+
+  def put(dotted: str, value: Any) -> None:
+    section, _, key = dotted.partition(".")
+    new.setdefault(section, {})[key] = value
+
+  zclip_on = old.get("zclip", True)
+  for key, value in old.items():
+    if key == "z_loss" or isinstance(value, dict):
+      new[key] = value
+    elif key == "qk_clip_tau":
+      put("qk_clip.enabled", value is not None)
+      if value is not None:
+        put("qk_clip.tau", value)
+    elif key == "max_grad_norm":
+      if zclip_on:
+        put("zclip.max_grad_norm", value)
+      elif value is not None:
+        put("clip.enabled", True)
+        put("clip.max_norm", value)
+    elif key in _RENAMED:
+      for dotted in _RENAMED[key]:
+        put(dotted, value)
+    else:
+      new[key] = value  # unknown: left for the usual error
+  if "max_grad_norm" not in old and not zclip_on:
+    put("clip.enabled", True)  # 0.1's default ceiling of 1.0 applied without ZClip too
+  return dict(raw, stability=new)
 
 
 def config_from_dict(raw: dict, layers: Optional[list[set[str]]] = None) -> Config:
@@ -325,6 +455,13 @@ def _vocab_from_prepared_data(raw: dict) -> None:
     raw["model"] = dict(model, vocab_size=-(-vocab // 64) * 64)
 
 
+def _maybe_json(text: str) -> Any:
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    return text
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
   """Applies `section.key=value` overrides (value parsed as JSON, else taken as a string)."""
   defaults = dataclasses.asdict(Config())
@@ -334,6 +471,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                         "train.steps=100)")
     dotted, text = item.split("=", 1)
     parts = dotted.strip().split(".")
+    old = _old_key_message(dotted.strip(), _maybe_json(text))
+    if old:
+      raise ConfigError(old)
     node_default = defaults
     for part in parts:
       if not isinstance(node_default, dict) or part not in node_default:
@@ -418,6 +558,28 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
   return config_from_dict(apply_overrides(raw, list(overrides)), layers)
 
 
+def load_run_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+  """The config a run wrote (``RUN_DIR/config.json``), in this version's form, with
+  ``section.key=value`` overrides: a run directory of stablejax 0.1 (flat stability keys) is
+  translated (`translate_v0_1`), so it still resumes.
+
+  Raises:
+    ConfigError: a missing or invalid file (one line naming it), or a bad override.
+  """
+  path = Path(path)
+  try:
+    raw = json.loads(path.read_text())
+  except OSError as e:
+    raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+  if not isinstance(raw, dict):
+    raise ConfigError(f"{path} is not a config: expected a JSON object with sections")
+  raw = translate_v0_1(raw)
+  layers = [flat_keys(raw), flat_keys(apply_overrides({}, list(overrides)))]
+  return config_from_dict(apply_overrides(raw, list(overrides)), layers)
+
+
 def to_dict(cfg: Config) -> dict:
   return dataclasses.asdict(cfg)
 
@@ -469,44 +631,30 @@ def validate(cfg: Config) -> None:
     raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
                       "width scaling runs at ~0.02, far too high for AdamW; set "
                       "adam_learning_rate (e.g. 3e-3)")
-  if s.skip_spikes:
-    if s.spike_sigma is None and s.spike_factor is None:
-      raise ConfigError("stability.spike_sigma and stability.spike_factor are both null: set one "
-                        "(e.g. spike_sigma=6.0 or spike_factor=10.0) or "
-                        "stability.skip_spikes=false")
-    for name in ("spike_sigma", "spike_factor"):
-      if getattr(s, name) is not None:
-        _positive(f"stability.{name}", getattr(s, name))
-    if s.spike_statistics not in ("winsorized", "olmo_core"):
-      raise ConfigError(f"stability.spike_statistics={s.spike_statistics!r} is not known: use "
-                        "\"winsorized\" or \"olmo_core\"")
-    _positive("stability.spike_window", s.spike_window)
-    if s.spike_min_history is not None and not 1 <= s.spike_min_history <= s.spike_window:
-      raise ConfigError(f"stability.spike_min_history={s.spike_min_history} must lie in "
-                        f"[1, stability.spike_window={s.spike_window}]")
-    if s.spike_statistics == "olmo_core" and s.spike_min_history is None and s.spike_window < 19:
-      raise ConfigError(f"stability.spike_window={s.spike_window} is below 19: OLMo-core's rule "
-                        "(spike_statistics=\"olmo_core\") never skips there; use a window >= 19")
-  if not 0 < s.emergency_lr_factor <= 1:
-    raise ConfigError(f"stability.emergency_lr_factor={s.emergency_lr_factor} must lie in (0, 1]")
-  if s.lr_recovery_steps is not None:
-    _positive("stability.lr_recovery_steps", s.lr_recovery_steps)
-  if s.lr_recovery_schedule not in ("linear", "geometric"):
-    raise ConfigError(f"stability.lr_recovery_schedule={s.lr_recovery_schedule!r} is not known:"
-                      " use \"linear\" or \"geometric\"")
-  _positive("stability.max_rollbacks", s.max_rollbacks, allow_zero=True)
-  _positive("stability.loss_window", s.loss_window)
-  if not s.loss_explosion_factor > 1:
-    raise ConfigError(f"stability.loss_explosion_factor={s.loss_explosion_factor} must be > 1"
-                      " (a multiple of the best loss)")
-  _positive("stability.max_consecutive_skips", s.max_consecutive_skips)
-  if s.qk_clip_tau is not None:
-    _positive("stability.qk_clip_tau", s.qk_clip_tau)
-    if cfg.model.qk_norm:
-      raise ConfigError("stability.qk_clip_tau with model.qk_norm=true: QK-norm removes the scale"
-                        " of W_q and W_k from the logits, so QK-clip would shrink them every step "
-                        "without lowering a logit; set stability.qk_clip_tau=null (QK-norm already"
-                        " bounds the logits) or model.qk_norm=false")
+  _positive("stability.z_loss", s.z_loss, allow_zero=True)
+  try:
+    defence.validate(s, defence.DefenceContext(stability=s, model=cfg.model))
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  r = s.recovery
+  if not 0 < r.emergency_lr_factor <= 1:
+    raise ConfigError(f"stability.recovery.emergency_lr_factor={r.emergency_lr_factor} must lie "
+                      "in (0, 1]")
+  if r.lr_recovery_steps is not None:
+    _positive("stability.recovery.lr_recovery_steps", r.lr_recovery_steps)
+  if r.lr_recovery_schedule not in ("linear", "geometric"):
+    raise ConfigError(f"stability.recovery.lr_recovery_schedule={r.lr_recovery_schedule!r} is not"
+                      " known: use \"linear\" or \"geometric\"")
+  _positive("stability.recovery.max_rollbacks", r.max_rollbacks, allow_zero=True)
+  _positive("stability.recovery.loss_window", r.loss_window)
+  if not r.loss_explosion_factor > 1:
+    raise ConfigError(f"stability.recovery.loss_explosion_factor={r.loss_explosion_factor} must be"
+                      " > 1 (a multiple of the best loss)")
+  _positive("stability.loss_scale.init", s.loss_scale.init)
+  _positive("stability.loss_scale.growth_interval", s.loss_scale.growth_interval)
+  if not s.loss_scale.growth_factor > 1:
+    raise ConfigError(f"stability.loss_scale.growth_factor={s.loss_scale.growth_factor} must be"
+                      " > 1")
   _positive("logging.attention_sequences", cfg.logging.attention_sequences)
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
@@ -549,28 +697,17 @@ _INEFFECTIVE_RULES = (
     (("optimizer.outlier_threshold",),
      lambda c: c.optimizer.name == "muon" and c.optimizer.outlier_method is None,
      "optimizer.outlier_method=null"),
-    (("stability.zclip_alpha", "stability.z_thresh", "stability.zclip_warmup_steps"),
-     lambda c: not c.stability.zclip, "stability.zclip=false"),
-    (("stability.adagc_beta", "stability.adagc_lambda_rel", "stability.adagc_lambda_abs",
-      "stability.adagc_warmup_steps", "stability.adagc_per_layer"),
-     lambda c: not c.stability.adagc, "stability.adagc=false"),
-    (("stability.adagc_per_layer",),
-     lambda c: c.stability.adagc and not c.model.scan_layers,
+    (("stability.adagc.per_layer",),
+     lambda c: c.stability.adagc.enabled and not c.model.scan_layers,
      "model.scan_layers=false (no stacked layers)"),
-    (("stability.spike_window", "stability.spike_min_history", "stability.spike_sigma",
-      "stability.spike_factor", "stability.spike_statistics"),
-     lambda c: not c.stability.skip_spikes, "stability.skip_spikes=false"),
-    (("stability.max_consecutive_skips",),
-     lambda c: not (c.stability.skip_spikes or c.stability.skip_nonfinite),
-     "stability.skip_spikes=false and stability.skip_nonfinite=false"),
-    (("stability.loss_scale_init", "stability.loss_scale_growth_interval",
-      "stability.loss_scale_growth_factor"),
+    (("stability.loss_scale.init", "stability.loss_scale.growth_interval",
+      "stability.loss_scale.growth_factor"),
      lambda c: c.model.compute_dtype != "float16",
      'model.compute_dtype other than "float16" (loss scaling is for fp16 only)'),
-    (("stability.emergency_lr_factor", "stability.max_rollbacks", "stability.loss_window",
-      "stability.loss_explosion_factor", "stability.lr_recovery_steps",
-      "stability.lr_recovery_schedule"),
-     lambda c: not c.stability.recovery, "stability.recovery=false"),
+    (("stability.recovery.emergency_lr_factor", "stability.recovery.max_rollbacks",
+      "stability.recovery.loss_window", "stability.recovery.loss_explosion_factor",
+      "stability.recovery.lr_recovery_steps", "stability.recovery.lr_recovery_schedule"),
+     lambda c: not c.stability.recovery.enabled, "stability.recovery.enabled=false"),
     (("logging.attention_per_head", "logging.attention_sequences"),
      lambda c: not c.logging.attention_logits, "logging.attention_logits=false"),
     (("train.lambda_warmup_steps", "train.lambda_schedule"),
@@ -583,23 +720,45 @@ _INEFFECTIVE_RULES = (
 )
 
 
+def _get(cfg: Any, dotted: str) -> tuple[bool, Any, Any]:
+  """(found, value, default) of a dotted key: the default is the same key of a fresh section."""
+  *path, key = dotted.split(".")
+  node = cfg
+  for part in path:
+    node = getattr(node, part, None)
+  if node is None or not hasattr(node, key):
+    return False, None, None
+  return True, getattr(node, key), getattr(type(node)(), key)
+
+
+def _defence_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
+  """Every key of a disabled defence's section has no effect."""
+  rules = []
+  for d in defence.registered():
+    keys = tuple(f"stability.{d.name}.{f.name}" for f in dataclasses.fields(d.config)
+                 if f.name != "enabled")
+    rules.append((keys, not d.section(cfg.stability).enabled,
+                  f"stability.{d.name}.enabled=false"))
+  return rules
+
+
 def ineffective_keys(cfg: Config) -> list[str]:
   """One line per config key set away from its default that has no effect in the chosen mode.
 
   Example: `optimizer.adam_weight_decay=0.1 has no effect with optimizer.name="adamw" (...)`.
-  The trainer prints each as a warning at start, so no setting is silently ignored.
+  The trainer prints each as a warning at start, so no setting is silently ignored. Every key of
+  a disabled defence counts (``stability.adagc.beta`` with ``stability.adagc.enabled=false``).
   """
+  rules = [(keys, ineffective(cfg), reason) for keys, ineffective, reason in _INEFFECTIVE_RULES]
   lines, seen = [], set()
-  for keys, ineffective, reason in _INEFFECTIVE_RULES:
-    if not ineffective(cfg):
+  for keys, ineffective, reason in rules + _defence_rules(cfg):
+    if not ineffective:
       continue
     for dotted in keys:
-      section_name, key = dotted.split(".")
-      section = getattr(cfg, section_name)
-      if dotted in seen or not hasattr(section, key):
+      found, value, default = _get(cfg, dotted)
+      if dotted in seen or not found:
         continue  # named once; or a key this version of the config does not have
-      value = getattr(section, key)
-      if value != getattr(type(section)(), key):
+      if value != default:
         seen.add(dotted)
         lines.append(f"{dotted}={json.dumps(value)} has no effect with {reason}")
   return lines

@@ -245,10 +245,9 @@ class Run:
     params = self.model.init(rng, tokens)["params"]
     loss_scale = None
     if self.cfg.model.compute_dtype == "float16":
-      s = self.cfg.stability
+      s = self.cfg.stability.loss_scale
       loss_scale = stablejax.DynamicLossScale.create(
-          initial_scale=s.loss_scale_init, growth_interval=s.loss_scale_growth_interval,
-          growth_factor=s.loss_scale_growth_factor)
+          initial_scale=s.init, growth_interval=s.growth_interval, growth_factor=s.growth_factor)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=self.tx.init(params), loss_scale=loss_scale,
                       lr_backoff=LRBackoff.none())
@@ -401,7 +400,7 @@ class Run:
         self._stop_for_time(step, saved=is_ckpt)
         break
       if cause is not None:
-        if not (cfg.stability.recovery and self.recovery.budget_left):
+        if not (cfg.stability.recovery.enabled and self.recovery.budget_left):
           exit_code = self._diverged(step, cause)
           break
         step = self._rollback(step, cause)
@@ -487,7 +486,8 @@ class Run:
     bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
                     skipped=skipped, refresh=False)
     self.last_record = record
-    return self._agree(self.recovery.check_train(record) if self.cfg.stability.recovery else None)
+    check = self.cfg.stability.recovery.enabled
+    return self._agree(self.recovery.check_train(record) if check else None)
 
   def _evaluate(self, step: int, final: bool = False) -> Optional[str]:
     losses = [self.eval_step(self.state.params, b, np.int32(step)) for b in self.val_batches]
@@ -501,7 +501,7 @@ class Run:
                        f"{self.budget.time_to_target:.0f} s")
     if final and self.sampler is not None:
       self._sample(step)
-    if final or not self.cfg.stability.recovery:
+    if final or not self.cfg.stability.recovery.enabled:
       return None
     return self._agree(self.recovery.check_val(val_loss))
 
@@ -689,8 +689,8 @@ class Run:
     self._load_data_skips(meta)
     first_skipped = self.batches_consumed if target_batches is None else target_batches
     self._schedule_skip(first_skipped, failed_at)
-    # The LR that failed, backed off; it returns to 1.0 over stability.lr_recovery_steps.
-    lr_scale = float(record.get("lr_scale", 1.0)) * self.cfg.stability.emergency_lr_factor
+    # The LR that failed, backed off; it returns to 1.0 over stability.recovery.lr_recovery_steps.
+    lr_scale = float(record.get("lr_scale", 1.0)) * self.cfg.stability.recovery.emergency_lr_factor
     self.state = self.set_lr_backoff(self.state, jnp.float32(lr_scale), jnp.int32(restored_step))
     event = RollbackEvent(step=step, cause=cause, restored_step=restored_step, lr_scale=lr_scale,
                           skipped_batches=(first_skipped, failed_at))
@@ -701,7 +701,7 @@ class Run:
           "recovery": self.recovery.state_dict(), "abandoned_skips": self.abandoned_skips,
           "monitor": self.monitor.state_dict()})
     self.log.console(f"warning: rollback {self.recovery.rollbacks}/"
-                     f"{self.cfg.stability.max_rollbacks}"
+                     f"{self.cfg.stability.recovery.max_rollbacks}"
                      f" at {event.describe()}")
     self.log.record({"step": step, "event": "rollback", **dataclasses.asdict(event)},
                     {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": lr_scale})
@@ -714,7 +714,7 @@ class Run:
     self.log.record({"step": step, "event": "diverged", "cause": cause})
     lines = [f"error: training diverged at step {step}: {cause}",
              f"recovery budget used: {self.recovery.rollbacks} of "
-             f"{self.cfg.stability.max_rollbacks} rollbacks"]
+             f"{self.cfg.stability.recovery.max_rollbacks} rollbacks"]
     lines += [f"  rollback {i + 1}: {e.describe()}" for i, e in enumerate(self.recovery.events)]
     lines.append("try: a lower optimizer.learning_rate, a longer train.warmup_steps, or check the "
                  "data"

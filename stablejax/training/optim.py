@@ -1,11 +1,14 @@
 """The optimizer from the config: the stablejax chain around Muon or AdamW, with optax schedules.
 
-Default shape (every layer switchable in `stability`):
+The chain comes from the defence declarations (:mod:`stablejax.transforms.defence`): each
+enabled section of ``stability`` puts its transform in its position. The default shape::
 
-    skip_nonfinite(skip_spikes(chain(hybrid_clip, outlier_safe_muon | adamw, lr_scale[, qk_clip])))
+    skip_nonfinite(skip_spikes(chain(zclip, outlier_safe_muon | adamw, lr_scale)))
 
-`qk_clip` (with `stability.qk_clip_tau` set) takes the step's per-head max attention logits as
-the extra argument `max_logits`; the train step computes them in its forward pass only then.
+with ``stability.clip`` / ``stability.adagc`` next to ZClip on the gradient and
+``stability.qk_clip`` last, when enabled. A defence that needs an extra ``update`` argument says
+so (QK-clip: ``max_logits``, the step's per-head max attention logits, which the train step then
+computes in its forward pass; the spike skip: ``loss``).
 
 `lr_scale` is `optax.inject_hyperparams(optax.scale)`, a multiplier on the final update (so it
 scales decoupled weight decay too, like a learning rate). It lives in the optimizer state, so the
@@ -33,9 +36,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import stablejax
+from stablejax.muon.lr_check import check_learning_rates
+from stablejax.muon.muon import outlier_safe_muon
+from stablejax.muon.routing import label_params
 from stablejax.training.config import Config
-from stablejax.transforms.stacked import STACKED_NAMES
+from stablejax.transforms import defence
 
 
 def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
@@ -67,15 +72,15 @@ def learning_rate_warnings(cfg: Config) -> list[str]:
   """`stablejax.check_learning_rates` on the resolved rates (a Muon rate on AdamW groups, ...)."""
   rates = learning_rates(cfg)
   if cfg.optimizer.name == "adamw":
-    return stablejax.check_learning_rates(adam_lr=rates["adamw"])
-  return stablejax.check_learning_rates(
+    return check_learning_rates(adam_lr=rates["adamw"])
+  return check_learning_rates(
       muon_lr=rates["muon"], adam_lr=rates["adam"], embedding_lr=rates["embedding"],
       head_lr=rates["head"], consistent_rms=cfg.optimizer.consistent_rms)
 
 
 def decay_mask(params: Any) -> Any:
   """True for the leaves weight decay may touch: all but norm gains, biases and scalars."""
-  return jax.tree.map(lambda label: label != "adam", stablejax.label_params(params))
+  return jax.tree.map(lambda label: label != "adam", label_params(params))
 
 
 def main_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -84,7 +89,7 @@ def main_optimizer(cfg: Config) -> optax.GradientTransformation:
   if o.name == "adamw":
     return optax.adamw(lr_schedule(cfg, rates["adamw"]), b1=o.b1, b2=o.b2, eps=o.eps,
                        weight_decay=o.weight_decay, mask=decay_mask)
-  return stablejax.outlier_safe_muon(
+  return outlier_safe_muon(
       learning_rate=lr_schedule(cfg, rates["muon"]),
       momentum=o.momentum,
       ns_steps=o.ns_steps,
@@ -104,31 +109,12 @@ def main_optimizer(cfg: Config) -> optax.GradientTransformation:
   )
 
 
-def clipping(cfg: Config) -> list[optax.GradientTransformation]:
-  """`max_grad_norm` is the global-norm ceiling in every mode: ZClip's own ceiling when ZClip runs,
-  else `optax.clip_by_global_norm` (before AdaGC when AdaGC runs alone)."""
-  s = cfg.stability
-  zclip_args: dict[str, Any] = dict(alpha=s.zclip_alpha, z_thresh=s.z_thresh,
-                                    max_grad_norm=s.max_grad_norm,
-                                    warmup_steps=s.zclip_warmup_steps)
-  adagc_args: dict[str, Any] = dict(beta=s.adagc_beta, lambda_rel=s.adagc_lambda_rel,
-                                    lambda_abs=s.adagc_lambda_abs,
-                                    warmup_steps=s.adagc_warmup_steps,
-                                    stacked_names=STACKED_NAMES if s.adagc_per_layer else ())
-  if s.zclip and s.adagc:
-    return [stablejax.hybrid_clip(**{f"zclip_{k}": v for k, v in zclip_args.items()},
-                                  **{f"adagc_{k}": v for k, v in adagc_args.items()})]
-  if s.zclip:
-    return [stablejax.zclip(**zclip_args)]
-  ceiling = [] if s.max_grad_norm is None else [optax.clip_by_global_norm(s.max_grad_norm)]
-  if s.adagc:
-    return ceiling + [stablejax.adagc(**adagc_args)]
-  return ceiling
-
-
 def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None
                     ) -> optax.GradientTransformationExtraArgs:
   """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it.
+
+  The enabled defences of ``cfg.stability`` (:mod:`stablejax.transforms.defence`) in their
+  positions around the optimizer and the learning-rate scale that the recovery backs off.
 
   Example:
     >>> import jax.numpy as jnp
@@ -148,25 +134,15 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
     >>> bool(jnp.all(updates["w"] < 0)), float(get_lr_scale(state))
     (True, 1.0)
   """
-  s = cfg.stability
-  # QK-clip goes last, after every scaling of the update, and inside the skip wrappers (a
-  # skipped step clips nothing); its max logits come from the train step as `max_logits=`.
-  qk = [] if s.qk_clip_tau is None else [
-      stablejax.qk_clip(tau=s.qk_clip_tau, num_heads=cfg.model.n_heads)]
-  tx = optax.chain(
-      *clipping(cfg),
-      main if main is not None else main_optimizer(cfg),
-      optax.inject_hyperparams(optax.scale)(step_size=1.0),
-      *qk,
-  )
-  if s.skip_spikes:
-    tx = stablejax.skip_spikes(
-        tx, window=s.spike_window, min_history=s.spike_min_history, sigma=s.spike_sigma,
-        factor=s.spike_factor, max_consecutive=s.max_consecutive_skips,
-        statistics=s.spike_statistics)
-  if s.skip_nonfinite:
-    tx = stablejax.skip_nonfinite(tx, max_consecutive=s.max_consecutive_skips)
-  return optax.with_extra_args_support(tx)
+  return defence.build_chain(
+      cfg.stability, main if main is not None else main_optimizer(cfg),
+      update_scale=optax.inject_hyperparams(optax.scale)(step_size=1.0),
+      ctx=defence.DefenceContext(stability=cfg.stability, model=cfg.model))
+
+
+def step_arguments(cfg: Config) -> frozenset[str]:
+  """The extra ``update`` arguments the configured defences need (``loss``, ``max_logits``)."""
+  return defence.step_args(cfg.stability)
 
 
 _INJECT_STATES = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)

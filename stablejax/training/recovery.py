@@ -24,13 +24,11 @@ import collections
 import dataclasses
 import math
 import statistics
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
-
-from stablejax.training.config import StabilityConfig
 
 
 @dataclasses.dataclass
@@ -87,9 +85,12 @@ def rollback_request_counts(record: dict) -> dict[str, int]:
 class Recovery:
   """Watches logged values, says when training must roll back and to which checkpoint."""
 
-  def __init__(self, cfg: StabilityConfig):
-    self.cfg = cfg
-    self.window = max(1, cfg.loss_window)
+  def __init__(self, stability: Any):
+    """``stability``: the config's ``stability`` section (its ``recovery`` settings, and the skip
+    wrappers' ``max_consecutive`` for the messages)."""
+    self.stability = stability
+    self.cfg = stability.recovery
+    self.window = max(1, self.cfg.loss_window)
     self.recent: collections.deque = collections.deque(maxlen=self.window)  # losses not elevated
     self.best_loss_median = math.inf
     self.elevated_run = 0        # logged train losses in a row above the line (or non-finite)
@@ -115,8 +116,10 @@ class Recovery:
     """Returns the cause of a needed rollback, or None. `record` is one fetched metrics record."""
     for key, count in sorted(rollback_request_counts(record).items()):
       if count > self.acknowledged.get(key, 0):
-        return (f"{key.rsplit('/', 1)[0]}: too many skipped steps in a row "
-                f"(stability.max_consecutive_skips={self.cfg.max_consecutive_skips})")
+        wrapper = key.rsplit("/", 1)[0]
+        limit = getattr(getattr(self.stability, wrapper, None), "max_consecutive", None)
+        setting = f" (stability.{wrapper}.max_consecutive={limit})" if limit is not None else ""
+        return f"{wrapper}: too many skipped steps in a row{setting}"
     if not bool(record.get("params_finite", True)):
       return "a parameter became non-finite"
     loss = float(record["loss"])

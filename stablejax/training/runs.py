@@ -55,7 +55,7 @@ def load_run_config(run_dir: str | Path) -> Config:
   Raises:
     RunError: the directory or the config file is missing, or the config is invalid.
   """
-  from stablejax.training.config import ConfigError, load_config
+  from stablejax.training.config import ConfigError, load_run_file
 
   run_dir = Path(run_dir)
   if not run_dir.is_dir():
@@ -64,9 +64,9 @@ def load_run_config(run_dir: str | Path) -> Config:
   path = run_dir / "config.json"
   if not path.is_file():
     raise RunError(f"{path} does not exist: pass the --out directory of a run started "
-                   f"with train.py (it writes config.json)")
+                   f"with python -m stablejax train (it writes config.json)")
   try:
-    return load_config(path)
+    return load_run_file(path)
   except ConfigError as e:
     raise RunError(f"{path}: {e}") from None
 

@@ -16,12 +16,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import stablejax
-from stablejax.training.config import Config
+from stablejax.modeling.attention import collect_attention_logits
 from stablejax.modeling.gpt import layer_max_logits
-from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale
+from stablejax.modeling.losses import cross_entropy_with_z_loss
+from stablejax.training.config import Config
+from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale, step_arguments
 from stablejax.training.recovery import backoff_lr_scale
 from stablejax.transforms.loss_scaling import all_finite
+from stablejax.transforms.metrics import stability_metrics
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -48,82 +50,110 @@ def make_loss_fn(model: nn.Module, cfg: Config, max_logits: bool = False) -> Los
                                  mutable=["intermediates"], **kwargs)
     else:
       logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
-    loss, aux = stablejax.cross_entropy_with_z_loss(logits, tokens[:, 1:],
+    loss, aux = cross_entropy_with_z_loss(logits, tokens[:, 1:],
                                                     z_loss=cfg.stability.z_loss)
     out: dict[str, Any] = dict(aux)
     if max_logits:
-      out["max_logits"] = stablejax.collect_attention_logits(sown)
+      out["max_logits"] = collect_attention_logits(sown)
     return loss, out
   return loss_fn
+
+
+# The extra `update` arguments the train step can supply, and whether each costs work: a
+# defence asks for them in its declaration (stablejax.transforms.defence.Defence.step_args).
+STEP_ARGS = {
+    "loss": "the step's mean loss (always passed: it is computed anyway)",
+    "max_logits": "each attention layer's per-head max pre-softmax logit of this step's forward "
+                  "pass ({layer name: [*stack, H]}, the max over micro-batches)",
+}
+
+
+def _check_step_args(needed: frozenset[str]) -> None:
+  unknown = sorted(needed - set(STEP_ARGS))
+  if unknown:
+    raise ValueError(f"a configured defence needs the step argument(s) {', '.join(unknown)}, "
+                     f"which the train step does not compute (it passes {', '.join(STEP_ARGS)})")
+
+
+def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, lam: jax.Array,
+                scale: Optional[jax.Array], want_logits: bool
+                ) -> tuple[Any, jax.Array, jax.Array, Any]:
+  """Gradients of the mean loss over the micro-batches ``tokens[i]`` (``[grad_accum,
+  micro_batch, T + 1]``), one micro-batch live at a time (``lax.scan``); the loss scaled by
+  ``scale`` (fp16) before differentiation. Returns (summed grads in float32, summed loss, summed
+  z-loss, per-head max logits over the micro-batches or None)."""
+  def micro_grads(micro: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
+    def scaled(p: Any) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
+      loss, aux = loss_fn(p, micro, lam)
+      return (loss * scale if scale is not None else loss), (loss, aux)
+    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return grads, loss, aux
+
+  def step(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
+    grads, loss, aux = micro_grads(micro)
+    total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
+    peaks = jax.tree.map(jnp.maximum, carry[3], aux["max_logits"]) if want_logits else None
+    return (total, carry[1] + loss, carry[2] + aux["z_loss"], peaks), None
+
+  zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+  no_peaks = None
+  if want_logits:
+    shapes = jax.eval_shape(lambda p, t: loss_fn(p, t, lam)[1]["max_logits"], params, tokens[0])
+    no_peaks = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, jnp.float32), shapes)
+  (grads, loss, z_loss, max_logits), _ = jax.lax.scan(
+      step, (zeros, jnp.float32(0), jnp.float32(0), no_peaks), tokens)
+  return grads, loss, z_loss, max_logits
+
+
+def _with_lr_backoff(opt_state: Any, state: "TrainState", cfg: Config) -> Any:
+  """The optimizer state with the LR scale of a rollback's backoff at this step (on its way back
+  to 1.0 over ``stability.recovery.lr_recovery_steps``); unchanged without a backoff."""
+  if state.lr_backoff is None:
+    return opt_state
+  r = cfg.stability.recovery
+  return set_lr_scale(opt_state, backoff_lr_scale(state.lr_backoff, state.step,
+                                                  r.lr_recovery_steps, r.lr_recovery_schedule))
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs, cfg: Config,
                     lr_schedule: optax.Schedule,
                     bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  # QK-clip needs each head's max logit of this step's forward pass; nothing else does.
-  clip_logits = cfg.stability.qk_clip_tau is not None
-  loss_fn = make_loss_fn(model, cfg, max_logits=clip_logits)
+  """``train_step(state, batch) -> (state, metrics)``: accumulated gradients, fp16 loss scaling,
+  the configured faults (``batch["grad_scale"]``), the rollback's LR backoff, the update with the
+  extra arguments the defences declared, and the step's metrics (on device)."""
+  step_args = step_arguments(cfg) | {"loss"}
+  _check_step_args(step_args)
+  want_logits = "max_logits" in step_args  # decided once, from the declarations
+  loss_fn = make_loss_fn(model, cfg, max_logits=want_logits)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     lam = bitnet_lambda(state.step) if bitnet_lambda is not None else jnp.float32(1.0)
     scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
-
-    def micro_grads(tokens: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
-      def scaled(params: Any) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-        loss, aux = loss_fn(params, tokens, lam)
-        return (loss * scale if scale is not None else loss), (loss, aux)
-      (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(state.params)
-      return grads, loss, aux
-
-    # tokens: [grad_accum, micro_batch, seq_len + 1]; scan keeps one micro-batch live at a time.
-    # The step's max logits are the max over its micro-batches.
-    def accumulate(carry: tuple, tokens: jax.Array) -> tuple[tuple, None]:
-      grads, loss, aux = micro_grads(tokens)
-      total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
-      peaks = jax.tree.map(jnp.maximum, carry[3], aux["max_logits"]) if clip_logits else None
-      return (total, carry[1] + loss, carry[2] + aux["z_loss"], peaks), None
-
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    no_peaks = None
-    if clip_logits:
-      shapes = jax.eval_shape(lambda p, t: loss_fn(p, t, lam)[1]["max_logits"], state.params,
-                              batch["tokens"][0])
-      no_peaks = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, jnp.float32), shapes)
-    (grads, loss, z_loss, max_logits), _ = jax.lax.scan(
-        accumulate, (zeros, jnp.float32(0), jnp.float32(0), no_peaks), batch["tokens"])
+    grads, loss, z_loss, max_logits = _accumulate(loss_fn, state.params, batch["tokens"], lam,
+                                                  scale, want_logits)
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
     if state.loss_scale is not None:
       grads = state.loss_scale.unscale(grads)
-    grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)
+    grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)  # faults
 
-    opt_state = state.opt_state
-    if state.lr_backoff is not None:  # the LR scale after a rollback, on its way back to 1.0
-      s = cfg.stability
-      opt_state = set_lr_scale(opt_state, backoff_lr_scale(
-          state.lr_backoff, state.step, s.lr_recovery_steps, s.lr_recovery_schedule))
+    opt_state = _with_lr_backoff(state.opt_state, state, cfg)
     # The schedules count applied updates (a skipped step keeps their count), so the rate this
     # step applies is the schedule at that count, not at state.step (see training/optim.py).
     lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
-    extra = {"max_logits": max_logits} if clip_logits else {}
-    updates, opt_state = tx.update(grads, opt_state, state.params, loss=loss, **extra)
+    provided = {"loss": loss, "max_logits": max_logits}
+    updates, opt_state = tx.update(grads, opt_state, state.params,
+                                   **{name: provided[name] for name in step_args})
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
     if loss_scale is not None:
       loss_scale = loss_scale.adjust(all_finite(grads))
 
-    lr_scale = get_lr_scale(opt_state)
-    metrics = {
-        "loss": loss,
-        "z_loss": z_loss,
-        "grad_norm": optax.tree.norm(grads),
-        "lr": lr,
-        "lr_scale": lr_scale,
-        "params_finite": all_finite(params),
-        **stablejax.stability_metrics(opt_state),
-    }
+    metrics = {"loss": loss, "z_loss": z_loss, "grad_norm": optax.tree.norm(grads), "lr": lr,
+               "lr_scale": get_lr_scale(opt_state), "params_finite": all_finite(params),
+               **stability_metrics(opt_state)}
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.loss_scale
     if bitnet_lambda is not None:
@@ -169,7 +199,7 @@ def make_logit_telemetry(model: nn.Module, cfg: Config,
       kwargs["bitnet_lambda"] = bitnet_lambda(step) if bitnet_lambda is not None else 1.0
     logits, sown = model.apply({"params": params}, rows[:, :-1], attention_logits=True,
                                mutable=["intermediates"], **kwargs)
-    per_head = layer_max_logits(cfg.model, stablejax.collect_attention_logits(sown))  # [L, H]
+    per_head = layer_max_logits(cfg.model, collect_attention_logits(sown))  # [L, H]
     log_z = jax.nn.logsumexp(logits, axis=-1)
     out = {"attn_logit_max": jnp.max(per_head), "output_logit_max": jnp.max(logits),
            "output_log_z_mean": jnp.mean(log_z), "output_log_z_max": jnp.max(log_z)}

@@ -3,6 +3,7 @@
 Imported in chain order, so their metrics are registered (and listed by the monitor) in it.
 """
 
+from stablejax.transforms import clip  # noqa: F401 (declares the trainer's stability.clip)
 from stablejax.transforms.zclip import ZClipState
 from stablejax.transforms.zclip import zclip
 from stablejax.transforms.adagc import AdaGCState

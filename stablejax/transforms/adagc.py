@@ -35,6 +35,7 @@ untouched (the statistics never absorb NaN/Inf, even without
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
@@ -43,6 +44,7 @@ import optax
 import optax.tree
 
 from stablejax.transforms import _common
+from stablejax.transforms import defence
 from stablejax.transforms.metrics import Rate, register_state_metrics
 from stablejax.transforms.stacked import STACKED_NAMES
 from stablejax.transforms.stacked import is_stacked
@@ -241,3 +243,38 @@ register_state_metrics(
     AdaGCState, "adagc", _adagc_metrics,
     rates=(Rate("adagc_clip_rate", flag="clipped_fraction", label="AdaGC clipped tensors"),),
     grad_norm="grad_norm")
+
+
+# ----------------------------------------------------------------------------- the declaration
+
+
+@dataclasses.dataclass
+class AdaGCConfig:
+  """``stability.adagc``: AdaGC on the gradient, after ZClip (arguments of :func:`adagc`).
+
+  Off by default: on clean runs AdaGC (lambda_rel 1.05) acts as a learning-rate cut and cost final
+  loss in every ``bench/stress.py`` cell, with no gain at high learning rates (README).
+  ``per_layer``: one threshold per layer of scan-stacked ``[L, ...]`` leaves.
+  """
+
+  enabled: bool = False
+  beta: float = 0.98
+  lambda_rel: float = 1.05
+  lambda_abs: float = 1.0
+  warmup_steps: int = 100
+  per_layer: bool = True
+
+  def validate(self, where: str, ctx: defence.DefenceContext) -> None:
+    if not 0 < self.beta < 1:
+      raise ValueError(f"{where}.beta={self.beta} must lie in (0, 1) (AdaGC's EMA factor)")
+    defence.check_positive(f"{where}.lambda_rel", self.lambda_rel)
+    defence.check_positive(f"{where}.lambda_abs", self.lambda_abs)
+    defence.check_positive(f"{where}.warmup_steps", self.warmup_steps, allow_zero=True)
+
+
+ADAGC = defence.register(defence.Defence(
+    name="adagc", config=AdaGCConfig, position=defence.Position.GRADIENT, order=30,
+    build=lambda c, ctx: adagc(beta=c.beta, lambda_rel=c.lambda_rel, lambda_abs=c.lambda_abs,
+                               warmup_steps=c.warmup_steps,
+                               stacked_names=STACKED_NAMES if c.per_layer else ()),
+    label="AdaGC (adaptive per-tensor gradient clipping)"))

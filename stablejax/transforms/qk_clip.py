@@ -27,6 +27,7 @@ Which parameters are a layer's query and key projections, and where their heads 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -36,6 +37,7 @@ import optax
 
 from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
 from stablejax.transforms import _common
+from stablejax.transforms import defence
 from stablejax.transforms.metrics import Series, register_state_metrics
 
 LayersArg = Union[Sequence[AttentionLayer], Callable[[Any], Sequence[AttentionLayer]], None]
@@ -279,3 +281,32 @@ def _qk_clip_metrics(state: QKClipState) -> dict[str, jax.Array]:
 register_state_metrics(
     QKClipState, "qk_clip", _qk_clip_metrics,
     series=(Series("max_logit", "QK-clip: step max (before clipping)", "attention", ":"),))
+
+
+# ----------------------------------------------------------------------------- the declaration
+
+
+@dataclasses.dataclass
+class QKClipConfig:
+  """``stability.qk_clip``: QK-clip (Kimi K2) on the final update, last in the chain and inside
+  the skip wrappers (a skipped step clips nothing); the train step computes each head's max
+  logit in its own forward pass only when it is on. ``tau`` 30 is the trainer's default: at this
+  project's scale healthy heads exceed Kimi's 100 and tau 30 flattened the learning-rate
+  sensitivity most (README); the library's :func:`qk_clip` keeps Kimi's 100."""
+
+  enabled: bool = False
+  tau: float = 30.0
+
+  def validate(self, where: str, ctx: defence.DefenceContext) -> None:
+    defence.check_positive(f"{where}.tau", self.tau)
+    if self.enabled and ctx.model is not None and getattr(ctx.model, "qk_norm", False):
+      raise ValueError(f"{where}.enabled=true with model.qk_norm=true: QK-norm removes the scale "
+                       "of W_q and W_k from the logits, so QK-clip would shrink them every step "
+                       f"without lowering a logit; set {where}.enabled=false (QK-norm already "
+                       "bounds the logits) or model.qk_norm=false")
+
+
+QK_CLIP = defence.register(defence.Defence(
+    name="qk_clip", config=QKClipConfig, position=defence.Position.FINAL, order=10,
+    build=lambda c, ctx: qk_clip(tau=c.tau, num_heads=getattr(ctx.model, "n_heads", None)),
+    step_args=("max_logits",), label="QK-clip (per-head rescale of W_q, W_k above tau)"))

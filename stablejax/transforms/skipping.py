@@ -19,6 +19,7 @@ no Python branch on traced values, no host transfer.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -27,6 +28,7 @@ import optax
 import optax.tree
 
 from stablejax.transforms import _common
+from stablejax.transforms import defence
 from stablejax.transforms.metrics import Rate, register_state_metrics
 
 _WATCHABLE = ("loss", "grad_norm")
@@ -502,3 +504,67 @@ register_state_metrics(
     rates=(Rate("skip_spikes_rate", flag="skipped", counter="total_skips",
                 label="spike skips", skip=True),),
     grad_norm="grad_norm")
+
+
+# ----------------------------------------------------------------------------- the declarations
+
+
+@dataclasses.dataclass
+class SkipSpikesConfig:
+  """``stability.skip_spikes``: skip a step whose loss or gradient norm is an outlier of its
+  rolling window (arguments of :func:`skip_spikes`; it watches both). ``min_history`` null: the
+  rule's default (64, or 63 for ``statistics="olmo_core"``, OLMo-core's exact rule)."""
+
+  enabled: bool = True
+  window: int = 64
+  min_history: Optional[int] = 32
+  sigma: Optional[float] = 6.0
+  factor: Optional[float] = None
+  statistics: str = "winsorized"
+  max_consecutive: int = 16
+
+  def validate(self, where: str, ctx: defence.DefenceContext) -> None:
+    if self.sigma is None and self.factor is None:
+      raise ValueError(f"{where}.sigma and {where}.factor are both null: set one (e.g. "
+                       f"sigma=6.0 or factor=10.0) or {where}.enabled=false")
+    for name in ("sigma", "factor"):
+      if getattr(self, name) is not None:
+        defence.check_positive(f"{where}.{name}", getattr(self, name))
+    if self.statistics not in ("winsorized", "olmo_core"):
+      raise ValueError(f"{where}.statistics={self.statistics!r} is not known: use \"winsorized\" "
+                       "or \"olmo_core\"")
+    defence.check_positive(f"{where}.window", self.window)
+    if self.min_history is not None and not 1 <= self.min_history <= self.window:
+      raise ValueError(f"{where}.min_history={self.min_history} must lie in [1, {where}.window="
+                       f"{self.window}]")
+    if self.statistics == "olmo_core" and self.min_history is None and self.window < 19:
+      raise ValueError(f"{where}.window={self.window} is below 19: OLMo-core's rule "
+                       f"({where}.statistics=\"olmo_core\") never skips there; use a window >= 19")
+    defence.check_positive(f"{where}.max_consecutive", self.max_consecutive)
+
+
+@dataclasses.dataclass
+class SkipNonFiniteConfig:
+  """``stability.skip_nonfinite``: a NaN/Inf step leaves parameters and every optimizer state
+  untouched, outermost in the chain (:func:`skip_nonfinite`); ``max_consecutive`` skips in a row
+  ask the trainer for a rollback."""
+
+  enabled: bool = True
+  max_consecutive: int = 16
+
+  def validate(self, where: str, ctx: defence.DefenceContext) -> None:
+    defence.check_positive(f"{where}.max_consecutive", self.max_consecutive)
+
+
+SKIP_SPIKES = defence.register(defence.Defence(
+    name="skip_spikes", config=SkipSpikesConfig, position=defence.Position.WRAPPER, order=10,
+    build=lambda c, ctx: lambda inner: skip_spikes(
+        inner, window=c.window, min_history=c.min_history, sigma=c.sigma, factor=c.factor,
+        max_consecutive=c.max_consecutive, statistics=c.statistics),
+    step_args=("loss",), label="spike skip (loss and gradient-norm outliers)"))
+
+SKIP_NONFINITE = defence.register(defence.Defence(
+    name="skip_nonfinite", config=SkipNonFiniteConfig, position=defence.Position.WRAPPER,
+    order=20,
+    build=lambda c, ctx: lambda inner: skip_nonfinite(inner, max_consecutive=c.max_consecutive),
+    label="finite-check skip (NaN/Inf steps)"))

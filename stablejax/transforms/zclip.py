@@ -30,6 +30,7 @@ of such a step are not repaired: wrap the chain in
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import optax
 
 from stablejax.transforms import _common
+from stablejax.transforms import defence
 from stablejax.transforms.metrics import Rate, Series, register_state_metrics
 
 _MODES = ("zscore", "percentile")
@@ -309,3 +311,36 @@ register_state_metrics(
             Series("threshold", "ZClip threshold", "grad_norm", ":")),
     band=("ema_mean", "ema_std", "ZClip EMA mean +- std"),
     grad_norm="grad_norm", threshold="threshold")
+
+
+# ----------------------------------------------------------------------------- the declaration
+
+
+@dataclasses.dataclass
+class ZClipConfig:
+  """``stability.zclip``: ZClip on the gradient, first in the chain (arguments of :func:`zclip`).
+
+  ``max_grad_norm`` is ZClip's ceiling: every step's norm is clipped to it (and to the fixed clip
+  during warmup); null removes it.
+  """
+
+  enabled: bool = True
+  alpha: float = 0.97
+  z_thresh: float = 2.5
+  max_grad_norm: Optional[float] = 1.0
+  warmup_steps: int = 25
+
+  def validate(self, where: str, ctx: defence.DefenceContext) -> None:
+    if not 0 < self.alpha < 1:
+      raise ValueError(f"{where}.alpha={self.alpha} must lie in (0, 1) (ZClip's EMA factor)")
+    defence.check_positive(f"{where}.z_thresh", self.z_thresh)
+    defence.check_positive(f"{where}.warmup_steps", self.warmup_steps, allow_zero=True)
+    if self.max_grad_norm is not None:
+      defence.check_positive(f"{where}.max_grad_norm", self.max_grad_norm)
+
+
+ZCLIP = defence.register(defence.Defence(
+    name="zclip", config=ZClipConfig, position=defence.Position.GRADIENT, order=20,
+    build=lambda c, ctx: zclip(alpha=c.alpha, z_thresh=c.z_thresh, max_grad_norm=c.max_grad_norm,
+                               warmup_steps=c.warmup_steps),
+    label="ZClip (z-score clipping of the global gradient norm)"))
