@@ -295,7 +295,7 @@ def trainer_run_class():
     configured rate), but the compiled train step does not depend on the rate, so every rate of a
     grid reuses one compilation from the persistent cache. The trainer's own learning-rate scale
     (the one the recovery backs off and returns to 1.0) multiplies it: a rollback backs off to
-    `factor * stability.emergency_lr_factor` and returns to `factor`.
+    `factor * stability.recovery.emergency_lr_factor` and returns to `factor`.
   - `init_val_loss`: the validation loss of the initial parameters, computed once before step 1
     on the run's own validation batches.
   """
@@ -305,29 +305,34 @@ def trainer_run_class():
     lr_factor = 1.0
     init_val_loss = None
 
-    def _build_optimizer(self):
-      super()._build_optimizer()
-      if self.custom_tx is None:
+    def __init__(self, cfg, out_dir, fresh=False, tx=None, **kwargs):
+      from stablejax.training.optim import build_optimizer
+
+      def factored(cfg, main):
         # The factor right after the optimizer, inside the configured chain: QK-clip, which goes
         # last, must see the final update (a factor after it would scale its correction too).
-        from stablejax.training.optim import build_optimizer
-        self.tx = build_optimizer(self.cfg, optax.chain(
-            self.main_tx, optax.inject_hyperparams(_scale_by_lr_factor)(lr_factor=1.0)))
-      else:
-        self.tx = with_lr_factor(self.tx)
+        return build_optimizer(cfg, optax.chain(
+            main, optax.inject_hyperparams(_scale_by_lr_factor)(lr_factor=1.0)))
 
-    def _restore_or_init(self):
-      state, meta = super()._restore_or_init()
-      if not meta:  # a fresh start (a rollback or resume restores the factor with the state)
-        state = state.replace(opt_state=set_lr_factor(state.opt_state, self.lr_factor))
-      return state, meta
+      if tx is None:
+        super().__init__(cfg, out_dir, fresh, optimizer=factored, **kwargs)
+      else:
+        super().__init__(cfg, out_dir, fresh, tx=with_lr_factor(tx), **kwargs)
+      restore = self.restorer.restore_or_init
+
+      def restore_with_factor():
+        state, meta = restore()
+        if not meta:  # a fresh start (a rollback or resume restores the factor with the state)
+          state = state.replace(opt_state=set_lr_factor(state.opt_state, self.lr_factor))
+        return state, meta
+      self.restorer.restore_or_init = restore_with_factor
 
     def _banner(self, step):
       super()._banner(step)
       if step == 0 and self.init_val_loss is None:
         batches = [jnp.asarray(b["tokens"])
-                   for b in self.data.val_batches(self.cfg.train.eval_batches)]
-        losses = [self.eval_step(self.state.params, b, jnp.int32(0)) for b in batches]
+                   for b in self.c.data.val_batches(self.cfg.train.eval_batches)]
+        losses = [self.c.eval_step(self.state.params, b, jnp.int32(0)) for b in batches]
         self.init_val_loss = float(np.mean(jax.device_get(losses)))
 
   return BenchRun

@@ -86,9 +86,10 @@ def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int =
   total_opt = sum(x.nbytes for x in jax.tree.leaves(run.state.opt_state)
                   if isinstance(x, jax.Array))
   print(json.dumps({
-      "n": n, "procs": procs, "exit_code": code, "losses": losses, "val_loss": run.last_val_loss,
+      "n": n, "procs": procs, "exit_code": code, "losses": losses,
+      "val_loss": run.evaluation.last_val_loss,
       "tokens_per_sec": tokens_per_sec,
-      "mesh": dict(run.mesh.shape), "params_bytes": params, "opt_bytes": opt,
+      "mesh": dict(run.c.mesh.shape), "params_bytes": params, "opt_bytes": opt,
       "global_params_bytes": total_params, "global_opt_bytes": total_opt,
       "optimizer": cfg.optimizer.name}))
 

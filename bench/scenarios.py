@@ -219,14 +219,8 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
     cfg = config_from_dict(raw)
     swap = TX_SWAPS.get(defence)
 
-    class SwappedRun(Run):
-      def _compile(self):
-        if swap is not None:
-          self.tx = swap(self.cfg, self.main_tx)
-        super()._compile()
-
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-      run = SwappedRun(cfg, out, fresh=True)
+      run = Run(cfg, out, fresh=True, optimizer=swap)
       code = run.train()
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()

@@ -255,8 +255,9 @@ def test_peak_memory_on_cpu_is_the_process_rss_labelled_as_such():
 # AdamW without the clipping and skipping layers: the budget logic is the same and compiles in a
 # fraction of the time, which the budget would otherwise spend on this shared machine. No
 # train.steps: the budget owns the count (stablejax/configs/default.json's "steps": 250 is no cap).
-BUDGET_RUN = ("optimizer.name=adamw", "stability.zclip=false", "stability.adagc=false",
-              "stability.skip_spikes=false", "train.warmup_steps=5", "train.eval_every=50",
+BUDGET_RUN = ("optimizer.name=adamw", "stability.zclip.enabled=false",
+              "stability.adagc.enabled=false",
+              "stability.skip_spikes.enabled=false", "train.warmup_steps=5", "train.eval_every=50",
               "checkpoint.every=50", "train.log_every=1", "logging.histogram_every=0",
               "logging.activation_every=0", "logging.sample_every=0", "train.batch_size=4",
               "train.seq_len=16")
@@ -363,20 +364,19 @@ def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, 
   from trainer_utils import tiny_config
   cfg = tiny_config(*BUDGET_RUN, "train.time_budget_minutes=5", "train.steps=null")
   run = Run(cfg, tmp_path / "run", fresh=True)
-  run.train_iter = run.data.train_iter()
-  run.state, _ = run._restore_or_init()
+  state, _ = run.restorer.restore_or_init()
   probe = tmp_path / "run" / budget_lib.PROBE_DIR
   probe.mkdir()
   (probe / "written_by_process_0").write_text("shard")
   barriers = []
   monkeypatch.setattr(distributed, "is_main", lambda: False)
   monkeypatch.setattr(distributed, "barrier", barriers.append)
-  timings = budget_lib.measure(run)
+  timings = budget_lib.measure(run.c, state, tmp_path / "run")
   assert timings.save_seconds > 0
   assert (probe / "written_by_process_0").read_text() == "shard"
   # Both sides of the save are barriers: clear, then write, then remove.
   assert barriers == ["budget_probe_clear", "budget_probe"]
   monkeypatch.setattr(distributed, "is_main", lambda: True)
-  budget_lib.measure(run)
+  budget_lib.measure(run.c, state, tmp_path / "run")
   assert not probe.exists()  # process 0 removes it, leftovers included
-  run.checkpoints.close()
+  run.close()

@@ -13,6 +13,7 @@ simulated devices and the trainer's FSDP mesh over both (see `report`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,19 +27,22 @@ import numpy as np
 import pytest
 from jax._src import array as jax_array
 
+from stablejax.training import actions
 from stablejax.training.config import config_from_dict
 from stablejax.training.loop import Run
+from stablejax.training.rollback import Restorer
 
 TINY = {
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32,
-              "compute_dtype": "float32"},
+              "compute_dtype": "float32", "qk_norm": False},
     "data": {"train": "pydoc"},
     "optimizer": {"name": "muon", "learning_rate": 0.01, "adam_learning_rate": 0.003,
                   "embedding_learning_rate": 0.003, "head_learning_rate": 0.003},
     # QK-clip on: the step's forward pass computes every head's max logit for it; with the
     # attention-logit telemetry (on by default) dispatched at log steps, neither may fetch.
-    "stability": {"zclip_warmup_steps": 2, "adagc_warmup_steps": 2, "spike_window": 8,
-                  "spike_min_history": 4, "qk_clip_tau": 0.05},
+    "stability": {"zclip": {"warmup_steps": 2}, "adagc": {"warmup_steps": 2},
+                  "skip_spikes": {"window": 8, "min_history": 4},
+                  "qk_clip": {"enabled": True, "tau": 0.05}},
     "train": {"steps": 12, "batch_size": 4, "seq_len": 32, "warmup_steps": 2, "log_every": 4,
               "eval_every": 6, "eval_batches": 1, "peak_flops_per_device": 1e12},
     "checkpoint": {"every": 6, "async_save": False},
@@ -115,14 +119,14 @@ def _trap_catches() -> dict:
 
 
 def _step_check(run: Run) -> dict:
-  run.train_iter, run.batches_consumed = run.data.train_iter(), 0
-  state = run.init_state(jax.random.PRNGKey(0))
-  batches = [run._next_batch(step) for step in range(6)]  # includes the NaN and garbage steps
+  state = run.c.init_state(jax.random.PRNGKey(0))
+  batches = [run.batches.next(step) for step in range(6)]  # includes the NaN and garbage steps
+  run.batches.stream, run.batches.consumed = run.c.data.train_iter(), 0  # the loop starts over
   history = []
   _local.fetches = 0
   with hot_loop():
     for batch in batches:      # compiles on the first call, under the guard too
-      state, metrics = run.train_step(state, batch)
+      state, metrics = run.c.train_step(state, batch)
       history.append(metrics)
   fetches_inside = _local.fetches
   return {"fetches_inside": fetches_inside,
@@ -132,32 +136,41 @@ def _step_check(run: Run) -> dict:
           "shards_per_metric": len(history[0]["loss"].addressable_shards)}
 
 
-def _loop_check(run: Run) -> dict:
-  """Run.train() with the whole loop guarded; only the logging/eval/checkpoint hooks may fetch."""
-  allowed_calls = []
-  for name in ("_log", "_evaluate", "_diagnostics", "_save", "_restore_or_init", "_banner",
-               "_finish", "_rollback", "_diverged", "_interrupted"):
-    method = getattr(run, name)
+# Where the loop may fetch: the periodic actions at their steps, the start and the endings.
+ALLOWED = {
+    actions.Logging: ("write",), actions.Evaluation: ("__call__",),
+    actions.Diagnostics: ("__call__",), actions.Checkpointing: ("save",),
+    Restorer: ("restore_or_init", "rollback"),
+    Run: ("_banner", "_finish", "_diverged", "_interrupted"),
+}
 
-    def wrapped(*args, _method=method, _name=name, **kwargs):
-      allowed_calls.append(_name)
-      with fetch_allowed():
-        return _method(*args, **kwargs)
-    setattr(run, name, wrapped)
+
+def _loop_check(run: Run) -> dict:
+  """Run.train() with the whole loop guarded; only the actions at their steps may fetch."""
+  allowed_calls = []
+  for cls, names in ALLOWED.items():
+    for name in names:
+      method = getattr(cls, name)
+
+      def wrapped(*args, _method=method, _name=f"{cls.__name__}.{name}", **kwargs):
+        allowed_calls.append(_name)
+        with fetch_allowed():
+          return _method(*args, **kwargs)
+      setattr(cls, name, wrapped)
   guarded_steps = []
-  step_fn = run.train_step
+  step_fn = run.c.train_step
 
   def counted_step(state, batch):
     guarded_steps.append(bool(getattr(_local, "forbid", False)))
     return step_fn(state, batch)
-  run.train_step = counted_step
+  run.c = dataclasses.replace(run.c, train_step=counted_step)
 
   _local.fetches = 0
   with hot_loop():
     code = run.train()
   return {"exit_code": code, "guarded_steps": guarded_steps, "allowed_calls": allowed_calls,
           "fetches_in_hooks": _local.fetches,
-          "total_skips": int(run.last_record["skip_nonfinite/total_skips"])}
+          "total_skips": int(run.logging.last_record["skip_nonfinite/total_skips"])}
 
 
 def _child(out: str) -> None:
@@ -216,8 +229,8 @@ def test_training_loop_fetches_only_at_log_eval_and_checkpoint_steps(report):
   assert loop["exit_code"] == 0
   assert loop["guarded_steps"] == [True] * t["steps"]
   # one fetch per log step, plus the checkpoint step 6 that is read at once
-  assert loop["allowed_calls"].count("_log") == t["steps"] // t["log_every"] + 1
-  assert loop["allowed_calls"].count("_evaluate") == 2  # step 6 and the final one
+  assert loop["allowed_calls"].count("Logging.write") == t["steps"] // t["log_every"] + 1
+  assert loop["allowed_calls"].count("Evaluation.__call__") == 2  # step 6 and the final one
   assert loop["fetches_in_hooks"] > 0
   assert loop["total_skips"] == 1
 

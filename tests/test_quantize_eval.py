@@ -82,9 +82,8 @@ def _params_of_trainer_restore(run_dir, tmp_path):
   copy = tmp_path / "copy"
   shutil.copytree(run_dir, copy)
   trainer = Run(load_run_config(copy), copy)
-  state, meta = trainer.checkpoints.restore(trainer.abstract_state, trainer.data.train_iter())
-  trainer.checkpoints.close()
-  trainer.log.close()
+  state, meta = trainer.checkpoints.restore(trainer.c.abstract_state, trainer.c.data.train_iter())
+  trainer.close()
   assert meta["step"] == STEPS
   return state.params
 

@@ -85,8 +85,8 @@ def test_garbage_batch_gradient_is_clipped_to_the_zclip_threshold(clean_run, tmp
   # re-derived here in float64 from the EMA statistics logged one step earlier.
   out = tmp_path / "garbage_clip"
   assert run_inprocess(out, "faults.garbage_batch_steps=[25]", "faults.garbage_kind=\"random\"",
-                       "stability.skip_spikes=false",
-                       "stability.max_grad_norm=null", "train.log_every=1") == 0
+                       "stability.skip_spikes.enabled=false",
+                       "stability.zclip.max_grad_norm=null", "train.log_every=1") == 0
   records = {r["step"]: r for r in read_metrics(out) if "zclip/grad_norm" in r}
   prev, rec = records[25], records[26]
   assert not rec["skip_nonfinite/skipped"]
@@ -104,10 +104,9 @@ def test_garbage_batch_gradient_is_clipped_to_the_zclip_threshold(clean_run, tmp
   assert abs(summary(out)["final_val_loss"] - summary(clean_run)["final_val_loss"]) < 0.1
 
 
-HOT = ("optimizer.name=\"adamw\"", "optimizer.learning_rate=1.0", "stability.zclip=false",
-       "stability.adagc=false", "stability.max_grad_norm=null", "stability.skip_spikes=false",
-       "stability.max_rollbacks=2", "stability.loss_window=2",
-       "stability.loss_explosion_factor=1.5")
+HOT = ("optimizer.name=\"adamw\"", "optimizer.learning_rate=1.0", "stability.zclip.enabled=false",
+       "stability.skip_spikes.enabled=false", "stability.recovery.max_rollbacks=2",
+       "stability.recovery.loss_window=2", "stability.recovery.loss_explosion_factor=1.5")
 
 
 @slow
@@ -137,7 +136,7 @@ def test_learning_rate_far_too_high_rolls_back(tmp_path):
   (seen,) = run.at_rollback
   jax.tree.map(np.testing.assert_array_equal, seen["params"], seen["saved_params"])
   # the LR scale in effect (1.0) times emergency_lr_factor, in the optimizer state at once
-  assert event["lr_scale"] == pytest.approx(cfg.stability.emergency_lr_factor * 1.0)
+  assert event["lr_scale"] == pytest.approx(cfg.stability.recovery.emergency_lr_factor * 1.0)
   assert seen["lr_scale"] == pytest.approx(event["lr_scale"])
   assert float(seen["backoff"].scale) == pytest.approx(event["lr_scale"])
   assert int(seen["backoff"].start) == 0
@@ -149,7 +148,7 @@ def test_learning_rate_far_too_high_rolls_back(tmp_path):
   for got, want in zip(run.fed, stream):
     np.testing.assert_array_equal(got, want)
   # logged lr after the rollback: the optax schedule times the backoff returning to 1.0
-  n = cfg.stability.lr_recovery_steps
+  n = cfg.stability.recovery.lr_recovery_steps
   after = [r for r in records[records.index(event):] if "lr" in r and "event" not in r]
   assert [r["step"] for r in after] == list(range(2, 41, 2))
   for r in after:
@@ -234,13 +233,15 @@ def stopping_run(cfg, out, fresh, stop_at):
 
   from stablejax.training.loop import Run
 
-  class StopAtRun(Run):
-    def _next_batch(self, step):
-      if step + 1 == stop_at:
-        self.stop_signal = signal.SIGTERM  # what the handler does; seen before the next step
-      return super()._next_batch(step)
+  run = Run(cfg, out, fresh=fresh)
+  next_batch = run.batches.next
 
-  return StopAtRun(cfg, out, fresh=fresh)
+  def stopping(step):
+    if step + 1 == stop_at:
+      run.signals.received = signal.SIGTERM  # what the handler does; seen before the next step
+    return next_batch(step)
+  run.batches.next = stopping
+  return run
 
 
 @slow
@@ -302,10 +303,13 @@ def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, capsys):
 # batches 0..16 were read. The rollback restores checkpoint 10, skips batches 10..16 and never
 # meets the NaN batches, nor the garbage batch 16, again.
 NAN_BATCHES = ("faults.nan_grad_batch_indices=[13, 14, 15]", "faults.garbage_batch_indices=[16]",
-               "stability.max_consecutive_skips=3")
+               "stability.skip_nonfinite.max_consecutive=3",
+               "stability.skip_spikes.max_consecutive=3")
 
 
 def _recording_run_class():
+  import dataclasses
+
   import jax
   import orbax.checkpoint as ocp
 
@@ -319,10 +323,8 @@ def _recording_run_class():
     def __init__(self, *args, watch=(), **kwargs):
       self.fed, self.at_rollback, self.watch, self.watched = [], [], set(watch), {}
       super().__init__(*args, **kwargs)
-
-    def _compile(self):
-      super()._compile()
-      step_fn = self.train_step
+      step_fn, to_device, rollback = (self.c.train_step, self.batches.to_device,
+                                      self.restorer.rollback)
 
       def recorded(state, batch):
         index = int(state.step)
@@ -332,23 +334,30 @@ def _recording_run_class():
         new_state, metrics = step_fn(state, batch)
         self.watched[index] = (before, jax.device_get(new_state))
         return new_state, metrics
-      self.train_step = recorded
 
-    def _device_tokens(self, tokens):
-      self.fed.append(np.array(tokens))
-      return super()._device_tokens(tokens)
+      def fed(tokens):
+        self.fed.append(np.array(tokens))
+        return to_device(tokens)
 
-    def _rollback(self, step, cause):
-      restored_step = super()._rollback(step, cause)
-      saved = ocp.StandardCheckpointer().restore(
-          self.out_dir / "checkpoints" / str(restored_step) / "state")
-      self.at_rollback.append({
-          "restored_step": restored_step,
-          "params": jax.device_get(self.state.params), "saved_params": saved["params"],
-          "lr_scale": float(get_lr_scale(self.state.opt_state)),
-          "backoff": jax.device_get(self.state.lr_backoff),
-          "batches_consumed": self.batches_consumed})
-      return restored_step
+      def recorded_rollback(step, cause, record):
+        self.before_rollback(step)
+        state, restored_step = rollback(step, cause, record)
+        saved = ocp.StandardCheckpointer().restore(
+            self.out_dir / "checkpoints" / str(restored_step) / "state")
+        self.at_rollback.append({
+            "restored_step": restored_step,
+            "params": jax.device_get(state.params), "saved_params": saved["params"],
+            "lr_scale": float(get_lr_scale(state.opt_state)),
+            "backoff": jax.device_get(state.lr_backoff),
+            "batches_consumed": self.batches.consumed})
+        return state, restored_step
+
+      self.c = dataclasses.replace(self.c, train_step=recorded)
+      self.batches.to_device = fed
+      self.restorer.rollback = recorded_rollback
+
+    def before_rollback(self, step):
+      """Called when a rollback is decided, before it restores."""
 
   return RecordingRun
 
@@ -401,7 +410,7 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
   assert not any(np.array_equal(got, garbage) for got in run.fed[17:])
   assert summary(out)["skipped_steps"] == 3 and summary(out)["rollbacks"] == 1
   # The LR scale returns to 1.0 linearly over lr_recovery_steps; the logged lr includes it.
-  n = cfg.stability.lr_recovery_steps
+  n = cfg.stability.recovery.lr_recovery_steps
   schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
   records = read_metrics(out)
   after = [r for r in records[records.index(event):] if "lr_scale" in r and "event" not in r]
@@ -460,8 +469,8 @@ def test_second_rollback_goes_further_back_and_survives_a_kill_before_cleanup(tm
   # Step-keyed NaN faults strike again after every rollback: rollback 1 returns to step 10,
   # rollback 2 (to the same checkpoint) goes back to step 0; the kill lands after rollback 2 is
   # recorded and before checkpoint 10, now on the abandoned branch, is deleted.
-  faults = ("faults.nan_grad_steps=[13, 14, 15]", "stability.max_consecutive_skips=3",
-            "stability.max_rollbacks=2")
+  faults = ("faults.nan_grad_steps=[13, 14, 15]", "stability.skip_nonfinite.max_consecutive=3",
+            "stability.skip_spikes.max_consecutive=3", "stability.recovery.max_rollbacks=2")
   out = tmp_path / "further"
   first = run_subprocess(out, *faults, "faults.kill_after_rollback=2", fresh=True)
   assert first.returncode == -9, first.stderr[-2000:]
@@ -497,11 +506,10 @@ def test_rollback_past_a_damaged_target_replays_the_good_batches(tmp_path):
   base = _recording_run_class()
 
   class DamagedTargetRun(base):
-    def _rollback(self, step, cause):
+    def before_rollback(self, step):
       for f in (self.out_dir / "checkpoints" / "10" / "state").rglob("*"):
         if f.is_file() and f.parent.name == "d":
           f.write_bytes(b"\0" * f.stat().st_size)
-      return super()._rollback(step, cause)
 
   run = DamagedTargetRun(cfg, tmp_path / "damaged_target", fresh=True)
   assert run.train() == 0

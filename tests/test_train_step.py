@@ -21,18 +21,18 @@ def make_run(tmp_path, name, *overrides):
 
 
 def stream(run, n):
-  it = run.data.train_iter()
+  it = run.c.data.train_iter()
   return [np.asarray(next(it)["tokens"], np.int32) for _ in range(n)]
 
 
 def steps(run, batches, grad_scales=None):
   """Runs the Run's jitted train step over host batches; returns the final state and metrics."""
-  state = run.init_state(jax.random.PRNGKey(run.cfg.train.seed))
+  state = run.c.init_state(jax.random.PRNGKey(run.cfg.train.seed))
   history = []
   for i, tokens in enumerate(batches):
     scale = 1.0 if grad_scales is None else grad_scales[i]
-    state, metrics = run.train_step(state, {"tokens": run._device_tokens(tokens),
-                                            "grad_scale": np.float32(scale)})
+    state, metrics = run.c.train_step(state, {"tokens": run.c.device_tokens(tokens),
+                                              "grad_scale": np.float32(scale)})
     history.append(jax.device_get(metrics))
   return state, history
 
@@ -58,8 +58,8 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
                state4.params, state1.params)
 
 
-FP16 = ("model.compute_dtype=\"float16\"", "stability.loss_scale_init=1048576",
-        "stability.loss_scale_growth_interval=3", "stability.loss_scale_growth_factor=2.0")
+FP16 = ("model.compute_dtype=\"float16\"", "stability.loss_scale.init=1048576",
+        "stability.loss_scale.growth_interval=3", "stability.loss_scale.growth_factor=2.0")
 
 
 def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_path):
@@ -119,7 +119,8 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
                  np.float64)                                            # [L, H]
   tau = float(np.median(s))
   assert (s > tau).any() and (s < tau).any()
-  clipped = make_run(tmp_path, "clip", "model.qk_norm=false", f"stability.qk_clip_tau={tau!r}")
+  clipped = make_run(tmp_path, "clip", "model.qk_norm=false", "stability.qk_clip.enabled=true",
+                     f"stability.qk_clip.tau={tau!r}")
   state_a, hist_a = steps(plain, [batch])
   state_b, hist_b = steps(clipped, [batch])
   assert hist_b[0]["qk_clip/heads_clipped"] == int((s > tau).sum())
@@ -142,6 +143,7 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
 def test_qk_clip_config_errors():
   from stablejax.training.config import ConfigError
   with pytest.raises(ConfigError, match="qk_norm"):
-    tiny_config("stability.qk_clip_tau=100.0", "model.qk_norm=true")
-  with pytest.raises(ConfigError, match="qk_clip_tau"):
-    tiny_config("stability.qk_clip_tau=0", "model.qk_norm=false")
+    tiny_config("stability.qk_clip.enabled=true", "model.qk_norm=true")
+  with pytest.raises(ConfigError, match="stability.qk_clip.tau"):
+    tiny_config("stability.qk_clip.enabled=true", "stability.qk_clip.tau=0",
+                "model.qk_norm=false")

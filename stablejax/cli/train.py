@@ -6,12 +6,19 @@
     python -m stablejax train --config my_config.json
 
 ``--config`` takes a packaged config's name (``default``, ``gpt2_small``, ``openwebtext_stable``,
-``openwebtext_stable_cpu``) or a JSON file. ``python train.py ...`` at the repository root is the
-same program.
+``openwebtext_stable_cpu``) or a JSON file. Without it, a run directory that holds a run resumes
+with that run's own ``config.json`` (``--set`` still applies), else the ``default`` config is used.
+``python train.py ...`` at the repository root is the same program.
 
-A checkpoint in --out resumes the run; --fresh starts over. Exit codes: 0 done; 2 bad command
-line, config, data or checkpoints; 3 diverged beyond the recovery budget; 130 interrupted
-(checkpoint saved).
+The run directory is the trainer's: it holds its lock while it runs (a second trainer on it stops
+with one line naming the first), records what it wrote in ``run.json``, and never deletes, appends
+to or reads as a checkpoint a file it did not write (``--fresh`` removes only what the record
+lists). A checkpoint in ``--out`` resumes the run, on the data and tokenizer it recorded (another
+corpus is refused unless ``--data-changed``).
+
+Exit codes: 0 done; 2 bad command line, config, data, checkpoints or run directory, or an error
+of the environment (disk full, read-only folder); 3 diverged beyond the recovery budget; 130
+interrupted (SIGINT, SIGTERM or SIGHUP: a checkpoint was saved, or none was needed yet).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import argparse
 import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
+
+from stablejax.training.signals import StopSignals
 
 PROG = "python -m stablejax train"
 
@@ -32,52 +41,75 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default="default",
-                      help="a packaged config's name (default, gpt2_small, ...) or a JSON file")
+  parser.add_argument("--config", default=None,
+                      help="a packaged config's name (default, gpt2_small, ...) or a JSON file "
+                           "(default: the run's own config.json when --out holds a run, else "
+                           "'default')")
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value (JSON-parsed), repeatable")
-  parser.add_argument("--out", default=None, help="run directory (default runs/<config name>)")
+  parser.add_argument("--out", default=None,
+                      help="run directory (default runs/<config name>); a checkpoint there "
+                           "resumes")
   parser.add_argument("--fresh", action="store_true",
-                      help="delete checkpoints and logs in --out first")
+                      help="start over: delete what an earlier run wrote in --out (only what its "
+                           "run.json lists)")
+  parser.add_argument("--data-changed", action="store_true",
+                      help="resume on data other than the run recorded, on purpose (the "
+                           "validation set and the data order change)")
   return parser.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  # First, before the heavy imports: a signal from here on stops the program at a safe point.
+  signals = StopSignals()
+  signals.install()
   args = parse_args(argv)
   try:
-    return _main(args)
-  except KeyboardInterrupt:  # before the trainer's own handler is installed: nothing written yet
+    return _main(args, signals)
+  except KeyboardInterrupt:  # a handler replaced by a library; nothing written yet
     print("interrupted during start-up: stopped before the first step; run the same command to "
           "start again", flush=True)
     return 130
 
 
-def _main(args: argparse.Namespace) -> int:
+def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   # Imported here so that --help and argument errors answer instantly.
   import jax
+
   from stablejax.data.pipeline import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
-  from stablejax.training.config import ConfigError, config_name, load_config
-  from stablejax.training.loop import Interrupted, Run, write_config
+  from stablejax.training.config import ConfigError, config_name, load_config, load_run_file
+  from stablejax.training.loop import Interrupted, Run
+  from stablejax.training.run_dir import RunDirError, environment_message
 
-  out = Path(args.out or Path("runs") / config_name(args.config))
+  out = Path(args.out or Path("runs") / config_name(args.config or "default"))
   try:
-    cfg = load_config(args.config, args.set)
-    write_config(cfg, out)  # joins a multi-process job first when mesh.distributed=true
-    return Run(cfg, out, fresh=args.fresh).train()
+    signals.check_startup("importing")
+    own = args.config is None and (out / "config.json").is_file()
+    cfg = load_run_file(out / "config.json", args.set) if own else load_config(
+        args.config or "default", args.set)
+    return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
+               signals=signals).train()
   except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)
     if distributed.is_main():
       print(e, flush=True)
     return distributed.leave(130)
-  except (ConfigError, DataError, CheckpointError) as e:
+  except (ConfigError, DataError, CheckpointError, RunDirError) as e:
     print(f"error: {e}", file=sys.stderr)
     return distributed.leave(2)
   except jax.errors.JaxRuntimeError as e:
-    if not (jax.distributed.is_initialized() and jax.process_count() > 1):
+    message = environment_message(e, out)
+    if message is None and not (jax.distributed.is_initialized() and jax.process_count() > 1):
       raise
-    print(f"error: {distributed.lost_peer_message(e)}", file=sys.stderr)
-    return distributed.leave(1)
+    print(f"error: {message or distributed.lost_peer_message(e)}", file=sys.stderr)
+    return distributed.leave(2 if message else 1)
+  except (OSError, ValueError, RuntimeError) as e:
+    message = environment_message(e, out)
+    if message is None:
+      raise
+    print(f"error: {message}", file=sys.stderr)
+    return distributed.leave(2)
 
 
 if __name__ == "__main__":

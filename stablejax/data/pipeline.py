@@ -61,10 +61,12 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import re
+import sys
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import grain
@@ -788,3 +790,57 @@ def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, see
   if kind == "random":
     return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
   raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
+
+
+def _file_identity(path: str) -> dict:
+  """A file's size and the SHA-256 of its first and last MiB: cheap on any size, and different
+  for another corpus of the same size (a changed middle alone goes unnoticed)."""
+  size = os.path.getsize(path)
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    digest.update(f.read(1 << 20))
+    if size > 2 << 20:
+      f.seek(size - (1 << 20))
+      digest.update(f.read(1 << 20))
+  return {"size": size, "sha256_ends": digest.hexdigest()}
+
+
+def _entry_identity(entry: str) -> dict:
+  if entry == EMBEDDED:
+    return {"source": EMBEDDED, "python": ".".join(map(str, sys.version_info[:2]))}
+  path = os.path.abspath(os.path.expanduser(entry))
+  if not os.path.exists(path):
+    return {"path": path, "missing": True}
+  meta = read_prepared(path) if os.path.isdir(path) else None
+  if meta is not None:
+    keys = ("tokenizer", "vocab_size", "train_tokens", "val_tokens", "train_sha256",
+            "val_sha256")
+    return {"path": path, "kind": "prepared", **{k: meta[k] for k in keys if k in meta},
+            **{f"{split}.bin": _file_identity(os.path.join(path, f"{split}.bin"))
+               for split in ("train", "val")}}
+  if os.path.isdir(path):
+    files = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
+    return {"path": path, "kind": "folder",
+            "files": {os.path.relpath(p, path): _file_identity(p) for p in files}}
+  return {"path": path, "kind": "file", **_file_identity(path)}
+
+
+def data_identity(cfg: DataConfig) -> dict:
+  """What a run trains on, recorded in its run directory to refuse a resume on other data.
+
+  For each ``train`` and ``val`` entry: the embedded corpus (with the Python version, whose
+  documentation it is); a prepared directory (its ``meta.json``'s tokenizer, vocabulary and token
+  counts, and its files' identity); a text or ``.bin`` file or a folder of them (sizes and the
+  hash of each file's first and last MiB). The mixing weights and the held-out fraction are part
+  of it too: they change the stream as much as the files do.
+
+  Example:
+    >>> from stablejax.data.pipeline import DataConfig, data_identity
+    >>> data_identity(DataConfig()) == data_identity(DataConfig())
+    True
+    >>> data_identity(DataConfig()) == data_identity(DataConfig(val_fraction=0.1))
+    False
+  """
+  return {"train": [_entry_identity(e) for e in _as_list(cfg.train, "train")],
+          "val": [_entry_identity(e) for e in _as_list(cfg.val, "val")],
+          "weights": cfg.weights, "val_fraction": None if cfg.val is not None else cfg.val_fraction}

@@ -83,12 +83,15 @@ def _timed(fn: Callable[..., Any], *args: Any) -> float:
 PROBE_DIR = "budget_probe"  # scratch checkpoint directory of the measured save, in the run dir
 
 
-def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timings:
-  """Times the run's compiled step, an eval, a sample and a save without changing the run.
+def measure(c: Any, state: Any, out_dir: Path,
+            check: Callable[[str], None] = lambda phase: None) -> Timings:
+  """Times the compiled step, an eval, a sample and a save of the run's components ``c`` (a
+  :class:`stablejax.training.components.Components`) without changing the run.
 
-  Steps run on a copy of ``run.state`` with batches from a fresh data iterator; the save goes to
-  a scratch checkpoint directory (``PROBE_DIR``) that is deleted afterwards. ``check(phase)`` is
-  called between the measurements (the trainer stops there when interrupted: it raises).
+  Steps run on a copy of ``state`` with batches from a fresh data iterator; the save goes to a
+  scratch checkpoint directory (``out_dir/PROBE_DIR``) that is deleted afterwards.
+  ``check(phase)`` is called between the measurements (the trainer stops there when
+  interrupted: it raises).
 
   Multi-process: the save is collective, so every process writes its shards into the one scratch
   directory; process 0 alone clears it before (what a killed probe left) and removes it after,
@@ -96,14 +99,14 @@ def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timi
   """
   from stablejax.training.checkpoint import Checkpoints
 
-  state = jax.tree.map(jnp.copy, run.state)
-  batches = run.data.train_iter()
+  state = jax.tree.map(jnp.copy, state)
+  batches = c.data.train_iter()
 
   def one_step(state: Any) -> Any:
     tokens = next(batches)["tokens"]
-    batch = {"tokens": run._device_tokens(np.asarray(tokens, np.int32)),
+    batch = {"tokens": c.device_tokens(np.asarray(tokens, np.int32)),
              "grad_scale": jnp.float32(1.0)}
-    state, metrics = run.train_step(state, batch)
+    state, metrics = c.train_step(state, batch)
     jax.block_until_ready(metrics)
     return state
 
@@ -119,27 +122,27 @@ def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timi
     times.append(time.perf_counter() - t0)
 
   params = state.params
-  val = run._val_batches()
-  evaluate = lambda: [run.eval_step(params, b, jnp.int32(0)) for b in val]  # noqa: E731
+  val = c.val_batches()
+  evaluate = lambda: [c.eval_step(params, b, jnp.int32(0)) for b in val]  # noqa: E731
   eval_compile = _timed(evaluate)  # compiles; the run compiles its eval step again
   eval_seconds = _timed(evaluate)
   compile_seconds += max(0.0, eval_compile - eval_seconds)
   sample_seconds = 0.0
-  if run.sampler is not None:
-    run.sampler(params, 0)  # compiles
+  if c.sampler is not None:
+    c.sampler(params, 0)  # compiles
     t0 = time.perf_counter()
-    run.sampler(params, 0)
+    c.sampler(params, 0)
     sample_seconds = time.perf_counter() - t0
   check(phase)
 
-  scratch = Path(run.out_dir) / PROBE_DIR
+  scratch = Path(out_dir) / PROBE_DIR
   if distributed.is_main():
     shutil.rmtree(scratch, ignore_errors=True)
   distributed.barrier("budget_probe_clear")  # cleared before any process writes into it
-  probe = Checkpoints(scratch, keep=1, async_save=run.cfg.checkpoint.async_save)
+  probe = Checkpoints(scratch, keep=1, async_save=c.cfg.checkpoint.async_save)
   try:
     t0 = time.perf_counter()
-    probe.save(0, state, run.data.train_iter(), {"probe": True})
+    probe.save(0, state, c.data.train_iter(), {"probe": True})
     probe.wait()
     save_seconds = time.perf_counter() - t0
   finally:
@@ -149,10 +152,10 @@ def measure(run: Any, check: Callable[[str], None] = lambda phase: None) -> Timi
       shutil.rmtree(scratch, ignore_errors=True)
   check(phase)
   diagnostics_seconds = 0.0
-  if _diagnostics_every(run.cfg) and val:
+  if _diagnostics_every(c.cfg) and val:
     tokens = val[0]
-    diagnose = lambda: (run.activation_stats(params, tokens, jnp.int32(0)),  # noqa: E731
-                        run.grad_norms(params, tokens))
+    diagnose = lambda: (c.activation_stats(params, tokens, jnp.int32(0)),  # noqa: E731
+                        c.grad_norms(params, tokens))
     first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
     diagnostics_seconds = _timed(diagnose)
     compile_seconds += max(0.0, first - diagnostics_seconds)
@@ -211,13 +214,17 @@ class Budget:
   def elapsed(self) -> float:
     return self.prior_seconds + time.time() - self.t_start
 
-  def load_state_dict(self, meta: dict) -> None:
+  def load_state_dict(self, meta: dict, owns_clock: bool = False) -> None:
     """Restores what a checkpoint's metadata holds (``{}`` for a fresh run: nothing to restore).
 
-    The earlier segments' wall time is the larger of the checkpoint's and the clock file's (the
-    clock is only read together with a checkpoint: without one it belongs to another run).
+    The earlier segments' wall time is the larger of the checkpoint's and the clock file's. The
+    clock counts without a checkpoint too when it is this run's (``owns_clock``: the run
+    directory's record lists it), so a start killed before its first checkpoint is a segment.
     """
     if not meta:
+      clock = _read_clock(self.clock_file) if owns_clock else None
+      if clock is not None:
+        self.prior_seconds, self.segments = clock["elapsed_seconds"], clock["segments"] + 1
       return
     prior = float(meta.get("elapsed_seconds", 0.0))
     segments = int(meta.get("budget_segments", 1))
@@ -249,7 +256,8 @@ class Budget:
                                         "segments": self.segments})
     self._clock_written = now
 
-  def plan(self, run: Any, check: Callable[[str], None] = lambda phase: None) -> Optional[int]:
+  def plan(self, c: Any, state: Any, out_dir: Path,
+           check: Callable[[str], None] = lambda phase: None) -> Optional[int]:
     """The total step count (measured now, or the one a checkpoint stored); None without budget.
 
     Without a cap (``train.steps`` null) the count is what fits in the budget; with one, the
@@ -259,15 +267,15 @@ class Budget:
       return None
     if self.steps is not None:
       if self.timings is None:  # a checkpoint of a version that did not store them: re-measure
-        self.timings = measure(run, check)
+        self.timings = measure(c, state, out_dir, check)
       return self.steps
-    cfg = run.cfg
-    self.timings = measure(run, check)
+    cfg = c.cfg
+    self.timings = measure(c, state, out_dir, check)
     fits = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
                             eval_every=cfg.train.eval_every,
                             checkpoint_every=cfg.checkpoint.every, max_steps=None,
                             diagnostics_every=_diagnostics_every(cfg),
-                            sample_every=_sample_every(cfg) if run.sampler is not None else 0)
+                            sample_every=_sample_every(cfg) if c.sampler is not None else 0)
     # Every process measured its own timings: all take the smallest count, or they would part.
     fits = -int(distributed.agree_max(np.array(-fits)))
     steps = fits if self.max_steps is None else min(self.max_steps, fits)

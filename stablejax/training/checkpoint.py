@@ -209,6 +209,7 @@ class Checkpoints:
     )
     self.manager = ocp.CheckpointManager(
         self.directory, options=options, item_names=("state", "data", "meta"))
+    self._closed = False
 
   def all_steps(self) -> list[int]:
     return sorted(self.manager.all_steps())
@@ -328,6 +329,10 @@ class Checkpoints:
         self.manager.delete(s)
 
   def close(self) -> None:
+    """Waits for a save in flight and stops Orbax's threads (a second call does nothing)."""
+    if self._closed:
+      return
+    self._closed = True
     self.manager.wait_until_finished()
     self.manager.close()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any, Optional, TextIO
 
 import jax
@@ -25,22 +24,37 @@ def _plain(value: Any) -> Any:
 
 
 class RunLogger:
-  """Appends records to metrics.jsonl and mirrors scalars to TensorBoard."""
+  """Appends records to metrics.jsonl and mirrors scalars to TensorBoard; prints to the console.
 
-  def __init__(self, out_dir: Path, tensorboard: bool = True):
+  The files are opened by :meth:`open`, once the run's start-up checks passed (nothing in the run
+  directory changes before); records logged before that are kept and written then.
+  """
+
+  def __init__(self, run_dir: Any, tensorboard: bool = True):
     self.enabled = jax.process_index() == 0
-    self.out_dir = Path(out_dir)
+    self.run_dir = run_dir  # a RunDirectory: the files are created through its record
+    self.tensorboard = tensorboard
     self._jsonl: Optional[TextIO] = None
     self._tb: Any = None  # a tensorboardX SummaryWriter (no type stub published)
-    if not self.enabled:
+    self._early: list[tuple[dict, Optional[dict]]] = []
+
+  def open(self) -> None:
+    """Opens metrics.jsonl (appending) and the TensorBoard writer (process 0)."""
+    if not self.enabled or self._jsonl is not None:
       return
-    self._jsonl = open(self.out_dir / "metrics.jsonl", "a", buffering=1)
-    if tensorboard:
+    self._jsonl = open(self.run_dir.path("metrics.jsonl"), "a", buffering=1)
+    if self.tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(logdir=str(self.out_dir / "tensorboard"))
+      self._tb = SummaryWriter(logdir=str(self.run_dir.path("tensorboard")))
+    early, self._early = self._early, []
+    for record, tb_scalars in early:
+      self.record(record, tb_scalars)
 
   def record(self, record: dict, tb_scalars: Optional[dict] = None) -> None:
-    if not self.enabled or self._jsonl is None:
+    if not self.enabled:
+      return
+    if self._jsonl is None:
+      self._early.append((record, tb_scalars))
       return
     plain = {k: _plain(v) for k, v in record.items()}
     self._jsonl.write(json.dumps(plain) + "\n")
@@ -69,5 +83,7 @@ class RunLogger:
   def close(self) -> None:
     if self._jsonl is not None:
       self._jsonl.close()
+      self._jsonl = None
     if self._tb is not None:
       self._tb.close()
+      self._tb = None

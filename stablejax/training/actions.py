@@ -1,0 +1,245 @@
+"""The periodic actions of the training loop, each saying when it is due.
+
+:class:`Logging` (every ``train.log_every`` steps, read one step late), :class:`Evaluation`
+(``train.eval_every``), :class:`Sampling` (``logging.sample_every``), :class:`Diagnostics`
+(``logging.activation_every`` / ``histogram_every``), :class:`Checkpointing`
+(``checkpoint.every``, deferred while the loss is elevated) and :class:`TimeBudget` (the time
+budget's early stop, checked at log steps). An action that finds a reason to roll back returns it
+(a string); the loop then asks the recovery. Only these actions fetch from the device, and only at
+their steps.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablejax.monitor.movement import movement_record, movement_warnings, param_dtypes
+from stablejax.monitor.stability_monitor import StabilityMonitor
+from stablejax.monitor.tensorboard import tensorboard_scalars
+from stablejax.training.batches import Batches, fetch, kill_if_due, total_skips
+from stablejax.training.budget import Budget
+from stablejax.training.checkpoint import Checkpoints
+from stablejax.training.components import Components
+from stablejax.training.logger import RunLogger
+from stablejax.training.recovery import Recovery
+from stablejax.training.step import TrainState
+
+Agree = Callable[[Optional[str]], Optional[str]]
+
+
+class Logging:
+  """Every ``train.log_every`` steps: the step's metrics (with the attention-logit telemetry),
+  read one step late so the host never stalls the device; the monitor's warnings; the record in
+  metrics.jsonl and TensorBoard; the recovery's check of the record."""
+
+  def __init__(self, c: Components, log: RunLogger, monitor: StabilityMonitor,
+               recovery: Recovery, agree: Agree, progress: Any,
+               abandoned_skips: Callable[[], int]):
+    self.c, self.log, self.monitor, self.recovery = c, log, monitor, recovery
+    self.agree, self.progress, self.abandoned_skips = agree, progress, abandoned_skips
+    self.pending: Optional[tuple[int, Any]] = None
+    self.last_record: dict = {}
+    self.tokens_per_sec = float("nan")
+    self.t_interval, self.tokens_interval = time.time(), 0
+
+  def due(self, step: int) -> bool:
+    return step % self.c.cfg.train.log_every == 0
+
+  def stepped(self) -> None:
+    """Counts one step's tokens for the throughput."""
+    self.tokens_interval += self.c.cfg.train.batch_size * self.c.cfg.train.seq_len
+
+  def hold(self, step: int, metrics: dict, state: TrainState, tokens: jax.Array) -> None:
+    """Keeps ``step``'s device metrics (and dispatches its telemetry) for :meth:`flush`."""
+    if self.c.cfg.logging.attention_logits:
+      metrics = {**metrics, **self.c.logit_telemetry(state.params, tokens, np.int32(step))}
+    self.pending = (step, metrics)
+
+  def flush(self) -> Optional[str]:
+    """Writes the held record, if any; returns a rollback cause or None."""
+    if self.pending is None:
+      return None
+    (step, metrics), self.pending = self.pending, None
+    return self.write(step, metrics)
+
+  def write(self, step: int, device_metrics: Any) -> Optional[str]:
+    record = {"step": step, **fetch(device_metrics)}
+    now = time.time()
+    if self.tokens_interval:
+      self.tokens_per_sec = self.tokens_interval / max(now - self.t_interval, 1e-9)
+    self.t_interval, self.tokens_interval = now, 0
+    record["tokens_per_sec"] = self.tokens_per_sec
+    for line in self.monitor.update(step, record):
+      self.log.console(f"warning: {line}")
+      self.log.record({"step": step, "event": "warning", "cause": line})
+    record["stability_score"] = self.monitor.score()
+    record["health"] = self.monitor.level
+    self.log.record(record, tensorboard_scalars(record, rates=self.monitor.rates()))
+    self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
+                              skipped=total_skips(record) + self.abandoned_skips(),
+                              refresh=False)
+    self.last_record = record
+    enabled = self.c.cfg.stability.recovery.enabled
+    return self.agree(self.recovery.check_train(record) if enabled else None)
+
+
+class Evaluation:
+  """Every ``train.eval_every`` steps (not at the last, which has the final eval): the validation
+  loss on the fixed batches, the target-loss record, and the recovery's check of it."""
+
+  def __init__(self, c: Components, val_batches: list[jax.Array], log: RunLogger,
+               recovery: Recovery, budget: Budget, agree: Agree,
+               sample: Callable[[int, Any], None]):
+    self.c, self.val_batches, self.log, self.recovery = c, val_batches, log, recovery
+    self.budget, self.agree, self.sample = budget, agree, sample
+    self.last_val_loss: Optional[float] = None
+
+  def due(self, step: int) -> bool:
+    return step % self.c.cfg.train.eval_every == 0 and step < self.c.total_steps
+
+  def __call__(self, step: int, state: TrainState, final: bool = False) -> Optional[str]:
+    losses = [self.c.eval_step(state.params, b, np.int32(step)) for b in self.val_batches]
+    val_loss = float(np.mean(jax.device_get(losses)))
+    self.last_val_loss = val_loss
+    record = {"step": step, "val_loss": val_loss}
+    self.log.record(record, tensorboard_scalars(record))
+    self.log.console(f"step {step}: val_loss {val_loss:.4f}" + (" (final)" if final else ""))
+    if self.budget.check_target(step, val_loss):
+      self.log.console(f"step {step}: val_loss below the target {self.budget.target} after "
+                       f"{self.budget.time_to_target:.0f} s")
+    if final and self.c.sampler is not None:
+      self.sample(step, state)
+    if final or not self.c.cfg.stability.recovery.enabled:
+      return None
+    return self.agree(self.recovery.check_val(val_loss))
+
+
+class Sampling:
+  """``logging.sample_every``: a sample at the steps it names (None: at each eval), printed and
+  sent to TensorBoard; the final eval samples too."""
+
+  def __init__(self, c: Components, log: RunLogger):
+    self.c, self.log = c, log
+
+  def due(self, step: int) -> bool:
+    every = self.c.cfg.logging.sample_every
+    if self.c.sampler is None or step >= self.c.total_steps:
+      return False
+    return step % (self.c.cfg.train.eval_every if every is None else every) == 0
+
+  def __call__(self, step: int, state: TrainState) -> None:
+    assert self.c.sampler is not None
+    text = self.c.sampler(state.params, step)
+    self.log.console(f"step {step}: sample {json.dumps(text, ensure_ascii=False)}")
+    self.log.text("samples", f"```\n{text}\n```", step)
+
+
+class Diagnostics:
+  """Activation statistics with the parameter-movement check (``logging.activation_every``) and
+  per-layer gradient norms (``logging.histogram_every``) on a fixed validation batch."""
+
+  def __init__(self, c: Components, batch: Optional[jax.Array], log: RunLogger):
+    self.c, self.batch, self.log = c, batch, log
+    self.previous_params: Any = None
+    self.last_kurtosis: Optional[float] = None
+
+  def due(self, step: int) -> bool:
+    lg = self.c.cfg.logging
+    return self.batch is not None and any(
+        n and step % n == 0 for n in (lg.activation_every, lg.histogram_every))
+
+  def __call__(self, step: int, state: TrainState) -> None:
+    lg = self.c.cfg.logging
+    assert self.batch is not None, "due() is False without a validation batch"
+    record: dict[str, Any] = {"step": step}
+    if lg.activation_every and step % lg.activation_every == 0:
+      record.update(fetch(self.c.activation_stats(state.params, self.batch, np.int32(step))))
+      self.last_kurtosis = record["excess_kurtosis"]
+      record.update(self._movement(step, state))
+    if lg.histogram_every and step % lg.histogram_every == 0:
+      norms = fetch(self.c.grad_norms(state.params, self.batch))
+      self.log.histogram("grads/layer_norms", list(norms.values()), step)
+      for name, value in norms.items():
+        record[f"grad_norm/{name}"] = value
+    self.log.record(record, tensorboard_scalars(record))
+
+  def _movement(self, step: int, state: TrainState) -> dict:
+    """Per-group relative parameter change since the previous check ("are parameters moving?")."""
+    previous, self.previous_params = self.previous_params, jax.tree.map(jnp.copy, state.params)
+    if previous is None:
+      return {}
+    movement = jax.device_get(self.c.param_movement(previous, state.params))
+    for line in movement_warnings(movement, dtypes=param_dtypes(state.params), step=step):
+      self.log.console(f"warning: {line}")
+      self.log.record({"step": step, "event": "warning", "cause": line})
+    return movement_record(movement)
+
+
+class Checkpointing:
+  """``checkpoint.every`` steps and the last: a save, unless the latest loss is elevated (then
+  deferred to the next log step, so only a healthy state becomes a rollback target)."""
+
+  def __init__(self, c: Components, checkpoints: Checkpoints, batches: Batches,
+               meta: Callable[[], dict], recovery: Recovery, log: RunLogger):
+    self.c, self.checkpoints, self.batches, self.meta = c, checkpoints, batches, meta
+    self.recovery, self.log = recovery, log
+    self.deferred = False
+
+  def due(self, step: int) -> bool:
+    cfg = self.c.cfg
+    return step % cfg.checkpoint.every == 0 or step == self.c.total_steps or (
+        self.deferred and step % cfg.train.log_every == 0)
+
+  def __call__(self, step: int, state: TrainState) -> None:
+    self.deferred = not self.recovery.healthy()
+    if self.deferred:
+      self.log.record({"step": step, "event": "checkpoint_deferred",
+                       "cause": "train loss elevated"})
+    else:
+      self.save(step, state)
+
+  def save(self, step: int, state: TrainState) -> None:
+    on_disk = set(self.checkpoints.all_steps())
+    meta = {"step": step, **self.batches.state_dict(step, on_disk), **self.meta(), "good": True}
+    self.checkpoints.save(step, state, self.batches.stream, meta)
+    kill_if_due(self.c.cfg.faults, step, "save")
+
+
+class TimeBudget:
+  """``train.time_budget_minutes``: at log steps, whether another step, the final eval and the
+  final save still fit; if not, the run ends early with a checkpoint. Processes read their own
+  clocks, so they agree on it. The next step is taken to last as long as the steps since the
+  previous check did, when longer than measured (a busier machine, or a slower one on resume)."""
+
+  def __init__(self, budget: Budget, log: RunLogger, agree_any: Callable[[bool], bool]):
+    self.budget, self.log, self.agree_any = budget, log, agree_any
+    self.checked = (time.time(), 0)  # (when, at which step) the last check ran
+
+  def start(self, step: int) -> None:
+    self.checked = (time.time(), step)
+
+  def out_of_time(self, step: Optional[int] = None) -> bool:
+    recent = None
+    if step is not None:
+      (then, previous), now = self.checked, time.time()
+      if step > previous:
+        recent = (now - then) / (step - previous)
+      self.checked = (now, step)
+    return self.agree_any(self.budget.out_of_time(recent))
+
+  def stop(self, step: int, total: int, save: Optional[Callable[[int], None]]) -> None:
+    """Ends the run early at ``step`` (``save``: the checkpoint to write first, or None)."""
+    why = ("earlier segments of this run used the rest of it" if self.budget.segments > 1
+           else "steps ran slower than measured")
+    self.log.console(f"warning: step {step}: stopping before the planned {total} steps to stay "
+                     f"within train.time_budget_minutes ({why}); the learning rate is not at its "
+                     "floor")
+    self.budget.stopped_at = step
+    if save is not None:
+      save(step)

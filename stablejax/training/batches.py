@@ -1,0 +1,113 @@
+"""The training data stream of a run: its position, the data a rollback skips, and the faults.
+
+Position ``i`` is the ``i``-th batch read from the stream since the run started (what a
+checkpoint stores as ``batches_consumed``). A rollback skips the batches read since its target
+checkpoint: at once when the stream is already there, else when the replay of good batches
+reaches them (``pending``). The configured faults (``faults.*``, :class:`FaultsConfig`) change the
+batch a step gets: a step fault strikes whatever data the step reads, a batch fault the data at
+its position, so a rollback that skips the batch never meets it again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+
+from stablejax.data.pipeline import garbage_batch
+from stablejax.training.config import FaultsConfig
+
+
+class Batches:
+  """The run's stream of device batches (``next``), with its skips and faults.
+
+  Args:
+    stream: the data iterator (Grain's, checkpointed with the state).
+    faults: the run's ``faults`` section.
+    vocab_size: the data's vocabulary (garbage batches draw from it).
+    to_device: host tokens ``[B/P, T+1]`` -> the global device array of the step.
+  """
+
+  def __init__(self, stream: Iterator[dict], faults: FaultsConfig, vocab_size: int,
+               to_device: Callable[[np.ndarray], jax.Array]):
+    self.stream = stream
+    self.faults = faults
+    self.vocab_size = vocab_size
+    self.to_device = to_device
+    self.consumed = 0                                  # position of the next batch
+    self.pending: list[tuple[int, int]] = []           # skips [first, last) the replay has not met
+    self.checkpoint_positions: dict[int, int] = {}     # checkpoint step -> its position
+
+  def load(self, meta: dict) -> None:
+    """The position, the deferred skips and the positions of older checkpoints, as a restored
+    checkpoint recorded them (``{}``: a fresh run, or a checkpoint that predates them)."""
+    self.consumed = int(meta.get("batches_consumed", 0))
+    self.pending = sorted((int(a), int(b)) for a, b in meta.get("pending_skips", []))
+    known = {int(k): int(v) for k, v in meta.get("checkpoint_batches", {}).items()}
+    if "step" in meta:
+      known[int(meta["step"])] = self.consumed
+    self.checkpoint_positions = known
+
+  def state_dict(self, step: int, on_disk: set[int]) -> dict:
+    """What a checkpoint at ``step`` stores (positions of the checkpoints still ``on_disk``)."""
+    self.checkpoint_positions[step] = self.consumed
+    return {"batches_consumed": self.consumed,
+            "pending_skips": [list(r) for r in self.pending],
+            "checkpoint_batches": {str(s): b for s, b in sorted(self.checkpoint_positions.items())
+                                   if s in on_disk | {step}}}
+
+  def next(self, step: int) -> dict:
+    """The batch of ``step`` (0-based index of the step about to run), on device."""
+    f = self.faults
+    while self.pending and self.consumed >= self.pending[0][0]:
+      _, last = self.pending.pop(0)  # a rollback's skip, deferred until the replay got here
+      self.skip(last - self.consumed)
+    index = self.consumed
+    tokens = next(self.stream)["tokens"]
+    self.consumed += 1
+    if step in f.garbage_batch_steps or index in f.garbage_batch_indices:
+      seed = step if step in f.garbage_batch_steps else index
+      tokens = garbage_batch(f.garbage_kind, tokens.shape[0], tokens.shape[1] - 1,
+                             self.vocab_size, seed=seed)["tokens"]
+    grad_scale = 1.0
+    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:
+      grad_scale = float("nan")
+    elif step in f.grad_scale_steps:
+      grad_scale = f.grad_scale_factor
+    return {"tokens": self.to_device(np.asarray(tokens, np.int32)),
+            "grad_scale": np.float32(grad_scale)}
+
+  def schedule_skip(self, first: int, last: int) -> None:
+    """Skips positions ``[first, last)``: now when the stream is at ``first`` or past it, else
+    once the replay reaches ``first`` (the batches before it were good)."""
+    if self.consumed >= first:
+      self.skip(last - self.consumed)
+    else:
+      self.pending = sorted(self.pending + [(first, last)])
+
+  def skip(self, n: int) -> None:
+    """Advances the stream by ``n`` batches without training on them."""
+    for _ in range(n):
+      next(self.stream)
+    self.consumed += max(0, n)
+
+
+def kill_if_due(faults: FaultsConfig, n: int, when: str) -> None:
+  """SIGKILL at the configured step, checkpoint save or rollback (``faults.kill_*``)."""
+  target = {"step": faults.kill_at_step, "save": faults.kill_during_save_step,
+            "rollback": faults.kill_after_rollback}[when]
+  if target is not None and n == target:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fetch(tree: Any) -> dict:
+  """A dict of device scalars as Python numbers (one transfer)."""
+  return {k: np.asarray(v).item() for k, v in jax.device_get(tree).items()}
+
+
+def total_skips(record: dict) -> int:
+  """Skipped steps in a metrics record, over every skip wrapper of the chain."""
+  return sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))

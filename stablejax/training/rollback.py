@@ -1,0 +1,166 @@
+"""Restoring a run: at start (the newest good checkpoint, or step 0) and at a rollback.
+
+A rollback is written to ``recovery.json`` in the run directory the moment it is decided (after
+the restore succeeded, before anything on disk changes); a run killed before its next checkpoint
+re-applies it on resume, so the skipped data, the LR backoff and the rollback count survive.
+The policy (when to roll back, to which checkpoint, the learning-rate backoff) is
+:class:`stablejax.training.recovery.Recovery`; this module carries it out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from stablejax.monitor.stability_monitor import StabilityMonitor
+from stablejax.training.batches import Batches, fetch, kill_if_due, total_skips
+from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
+from stablejax.training.components import Components
+from stablejax.training.logger import RunLogger
+from stablejax.training.recovery import Recovery, RollbackEvent
+from stablejax.training.run_dir import RunDirectory
+from stablejax.training.step import TrainState
+from stablejax.transforms.metrics import stability_metrics
+
+RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
+
+
+class Restorer:
+  """Restores the run's state from its checkpoints (``restore_or_init``, ``rollback``)."""
+
+  def __init__(self, c: Components, run_dir: RunDirectory, checkpoints: Checkpoints,
+               batches: Batches, recovery: Recovery, monitor: StabilityMonitor, log: RunLogger):
+    self.c, self.run_dir, self.checkpoints, self.batches = c, run_dir, checkpoints, batches
+    self.recovery, self.monitor, self.log = recovery, monitor, log
+    self.abandoned_skips = 0  # skips counted on rolled-back branches
+
+  @property
+  def recovery_file(self) -> Path:
+    return self.run_dir.root / RECOVERY_FILE
+
+  def state_metrics(self, state: TrainState) -> dict:
+    return fetch(stability_metrics(state.opt_state))
+
+  def restore(self, at_most: Optional[int] = None) -> Optional[tuple[TrainState, dict]]:
+    return self.checkpoints.restore(self.c.abstract_state, self.batches.stream, at_most=at_most,
+                                    on_fallback=self._fallback)
+
+  def _fallback(self, step: int, reason: str) -> None:
+    self.log.console(f"warning: checkpoint {step} is damaged ({reason}); trying the previous one"
+                     f" (the damaged one goes to {self.checkpoints.damaged_directory})")
+    self.log.record({"step": step, "event": "fallback_checkpoint", "cause": reason})
+
+  def restore_or_init(self) -> tuple[TrainState, dict]:
+    """The newest undamaged checkpoint, with a rollback decided after it re-applied; or step 0.
+    Loads the batches' position, the recovery's and the monitor's state with it."""
+    state, meta = self._restore_checkpoint_or_init()
+    self.recovery.acknowledge(self.state_metrics(state))  # requests the saved state already had
+    self.batches.load(meta)
+    self.abandoned_skips = int(meta.get("abandoned_skips", 0))
+    self.recovery.load_state_dict(meta.get("recovery", {}))
+    if meta.get("monitor"):
+      self.monitor.load_state_dict(meta["monitor"])
+    return state, meta
+
+  def _restore_checkpoint_or_init(self) -> tuple[TrainState, dict]:
+    restored = self.restore()
+    if restored is None:
+      stale = self.recovery_file
+      if self.run_dir.is_main and stale.exists():  # its checkpoints are gone: another run's
+        stale.replace(self.run_dir.path(RECOVERY_FILE + ".stale"))
+        self.log.console(f"warning: no checkpoint in {self.checkpoints.directory}: starting at step"
+                         f" 0 and keeping the old rollback record as {RECOVERY_FILE}.stale")
+      return self.c.init_state(jax.random.PRNGKey(self.c.cfg.train.seed)), {}
+    state, meta = restored
+    decision = read_json(self.recovery_file)
+    saved_events = len(meta.get("recovery", {}).get("events", []))
+    if decision is None or len(decision["recovery"]["events"]) <= saved_events:
+      return state, meta
+    # The run stopped after a rollback and before its next checkpoint: redo that rollback.
+    event = RollbackEvent(**{**decision["recovery"]["events"][-1]})
+    if int(meta["step"]) > event.restored_step:  # a checkpoint of the abandoned branch
+      restored = self.restore(at_most=event.restored_step)
+      if restored is None:
+        raise CheckpointError(f"{self.recovery_file} records a rollback to step "
+                              f"{event.restored_step}, but no checkpoint that old is left: pass "
+                              "--fresh to start over")
+      state, meta = restored
+    self.checkpoints.delete_after(int(meta["step"]))
+    self.batches.load(meta)
+    self.batches.schedule_skip(*event.skipped_batches)
+    self.log.console(f"re-applying rollback {len(decision['recovery']['events'])} "
+                     f"({event.describe()}) recorded in {RECOVERY_FILE}")
+    state = self.c.set_lr_backoff(state, jnp.float32(event.lr_scale), jnp.int32(meta["step"]))
+    meta = {**meta, "batches_consumed": self.batches.consumed,
+            "pending_skips": [list(r) for r in self.batches.pending],
+            "abandoned_skips": decision["abandoned_skips"], "recovery": decision["recovery"],
+            "monitor": decision["monitor"]}
+    return state, meta
+
+  def rollback(self, step: int, cause: str, record: dict) -> tuple[TrainState, int]:
+    """Restores a good checkpoint with a lower LR and skips the data that led here; returns the
+    restored state and its step.
+
+    The decision is written to recovery.json as soon as the restore succeeded and before the
+    abandoned branch's checkpoints are deleted: a crash from here on cannot undo it.
+    """
+    failed_at = self.batches.consumed
+    self.checkpoints.wait()
+    target = self.recovery.rollback_target(self.checkpoints.all_steps())
+    restored = self.restore(at_most=target) if target is not None else None
+    if restored is None:
+      raise CheckpointError(f"no checkpoint left in {self.checkpoints.directory} to roll back to:"
+                            " pass --fresh to start over")
+    state, meta = restored
+    restored_step = int(meta["step"])
+    restored_metrics = self.state_metrics(state)
+    self.abandoned_skips += max(0, total_skips(record) - total_skips(restored_metrics))
+    # The data to skip is what was read since the target checkpoint. When the target was damaged
+    # and an older one restored, the batches between the two were good: they are replayed, and
+    # the skip waits until the stream reaches the target's position.
+    target_position = self.batches.checkpoint_positions.get(target) if target is not None else None
+    self.batches.load(meta)
+    first_skipped = self.batches.consumed if target_position is None else target_position
+    self.batches.schedule_skip(first_skipped, failed_at)
+    # The LR that failed, backed off; it returns to 1.0 over stability.recovery.lr_recovery_steps.
+    r = self.c.cfg.stability.recovery
+    lr_scale = float(record.get("lr_scale", 1.0)) * r.emergency_lr_factor
+    state = self.c.set_lr_backoff(state, jnp.float32(lr_scale), jnp.int32(restored_step))
+    event = RollbackEvent(step=step, cause=cause, restored_step=restored_step, lr_scale=lr_scale,
+                          skipped_batches=(first_skipped, failed_at))
+    self.recovery.record(event, restored_metrics)
+    self.monitor.record_rollback(step, cause)
+    if self.run_dir.is_main:
+      path = self.run_dir.path(RECOVERY_FILE)
+      self.run_dir.record_written()
+      write_json_atomic(path, {"recovery": self.recovery.state_dict(),
+                               "abandoned_skips": self.abandoned_skips,
+                               "monitor": self.monitor.state_dict()})
+    self.log.console(f"warning: rollback {self.recovery.rollbacks}/{r.max_rollbacks} at "
+                     f"{event.describe()}")
+    self.log.record({"step": step, "event": "rollback", **dataclasses.asdict(event)},
+                    {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": lr_scale})
+    self.log.text("recovery/events", event.describe(), step)
+    kill_if_due(self.c.cfg.faults, self.recovery.rollbacks, "rollback")
+    self.checkpoints.delete_after(restored_step)  # the abandoned branch
+    return state, restored_step
+
+  def meta(self) -> dict:
+    """What a checkpoint stores of the recovery and the monitor."""
+    return {"abandoned_skips": self.abandoned_skips, "recovery": self.recovery.state_dict(),
+            "monitor": self.monitor.state_dict()}
+
+  def diverged(self, step: int, cause: str) -> list[str]:
+    """The lines that end a run that diverged beyond its recovery budget."""
+    self.log.record({"step": step, "event": "diverged", "cause": cause})
+    lines = [f"error: training diverged at step {step}: {cause}",
+             f"recovery budget used: {self.recovery.rollbacks} of "
+             f"{self.c.cfg.stability.recovery.max_rollbacks} rollbacks"]
+    lines += [f"  rollback {i + 1}: {e.describe()}" for i, e in enumerate(self.recovery.events)]
+    lines.append("try: a lower optimizer.learning_rate, a longer train.warmup_steps, or check the "
+                 f"data (see {self.run_dir.root / 'metrics.jsonl'})")
+    return lines
