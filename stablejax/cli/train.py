@@ -6,15 +6,15 @@
     python -m stablejax train --config my_config.json
 
 ``--config`` takes a packaged config's name (``default``, ``gpt2_small``, ``openwebtext_stable``,
-``openwebtext_stable_cpu``) or a JSON file. Without it, a run directory that holds a run resumes
-with that run's own ``config.json`` (``--set`` still applies), else the ``default`` config is used.
-``python train.py ...`` at the repository root is the same program.
+``openwebtext_stable_cpu``) or a JSON file. ``python train.py ...`` at the repository root is the
+same program.
 
 The run directory is the trainer's: it holds its lock while it runs (a second trainer on it stops
 with one line naming the first), records what it wrote in ``run.json``, and never deletes, appends
 to or reads as a checkpoint a file it did not write (``--fresh`` removes only what the record
-lists). A checkpoint in ``--out`` resumes the run, on the data and tokenizer it recorded (another
-corpus is refused unless ``--data-changed``).
+lists). A checkpoint in ``--out`` resumes the run: run the same command again. It resumes on the
+data and tokenizer it recorded (another corpus is refused unless ``--data-changed``), and writes
+``config.json`` only once the resume checks passed.
 
 Exit codes: 0 done; 2 bad command line, config, data, checkpoints or run directory, or an error
 of the environment (disk full, read-only folder); 3 diverged beyond the recovery budget; 130
@@ -24,6 +24,7 @@ interrupted (SIGINT, SIGTERM or SIGHUP: a checkpoint was saved, or none was need
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
@@ -41,10 +42,8 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-  parser.add_argument("--config", default=None,
-                      help="a packaged config's name (default, gpt2_small, ...) or a JSON file "
-                           "(default: the run's own config.json when --out holds a run, else "
-                           "'default')")
+  parser.add_argument("--config", default="default",
+                      help="a packaged config's name (default, gpt2_small, ...) or a JSON file")
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value (JSON-parsed), repeatable")
   parser.add_argument("--out", default=None,
@@ -72,23 +71,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 130
 
 
+class _ReportedOnce(logging.Filter):
+  """Drops the log records of Orbax's and tensorstore's background threads and tasks that carry
+  an error of the environment (disk full, read-only): the trainer reports that error itself, in
+  one line, when it reaches the main thread."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    from stablejax.training.run_dir import is_environment_error
+    error = record.exc_info[1] if record.exc_info else None
+    if error is not None and is_environment_error(error):
+      return False
+    return not is_environment_error(record.getMessage())
+
+
 def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   # Imported here so that --help and argument errors answer instantly.
   import jax
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_ReportedOnce())
 
   from stablejax.data.pipeline import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
-  from stablejax.training.config import ConfigError, config_name, load_config, load_run_file
+  from stablejax.training.config import ConfigError, config_name, load_config
   from stablejax.training.loop import Interrupted, Run
   from stablejax.training.run_dir import RunDirError, environment_message
 
-  out = Path(args.out or Path("runs") / config_name(args.config or "default"))
+  out = Path(args.out or Path("runs") / config_name(args.config))
   try:
     signals.check_startup("importing")
-    own = args.config is None and (out / "config.json").is_file()
-    cfg = load_run_file(out / "config.json", args.set) if own else load_config(
-        args.config or "default", args.set)
+    cfg = load_config(args.config, args.set)
     return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
                signals=signals).train()
   except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)

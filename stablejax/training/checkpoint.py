@@ -333,8 +333,10 @@ class Checkpoints:
     if self._closed:
       return
     self._closed = True
-    self.manager.wait_until_finished()
-    self.manager.close()
+    try:
+      self.manager.wait_until_finished()
+    finally:
+      self.manager.close()
 
 
 def remove_run_checkpoints(directory: Path) -> None:
@@ -347,11 +349,15 @@ def write_json_atomic(path: Path, data: dict, indent: int = 1) -> None:
   a temporary file in the same directory, flushed to disk, then renamed over the old one."""
   path = Path(path)
   tmp = path.with_name(f".{path.name}.tmp")
-  with open(tmp, "w") as f:
-    f.write(json.dumps(data, indent=indent, default=float) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  try:
+    with open(tmp, "w") as f:
+      f.write(json.dumps(data, indent=indent, default=float) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)  # a full disk or a signal: no half-written file stays behind
+    raise
   directory = os.open(path.parent, os.O_RDONLY)
   try:
     os.fsync(directory)  # the rename itself

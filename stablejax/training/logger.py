@@ -81,9 +81,24 @@ class RunLogger:
       tqdm.write(line, file=sys.stderr if line.startswith(("warning", "error")) else sys.stdout)
 
   def close(self) -> None:
-    if self._jsonl is not None:
-      self._jsonl.close()
-      self._jsonl = None
-    if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+    """Closes both files, the second even when the first fails (a full disk)."""
+    jsonl, tb, self._jsonl, self._tb = self._jsonl, self._tb, None, None
+    try:
+      if jsonl is not None:
+        jsonl.close()
+    finally:
+      if tb is not None:
+        try:
+          tb.close()
+        except OSError:
+          _give_up(tb)
+          raise
+
+
+def _give_up(tb: Any) -> None:
+  """After a close that failed (a full disk), marks tensorboardX's event files closed: its own
+  exit hook would flush them again and print the same error as a traceback."""
+  for writer in getattr(tb, "all_writers", {}).values():
+    events = getattr(writer, "event_writer", None)
+    if events is not None and hasattr(events, "_closed"):
+      events._closed = True

@@ -150,17 +150,27 @@ class Run:
         step = self._start()
       except Interrupted as e:
         self.log.console(str(e))
-        return EXIT_INTERRUPTED
-      return self._train_from(step)
-    finally:
-      self.close()
+        code = EXIT_INTERRUPTED
+      else:
+        code = self._train_from(step)
+    except BaseException:
+      self.close(quiet=True)  # the error that stopped the run is the one to report
+      raise
+    self.close()
+    return code
 
-  def close(self) -> None:
+  def close(self, quiet: bool = False) -> None:
     """Ends the run's hold on its directory: a save in flight completes, no Orbax thread outlives
-    the run, the logs are closed and the lock released (:meth:`train` does it when it returns)."""
-    self.checkpoints.close()
-    self.log.close()
-    self.run_dir.close()
+    the run, the logs are closed and the lock released (:meth:`train` does it when it returns).
+    Each part is closed even when another fails; the first failure is raised unless ``quiet``."""
+    errors = []
+    for close in (self.checkpoints.close, self.log.close, self.run_dir.close):
+      try:
+        close()
+      except Exception as e:  # noqa: BLE001 - every part gets its chance to close
+        errors.append(e)
+    if errors and not quiet:
+      raise errors[0]
 
   def _start(self) -> int:
     """Restores or initialises the state, checks it is this run's (tokenizer, data), then writes:

@@ -43,7 +43,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from stablejax.data.folder import FolderBusy, FolderLock
+from stablejax.data.folder import LOCK_NAME, FolderBusy, FolderLock
+from stablejax.training.checkpoint import write_json_atomic
 
 RECORD = "run.json"
 PROGRAM = "stablejax train"
@@ -94,8 +95,10 @@ class RunDirectory:
   records the name; :meth:`record_written` saves the record (process 0 only).
   """
 
-  def __init__(self, root: Path, lock: Optional[FolderLock], record: dict, is_main: bool):
+  def __init__(self, root: Path, lock: Optional[FolderLock], record: dict, is_main: bool,
+               created: bool = False):
     self.root = root
+    self.created = created  # the trainer made the folder: it removes it again if it wrote nothing
     self._lock = lock
     self._record = record
     self.is_main = is_main
@@ -119,6 +122,7 @@ class RunDirectory:
     if root.exists() and not root.is_dir():
       raise RunDirError(f"--out {root} is a file: pass a folder for the run (it is created if "
                         "missing)")
+    created = not root.exists()
     try:
       root.mkdir(parents=True, exist_ok=True)
       lock = FolderLock(root, "train").acquire()
@@ -128,7 +132,7 @@ class RunDirectory:
     except OSError as e:
       raise RunDirError(environment_error(e, root, "the run directory")) from None
     try:
-      run = cls(root, lock, cls._read_record(root), is_main=True)
+      run = cls(root, lock, cls._read_record(root), is_main=True, created=created)
       run._adopt_v0_1()
       if fresh:
         run._remove_recorded()
@@ -238,15 +242,24 @@ class RunDirectory:
     """Saves the record atomically (process 0; a no-op when nothing changed)."""
     if not self.is_main or not self._dirty:
       return
-    from stablejax.training.checkpoint import write_json_atomic
     record = dict(self._record, program=PROGRAM, written=sorted(self.recorded))
     write_json_atomic(self.root / RECORD, record, indent=2)
     self._record, self._dirty = record, False
 
   def close(self) -> None:
-    """Releases the lock (process exit does the same)."""
-    if self._lock is not None:
-      self._lock.release()
+    """Releases the lock (process exit does the same). A folder the trainer created and wrote
+    nothing into (a start that failed early) is removed: no empty --out is left behind."""
+    if self._lock is None:
+      return
+    if self.created and not self.recorded:
+      for name in (LOCK_NAME, RECORD):
+        (self.root / name).unlink(missing_ok=True)
+      try:
+        self.root.rmdir()
+      except OSError:
+        pass  # something else appeared in it: it stays
+    self._lock.release()
+    self._lock = None
 
 
 def environment_error(e: OSError, path: Path, what: str) -> str:
@@ -263,26 +276,44 @@ def environment_error(e: OSError, path: Path, what: str) -> str:
   return f"cannot write {what} {where}: {reason}; {fix}"
 
 
-_DISK_FULL = ("No space left on device", "Disk quota exceeded")
-_READ_ONLY = ("Read-only file system",)
+_DISK_FULL = (("No space left on device", "Disk quota exceeded"), (errno.ENOSPC, errno.EDQUOT))
+_READ_ONLY = (("Read-only file system",), (errno.EROFS,))
+
+
+def _chain_has(error: BaseException | str, kind: tuple) -> bool:
+  """Whether ``error`` (a log message, or an exception or anything in its chain) is of ``kind``:
+  its words in a message, or its errno. Orbax and tensorstore wrap the operating system's error
+  in their own (a ValueError "RESOURCE_EXHAUSTED: ... No space left on device")."""
+  phrases, errnos = kind
+  if isinstance(error, str):
+    return any(phrase in error for phrase in phrases)
+  seen: set[int] = set()
+  node: Optional[BaseException] = error
+  while node is not None and id(node) not in seen:
+    seen.add(id(node))
+    if (isinstance(node, OSError) and node.errno in errnos) or _chain_has(str(node), kind):
+      return True
+    node = node.__cause__ or node.__context__
+  return False
+
+
+def is_environment_error(error: BaseException | str) -> bool:
+  """Whether an exception or a log message is a full disk or a read-only file system."""
+  return _chain_has(error, _DISK_FULL) or _chain_has(error, _READ_ONLY)
 
 
 def environment_message(e: BaseException, out: Path) -> Optional[str]:
   """One line for an error of the environment met while training into ``out`` (disk full,
-  read-only, device memory), or None for any other error. Orbax and tensorstore report a full
-  disk as their own errors; the operating system's words in the message tell it."""
-  if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS,
-                                            errno.EACCES, errno.EPERM):
-    return environment_error(e, out, "into the run directory")
-  text = str(e)
-  if any(phrase in text for phrase in _DISK_FULL):
+  read-only, no permission, device memory), or None for any other error."""
+  if _chain_has(e, _DISK_FULL):
     return (f"cannot write into the run directory {out}: the disk is full; free space or choose "
             "another --out (the last complete checkpoint resumes the run)")
-  if any(phrase in text for phrase in _READ_ONLY):
-    return f"cannot write into the run directory {out}: the file system is read-only; choose " \
-           "another --out"
-  if "RESOURCE_EXHAUSTED" in text and "memory" in text.lower():
+  if _chain_has(e, _READ_ONLY):
+    return (f"cannot write into the run directory {out}: the file system is read-only; choose "
+            "another --out")
+  if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
+    return environment_error(e, out, "into the run directory")
+  if "RESOURCE_EXHAUSTED" in str(e) and "memory" in str(e).lower():
     return ("the device ran out of memory: lower train.batch_size (or raise train.grad_accum), "
             "model size or train.seq_len, or set model.remat=true")
   return None
-

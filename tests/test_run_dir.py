@@ -1,0 +1,288 @@
+"""The run directory is the trainer's alone: a lock against a second writer, a record of what it
+wrote, nothing deleted or appended that it did not write, nothing changed before the resume
+checks pass, the data identity checked on resume, one-line errors of the environment, and run
+directories of stablejax 0.1 that still resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from stablejax.training.run_dir import RECORD, RunDirectory, RunDirError
+from trainer_utils import ROOT, run_inprocess, run_subprocess, sets, slow
+
+OLD_RUN = Path(__file__).parent / "data" / "run_v0_1"
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+  """Every file under ``root`` with its bytes, but the lock file (the trainer's bookkeeping: its
+  holder's name, rewritten by each writer that takes the lock)."""
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+          if p.is_file() and p.name != ".lock"}
+
+
+def _trainer_files(root: Path) -> None:
+  """What a trainer run leaves, with its record (as RunDirectory writes it)."""
+  run = RunDirectory.open(root)
+  (run.path("checkpoints") / "3" / "state").mkdir(parents=True)
+  (run.path("checkpoints") / "3" / "state" / "_METADATA").write_text("{}")
+  (run.path("tensorboard")).mkdir()
+  (run.path("tensorboard") / "events.out.tfevents.1.host").write_bytes(b"\0")
+  run.path("metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+  run.record_written()
+  run.close()
+
+
+# ----------------------------------------------------------------------------- ownership
+
+
+def test_fresh_refuses_a_users_checkpoints_and_tensorboard_and_deletes_nothing(tmp_path):
+  out = tmp_path / "run"
+  (out / "checkpoints" / "ckpt-1000").mkdir(parents=True)
+  (out / "checkpoints" / "ckpt-1000" / "model.pt").write_bytes(b"weights")
+  (out / "tensorboard").mkdir()
+  (out / "tensorboard" / "events.out").write_bytes(b"events")
+  before = _tree(out)
+  for fresh in (True, False):
+    with pytest.raises(RunDirError, match="not written by this trainer") as e:
+      RunDirectory.open(out, fresh=fresh)
+    assert "\n" not in str(e.value) and "checkpoints" in str(e.value)
+  assert _tree(out) == before
+
+
+def test_a_foreign_metrics_file_is_refused_not_appended_to(tmp_path):
+  out = tmp_path / "run"
+  out.mkdir()
+  (out / "metrics.jsonl").write_text("the user's own log\n")
+  with pytest.raises(RunDirError, match=r"metrics.jsonl was not written by this trainer"):
+    RunDirectory.open(out)
+  assert (out / "metrics.jsonl").read_text() == "the user's own log\n"
+
+
+def test_fresh_removes_only_what_the_record_lists(tmp_path):
+  out = tmp_path / "run"
+  _trainer_files(out)
+  (out / "notes.txt").write_text("mine")
+  run = RunDirectory.open(out, fresh=True)
+  assert sorted(p.name for p in out.iterdir()) == [".lock", "notes.txt", RECORD]
+  assert run.recorded == set()
+  run.close()
+
+
+def test_fresh_is_all_or_nothing_when_a_recorded_folder_holds_a_foreign_file(tmp_path):
+  out = tmp_path / "run"
+  _trainer_files(out)
+  (out / "checkpoints" / "best.pt").write_bytes(b"the user's")
+  before = _tree(out)
+  with pytest.raises(RunDirError, match=r"checkpoints/best.pt: not written by this trainer"):
+    RunDirectory.open(out, fresh=True)
+  assert _tree(out) == before  # metrics.jsonl and tensorboard/ were not deleted either
+
+
+def test_out_naming_a_file_is_one_line(tmp_path):
+  out = tmp_path / "run"
+  out.write_text("a file")
+  with pytest.raises(RunDirError, match="is a file: pass a folder"):
+    RunDirectory.open(out)
+
+
+def test_a_run_directory_of_0_1_is_adopted_by_its_config(tmp_path):
+  out = tmp_path / "old"
+  shutil.copytree(OLD_RUN, out)
+  run = RunDirectory.open(out)
+  assert {"checkpoints", "config.json", "metrics.jsonl", "tensorboard", "tokenizer"} <= run.recorded
+  run.close()
+  # The same folder without a stablejax config.json is somebody else's.
+  (out / "config.json").write_text('{"lr": 3e-4}')
+  with pytest.raises(RunDirError, match="not written by this trainer"):
+    RunDirectory.open(out)
+
+
+# ----------------------------------------------------------------------------- one writer
+
+
+HOLD = textwrap.dedent("""
+    import sys, time
+    from stablejax.data.folder import FolderLock
+    FolderLock(sys.argv[1], "train").acquire()
+    print("locked", flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_second_trainer_on_the_same_out_stops_with_one_line(tmp_path, capsys):
+  out = tmp_path / "run"
+  out.mkdir()
+  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    assert run_inprocess(out, fresh=False) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "is in use by train (process " \
+        f"{holder.pid}" in err[0]
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written but its lock
+  finally:
+    holder.kill()
+    holder.wait(timeout=30)
+
+
+# ----------------------------------------------------------------------------- check before write
+
+
+@slow
+def test_a_refused_resume_changes_nothing_and_prints_one_line(clean_run, tmp_path):
+  out = tmp_path / "run"
+  shutil.copytree(clean_run, out)
+  before = _tree(out)
+  # Another model width: the checkpoint cannot be restored into it.
+  result = run_subprocess(out, "model.d_model=64", timeout=300)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if not line.startswith("warning")]
+  assert len(lines) == 1 and lines[0].startswith("error: reading checkpoint"), result.stderr
+  after = _tree(out)
+  assert after["config.json"] == before["config.json"]  # still says d_model 32
+  assert after == before
+
+
+@slow
+def test_a_resume_on_other_data_is_refused_unless_said(clean_run, tmp_path, capsys):
+  out = tmp_path / "run"
+  shutil.copytree(clean_run, out)
+  other = tmp_path / "other.txt"
+  other.write_text("some other corpus entirely, which is not the Python docs. " * 400)
+  before = _tree(out)
+  assert run_inprocess(out, f"data.train={other}", fresh=False) == 2
+  err = capsys.readouterr().err
+  assert "the data is not the data this run trained on" in err and "--data-changed" in err
+  assert _tree(out) == before
+  # Said on purpose: it resumes (at the end already: the final evaluation only) and records it.
+  from stablejax.cli.train import main
+  assert main(sets(f"data.train={other}") + ["--out", str(out), "--data-changed"]) == 0
+  record = json.loads((out / RECORD).read_text())
+  assert record["data"]["train"][0]["path"] == str(other)
+
+
+# ----------------------------------------------------------------------------- the environment
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+  """A small file system of our own (needs root, which this project's machines and CI have)."""
+  path.mkdir(parents=True, exist_ok=True)
+  return subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                        capture_output=True).returncode == 0
+
+
+def _one_error_line(stderr: str) -> str:
+  lines = [line for line in stderr.splitlines() if not line.startswith("warning")]
+  assert len(lines) == 1 and lines[0].startswith("error: "), stderr[-3000:]
+  return lines[0]
+
+
+@slow
+def test_a_full_disk_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+  disk = tmp_path / "disk"
+  if _mount_tmpfs(disk, "size=200k"):  # the first checkpoint does not fit
+    try:
+      result = run_subprocess(disk / "run", timeout=300)
+    finally:
+      subprocess.run(["umount", str(disk)], capture_output=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    line = _one_error_line(result.stderr)  # not Orbax's threads' tracebacks
+  else:  # no right to mount: the disk fills at the first file the trainer writes
+    import errno
+    import os
+
+    from stablejax.training import checkpoint
+
+    def full(path, data, indent=1):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    monkeypatch.setattr(checkpoint, "write_json_atomic", full)
+    monkeypatch.setattr("stablejax.training.run_dir.write_json_atomic", full, raising=False)
+    assert run_inprocess(disk / "run") == 2
+    line = _one_error_line(capsys.readouterr().err)
+  assert line.startswith("error: cannot write into the run directory ") and \
+      "the disk is full" in line, line
+
+
+def test_a_read_only_out_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+  disk = tmp_path / "ro"
+  if _mount_tmpfs(disk, "ro,size=64k"):
+    try:
+      assert run_inprocess(disk / "run", fresh=False) == 2
+    finally:
+      subprocess.run(["umount", str(disk)], capture_output=True)
+  else:  # no right to mount: the folder cannot be created
+    import errno
+    import os
+
+    def read_only(self, *args, **kwargs):
+      raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert run_inprocess(disk / "run", fresh=False) == 2
+  line = _one_error_line(capsys.readouterr().err)
+  assert "the file system is read-only; choose another --out" in line, line
+
+
+# ----------------------------------------------------------------------------- runs of 0.1
+
+
+# The command that trained tests/data/run_v0_1 with stablejax 0.1, in this version's keys.
+OLD_COMMAND = [
+    "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
+    "model.qk_norm=false", "train.seq_len=16", "train.batch_size=4", "train.warmup_steps=2",
+    "train.eval_every=4", "train.eval_batches=1", "train.log_every=2",
+    "stability.qk_clip.enabled=true", "stability.qk_clip.tau=30", "stability.zclip.warmup_steps=5",
+    "stability.skip_spikes.window=8", "stability.skip_spikes.min_history=4",
+    "checkpoint.every=4", "checkpoint.keep=1", "checkpoint.async_save=false",
+    "logging.sample_every=0", "logging.progress=false", "train.peak_flops_per_device=1e12",
+    "logging.histogram_every=0", "logging.activation_every=0",
+]
+
+
+def test_a_run_of_0_1_reads_back_in_the_new_keys():
+  from stablejax.training.runs import load_run_config
+  cfg = load_run_config(OLD_RUN)
+  s = cfg.stability
+  assert (s.qk_clip.enabled, s.qk_clip.tau) == (True, 30.0)
+  assert (s.zclip.warmup_steps, s.skip_spikes.window, s.skip_spikes.min_history) == (5, 8, 4)
+  assert s.skip_nonfinite.max_consecutive == s.skip_spikes.max_consecutive == 16
+
+
+@slow
+def test_a_run_of_0_1_resumes(tmp_path, capsys):
+  from stablejax.cli.train import main
+  out = tmp_path / "old"
+  shutil.copytree(OLD_RUN, out)
+  argv = [a for item in OLD_COMMAND + ["train.steps=10"] for a in ("--set", item)]
+  assert main(argv + ["--out", str(out)]) == 0
+  assert "(resuming at step 8)" in capsys.readouterr().out
+  records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+  assert max(r["step"] for r in records) == 10 and any("qk_clip/max_logit" in r for r in records)
+  config = json.loads((out / "config.json").read_text())
+  assert config["stability"]["qk_clip"] == {"enabled": True, "tau": 30.0}
+  assert json.loads((out / RECORD).read_text())["adopted"] == "a run directory of stablejax 0.1"
+  # A flat key of 0.1 in the command is one line naming its new key.
+  assert main(["--set", "stability.qk_clip_tau=30", "--out", str(out)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "use stability.qk_clip.enabled and stability.qk_clip.tau" in err[0]
+
+
+def test_the_test_data_was_written_by_0_1():
+  config = json.loads((OLD_RUN / "config.json").read_text())
+  assert "qk_clip_tau" in config["stability"] and not (OLD_RUN / RECORD).exists()
+  assert sorted(p.name for p in (OLD_RUN / "checkpoints").iterdir()) == ["8"]
+  assert ROOT in OLD_RUN.parents
+
+
+def test_a_start_that_fails_early_leaves_no_empty_out(tmp_path, capsys):
+  out = tmp_path / "new_run"
+  assert run_inprocess(out, "data.train=/no/such/corpus") == 2
+  assert "does not exist" in capsys.readouterr().err
+  assert not out.exists()
