@@ -132,6 +132,35 @@ def test_no_import_circle():
   assert _cycles(graph) == []
 
 
+# The floors of the package: a module imports from its own folder or from a lower floor, never
+# from a higher one (docs/development.md, Layout). "" is the package's front file.
+FLOORS = {"layout": 0, "_compat": 0, "transforms": 1, "data": 1, "muon": 2, "modeling": 2,
+          "monitor": 3, "training": 4, "cli": 5, "__main__": 6, "": 6}
+
+
+def _folder(module: str) -> str:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 1 else ""
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+  return sorted(f"{a} -> {b}" for a, imported in graph.items() for b in imported
+                if _folder(a) != _folder(b) and FLOORS[_folder(a)] <= FLOORS[_folder(b)])
+
+
+def test_the_floor_check_sees_an_import_that_goes_up():
+  graph = {"stablejax.transforms.zclip": {"stablejax.muon.muon", "stablejax.layout.heads"},
+           "stablejax.training.loop": {"stablejax"}}
+  assert _upward_imports(graph) == ["stablejax.training.loop -> stablejax",
+                                    "stablejax.transforms.zclip -> stablejax.muon.muon"]
+
+
+def test_no_module_imports_from_a_higher_floor():
+  graph = _import_graph()
+  assert {_folder(m) for m in graph} <= set(FLOORS), "a new folder needs its floor in FLOORS"
+  assert _upward_imports(graph) == []
+
+
 def test_package_root_holds_only_the_api_modules_and_folders():
   files = {p.name for p in PACKAGE.iterdir() if p.is_file()}
   assert files == {"__init__.py", "__main__.py", "_compat.py", "py.typed"}

@@ -25,7 +25,6 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-import stablejax
 from stablejax.data.pipeline import build_data, data_identity
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
@@ -347,7 +346,7 @@ class Run:
       return
     cfg = self.cfg
     lines = [
-        f"stablejax {stablejax.__version__}: {count_params(self.state.params) / 1e6:.2f}M "
+        f"stablejax {_version()}: {count_params(self.state.params) / 1e6:.2f}M "
         f"parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), "
         f"params {cfg.model.param_dtype}, compute {cfg.model.compute_dtype}",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
@@ -415,3 +414,13 @@ def _describe_identity(identity: Any) -> str:
                                                       "train_tokens", "sha256", "size")}
   text = json.dumps(shown or identity, sort_keys=True)
   return text if len(text) < 160 else text[:157] + "..."
+
+
+def _version() -> str:
+  """The installed version (read from the package's metadata, not by importing its front file)."""
+  from importlib import metadata
+  try:
+    return metadata.version("stablejax")
+  except metadata.PackageNotFoundError:
+    return "(not installed)"
+
