@@ -112,6 +112,7 @@ def adagc(
     beta: float = 0.98,
     lambda_rel: float = 1.05,
     lambda_abs: float = 1.0,
+    *,
     warmup_steps: int = 100,
     stacked_names: Sequence[str] = STACKED_NAMES,
 ) -> optax.GradientTransformation:

@@ -35,8 +35,8 @@ Example:
   ...     name="example_scale", config=ScaleConfig, position=defence.Position.UPDATE,
   ...     build=lambda section, ctx: optax.scale(section.factor), label="scale the update")
   >>> _ = defence.register(scale)
-  >>> [d.name for d in defence.registered()][-1]
-  'example_scale'
+  >>> [d.name for d in defence.registered()]  # chain order: by position, then order
+  ['clip', 'zclip', 'adagc', 'example_scale', 'qk_clip', 'skip_spikes', 'skip_nonfinite']
   >>> defence.unregister("example_scale")
 """
 

@@ -35,6 +35,7 @@ class HybridClipState(NamedTuple):
 
 
 def hybrid_clip(
+    *,
     zclip_alpha: float = 0.97,
     zclip_z_thresh: float = 2.5,
     zclip_max_grad_norm: Optional[float] = 1.0,

@@ -98,6 +98,7 @@ class DynamicLossScale:
   def create(
       cls,
       initial_scale: float = 2.0**10,
+      *,
       growth_interval: int = 200,
       growth_factor: float = 1.5,
       backoff_factor: float = 0.5,

@@ -294,6 +294,7 @@ def _spike_check(value: jax.Array, window_state: _Window, min_history: int,
 
 def skip_spikes(
     inner: optax.GradientTransformation,
+    *,
     window: int = 128,
     min_history: Optional[int] = None,
     sigma: Optional[float] = 6.0,

@@ -125,6 +125,7 @@ def zclip(
     alpha: float = 0.97,
     z_thresh: float = 2.5,
     max_grad_norm: Optional[float] = 1.0,
+    *,
     eps: float = 1e-6,
     warmup_steps: int = 25,
     mode: str = "zscore",
