@@ -42,9 +42,10 @@ def _source_version() -> str:
 
 
 def _package_files(root: Path) -> set[str]:
-  """The files a build of the tree at ``root`` must ship: every module of the package and the
-  py.typed marker."""
+  """The files a build of the tree at ``root`` must ship: every module of the package, the
+  packaged configs and the py.typed marker."""
   files = {p for p in (root / "stablejax").rglob("*.py") if "__pycache__" not in p.parts}
+  files |= set((root / "stablejax" / "configs").glob("*.json"))
   files.add(root / "stablejax" / "py.typed")
   return {p.relative_to(root).as_posix() for p in files}
 
@@ -109,8 +110,19 @@ def _check_wheel(wheel: Path, version: str, expected: set[str]):
   package = {n for n in names if n.startswith("stablejax/")}
   assert package == expected, (f"missing from the wheel: {sorted(expected - package)}; "
                                f"not in the source: {sorted(package - expected)}")
-  assert "stablejax/py.typed" in names
+  assert "stablejax/py.typed" in names and "stablejax/configs/default.json" in names
   assert re.search(rf"^Version: {re.escape(version)}$", metadata, flags=re.M)
+  # The library needs jax, flax, optax and numpy; everything the programs need is the train
+  # extra (no Orbax, Grain, matplotlib or tokenizer for a user who wants zclip()).
+  requires = re.findall(r"^Requires-Dist: (.*)$", metadata, flags=re.M)
+  unconditional = sorted(re.split(r"[<>=!~ \[;]", r)[0] for r in requires if "extra ==" not in r)
+  assert unconditional == ["flax", "jax", "numpy", "optax"], requires
+  train = {re.split(r"[<>=!~ \[;]", r)[0] for r in requires if 'extra == "train"' in r}
+  assert {"orbax-checkpoint", "grain", "tensorboardX", "matplotlib", "tokenizers",
+          "tiktoken"} <= train, requires
+  # What the package index shows: Project-URLs and classifiers.
+  assert re.search(r"^Project-URL: Source, https://", metadata, flags=re.M)
+  assert re.search(r"^Classifier: Topic :: Scientific/Engineering", metadata, flags=re.M)
   assert re.search(r"^stablejax = stablejax\.cli:main$", entry_points, flags=re.M)
 
 
@@ -150,7 +162,10 @@ _INSTALLED_CHECK = textwrap.dedent("""
                   {"a": jnp.zeros(2), "b": jnp.full((1, 1), 3.0)},
                   {"a": jnp.array([6.0, 0.0]), "b": jnp.full((1, 1), 8.0)}):
       updates, state = tx.update(grads, state, params)
+    import sys
+    extras = ("orbax", "grain", "tensorboardX", "matplotlib", "tokenizers", "tiktoken", "tqdm")
     print(json.dumps({
+        "imported_extras": sorted({m.split(".")[0] for m in sys.modules} & set(extras)),
         "file": stablejax.__file__,
         "version": stablejax.__version__,
         "dist_version": dist.version,
@@ -216,6 +231,7 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   assert Path(found["file"]).resolve().is_relative_to(venv.resolve()), found["file"]
   assert Path(found["dist_location"]).resolve().is_relative_to(venv.resolve())
   assert found["version"] == found["dist_version"] == version
+  assert found["imported_extras"] == []  # zclip() pulls in none of the train extra
   # By hand: after warmup mean 2 and std 1; the norm-10 step has z = 8 and gets the clip value
   # mean + z_thresh * std / (z / z_thresh) = 2 + 2.5 / 3.2 = 2.78125, so the gradient is scaled
   # by 2.78125 / (10 + 1e-6).
@@ -238,3 +254,31 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   for command in ("prepare", "sample", "report", "launch", "quantize-eval"):
     assert re.search(rf"^  {command} ", listing, flags=re.M), listing
   assert run(script, "prepare", "--help").stdout == new.stdout
+  # The trainer from the installed wheel, on its packaged default config (a few tiny steps; the
+  # train extra's packages come from the appended site-packages).
+  tiny = ["model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
+          "train.seq_len=16", "train.batch_size=4", "train.steps=2", "train.warmup_steps=1",
+          "train.eval_every=2", "train.eval_batches=1", "checkpoint.every=2",
+          "logging.progress=false", "logging.sample_every=0", "logging.histogram_every=0",
+          "logging.activation_every=0", "train.peak_flops_per_device=1e12"]
+  argv = [a for item in tiny for a in ("--set", item)]
+  trained = run(script, "train", "--config", "default", *argv, "--out", work / "run")
+  assert "done: 2 steps" in trained.stdout
+  assert json.loads((work / "run" / "config.json").read_text())["model"]["qk_norm"] is True
+
+
+def test_readme_links_are_absolute_and_point_at_files_of_this_repository():
+  # The package index shows README.md as the long description: a relative link would be broken
+  # there. Every link goes to the project's repository, at a file that exists here.
+  pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+  home = pyproject["project"]["urls"]["Source"]
+  text = (ROOT / "README.md").read_text()
+  links = re.findall(r"\]\(([^)\s]+)\)", text)
+  assert len(links) > 10
+  for link in links:
+    assert re.match(r"^https?://", link), f"relative link in README.md: {link}"
+    for prefix in (f"{home}/blob/main/", home.replace("github.com", "raw.githubusercontent.com")
+                   + "/main/"):
+      if link.startswith(prefix):
+        path = link[len(prefix):].split("#")[0]
+        assert (ROOT / path).exists(), f"README.md links to {path}, which does not exist"

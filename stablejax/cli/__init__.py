@@ -43,11 +43,32 @@ def usage() -> str:
   return "\n".join(lines)
 
 
+# The packages of the "train" extra (pyproject.toml): the library installs without them.
+TRAIN_EXTRA = ("orbax", "grain", "tensorboardX", "tqdm", "matplotlib", "tokenizers", "tiktoken")
+
+
+def missing_extra(error: ModuleNotFoundError, command: str) -> Optional[str]:
+  """The one line for a program started without the extra that brings ``error.name``."""
+  top = (error.name or "").split(".")[0]
+  if top not in TRAIN_EXTRA:
+    return None
+  return (f"error: python -m stablejax {command} needs {top}, which comes with the train extra: "
+          "pip install 'stablejax[train]'")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs ``stablejax COMMAND ARGS...``; returns the command's exit code (2: no such command)."""
+  """Runs ``stablejax COMMAND ARGS...``; returns the command's exit code (2: no such command, or
+  a program's dependencies not installed)."""
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv and argv[0] in COMMANDS:
-    return importlib.import_module(COMMANDS[argv[0]].module).main(argv[1:])
+    try:
+      return importlib.import_module(COMMANDS[argv[0]].module).main(argv[1:])
+    except ModuleNotFoundError as e:
+      line = missing_extra(e, argv[0])
+      if line is None:
+        raise
+      print(line, file=sys.stderr)
+      return 2
   if argv and argv[0] in ("-h", "--help"):
     print(usage())
     return 0

@@ -65,6 +65,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   args = parse_args(argv)
   try:
     return _main(args, signals)
+  except ModuleNotFoundError as e:
+    from stablejax.cli import missing_extra
+    line = missing_extra(e, "train")
+    if line is None:
+      raise
+    print(line, file=sys.stderr)
+    return 2
   except KeyboardInterrupt:  # a handler replaced by a library; nothing written yet
     print("interrupted during start-up: stopped before the first step; run the same command to "
           "start again", flush=True)
