@@ -280,3 +280,15 @@ def test_unknown_or_missing_command_is_one_error_line_and_exit_2(capsys):
 def test_console_script_is_the_command():
   (script,) = entry_points(group="console_scripts", name="stablejax")
   assert script.value == "stablejax.cli:main" and script.load() is stablejax.cli.main
+
+
+def test_a_program_without_the_train_extra_is_one_line_naming_it(tmp_path):
+  # orbax unavailable, as after `pip install stablejax` without the extra.
+  code = ("import sys; sys.modules['orbax'] = None\n"
+          "from stablejax.cli import main\n"
+          f"sys.exit(main(['train', '--out', {str(tmp_path / 'run')!r}]))")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert result.stderr.strip() == ("error: python -m stablejax train needs orbax, which comes with "
+                                   "the train extra: pip install 'stablejax[train]'")

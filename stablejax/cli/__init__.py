@@ -13,6 +13,8 @@ import importlib
 import sys
 from typing import NamedTuple, Optional, Sequence
 
+from stablejax.cli._extras import missing_extra
+
 
 class Command(NamedTuple):
   module: str   # the module whose main(argv) runs it
@@ -41,19 +43,6 @@ def usage() -> str:
   lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
   lines += ["", "python -m stablejax COMMAND --help describes a command's arguments."]
   return "\n".join(lines)
-
-
-# The packages of the "train" extra (pyproject.toml): the library installs without them.
-TRAIN_EXTRA = ("orbax", "grain", "tensorboardX", "tqdm", "matplotlib", "tokenizers", "tiktoken")
-
-
-def missing_extra(error: ModuleNotFoundError, command: str) -> Optional[str]:
-  """The one line for a program started without the extra that brings ``error.name``."""
-  top = (error.name or "").split(".")[0]
-  if top not in TRAIN_EXTRA:
-    return None
-  return (f"error: python -m stablejax {command} needs {top}, which comes with the train extra: "
-          "pip install 'stablejax[train]'")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -66,7 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   try:
     return _main(args, signals)
   except ModuleNotFoundError as e:
-    from stablejax.cli import missing_extra
+    from stablejax.cli._extras import missing_extra
     line = missing_extra(e, "train")
     if line is None:
       raise
