@@ -1,8 +1,34 @@
-"""Fixtures shared by the end-to-end trainer tests."""
+"""Fixtures shared by the tests, and the session's persistent compilation cache.
 
-import pytest
+Most end-to-end tests train the same tiny model, in this process or in subprocesses; compiling it
+takes most of their CPU time. JAX's persistent compilation cache (the documented
+``JAX_COMPILATION_CACHE_DIR``, set here before anything imports jax, so every xdist worker and
+every subprocess a test starts inherits it) compiles each program once per session; the others
+load it. Nothing else changes: the same programs run. A cache directory given in the
+environment is used as it is (and kept); otherwise the session makes one and removes it.
+"""
 
-from trainer_utils import run_inprocess
+import os
+import shutil
+import tempfile
+
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="stablejax-tests-xla-")
+# Cache every program, however fast it compiled or small it is: the tests' programs are tiny.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import pytest  # noqa: E402
+
+from trainer_utils import run_inprocess  # noqa: E402
+
+
+def pytest_configure(config):
+  # The controller (not an xdist worker) made the cache: it removes it when the session ends.
+  if _OWN_CACHE and not hasattr(config, "workerinput"):
+    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")

@@ -44,7 +44,7 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
   one = make_run(tmp_path, "accum1")
   four = make_run(tmp_path, "accum4", "train.grad_accum=4")
   batches = stream(one, 4)
-  assert four._device_tokens(batches[0]).shape == (4, 2, 33)  # [accum, micro-batch, T + 1]
+  assert four.c.device_tokens(batches[0]).shape == (4, 2, 33)  # [accum, micro-batch, T + 1]
   state1, hist1 = steps(one, batches)
   state4, hist4 = steps(four, batches)
   for a, b in zip(hist1, hist4):
@@ -52,7 +52,7 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
   assert hist1[-1]["loss"] < hist1[0]["loss"]  # it trained
   moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(),
-                       state4.params, one.init_state(jax.random.PRNGKey(0)).params)
+                       state4.params, one.c.init_state(jax.random.PRNGKey(0)).params)
   assert max(jax.tree.leaves(moved)) > 1e-3  # parameters moved far more than the tolerance
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
                state4.params, state1.params)
@@ -69,12 +69,12 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   run = make_run(tmp_path, "fp16", *FP16)
   batches = stream(run, 12)
   grad_scales = [1.0] * 9 + [float("nan")] + [1.0] * 2
-  state = run.init_state(jax.random.PRNGKey(run.cfg.train.seed))
+  state = run.c.init_state(jax.random.PRNGKey(run.cfg.train.seed))
   scale, counter, scales, overflowed = 2.0**20, 0, [], []
   for tokens, g in zip(batches, grad_scales):
     before = jax.device_get(state.params)
-    state, metrics = run.train_step(state, {"tokens": run._device_tokens(tokens),
-                                            "grad_scale": np.float32(g)})
+    state, metrics = run.c.train_step(state, {"tokens": run.c.device_tokens(tokens),
+                                              "grad_scale": np.float32(g)})
     m = jax.device_get(metrics)
     overflow = bool(m["skip_nonfinite/skipped"])
     overflowed.append(overflow)
@@ -94,14 +94,13 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   assert np.all(np.isfinite(jax.tree.leaves(jax.device_get(state.params))[0]))
 
   # In the checkpoint, and restored with the rest of the state.
-  run.train_iter = run.data.train_iter()
-  run.checkpoints.save(12, state, run.train_iter, {"batches_consumed": 12})
+  run.checkpoints.save(12, state, run.c.data.train_iter(), {"batches_consumed": 12})
   run.checkpoints.wait()
-  restored, meta = run.checkpoints.restore(run.abstract_state, run.data.train_iter())
+  restored, meta = run.checkpoints.restore(run.c.abstract_state, run.c.data.train_iter())
   assert meta["step"] == 12
   assert float(restored.loss_scale.loss_scale) == scale
   assert int(restored.loss_scale.counter) == counter
-  run.checkpoints.close()
+  run.close()
 
 
 def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path):
@@ -112,8 +111,8 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
   from stablejax.modeling.gpt import layer_max_logits
   plain = make_run(tmp_path, "plain", "model.qk_norm=false")  # QK-clip needs a model without it
   batch = stream(plain, 1)[0]
-  params0 = plain.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
-  _, sown = plain.model.apply({"params": params0}, batch[:, :-1], attention_logits=True,
+  params0 = plain.c.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
+  _, sown = plain.c.model.apply({"params": params0}, batch[:, :-1], attention_logits=True,
                               mutable=["intermediates"])
   s = np.asarray(layer_max_logits(plain.cfg.model, stablejax.collect_attention_logits(sown)),
                  np.float64)                                            # [L, H]
