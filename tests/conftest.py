@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
-from trainer_utils import run_inprocess  # noqa: E402
+from helpers import run_inprocess  # noqa: E402
 
 
 def pytest_configure(config):

@@ -7,6 +7,7 @@ import optax
 import pytest
 
 import stablejax
+from helpers import scan_updates
 
 STEPS = 300
 SHAPES = {"emb": (6, 4), "w": (4, 4), "b": (4,)}
@@ -51,18 +52,6 @@ def reference_adagc(grads, beta, lambda_rel, lambda_abs, warmup_steps):
   return scales, gammas
 
 
-def _run(tx, grads):
-  params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
-  state = tx.init(params)
-
-  def body(state, g):
-    updates, state = tx.update(g, state, params)
-    return state, (updates, state)
-
-  _, out = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(state, grads)
-  return out
-
-
 @pytest.mark.parametrize("beta,lambda_rel,lambda_abs,warmup_steps", [
     (0.98, 1.05, 1.0, 20),
     (0.9, 1.5, 0.5, 100),
@@ -71,7 +60,7 @@ def test_matches_reference(beta, lambda_rel, lambda_abs, warmup_steps):
   grads = _grad_sequence(int(beta * 100))
   ref_scales, ref_gammas = reference_adagc(grads, beta, lambda_rel, lambda_abs,
                                            warmup_steps)
-  updates, states = _run(
+  updates, states = scan_updates(
       stablejax.adagc(beta=beta, lambda_rel=lambda_rel, lambda_abs=lambda_abs,
                       warmup_steps=warmup_steps), grads)
   for k, shape in SHAPES.items():
@@ -161,8 +150,8 @@ def test_hybrid_clip_is_zclip_then_adagc():
       **{f"adagc_{k}": v for k, v in kwargs_a.items()})
   chained = optax.chain(stablejax.zclip(**kwargs_z),
                         stablejax.adagc(**kwargs_a))
-  u_h, s_h = _run(hybrid, grads)
-  u_c, s_c = _run(chained, grads)
+  u_h, s_h = scan_updates(hybrid, grads)
+  u_c, s_c = scan_updates(chained, grads)
   assert isinstance(s_h, stablejax.HybridClipState)
   for k in SHAPES:
     np.testing.assert_array_equal(u_h[k], u_c[k])
@@ -216,7 +205,7 @@ def test_tensor_with_zero_gradient_during_warmup_trains_after_it():
   grads["q"][20] *= 30.0      # a spike after warmup is still clipped
   kw = dict(beta=0.9, lambda_rel=1.05, lambda_abs=1.0, warmup_steps=warmup)
   ref_scales, ref_gammas = reference_adagc_tensors(grads, **kw)
-  updates, states = _run(stablejax.adagc(**kw), grads)
+  updates, states = scan_updates(stablejax.adagc(**kw), grads)
   for k in grads:
     h = np.array([s[k] for s in ref_scales]).reshape(-1, 1, 1)
     np.testing.assert_allclose(updates[k], grads[k] * h, rtol=2e-5, atol=1e-8)
@@ -254,7 +243,7 @@ def test_scan_stacked_leaf_gets_one_threshold_per_layer():
   grads = _stacked_grads()
   kw = dict(beta=0.9, lambda_rel=1.05, lambda_abs=100.0, warmup_steps=10)
   ref_scales, ref_gammas = reference_adagc_tensors(_split_layers(grads), **kw)
-  updates, states = _run(stablejax.adagc(**kw), grads)
+  updates, states = scan_updates(stablejax.adagc(**kw), grads)
   assert states.gamma["blocks"]["attn"]["kernel"].shape == (40, 3)   # [steps, L]
   assert states.gamma["lm_head"]["kernel"].shape == (40,)
   for name, path in (("attn", ("attn", "kernel")), ("attn_norm", ("attn_norm", "scale"))):
@@ -284,7 +273,7 @@ def test_per_leaf_threshold_is_one_argument_away():
            "attn_norm": grads["blocks"]["attn_norm"]["scale"],
            "lm_head": grads["lm_head"]["kernel"]}
   ref_scales, _ = reference_adagc_tensors(whole, **kw)
-  updates, states = _run(stablejax.adagc(**kw, stacked_names=()), grads)
+  updates, states = scan_updates(stablejax.adagc(**kw, stacked_names=()), grads)
   assert states.gamma["blocks"]["attn"]["kernel"].shape == (40,)
   h = np.array([s["attn"] for s in ref_scales]).reshape(-1, 1, 1, 1)
   np.testing.assert_allclose(updates["blocks"]["attn"]["kernel"],
@@ -314,8 +303,8 @@ def test_hybrid_clip_passes_stacked_names():
   for names in ((), ("blocks",)):
     hybrid = stablejax.hybrid_clip(adagc_warmup_steps=10, adagc_stacked_names=names)
     chained = optax.chain(stablejax.zclip(), stablejax.adagc(warmup_steps=10, stacked_names=names))
-    u_h, _ = _run(hybrid, grads)
-    u_c, _ = _run(chained, grads)
+    u_h, _ = scan_updates(hybrid, grads)
+    u_c, _ = scan_updates(chained, grads)
     for a, b in zip(jax.tree.leaves(u_h), jax.tree.leaves(u_c)):
       np.testing.assert_array_equal(a, b)
 
@@ -356,14 +345,14 @@ def test_hybrid_clip_forwards_zclip_option(option):
   z_changed = dict(z, **{option: ZCLIP_OPTIONS[option]})
   hybrid = lambda zk: stablejax.hybrid_clip(  # noqa: E731
       **{f"zclip_{k}": v for k, v in zk.items()}, adagc_stacked_names=())
-  u_h, s_h = _run(hybrid(z_changed), grads)
-  u_c, s_c = _run(optax.chain(stablejax.zclip(**z_changed), stablejax.adagc(stacked_names=())),
-                  grads)
+  u_h, s_h = scan_updates(hybrid(z_changed), grads)
+  u_c, s_c = scan_updates(optax.chain(stablejax.zclip(**z_changed),
+                                      stablejax.adagc(stacked_names=())), grads)
   for k in SHAPES:
     np.testing.assert_array_equal(u_h[k], u_c[k])
   for a, b in zip(jax.tree.leaves(s_h.zclip), jax.tree.leaves(s_c[0])):
     np.testing.assert_array_equal(a, b)
-  u_default, _ = _run(hybrid(z), grads)
+  u_default, _ = scan_updates(hybrid(z), grads)
   assert any(not np.array_equal(u_h[k], u_default[k]) for k in SHAPES), option  # it matters
 
 
@@ -373,11 +362,12 @@ def test_hybrid_clip_forwards_adagc_option(option):
   changed = {option: ADAGC_OPTIONS[option]}
   hybrid = lambda ak: stablejax.hybrid_clip(  # noqa: E731
       zclip_warmup_steps=10, **{f"adagc_{k}": v for k, v in ak.items()})
-  u_h, s_h = _run(hybrid(changed), grads)
-  u_c, s_c = _run(optax.chain(stablejax.zclip(warmup_steps=10), stablejax.adagc(**changed)), grads)
+  u_h, s_h = scan_updates(hybrid(changed), grads)
+  u_c, s_c = scan_updates(optax.chain(stablejax.zclip(warmup_steps=10),
+                                      stablejax.adagc(**changed)), grads)
   for k in SHAPES:
     np.testing.assert_array_equal(u_h[k], u_c[k])
   for a, b in zip(jax.tree.leaves(s_h.adagc), jax.tree.leaves(s_c[1])):
     np.testing.assert_array_equal(a, b)
-  u_default, _ = _run(hybrid({}), grads)
+  u_default, _ = scan_updates(hybrid({}), grads)
   assert any(not np.array_equal(u_h[k], u_default[k]) for k in SHAPES), option

@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from stablejax.transforms import defence, metrics
-from trainer_utils import read_metrics, run_inprocess, slow
+from helpers import read_metrics, run_inprocess, slow
 
 
 # ----------------------------------------------------------------------------- the defence

@@ -171,22 +171,22 @@ def test_interleaved_alternates_runners():
 from bench import stress  # noqa: E402
 
 
-def _run(loss, init=5.5, status="ok", **kw):
+def _result(loss, init=5.5, status="ok", **kw):
   return {"val_loss": loss, "init_loss": init, "status": status, **kw}
 
 
 def test_lr_sensitivity_matches_a_hand_computed_example():
   # Clamped losses min(l, l0) over a 4-rate grid with l0 = 5.5: a normal run, the best run, a
   # worse one, and a run that ended above its init loss (counted as 5.5).
-  runs = [_run(3.0), _run(2.0), _run(2.5), _run(7.0)]
+  runs = [_result(3.0), _result(2.0), _result(2.5), _result(7.0)]
   curve = [stress.clamped_loss(r) for r in runs]
   assert curve == [3.0, 2.0, 2.5, 5.5]
   # best 2.0; deviations 1.0, 0, 0.5, 3.5; mean 5.0 / 4
   assert stress.lr_sensitivity(curve) == pytest.approx(1.25)
   # NaN, a run the trainer gave up on, and a crash all count as the loss at init
-  assert stress.clamped_loss(_run(float("nan"), status="nan")) == 5.5
-  assert stress.clamped_loss(_run(2.0, status="gave_up")) == 5.5
-  assert stress.clamped_loss(_run(None, status="crashed")) == 5.5
+  assert stress.clamped_loss(_result(float("nan"), status="nan")) == 5.5
+  assert stress.clamped_loss(_result(2.0, status="gave_up")) == 5.5
+  assert stress.clamped_loss(_result(None, status="crashed")) == 5.5
   assert stress.lr_sensitivity([2.0, 2.0, 2.0]) == 0.0
 
 

@@ -16,7 +16,7 @@ import pytest
 from stablejax.training import budget as budget_lib
 from stablejax.training.budget import Budget, Timings, plan_total_steps
 
-from trainer_utils import ROOT, read_metrics, slow, summary
+from helpers import ROOT, read_metrics, slow, summary
 
 
 def test_plan_total_steps_arithmetic():
@@ -265,7 +265,7 @@ BUDGET_RUN = ("optimizer.name=adamw", "stability.zclip.enabled=false",
 
 def budget_argv(out, *overrides, fresh=True):
   """train.py's arguments for a tiny run without TINY's train.steps."""
-  from trainer_utils import TINY
+  from helpers import TINY
   args = []
   for item in (*[x for x in TINY if not x.startswith("train.steps=")], *BUDGET_RUN, *overrides):
     args += ["--set", item]
@@ -361,7 +361,7 @@ def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, 
   from stablejax.training import distributed
   from stablejax.training.loop import Run
 
-  from trainer_utils import tiny_config
+  from helpers import tiny_config
   cfg = tiny_config(*BUDGET_RUN, "train.time_budget_minutes=5", "train.steps=null")
   run = Run(cfg, tmp_path / "run", fresh=True)
   state, _ = run.restorer.restore_or_init()

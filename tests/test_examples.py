@@ -2,20 +2,18 @@
 
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_python
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 SMALL = ["--steps", "30", "--d-model", "32", "--layers", "1", "--batch", "8", "--seq-len", "32"]
 
 
-def _run(script: str) -> str:
-  out = subprocess.run([sys.executable, str(EXAMPLES / script), *SMALL], capture_output=True,
-                       text=True, timeout=900, check=False)
-  assert out.returncode == 0, out.stderr[-3000:]
-  return out.stdout
+def run_example(script: str) -> str:
+  """The example's output at the small sizes."""
+  return run_python(EXAMPLES / script, *SMALL, timeout=900, check=True).stdout
 
 
 def _row(stdout: str, path: str) -> list:
@@ -31,7 +29,7 @@ def _loss_fell(stdout: str) -> None:
 
 @pytest.mark.slow
 def test_nnx_example():
-  stdout = _run("nnx_lm.py")
+  stdout = run_example("nnx_lm.py")
   assert _row(stdout, "out/kernel")[2] == "head"
   assert _row(stdout, "out/bias")[2] == "adam"
   assert _row(stdout, "embed/embedding")[2] == "embedding"
@@ -45,7 +43,7 @@ def test_nnx_example():
 
 @pytest.mark.slow
 def test_linen_example():
-  stdout = _run("linen_lm.py")
+  stdout = run_example("linen_lm.py")
   assert _row(stdout, "Dense_0/kernel")[2] == "head"  # the unnamed last Dense, found by shape
   assert "note: Dense_0/kernel (32, 256) is routed to 'head'" in stdout
   assert _row(stdout, "Embed_0/embedding")[2] == "embedding"

@@ -15,6 +15,7 @@ import pytest
 
 import stablejax
 import stablejax.cli
+from helpers import run_python
 
 PACKAGE = Path(stablejax.__file__).resolve().parent
 ROOT = PACKAGE.parent
@@ -219,15 +220,10 @@ def test_old_from_imports_work_and_the_warning_points_at_the_importer():
   assert QuantizeEvalError is RunError and SampleError is RunError
 
 
-def _run(*args, timeout=120) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=timeout)
-
-
 @pytest.mark.parametrize("old", [o for o in sorted(MOVED) if MOVED[o][1]])
 def test_old_program_path_runs_the_new_program_with_a_warning(old):
   command = MOVED[old][1]
-  proc = _run("-m", old, "--help")
+  proc = run_python("-m", old, "--help")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith(f"usage: python -m stablejax {command}")
   assert "DeprecationWarning" in proc.stderr
@@ -236,7 +232,7 @@ def test_old_program_path_runs_the_new_program_with_a_warning(old):
 
 
 def test_old_program_path_keeps_exit_codes(tmp_path):
-  proc = _run("-m", "stablejax.prepare", str(tmp_path / "missing.txt"), "--out",
+  proc = run_python("-m", "stablejax.prepare", str(tmp_path / "missing.txt"), "--out",
               str(tmp_path / "out"), "--tokenizer", "bytes")
   assert proc.returncode == 2
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -248,14 +244,14 @@ def test_old_program_path_keeps_exit_codes(tmp_path):
 
 
 def test_python_m_stablejax_runs_a_subcommand():
-  proc = _run("-m", "stablejax", "prepare", "--help")
+  proc = run_python("-m", "stablejax", "prepare", "--help")
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.startswith("usage: python -m stablejax prepare")
   assert "--tokenizer" in proc.stdout and "deprecated" not in proc.stderr
 
 
 def test_python_m_stablejax_help_lists_every_command():
-  proc = _run("-m", "stablejax", "--help")
+  proc = run_python("-m", "stablejax", "--help")
   assert proc.returncode == 0, proc.stderr
   listed = [line.split()[0] for line in proc.stdout.split("commands:\n")[1].splitlines()
             if line.startswith("  ")]

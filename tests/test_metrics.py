@@ -21,7 +21,7 @@ def _keys(prefix, names):
   return {f"{prefix}/{n}" for n in names}
 
 
-def _params():
+def _toy_params():
   return {"w": jnp.ones((3, 4)), "b": jnp.zeros(4)}
 
 
@@ -32,7 +32,7 @@ def _grads(t):
 
 
 def _steps(tx, n=4, **extra):
-  params = _params()
+  params = _toy_params()
   state = tx.init(params)
   update = jax.jit(tx.update)
   for t in range(n):
@@ -98,7 +98,7 @@ def test_inside_multisteps():
   inner = stablejax.skip_nonfinite(optax.chain(
       stablejax.zclip(warmup_steps=1), optax.sgd(0.1)))
   tx = optax.MultiSteps(inner, every_k_schedule=2)
-  params = _params()
+  params = _toy_params()
   state = tx.init(params)
   update = jax.jit(tx.update)
   _, state = update(_grads(0), state, params, loss=jnp.float32(1.0))
@@ -124,7 +124,7 @@ def test_inside_inject_hyperparams():
 
 
 def test_inside_masked_and_partition():
-  params = _params()
+  params = _toy_params()
   masked = optax.chain(
       optax.masked(stablejax.adagc(warmup_steps=1), {"w": True, "b": False}),
       optax.sgd(0.1))
@@ -158,8 +158,8 @@ def test_register_custom_state_and_nesting():
 
   stablejax.register_state_metrics(_CustomState, "custom", metrics_fn)
   inner = optax.chain(stablejax.zclip(), optax.sgd(0.1))
-  state = _CustomState(jnp.int32(3), inner.init(_params()))
-  wrapped = optax.MultiSteps(optax.sgd(0.1), 2).init(_params())
+  state = _CustomState(jnp.int32(3), inner.init(_toy_params()))
+  wrapped = optax.MultiSteps(optax.sgd(0.1), 2).init(_toy_params())
   metrics = jax.jit(stablejax.stability_metrics)((wrapped, {"x": state}))
   assert set(metrics) == {"custom/hits", "custom/rate"} | _keys("zclip", ZCLIP)
   assert int(metrics["custom/hits"]) == 3
@@ -167,7 +167,7 @@ def test_register_custom_state_and_nesting():
 
 
 def test_empty_and_plain_states():
-  assert stablejax.stability_metrics(optax.adam(1e-3).init(_params())) == {}
+  assert stablejax.stability_metrics(optax.adam(1e-3).init(_toy_params())) == {}
   assert stablejax.stability_metrics(None) == {}
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from stablejax.modeling import bitnet
 from stablejax.modeling.gpt import GPT, ModelConfig, count_params, model_flops_per_token
+from helpers import gpt_params
 
 T = 16
 # Tests run unscanned in float32 unless they are about scan or precision: it compiles much faster.
@@ -70,7 +71,7 @@ def test_forward_shapes_and_finite_loss(name):
 
 
 def _shapes(cfg):
-  return jax.eval_shape(GPT(cfg).init, jax.random.key(0), _tokens())["params"]
+  return gpt_params(cfg, seq_len=T, abstract=True)
 
 
 def test_param_layout_names_and_kernel_ranks():

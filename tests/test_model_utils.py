@@ -12,13 +12,10 @@ import stablejax
 from stablejax.modeling.utils import (excess_kurtosis, init_new_token_embeddings, lambda_warmup,
                                    merge_emb_proj, quantize_weights_rtn)
 from stablejax.modeling.gpt import GPT, ModelConfig
+from helpers import gpt_params
 
 CFG = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, max_seq_len=8,
                   scan_layers=False, compute_dtype="float32")
-
-
-def _params(cfg, seed=0):
-  return jax.jit(GPT(cfg).init)(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
 
 
 def test_public_names_exported():
@@ -31,7 +28,7 @@ def test_public_names_exported():
 
 
 def test_new_token_init_equals_vocab_mean():
-  params = _params(CFG)
+  params = gpt_params(CFG)
   new_ids = [5, 47]
   out = init_new_token_embeddings(params, new_ids)
   emb = np.asarray(params["tok_embed"]["embedding"])
@@ -48,13 +45,13 @@ def test_new_token_init_equals_vocab_mean():
   # Wrapped trees and tied models work too.
   wrapped = init_new_token_embeddings({"params": params}, [3])
   assert "params" in wrapped and "tok_embed" in wrapped["params"]
-  tied = _params(dataclasses.replace(CFG, tie_embeddings=True))
+  tied = gpt_params(dataclasses.replace(CFG, tie_embeddings=True))
   out_t = init_new_token_embeddings(tied, [0])
   assert "lm_head" not in out_t
 
 
 def test_new_token_init_errors():
-  params = _params(CFG)
+  params = gpt_params(CFG)
   with pytest.raises(ValueError, match="grow the embedding"):
     init_new_token_embeddings(params, [48])
   with pytest.raises(ValueError, match="empty"):
@@ -134,7 +131,7 @@ def test_kurtosis_is_finite_for_huge_finite_activations(peak):
                                                norm="ssnorm")])
 def test_emb_proj_merge_identity(opts):
   cfg = dataclasses.replace(CFG, emb_proj=True, **opts)
-  params = _params(cfg, seed=1)
+  params = gpt_params(cfg, seed=1)
   # Make the projections non-trivial (not just the orthogonal init).
   rng = np.random.default_rng(1)
   params = dict(params)

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer_utils import (ROOT, TINY, TRAIN, read_metrics, run_inprocess, run_subprocess, sets,
+from helpers import (ROOT, TINY, TRAIN, read_metrics, run_inprocess, run_subprocess, sets,
                            slow, train_losses)
 
 HEARTBEAT = 10  # mesh.heartbeat_timeout of the multi-process runs: a lost peer is noticed within it

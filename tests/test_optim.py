@@ -20,7 +20,7 @@ from stablejax.training import config as config_lib
 from stablejax.training.config import Config, ConfigError, config_from_dict, load_config
 from stablejax.modeling.gpt import GPT
 from stablejax.training.step import TrainState, make_train_step
-from trainer_utils import read_metrics, run_subprocess, slow
+from helpers import gpt_params, read_metrics, run_subprocess, slow
 
 TINY_MODEL = {"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 8,
               "compute_dtype": "float32"}
@@ -31,11 +31,6 @@ def _cfg(**sections) -> Config:
   for name, values in sections.items():
     raw.setdefault(name, {}).update(values)
   return config_from_dict(raw)
-
-
-def _params(cfg: Config):
-  tokens = jnp.zeros((1, cfg.train.seq_len), jnp.int32)
-  return GPT(cfg.model).init(jax.random.PRNGKey(0), tokens)["params"]
 
 
 def _paths(tree) -> dict[str, jax.Array]:
@@ -49,7 +44,7 @@ def _paths(tree) -> dict[str, jax.Array]:
 def test_adamw_mode_decays_matrices_with_optimizer_weight_decay_and_never_norms_or_biases():
   cfg = _cfg(optimizer={"name": "adamw", "learning_rate": 1e-3, "weight_decay": 0.1},
              train={"warmup_steps": 0})
-  params = _params(cfg)
+  params = gpt_params(cfg.model, seq_len=cfg.train.seq_len)
   tx = optim.main_optimizer(cfg)
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
@@ -73,7 +68,7 @@ def test_muon_mode_decays_embedding_and_head_with_adam_weight_decay_and_never_no
   cfg = _cfg(optimizer={"name": "muon", "learning_rate": 1e-2, "adam_learning_rate": 1e-3,
                         "weight_decay": 0.0, "adam_weight_decay": 0.1},
              train={"warmup_steps": 0})
-  params = _params(cfg)
+  params = gpt_params(cfg.model, seq_len=cfg.train.seq_len)
   tx = optim.main_optimizer(cfg)
   zeros = jax.tree.map(jnp.zeros_like, params)
   updates, _ = tx.update(zeros, tx.init(params), params)
@@ -283,7 +278,7 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
   model = GPT(cfg.model)
   tx = optim.build_optimizer(cfg)
   schedule = optim.lr_schedule(cfg, cfg.optimizer.learning_rate)
-  params = _params(cfg)
+  params = gpt_params(cfg.model, seq_len=cfg.train.seq_len)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   step = jax.jit(make_train_step(model, tx, cfg, schedule))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 2, cfg.train.seq_len + 1), 0, 32)

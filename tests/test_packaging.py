@@ -88,7 +88,7 @@ def test_changelog_follows_keep_a_changelog_and_lists_the_current_version():
 # ------------------------------------------------------------------------ build and install
 
 
-def _run(command, *, timeout, **kwargs) -> subprocess.CompletedProcess:
+def _check_output(command, *, timeout, **kwargs) -> subprocess.CompletedProcess:
   result = subprocess.run([str(c) for c in command], capture_output=True, text=True,
                           timeout=timeout, **kwargs)
   assert result.returncode == 0, (
@@ -186,7 +186,7 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   # working tree would write stablejax.egg-info there, and setuptools puts every file listed
   # in an old one into the next sdist and wheel (a removed module would still ship).
   source = tmp_path / "source"
-  listed = _run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+  listed = _check_output(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                 timeout=60, cwd=ROOT).stdout.split("\0")
   for name in filter(None, listed):
     if (ROOT / name).is_file():  # not a tracked file deleted in the working tree
@@ -194,7 +194,7 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
       shutil.copy2(ROOT / name, source / name)
   # Isolated build (the default): the build backend comes from pyproject's [build-system], as
   # for a user's build; the wheel is built from the sdist, which proves the sdist sufficient.
-  _run([sys.executable, "-m", "build", "--outdir", dist, source], timeout=240)
+  _check_output([sys.executable, "-m", "build", "--outdir", dist, source], timeout=240)
   wheel = dist / f"stablejax-{version}-py3-none-any.whl"
   sdist = dist / f"stablejax-{version}.tar.gz"
   assert sorted(dist.iterdir()) == sorted([wheel, sdist])
@@ -209,12 +209,13 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   # environment's editable stablejax cannot be imported there: only the wheel's can, and the
   # check below asserts it.
   venv = tmp_path / "venv"
-  _run([sys.executable, "-m", "venv", "--without-pip", venv], timeout=60)
+  _check_output([sys.executable, "-m", "venv", "--without-pip", venv], timeout=60)
   python = venv / "bin" / "python"
-  _run([sys.executable, "-m", "pip", "--python", python, "install", "--quiet", "--no-deps",
-        "--no-index", wheel], timeout=120)
-  purelib = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                      timeout=60).stdout.strip())
+  _check_output([sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
+                 "--no-deps", "--no-index", wheel], timeout=120)
+  purelib = Path(_check_output(
+      [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+      timeout=60).stdout.strip())
   assert purelib.is_relative_to(venv)
   (purelib / "_stablejax_test_dependencies.pth").write_text(
       "\n".join(site.getsitepackages()) + "\n")
@@ -225,7 +226,7 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   work.mkdir()
 
   def run(*command):
-    return _run(command, timeout=120, cwd=work, env=env)
+    return _check_output(command, timeout=120, cwd=work, env=env)
 
   found = json.loads(run(python, "-c", _INSTALLED_CHECK).stdout.strip().splitlines()[-1])
   assert Path(found["file"]).resolve().is_relative_to(venv.resolve()), found["file"]

@@ -22,7 +22,7 @@ from stablejax.data import prepare as prep  # noqa: E402
 from stablejax.data import tokenizer as tokenizer_lib  # noqa: E402
 from stablejax.data.pipeline import DataConfig, DataError, build_data, read_prepared  # noqa: E402
 
-from trainer_utils import ROOT, run_inprocess, slow  # noqa: E402
+from helpers import ROOT, run_inprocess, slow  # noqa: E402
 
 TEXT = "Grüße, naïve café — 数学 and emoji 🙂.\nTabs\tand  spaces\n\nNew paragraph: x = [1, 2, 3]\n"
 DOCS = [f"Document {i}: " + ("the quick brown fox jumps over the lazy dog. " * (1 + i % 7))

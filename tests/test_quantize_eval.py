@@ -16,7 +16,7 @@ from stablejax.data.pipeline import build_data
 from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
 from stablejax.training.runs import load_run_config
 from stablejax.modeling.gpt import GPT
-from trainer_utils import run_inprocess, summary
+from helpers import run_inprocess, summary
 
 STEPS = 60   # fewer leave the weights so close to their initial noise that 2 bits barely matter
 EVERY = 10   # checkpoint.every of the tiny config

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trainer_utils import (optax_lr, read_metrics, run_inprocess, run_subprocess, slow, summary,
+from helpers import (optax_lr, read_metrics, run_inprocess, run_subprocess, slow, summary,
                            tiny_config, train_losses)
 
 
@@ -251,7 +251,7 @@ def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, capsys):
   import sys
   import time
 
-  from trainer_utils import ROOT, TRAIN, sets
+  from helpers import ROOT, TRAIN, sets
   long_run = ("train.steps=400", "checkpoint.every=1000", "train.log_every=1")
   out = tmp_path / "term"
   proc = subprocess.Popen([sys.executable, str(TRAIN), *sets(*long_run), "--out", str(out)],

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from stablejax.training.run_dir import RECORD, RunDirectory, RunDirError
-from trainer_utils import ROOT, run_inprocess, run_subprocess, sets, slow
+from helpers import ROOT, run_inprocess, run_subprocess, sets, slow
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v0_1"
 

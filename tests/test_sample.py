@@ -9,6 +9,7 @@ import pytest
 
 from stablejax.training.generate import Generator, greedy_reference, sample_logits
 from stablejax.modeling.gpt import GPT, ModelConfig
+from helpers import gpt_params
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
             compute_dtype="float32", init_std=0.2)
@@ -20,7 +21,7 @@ VARIANTS = {
 
 
 def init(cfg: ModelConfig, seed: int = 1):
-  return GPT(cfg).init(jax.random.key(seed), jnp.zeros((1, 8), jnp.int32))["params"]
+  return gpt_params(cfg, seed=seed)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -176,7 +177,7 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
   from stablejax.data import tokenizer as tokenizer_lib
   from stablejax.training import runs, sampling
 
-  from trainer_utils import run_inprocess
+  from helpers import run_inprocess
   home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
   home.mkdir()
   elsewhere.mkdir()

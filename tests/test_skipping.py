@@ -18,7 +18,7 @@ def _inner():
       optax.adamw(1e-2, weight_decay=0.1))
 
 
-def _params():
+def _toy_params():
   return {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4),
           "b": jnp.zeros(4, jnp.float32)}
 
@@ -36,12 +36,12 @@ def _loss(t):
 _JITTED = {}
 
 
-def _run(tx, steps, key=None):
+def _train(tx, steps, key=None):
   """Runs (grads, loss) steps through a jitted update; returns params, state.
 
   ``key`` reuses one compiled update for transforms built the same way.
   """
-  params = _params()
+  params = _toy_params()
   state = tx.init(params)
   if key is None:
     update = jax.jit(tx.update)
@@ -81,8 +81,8 @@ def test_skip_nonfinite_bad_step_is_exact_noop(bad):
     bad_step = (_grads(99), jnp.float32(jnp.nan))
   with_bad = good[:6] + [bad_step] + good[6:]
   tx = stablejax.skip_nonfinite(_inner(), max_consecutive=4)
-  p_ref, s_ref = _run(tx, good, key="nonfinite")
-  p_bad, s_bad = _run(tx, with_bad, key="nonfinite")
+  p_ref, s_ref = _train(tx, good, key="nonfinite")
+  p_bad, s_bad = _train(tx, with_bad, key="nonfinite")
   _assert_trees_identical(p_bad, p_ref)
   _assert_trees_identical(s_bad.inner_state, s_ref.inner_state)
   assert int(s_bad.total_skips) == 1 and int(s_ref.total_skips) == 0
@@ -104,7 +104,7 @@ def test_skip_nonfinite_step_outputs_zero_updates_same_dtype():
 
 def test_fifty_nan_steps_in_a_row_keep_params_finite_and_raise_rollback():
   tx = stablejax.skip_nonfinite(_inner(), max_consecutive=16)
-  params = _params()
+  params = _toy_params()
   state = tx.init(params)
   update = jax.jit(tx.update)
   for t in range(5):
@@ -231,8 +231,8 @@ def _spiky_steps(kind, n=40, at=30):
 def test_skip_spikes_bad_step_is_exact_noop(kind):
   good, with_bad = _spiky_steps(kind)
   tx = stablejax.skip_spikes(_inner(), window=16, min_history=8)
-  p_ref, s_ref = _run(tx, good, key="spikes")
-  p_bad, s_bad = _run(tx, with_bad, key="spikes")
+  p_ref, s_ref = _train(tx, good, key="spikes")
+  p_bad, s_bad = _train(tx, with_bad, key="spikes")
   _assert_trees_identical(p_bad, p_ref)
   _assert_trees_identical(s_bad.inner_state, s_ref.inner_state)
   assert int(s_bad.total_skips) == 1 and int(s_ref.total_skips) == 0
@@ -243,8 +243,8 @@ def test_skip_spikes_inside_skip_nonfinite_handles_both():
   with_bad = with_bad[:10] + [(_nan_grads(3), _loss(3))] + with_bad[10:]
   tx = stablejax.skip_nonfinite(
       stablejax.skip_spikes(_inner(), window=16, min_history=8))
-  p_ref, s_ref = _run(tx, good)
-  p_bad, s_bad = _run(tx, with_bad)
+  p_ref, s_ref = _train(tx, good)
+  p_bad, s_bad = _train(tx, with_bad)
   _assert_trees_identical(p_bad, p_ref)
   _assert_trees_identical(s_bad.inner_state.inner_state,
                           s_ref.inner_state.inner_state)

@@ -9,7 +9,7 @@ import pytest
 
 import stablejax
 
-from trainer_utils import tiny_config
+from helpers import tiny_config
 
 SMALL = ("train.batch_size=8", "train.steps=12", "checkpoint.async_save=false",
          "logging.tensorboard=false")

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from trainer_utils import (optax_lr, read_metrics, run_inprocess, run_subprocess, slow, summary,
+from helpers import (optax_lr, read_metrics, run_inprocess, run_subprocess, slow, summary,
                            tiny_config, train_losses)
 
 SUMMARY_KEYS = {"final_val_loss", "steps", "skipped_steps", "rollbacks", "tokens_per_sec", "mfu",
@@ -125,7 +125,7 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
   import subprocess
   import sys
 
-  from trainer_utils import ROOT, TRAIN
+  from helpers import ROOT, TRAIN
   result = subprocess.run([sys.executable, str(TRAIN), *args, "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
@@ -146,7 +146,7 @@ def test_unknown_key_in_config_file_exits_2(tmp_path):
   import subprocess
   import sys
 
-  from trainer_utils import ROOT, TRAIN
+  from helpers import ROOT, TRAIN
   config = tmp_path / "bad.json"
   config.write_text(json.dumps({"train": {"steps": 10, "learnin_rate": 0.1}}))
   result = subprocess.run([sys.executable, str(TRAIN), "--config", str(config),
@@ -184,7 +184,7 @@ def test_ctrl_c_during_startup_exits_130_with_one_line_and_nothing_half_written(
   import sys
   import time
 
-  from trainer_utils import ROOT, TRAIN, sets
+  from helpers import ROOT, TRAIN, sets
   out = tmp_path / "run"
   cmd = [sys.executable, str(TRAIN), *sets("train.time_budget_minutes=5", "train.steps=400",
                                            "checkpoint.async_save=true"), "--out", str(out)]

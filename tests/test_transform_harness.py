@@ -117,7 +117,7 @@ STEPS = 4
 SPIKE_STEP = 3
 
 
-def _params(dtype):
+def _toy_params(dtype):
   return {"w": jnp.linspace(-1, 1, 12, dtype=jnp.float32).reshape(4, 3)
                .astype(dtype),
           "b": jnp.zeros(3, dtype),
@@ -128,7 +128,7 @@ def _grads(t, dtype):
   rng = np.random.default_rng(t)
   scale = 50.0 if t == SPIKE_STEP else 1.0
   return {k: jnp.asarray(rng.normal(0, 0.5 * scale, v.shape), dtype)
-          for k, v in _params(jnp.float32).items()}
+          for k, v in _toy_params(jnp.float32).items()}
 
 
 def _signature(tree):
@@ -143,7 +143,7 @@ def _drive(tx, dtype, takes_loss, history=None):
   Appends ``(updates as float32 numpy, stability_metrics, raw gradient norm,
   update norm)`` of each step to ``history`` when given.
   """
-  params = _params(dtype)
+  params = _toy_params(dtype)
   state = tx.init(params)
   init_sig = _signature(state)
   traces = []
@@ -218,7 +218,7 @@ def _adagc_updates(grads, warmup, beta=0.98, lambda_rel=1.05, lambda_abs=1.0):
 
 def _inner_directly(inner, dtype, grads_of):
   """Updates of `inner` applied directly (no wrapper, no jit) to the harness gradients."""
-  state = inner.init(_params(dtype))
+  state = inner.init(_toy_params(dtype))
   out = []
   for t in range(STEPS):
     updates, state = inner.update(grads_of(t), state)

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import stablejax
+from helpers import scan_updates
 
 STEPS = 300
 
@@ -75,19 +76,6 @@ def reference_zclip(norms, alpha, z_thresh, max_grad_norm, eps, warmup_steps,
   return out
 
 
-def _run(tx, grads):
-  params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
-  state = tx.init(params)
-
-  def body(state, g):
-    updates, state = tx.update(g, state, params)
-    return state, (updates, state)
-
-  _, (updates, states) = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(
-      state, grads)
-  return updates, states
-
-
 _CASES = [
     ("zscore", "adaptive_scaling", 1.0),
     ("zscore", "adaptive_scaling", 0.8),
@@ -112,7 +100,7 @@ def test_matches_reference(case, skip_update_on_spike, max_grad_norm):
   norms = np.sqrt((grads["a"].astype(np.float64)**2).sum(axis=(1, 2))
                   + (grads["b"].astype(np.float64)**2).sum(axis=1))
   ref = reference_zclip(norms, **kwargs)
-  updates, states = _run(stablejax.zclip(**kwargs), grads)
+  updates, states = scan_updates(stablejax.zclip(**kwargs), grads)
 
   ref_scale = np.array([r[0] for r in ref])
   np.testing.assert_allclose(updates["a"], grads["a"] * ref_scale[:, None, None],
@@ -141,7 +129,7 @@ def test_matches_reference(case, skip_update_on_spike, max_grad_norm):
 def test_threshold_and_z_match_reference_after_warmup():
   norms_in = _norm_sequence(7)
   grads = _grads_with_norms(norms_in, 7)
-  _, states = _run(stablejax.zclip(max_grad_norm=None), grads)
+  _, states = scan_updates(stablejax.zclip(max_grad_norm=None), grads)
   # z recomputed from the transform's own stored statistics of the previous
   # step (a direct check of z = (g - mean) / (std + eps)).
   mean_prev = np.asarray(states.ema_mean[:-1], np.float64)

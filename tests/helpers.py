@@ -1,4 +1,5 @@
-"""Shared helpers for the end-to-end trainer tests: tiny configs and reading a run directory."""
+"""The tests' shared helpers: tiny trainer configs and runs, reading a run directory, running a
+transform over a sequence of gradients, the trainer's GPT parameters, and running a program."""
 
 from __future__ import annotations
 
@@ -95,3 +96,53 @@ def summary(out: Path) -> dict:
 
 
 slow = pytest.mark.slow
+
+
+# ----------------------------------------------------------------------------- transforms
+
+
+def scan_updates(tx, grads):
+  """Runs ``tx`` over stacked gradients (every leaf ``[steps, ...]``) in one jitted scan, from
+  zero parameters; returns (updates, states), each stacked over the steps."""
+  import jax
+  import jax.numpy as jnp
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
+
+  def body(state, g):
+    updates, state = tx.update(g, state, params)
+    return state, (updates, state)
+
+  _, out = jax.jit(lambda s, g: jax.lax.scan(body, s, g))(tx.init(params), grads)
+  return out
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def gpt_params(model_cfg, *, seq_len: int = 8, seed: int = 0, abstract: bool = False):
+  """The parameters of the trainer's GPT for ``model_cfg`` (a jitted init), or their shapes
+  (``abstract``: nothing computed)."""
+  import jax
+  import jax.numpy as jnp
+
+  from stablejax.modeling.gpt import GPT
+  init = GPT(model_cfg).init
+  args = (jax.random.key(seed), jnp.zeros((1, seq_len), jnp.int32))
+  variables = jax.eval_shape(init, *args) if abstract else jax.jit(init)(*args)
+  return variables["params"]
+
+
+# ----------------------------------------------------------------------------- programs
+
+
+def run_python(*args, timeout: float = 120, cwd: Path = ROOT, env=None,
+               check: bool = False) -> subprocess.CompletedProcess:
+  """``python ARGS...`` in a subprocess (text output captured); ``check``: its exit code must
+  be 0 (the assertion shows the end of its output)."""
+  result = subprocess.run([sys.executable, *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+  if check:
+    assert result.returncode == 0, (f"python {' '.join(map(str, args))} exited "
+                                    f"{result.returncode}\n{result.stderr[-3000:]}")
+  return result
+
