@@ -173,40 +173,49 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  train, evals = analysis["train"], analysis["eval"]
   fig = Figure(figsize=(14, 16), dpi=90)
   FigureCanvasAgg(fig)
-  axes = fig.subplots(4, 2)
+  axes = fig.subplots(4, 2).ravel()
   fig.suptitle(title or "stablejax run report")
-  skip_steps = analysis["skip_steps"]
-  rollback_steps = [s for s, _ in analysis["rollbacks"]]
+  for i, (ax, (draw, panel_title, ylabel, log)) in enumerate(zip(axes, PANELS)):
+    draw(ax, analysis)
+    _mark_events(ax, analysis, label=i == 0)  # the legend of the first panel names them
+    _finish(ax, panel_title, ylabel, log)
+  fig.tight_layout(rect=(0, 0, 1, 0.97))
+  out_path = Path(out_path)
+  fig.savefig(out_path, format="png")
+  return out_path
 
-  def mark_events(ax: Any, label: bool = True) -> None:
-    for i, s in enumerate(rollback_steps):
-      ax.axvline(s, color="tab:red", lw=1.2, ls="--", alpha=0.8,
-                 label="rollback" if label and i == 0 else None)
-    for i, s in enumerate(skip_steps):
-      ax.axvline(s, color="tab:orange", lw=0.8, alpha=0.35,
-                 label="skipped step" if label and i == 0 else None)
 
-  def finish(ax: Any, title: str, ylabel: Optional[str] = None, log: bool = False) -> None:
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
-    if ylabel:
-      ax.set_ylabel(ylabel, fontsize=8)
-    ax.grid(alpha=0.3)
-    ax.tick_params(labelsize=8)
-    if log and any(np.any(np.asarray(line.get_ydata(), dtype=float) > 0)
-                    for line in ax.get_lines()):
-      ax.set_yscale("log")
-    handles, labels = ax.get_legend_handles_labels()
-    if handles:
-      ax.legend(fontsize=7, loc="best")
-    if not ax.has_data():
-      ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+def _mark_events(ax: Any, analysis: dict[str, Any], label: bool) -> None:
+  """Rollbacks (dashed red) and skipped steps (orange) as vertical lines."""
+  for i, (s, _) in enumerate(analysis["rollbacks"]):
+    ax.axvline(s, color="tab:red", lw=1.2, ls="--", alpha=0.8,
+               label="rollback" if label and i == 0 else None)
+  for i, s in enumerate(analysis["skip_steps"]):
+    ax.axvline(s, color="tab:orange", lw=0.8, alpha=0.35,
+               label="skipped step" if label and i == 0 else None)
 
-  # 1. loss and val loss
-  ax = axes[0, 0]
+
+def _finish(ax: Any, title: str, ylabel: Optional[str] = None, log: bool = False) -> None:
+  ax.set_title(title, fontsize=10)
+  ax.set_xlabel("step", fontsize=8)
+  if ylabel:
+    ax.set_ylabel(ylabel, fontsize=8)
+  ax.grid(alpha=0.3)
+  ax.tick_params(labelsize=8)
+  if log and any(np.any(np.asarray(line.get_ydata(), dtype=float) > 0)
+                  for line in ax.get_lines()):
+    ax.set_yscale("log")
+  handles, labels = ax.get_legend_handles_labels()
+  if handles:
+    ax.legend(fontsize=7, loc="best")
+  if not ax.has_data():
+    ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def _loss_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  train = analysis["train"]
   xs, ys = _series(train, "loss")
   if xs:
     ax.plot(xs, ys, lw=1, label="train loss")
@@ -216,84 +225,73 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
       finite = [y for y in ys if math.isfinite(y)]
       ypos = max(finite) if finite else 0.0
       ax.plot([x for x, _ in bad], [ypos] * len(bad), "rx", label="non-finite loss")
-  xs, ys = _series(evals, "val_loss")
+  xs, ys = _series(analysis["eval"], "val_loss")
   if xs:
     ax.plot(xs, ys, "o-", ms=3, lw=1.2, label="val loss")
-  mark_events(ax)
-  finish(ax, "loss", "loss")
 
-  # 2. grad norm: raw vs clipped, and each clipping defence's band and threshold
-  ax = axes[0, 1]
+
+def _grad_norm_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  """Raw vs clipped gradient norm, and each clipping defence's band and threshold."""
+  train = analysis["train"]
   raw_keys = [key for key in specs.grad_norm_keys()[1:] if any(key in r for r in train)]
-  raw_key = raw_keys[0] if raw_keys else "grad_norm"
-  xs, ys = _series(train, raw_key)
+  xs, ys = _series(train, raw_keys[0] if raw_keys else "grad_norm")
   if xs:
     ax.plot(xs, [y if math.isfinite(y) else float("nan") for y in ys], lw=1, label="raw grad norm")
   for spec in specs.metric_specs():
     if spec.band is not None:
       _plot_band(ax, train, spec, spec.band)
   _plot_series(ax, train, "grad_norm")
-  mark_events(ax, label=False)
-  finish(ax, "gradient norm", "global L2 norm", log=True)
 
-  # 3. learning rate
-  ax = axes[1, 0]
+
+def _lr_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  train = analysis["train"]
   xs, ys = _series(train, "lr")
   if xs:
     ax.plot(xs, ys, lw=1.2, label="lr")
   for key in sorted({k for r in train for k in r if k.startswith("lr/")}):
-    xs, ys = _series(train, key)
-    ax.plot(xs, ys, lw=1, label=key)
-  mark_events(ax, label=False)
-  finish(ax, "learning rate")
+    ax.plot(*_series(train, key), lw=1, label=key)
 
-  # 4. stability score
-  ax = axes[1, 1]
+
+def _score_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  """The logged stability score (or the replayed one), the target, and health levels >= high."""
+  train = analysis["train"]
   xs, ys = _series(train, "stability_score")
   if xs:
     ax.plot(xs, ys, lw=1.2, label="stability score (logged)")
-  else:
-    steps = [r["step"] for r in train]
-    if steps:
-      ax.plot(*_break_rewinds(steps, analysis["score"]), lw=1.2, label="stability score (replayed)")
+  elif train:
+    ax.plot(*_break_rewinds([r["step"] for r in train], analysis["score"]), lw=1.2,
+            label="stability score (replayed)")
   if train:
     ax.axhline(0.8, color="tab:red", lw=0.8, ls="--", label="target 0.8")
-    hx, hy = [], []
-    for r in train:
-      if isinstance(r.get("health"), str):
-        code = health_code(r["health"])
-        if math.isfinite(code) and code >= 1:
-          hx.append(r["step"])
-          hy.append(1.0 - 0.03 * code)
-    if hx:
-      ax.plot(hx, hy, "v", color="tab:purple", ms=4, label="grad health high/critical/exploded")
+    health = [(r["step"], health_code(r["health"])) for r in train
+              if isinstance(r.get("health"), str)]
+    high = [(s, 1.0 - 0.03 * code) for s, code in health if math.isfinite(code) and code >= 1]
+    if high:
+      ax.plot(*zip(*high), "v", color="tab:purple", ms=4,
+              label="grad health high/critical/exploded")
   ax.set_ylim(-0.05, 1.05)
-  mark_events(ax, label=False)
-  finish(ax, "stability score")
 
-  # 5. window rates
-  ax = axes[2, 0]
-  steps = [r["step"] for r in train]
+
+def _rates_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  """Each registered rate of the replayed monitor; the skip rates as their sum."""
+  steps = [r["step"] for r in analysis["train"]]
   styles = ("-", "--", "-.", ":")
-  # Each registered rate, the skip rates as their sum (skipped steps per step).
   rate_lines = [(rate.name, rate.label or rate.name) for _, rate in specs.rates() if not rate.skip]
   rate_lines.append((specs.SKIP_RATE, "skipped-step rate"))
   for i, (key, label) in enumerate(rate_lines):
     ys = [rt.get(key, float("nan")) for rt in analysis["rates"]]
     if any(math.isfinite(y) for y in ys):
-      xs_k, ys_k = _break_rewinds(steps, ys)
-      ax.plot(xs_k, ys_k, lw=1, ls=styles[i % len(styles)], label=label)
-  mark_events(ax, label=False)
-  finish(ax, "window rates (replayed monitor)")
+      ax.plot(*_break_rewinds(steps, ys), lw=1, ls=styles[i % len(styles)], label=label)
 
-  # 6. per-group update RMS
-  ax = axes[2, 1]
-  _plot_series(ax, train, "update_rms")
-  mark_events(ax, label=False)
-  finish(ax, "update RMS per group", log=True)
 
-  # 7. attention logits per layer (Wortsman et al.'s first proxy of instability)
-  ax = axes[3, 0]
+def _update_rms_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  _plot_series(ax, analysis["train"], "update_rms")
+
+
+def _attention_panel(ax: Any, analysis: dict[str, Any]) -> None:
+  """The max attention logit per layer (Wortsman et al.'s first proxy of instability)."""
+  train = analysis["train"]
+
   def layer_index(key: str) -> int:
     tail = key.rsplit("_", 1)[1]
     return int(tail) if tail.isdigit() else 0
@@ -301,30 +299,33 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
                        if k.startswith("attn_logit_max/layer_") and k.count("/") == 1},
                       key=layer_index)
   for key in layer_keys:
-    xs, ys = _series(train, key)
-    ax.plot(xs, ys, lw=0.9, label=key[len("attn_logit_max/"):])
+    ax.plot(*_series(train, key), lw=0.9, label=key[len("attn_logit_max/"):])
   if not layer_keys:
     xs, ys = _series(train, "attn_logit_max")
     if xs:
       ax.plot(xs, ys, lw=1.2, label="max over layers")
   _plot_series(ax, train, "attention")
-  mark_events(ax, label=False)
-  finish(ax, "max attention logit q.k/sqrt(d) per layer", log=True)
 
-  # 8. output logits
-  ax = axes[3, 1]
+
+def _output_logits_panel(ax: Any, analysis: dict[str, Any]) -> None:
   for key, label in (("output_logit_max", "max logit"), ("output_log_z_mean", "mean log Z"),
                      ("output_log_z_max", "max log Z")):
-    xs, ys = _series(train, key)
+    xs, ys = _series(analysis["train"], key)
     if xs:
       ax.plot(xs, ys, lw=1, label=label)
-  mark_events(ax, label=False)
-  finish(ax, "output logits")
 
-  fig.tight_layout(rect=(0, 0, 1, 0.97))
-  out_path = Path(out_path)
-  fig.savefig(out_path, format="png")
-  return out_path
+
+# The panels, row by row: (draw, title, y label, log scale).
+PANELS = (
+    (_loss_panel, "loss", "loss", False),
+    (_grad_norm_panel, "gradient norm", "global L2 norm", True),
+    (_lr_panel, "learning rate", None, False),
+    (_score_panel, "stability score", None, False),
+    (_rates_panel, "window rates (replayed monitor)", None, False),
+    (_update_rms_panel, "update RMS per group", None, True),
+    (_attention_panel, "max attention logit q.k/sqrt(d) per layer", None, True),
+    (_output_logits_panel, "output logits", None, False),
+)
 
 
 def _plot_series(ax: Any, train: Sequence[dict], panel: str) -> None:
