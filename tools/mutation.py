@@ -73,6 +73,8 @@ OPTIM = "stablejax/training/optim.py"
 STEP = "stablejax/training/step.py"
 GENERATE = "stablejax/training/generate.py"
 LOOP = "stablejax/training/loop.py"
+BATCHES = "stablejax/training/batches.py"
+ACTIONS = "stablejax/training/actions.py"
 HEALTH = "stablejax/monitor/health.py"
 STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
 ROUTING = "stablejax/muon/routing.py"
@@ -133,6 +135,8 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     GENERATE: ("tests/test_sample.py", "-k", "not cli and not carries"),
     # The loop's decisions on a bare Run (its trainer runs take minutes each).
     LOOP: ("tests/test_loop_decisions.py",),
+    BATCHES: ("tests/test_loop_decisions.py",),
+    ACTIONS: ("tests/test_loop_decisions.py",),
     HEALTH: ("tests/test_monitor.py", "-k", "health or level or exploded"),
     STABILITY_MONITOR: ("tests/test_monitor.py", "-k", "not movement and not tensorboard"),
     ROUTING: ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
@@ -1137,7 +1141,7 @@ MUTANTS = [
     _m("CF7", CONFIG, "  if not 0 < r.emergency_lr_factor <= 1:",
        "  if not 0 <= r.emergency_lr_factor <= 1:",
        "stability.recovery.emergency_lr_factor=0 is accepted"),
-    _m("CF8", CONFIG, "  if not cfg.mesh.distributed:\n", "  if False:\n",
+    _m("CF8", CONFIG, "  if not mesh.distributed:\n", "  if False:\n",
        "mesh.process_id without mesh.distributed is accepted"),
     _m("CF9", CONFIG, "      if value != default:", "      if value:",
        "a key left at a non-zero default is named as ineffective"),
@@ -1313,30 +1317,31 @@ MUTANTS = [
        ("tests/test_model_layouts.py", "-k", "stacked_on_axis")),
 
     # ---------------------------------------------------------------- training/loop.py
-    _m("LO1", LOOP,
+    _m("LO1", BATCHES,
        "  return sum(int(v) for k, v in record.items() if k.endswith(\"/total_skips\"))",
        "  return max([int(v) for k, v in record.items() if k.endswith(\"/total_skips\")], "
        "default=0)", "skipped steps of two skip wrappers are not added up"),
-    _m("LO2", LOOP, "    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:",
+    _m("LO2", BATCHES, "    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:",
        "    if step in f.nan_grad_steps or step in f.nan_grad_batch_indices:",
        "faults.nan_grad_batch_indices counts steps instead of data positions"),
-    _m("LO3", LOOP, "    elif step in f.grad_scale_steps:\n      grad_scale = f.grad_scale_factor",
+    _m("LO3", BATCHES,
+       "    elif step in f.grad_scale_steps:\n      grad_scale = f.grad_scale_factor",
        "    elif step in f.grad_scale_steps:\n      grad_scale = 1.0",
        "faults.grad_scale_factor is not applied"),
-    _m("LO4", LOOP, "    if self.batches_consumed >= first:\n      self._skip_batches",
-       "    if self.batches_consumed > first:\n      self._skip_batches",
+    _m("LO4", BATCHES, "    if self.consumed >= first:\n      self.skip(",
+       "    if self.consumed > first:\n      self.skip(",
        "a rollback's skip starting at the current data position is deferred",
-       equivalent="the stream is then at `first`, so the next _next_batch takes the deferred skip "
+       equivalent="the stream is then at `first`, so the next Batches.next takes the deferred skip "
                   "before it draws a batch, and a checkpoint in between records it in "
                   "pending_skips, which a resume takes the same way"),
-    _m("LO5", LOOP, "    if self.sampler is None or step >= self.total_steps:",
-       "    if self.sampler is None or step > self.total_steps:",
+    _m("LO5", ACTIONS, "    if self.c.sampler is None or step >= self.c.total_steps:",
+       "    if self.c.sampler is None or step > self.c.total_steps:",
        "the last step samples twice (periodic and final)"),
-    _m("LO6", LOOP, "        recent = (now - then) / (step - previous)",
+    _m("LO6", ACTIONS, "        recent = (now - then) / (step - previous)",
        "        recent = now - then", "the early stop takes a whole interval as one step"),
-    _m("LO7", LOOP, "    while self.pending_skips and self.batches_consumed >= "
-       "self.pending_skips[0][0]:", "    while self.pending_skips and self.batches_consumed > "
-       "self.pending_skips[0][0]:", "a deferred skip is one batch late"),
+    _m("LO7", BATCHES, "    while self.pending and self.consumed >= self.pending[0][0]:",
+       "    while self.pending and self.consumed > self.pending[0][0]:",
+       "a deferred skip is one batch late"),
 
     # ---------------------------------------------------------------- monitor/health.py
     _m("HE1", HEALTH, "  if g > thresholds.critical:", "  if g >= thresholds.critical:",

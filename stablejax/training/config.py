@@ -593,7 +593,19 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
 
 def validate(cfg: Config) -> None:
   """Cross-field checks; each failure names the key and what to set instead."""
-  t, o, s = cfg.train, cfg.optimizer, cfg.stability
+  _validate_train(cfg)
+  _validate_optimizer(cfg.optimizer)
+  _validate_stability(cfg)
+  _validate_logging_checkpoint_faults(cfg)
+  _validate_mesh(cfg.mesh)
+  try:
+    cfg.model.validate()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _validate_train(cfg: Config) -> None:
+  t = cfg.train
   for name in ("batch_size", "seq_len", "eval_every", "log_every", "grad_accum"):
     _positive(f"train.{name}", getattr(t, name))
   _positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
@@ -615,9 +627,9 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must lie in [0, 1]")
   if t.time_budget_minutes is not None:
     _positive("train.time_budget_minutes", t.time_budget_minutes)
-  if cfg.logging.sample_every is not None:
-    _positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
-  _positive("logging.sample_tokens", cfg.logging.sample_tokens)
+
+
+def _validate_optimizer(o: OptimizerConfig) -> None:
   if o.name not in ("muon", "adamw"):
     raise ConfigError(f"optimizer.name={o.name!r} is not known: use \"muon\" or \"adamw\"")
   for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate",
@@ -631,6 +643,10 @@ def validate(cfg: Config) -> None:
     raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
                       "width scaling runs at ~0.02, far too high for AdamW; set "
                       "adam_learning_rate (e.g. 3e-3)")
+
+
+def _validate_stability(cfg: Config) -> None:
+  s = cfg.stability
   _positive("stability.z_loss", s.z_loss, allow_zero=True)
   try:
     defence.validate(s, defence.DefenceContext(stability=s, model=cfg.model))
@@ -655,6 +671,12 @@ def validate(cfg: Config) -> None:
   if not s.loss_scale.growth_factor > 1:
     raise ConfigError(f"stability.loss_scale.growth_factor={s.loss_scale.growth_factor} must be"
                       " > 1")
+
+
+def _validate_logging_checkpoint_faults(cfg: Config) -> None:
+  if cfg.logging.sample_every is not None:
+    _positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
+  _positive("logging.sample_tokens", cfg.logging.sample_tokens)
   _positive("logging.attention_sequences", cfg.logging.attention_sequences)
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
@@ -666,21 +688,20 @@ def validate(cfg: Config) -> None:
   if cfg.faults.garbage_kind not in ("repeat", "random"):
     raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use "
                       "\"repeat\" or \"random\"")
-  if cfg.mesh.fsdp < 1 or cfg.mesh.data == 0 or cfg.mesh.data < -1:
-    raise ConfigError(f"mesh.data={cfg.mesh.data}, mesh.fsdp={cfg.mesh.fsdp}: use fsdp >= 1 and "
+
+
+def _validate_mesh(mesh: MeshConfig) -> None:
+  if mesh.fsdp < 1 or mesh.data == 0 or mesh.data < -1:
+    raise ConfigError(f"mesh.data={mesh.data}, mesh.fsdp={mesh.fsdp}: use fsdp >= 1 and "
                       "data >= 1 or -1")
   for name in ("initialization_timeout", "heartbeat_timeout", "shutdown_timeout"):
-    _positive(f"mesh.{name}", getattr(cfg.mesh, name))
-  if not cfg.mesh.distributed:
+    _positive(f"mesh.{name}", getattr(mesh, name))
+  if not mesh.distributed:
     for name in ("coordinator_address", "num_processes", "process_id", "local_device_ids"):
-      if getattr(cfg.mesh, name) is not None:
+      if getattr(mesh, name) is not None:
         raise ConfigError(f"mesh.{name} is set but mesh.distributed=false: set "
                           f"mesh.distributed=true to join a multi-process job, or drop "
                           f"mesh.{name}")
-  try:
-    cfg.model.validate()
-  except ValueError as e:
-    raise ConfigError(str(e)) from None
 
 
 # ----------------------------------------------------------------------------- ineffective keys
