@@ -1031,6 +1031,15 @@ def test_invalid_utf8_is_counted_in_meta_json_and_said(tmp_path, capsys, bpe_dir
   assert "2 document(s) held 4 byte(s) of invalid UTF-8" in stdout
   texts = decoded_docs(out, "train") + decoded_docs(out, "val")
   assert sum("\ufffd" in t for t in texts) == 2
+  # A lone surrogate in a JSON string (an escape no UTF-8 can hold) is counted the same way.
+  jsonl = tmp_path / "a.jsonl"
+  jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*DOCS, "half \ud83d pair"]))
+  code, stdout, err = run_main(capsys, jsonl, "--out", tmp_path / "json", "--tokenizer", "bytes",
+                               "--val-fraction", "0.25")
+  assert code == 0, err
+  assert read_prepared(tmp_path / "json")["invalid_utf8"]["documents"] == 1
+  texts = decoded_docs(tmp_path / "json", "train") + decoded_docs(tmp_path / "json", "val")
+  assert "half \ufffd pair" in texts
 
 
 @pytest.mark.parametrize("case", ["file_twice", "file_and_its_folder", "another_path",

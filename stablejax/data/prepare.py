@@ -372,8 +372,8 @@ def _as_text(doc: str | bytes) -> tuple[str, bytes, int]:
     return text, text.encode("utf-8"), 0
   except UnicodeEncodeError:  # lone surrogates from JSON escapes
     invalid = len(_LONE_SURROGATE.findall(text))
-    raw = text.encode("utf-8", "replace")
-    return raw.decode("utf-8"), raw, invalid
+    text = _LONE_SURROGATE.sub("\ufffd", text)
+    return text, text.encode("utf-8"), invalid
 
 
 def is_val(raw: bytes, val_fraction: float) -> bool:
