@@ -42,10 +42,11 @@ def _source_version() -> str:
 
 
 def _package_files(root: Path) -> set[str]:
-  """The files a build of the tree at ``root`` must ship: every module of the package and the
-  py.typed marker."""
+  """The files a build of the tree at ``root`` must ship: every module of the package, the
+  py.typed marker and the packaged configs (``python -m stablejax train --config NAME``)."""
   files = {p for p in (root / "stablejax").rglob("*.py") if "__pycache__" not in p.parts}
   files.add(root / "stablejax" / "py.typed")
+  files |= set((root / "stablejax" / "configs").glob("*.json"))
   return {p.relative_to(root).as_posix() for p in files}
 
 
