@@ -2,60 +2,129 @@
 
 __version__ = "0.1.0"
 
-# --- transforms (gradient-side stability) ---
-from stablejax.modeling.losses import cross_entropy_with_z_loss
-from stablejax.transforms.adagc import AdaGCState
-from stablejax.transforms.adagc import adagc
-from stablejax.transforms.hybrid import HybridClipState
-from stablejax.transforms.hybrid import hybrid_clip
-from stablejax.transforms.loss_scaling import DynamicLossScale
-from stablejax.transforms.metrics import register_state_metrics
-from stablejax.transforms.metrics import stability_metrics
-from stablejax.transforms.skipping import SkipNonFiniteState
-from stablejax.transforms.skipping import SkipSpikesState
-from stablejax.transforms.skipping import skip_nonfinite
-from stablejax.transforms.skipping import skip_spikes
-from stablejax.transforms.qk_clip import QKClipState
-from stablejax.transforms.qk_clip import qk_clip
-from stablejax.transforms.zclip import ZClipState
-from stablejax.transforms.zclip import zclip
-# --- end transforms ---
+# The public names are loaded on first use (PEP 562), so `import stablejax` and the `stablejax`
+# command start without importing JAX: the command sets up its signal handling first, and
+# `--help` answers at once. The first public name used imports all of them, as `import stablejax`
+# did before, so what the package holds afterwards is the same.
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
-# --- muon ---
-from stablejax.muon.lr_check import check_learning_rates
-from stablejax.muon.muon import GroupUpdateRmsState
-from stablejax.muon.muon import OutlierSafeMuonState
-from stablejax.muon.muon import outlier_safe_muon
-from stablejax.muon.newton_schulz import newton_schulz
-from stablejax.muon.describe import describe_routing
-from stablejax.muon.routing import label_params
-from stablejax.muon.routing import muon_dimension_numbers
-# --- end muon ---
+if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, imported eagerly
+  # --- transforms (gradient-side stability) ---
+  from stablejax.modeling.losses import cross_entropy_with_z_loss
+  from stablejax.transforms.adagc import AdaGCState
+  from stablejax.transforms.adagc import adagc
+  from stablejax.transforms.hybrid import HybridClipState
+  from stablejax.transforms.hybrid import hybrid_clip
+  from stablejax.transforms.loss_scaling import DynamicLossScale
+  from stablejax.transforms.metrics import register_state_metrics
+  from stablejax.transforms.metrics import stability_metrics
+  from stablejax.transforms.skipping import SkipNonFiniteState
+  from stablejax.transforms.skipping import SkipSpikesState
+  from stablejax.transforms.skipping import skip_nonfinite
+  from stablejax.transforms.skipping import skip_spikes
+  from stablejax.transforms.qk_clip import QKClipState
+  from stablejax.transforms.qk_clip import qk_clip
+  from stablejax.transforms.zclip import ZClipState
+  from stablejax.transforms.zclip import zclip
+  # --- end transforms ---
 
-# --- model utilities ---
-from stablejax.modeling.utils import init_new_token_embeddings
-from stablejax.modeling.utils import lambda_warmup
-from stablejax.modeling.utils import excess_kurtosis
-from stablejax.modeling.utils import merge_emb_proj
-from stablejax.modeling.utils import quantize_weights_rtn
-from stablejax.modeling.attention import attention_logit_max
-from stablejax.modeling.attention import collect_attention_logits
-from stablejax.modeling.attention import sow_attention_logits
-# --- end model utilities ---
+  # --- muon ---
+  from stablejax.muon.lr_check import check_learning_rates
+  from stablejax.muon.muon import GroupUpdateRmsState
+  from stablejax.muon.muon import OutlierSafeMuonState
+  from stablejax.muon.muon import outlier_safe_muon
+  from stablejax.muon.newton_schulz import newton_schulz
+  from stablejax.muon.describe import describe_routing
+  from stablejax.muon.routing import label_params
+  from stablejax.muon.routing import muon_dimension_numbers
+  # --- end muon ---
 
-# --- monitoring ---
-from stablejax.monitor import AttentionLogitThresholds
-from stablejax.monitor import HealthThresholds
-from stablejax.monitor import StabilityMonitor
-from stablejax.monitor import grad_health_level
-from stablejax.monitor import movement_record
-from stablejax.monitor import movement_warnings
-from stablejax.monitor import param_dtypes
-from stablejax.monitor import param_movement
-from stablejax.monitor import per_layer_grad_norms
-from stablejax.monitor import stability_score
-from stablejax.monitor import tensorboard_scalars
-# --- end monitoring ---
+  # --- model utilities ---
+  from stablejax.modeling.utils import init_new_token_embeddings
+  from stablejax.modeling.utils import lambda_warmup
+  from stablejax.modeling.utils import excess_kurtosis
+  from stablejax.modeling.utils import merge_emb_proj
+  from stablejax.modeling.utils import quantize_weights_rtn
+  from stablejax.modeling.attention import attention_logit_max
+  from stablejax.modeling.attention import collect_attention_logits
+  from stablejax.modeling.attention import sow_attention_logits
+  # --- end model utilities ---
+
+  # --- monitoring ---
+  from stablejax.monitor import AttentionLogitThresholds
+  from stablejax.monitor import HealthThresholds
+  from stablejax.monitor import StabilityMonitor
+  from stablejax.monitor import grad_health_level
+  from stablejax.monitor import movement_record
+  from stablejax.monitor import movement_warnings
+  from stablejax.monitor import param_dtypes
+  from stablejax.monitor import param_movement
+  from stablejax.monitor import per_layer_grad_norms
+  from stablejax.monitor import stability_score
+  from stablejax.monitor import tensorboard_scalars
+  # --- end monitoring ---
+
+# Where each public name comes from.
+_EXPORTS = {
+    # --- transforms (gradient-side stability) ---
+    "cross_entropy_with_z_loss": "stablejax.modeling.losses",
+    "AdaGCState": "stablejax.transforms.adagc",
+    "adagc": "stablejax.transforms.adagc",
+    "HybridClipState": "stablejax.transforms.hybrid",
+    "hybrid_clip": "stablejax.transforms.hybrid",
+    "DynamicLossScale": "stablejax.transforms.loss_scaling",
+    "register_state_metrics": "stablejax.transforms.metrics",
+    "stability_metrics": "stablejax.transforms.metrics",
+    "SkipNonFiniteState": "stablejax.transforms.skipping",
+    "SkipSpikesState": "stablejax.transforms.skipping",
+    "skip_nonfinite": "stablejax.transforms.skipping",
+    "skip_spikes": "stablejax.transforms.skipping",
+    "QKClipState": "stablejax.transforms.qk_clip",
+    "qk_clip": "stablejax.transforms.qk_clip",
+    "ZClipState": "stablejax.transforms.zclip",
+    "zclip": "stablejax.transforms.zclip",
+    # --- end transforms ---
+    # --- muon ---
+    "check_learning_rates": "stablejax.muon.lr_check",
+    "GroupUpdateRmsState": "stablejax.muon.muon",
+    "OutlierSafeMuonState": "stablejax.muon.muon",
+    "outlier_safe_muon": "stablejax.muon.muon",
+    "newton_schulz": "stablejax.muon.newton_schulz",
+    "describe_routing": "stablejax.muon.describe",
+    "label_params": "stablejax.muon.routing",
+    "muon_dimension_numbers": "stablejax.muon.routing",
+    # --- end muon ---
+    # --- model utilities ---
+    "init_new_token_embeddings": "stablejax.modeling.utils",
+    "lambda_warmup": "stablejax.modeling.utils",
+    "excess_kurtosis": "stablejax.modeling.utils",
+    "merge_emb_proj": "stablejax.modeling.utils",
+    "quantize_weights_rtn": "stablejax.modeling.utils",
+    "attention_logit_max": "stablejax.modeling.attention",
+    "collect_attention_logits": "stablejax.modeling.attention",
+    "sow_attention_logits": "stablejax.modeling.attention",
+    # --- end model utilities ---
+    # --- monitoring ---
+    "AttentionLogitThresholds": "stablejax.monitor",
+    "HealthThresholds": "stablejax.monitor",
+    "StabilityMonitor": "stablejax.monitor",
+    "grad_health_level": "stablejax.monitor",
+    "movement_record": "stablejax.monitor",
+    "movement_warnings": "stablejax.monitor",
+    "param_dtypes": "stablejax.monitor",
+    "param_movement": "stablejax.monitor",
+    "per_layer_grad_norms": "stablejax.monitor",
+    "stability_score": "stablejax.monitor",
+    "tensorboard_scalars": "stablejax.monitor",
+    # --- end monitoring ---
+}
+# Subpackages that loading the public names binds on the package (`stablejax.muon` ...).
+_SUBPACKAGES = ("layout", "modeling", "monitor", "muon", "transforms")
+# Names of this loader, which dir() leaves out so that it lists what the package offers.
+_LOADER_NAMES = {"_importlib", "_TYPE_CHECKING", "_Any", "_EXPORTS", "_SUBPACKAGES",
+                 "_LOADER_NAMES", "_load_public_names", "__getattr__", "__dir__"}
 
 __all__ = [
     "__version__",
@@ -111,6 +180,24 @@ __all__ = [
     "tensorboard_scalars",
     # --- end all monitoring ---
 ]
+
+
+def _load_public_names() -> None:
+  for name, module in _EXPORTS.items():
+    globals()[name] = getattr(_importlib.import_module(module), name)
+
+
+def __getattr__(name: str) -> _Any:
+  """A public name (or a subpackage the public names bring) on first use: loads them all."""
+  if name in _EXPORTS or name in _SUBPACKAGES:
+    _load_public_names()
+    return globals()[name]  # a subpackage is bound on the package by its import
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted((set(globals()) - _LOADER_NAMES) | set(_EXPORTS) | set(_SUBPACKAGES))
+
 
 # Old module paths keep working for one release (stablejax/_compat.py).
 from stablejax import _compat  # noqa: E402,F401

@@ -374,3 +374,104 @@ def test_resume_at_every_batch_across_epoch_boundaries(tmp_path, shuffle_buffer)
   assert meta["step"] == epoch + 1
   got = _take(fresh, n - epoch - 1)
   assert all((a == b).all() for a, b in zip(got, want[epoch + 1:]))
+
+
+# ----------------------------------------------------------------------------- prepared folders
+
+
+def _prepared(tmp_path, name="prepared"):
+  """A small prepared folder (bytes tokens, vocabulary 256), written by prepare itself."""
+  from stablejax.data.prepare import Options, prepare
+  text = tmp_path / f"{name}.txt"
+  text.write_text("<|endoftext|>".join(f"Document {i}: the quick brown fox jumps. " * (1 + i % 5)
+                                       for i in range(80)))
+  out = tmp_path / name
+  prepare([str(text)], out, "bytes", opts=Options(val_fraction=0.25), progress=False,
+          log=lambda line: None)
+  return out
+
+
+def _sha256(path) -> str:
+  import hashlib
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_token_ids_of_a_prepared_folder_are_checked_against_its_vocabulary(tmp_path):
+  out = _prepared(tmp_path)
+  build_data(DataConfig(train=str(out)), seq_len=SEQ, batch_size=BS, seed=0)  # as written: fine
+  meta = json.loads((out / "meta.json").read_text())
+  top = int(np.fromfile(out / "train.bin", np.uint16).max())
+  # meta.json edited to a smaller vocabulary: the recorded largest id is above it.
+  (out / "meta.json").write_text(json.dumps(dict(meta, vocab_size=top)))
+  assert f"train.bin holds token id {top} >= vocab size {top}" in _err(
+      DataConfig(train=str(out)))
+  # A folder of an earlier release (no record of its files) with an id 5000 in a vocab-256
+  # corpus: the ids are read and checked.
+  old = {k: v for k, v in meta.items() if k != "files"}
+  (out / "meta.json").write_text(json.dumps(old))
+  ids = np.fromfile(out / "train.bin", np.uint16)
+  ids[len(ids) // 2] = 5000
+  ids.tofile(out / "train.bin")
+  assert "train.bin holds token id 5000 >= vocab size 256" in _err(DataConfig(train=str(out)))
+
+
+def test_a_prepared_file_changed_in_place_is_refused_and_a_copied_folder_is_accepted(tmp_path):
+  import shutil
+  out = _prepared(tmp_path)
+  copy = tmp_path / "copy"
+  shutil.copytree(out, copy)  # other inodes and times: verified by reading, and the same data
+  build_data(DataConfig(train=str(copy)), seq_len=SEQ, batch_size=BS, seed=0)
+  assert data_lib.identity_difference(data_lib.data_identity(str(out)),
+                                      data_lib.data_identity(str(copy))) is None
+  assert data_lib.data_identity(str(copy))["train"][0]["checked"] == "sha256"
+  assert data_lib.data_identity(str(out))["train"][0]["checked"] == "status"
+  ids = np.fromfile(out / "val.bin", np.uint16)
+  ids[0] = (int(ids[0]) + 1) % 256  # the same size, another content
+  ids.tofile(out / "val.bin")
+  msg = _err(DataConfig(train=str(out)))
+  assert "val.bin is not the file python -m stablejax prepare wrote" in msg
+  with pytest.raises(DataError, match="SHA-256"):
+    data_lib.data_identity(str(out))
+
+
+def test_data_identity_of_each_kind_of_source(tmp_path):
+  out = _prepared(tmp_path)
+  ident = data_lib.data_identity(DataConfig(train=str(out), weights=None))
+  assert json.loads(json.dumps(ident)) == ident and ident["format"] == data_lib.IDENTITY_FORMAT
+  (entry,) = ident["train"]
+  assert entry["kind"] == "prepared" and entry["path"] == str(out.resolve())
+  assert entry["files"] == {n: {"bytes": (out / n).stat().st_size, "sha256": _sha256(out / n)}
+                            for n in ("train.bin", "val.bin")}
+  assert entry["tokenizer"]["kind"] == "bytes" and entry["vocab_size"] == 256
+  assert ident["settings"]["filter_max_repeat"] == 256 and ident["val"] == []
+  # An earlier release's folder (no hashes in meta.json): hashed once, the same identity.
+  meta = json.loads((out / "meta.json").read_text())
+  (out / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
+  old = data_lib.data_identity(str(out))
+  assert old["train"][0]["files"] == entry["files"] and old["train"][0]["checked"] == "read"
+  # Plain files: their SHA-256 (or, beyond hash_limit, their sizes and times, and it says so).
+  text = tmp_path / "a.txt"
+  text.write_bytes(b"hello world\n" * 100)
+  bins = tmp_path / "t.bin"
+  np.arange(1000, dtype=np.uint16).tofile(bins)
+  for path in (text, bins):
+    (got,) = data_lib.data_identity(str(path))["train"]
+    assert got["sha256"] == _sha256(path) and got["bytes"] == path.stat().st_size
+    (big,) = data_lib.data_identity(str(path), hash_limit=10)["train"]
+    assert "sha256" not in big and "sizes and mtimes" in big["checked"]
+  folder = tmp_path / "texts"
+  (folder / "sub").mkdir(parents=True)
+  (folder / "b.txt").write_text("bee " * 50)
+  (folder / "sub" / "a.md").write_text("ay " * 50)
+  before = data_lib.data_identity(str(folder))
+  assert before["train"][0]["files"] == 2
+  (folder / "sub" / "a.md").write_text("ay " * 49 + "oh ")
+  assert "content (SHA-256)" in data_lib.identity_difference(before,
+                                                            data_lib.data_identity(str(folder)))
+  assert data_lib.data_identity("pydoc")["train"][0]["kind"] == "pydoc"
+  # The config's own settings are part of it.
+  a = data_lib.data_identity(DataConfig(train="pydoc"))
+  b = data_lib.data_identity(DataConfig(train="pydoc", filter_max_repeat=64))
+  assert data_lib.identity_difference(a, b) == "data settings differ: filter_max_repeat"
+  with pytest.raises(DataError, match="does not exist"):
+    data_lib.data_identity(str(tmp_path / "missing.bin"))

@@ -63,3 +63,56 @@ def test_release_and_reacquire_in_one_process(tmp_path):
 def test_a_missing_folder_is_an_os_error_not_a_busy_folder(tmp_path):
   with pytest.raises(FileNotFoundError):
     FolderLock(tmp_path / "missing", "train").acquire()
+
+
+def test_release_removes_the_lock_file_and_a_stale_one_is_taken_over(tmp_path):
+  lock = FolderLock(tmp_path, "prepare").acquire()
+  assert (tmp_path / LOCK_NAME).is_file()
+  lock.release()
+  assert list(tmp_path.iterdir()) == []
+  proc = _holder(tmp_path)  # killed: its lock file stays, unlocked
+  os.kill(proc.pid, signal.SIGKILL)
+  proc.wait(timeout=30)
+  assert (tmp_path / LOCK_NAME).is_file()
+  FolderLock(tmp_path, "train").acquire().release()
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_file_removed_by_its_holder_while_being_taken_is_not_held(tmp_path, monkeypatch):
+  """The race release() opens: B opens .lock, A releases (removes it), B's flock then succeeds
+  on a file no longer in the folder. B must notice and lock the file that is there."""
+  import fcntl
+  from stablejax.data import folder
+  first = FolderLock(tmp_path, "prepare").acquire()
+  real_flock = fcntl.flock
+  calls = []
+
+  def flock_after_the_holder_left(fd, operation):
+    if not calls:
+      first.release()  # between B's open and B's flock
+    calls.append(fd)
+    return real_flock(fd, operation)
+
+  monkeypatch.setattr(folder.fcntl, "flock", flock_after_the_holder_left)
+  second = FolderLock(tmp_path, "train").acquire()
+  assert len(calls) == 2  # it tried again
+  monkeypatch.undo()
+  assert os.fstat(second._fd).st_ino == os.stat(tmp_path / LOCK_NAME).st_ino
+  with pytest.raises(FolderBusy):  # and a third writer sees it held
+    FolderLock(tmp_path, "prepare").acquire()
+  second.release()
+
+
+def test_a_lock_file_that_is_not_one_is_never_written(tmp_path):
+  (tmp_path / LOCK_NAME).write_text("my own notes\n")
+  with pytest.raises(FolderBusy, match="is not a lock file of stablejax"):
+    FolderLock(tmp_path, "prepare").acquire()
+  assert (tmp_path / LOCK_NAME).read_text() == "my own notes\n"
+  other = tmp_path / "other"
+  other.mkdir()
+  target = tmp_path / "target.txt"
+  target.write_text("keep")
+  os.symlink(target, other / LOCK_NAME)
+  with pytest.raises(FolderBusy, match="symbolic link"):
+    FolderLock(other, "prepare").acquire()
+  assert target.read_text() == "keep"

@@ -43,7 +43,7 @@ def _source_version() -> str:
 
 def _package_files(root: Path) -> set[str]:
   """The files a build of the tree at ``root`` must ship: every module of the package, the
-  packaged configs and the py.typed marker."""
+  py.typed marker and the packaged configs (``python -m stablejax train --config NAME``)."""
   files = {p for p in (root / "stablejax").rglob("*.py") if "__pycache__" not in p.parts}
   files |= set((root / "stablejax" / "configs").glob("*.json"))
   files.add(root / "stablejax" / "py.typed")

@@ -269,7 +269,9 @@ def test_failed_prepare_leaves_nothing_the_trainer_accepts(tmp_path, capsys):
   out = tmp_path / "out"
   code, _, err = run_main(capsys, inputs["text"], bad, "--out", out, "--tokenizer", "bytes")
   assert code == 2 and "bad.jsonl:2" in err and "'text'" in err
-  assert list(out.iterdir()) == []  # the partial files of the first input were removed
+  # The partial files of the first input were removed, and the folder this run created too (a
+  # failed prepare leaves no empty --out behind).
+  assert not out.exists()
   # A directory whose files do not match meta.json (a prepare cut off mid-rename, or a file
   # changed later) is refused by the trainer.
   good = tmp_path / "good"
@@ -416,13 +418,24 @@ def test_a_file_of_another_name_or_an_unused_tokenizer_json_is_left_alone(tmp_pa
                           "--val-fraction", "0.2")
   assert code == 0, err
   assert (out / "tokenizer.json").read_text() == "not even JSON"
-  # A partial file of another program under prepare's name is refused too.
+  # prepare's partial files have names of their own (NAME.<process>-<random>.partial), so a
+  # train.bin.partial of another program is left alone; a meta.json.partial (the name of
+  # prepare's record of a run in progress) that is not prepare's is refused.
   other = tmp_path / "other"
   other.mkdir()
   (other / "train.bin.partial").write_text("someone's download")
-  code, _, err = run_main(capsys, inputs["text"], "--out", other, "--tokenizer", "bytes")
-  assert code == 2 and "train.bin.partial" in one_error_line(err)
+  code, _, err = run_main(capsys, inputs["text"], "--out", other, "--tokenizer", "bytes",
+                          "--val-fraction", "0.2")
+  assert code == 0, err
   assert (other / "train.bin.partial").read_text() == "someone's download"
+  assert sorted(p.name for p in other.iterdir()) == ["meta.json", "train.bin",
+                                                      "train.bin.partial", "val.bin"]
+  third = tmp_path / "third"
+  third.mkdir()
+  (third / "meta.json.partial").write_text("someone's notes")
+  code, _, err = run_main(capsys, inputs["text"], "--out", third, "--tokenizer", "bytes")
+  assert code == 2 and "meta.json.partial" in one_error_line(err)
+  assert snapshot(third) == {"meta.json.partial": b"someone's notes"}
 
 
 @pytest.mark.parametrize("spec", ["file", "folder"])
@@ -568,9 +581,11 @@ def test_bins_without_meta_json_are_called_incomplete(tmp_path):
 # ----------------------------------------------------------------------------- Ctrl-C
 
 
-def test_ctrl_c_with_workers_exits_130_and_cleans_up_every_time(tmp_path, bpe_dir):
-  """SIGINT to the whole process group (as a terminal's Ctrl-C) at several points of a 2-worker
-  run: exit 130 with one line, no worker traceback, nothing left in --out, never a hang."""
+def test_stop_signals_with_workers_exit_130_and_clean_up_every_time(tmp_path, bpe_dir):
+  """SIGINT, SIGTERM or SIGHUP to the whole process group (a terminal's Ctrl-C, `kill -- -PGID`,
+  a scheduler stopping a job, a closed terminal) at several points of a 2-worker run: exit 130
+  with one line naming the signal, no worker traceback, nothing left (the folder it created
+  goes too), never a hang."""
   import random
   import signal
   import time
@@ -579,11 +594,15 @@ def test_ctrl_c_with_workers_exits_130_and_cleans_up_every_time(tmp_path, bpe_di
   docs = [" ".join(rng.choice(words) for _ in range(150)) for _ in range(16_000)]
   corpus = tmp_path / "corpus.txt"
   corpus.write_text("<|endoftext|>".join(docs))  # about 13 MB: seconds of tokenizing
-  # When to send it: as soon as the directory is claimed (the pool starting), or a little
+  # When to send it: as soon as the directory is claimed (the workers starting), or a little
   # after the first token file appears (the workers busy).
-  plans = [("meta.json.partial", 0.0), ("train.bin.partial", 0.0), ("train.bin.partial", 0.1),
-           ("train.bin.partial", 0.3), ("train.bin.partial", 0.6), ("meta.json.partial", 0.05)]
-  for i, (wait_for, delay) in enumerate(plans):
+  plans = [("meta.json.partial", 0.0, signal.SIGINT),
+           ("train.bin.*.partial", 0.0, signal.SIGTERM),
+           ("train.bin.*.partial", 0.1, signal.SIGINT),
+           ("train.bin.*.partial", 0.3, signal.SIGHUP),
+           ("train.bin.*.partial", 0.6, signal.SIGTERM),
+           ("meta.json.partial", 0.05, signal.SIGINT)]
+  for i, (wait_for, delay, signum) in enumerate(plans):
     out = tmp_path / f"out{i}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "stablejax", "prepare", str(corpus), "--out", str(out),
@@ -592,27 +611,28 @@ def test_ctrl_c_with_workers_exits_130_and_cleans_up_every_time(tmp_path, bpe_di
         start_new_session=True, env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
       deadline = time.monotonic() + 120
-      while not (out / wait_for).exists():
+      while not list(out.glob(wait_for)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, f"no {wait_for} within 120 s"
         time.sleep(0.005)
       time.sleep(delay)
-      os.killpg(proc.pid, signal.SIGINT)
+      os.killpg(proc.pid, signum)
       try:
         stdout, stderr = proc.communicate(timeout=60)
       except subprocess.TimeoutExpired:
         os.kill(proc.pid, signal.SIGABRT)  # the faulthandler prints every thread's stack
         stderr = proc.communicate(timeout=30)[1]
-        raise AssertionError(f"plan {i}: prepare still running 60 s after Ctrl-C (a hang): "
-                             f"{stderr[-6000:]}") from None
+        raise AssertionError(f"plan {i}: prepare still running 60 s after {signum.name} (a "
+                             f"hang): {stderr[-6000:]}") from None
     finally:
       if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert proc.returncode == 130, (i, proc.returncode, stderr[-2000:])
     assert stderr.strip().splitlines() == [
-        f"interrupted: partial files in {out} removed; run the same command again"], (i, stderr)
-    assert list(out.iterdir()) == [], (i, sorted(p.name for p in out.iterdir()))
+        f"interrupted by {signum.name}: this run's files in {out} removed; run the same command "
+        f"again"], (i, stderr)
+    assert not out.exists(), (i, sorted(p.name for p in out.iterdir()))
     time.sleep(0.2)
     orphans = [p for p in _children_of(proc.pid)]
     assert not orphans, (i, orphans)
@@ -799,3 +819,241 @@ def test_val_fraction_outside_the_open_unit_interval_is_one_error_line(tmp_path,
   assert code == 2 and len(err.strip().splitlines()) == 1, err
   assert f"--val-fraction {float(fraction)} is outside (0, 1)" in err, err
   assert not (tmp_path / "out" / "meta.json").exists()
+
+
+# ----------------------------------------------------------------------------- one writer
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_while_the_first_finishes(tmp_path, capsys):
+  """The same command twice at once (as `srun` runs it on two nodes): the second is one line
+  naming the first, exit 2, and touches nothing; the first finishes with a complete corpus."""
+  from process_hooks import hooked_env
+  (tmp_path / "a.txt").write_text("<|endoftext|>".join(DOCS))
+  out = tmp_path / "out"
+  args = [str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer", "bytes", "--val-fraction",
+          "0.25", "--no-progress"]
+  paused, resume = tmp_path / "paused", tmp_path / "resume"
+  env = hooked_env(tmp_path, HOOK_PAUSE_AT_OPEN="train.bin", HOOK_PAUSED_FLAG=str(paused),
+                   HOOK_RESUME_FILE=str(resume))
+  first = subprocess.Popen([sys.executable, "-m", "stablejax", "prepare", *args], cwd=ROOT,
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    import time
+    deadline = time.monotonic() + 120
+    while not paused.exists():  # the first is writing its train.bin partial file
+      assert first.poll() is None, first.communicate()
+      assert time.monotonic() < deadline
+      time.sleep(0.01)
+    before = snapshot(out)
+    assert [n for n in before if n.startswith("train.bin.")] == [
+        n for n in before if n.startswith(f"train.bin.{first.pid}-") and n.endswith(".partial")]
+    code, _, err = run_main(capsys, *args)
+    line = one_error_line(err)
+    assert code == 2 and f"in use by prepare (process {first.pid} on " in line, line
+    assert snapshot(out) == before  # nothing of the first run touched
+  finally:
+    resume.touch()
+    stdout, stderr = first.communicate(timeout=120)
+  assert first.returncode == 0, stderr
+  assert "prepared" in stdout
+  assert decoded_docs(out, "train") == [d for d in DOCS if not blake_is_val(d, 0.25)]
+  assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+
+
+# ----------------------------------------------------------------------------- the environment
+
+_UNSHARE = ["unshare", "--user", "--map-root-user", "--mount"]
+
+
+def _namespaces_available() -> bool:
+  """Whether this process may mount a tmpfs of its own (user and mount namespaces)."""
+  try:
+    return subprocess.run([*_UNSHARE, "true"], capture_output=True, timeout=30).returncode == 0
+  except (OSError, subprocess.TimeoutExpired):
+    return False
+
+
+needs_namespaces = pytest.mark.skipif(
+    not _namespaces_available(),
+    reason="needs unshare with user and mount namespaces for a small tmpfs; the patched tests "
+           "below cover the same paths")
+
+
+def _in_namespace(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+  env = dict(os.environ, PY=sys.executable, T=str(tmp_path), PYTHONPATH=path)  # (cwd is T)
+  return subprocess.run([*_UNSHARE, "bash", "-c", "set -u; cd \"$T\"; " + script], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=300)
+
+
+@needs_namespaces
+def test_a_full_disk_is_one_line_and_keeps_the_old_corpus(tmp_path):
+  """A real full disk: a 512 KiB tmpfs. A small corpus fits; a bigger one (--force) does not:
+  one line, exit 2, the old corpus untouched, no partial file left."""
+  (tmp_path / "small.txt").write_text("<|endoftext|>".join(DOCS))
+  (tmp_path / "big.txt").write_text("<|endoftext|>".join(DOCS * 100))  # ~1.7 MB of tokens
+  proc = _in_namespace(
+      'mkdir -p mnt && mount -t tmpfs -o size=512k tmpfs mnt && '
+      'P="$PY -m stablejax prepare --out mnt/out --tokenizer bytes --val-fraction 0.25 '
+      '--no-progress"; '
+      '$P small.txt > /dev/null && sha256sum mnt/out/* > before; '
+      '$P big.txt --force 2> err; echo "rc=$?"; sha256sum mnt/out/* > after; '
+      'cmp before after && echo same; ls -A mnt/out; cat err', tmp_path)
+  lines = proc.stdout.splitlines()
+  assert "rc=2" in lines and "same" in lines, proc.stdout + proc.stderr
+  assert lines[lines.index("same") + 1:-1] == ["meta.json", "train.bin", "val.bin"]
+  assert lines[-1].startswith("error: cannot write ") and "no space left on the device" in \
+      lines[-1] and "free some space" in lines[-1], lines[-1]
+
+
+@needs_namespaces
+def test_a_read_only_folder_is_one_line(tmp_path):
+  proc = _in_namespace(
+      'mkdir -p mnt && mount -t tmpfs tmpfs mnt && mkdir mnt/out && mount -o remount,ro mnt && '
+      '$PY -m stablejax prepare pydoc --out mnt/out --tokenizer bytes 2> err1; echo "rc=$?"; '
+      '$PY -m stablejax prepare pydoc --out mnt/new --tokenizer bytes 2> err2; echo "rc=$?"; '
+      'ls -A mnt; cat err1 err2', tmp_path)
+  lines = proc.stdout.splitlines()
+  assert lines[:3] == ["rc=2", "rc=2", "out"], proc.stdout + proc.stderr
+  assert lines[3].startswith("error: cannot write mnt/out (read-only file system): choose a "
+                             "writable --out"), lines[3]
+  assert lines[4].startswith("error: cannot create --out 'mnt/new' (Read-only file system)"), \
+      lines[4]
+
+
+class _FullDisk:
+  """A file opened for writing whose disk fills after `room` bytes (ENOSPC, as the kernel)."""
+
+  def __init__(self, file, room: int):
+    self._file, self._room = file, room
+
+  def write(self, data) -> int:
+    n = memoryview(data).nbytes
+    if n > self._room:
+      raise OSError(28, "No space left on device")
+    self._room -= n
+    return self._file.write(data)
+
+  def __getattr__(self, name):
+    return getattr(self._file, name)
+
+
+def test_a_full_disk_while_writing_tokens_is_one_line_and_leaves_nothing(tmp_path, capsys,
+                                                                         monkeypatch):
+  """The write path raising ENOSPC (patched: the tmpfs test above needs namespaces)."""
+  import builtins
+  (tmp_path / "a.txt").write_text("<|endoftext|>".join(DOCS * 20))
+  real_open = builtins.open
+
+  def open_on_a_small_disk(path, mode="r", *args, **kwargs):
+    f = real_open(path, mode, *args, **kwargs)
+    return _FullDisk(f, 4096) if "w" in mode and ".bin." in str(path) else f
+
+  monkeypatch.setattr(prep, "open", open_on_a_small_disk, raising=False)
+  out = tmp_path / "out"
+  code, _, err = run_main(capsys, tmp_path / "a.txt", "--out", out, "--tokenizer", "bytes",
+                          "--val-fraction", "0.25")
+  line = one_error_line(err)
+  assert code == 2 and f"cannot write {out / 'train.bin'} (no space left on the device)" in line
+  assert not out.exists()
+
+
+def test_a_read_only_out_is_one_line(tmp_path, capsys, monkeypatch):
+  """EROFS when prepare takes --out (patched os.open: as root, chmod cannot refuse a write)."""
+  from stablejax.data import folder
+  out = tmp_path / "out"
+  out.mkdir()
+  real_open = os.open
+
+  def read_only(path, flags, *args, **kwargs):
+    if str(path).startswith(str(out)) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+      raise OSError(30, "Read-only file system", str(path))
+    return real_open(path, flags, *args, **kwargs)
+
+  monkeypatch.setattr(folder.os, "open", read_only)
+  code, _, err = run_main(capsys, "pydoc", "--out", out, "--tokenizer", "bytes")
+  assert code == 2 and one_error_line(err).startswith(
+      f"error: cannot write {out} (read-only file system): choose a writable --out")
+  monkeypatch.undo()
+  assert list(out.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- what it recorded
+
+
+def test_meta_json_records_the_size_hash_and_largest_id_of_each_file(tmp_path, capsys):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  assert run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
+                  "--val-fraction", "0.25")[0] == 0
+  meta = read_prepared(out)
+  for split in ("train", "val"):
+    data = (out / f"{split}.bin").read_bytes()
+    record = meta["files"][f"{split}.bin"]
+    assert record["bytes"] == len(data) and record["tokens"] == meta[f"{split}_tokens"]
+    assert record["sha256"] == hashlib.sha256(data).hexdigest()
+    assert record["max_token"] == int(np.frombuffer(data, np.uint16).max())
+
+
+@pytest.mark.parametrize("same_size", [True, False])
+def test_a_train_bin_replaced_by_the_user_is_not_prepared_over_without_force(
+    tmp_path, capsys, same_size):
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  args = [inputs["text"], "--out", out, "--tokenizer", "bytes", "--val-fraction", "0.25"]
+  assert run_main(capsys, *args)[0] == 0
+  size = (out / "train.bin").stat().st_size
+  mine = np.random.default_rng(0).integers(0, 50000, size // 2 + (0 if same_size else 7),
+                                           dtype=np.uint16).tobytes()
+  (out / "train.bin").write_bytes(mine)  # the user's own token file, under prepare's name
+  code, _, err = run_main(capsys, *args)
+  line = one_error_line(err)
+  assert code == 2 and "train.bin" in line and "changed since" in line and "--force" in line
+  assert (out / "train.bin").read_bytes() == mine
+  with pytest.raises(DataError):  # nor does the trainer take it for the prepared corpus
+    build_data(DataConfig(train=str(out)), seq_len=16, batch_size=4, seed=0)
+  assert run_main(capsys, *args, "--force")[0] == 0
+  assert decoded_docs(out, "train") == [d for d in DOCS if not blake_is_val(d, 0.25)]
+
+
+def test_invalid_utf8_is_counted_in_meta_json_and_said(tmp_path, capsys, bpe_dir):
+  docs = [d.encode() for d in DOCS]
+  docs[3] = b"broken \xff\xfe bytes and " + docs[3]  # two invalid bytes
+  docs[7] = docs[7] + b" cut \xe2\x82"                # a cut 3-byte sequence: two bytes
+  (tmp_path / "a.txt").write_bytes(b"<|endoftext|>".join(docs))
+  out = tmp_path / "out"
+  code, stdout, err = run_main(capsys, tmp_path / "a.txt", "--out", out, "--tokenizer",
+                               bpe_dir / "tokenizer.json", "--val-fraction", "0.25")
+  assert code == 0, err
+  meta = read_prepared(out)
+  assert meta["invalid_utf8"] == {"documents": 2, "bytes": 4, "written_as": "U+FFFD"}
+  assert sum(s["invalid_utf8_documents"] for s in meta["sources"]) == 2
+  assert "2 document(s) held 4 byte(s) of invalid UTF-8" in stdout
+  texts = decoded_docs(out, "train") + decoded_docs(out, "val")
+  assert sum("\ufffd" in t for t in texts) == 2
+  # A lone surrogate in a JSON string (an escape no UTF-8 can hold) is counted the same way.
+  jsonl = tmp_path / "a.jsonl"
+  jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*DOCS, "half \ud83d pair"]))
+  code, stdout, err = run_main(capsys, jsonl, "--out", tmp_path / "json", "--tokenizer", "bytes",
+                               "--val-fraction", "0.25")
+  assert code == 0, err
+  assert read_prepared(tmp_path / "json")["invalid_utf8"]["documents"] == 1
+  texts = decoded_docs(tmp_path / "json", "train") + decoded_docs(tmp_path / "json", "val")
+  assert "half \ufffd pair" in texts
+
+
+@pytest.mark.parametrize("case", ["file_twice", "file_and_its_folder", "another_path",
+                                  "pydoc_twice"])
+def test_an_input_given_twice_is_refused(tmp_path, capsys, case):
+  inputs = write_inputs(tmp_path)
+  (tmp_path / "folder").mkdir()
+  (tmp_path / "folder" / "a.txt").write_text("<|endoftext|>".join(DOCS))
+  twice = {"file_twice": [inputs["text"], inputs["text"]],
+           "file_and_its_folder": [tmp_path / "folder", tmp_path / "folder" / "a.txt"],
+           "another_path": [inputs["jsonl"], tmp_path / "folder" / ".." / "corpus.jsonl"],
+           "pydoc_twice": ["pydoc", "pydoc"]}[case]
+  out = tmp_path / "out"
+  code, _, err = run_main(capsys, *twice, "--out", out, "--tokenizer", "bytes")
+  line = one_error_line(err)
+  assert code == 2 and "repeats" in line and "give each input once" in line
+  assert not out.exists()

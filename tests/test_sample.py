@@ -164,32 +164,51 @@ def test_sample_cli_errors(tmp_path, capsys):
     runs.run_tokenizer(load_config(tmp_path / "config.json"))
 
 
+@pytest.fixture(scope="module")
+def bpe_run_home(tmp_path_factory):
+  """A folder with corpus.txt, its prepared BPE directory `data` and a 6-step `run` trained on
+  it with data.train given as the relative path "data" (a test that changes it works on a
+  copy)."""
+  import os
+
+  from stablejax.cli import prepare as prepare_cli
+
+  from trainer_utils import run_inprocess
+  home = tmp_path_factory.mktemp("bpe_run") / "home"
+  home.mkdir()
+  docs = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times." * 3
+          for i in range(80)]
+  (home / "corpus.txt").write_text("<|endoftext|>".join(docs))
+  cwd = os.getcwd()
+  os.chdir(home)
+  try:
+    assert prepare_cli.main(["corpus.txt", "--out", "data", "--tokenizer", "bpe:300",
+                             "--val-fraction", "0.2", "--no-progress"]) == 0
+    assert run_inprocess(home / "run", "data.train=data", "train.steps=6",
+                         "train.warmup_steps=2", "train.eval_every=6", "checkpoint.every=6") == 0
+  finally:
+    os.chdir(cwd)
+  return home
+
+
 @pytest.mark.slow
 def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path, monkeypatch,
-                                                                      capsys):
+                                                                      capsys, bpe_run_home):
   # A run on a prepared BPE directory given as a relative path, sampled from another directory:
   # the data path does not resolve there, so only what the run recorded can decode it.
   import json
   import shutil
 
-  from stablejax.cli import prepare as prepare_cli
   from stablejax.cli import sample as sample_cli
   from stablejax.data import tokenizer as tokenizer_lib
   from stablejax.training import runs, sampling
 
   from helpers import run_inprocess
   home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
-  home.mkdir()
+  shutil.copytree(bpe_run_home, home)
   elsewhere.mkdir()
-  docs = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times." * 3
-          for i in range(80)]
-  (home / "corpus.txt").write_text("<|endoftext|>".join(docs))
   monkeypatch.chdir(home)
-  assert prepare_cli.main(["corpus.txt", "--out", "data", "--tokenizer", "bpe:300",
-                           "--val-fraction", "0.2", "--no-progress"]) == 0
   run = home / "run"
-  assert run_inprocess(run, "data.train=data", "train.steps=6", "train.warmup_steps=2",
-                       "train.eval_every=6", "checkpoint.every=6") == 0
   record = json.loads((run / "tokenizer" / "record.json").read_text())
   original = tokenizer_lib.get_tokenizer(str(home / "data" / "tokenizer.json"))
   assert record["kind"] == "hf" and record["sha256"] == original.sha256
@@ -239,3 +258,29 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
                        "train.warmup_steps=2", fresh=False) == 2
   err = capsys.readouterr().err
   assert "is not the one this run was trained with" in err and "--fresh" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name,delay", [("SIGINT", 0.3), ("SIGTERM", 1.0),
+                                               ("SIGINT", 2.0)])
+def test_a_stop_signal_while_sample_compiles_is_one_line_never_a_crash(
+    tmp_path, bpe_run_home, signal_name, delay):
+  """The signal comes a moment after the run's tokenizer is loaded, the last step before the
+  decoder is traced and compiled (seconds on a CPU): exit 130 with one line, never a traceback
+  or a segfault."""
+  import subprocess
+  import sys
+
+  from process_hooks import hooked_env
+  from trainer_utils import ROOT
+  env = hooked_env(tmp_path, HOOK_SIGNAL_AFTER_MODULE="tokenizers",
+                   HOOK_DELAY=str(delay), HOOK_SIGNAL=signal_name)
+  proc = subprocess.run([sys.executable, "-m", "stablejax", "sample", str(bpe_run_home / "run"),
+                         "--tokenizer", str(bpe_run_home / "data" / "tokenizer.json"),
+                         "--max-new-tokens", "64"], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
+  assert proc.stderr.strip().splitlines() == [
+      f"interrupted by {signal_name}: stopped before the samples were done; nothing was "
+      f"written"], proc.stderr
+  assert proc.stdout == ""

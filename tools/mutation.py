@@ -63,6 +63,7 @@ NEWTON_SCHULZ = "stablejax/muon/newton_schulz.py"
 PREPARE = "stablejax/data/prepare.py"
 TOKENIZER = "stablejax/data/tokenizer.py"
 PIPELINE = "stablejax/data/pipeline.py"
+FOLDER = "stablejax/data/folder.py"
 DISTRIBUTED = "stablejax/training/distributed.py"
 MESH = "stablejax/training/mesh.py"
 LAUNCH = "stablejax/training/launch.py"
@@ -115,10 +116,11 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     LR_CHECK: ("tests/test_lr_check.py", LR_CHECK),
     NEWTON_SCHULZ: ("tests/test_newton_schulz.py", NEWTON_SCHULZ, "-k",
                     "not export and not kernel_interpret and not public_pallas"),
-    PREPARE: ("tests/test_prepare.py", "-k", "not end_to_end and not ctrl_c"),
+    PREPARE: ("tests/test_prepare.py", "-k", "not end_to_end and not stop_signals"),
     TOKENIZER: ("tests/test_prepare.py", "tests/test_tokenizer.py", "-k",
                 "tokenizer or round_trip or endoftext or eot"),
     PIPELINE: ("tests/test_data.py", "-k", "not resume_at_every_batch"),
+    FOLDER: ("tests/test_folder.py", FOLDER),
 
     DISTRIBUTED: ("tests/test_distributed.py", DISTRIBUTED),
     MESH: ("tests/test_mesh.py",),
@@ -156,6 +158,8 @@ MODULES_NOT_COVERED = {
     "training/loop.py beyond its decisions on a bare Run": "only trainer runs (minutes each) "
         "reach the rest; tests/test_trainer.py and tests/test_recovery.py run them in CI",
     "transforms/metrics.py: QK-clip entry": "comes with the QK-clip transform",
+    "cli/_process.py": "not yet: its tests start the programs (tests/test_signals.py, a second "
+        "or two each); the launcher's use of it is mutated in training/launch.py (LA12)",
 }
 
 
@@ -732,14 +736,18 @@ MUTANTS = [
     # ---------------------------------------------------------------- cli/report.py
     _m("CR1", CLI_REPORT, "  if args.window < 1:", "  if args.window < 0:",
        "--window 0 is accepted"),
-    _m("CR2", CLI_REPORT, "    print(f\"error: {e}\", file=sys.stderr)\n    return 2",
-       "    print(f\"error: {e}\", file=sys.stderr)\n    return 1",
+    _m("CR2", CLI_REPORT,
+       "      print(f\"error: {e}\", file=sys.stderr)\n      return 2\n    finally:",
+       "      print(f\"error: {e}\", file=sys.stderr)\n      return 1\n    finally:",
        "an unusable run directory exits 1 instead of 2"),
     _m("CR3", CLI_REPORT,
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None, args.window)",
-       "make_report(Path(args.run_dir), None, args.window)", "--out is ignored"),
+       "make_report(Path(args.run_dir), Path(args.out) if args.out else None,\n"
+       "                              args.window)",
+       "make_report(Path(args.run_dir), None,\n                              args.window)",
+       "--out is ignored"),
     _m("CR4", CLI_REPORT,
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None, args.window)",
+       "make_report(Path(args.run_dir), Path(args.out) if args.out else None,\n"
+       "                              args.window)",
        "make_report(Path(args.run_dir), Path(args.out) if args.out else None)",
        "--window is not passed on"),
 
@@ -850,6 +858,28 @@ MUTANTS = [
        "documents are not followed by the end-of-text id"),
     _m("P15", PREPARE, "    s[\"weight\"] = w / total_w", "    s[\"weight\"] = w",
        "the weights in meta.json are not normalised"),
+    _m("P16", PREPARE, "    try:\n      lock.acquire()\n", "    try:\n      pass\n",
+       "a second prepare into the same --out is not refused",
+       ("tests/test_prepare.py", "-k", "second_prepare")),
+    _m("P17", PREPARE, "    if existing.changed and not force:", "    if False:",
+       "a train.bin the user put in place of prepare's is prepared over without --force",
+       ("tests/test_prepare.py", "-k", "replaced_by_the_user")),
+    _m("P18", PREPARE, "      if key in seen:", "      if False:",
+       "an input given twice is read twice", ("tests/test_prepare.py", "-k", "given_twice")),
+    _m("P19", PREPARE, '        counts["invalid_utf8_bytes"] += invalid',
+       '        counts["invalid_utf8_bytes"] += 1',
+       "invalid UTF-8 is counted per document, not per byte",
+       ("tests/test_prepare.py", "-k", "invalid_utf8")),
+    _m("P20", PREPARE,
+       "    if created and not (out / PREPARED_META).exists():\n      _remove_created(created)\n",
+       "", "a failed prepare leaves the --out folder it created",
+       ("tests/test_prepare.py", "-k", "failed_prepare or given_twice or full_disk")),
+    _m("P21", PREPARE, "  except OSError as e:\n    raise _write_error(path, e) from None",
+       "  except OSError:\n    raise", "a full disk is a traceback, not one error line",
+       ("tests/test_prepare.py", "-k", "full_disk or read_only")),
+    _m("P22", PREPARE, "    self.sha256.update(data)\n", "",
+       "meta.json records the SHA-256 of nothing, not of the file",
+       ("tests/test_prepare.py", "-k", "records_the")),
 
     # ---------------------------------------------------------------- data/tokenizer.py
     _m("T1", TOKENIZER, '    return list(text.replace("\\x00", "").encode("utf-8", "replace"))',
@@ -930,6 +960,34 @@ MUTANTS = [
     _m("D14", PIPELINE, "    if size + len(para) > TEXT_DOC_BYTES and current:",
        "    if size + len(para) > 2 * TEXT_DOC_BYTES and current:",
        "paragraphs are packed into documents of up to 128 KiB"),
+    _m("D15", PIPELINE, "    if top >= vocab_size:", "    if top > vocab_size:",
+       "a prepared token id equal to the vocabulary size is accepted",
+       ("tests/test_data.py", "-k", "checked_against_its_vocabulary")),
+    _m("D16", PIPELINE, '    if facts["sha256"] != record["sha256"]:', "    if False:",
+       "a prepared file changed in place (same size) is accepted",
+       ("tests/test_data.py", "-k", "changed_in_place")),
+    _m("D17", PIPELINE, '  if (record.get("stat") == _stat_record(st)', "  if (False",
+       "a prepared file untouched since prepare wrote it is read again at every start",
+       ("tests/test_data.py", "-k", "changed_in_place")),
+    _m("D18", PIPELINE, "        if x.get(key) != y.get(key):", "        if False:",
+       "two identities of different data compare equal",
+       ("tests/test_data.py", "-k", "data_identity")),
+    _m("D19", PIPELINE, "  if sum(sizes) <= hash_limit:", "  if True:",
+       "data_identity hashes plain files of any size at every start",
+       ("tests/test_data.py", "-k", "data_identity")),
+
+    # ---------------------------------------------------------------- data/folder.py
+    _m("FO1", FOLDER, "      if not same:", "      if False:",
+       "a lock taken on a file its holder removed meanwhile is kept (two holders)"),
+    _m("FO2", FOLDER, "      if content.strip() and not _is_holder_record(content):",
+       "      if False:", "a user's own .lock is overwritten"),
+    _m("FO3", FOLDER, "os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)", "os.O_CLOEXEC, 0o644)",
+       "a symbolic link named .lock is followed and its target overwritten"),
+    _m("FO4", FOLDER, "        os.unlink(self.path)\n", "        pass\n",
+       "release leaves the lock file behind"),
+    _m("FO5", FOLDER, "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+       "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+       "two writers both take a shared lock"),
 
     # ---------------------------------------------------------------- training/distributed.py
     _m("DI1", DISTRIBUTED,
@@ -1019,6 +1077,9 @@ MUTANTS = [
        "        deadline = time.monotonic() + grace",
        "        first_failure = (rank, exit_code(p.returncode))",
        "after a failure the other processes are not stopped after --grace"),
+    _m("LA12", LAUNCH, "  if early is not None:\n    received.append(early)\n", "",
+       "a stop signal before the launch starts its processes is lost; they start anyway",
+       ("tests/test_signals.py", "-k", "launch")),
 
     # ---------------------------------------------------------------- recovery.py, checkpoint.py
     _m("R25", RECOVERY, "      if len(self.recent) == self.window:", "      if self.recent:",

@@ -5,6 +5,12 @@
 Each subcommand is a thin ``main(argv) -> int`` in this package over a library function; it is
 imported only when it runs, so ``stablejax --help`` answers at once. ``python -m
 stablejax.cli.<module>`` runs one directly.
+
+Stop signals: SIGINT, SIGTERM and SIGHUP are handled from the start (before the command's module,
+and so JAX, is imported): the command stops at its next safe point, removes what it left
+half-written, prints one line and exits 130 (see :mod:`stablejax.cli._process`). ``train`` handles
+them itself (it saves a checkpoint first; also 130); ``launch`` passes them on to its processes
+once they run.
 """
 
 from __future__ import annotations
@@ -13,17 +19,20 @@ import importlib
 import sys
 from typing import NamedTuple, Optional, Sequence
 
+from stablejax.cli import _process
 from stablejax.cli._extras import missing_extra
 
 
 class Command(NamedTuple):
   module: str   # the module whose main(argv) runs it
   summary: str  # one line for stablejax --help
+  own_signals: bool = False  # it installs its own signal handlers (the trainer)
 
 
 COMMANDS = {
     "train": Command("stablejax.cli.train",
-                     "train a Pre-LN GPT with the stability stack (checkpoints, logs, recovery)"),
+                     "train a Pre-LN GPT with the stability stack (checkpoints, logs, recovery)",
+                     own_signals=True),
     "prepare": Command("stablejax.cli.prepare",
                        "prepare a corpus: documents -> tokens -> train.bin, val.bin, meta.json"),
     "sample": Command("stablejax.cli.sample", "sample text from a trained run"),
@@ -41,28 +50,46 @@ def usage() -> str:
            "Training-stability tools of stablejax.", "",
            "commands:"]
   lines += [f"  {name:<{width}}  {cmd.summary}" for name, cmd in COMMANDS.items()]
-  lines += ["", "python -m stablejax COMMAND --help describes a command's arguments."]
+  lines += ["", "python -m stablejax COMMAND --help describes a command's arguments.",
+            "SIGINT, SIGTERM or SIGHUP stops a command cleanly with exit code 130."]
   return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
   """Runs ``stablejax COMMAND ARGS...``; returns the command's exit code (2: no such command, or
-  a program's dependencies not installed)."""
+  a program's dependencies not installed).
+
+  Args:
+    argv: the arguments after the program name; None (the program itself) reads ``sys.argv``
+      and keeps the signal and output handling until the process exits.
+  """
+  as_program = argv is None
   argv = list(sys.argv[1:] if argv is None else argv)
-  if argv and argv[0] in COMMANDS:
-    try:
-      return importlib.import_module(COMMANDS[argv[0]].module).main(argv[1:])
-    except ModuleNotFoundError as e:
-      line = missing_extra(e, argv[0])
-      if line is None:
-        raise
-      print(line, file=sys.stderr)
-      return 2
-  if argv and argv[0] in ("-h", "--help"):
-    print(usage())
-    return 0
-  choices = ", ".join(COMMANDS)
-  problem = f"unknown command {argv[0]!r}" if argv else "no command given"
-  print(f"error: {problem}: choose one of {choices} (see python -m stablejax --help)",
-        file=sys.stderr)
-  return 2
+  command = COMMANDS.get(argv[0]) if argv else None
+  if command is not None and command.own_signals:
+    if as_program:
+      _process.tolerate_closed_output()
+    return _run(command, argv)
+  with _process.program(as_program):
+    if command is not None:
+      return _run(command, argv)
+    if argv and argv[0] in ("-h", "--help"):
+      print(usage())
+      return 0
+    choices = ", ".join(COMMANDS)
+    problem = f"unknown command {argv[0]!r}" if argv else "no command given"
+    print(f"error: {problem}: choose one of {choices} (see python -m stablejax --help)",
+          file=sys.stderr)
+    return 2
+
+
+def _run(command: Command, argv: list[str]) -> int:
+  """The command's ``main``; a program started without the extra it needs is one line, exit 2."""
+  try:
+    return importlib.import_module(command.module).main(argv[1:])
+  except ModuleNotFoundError as e:
+    line = missing_extra(e, argv[0])
+    if line is None:
+      raise
+    print(line, file=sys.stderr)
+    return 2

@@ -4,7 +4,9 @@
         train.py --set mesh.distributed=true --out runs/mp
 
 The command line of :func:`stablejax.training.launch.launch`; its module describes the
-environment each process gets, the output, the signals and the exit code.
+environment each process gets, the output, the signals and the exit code. A SIGINT, SIGTERM or
+SIGHUP before any process is started ends the launcher with one line and exit code 130; once
+they run, it is passed on to them and the launcher exits with their code.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import argparse
 import sys
 from typing import NoReturn, Optional, Sequence
 
-from stablejax.training.launch import PLATFORMS, launch
+from stablejax.cli import _process
+from stablejax.training.launch import PLATFORMS, launch  # standard library only
 
 PROG = "python -m stablejax launch"
 
@@ -25,7 +28,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-  p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0],
+  p = ArgumentParser(prog=PROG, description=__doc__.splitlines()[0].replace("`", ""),
                      usage="%(prog)s [options] -- COMMAND [ARGS...]")
   p.add_argument("--nproc", type=int, default=2, help="processes to start (default 2)")
   p.add_argument("--devices-per-proc", type=int, default=None, metavar="N",
@@ -57,9 +60,18 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  args = parse_args(sys.argv[1:] if argv is None else argv)
-  return launch(args.command, args.nproc, devices_per_proc=args.devices_per_proc, port=args.port,
-                grace=args.grace, platform=args.platform)
+  """Runs the program; returns its exit code (see :mod:`stablejax.training.launch`).
+
+  Args:
+    argv: the arguments (default ``sys.argv[1:]``, as the program: see
+      :mod:`stablejax.cli._process`).
+  """
+  with _process.program(argv is None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    _process.own_output()  # the launcher notices a closed output itself, and says so
+    return launch(args.command, args.nproc, devices_per_proc=args.devices_per_proc,
+                  port=args.port, grace=args.grace, platform=args.platform,
+                  stop_requested=_process.received)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,28 @@
-"""Prepare a corpus for the trainer: documents -> tokens -> ``train.bin``, ``val.bin``, meta.json.
+"""Prepare a corpus for the trainer: documents -> tokens -> train.bin, val.bin and meta.json.
 
     python -m stablejax prepare INPUT... --out DIR --tokenizer T [--weights W...] [--workers N]
 
 The command line of :func:`stablejax.data.prepare.prepare`; its docstring describes the inputs,
-the tokenizers and the files written.
+the tokenizers, the files written and what happens to other files in DIR.
 
-Exit codes: 0 done (or already done); 2 bad input; 130 interrupted (partial files removed).
+Exit codes: 0 done (or already done); 2 bad input, DIR in use by another writer (one line naming
+it), or DIR not writable (read-only, full disk); 130 interrupted by SIGINT, SIGTERM or SIGHUP (this
+run's files removed).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Any, NoReturn, Optional, Sequence
 
-from stablejax.data import tokenizer as tokenizer_lib
-from stablejax.data.prepare import SEPARATOR, TEXT_FIELD, Options, PrepareError, prepare
+from stablejax.cli import _process
+from stablejax.data import tokenizer as tokenizer_lib  # standard library only: --help is quick
 
 PROG = "python -m stablejax prepare"
+DESCRIPTION = ("Prepare a corpus for the trainer: documents -> tokens -> train.bin, val.bin and "
+               "meta.json in --out. Another prepare into the same --out is refused while this "
+               "one runs; SIGINT, SIGTERM or SIGHUP removes this run's files and exits 130.")
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -26,21 +31,30 @@ class _ArgumentParser(argparse.ArgumentParser):
     sys.exit(2)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-  p = _ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+def parser() -> argparse.ArgumentParser:
+  p = _ArgumentParser(prog=PROG, description=DESCRIPTION)
   p.add_argument("inputs", nargs="+", metavar="INPUT",
-                 help="text/.jsonl/.json/.parquet files or folders, pydoc, or hf:NAME[:CONFIG]")
-  p.add_argument("--out", required=True, help="output directory")
+                 help="text/.jsonl/.json/.parquet files or folders, pydoc, or hf:NAME[:CONFIG]; "
+                      "each at most once")
+  p.add_argument("--out", required=True,
+                 help="output directory (created when missing; only the files prepare writes "
+                      "there are touched)")
   p.add_argument("--tokenizer", required=True, help=tokenizer_lib.KINDS_HELP)
   p.add_argument("--weights", type=float, nargs="+", help="mixing weight per input")
   p.add_argument("--workers", type=int, default=1, help="tokenizing processes (default 1)")
-  p.add_argument("--text-field", default=TEXT_FIELD, help="JSON/Parquet/datasets text field")
-  p.add_argument("--separator", default=SEPARATOR, help="document separator in text files")
+  p.add_argument("--text-field", default="text",
+                 help="JSON/Parquet/datasets field holding the text (default text)")
+  p.add_argument("--separator", default=tokenizer_lib.EOT_TEXT,
+                 help=f"document separator in text files (default {tokenizer_lib.EOT_TEXT})")
   p.add_argument("--hf-split", default="train", help="split of hf: datasets (default train)")
   p.add_argument("--val-fraction", type=float, default=0.005,
                  help="fraction of documents held out for validation, in (0, 1) (default 0.005)")
-  p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto")
-  p.add_argument("--eot-token", default=None, help="end-of-text token of a tokenizer.json")
+  p.add_argument("--dtype", choices=("auto", "uint16", "uint32"), default="auto",
+                 help="token file element type; auto: uint16 when every id fits (vocabulary up "
+                      "to 65536), else uint32 (default auto)")
+  p.add_argument("--eot-token", default=None,
+                 help="the end-of-text token of a tokenizer.json, appended after each document "
+                      "(default: the first of <|endoftext|>, </s>, <eos>, ... it has)")
   p.add_argument("--bpe-train-bytes", type=float, default=None,
                  help="bpe:N trains on at most this many bytes (default: the whole train split)")
   p.add_argument("--filter-max-repeat", type=int, default=256,
@@ -49,25 +63,51 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  help="drop documents with a larger fraction of non-text bytes (1 disables)")
   p.add_argument("--force", action="store_true",
                  help="replace a corpus prepared differently, or files of the same names that "
-                      "prepare did not write")
+                      "prepare did not write (or that changed since it wrote them)")
   p.add_argument("--no-progress", action="store_true", help="no progress bars")
-  args = p.parse_args(argv)
-  opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,
-                 val_fraction=args.val_fraction, filter_max_repeat=args.filter_max_repeat,
-                 filter_max_nontext=args.filter_max_nontext)
-  try:
-    prepare(args.inputs, args.out, args.tokenizer, weights=args.weights, workers=args.workers,
-            dtype=args.dtype, opts=opts, eot_token=args.eot_token,
-            bpe_train_bytes=int(args.bpe_train_bytes) if args.bpe_train_bytes else None,
-            force=args.force, progress=not args.no_progress)
-  except PrepareError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except KeyboardInterrupt:
-    print(f"interrupted: partial files in {args.out} removed; run the same command again",
-          file=sys.stderr)
-    return 130
-  return 0
+  return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """Runs the program; returns its exit code (0, 2 or 130).
+
+  Args:
+    argv: the arguments (default ``sys.argv[1:]``, as the program: see
+      :mod:`stablejax.cli._process`).
+  """
+  with _process.program(argv is None):
+    args = parser().parse_args(argv)
+    try:
+      _process.check()
+      # Imported once the signals are handled: a Ctrl-C while NumPy and Grain load is a clean
+      # exit 130 too.
+      from stablejax.data.prepare import Options, PrepareError, prepare
+      _process.check()
+    except KeyboardInterrupt as e:
+      print(f"interrupted by {_process.interrupted_name(e)} during start-up: nothing was "
+            f"written", file=sys.stderr)
+      return _process.EXIT_INTERRUPTED
+    opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,
+                   val_fraction=args.val_fraction, filter_max_repeat=args.filter_max_repeat,
+                   filter_max_nontext=args.filter_max_nontext)
+    try:
+      prepare(args.inputs, args.out, args.tokenizer, weights=args.weights, workers=args.workers,
+              dtype=args.dtype, opts=opts, eot_token=args.eot_token,
+              bpe_train_bytes=int(args.bpe_train_bytes) if args.bpe_train_bytes else None,
+              force=args.force, progress=not args.no_progress, log=_log,
+              check_stop=_process.check)
+    except PrepareError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    except KeyboardInterrupt as e:
+      print(f"interrupted by {_process.interrupted_name(e)}: this run's files in {args.out} "
+            f"removed; run the same command again", file=sys.stderr)
+      return _process.EXIT_INTERRUPTED
+    return 0
+
+
+def _log(line: Any) -> None:
+  print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ Sources (``DataConfig.train`` / ``DataConfig.val``: one entry or a list):
     ``model.vocab_size`` from it, padded to a multiple of 64, unless it is given). Documents were
     filtered when the directory was prepared, so no filter pass runs here. It must be the only
     entry of ``train`` and ``val`` must be unset. A directory whose ``meta.json`` is missing or
-    whose files do not have the sizes it records (an unfinished prepare) is an error.
+    whose files do not have the sizes it records (an unfinished prepare) is an error, and so is
+    one whose files are not the ones prepare wrote (another SHA-256 than ``meta.json`` records;
+    `prepared_file`) or hold a token id at or above its vocabulary.
+
+Identity. `data_identity` names the data a config reads as plain JSON (content hashes, token
+counts, the tokenizer), and `identity_difference` compares two, so a resumed run can tell its
+data from other data under the same names.
 
 Documents and the filter. A *document* is: one topic of the embedded corpus; for text files,
 consecutive blank-line-separated paragraphs packed up to 64 KiB (so a file of up to 64 KiB is one
@@ -65,9 +71,9 @@ import hashlib
 import json
 import math
 import os
+import platform
 import re
-import sys
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import grain
 import numpy as np
@@ -88,6 +94,9 @@ DEFAULT_BIN_VOCAB = 50304
 TEXT_DOC_BYTES = 1 << 16
 BIN_DOC_TOKENS = 1 << 16
 _BIN_BLOCK = 1 << 24       # tokens per block in the .bin filter pass (multiple of BIN_DOC_TOKENS)
+_READ_BLOCK = 1 << 24      # bytes per read when hashing or scanning a file
+IDENTITY_FORMAT = "stablejax.data-identity/1"
+HASH_LIMIT = 1 << 30       # data_identity hashes plain files up to this many bytes in all
 
 # Control bytes other than \t \n \v \f \r, and DEL.
 _CONTROL = np.zeros(256, bool)
@@ -258,13 +267,19 @@ def _load_text_file(path: str, cfg: DataConfig) -> _Source:
   return _filter_text(path, "text", [_text_documents(raw)], cfg)
 
 
-def _load_text_folder(path: str, cfg: DataConfig) -> _Source:
+def _text_folder_files(path: str) -> list[str]:
+  """The text files of a folder the trainer reads, in the order it reads them."""
   found = []
   for root, dirs, names in os.walk(path):
     dirs[:] = sorted(d for d in dirs if not d.startswith("."))
     for n in sorted(names):
       if not n.startswith(".") and n.lower().endswith(TEXT_SUFFIXES):
         found.append(os.path.join(root, n))
+  return found
+
+
+def _load_text_folder(path: str, cfg: DataConfig) -> _Source:
+  found = _text_folder_files(path)
   if not found:
     raise DataError(f"data folder {path!r} has no text files ({', '.join(TEXT_SUFFIXES)}): add "
                     f"some, or name a .bin file directly")
@@ -391,8 +406,91 @@ def prepared_vocab_size(entry: Any) -> Optional[int]:
   return int(meta["vocab_size"]) if meta else None
 
 
+def _stat_record(st: os.stat_result) -> dict:
+  """What a file's status says about its content: a rewrite, a copy or a rename changes one of
+  them (ctime cannot be set by hand)."""
+  return {"ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+_SCANNED: dict[tuple, dict] = {}  # (path, size, stat record, dtype) -> scan_tokens result
+
+
+def scan_tokens(path: str | os.PathLike, dtype: Any = np.uint16) -> dict:
+  """One pass over a token file: ``{"bytes", "sha256", "max_token"}`` (-1 for an empty file).
+
+  Read in 16 MiB blocks (memory does not grow with the file); a file unchanged since it was last
+  scanned in this process (same size and status) is not read again.
+  """
+  path = os.path.realpath(os.fspath(path))
+  dtype = np.dtype(dtype)
+  st = os.stat(path)
+  key = (path, st.st_size, tuple(_stat_record(st).values()), dtype.str)
+  if key not in _SCANNED:
+    digest, top = hashlib.sha256(), -1
+    block = bytearray(_READ_BLOCK - _READ_BLOCK % dtype.itemsize)
+    with open(path, "rb") as f:
+      while n := f.readinto(block):
+        view = memoryview(block)[:n]
+        digest.update(view)
+        ids = np.frombuffer(view[:n - n % dtype.itemsize], dtype)
+        if ids.size:
+          top = max(top, int(ids.max()))
+    _SCANNED[key] = {"bytes": st.st_size, "sha256": digest.hexdigest(), "max_token": top}
+  return dict(_SCANNED[key])
+
+
+def prepared_file(path: str | os.PathLike, meta: dict, name: str) -> dict:
+  """What ``path/name`` (``train.bin`` or ``val.bin``) of a prepared directory holds, checked
+  against the record its ``meta.json`` keeps of it.
+
+  ``python -m stablejax prepare`` records each file's size, SHA-256, largest token id and status
+  (inode, mtime, ctime) once it is in place. A file whose size and status are still the recorded
+  ones has not been written, copied or replaced since, so the record is taken as is and nothing
+  is read ("checked": "status"); any other file is read once (`scan_tokens`) and its SHA-256
+  compared ("checked": "sha256"; a directory of an earlier release, whose meta.json records no
+  hash: "read", the content is what it is).
+
+  Returns:
+    ``{"bytes", "sha256", "max_token", "checked"}``.
+
+  Raises:
+    DataError: the file is missing, or its size or SHA-256 is not the recorded one.
+  """
+  file = os.path.join(os.path.expanduser(os.fspath(path)), name)
+  try:
+    st = os.stat(file)
+  except OSError as e:
+    raise DataError(f"{file} is missing or unreadable ({e.strerror or e}): prepare the directory "
+                    f"again with python -m stablejax prepare") from None
+  files = meta.get("files")
+  record = files.get(name) if isinstance(files, dict) else None
+  record = record if isinstance(record, dict) else {}
+  if "bytes" in record and record["bytes"] != st.st_size:
+    raise DataError(f"{file} has {st.st_size} bytes but meta.json records {record['bytes']}: the "
+                    f"file changed since it was prepared; prepare the directory again")
+  if (record.get("stat") == _stat_record(st) and isinstance(record.get("sha256"), str)
+      and isinstance(record.get("max_token"), int)):
+    return {"bytes": st.st_size, "sha256": record["sha256"], "max_token": record["max_token"],
+            "checked": "status"}
+  facts = scan_tokens(file, meta.get("dtype", "uint16"))
+  if isinstance(record.get("sha256"), str):
+    if facts["sha256"] != record["sha256"]:
+      raise DataError(f"{file} is not the file python -m stablejax prepare wrote (its SHA-256 "
+                      f"differs from the one meta.json records): it was changed or replaced; "
+                      f"prepare the directory again")
+    return {**facts, "checked": "sha256"}
+  return {**facts, "checked": "read"}
+
+
 def _load_prepared(path: str, meta: dict, cfg: DataConfig) -> tuple[list, _Source]:
   """(train sources, one per prepared input; the validation source) of a prepared directory."""
+  vocab_size = int(meta["vocab_size"])
+  for name in ("train.bin", "val.bin"):
+    top = prepared_file(path, meta, name)["max_token"]
+    if top >= vocab_size:
+      raise DataError(f"{os.path.join(path, name)} holds token id {top} >= vocab size "
+                      f"{vocab_size} of its meta.json: the file and meta.json do not belong "
+                      f"together; prepare the directory again")
   dtype = np.dtype(meta["dtype"])
   train_tokens = np.memmap(os.path.join(path, "train.bin"), dtype=dtype, mode="r") \
       if meta["train_tokens"] else np.zeros(0, dtype)
@@ -616,6 +714,166 @@ def data_tokenizer(cfg: DataConfig) -> Optional[Tokenizer]:
   return tok
 
 
+def _file_sha256(path: str) -> str:
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    while block := f.read(_READ_BLOCK):
+      digest.update(block)
+  return digest.hexdigest()
+
+
+def _plain_identity(entry: str, path: str, files: list[str], hash_limit: int) -> dict:
+  """Identity of a text file, a folder of text files or a .bin file."""
+  real = os.path.realpath(path)
+  try:
+    sizes = [os.path.getsize(f) for f in files]
+    mtimes = [os.stat(f).st_mtime_ns for f in files]
+  except OSError as e:
+    raise DataError(f"cannot read data file ({e.strerror or e}) of {entry!r}: check the path and "
+                    f"its permissions") from None
+  kind = ("folder" if os.path.isdir(path) else "bin" if path.lower().endswith(BIN_SUFFIX)
+          else "text")
+  names = [os.path.relpath(f, real) if kind == "folder" else os.path.basename(f) for f in files]
+  ident: dict[str, Any] = {"source": entry, "kind": kind, "path": real, "files": len(files),
+                           "bytes": sum(sizes)}
+  if sum(sizes) <= hash_limit:
+    if kind == "folder":  # the names and contents of every file, in the order they are read
+      listing = "".join(f"{n}\0{_file_sha256(f)}\n" for n, f in zip(names, files))
+      ident["sha256"] = hashlib.sha256(listing.encode()).hexdigest()
+    else:
+      ident["sha256"] = _file_sha256(files[0])
+    ident["checked"] = "sha256"
+  else:  # too large to read at every start: what the file system says about it
+    listing = "".join(f"{n}\0{size}\0{mtime}\n" for n, size, mtime in zip(names, sizes, mtimes))
+    ident["size_mtime_sha256"] = hashlib.sha256(listing.encode()).hexdigest()
+    ident["checked"] = f"sizes and mtimes only (more than {hash_limit} bytes to hash)"
+  return ident
+
+
+def _entry_identity(entry: str, hash_limit: int) -> dict:
+  if entry == EMBEDDED:
+    try:
+      from pydoc_data.topics import topics  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      raise DataError("the embedded corpus needs CPython's pydoc_data module, which this Python "
+                      "lacks: point data.train at a text file instead") from None
+    text = "".join(f"{k}\0{topics[k]}\n" for k in sorted(topics)).encode("utf-8")
+    return {"source": entry, "kind": "pydoc", "python": platform.python_version(),
+            "bytes": len(text), "sha256": hashlib.sha256(text).hexdigest(), "checked": "sha256"}
+  path = os.path.expanduser(entry)
+  if not os.path.exists(path):
+    raise DataError(f"{entry!r} does not exist: check the path, or use \"{EMBEDDED}\" for the "
+                    f"embedded corpus")
+  _check_not_unfinished(entry)
+  meta = read_prepared(entry)
+  if meta is not None:
+    files = {}
+    checked = set()
+    for name in ("train.bin", "val.bin"):
+      facts = prepared_file(path, meta, name)
+      files[name] = {"bytes": facts["bytes"], "sha256": facts["sha256"]}
+      checked.add(facts["checked"])
+    return {"source": entry, "kind": "prepared", "path": os.path.realpath(path),
+            "tokenizer": meta.get("tokenizer"), "vocab_size": meta.get("vocab_size"),
+            "eot_id": meta.get("eot_id"), "dtype": meta.get("dtype"),
+            "train_tokens": meta.get("train_tokens"), "val_tokens": meta.get("val_tokens"),
+            "files": files, "checked": "+".join(sorted(checked))}
+  if os.path.isdir(path):
+    found = _text_folder_files(path)
+    if not found:
+      raise DataError(f"data folder {entry!r} has no text files ({', '.join(TEXT_SUFFIXES)}): "
+                      f"add some, or name a .bin file directly")
+    return _plain_identity(entry, path, found, hash_limit)
+  return _plain_identity(entry, path, [path], hash_limit)
+
+
+# The data settings that change which tokens the trainer sees (given a DataConfig).
+_IDENTITY_SETTINGS = ("val_fraction", "weights", "filter_max_repeat", "filter_max_nontext",
+                      "vocab_size")
+
+
+def data_identity(data: DataConfig | str | os.PathLike | Sequence[str], *,
+                  hash_limit: int = HASH_LIMIT) -> dict:
+  """A JSON-able identity of the data a training config reads, to tell the same data again.
+
+  A run records it when it starts; a resume compares it (`identity_difference`) to refuse other
+  data under the same names. Each source of ``data.train`` and ``data.val`` gets an entry:
+
+  * a prepared directory: what its ``meta.json`` records (tokenizer, vocab_size, eot_id, dtype,
+    token counts) and the size and SHA-256 of ``train.bin`` and ``val.bin``, checked against the
+    files (`prepared_file`: free when the files are untouched since ``prepare`` wrote them, one
+    read otherwise; a directory of an earlier release without recorded hashes is hashed once);
+  * a text file, a folder of text files (the files the trainer reads, in its order) or a
+    ``.bin`` file: its resolved path, file count, bytes and SHA-256 of the contents, when the
+    source holds at most ``hash_limit`` bytes; a larger one is identified by the sizes and
+    modification times of its files (``size_mtime_sha256``; ``checked`` says so), so copying it
+    elsewhere reads as different data;
+  * ``"pydoc"``: the embedded corpus' SHA-256 (it changes with the Python version).
+
+  Every entry also has ``source`` (as given), ``kind`` and ``checked`` (how it was established);
+  a path is information only: `identity_difference` compares contents.
+
+  Args:
+    data: the trainer's ``DataConfig``, or one source (``"pydoc"``, a path) or a list of them.
+    hash_limit: the most bytes of a plain text or ``.bin`` source to hash.
+
+  Returns:
+    ``{"format": "stablejax.data-identity/1", "train": [entry, ...], "val": [entry, ...],
+    "settings": {...}}``; ``settings`` holds the config's fields that change the token stream
+    (``val_fraction``, ``weights``, the filters, ``vocab_size``; empty when ``data`` is not a
+    config). It is plain JSON.
+
+  Raises:
+    DataError: a missing source, an unfinished prepared directory, or a prepared file whose
+      size or SHA-256 is not the one its meta.json records.
+
+  Example:
+    >>> from stablejax.data.pipeline import data_identity, identity_difference
+    >>> ident = data_identity("pydoc")
+    >>> ident["train"][0]["kind"], len(ident["train"][0]["sha256"])
+    ('pydoc', 64)
+    >>> identity_difference(ident, data_identity("pydoc")) is None
+    True
+  """
+  if isinstance(data, DataConfig):
+    train, val = _as_list(data.train, "train"), _as_list(data.val, "val")
+    settings = {k: getattr(data, k) for k in _IDENTITY_SETTINGS}
+  else:
+    train, val, settings = _as_list(data, "train"), [], {}
+  return json.loads(json.dumps({
+      "format": IDENTITY_FORMAT,
+      "train": [_entry_identity(e, hash_limit) for e in train],
+      "val": [_entry_identity(e, hash_limit) for e in val],
+      "settings": settings}))
+
+
+# Entry fields that say what the data is (the rest: where it is and how it was checked).
+_CONTENT_KEYS = ("kind", "bytes", "files", "sha256", "size_mtime_sha256", "tokenizer",
+                 "vocab_size", "eot_id", "dtype", "train_tokens", "val_tokens", "python")
+
+
+def identity_difference(recorded: dict, current: dict) -> Optional[str]:
+  """None when two `data_identity` results name the same data, else one line saying what
+  differs (paths are not compared: a corpus moved or copied elsewhere is the same data)."""
+  for split in ("train", "val"):
+    a, b = recorded.get(split, []), current.get(split, [])
+    if len(a) != len(b):
+      return f"data.{split} had {len(a)} source(s), now {len(b)}"
+    for i, (x, y) in enumerate(zip(a, b)):
+      for key in _CONTENT_KEYS:
+        if x.get(key) != y.get(key):
+          what = "content (SHA-256)" if key in ("sha256", "files") else key
+          return (f"data.{split} source {i} ({y.get('source', '?')}): its {what} differs from "
+                  f"the data recorded ({x.get('source', '?')})")
+  if recorded.get("settings") != current.get("settings"):
+    changed = sorted(k for k in set(recorded.get("settings") or {}) | set(current.get("settings")
+                                                                           or {})
+                     if (recorded.get("settings") or {}).get(k)
+                     != (current.get("settings") or {}).get(k))
+    return f"data settings differ: {', '.join(changed)}"
+  return None
+
+
 def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
                process_index: int = 0, process_count: int = 1) -> Data:
   """Loads, filters and splits the sources and builds the seeded window pipeline.
@@ -790,57 +1048,3 @@ def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, see
   if kind == "random":
     return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
   raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
-
-
-def _file_identity(path: str) -> dict:
-  """A file's size and the SHA-256 of its first and last MiB: cheap on any size, and different
-  for another corpus of the same size (a changed middle alone goes unnoticed)."""
-  size = os.path.getsize(path)
-  digest = hashlib.sha256()
-  with open(path, "rb") as f:
-    digest.update(f.read(1 << 20))
-    if size > 2 << 20:
-      f.seek(size - (1 << 20))
-      digest.update(f.read(1 << 20))
-  return {"size": size, "sha256_ends": digest.hexdigest()}
-
-
-def _entry_identity(entry: str) -> dict:
-  if entry == EMBEDDED:
-    return {"source": EMBEDDED, "python": ".".join(map(str, sys.version_info[:2]))}
-  path = os.path.abspath(os.path.expanduser(entry))
-  if not os.path.exists(path):
-    return {"path": path, "missing": True}
-  meta = read_prepared(path) if os.path.isdir(path) else None
-  if meta is not None:
-    keys = ("tokenizer", "vocab_size", "train_tokens", "val_tokens", "train_sha256",
-            "val_sha256")
-    return {"path": path, "kind": "prepared", **{k: meta[k] for k in keys if k in meta},
-            **{f"{split}.bin": _file_identity(os.path.join(path, f"{split}.bin"))
-               for split in ("train", "val")}}
-  if os.path.isdir(path):
-    files = sorted(os.path.join(d, n) for d, _, names in os.walk(path) for n in names)
-    return {"path": path, "kind": "folder",
-            "files": {os.path.relpath(p, path): _file_identity(p) for p in files}}
-  return {"path": path, "kind": "file", **_file_identity(path)}
-
-
-def data_identity(cfg: DataConfig) -> dict:
-  """What a run trains on, recorded in its run directory to refuse a resume on other data.
-
-  For each ``train`` and ``val`` entry: the embedded corpus (with the Python version, whose
-  documentation it is); a prepared directory (its ``meta.json``'s tokenizer, vocabulary and token
-  counts, and its files' identity); a text or ``.bin`` file or a folder of them (sizes and the
-  hash of each file's first and last MiB). The mixing weights and the held-out fraction are part
-  of it too: they change the stream as much as the files do.
-
-  Example:
-    >>> from stablejax.data.pipeline import DataConfig, data_identity
-    >>> data_identity(DataConfig()) == data_identity(DataConfig())
-    True
-    >>> data_identity(DataConfig()) == data_identity(DataConfig(val_fraction=0.1))
-    False
-  """
-  return {"train": [_entry_identity(e) for e in _as_list(cfg.train, "train")],
-          "val": [_entry_identity(e) for e in _as_list(cfg.val, "val")],
-          "weights": cfg.weights, "val_fraction": None if cfg.val is not None else cfg.val_fraction}

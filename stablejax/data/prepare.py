@@ -42,25 +42,36 @@ Streaming: documents are read, tokenized in ``--workers`` processes (1: in this 
 appended to the output a batch at a time, with a bounded number of batches in flight, so memory
 does not grow with the corpus (one document is held whole while it is tokenized).
 
-The directory: this tool replaces or removes only files it wrote, which its ``meta.json`` names
-(or ``meta.json.partial``, written first and turned into ``meta.json`` last). Another file under a
-name it writes (``train.bin``, ``val.bin``, ``tokenizer.json``, ``meta.json``, their
-``.partial``) is refused unless ``--force``; other files in DIR are never touched. The tokenizer
+The directory: one prepare at a time holds ``DIR``'s lock (:mod:`stablejax.data.folder`); a
+second one into the same DIR is an error naming the first, and touches nothing. This tool
+replaces or removes only files it wrote, which its ``meta.json`` names (or ``meta.json.partial``,
+its record of the run in progress, written first and removed last). Another file under a name it
+writes (``train.bin``, ``val.bin``, ``tokenizer.json``, ``meta.json``, ``meta.json.partial``), or
+one of its files that changed since it wrote it (not the size or SHA-256 its ``meta.json``
+records), is refused unless ``--force``; other files in DIR are never touched. The tokenizer
 file being read is never removed: ``--tokenizer DIR/tokenizer.json --out DIR`` uses it in place.
-New files are written as ``*.partial``; a corpus already in DIR stays usable until the new one is
-complete, then the old ``meta.json`` goes, the new files are renamed into place and
-``meta.json`` comes last: the trainer accepts a directory only with a ``meta.json`` whose token
-counts match the files, and calls one with ``meta.json.partial`` and no ``meta.json``
-incomplete. A complete directory prepared with the same request is not redone; one prepared
-differently is an error unless ``--force``. Ctrl-C (with any ``--workers``): the workers ignore
-it, the files of this run are removed and the exit code is 130; a killed run's files are
-recognised and replaced by the next run.
+New files are written under names of this run's own (``NAME.<pid>-<random>.partial``, so no
+other process ever writes, renames or removes them); a corpus already in DIR stays usable until
+the new one is complete, then the old ``meta.json`` goes, the new files are renamed into place,
+``meta.json`` is written with each file's size, SHA-256, largest token id and status, and the
+record of the run goes last: the trainer accepts a directory only with a ``meta.json`` that
+matches the files, and calls one with ``meta.json.partial`` and no ``meta.json`` incomplete. A
+complete directory prepared with the same request is not redone; one prepared differently is an
+error unless ``--force``. A run that fails removes its files, and ``DIR`` too when it created it
+and no corpus is there. Interrupted (``check_stop`` raising, which the command line does on
+SIGINT, SIGTERM or SIGHUP; or Ctrl-C in a Python session), with any ``--workers``: the workers
+ignore the signals and are stopped by this process, the files of this run are removed and the
+command exits 130; a killed run's files are recognised and replaced by the next run.
+
+Invalid UTF-8 in text files (and lone surrogates in JSON strings) becomes U+FFFD; meta.json
+counts it (``invalid_utf8``, also per input) and the summary says so.
 
 Exit codes: 0 done (or already done); 2 bad input (missing, empty, truncated or non-gzip ``.gz``
 file, unknown field, unreadable Parquet, unknown or unavailable tokenizer, vocabulary too large for
 the dtype, an empty ``--separator``, ``--val-fraction`` outside (0, 1), an input entirely in
-validation, ``--out`` naming a file or inside an input folder, files of another program or
-another corpus in the way); 130 interrupted (this run's files removed).
+validation, an input given twice, ``--out`` naming a file or inside an input folder, files of
+another program or another corpus in the way), DIR in use by another prepare, DIR not writable
+(read-only, disk full); 130 interrupted (this run's files removed).
 
 Example::
 
@@ -73,14 +84,17 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import errno
 import gzip
 import hashlib
 import json
 import multiprocessing
 import os
+import re
+import secrets
 import signal
+import socket
 import sys
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -90,8 +104,10 @@ import numpy as np
 from tqdm import tqdm
 
 from stablejax.data import tokenizer as tokenizer_lib
-from stablejax.data.pipeline import (EMBEDDED, PREPARED_FORMAT, PREPARED_MARKER, PREPARED_META,
-                                     DataError, _max_run, _nontext_fraction, read_prepared)
+from stablejax.data.folder import FolderBusy, FolderLock
+from stablejax.data.pipeline import (_SURROGATE, EMBEDDED, PREPARED_FORMAT, PREPARED_MARKER,
+                                     PREPARED_META, DataError, _max_run, _nontext_fraction,
+                                     _stat_record, prepared_file, read_prepared)
 
 TEXT_FIELD = "text"
 SEPARATOR = tokenizer_lib.EOT_TEXT
@@ -342,16 +358,22 @@ def iter_documents(entry: str, opts: Options) -> Iterator[str | bytes]:
 # ----------------------------------------------------------------------------- per document
 
 
-def _as_text(doc: str | bytes) -> tuple[str, bytes]:
+def _as_text(doc: str | bytes) -> tuple[str, bytes, int]:
+  """(text, UTF-8 bytes, count of invalid UTF-8 bytes or lone surrogates replaced by U+FFFD)."""
   if isinstance(doc, bytes):
     raw = doc.strip()
-    return raw.decode("utf-8", "replace"), raw
+    try:
+      return raw.decode("utf-8"), raw, 0
+    except UnicodeDecodeError:
+      invalid = len(_SURROGATE.findall(raw.decode("utf-8", "surrogateescape")))
+      return raw.decode("utf-8", "replace"), raw, invalid
   text = doc.strip()
   try:
-    return text, text.encode("utf-8")
+    return text, text.encode("utf-8"), 0
   except UnicodeEncodeError:  # lone surrogates from JSON escapes
-    raw = text.encode("utf-8", "replace")
-    return raw.decode("utf-8"), raw
+    invalid = len(_LONE_SURROGATE.findall(text))
+    text = _LONE_SURROGATE.sub("\ufffd", text)
+    return text, text.encode("utf-8"), invalid
 
 
 def is_val(raw: bytes, val_fraction: float) -> bool:
@@ -391,13 +413,16 @@ def encode_batch(task: tuple) -> dict:
   counts: collections.Counter[str] = collections.Counter()
   texts: dict[str, list[str]] = {"train": [], "val": []}
   for doc in docs:
-    text, raw = _as_text(doc)
+    text, raw, invalid = _as_text(doc)
     counts["bytes"] += len(raw)
     label = _classify(raw, opts)
     counts[label] += 1
     if label in texts:
       texts[label].append(text)
       counts[f"{label}_bytes"] += len(raw)
+      if invalid:
+        counts["invalid_utf8_documents"] += 1
+        counts["invalid_utf8_bytes"] += invalid
   out: dict[str, Any] = {"counts": counts}
   for split, batch in texts.items():
     ids = tok.encode_batch(batch) if batch else []
@@ -418,12 +443,6 @@ def encode_batch(task: tuple) -> dict:
   return out
 
 
-def _ignore_sigint() -> None:
-  """Worker start: Ctrl-C is the parent's to handle (see ``prepare``)."""
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
-  signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-
-
 def _batches(docs: Iterator, extra: tuple) -> Iterator[tuple]:
   batch, size = [], 0
   for doc in docs:
@@ -436,74 +455,149 @@ def _batches(docs: Iterator, extra: tuple) -> Iterator[tuple]:
     yield (batch, *extra)
 
 
-class _CtrlC:
-  """Ctrl-C while a worker pool runs: a KeyboardInterrupt at once, as usual, except while this
-  process is inside the pool's own code (its queues, locks and result waits), where it is held
-  until that call returns. An exception raised inside one of the pool's locks would leave it
-  held, and ``Pool.terminate`` would then wait forever. Installed only in the main thread."""
+# ----------------------------------------------------------------------------- worker processes
 
-  def __init__(self) -> None:
-    self.inside = False
-    self.requested = False
-    self._previous: Any = None
-
-  def install(self) -> None:
-    if threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGINT, self._handle)
-
-  def restore(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGINT, self._previous)
-      self._previous = None
-
-  def _handle(self, signum: int, frame: object) -> None:
-    if not self.inside:
-      raise KeyboardInterrupt
-    self.requested = True
-
-  @contextlib.contextmanager
-  def pool_call(self) -> Iterator[None]:
-    self.inside = True
-    try:
-      yield
-    finally:
-      self.inside = False
-    if self.requested:
-      raise KeyboardInterrupt
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                      if hasattr(signal, name))
 
 
-def _ordered_map(pool: Any, fn: Callable[[Any], Any], tasks: Iterator, inflight: int,
-                 ctrl_c: Optional[_CtrlC] = None) -> Iterator:
-  """``pool.imap`` with back-pressure: at most ``inflight`` tasks read ahead (imap reads the
-  whole input at once, which for a 40 GB corpus means 40 GB in memory). Waits in short slices
-  inside ``ctrl_c.pool_call()``, so a Ctrl-C takes effect within 0.1 s."""
-  if pool is None:
-    for task in tasks:
-      yield fn(task)
-    return
-  guard = ctrl_c.pool_call if ctrl_c is not None else contextlib.nullcontext
+def _worker_main(conn: Any, parent_pid: int) -> None:
+  """A tokenizing process: `encode_batch` on each task its pipe brings, until None or the end.
 
-  def result_of(pending: Any) -> Any:
+  Stop signals are the parent's to handle (a terminal's Ctrl-C, ``kill`` of the process group, a
+  scheduler's SIGTERM to every process of the job): the parent stops its workers itself. Without
+  a parent (it died) the worker ends within a second.
+  """
+  for sig in _STOP_SIGNALS:
+    signal.signal(sig, signal.SIG_IGN)
+  signal.pthread_sigmask(signal.SIG_UNBLOCK, set(_STOP_SIGNALS))  # blocked while it started
+  try:
     while True:
-      with guard():
-        if pending.ready():
-          return pending.get()
-        pending.wait(0.1)
+      if not conn.poll(1.0):
+        if os.getppid() != parent_pid:
+          return
+        continue
+      task = conn.recv()
+      if task is None:
+        return
+      try:
+        reply: tuple = (True, encode_batch(task))
+      except Exception as e:  # noqa: BLE001 - the parent raises it; it names the problem
+        reply = (False, e)
+      try:
+        conn.send(reply)
+      except Exception:  # noqa: BLE001 - an exception that cannot be pickled: its text
+        conn.send((False, RuntimeError(f"{type(reply[1]).__name__}: {reply[1]}")))
+  except (EOFError, OSError):
+    return  # the parent closed the pipe or is gone
 
-  queue: collections.deque = collections.deque()
+
+class _Workers:
+  """Tokenizing processes, each with a pipe of its own and one task at a time.
+
+  No lock or queue is shared between processes, so stopping them (`kill`) at any moment leaves
+  nothing stuck (a ``multiprocessing.Pool`` worker killed while holding its queue's lock hangs
+  ``Pool.terminate``). Results come back in task order whatever the worker count, so the files
+  written do not depend on it.
+  """
+
+  def __init__(self, count: int) -> None:
+    context = _pool_context()
+    self.conns: list[Any] = []
+    self.procs: list[Any] = []
+    # Stop signals stay blocked while the workers start (they inherit the mask, and a spawned
+    # interpreter would die of one before it ignores them); a pending one reaches this process
+    # when they are unblocked here.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
+    try:
+      for _ in range(count):
+        parent_end, child_end = context.Pipe()
+        proc = context.Process(target=_worker_main, args=(child_end, os.getpid()), daemon=True)
+        proc.start()
+        child_end.close()
+        self.conns.append(parent_end)
+        self.procs.append(proc)
+    except BaseException:
+      self.kill()
+      raise
+    finally:
+      signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+  def map(self, fn: Callable[[Any], Any], tasks: Iterable, check_stop: Callable[[], None]
+          ) -> Iterator:
+    """``fn`` (always `encode_batch` in the workers) of each task, in task order; at most one
+    task per worker is read ahead, so memory stays bounded."""
+    del fn  # the workers run encode_batch
+    idle = collections.deque(range(len(self.procs)))
+    pending: collections.deque = collections.deque()  # the worker of each task, in task order
+    tasks = iter(tasks)
+    more = True
+    while True:
+      while more and idle:
+        task = next(tasks, None)
+        if task is None:
+          more = False
+          break
+        worker = idle.popleft()
+        self.conns[worker].send(task)
+        pending.append(worker)
+      if not pending:
+        return
+      worker = pending.popleft()
+      while not self.conns[worker].poll(0.1):
+        check_stop()
+        if not self.procs[worker].is_alive():
+          raise PrepareError(f"a tokenizing worker process died (exit code "
+                             f"{self.procs[worker].exitcode}), out of memory or killed: run again "
+                             f"with fewer --workers")
+      try:
+        ok, value = self.conns[worker].recv()
+      except EOFError:
+        raise PrepareError("a tokenizing worker process died while sending its result: run again "
+                           "with fewer --workers") from None
+      if not ok:
+        raise value
+      idle.append(worker)
+      check_stop()
+      yield value
+
+  def close(self) -> None:
+    """Lets the workers finish (they are idle once every result is read)."""
+    for conn in self.conns:
+      with contextlib.suppress(OSError):
+        conn.send(None)
+    for proc in self.procs:
+      proc.join(timeout=10)
+    self.kill()
+
+  def kill(self) -> None:
+    """Stops the workers now (SIGKILL: they hold nothing another process waits for)."""
+    for proc in self.procs:
+      if proc.is_alive():
+        proc.kill()
+    for proc in self.procs:
+      proc.join()
+    for conn in self.conns:
+      conn.close()
+    self.procs, self.conns = [], []
+
+
+def _map_in_process(tasks: Iterable, check_stop: Callable[[], None]) -> Iterator:
   for task in tasks:
-    with guard():
-      queue.append(pool.apply_async(fn, (task,)))
-    if len(queue) >= inflight:
-      yield result_of(queue.popleft())
-  while queue:
-    yield result_of(queue.popleft())
+    check_stop()
+    yield encode_batch(task)
 
 
 # ----------------------------------------------------------------------------- the directory
 
 SPLIT_FILES = ("train.bin", "val.bin")
 TOKENIZER_FILE = "tokenizer.json"
+# This run's partial files: NAME.<process id>-<random>.partial, so that no other process, even
+# one that runs where the folder lock does not hold, writes, renames or removes them.
+_PRIVATE_PARTIAL = re.compile(
+    r"^(train\.bin|val\.bin|tokenizer\.json|meta\.json)\.[0-9]+-[0-9a-f]+\.partial$")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_OS_ERROR_CODE = re.compile(r"\(os error (\d+)\)")
 
 
 def _describe_input(entry: str) -> dict:
@@ -546,6 +640,41 @@ def _named_files(record: dict) -> set[str]:
   return names & {*SPLIT_FILES, TOKENIZER_FILE}  # a record claims only the tool's own names
 
 
+def _named_partials(record: dict) -> set[str]:
+  """The partial files a marker says its run writes (NAME.partial for an earlier release's)."""
+  if isinstance(record.get("partials"), list):
+    return {n for n in record["partials"] if isinstance(n, str) and _PRIVATE_PARTIAL.match(n)}
+  return {n + PARTIAL for n in _named_files(record)}
+
+
+def _changed_files(out: Path, meta: dict) -> set[str]:
+  """The files a meta.json of this tool names that are no longer the ones it wrote: another size
+  than it records, another SHA-256 (when it records one), or a tokenizer.json of another hash."""
+  changed = set()
+  for name in _named_files(meta):
+    if not os.path.lexists(out / name):
+      continue  # missing: nothing in the way
+    if name == TOKENIZER_FILE:
+      recorded = meta.get("tokenizer", {}).get("sha256") if isinstance(
+          meta.get("tokenizer"), dict) else None
+      try:
+        if recorded is not None and \
+            hashlib.sha256((out / name).read_bytes()).hexdigest() != recorded:
+          changed.add(name)
+      except OSError:
+        changed.add(name)
+      continue
+    try:
+      size = np.dtype(meta["dtype"]).itemsize * int(meta[f"{name[:-4]}_tokens"])
+      if (out / name).stat().st_size != size:
+        changed.add(name)
+      else:
+        prepared_file(out, meta, name)
+    except (DataError, OSError, KeyError, TypeError, ValueError):
+      changed.add(name)
+  return changed
+
+
 @dataclasses.dataclass
 class _Existing:
   """What --out holds from earlier runs of this tool."""
@@ -553,29 +682,74 @@ class _Existing:
   complete: bool        # the trainer would accept the directory
   kept: set[str]        # that meta.json and its files: they stay until the new corpus replaces them
   leftovers: set[str]   # files of an interrupted run (named by the marker, partials): garbage
+  changed: set[str]     # files its meta.json names that changed since: no longer this tool's
 
 
 def _existing(out: Path) -> _Existing:
   meta = _read_own_record(out / PREPARED_META)
   marker = _read_own_record(out / PREPARED_MARKER)
+  changed = _changed_files(out, meta) if meta is not None else set()
   try:
-    complete = meta is not None and read_prepared(str(out)) is not None
-  except DataError:
+    complete = meta is not None and not changed and read_prepared(str(out)) is not None
+  except (DataError, KeyError, TypeError, ValueError):
     complete = False
-  kept = _named_files(meta) | {PREPARED_META} if meta is not None else set()
+  kept = (_named_files(meta) | {PREPARED_META}) - changed if meta is not None else set()
   leftovers = set()
   if marker is not None:
     finals = _named_files(marker)
-    leftovers = (finals - kept) | {n + PARTIAL for n in finals} | {PREPARED_MARKER}
-  return _Existing(meta, complete, kept, leftovers)
+    leftovers = (finals - kept - changed) | _named_partials(marker) | {PREPARED_MARKER}
+  return _Existing(meta, complete, kept, leftovers, changed)
 
 
-def _remove(out: Path, names: Iterable[str], keep: Optional[Path]) -> None:
+def _write_error(path: Path, e: OSError) -> PrepareError:
+  full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+  reason = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+            errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+            errno.EPERM: "operation not permitted"}.get(e.errno or 0, e.strerror or str(e))
+  fix = "free some space or choose another --out" if full else \
+      "choose a writable --out (or fix its permissions)"
+  return PrepareError(f"cannot write {path} ({reason}): {fix}; nothing this run wrote is kept")
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+  """An OSError inside (a full disk, a read-only folder) is a one-line PrepareError."""
+  try:
+    yield
+  except OSError as e:
+    raise _write_error(path, e) from None
+
+
+def _remove(out: Path, names: Iterable[str], keep: Optional[Path], quiet: bool = False) -> None:
   for name in sorted(names):
     path = out / name
     if keep is not None and path.exists() and path.resolve() == keep:
       continue  # the tokenizer this prepare reads is never deleted
-    path.unlink(missing_ok=True)
+    try:
+      path.unlink(missing_ok=True)
+    except OSError:
+      if not quiet:  # (cleaning up after an error keeps going; the error is reported)
+        raise
+
+
+def _write_json(path: Path, record: dict, temp: Path) -> None:
+  """``record`` as ``path``, atomically (written as ``temp``, synced, renamed)."""
+  with _writing(path):
+    with open(temp, "w") as f:
+      f.write(json.dumps(record, indent=2) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(temp, path)
+
+
+def _sync_folder(folder: Path) -> None:
+  """Makes the renames in ``folder`` durable (where the platform can)."""
+  with contextlib.suppress(OSError):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
 
 
 def _check_paths(inputs: Sequence[str], out: Path, tokenizer_path: Optional[Path]) -> None:
@@ -585,8 +759,7 @@ def _check_paths(inputs: Sequence[str], out: Path, tokenizer_path: Optional[Path
     raise PrepareError(f"--out {str(out)!r} is a file, not a directory: give a directory path "
                        f"(it is created when missing)")
   where = out.resolve()
-  own_names = {*SPLIT_FILES, TOKENIZER_FILE, PREPARED_META, PREPARED_MARKER,
-               *(n + PARTIAL for n in (*SPLIT_FILES, TOKENIZER_FILE))}
+  own_names = {*SPLIT_FILES, TOKENIZER_FILE, PREPARED_META, PREPARED_MARKER}
   for entry in inputs:
     if entry == EMBEDDED or entry.startswith("hf:"):
       continue
@@ -604,22 +777,77 @@ def _check_paths(inputs: Sequence[str], out: Path, tokenizer_path: Optional[Path
                        f"copy it elsewhere or choose another --out")
 
 
+def _check_distinct(inputs: Sequence[str]) -> None:
+  """Each input (file, folder, dataset) once: a file named twice would be trained on twice."""
+  seen: dict[str, str] = {}
+  for entry in inputs:
+    if entry == EMBEDDED or entry.startswith("hf:"):
+      keys = [entry]
+    else:
+      keys = [str(f.resolve()) for f in input_files(entry)]
+    for key in keys:
+      if key in seen:
+        again = "" if key == entry else f" ({key})"
+        raise PrepareError(f"input {entry!r} repeats {seen[key]!r}{again}, so its documents "
+                           f"would be in the corpus twice: give each input once (--weights "
+                           f"gives one input more weight)")
+    for key in keys:
+      seen[key] = entry
+
+
+def _create_out(out: Path) -> list[Path]:
+  """Creates --out and its missing parents; returns the folders it created, outermost first."""
+  missing = []
+  folder = out
+  while not os.path.lexists(folder) and folder != folder.parent:
+    missing.append(folder)
+    folder = folder.parent
+  created: list[Path] = []
+  try:
+    for folder in reversed(missing):
+      try:
+        os.mkdir(folder)
+        created.append(folder)
+      except FileExistsError:
+        if not folder.is_dir():  # made by someone else meanwhile: a folder is fine
+          raise
+  except OSError as e:
+    _remove_created(created)
+    raise PrepareError(f"cannot create --out {str(out)!r} ({e.strerror or e}): choose a writable "
+                       f"directory") from None
+  return created
+
+
+def _remove_created(created: list[Path]) -> None:
+  """Removes the folders this run created, innermost first, as long as they are empty."""
+  for folder in reversed(created):
+    try:
+      os.rmdir(folder)
+    except OSError:
+      return  # not empty (someone else's files), or gone: leave it
+
+
 def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
             weights: Optional[Sequence[float]] = None, workers: int = 1, dtype: str = "auto",
             opts: Options = Options(), eot_token: Optional[str] = None,
             bpe_train_bytes: Optional[int] = None, force: bool = False,
-            progress: bool = True, log: Callable[[str], Any] = print) -> dict:
+            progress: bool = True, log: Callable[[str], Any] = print,
+            check_stop: Callable[[], None] = lambda: None) -> dict:
   """Prepares ``inputs`` into ``out``; returns the written (or existing) ``meta.json`` as a dict.
 
-  Only files this tool wrote (named by its own ``meta.json``, or by ``meta.json.partial`` while
-  it writes) are replaced or removed; another file under a name it writes (``train.bin``,
-  ``val.bin``, ``tokenizer.json``, ``meta.json``, their ``.partial``) is a ``PrepareError``
-  unless ``force``. The tokenizer file it reads is never removed: ``--tokenizer DIR/tokenizer.json
-  --out DIR`` keeps that file in place as the directory's tokenizer. A corpus already in ``out``
-  stays usable until the new one is complete (``force`` replaces it only then).
+  One prepare at a time per ``out``: it holds ``out``'s lock (:mod:`stablejax.data.folder`)
+  while it runs, and a second one is a ``PrepareError`` naming the first. Only files this tool
+  wrote (named by its own ``meta.json``, or by ``meta.json.partial`` while it writes) are
+  replaced or removed; another file under a name it writes (``train.bin``, ``val.bin``,
+  ``tokenizer.json``, ``meta.json``, ``meta.json.partial``), or one of its files that changed
+  since it wrote it (another size or SHA-256 than ``meta.json`` records), is a ``PrepareError``
+  unless ``force``. The tokenizer file it reads is never removed: ``--tokenizer
+  DIR/tokenizer.json --out DIR`` keeps that file in place as the directory's tokenizer. A corpus
+  already in ``out`` stays usable until the new one is complete (``force`` replaces it only
+  then). When it fails, nothing it wrote is kept, and a folder it created goes too.
 
   Args:
-    inputs: INPUT entries (see the module docstring).
+    inputs: INPUT entries (see the module docstring); each at most once.
     out: the output directory.
     tokenizer: ``bytes``, ``gpt2``, a tokenizer.json path or ``bpe:N``.
     weights: mixing weight per input (default: token counts, i.e. plain concatenation).
@@ -632,10 +860,15 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
       write that are in the way.
     progress: tqdm bars.
     log: one-line messages.
+    check_stop: called at safe points (between batches, while waiting for workers, between BPE
+      training documents); whatever it raises stops the run, which then removes its files (the
+      command line raises on SIGINT, SIGTERM and SIGHUP).
 
   Raises:
-    PrepareError: bad input (the message is one line naming the problem and the fix).
-    KeyboardInterrupt: interrupted; the files this run wrote are removed first.
+    PrepareError: bad input, ``out`` in use by another prepare, or not writable (the message is
+      one line naming the problem and the fix).
+    KeyboardInterrupt: interrupted (Ctrl-C, or what ``check_stop`` raised); the files this run
+      wrote are removed first.
 
   Example:
     Four hundred JSONL documents as bytes, 5% of the documents held out for validation:
@@ -654,6 +887,8 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
     ('bytes', 256, 'uint16')
     >>> sorted(os.listdir(os.path.join(folder, "corpus")))
     ['meta.json', 'train.bin', 'val.bin']
+    >>> meta["files"]["train.bin"]["tokens"], len(meta["files"]["train.bin"]["sha256"])
+    (13125, 64)
 
     Train on it with ``data.train=<folder>/corpus``.
   """
@@ -679,6 +914,7 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
       raise PrepareError(f"--weights {weights} has a non-positive entry: give positive numbers")
   if opts.text_field == "":
     raise PrepareError("--text-field is empty: name the field that holds the text")
+  _check_distinct(inputs)
   bpe_size, given_tok = _tokenizer_checked(tokenizer, eot_token)
   out = Path(out).expanduser()
   # The tokenizer file this prepare reads: kept in place when it is --out's own tokenizer.json.
@@ -691,102 +927,149 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
              "eot_token": eot_token, "weights": weights, "dtype": dtype,
              "options": dataclasses.asdict(opts), "bpe_train_bytes": bpe_train_bytes}
   request = json.loads(json.dumps(request))
-  existing = _existing(out)
-  if existing.meta is not None:
-    same = existing.meta.get("request") == request
-    if existing.complete and same:
-      _remove(out, existing.leftovers, tok_path)  # of an interrupted --force run
-      log(f"{out} is already prepared with these settings ({existing.meta['train_tokens']:,} "
-          f"train tokens, {existing.meta['val_tokens']:,} val tokens): nothing to do")
-      return existing.meta
-    if not same and not force:
-      raise PrepareError(f"{out} already holds a corpus prepared with other settings: choose "
-                         f"another --out or pass --force to replace it")
-    if not existing.complete:
-      log(f"{out}: its files do not match its meta.json; preparing it again")
-  in_place = tok_path is not None and tok_path == (out / TOKENIZER_FILE).resolve()
-  writes = [*SPLIT_FILES] + ([TOKENIZER_FILE] if given_tok is None or (
-      isinstance(given_tok, tokenizer_lib.HFTokenizer) and not in_place) else [])
-  ours = existing.kept | existing.leftovers
-  in_the_way = []
-  for name in (*writes, PREPARED_META, *(n + PARTIAL for n in writes), PREPARED_MARKER):
-    path = out / name
-    if path.is_dir():
-      raise PrepareError(f"{path} is a directory, where prepare writes a file: move it or choose "
-                         f"another --out")
-    if os.path.lexists(path) and name not in ours:
-      in_the_way.append(name)
-  if in_the_way and not force:
-    raise PrepareError(f"{out} holds {', '.join(in_the_way)}, not written by python -m stablejax "
-                       f"prepare (no meta.json of its own names them): choose another --out, or "
-                       f"pass --force to replace them")
+  check_stop()
+  created = _create_out(out)
+  lock = FolderLock(out, "prepare")
   try:
-    out.mkdir(parents=True, exist_ok=True)
-  except OSError as e:
-    raise PrepareError(f"cannot create --out {str(out)!r} ({e.strerror or e}): choose a writable "
-                       f"directory") from None
+    try:
+      lock.acquire()
+    except FolderBusy as e:
+      raise PrepareError(str(e)) from None
+    except OSError as e:
+      raise _write_error(out, e) from None
+    job = _Job(inputs, out, tokenizer, bpe_size, given_tok, tok_path, request, weights, workers,
+               dtype, opts, bpe_train_bytes, force, progress, log, check_stop, t0)
+    meta = job.run()
+  finally:
+    lock.release()
+    if created and not (out / PREPARED_META).exists():
+      _remove_created(created)
+  if job.done:
+    mb = meta["bytes"] / 1e6
+    seconds = time.time() - t0
+    log(f"prepared {out}: {meta['documents']:,} documents ({meta['val_documents']:,} val), "
+        f"{meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, vocab "
+        f"{meta['vocab_size']} ({meta['dtype']}), {mb:.1f} MB of text in {seconds:.1f} s "
+        f"({mb / max(seconds, 1e-9):.2f} MB/s)")
+    invalid = meta["invalid_utf8"]
+    if invalid["documents"]:
+      log(f"note: {invalid['documents']:,} document(s) held {invalid['bytes']:,} byte(s) of "
+          f"invalid UTF-8 (or lone surrogates), written as U+FFFD (meta.json: invalid_utf8); "
+          f"--filter-max-nontext drops the documents where they are a larger share")
+  return meta
 
-  # The marker names every file of the tool's in --out until meta.json replaces it, so an
-  # interrupted run's files are recognised (and removed) by the next one. `stale`: files of the
-  # corpus already there that the new one does not have (removed once it is in place);
-  # `leftovers`: files of an interrupted run (removed now).
-  stale = existing.kept - {PREPARED_META} - set(writes) - ({TOKENIZER_FILE} if in_place else set())
-  leftovers = existing.leftovers - {PREPARED_MARKER}
-  finals = {n for n in leftovers if not n.endswith(PARTIAL)}
-  marker = {"format": PREPARED_FORMAT, "incomplete": True,
-            "written": sorted({*writes, *stale, *finals}), "request": request}
-  state: dict = {"old_meta_removed": False, "renamed": []}
-  pool = None
-  ctrl_c = _CtrlC()
-  try:
-    (out / PREPARED_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    _remove(out, leftovers, tok_path)
-    if workers > 1:  # started before any tokenizer runs, so no library thread pool is forked
-      # SIGINT stays blocked while the workers start (they inherit the mask; a pending signal
-      # is not inherited) and their initializer ignores it before unblocking: a worker must
-      # never die of Ctrl-C, or it can take the pool's queue lock with it and Pool.terminate
-      # then waits forever. A Ctrl-C meanwhile is raised here once `pool` is set.
-      # The main thread then talks to the pool only inside ctrl_c.pool_call() (see _CtrlC).
-      mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+@dataclasses.dataclass
+class _Job:
+  """One prepare, from the moment it holds --out's lock."""
+  inputs: list[str]
+  out: Path
+  tokenizer: str
+  bpe_size: Optional[int]
+  given_tok: Any
+  tok_path: Optional[Path]
+  request: dict
+  weights: Optional[list[float]]
+  workers: int
+  dtype: str
+  opts: Options
+  bpe_train_bytes: Optional[int]
+  force: bool
+  progress: bool
+  log: Callable[[str], Any]
+  check_stop: Callable[[], None]
+  started: float
+  done: bool = False  # a corpus was written (False: already prepared)
+
+  def run(self) -> dict:
+    out, tok_path, force = self.out, self.tok_path, self.force
+    existing = _existing(out)
+    if existing.changed and not force:
+      raise PrepareError(f"{out} holds {', '.join(sorted(existing.changed))}, changed since "
+                         f"python -m stablejax prepare wrote it (not the size or SHA-256 its "
+                         f"meta.json records): move it away, choose another --out, or pass "
+                         f"--force to replace it")
+    if existing.meta is not None and not existing.changed:
+      same = existing.meta.get("request") == self.request
+      if existing.complete and same:
+        with _writing(out):
+          _remove(out, existing.leftovers, tok_path)  # of an interrupted --force run
+        self.log(f"{out} is already prepared with these settings "
+                 f"({existing.meta['train_tokens']:,} train tokens, "
+                 f"{existing.meta['val_tokens']:,} val tokens): nothing to do")
+        return existing.meta
+      if not same and not force:
+        raise PrepareError(f"{out} already holds a corpus prepared with other settings: choose "
+                           f"another --out or pass --force to replace it")
+      if not existing.complete:
+        self.log(f"{out}: its files do not match its meta.json; preparing it again")
+    given_tok = self.given_tok
+    in_place = tok_path is not None and tok_path == (out / TOKENIZER_FILE).resolve()
+    writes = [*SPLIT_FILES] + ([TOKENIZER_FILE] if given_tok is None or (
+        isinstance(given_tok, tokenizer_lib.HFTokenizer) and not in_place) else [])
+    ours = existing.kept | existing.leftovers
+    in_the_way = []
+    for name in (*writes, PREPARED_META, PREPARED_MARKER):
+      path = out / name
+      if path.is_dir():
+        raise PrepareError(f"{path} is a directory, where prepare writes a file: move it or "
+                           f"choose another --out")
+      if os.path.lexists(path) and name not in ours and name not in existing.changed:
+        in_the_way.append(name)
+    if in_the_way and not force:
+      raise PrepareError(f"{out} holds {', '.join(in_the_way)}, not written by python -m "
+                         f"stablejax prepare (no meta.json of its own names them): choose another "
+                         f"--out, or pass --force to replace them")
+
+    # The marker names every file of the tool's in --out until meta.json replaces it, so an
+    # interrupted run's files are recognised (and removed) by the next one. `stale`: files of
+    # the corpus already there that the new one does not have (removed once it is in place);
+    # leftovers of an interrupted run are removed now.
+    stale = existing.kept - {PREPARED_META} - set(writes) - (
+        {TOKENIZER_FILE} if in_place else set())
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    partials = {name: f"{name}.{tag}{PARTIAL}" for name in (*writes, PREPARED_META)}
+    marker = {"format": PREPARED_FORMAT, "incomplete": True, "written": sorted({*writes, *stale}),
+              "partials": sorted(partials.values()), "request": self.request,
+              "writer": {"pid": os.getpid(), "host": socket.gethostname(), "tag": tag}}
+    with _writing(out):
+      _remove(out, existing.leftovers - {PREPARED_MARKER}, tok_path)
+    state: dict = {"old_meta_removed": False, "renamed": []}
+    workers = None
+    try:
+      _write_json(out / PREPARED_MARKER, marker, out / partials[PREPARED_META])
+      self.check_stop()
+      if self.workers > 1:  # started before any tokenizer runs, so no library thread is forked
+        workers = _Workers(self.workers)
+      tok, tok_spec = _make_tokenizer(self.tokenizer, self.bpe_size, given_tok, in_place,
+                                      self.inputs, out, self.opts, self.bpe_train_bytes,
+                                      self.progress, self.log, partials, self.check_stop)
+      meta = _tokenize(self.inputs, out, tok, tok_spec, _dtype_for(tok.vocab_size, self.dtype),
+                       self.weights, self.opts, workers, self.progress, self.check_stop,
+                       partials)
+      if workers is not None:
+        workers.close()
+        workers = None
+      meta["request"] = self.request
+      meta["written"] = writes
+      meta["seconds"] = time.time() - self.started
+      self.check_stop()  # the last moment a stop leaves the directory as it was
+      _finish(out, meta, writes, stale, tok_path, state, partials)
+    except BaseException:
+      # Cleaning up must not be cut short by a second Ctrl-C (it is delivered when done).
+      mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
       try:
-        ctrl_c.install()
-        pool = _pool_context().Pool(workers, initializer=_ignore_sigint)
+        if workers is not None:
+          workers.kill()
+        _remove(out, partials.values(), tok_path, quiet=True)
+        if state["old_meta_removed"]:  # the earlier corpus is gone: none of its files stay
+          _remove(out, {*state["renamed"], *existing.kept, *stale}, tok_path, quiet=True)
+        _remove(out, [PREPARED_MARKER], tok_path, quiet=True)
       finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    tok, tok_spec = _make_tokenizer(tokenizer, bpe_size, given_tok, in_place, inputs, out, opts,
-                                    bpe_train_bytes, progress, log)
-    meta = _tokenize(inputs, out, tok, tok_spec, _dtype_for(tok.vocab_size, dtype), weights,
-                     opts, pool, workers, progress, ctrl_c)
-    if pool is not None:
-      with ctrl_c.pool_call():
-        pool.close()
-        pool.join()
-      pool = None
-    meta["request"] = request
-    meta["written"] = writes
-    meta["seconds"] = time.time() - t0
-    _finish(out, meta, writes, stale, tok_path, state)
-  except BaseException:
-    # Cleaning up must not be cut short by a second Ctrl-C (it is delivered when done).
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-      if pool is not None:
-        pool.terminate()
-      _remove(out, [*(n + PARTIAL for n in writes), *leftovers], tok_path)
-      if state["old_meta_removed"]:  # the earlier corpus is gone: none of its files stay
-        _remove(out, {*state["renamed"], *existing.kept, *stale}, tok_path)
-      _remove(out, [PREPARED_MARKER], tok_path)
-    finally:
-      signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-    raise
-  finally:
-    ctrl_c.restore()
-  mb = meta["bytes"] / 1e6
-  log(f"prepared {out}: {meta['documents']:,} documents ({meta['val_documents']:,} val), "
-      f"{meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens, vocab "
-      f"{meta['vocab_size']} ({meta['dtype']}), {mb:.1f} MB of text in {meta['seconds']:.1f} s "
-      f"({mb / max(meta['seconds'], 1e-9):.2f} MB/s)")
-  return meta
+      raise
+    self.done = True
+    return meta
 
 
 def _pool_context() -> Any:
@@ -811,16 +1094,18 @@ def _tokenizer_checked(spec: str, eot_token: Optional[str]) -> tuple[Optional[in
 def _make_tokenizer(spec: str, bpe_size: Optional[int],
                     given_tok: Optional[tokenizer_lib.Tokenizer], in_place: bool,
                     inputs: list[str], out: Path, opts: Options,
-                    bpe_train_bytes: Optional[int], progress: bool, log: Callable[[str], Any]
+                    bpe_train_bytes: Optional[int], progress: bool, log: Callable[[str], Any],
+                    partials: dict[str, str], check_stop: Callable[[], None]
                     ) -> tuple[tokenizer_lib.Tokenizer, tuple]:
+  partial = out / partials.get(TOKENIZER_FILE, TOKENIZER_FILE + PARTIAL)
   if bpe_size is None:
     assert given_tok is not None, "a named tokenizer is loaded before this"
     tok = given_tok
     if isinstance(tok, tokenizer_lib.HFTokenizer):
       if in_place:  # --out's own tokenizer.json: read in place, never rewritten
         return tok, ("file", str(tok.path), tok.eot_token)
-      partial = Path(str(out / TOKENIZER_FILE) + PARTIAL)
-      partial.write_bytes(tok.path.read_bytes())  # the directory carries its own tokenizer
+      with _writing(out / TOKENIZER_FILE):
+        partial.write_bytes(tok.path.read_bytes())  # the directory carries its own tokenizer
       return tok, ("file", str(partial), tok.eot_token)
     return tok, ("name", spec, None)
   log(f"training a byte-level BPE of vocabulary {bpe_size} on the training split")
@@ -831,7 +1116,8 @@ def _make_tokenizer(spec: str, bpe_size: Optional[int],
     seen = 0
     for entry in inputs:
       for doc in iter_documents(entry, opts):
-        text, raw = _as_text(doc)
+        check_stop()
+        text, raw, _ = _as_text(doc)
         if _classify(raw, opts) == "train":
           yield text
           seen += len(raw)
@@ -839,30 +1125,81 @@ def _make_tokenizer(spec: str, bpe_size: Optional[int],
           if seen >= limit:
             return
 
-  partial = Path(str(out / TOKENIZER_FILE) + PARTIAL)
-  tok = tokenizer_lib.train_bpe(training_texts(), bpe_size, partial)
-  bar.close()
+  try:
+    tok = tokenizer_lib.train_bpe(training_texts(), bpe_size, partial)
+  except (PrepareError, KeyboardInterrupt):
+    raise
+  except Exception as e:  # noqa: BLE001 - tokenizers reports a failed save as a plain Exception
+    code = _OS_ERROR_CODE.search(str(e))
+    if code is None:
+      raise
+    raise _write_error(out / TOKENIZER_FILE, OSError(int(code.group(1)), str(e))) from None
+  finally:
+    bar.close()
   if tok.vocab_size < bpe_size:
     log(f"note: the corpus supports only {tok.vocab_size} BPE tokens, fewer than {bpe_size}")
   return tok, ("file", str(partial), tok.eot_token)
 
 
+class _TokenFile:
+  """One split's partial file: appends token arrays and keeps what meta.json records of it."""
+
+  def __init__(self, path: Path, final: Path) -> None:
+    self.path, self.final = path, final
+    with _writing(final):
+      self._file = open(path, "wb")
+    self.sha256 = hashlib.sha256()
+    self.bytes = 0
+    self.tokens = 0
+    self.max_token = -1
+
+  def append(self, ids: np.ndarray) -> None:
+    if not ids.size:
+      return
+    data = np.ascontiguousarray(ids).view(np.uint8).data
+    with _writing(self.final):
+      self._file.write(data)
+    self.sha256.update(data)
+    self.bytes += data.nbytes
+    self.tokens += int(ids.size)
+    self.max_token = max(self.max_token, int(ids.max()))
+
+  def close(self) -> None:
+    """Flushes and syncs the file (on disk before meta.json says it is complete)."""
+    with _writing(self.final):
+      self._file.flush()
+      os.fsync(self._file.fileno())
+      self._file.close()
+
+  def abort(self) -> None:
+    with contextlib.suppress(OSError):
+      self._file.close()
+
+  def record(self) -> dict:
+    return {"bytes": self.bytes, "tokens": self.tokens, "sha256": self.sha256.hexdigest(),
+            "max_token": self.max_token}
+
+
 def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_spec: tuple,
-              dtype: str, weights: Optional[list[float]], opts: Options, pool: Any, workers: int,
-              progress: bool, ctrl_c: Optional[_CtrlC] = None) -> dict:
-  paths = {split: Path(str(out / f"{split}.bin") + PARTIAL) for split in ("train", "val")}
-  files = {split: open(p, "wb") for split, p in paths.items()}
+              dtype: str, weights: Optional[list[float]], opts: Options,
+              workers: Optional[_Workers], progress: bool, check_stop: Callable[[], None],
+              partials: dict[str, str]) -> dict:
+  files = {split: _TokenFile(out / partials[f"{split}.bin"], out / f"{split}.bin")
+           for split in ("train", "val")}
   totals = {"train": 0, "val": 0}
   sources: list[dict[str, Any]] = []
   bar = tqdm(unit="B", unit_scale=True, desc="tokenize", disable=not progress, smoothing=0.1)
+  closed = False
   try:
     for index, entry in enumerate(inputs):
       counts: collections.Counter[str] = collections.Counter()
       start = dict(totals)
       tasks = _batches(iter_documents(entry, opts), (tok_spec, opts, np.dtype(dtype)))
-      for result in _ordered_map(pool, encode_batch, tasks, 2 * workers, ctrl_c):
+      results = (workers.map(encode_batch, tasks, check_stop) if workers is not None
+                 else _map_in_process(tasks, check_stop))
+      for result in results:
         for split in ("train", "val"):
-          result[split].tofile(files[split])
+          files[split].append(result[split])
           totals[split] += int(result[split].size)
         counts.update(result["counts"])
         bar.update(result["counts"]["bytes"])
@@ -886,14 +1223,20 @@ def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_sp
           "val_documents": counts["val"], "dropped_repeat": counts["repeat"],
           "dropped_nontext": counts["nontext"], "empty": counts["empty"],
           "bytes": counts["bytes"],
+          "invalid_utf8_documents": counts["invalid_utf8_documents"],
+          "invalid_utf8_bytes": counts["invalid_utf8_bytes"],
           "train_range": [start["train"], totals["train"]],
           "val_range": [start["val"], totals["val"]],
           "train_tokens": totals["train"] - start["train"],
           "val_tokens": totals["val"] - start["val"]})
-  finally:
-    bar.close()
     for f in files.values():
       f.close()
+    closed = True
+  finally:
+    bar.close()
+    if not closed:
+      for f in files.values():
+        f.abort()
   if totals["val"] == 0:
     n = sum(s["train_documents"] for s in sources)
     raise PrepareError(f"none of the {n} documents fell into the validation split "
@@ -913,27 +1256,33 @@ def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_sp
       "train_documents": sum(s["train_documents"] for s in sources),
       "val_documents": sum(s["val_documents"] for s in sources),
       "bytes": sum(s["bytes"] for s in sources),
+      "invalid_utf8": {"documents": sum(s["invalid_utf8_documents"] for s in sources),
+                       "bytes": sum(s["invalid_utf8_bytes"] for s in sources),
+                       "written_as": "U+FFFD"},
       "sources": sources,
       "split": {"rule": "validation iff blake2b(utf8, digest_size=8) as little-endian int < "
                         "val_fraction * 2**64", "val_fraction": opts.val_fraction},
       "filter": {"max_repeat": opts.filter_max_repeat, "max_nontext": opts.filter_max_nontext},
+      "files": {f"{split}.bin": f.record() for split, f in files.items()},
   }
 
 
 def _finish(out: Path, meta: dict, writes: Sequence[str], stale: set[str],
-            tok_path: Optional[Path], state: dict) -> None:
+            tok_path: Optional[Path], state: dict, partials: dict[str, str]) -> None:
   """Puts the new corpus in place: the old meta.json goes first (from then on the directory is
   incomplete and the marker says so), the partial files are renamed, files of the old corpus
-  that the new one lacks are removed, and the marker becomes meta.json, atomically, last."""
+  that the new one lacks are removed, meta.json is written (atomically) with the status of the
+  files now in place, and the marker goes last."""
   state["old_meta_removed"] = True
-  (out / PREPARED_META).unlink(missing_ok=True)
-  for name in writes:
-    os.replace(Path(str(out / name) + PARTIAL), out / name)
-    state["renamed"].append(name)
-  _remove(out, stale, tok_path)
-  marker = out / PREPARED_MARKER
-  with open(marker, "w") as f:
-    f.write(json.dumps(meta, indent=2) + "\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(marker, out / PREPARED_META)
+  with _writing(out / PREPARED_META):
+    (out / PREPARED_META).unlink(missing_ok=True)
+    for name in writes:
+      os.replace(out / partials[name], out / name)
+      state["renamed"].append(name)
+    _remove(out, stale, tok_path)
+    for name in SPLIT_FILES:
+      meta["files"][name]["stat"] = _stat_record(os.stat(out / name))
+  _write_json(out / PREPARED_META, meta, out / partials[PREPARED_META])
+  with _writing(out / PREPARED_MARKER):
+    (out / PREPARED_MARKER).unlink(missing_ok=True)
+  _sync_folder(out)

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Optional, Sequence
+from typing import IO, Callable, Optional, Sequence
 
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 LOCAL_DEVICE_IDS = "JAX_LOCAL_DEVICE_IDS"  # read by jax.distributed.initialize
@@ -361,7 +361,8 @@ def exit_code(returncode: int) -> int:
 
 
 def launch(command: Sequence[str], nproc: int, *, devices_per_proc: Optional[int] = None,
-           port: Optional[int] = None, grace: float = 30.0, platform: str = "auto") -> int:
+           port: Optional[int] = None, grace: float = 30.0, platform: str = "auto",
+           stop_requested: Callable[[], Optional[int]] = lambda: None) -> int:
   """Runs ``nproc`` copies of ``command`` as one JAX job and supervises them.
 
   Args:
@@ -375,10 +376,14 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_proc: Optional[int
     grace: after a process fails, how many seconds the others may take to stop.
     platform: ``auto`` (detect TPU chips, then NVIDIA GPUs, else CPU), ``cpu``, ``gpu`` or
       ``tpu``: which devices ``devices_per_proc`` divides.
+    stop_requested: a stop signal that came before this call took over the signals (the
+      command line's), or None.
 
   Returns:
     The exit code: the first non-zero one of the processes (128 + N for signal N), else 0; 2 when
-    the launch cannot be set up or a process cannot be started.
+    the launch cannot be set up or a process cannot be started; 130 when SIGINT, SIGTERM or
+    SIGHUP came before any process was started (a signal while they are being started goes to
+    those started, and no more are started).
   """
   try:
     platform, devices_per_proc = plan_devices(nproc, devices_per_proc, platform)
@@ -394,13 +399,23 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_proc: Optional[int
   pumps: list[threading.Thread] = []
   watchdog = _Watchdog()
 
+  received: list[int] = []  # stop signals, in order
+  signalled: set[int] = set()  # pids whose group got the first one
+
   def forward(signum: int, frame: object) -> None:
+    received.append(signum)
     _signal_groups(procs, signum)
+    signalled.update(p.pid for p in procs)
 
   for sig in FORWARDED:
     signal.signal(sig, forward)
+  early = stop_requested()
+  if early is not None:
+    received.append(early)
 
   for rank in range(nproc):
+    if received:  # stopped while starting: the started ones have it, no more are started
+      break
     try:
       p = subprocess.Popen(command, env=child_env(rank, nproc, port, devices_per_proc, platform,
                                                   tpu_ports),
@@ -413,6 +428,14 @@ def launch(command: Sequence[str], nproc: int, *, devices_per_proc: Optional[int
       return 2
     procs.append(p)
     watchdog.guard(p.pid)
+    if received and p.pid not in signalled:  # it came while this one was being started
+      _signal_groups([p], received[0])
+      signalled.add(p.pid)
+  if not procs:
+    name = signal.Signals(received[0]).name if received else "a signal"
+    _say(f"launch: interrupted by {name} before any process was started")
+    watchdog.done()
+    return 130
   for rank, p in enumerate(procs):  # threads only once every process is forked
     for source, sink in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
       t = threading.Thread(target=_pump, args=(rank, source, sink), daemon=True)

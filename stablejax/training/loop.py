@@ -25,7 +25,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from stablejax.data.pipeline import build_data, data_identity
+from stablejax.data.pipeline import build_data, data_identity, identity_difference
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax.muon.describe import NoOutlierSafeMuonError, describe_routing
@@ -210,13 +210,13 @@ class Run:
     if problem:
       raise ConfigError(problem)
     recorded, current = self.run_dir.data_identity, data_identity(self.cfg.data)
-    if recorded is not None and recorded != current and not self.data_changed:
-      record = self.run_dir.root / "run.json"
+    difference = identity_difference(recorded, current) if recorded is not None else None
+    if difference and not self.data_changed:
       raise ConfigError(
-          f"the data is not the data this run trained on (recorded in {record}: "
-          f"{_describe_identity(recorded)}; now: {_describe_identity(current)}): "
-          "point data.train at the run's data, pass --fresh to start over, or --data-changed to "
-          "resume on the new data on purpose (its validation set and order change)")
+          f"the data is not the data this run trained on ({difference}; recorded in "
+          f"{self.run_dir.root / 'run.json'}): point data.train at the run's data, pass --fresh "
+          "to start over, or --data-changed to resume on the new data on purpose (its "
+          "validation set and order change)")
 
   def _record_start(self) -> None:
     """The checks passed: the run's config, tokenizer and data identity, and its log files."""
@@ -404,16 +404,6 @@ class Run:
         for line in self.monitor.advice():
           self.log.console(f"advice: {line}")
     return exit_code
-
-
-def _describe_identity(identity: Any) -> str:
-  """A short form of a data identity for one error line."""
-  if not isinstance(identity, dict):
-    return str(identity)
-  shown = {k: v for k, v in identity.items() if k in ("path", "kind", "train_sha256", "tokens",
-                                                      "train_tokens", "sha256", "size")}
-  text = json.dumps(shown or identity, sort_keys=True)
-  return text if len(text) < 160 else text[:157] + "..."
 
 
 def _version() -> str:

@@ -38,10 +38,12 @@ to the current directory), so run this from where the run was started.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -121,7 +123,7 @@ def _jitted_quantize() -> Callable:
 def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] = None,
                   exclude: Sequence[str] = (), merge: bool = True,
                   on_fallback: Callable[[int, str], None] = lambda step, why: None,
-                  write: bool = True) -> dict:
+                  write: bool = True, check_stop: Callable[[], None] = lambda: None) -> dict:
   """Validation loss of a run's newest usable checkpoint before and after RTN quantisation.
 
   Args:
@@ -133,14 +135,17 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
     merge: for an EmbProj model, merge the projections into the embedding and head before
       quantising (how it would be deployed).
     on_fallback: called as ``on_fallback(step, reason)`` for each unusable checkpoint skipped.
-    write: write ``RUN_DIR/quantize_eval.json``.
+    write: write ``RUN_DIR/quantize_eval.json`` (atomically).
+    check_stop: called between the steps (restoring, loading data, each evaluation, each
+      compilation done); whatever it raises stops the evaluation before anything is written.
 
   Returns:
     ``{"run_dir", "checkpoint_step", "bits", "exclude", "batches", "merged_emb_proj",
     "val_loss_before", "val_loss_after", "delta", "relative_delta"}``.
 
   Raises:
-    QuantizeEvalError: missing directory, config or usable checkpoint; bad arguments.
+    QuantizeEvalError: missing directory, config or usable checkpoint; bad arguments; a run
+      directory it cannot write the result to.
 
   Example::
 
@@ -150,14 +155,17 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
   from stablejax.data.pipeline import DataError, build_data
   from stablejax.modeling.utils import merge_emb_proj
 
+  check_stop()
   if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
     raise QuantizeEvalError(f"bits={bits!r} must be an integer in 2..8 (4 for the usual test)")
   if batches is not None and (not isinstance(batches, int) or batches < 1):
     raise QuantizeEvalError(f"batches={batches!r} must be a positive integer")
   run_dir = Path(run_dir)
   cfg = load_run_config(run_dir)
+  check_stop()
   restored = restore_params(run_dir, on_fallback)
   check_params(restored.params, cfg.model, cfg.train.seq_len)
+  check_stop()
   n_batches = batches if batches is not None else cfg.train.eval_batches
   try:
     data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
@@ -165,15 +173,20 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
   except DataError as e:
     raise QuantizeEvalError(f"the run's data cannot be loaded: {e}") from None
   val = [b["tokens"] for b in data.val_batches(n_batches)]
+  check_stop()
 
   evaluate = make_evaluator(cfg, step=restored.step)
   before = evaluate(restored.params, val)
+  check_stop()
   params = restored.params
   merged = bool(merge and cfg.model.emb_proj)
   if merged:
     params, merged_cfg = merge_emb_proj(params, cfg.model)
     evaluate = make_evaluator(cfg, merged_cfg, step=restored.step)
-  after = evaluate(_jitted_quantize()(params, bits=bits, exclude=tuple(exclude)), val)
+  quantized = _jitted_quantize()(params, bits=bits, exclude=tuple(exclude))
+  check_stop()
+  after = evaluate(quantized, val)
+  check_stop()
 
   result = {
       "run_dir": str(run_dir),
@@ -188,5 +201,13 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
       "relative_delta": (after - before) / before if before else math.nan,
   }
   if write:
-    (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    partial = run_dir / f"{RESULT_FILE}.{os.getpid()}.partial"
+    try:  # whole or not at all: written aside, then renamed into place
+      partial.write_text(json.dumps(result, indent=2) + "\n")
+      os.replace(partial, run_dir / RESULT_FILE)
+    except OSError as e:
+      with contextlib.suppress(OSError):
+        partial.unlink(missing_ok=True)
+      raise QuantizeEvalError(f"cannot write {run_dir / RESULT_FILE} ({e.strerror or e}): free "
+                              f"some space or make the run directory writable") from None
   return result

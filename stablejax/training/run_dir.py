@@ -117,8 +117,9 @@ class RunDirectory:
         it, or it holds trainer names the trainer did not write (named in the message).
     """
     root = Path(root)
-    if not is_main:
-      return cls(root, None, {}, is_main=False)
+    if not is_main:  # reads the record (the resume checks decide alike on every process)
+      return cls(root, None, cls._read_record(root) if (root / RECORD).is_file() else {},
+                 is_main=False)
     if root.exists() and not root.is_dir():
       raise RunDirError(f"--out {root} is a file: pass a folder for the run (it is created if "
                         "missing)")

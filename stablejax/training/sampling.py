@@ -44,8 +44,13 @@ SampleError = RunError  # one error type for an unusable run (stablejax.training
 def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
            temperature: float = 0.8, top_k: int = 50, seed: int = 0, num_samples: int = 1,
            tokenizer: Optional[str] = None,
-           on_fallback: Callable[[int, str], Any] = lambda step, why: None) -> dict:
+           on_fallback: Callable[[int, str], Any] = lambda step, why: None,
+           check_stop: Callable[[], None] = lambda: None) -> dict:
   """Samples ``num_samples`` continuations of ``prompt`` from a run's newest usable checkpoint.
+
+  ``check_stop`` is called between the steps (config, checkpoint, tokenizer, compilation,
+  generation); whatever it raises stops sampling there. A step under way, such as an XLA
+  compilation, always runs to its end: nothing is thrown into it.
 
   Returns:
     ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds"}``
@@ -59,12 +64,15 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   from stablejax.modeling.utils import lambda_warmup
   from stablejax.training.generate import Generator
 
+  check_stop()
   if max_new_tokens < 0 or num_samples < 1 or top_k < 0 or not temperature >= 0:
     raise SampleError("need --max-new-tokens >= 0, --num-samples >= 1, --top-k >= 0 (0: all) and "
                       "--temperature >= 0 (0: greedy)")
   cfg = load_run_config(run_dir)
+  check_stop()
   restored = restore_params(run_dir, on_fallback)
   check_params(restored.params, cfg.model, cfg.train.seq_len)
+  check_stop()
   tok = run_tokenizer(cfg, tokenizer, run_dir)
   if tok.vocab_size > cfg.model.vocab_size:
     raise SampleError(f"the tokenizer has {tok.vocab_size} tokens but the model only "
@@ -80,12 +88,15 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   gen = Generator(cfg.model, top_k=top_k, valid_vocab=tok.vocab_size)
   kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, bitnet_lambda=lam,
                                 num_samples=num_samples)
+  check_stop()
   t0 = time.perf_counter()
   gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # compile
   t1 = time.perf_counter()
+  check_stop()
   tokens = gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)
   jax.block_until_ready(tokens)
   t2 = time.perf_counter()
+  check_stop()
   texts = [tok.decode(list(prompt_ids) + row.tolist()) if prompt else tok.decode(row.tolist())
            for row in np.asarray(tokens)]
   if prompt:

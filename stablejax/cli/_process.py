@@ -1,0 +1,183 @@
+"""What the programs do about stop signals and a closed output, from their first line.
+
+Stop signals. SIGINT (Ctrl-C), SIGTERM (``kill``, a scheduler's time limit, ``docker stop``) and
+SIGHUP (a closed terminal) mean the same to every program: stop at the next safe point, remove
+what is half-written, print one line naming the signal and exit with `EXIT_INTERRUPTED` (130,
+the trainer's code for the same three signals). `install` makes each of them only record itself
+(the first one counts; later ones are ignored while the program stops); the program calls `check`
+at its safe points, which raises `Interrupted`. Nothing is thrown into the middle of an import,
+an XLA compilation or a worker pool's bookkeeping, so a signal at any moment ends the same way.
+The ``stablejax`` command installs the handlers before it imports the command's module, and each
+command's ``main`` installs them too (for ``python -m stablejax.cli.NAME``); ``stablejax train``
+keeps its own (the trainer saves a checkpoint first).
+
+A closed output. When the reader of the standard output or error goes away (``| head``), the
+rest of that stream is discarded instead of raising `BrokenPipeError` (a traceback, or a
+prepare that stops half way because its log could not be printed); the program runs on and
+exits with its own code.
+
+Both are set up for the life of the process when a program runs (``main()`` without arguments);
+``main(argv)`` called from Python (tests, notebooks) restores the previous signal handlers when it
+returns and leaves the streams alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import signal
+import sys
+import threading
+from typing import Any, Iterator, Optional
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
+EXIT_INTERRUPTED = 130
+
+_received: list[int] = []  # the first stop signal received, once one came
+
+
+class Interrupted(KeyboardInterrupt):
+  """A stop signal was received; raised by `check` at a safe point. A KeyboardInterrupt, so code
+  that already cleans up after Ctrl-C cleans up after SIGTERM and SIGHUP the same way."""
+
+  def __init__(self, signum: int) -> None:
+    super().__init__(signal_name(signum))
+    self.signum = signum
+
+
+def signal_name(signum: Optional[int]) -> str:
+  try:
+    return signal.Signals(signum).name if signum is not None else "SIGINT"
+  except ValueError:
+    return f"signal {signum}"
+
+
+def interrupted_name(error: BaseException) -> str:
+  """The signal an `Interrupted` (or a plain KeyboardInterrupt: SIGINT) stands for."""
+  return signal_name(getattr(error, "signum", None))
+
+
+def _record(signum: int, frame: object) -> None:
+  if not _received:
+    _received.append(signum)
+
+
+def install() -> dict[int, Any]:
+  """Makes each stop signal only record itself; returns the handlers it replaced. Idempotent."""
+  if threading.current_thread() is not threading.main_thread():
+    return {}  # only the main thread may set handlers; a caller in a thread keeps Python's
+  return {s: signal.signal(s, _record) for s in STOP_SIGNALS}
+
+
+def restore(previous: dict[int, Any]) -> None:
+  for s, handler in previous.items():
+    signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def received() -> Optional[int]:
+  """The stop signal received so far (None: none)."""
+  return _received[0] if _received else None
+
+
+def check() -> None:
+  """A safe point: raises `Interrupted` when a stop signal has been received."""
+  if _received:
+    raise Interrupted(_received[0])
+
+
+def forget() -> None:
+  """Clears a received signal (for a caller that handled it and goes on, e.g. a test)."""
+  _received.clear()
+
+
+@contextlib.contextmanager
+def program(as_program: bool) -> Iterator[None]:
+  """The signal handling (and, for a program, the closed-output handling) of one ``main``.
+
+  Args:
+    as_program: True when ``main`` runs as the process's program (called without arguments):
+      everything stays set up until the process exits. False (``main(argv)`` from Python): the
+      previous handlers come back when ``main`` returns, the streams are left alone, and a
+      signal received during it is forgotten.
+  """
+  previous = install()
+  if as_program:
+    tolerate_closed_output()
+  try:
+    yield
+  finally:
+    if not as_program:
+      restore(previous)
+      forget()
+
+
+# ----------------------------------------------------------------------------- closed output
+
+
+class _TolerantWriter(io.RawIOBase):
+  """Writes to a file descriptor; once its reader is gone (EPIPE), swallows what is written."""
+
+  def __init__(self, fd: int) -> None:
+    super().__init__()
+    self._fd = fd
+    self.reader_gone = False
+
+  def writable(self) -> bool:
+    return True
+
+  def fileno(self) -> int:
+    return self._fd
+
+  def isatty(self) -> bool:
+    return os.isatty(self._fd)
+
+  def write(self, data: Any) -> int:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view) and not self.reader_gone:  # all of it: a text layer may sit on top
+      try:
+        done += os.write(self._fd, view[done:])
+      except BrokenPipeError:
+        self.reader_gone = True
+    return len(view)
+
+
+def _tolerant(stream: Any) -> Any:
+  if stream is None or getattr(stream, "_stablejax_tolerant", False):
+    return stream
+  try:
+    fd = stream.fileno()
+    stream.flush()
+  except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+    return stream  # not a real file (already captured or replaced by someone): leave it
+  raw = _TolerantWriter(fd)
+  # Buffered as the stream was (python -u, PYTHONUNBUFFERED: straight through, line by line).
+  buffered = isinstance(getattr(stream, "buffer", None), io.BufferedWriter)
+  layer: Any = io.BufferedWriter(raw) if buffered else raw
+  wrapper = io.TextIOWrapper(layer, encoding=stream.encoding, errors=stream.errors,
+                             line_buffering=stream.line_buffering,
+                             write_through=getattr(stream, "write_through", False) or not buffered)
+  wrapper._stablejax_tolerant = True  # type: ignore[attr-defined]
+  return wrapper
+
+
+def tolerate_closed_output() -> None:
+  """Replaces ``sys.stdout`` and ``sys.stderr`` (when they are the process's own) with streams
+  that discard what is written once their reader is gone."""
+  if sys.stdout is sys.__stdout__:
+    sys.stdout = _tolerant(sys.stdout)
+  if sys.stderr is sys.__stderr__:
+    sys.stderr = _tolerant(sys.stderr)
+
+
+def own_output() -> None:
+  """Puts the process's own ``sys.stdout`` and ``sys.stderr`` back, for a program that handles a
+  closed output itself from here on (the launcher says so on its other stream)."""
+  for name in ("stdout", "stderr"):
+    stream = getattr(sys, name)
+    if getattr(stream, "_stablejax_tolerant", False):
+      with contextlib.suppress(OSError, ValueError):
+        stream.flush()
+      setattr(sys, name, getattr(sys, f"__{name}__"))
