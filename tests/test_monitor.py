@@ -594,3 +594,14 @@ def test_tensorboard_tags_of_the_logit_telemetry():
                   "attention/max_logit/layer_2/head_1": 299.0, "output_logits/max": 9.0,
                   "output_logits/log_z_mean": 5.0, "output_logits/log_z_max": 7.0,
                   "stability/qk_clip/heads_clipped": 3.0}
+
+
+def test_a_score_just_below_the_target_is_printed_below_it() -> None:
+  # 0.7996 printed to two decimals read "stability score 0.80 < target 0.80".
+  m = StabilityMonitor(window=10, loss_plateau_check=False)
+  lines = []
+  for step in range(1, 21):  # a skip rate of 0.05 * 1.002: score 1 - 0.2 * 1.002 = 0.7996
+    lines += m.update(step, {"skip_spikes/total_skips": 0.0501 * step, "loss": 2.0})
+  scores = [line for line in lines if "stability score" in line]
+  assert scores and "stability score 0.800 < target 0.800" not in scores[0]
+  assert "stability score 0.7996 < target 0.8000" in scores[0], scores

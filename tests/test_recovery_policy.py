@@ -566,3 +566,13 @@ def test_rollback_line_names_the_skipped_batches_as_an_inclusive_range():
                         skipped_batches=(20, 30))
   assert event.describe() == ("step 30: loss spike; restored step 20, lr scale 0.2, "
                               "skipped data batches 20..29")
+
+
+def test_a_long_damage_reason_is_cut_between_words_not_inside_a_path():
+  from stablejax.training.checkpoint import shorten
+  path = "/runs/a/checkpoints/10/state/ocdbt.process_0/d/" + "f" * 40
+  reason = "missing file: " + " ".join([path] * 8)
+  short = shorten(reason)
+  assert short.endswith(" ...") and len(short) <= 304
+  assert all(word == path for word in short[len("missing file: "):-len(" ...")].split())
+  assert shorten("one line\nsecond line") == "one line"

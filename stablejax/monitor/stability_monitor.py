@@ -314,7 +314,11 @@ class StabilityMonitor:
       return []
     self._last_advice_clock = self._clock
     if below:
-      head = f"step {step}: stability score {score:.2f} < target {self.score_target:.2f}"
+      # Enough decimals to show the difference (0.7996 is not "0.80 < target 0.80").
+      digits = next((d for d in range(2, 6) if f"{score:.{d}f}" != f"{self.score_target:.{d}f}"),
+                    6)
+      head = (f"step {step}: stability score {score:.{digits}f} < target "
+              f"{self.score_target:.{digits}f}")
     else:
       head = f"step {step}: stability score {score:.2f}"
     if advice:

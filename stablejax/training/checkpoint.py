@@ -133,9 +133,19 @@ def missing_files(step_dir: Path) -> list[str]:
   return missing
 
 
-def _first_line(error: BaseException, limit: int = 200) -> str:
-  text = str(error).strip()
-  return f"{type(error).__name__}: {text.splitlines()[0][:limit]}" if text else type(error).__name__
+def shorten(text: str, limit: int = 300) -> str:
+  """The first line of ``text``, cut at a space before ``limit`` characters (never inside a word
+  or a path), with " ..." where it was cut."""
+  line = text.strip().splitlines()[0] if text.strip() else ""
+  if len(line) <= limit:
+    return line
+  cut = line.rfind(" ", 0, limit)
+  return line[:cut if cut > 0 else limit] + " ..."
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+  text = shorten(str(error), limit)
+  return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 @jax.jit
@@ -263,7 +273,7 @@ class Checkpoints:
             " checkpoint was left as it is: fix the cause (memory, storage, or a config that"
             " differs from the run's) and run again") from error
       if distributed.agree_any(why is not None):
-        on_fallback(step, (why or "damaged on another process").splitlines()[0][:200])
+        on_fallback(step, shorten(why or "damaged on another process"))
         damaged.append(step)
         continue
       for bad in damaged:
