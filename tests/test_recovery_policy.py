@@ -20,10 +20,15 @@ import pytest
 from stablejax.training import checkpoint as checkpoint_lib
 from stablejax.training.checkpoint import (CheckpointError, Checkpoints, damage_evidence, read_json,
                                            write_json_atomic)
-from stablejax.training.config import StabilityConfig
+from stablejax.training.config import RecoveryConfig, stability_config_class
 from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent, backoff_lr_scale
 
 REQ = "skip_nonfinite/rollback_requests"
+
+
+def _stability(**recovery):
+  """A stability section with these recovery settings (the rest at their defaults)."""
+  return stability_config_class()(recovery=RecoveryConfig(**recovery))
 
 
 def record(loss, requests=0, params_finite=True):
@@ -47,7 +52,7 @@ WARM = [5.5, 4.0, 3.0, 2.5, 2.2, 2.1, 2.0, 2.0, 2.05, 2.0]
 def test_bump_that_recovers_within_the_window_does_not_trigger():
   # The Post-LN bump of the scenario matrix: four logged losses at ~10, then back down. Four of
   # the last five were above the line, so the median rule this replaces rolled back here.
-  r = Recovery(StabilityConfig(loss_window=5, loss_explosion_factor=3.0))
+  r = Recovery(_stability(loss_window=5, loss_explosion_factor=3.0))
   i, cause = feed(r, WARM + [9.5, 10.2, 10.1, 10.2, 2.3, 2.2, 9.0, 9.0, 9.0, 9.0, 2.1])
   assert i is None, cause
   assert r.best_loss_median == pytest.approx(2.0)  # the bump never entered the best median
@@ -57,7 +62,7 @@ def test_bump_that_recovers_within_the_window_does_not_trigger():
 def test_an_elevated_loss_never_enters_the_median_window():
   # Window 3: medians of the last 3 losses that were not elevated. [2.0, 2.5, 2.2] has median
   # 2.2; had the elevated 10.0 entered the window, it would hold [2.5, 10.0, 2.2], median 2.5.
-  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=3.0))
+  r = Recovery(_stability(loss_window=3, loss_explosion_factor=3.0))
   i, _ = feed(r, [3.0, 3.0, 3.0, 2.0, 2.5])
   assert i is None and r.best_loss_median == 2.5
   i, _ = feed(r, [10.0, 2.2])  # 10.0 > 3 x 2.5: elevated
@@ -65,7 +70,7 @@ def test_an_elevated_loss_never_enters_the_median_window():
 
 
 def test_divergence_triggers_on_the_window_th_elevated_loss():
-  r = Recovery(StabilityConfig(loss_window=5, loss_explosion_factor=3.0))
+  r = Recovery(_stability(loss_window=5, loss_explosion_factor=3.0))
   losses = WARM + [6.1, 7.0, 9.0, 12.0, 15.0, 20.0]
   i, cause = feed(r, losses)
   assert i == len(WARM) + 4  # the 5th elevated value in a row, not the 4th
@@ -74,7 +79,7 @@ def test_divergence_triggers_on_the_window_th_elevated_loss():
 
 
 def test_values_at_the_line_are_not_elevated():
-  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=2.0))
+  r = Recovery(_stability(loss_window=3, loss_explosion_factor=2.0))
   # best median of [2, 2, 2] is 2; 4.0 is exactly 2 x best: not above the line
   i, _ = feed(r, [2.0, 2.0, 2.0, 4.0, 4.0, 4.0, 4.0])
   assert i is None
@@ -83,19 +88,19 @@ def test_values_at_the_line_are_not_elevated():
 
 
 def test_non_finite_losses_trigger_even_before_a_best_exists():
-  r = Recovery(StabilityConfig(loss_window=3))
+  r = Recovery(_stability(loss_window=3))
   i, cause = feed(r, [5.0, math.nan, math.inf, math.nan])
   assert i == 3 and "non-finite" in cause
 
 
 def test_one_normal_value_resets_the_run_of_elevated_values():
-  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=3.0))
+  r = Recovery(_stability(loss_window=3, loss_explosion_factor=3.0))
   i, _ = feed(r, WARM + [7.0, 7.0, 2.1, 7.0, 7.0, 2.1, 7.0, 7.0])
   assert i is None
 
 
 def test_rollback_request_counter_triggers_until_acknowledged():
-  r = Recovery(StabilityConfig())
+  r = Recovery(_stability())
   assert r.check_train(record(2.0, requests=0)) is None
   cause = r.check_train(record(2.0, requests=1))  # a burst ended since the last log: level False
   assert cause is not None and cause.startswith("skip_nonfinite: too many skipped steps")
@@ -106,19 +111,19 @@ def test_rollback_request_counter_triggers_until_acknowledged():
 
 
 def test_non_finite_parameter_triggers_at_once():
-  r = Recovery(StabilityConfig())
+  r = Recovery(_stability())
   assert r.check_train(record(2.0, params_finite=False)) == "a parameter became non-finite"
 
 
 def test_validation_triggers_only_when_non_finite():
-  r = Recovery(StabilityConfig())
+  r = Recovery(_stability())
   assert r.check_val(2.0) is None
   assert r.check_val(100.0) is None  # one evaluation cannot tell a bump from a divergence
   assert r.check_val(math.nan) == "validation loss is non-finite"
 
 
 def test_rollback_target_goes_one_checkpoint_further_back_on_a_repeat():
-  r = Recovery(StabilityConfig())
+  r = Recovery(_stability())
   assert r.rollback_target([]) is None
   assert r.rollback_target([0, 10, 20]) == 20
   r.record(RollbackEvent(step=25, cause="x", restored_step=20), {})
@@ -131,17 +136,17 @@ def test_rollback_target_goes_one_checkpoint_further_back_on_a_repeat():
 
 
 def test_state_dict_round_trip():
-  r = Recovery(StabilityConfig(loss_window=2))
+  r = Recovery(_stability(loss_window=2))
   feed(r, [3.0, 2.0, 2.0])
   r.record(RollbackEvent(step=7, cause="c", restored_step=4, lr_scale=0.2,
                          skipped_batches=(4, 8)), {})
-  again = Recovery(StabilityConfig(loss_window=2))
+  again = Recovery(_stability(loss_window=2))
   again.load_state_dict(json.loads(json.dumps(r.state_dict())))
   assert again.events == r.events and again.best_loss_median == r.best_loss_median == 2.0
 
 
 def test_rollback_budget_is_max_rollbacks():
-  r = Recovery(StabilityConfig(max_rollbacks=2))
+  r = Recovery(_stability(max_rollbacks=2))
   assert r.budget_left and r.rollbacks == 0
   r.record(RollbackEvent(step=5, cause="x", restored_step=0), {})
   assert r.budget_left and r.rollbacks == 1
@@ -153,7 +158,7 @@ def test_a_rollback_starts_the_loss_window_afresh():
   # Best median 5 from [5, 5, 5]; two elevated losses, then a rollback: the state restored is
   # healthy, the elevated run restarts from zero, and the abandoned window does not mix with
   # the losses logged after it.
-  r = Recovery(StabilityConfig(loss_window=3, loss_explosion_factor=3.0))
+  r = Recovery(_stability(loss_window=3, loss_explosion_factor=3.0))
   i, _ = feed(r, [5.0, 5.0, 5.0, 20.0, 20.0])
   assert i is None and not r.healthy() and r.best_loss_median == 5.0
   r.record(RollbackEvent(step=6, cause="x", restored_step=0), {})
