@@ -934,6 +934,39 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
     train, prepared_val = _load_prepared(path, meta, cfg)
   else:
     train = [_load(e, cfg, "train", bin_vocab) for e in train_entries]
+  train_ranges, val_ranges = _split(train, prepared_val, val_entries, cfg, window, bin_vocab)
+  train_readers = _readers(zip(train, train_ranges), window, "train")
+  val_readers = _readers(val_ranges, window, "validation")
+  sizes = [sum(e - s for s, e in r) for r in train_ranges]
+  weights = _mixing_weights(cfg, train, sizes, prepared_val is not None)
+  ds = _train_dataset(train_readers, weights, cfg, seed, batch_size // process_count,
+                      process_index, process_count)
+
+  total_w = sum(weights)
+  source_stats = []
+  for i, src in enumerate(train):
+    st = dict(src.stats, train_tokens=sizes[i], weight=weights[i] / total_w)
+    if cfg.val is None and prepared_val is None:
+      st["val_tokens"] = sum(e - s for s, e in val_ranges[i][1])
+    source_stats.append(st)
+  separate_val = cfg.val is not None or prepared_val is not None
+  stats = dict(
+      sources=source_stats,
+      val_sources=([dict(s.stats) for s, _ in val_ranges] if separate_val else []),
+      train_tokens=int(sum(sizes)),
+      val_tokens=int(sum(sum(e - s for s, e in r) for _, r in val_ranges)),
+      weights=[w / total_w for w in weights],
+      batch_size=batch_size, local_batch_size=batch_size // process_count, seq_len=seq_len)
+  return Data(vocab_size=vocab_size, stats=stats, train_dataset=ds, val_readers=val_readers,
+              batch_size=batch_size, process_index=process_index, process_count=process_count,
+              num_threads=cfg.num_threads)
+
+
+def _split(train: list, prepared_val: Any, val_entries: list, cfg: DataConfig, window: int,
+           bin_vocab: int) -> tuple[list, list]:
+  """(each train source's training ranges, [(validation source, its ranges)]): the tail of each
+  source held out (``val_fraction``), or the given ``data.val``, or a prepared ``val.bin``."""
+  seq_len = window - 1
   train_ranges, val_ranges = [], []
   for src in train:
     if prepared_val is not None:
@@ -953,26 +986,28 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
     val_ranges = [(prepared_val, prepared_val.ranges)]
   elif cfg.val is not None:
     val_ranges = [(s, s.ranges) for s in (_load(e, cfg, "val", bin_vocab) for e in val_entries)]
+  return train_ranges, val_ranges
 
-  train_readers = []
-  for src, ranges in zip(train, train_ranges):
+
+def _readers(sources: Any, window: int, split: str) -> list["_WindowReader"]:
+  """A window reader per (source, ranges); a source without one whole window is an error."""
+  readers = []
+  for src, ranges in sources:
     reader = _WindowReader(src.tokens, ranges, window)
     if reader.num_windows == 0:
-      raise DataError(f"data source {src.name!r} has {sum(e - s for s, e in ranges)} usable "
-                      f"train tokens, fewer than one window of seq_len+1={window}: use a longer "
-                      f"corpus or a smaller train.seq_len")
-    train_readers.append(reader)
-  val_readers = []
-  for src, ranges in val_ranges:
-    reader = _WindowReader(src.tokens, ranges, window)
-    if reader.num_windows == 0:
-      raise DataError(f"validation data {src.name!r} has {sum(e - s for s, e in ranges)} usable "
-                      f"tokens, fewer than one window of seq_len+1={window}: use a longer "
-                      f"corpus or a smaller train.seq_len")
-    val_readers.append(reader)
+      what = f"data source {src.name!r}" if split == "train" else f"validation data {src.name!r}"
+      usable = "usable train tokens" if split == "train" else "usable tokens"
+      raise DataError(f"{what} has {sum(e - s for s, e in ranges)} {usable}, fewer than one "
+                      f"window of seq_len+1={window}: use a longer corpus or a smaller "
+                      f"train.seq_len")
+    readers.append(reader)
+  return readers
 
-  sizes = [sum(e - s for s, e in r) for r in train_ranges]
-  if cfg.weights is None and prepared_val is not None:
+
+def _mixing_weights(cfg: DataConfig, train: list, sizes: list[int], prepared: bool
+                    ) -> list[float]:
+  """``data.weights``, or the prepared sources' recorded weights, or the token counts."""
+  if cfg.weights is None and prepared:
     weights = [float(src.stats["weight"] or size) for src, size in zip(train, sizes)]
   elif cfg.weights is None:
     weights = [float(s) for s in sizes]
@@ -984,7 +1019,13 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
     if not all(math.isfinite(w) and w > 0 for w in weights):
       raise DataError(f"data.weights={cfg.weights} has a non-positive or non-finite entry: give "
                       f"positive numbers")
+  return weights
 
+
+def _train_dataset(train_readers: list, weights: list[float], cfg: DataConfig, seed: int,
+                   local: int, process_index: int, process_count: int) -> grain.MapDataset:
+  """Seeded, shuffled, jittered windows of every source, mixed by ``weights``, in batches of
+  this process's ``local`` rows (each process reads its own rows of every global batch)."""
   per_source = []
   for i, reader in enumerate(train_readers):
     shuffle_seed, jitter_seed = _seeds(seed, i)
@@ -1002,29 +1043,10 @@ def build_data(cfg: DataConfig, *, seq_len: int, batch_size: int, seed: int,
   if cfg.shuffle_buffer > 1:
     buffer_seed, _ = _seeds(seed, len(per_source) + 1)
     ds = WindowShuffleMapDataset(ds, window_size=int(cfg.shuffle_buffer), seed=buffer_seed)
-  local = batch_size // process_count
   ds = ds.batch(local, drop_remainder=True)
   if process_count > 1:
     ds = ds[process_index::process_count]
-
-  total_w = sum(weights)
-  source_stats = []
-  for i, src in enumerate(train):
-    st = dict(src.stats, train_tokens=sizes[i], weight=weights[i] / total_w)
-    if cfg.val is None and prepared_val is None:
-      st["val_tokens"] = sum(e - s for s, e in val_ranges[i][1])
-    source_stats.append(st)
-  separate_val = cfg.val is not None or prepared_val is not None
-  stats = dict(
-      sources=source_stats,
-      val_sources=([dict(s.stats) for s, _ in val_ranges] if separate_val else []),
-      train_tokens=int(sum(sizes)),
-      val_tokens=int(sum(sum(e - s for s, e in r) for _, r in val_ranges)),
-      weights=[w / total_w for w in weights],
-      batch_size=batch_size, local_batch_size=local, seq_len=seq_len)
-  return Data(vocab_size=vocab_size, stats=stats, train_dataset=ds, val_readers=val_readers,
-              batch_size=batch_size, process_index=process_index, process_count=process_count,
-              num_threads=cfg.num_threads)
+  return ds
 
 
 def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
