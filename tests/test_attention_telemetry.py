@@ -52,7 +52,7 @@ def test_attention_logit_max_matches_numpy_causal_masked_and_grouped():
 @pytest.mark.parametrize("scan", [True, False])
 def test_gpt_sows_the_max_of_the_logits_its_softmax_uses(scan):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
-                    compute_dtype="float32", scan_layers=scan, init_std=0.3)
+                    compute_dtype="float32", scan_layers=scan, init_std=0.3, qk_norm=False)
   model = GPT(cfg)
   tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
   params = model.init(jax.random.key(0), tokens)["params"]

@@ -32,6 +32,9 @@ EDGES = [
      "skip_spikes.window=18 is below 19"),
     (["stability.recovery.emergency_lr_factor=1.0"], ["stability.recovery.emergency_lr_factor=0.0"],
      "emergency_lr_factor=0.0 must lie in \\(0, 1\\]"),
+    (["stability.clip.enabled=true", "stability.clip.max_norm=0.5"],
+     ["stability.clip.enabled=true", "stability.clip.max_norm=0"],
+     "stability.clip.max_norm=0.0 must be > 0"),
     (["mesh.distributed=true", "mesh.process_id=0"], ["mesh.process_id=0"],
      "mesh.process_id is set but mesh.distributed=false"),
 ]

@@ -70,8 +70,7 @@ def _check_heads_mean_heads(apply, tree, layers: list[AttentionLayer], head_dim:
 @pytest.mark.parametrize("scan", [True, False])
 def test_trainer_gpt_heads_from_num_heads_or_qk_norm(scan):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, compute_dtype="float32",
-                    init_std=0.3,
-                    scan_layers=scan)
+                    init_std=0.3, qk_norm=False, scan_layers=scan)
   model = GPT(cfg)
   params = jax.jit(model.init)(jax.random.key(0), TOKENS)["params"]
   with pytest.raises(ValueError, match="pass num_heads"):

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 
-from stablejax.training.actions import Sampling, TimeBudget
+from stablejax.training.actions import Checkpointing, Evaluation, Sampling, TimeBudget
 from stablejax.training.batches import Batches, total_skips
 from stablejax.training.config import load_config
 
@@ -102,3 +102,22 @@ def test_early_stop_takes_the_mean_step_time_since_the_previous_check() -> None:
   assert seen[0] == pytest.approx(2.0, abs=0.1)
   assert budget.checked[1] == 5
 
+
+
+def test_the_periodic_eval_skips_the_last_step_which_has_the_final_one() -> None:
+  cfg = load_config(None, ["train.steps=30", "train.warmup_steps=5", "train.eval_every=10"])
+  components = types.SimpleNamespace(cfg=cfg, total_steps=30)
+  evaluation = Evaluation(components, [], None, None, None, None, None)
+  assert [s for s in range(1, 31) if evaluation.due(s)] == [10, 20]
+
+
+def test_a_deferred_checkpoint_is_retried_at_the_next_log_step() -> None:
+  # checkpoint.every=10, train.log_every=4: saves at 10, 20 and the last step (25); a save
+  # deferred (the loss was elevated) is due again at each log step until it is taken.
+  cfg = load_config(None, ["train.steps=25", "train.warmup_steps=5", "train.log_every=4",
+                           "checkpoint.every=10"])
+  components = types.SimpleNamespace(cfg=cfg, total_steps=25)
+  checkpointing = Checkpointing(components, None, None, dict, None, None)
+  assert [s for s in range(1, 26) if checkpointing.due(s)] == [10, 20, 25]
+  checkpointing.deferred = True
+  assert [s for s in range(11, 20) if checkpointing.due(s)] == [12, 16]

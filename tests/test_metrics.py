@@ -212,3 +212,30 @@ def test_a_subclass_of_a_registered_state_is_found():
   state = stablejax.zclip().init({"w": jnp.zeros(2)})
   metrics = stablejax.stability_metrics((MyZClipState(*state),))
   assert set(metrics) == _keys("zclip", ZCLIP)
+
+
+def test_a_registered_rate_reaches_the_monitor_and_the_score():
+  # A state registered with a rate (budget 0.1): the monitor keeps it over its window, the
+  # score counts it and the troubleshooting table names it; forgotten again, it is gone.
+  from typing import NamedTuple
+
+  from stablejax.transforms.metrics import Rate, register_state_metrics, unregister_state_metrics
+
+  class CountState(NamedTuple):
+    hits: jax.Array
+    hit: jax.Array
+
+  register_state_metrics(CountState, "counted", lambda s: {"hits": s.hits, "hit": s.hit},
+                         rates=(Rate("counted_rate", flag="hit", counter="hits", budget=0.1,
+                                     advice="counted rate {value:.3g} > 0.1: look"),))
+  try:
+    monitor = stablejax.StabilityMonitor(window=100)
+    monitor.update(0, {"counted/hits": 0})
+    monitor.update(10, {"counted/hits": 1})   # one event in 10 steps: the budget exactly
+    assert monitor.rates()["counted_rate"] == pytest.approx(0.1)
+    assert monitor.score() == pytest.approx(0.8)
+    monitor.update(20, {"counted/hits": 4})   # 4 events in 20 steps
+    assert "counted rate 0.2 > 0.1: look" in monitor.advice()
+  finally:
+    unregister_state_metrics(CountState)
+  assert "counted_rate" not in stablejax.StabilityMonitor().rates()

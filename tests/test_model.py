@@ -15,7 +15,7 @@ from helpers import gpt_params
 T = 16
 # Tests run unscanned in float32 unless they are about scan or precision: it compiles much faster.
 BASE = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=T,
-                   scan_layers=False, compute_dtype="float32")
+                   scan_layers=False, compute_dtype="float32", qk_norm=False)
 
 
 def _tokens(seed=0, b=2, t=T, vocab=64):

@@ -15,7 +15,7 @@ from stablejax.modeling.gpt import GPT, ModelConfig
 from helpers import gpt_params
 
 CFG = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, max_seq_len=8,
-                  scan_layers=False, compute_dtype="float32")
+                  scan_layers=False, compute_dtype="float32", qk_norm=False)
 
 
 def test_public_names_exported():

@@ -12,7 +12,7 @@ from stablejax.modeling.gpt import GPT, ModelConfig
 from helpers import gpt_params
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
-            compute_dtype="float32", init_std=0.2)
+            compute_dtype="float32", init_std=0.2, qk_norm=False)
 VARIANTS = {
     "scan": {},
     "unscanned_qknorm_tied": dict(scan_layers=False, qk_norm=True, tie_embeddings=True),

@@ -136,7 +136,6 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
            "micro_batches or fp16 or logged_lr_is"),
     GENERATE: ("tests/test_sample.py", "-k", "not cli and not carries"),
     # The loop's decisions on a bare Run (its trainer runs take minutes each).
-    LOOP: ("tests/test_loop_decisions.py",),
     BATCHES: ("tests/test_loop_decisions.py",),
     ACTIONS: ("tests/test_loop_decisions.py",),
     HEALTH: ("tests/test_monitor.py", "-k", "health or level or exploded"),
@@ -146,6 +145,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     LAYOUT: ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
              "not check_learning_rates and not describe_routing_finds"),
     QK_CLIP: ("tests/test_qk_clip.py", QK_CLIP),
+    CLIP: ("tests/test_optim.py", "tests/test_config.py", "-m", "not slow"),
 }
 
 # Modules of stablejax/ without mutants, and why.
@@ -155,8 +155,10 @@ MODULES_NOT_COVERED = {
     "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
-    "training/loop.py beyond its decisions on a bare Run": "only trainer runs (minutes each) "
-        "reach the rest; tests/test_trainer.py and tests/test_recovery.py run them in CI",
+    "training/loop.py, components.py, rollback.py, run_dir.py": "their promises are kept by "
+        "trainer runs (tests/test_trainer.py, test_recovery.py, test_run_dir.py: minutes per "
+        "mutant); the loop's decisions are mutated where they live (training/batches.py, "
+        "training/actions.py)",
     "transforms/metrics.py: QK-clip entry": "comes with the QK-clip transform",
     "cli/_process.py": "not yet: its tests start the programs (tests/test_signals.py, a second "
         "or two each); the launcher's use of it is mutated in training/launch.py (LA12)",
@@ -567,6 +569,11 @@ MUTANTS = [
        '  out["grad_norm_mean"] = window_stats(s.grad_norm_history, s.grad_norm_count)[0]',
        '  out["grad_norm_mean"] = window_stats(s.grad_norm_history, s.loss_count)[0]',
        "the grad-norm mean is taken over the loss window's count", AREA_TESTS[METRICS]),
+    _m("MT8", METRICS,
+       "  _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, tuple(rates), "
+       "tuple(series),",
+       "  _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, (), tuple(series),",
+       "the rates a state registers never reach the monitor"),
     _m("MT6", METRICS, "  for klass in type(node).__mro__:", "  for klass in (type(node),):",
        "a subclass of a registered state is not found"),
     _m("MT7", ZCLIP, '      "clip_count": s.clip_count,', '      "clip_count": s.spike_count,',
@@ -1224,6 +1231,14 @@ MUTANTS = [
        "label_params(params))", "AdamW mode decays norm gains and biases"),
     _m("OP5", OPTIM, "      adam_weight_decay=o.adam_weight_decay,\n", "",
        "optimizer.adam_weight_decay does not reach Muon mode's AdamW groups"),
+    _m("CL2", CLIP, "    defence.check_positive(f\"{where}.max_norm\", self.max_norm)", "    pass",
+       "stability.clip.max_norm=0 is accepted"),
+    _m("CL3", CLIP, "position=defence.Position.GRADIENT, order=10,",
+       "position=defence.Position.GRADIENT, order=40,",
+       "the plain clip runs after AdaGC instead of before it"),
+    _m("CL4", CLIP, "position=defence.Position.GRADIENT, order=10,",
+       "position=defence.Position.UPDATE, order=10,",
+       "the plain clip clips the optimizer's update instead of the gradient"),
     _m("OP6", CLIP, "    build=lambda c, ctx: optax.clip_by_global_norm(c.max_norm),",
        "    build=lambda c, ctx: optax.identity(),",
        "stability.clip does not clip", AREA_TESTS[OPTIM]),
@@ -1398,6 +1413,13 @@ MUTANTS = [
     _m("LO5", ACTIONS, "    if self.c.sampler is None or step >= self.c.total_steps:",
        "    if self.c.sampler is None or step > self.c.total_steps:",
        "the last step samples twice (periodic and final)"),
+    _m("AC1", ACTIONS,
+       "    return step % self.c.cfg.train.eval_every == 0 and step < self.c.total_steps",
+       "    return step % self.c.cfg.train.eval_every == 0",
+       "the last step is evaluated twice (periodic and final)"),
+    _m("AC2", ACTIONS, "        self.deferred and step % cfg.train.log_every == 0)",
+       "        self.deferred)",
+       "a deferred checkpoint is retried at every step, not at log steps"),
     _m("LO6", ACTIONS, "        recent = (now - then) / (step - previous)",
        "        recent = now - then", "the early stop takes a whole interval as one step"),
     _m("LO7", BATCHES, "    while self.pending and self.consumed >= self.pending[0][0]:",
