@@ -76,14 +76,14 @@ def test_stored_step_count_is_kept_without_measuring(monkeypatch):
   b.load_state_dict({"budget_steps": 1234, "elapsed_seconds": 60.0, "step": 100,
                      "budget_timings": dataclasses.asdict(TIMINGS)})
   monkeypatch.setattr(budget_lib, "measure", lambda *a: pytest.fail("re-measured on resume"))
-  assert b.plan(run=None) == 1234 and b.timings == TIMINGS
-  assert Budget(train_cfg(), t_start=0).plan(run=None) is None
+  assert b.plan(None, None, Path('.')) == 1234 and b.timings == TIMINGS
+  assert Budget(train_cfg(), t_start=0).plan(None, None, Path('.')) is None
   # A checkpoint of a version that stored no timings: the count is kept, the timings re-measured
   # (without them the resumed run could not stop early).
   legacy = Budget(train_cfg(budget=90.0), t_start=time.time())
   legacy.load_state_dict({"budget_steps": 1234, "elapsed_seconds": 60.0, "step": 100})
   monkeypatch.setattr(budget_lib, "measure", lambda *a: TIMINGS)
-  assert legacy.plan(run=None) == 1234 and legacy.timings == TIMINGS
+  assert legacy.plan(None, None, Path('.')) == 1234 and legacy.timings == TIMINGS
 
 
 def test_a_resumed_budget_keeps_its_timings_and_wall_clock(tmp_path):
@@ -142,13 +142,13 @@ def test_plan_without_a_cap_and_with_one_says_what_fixed_the_length(monkeypatch)
   # 0.95 * 600 - 10 compile - 2 eval - 3 save = 555 s; 1 + 2/100 + 3/200 = 1.035 s a step.
   fits = math.floor((0.95 * 600 - 10 - 2 - 3) / 1.035)
   owned = Budget(train_cfg(budget=10.0), t_start=time.time())
-  assert owned.plan(run) == fits and owned.fixed_by == "time_budget"
+  assert owned.plan(run, None, Path('.')) == fits and owned.fixed_by == "time_budget"
   assert "fixed by train.time_budget_minutes=10" in owned.describe_length(fits)
   capped = Budget(train_cfg(budget=10.0, steps=250), t_start=time.time())
-  assert capped.plan(run) == 250 and capped.fixed_by == "train.steps"
+  assert capped.plan(run, None, Path('.')) == 250 and capped.fixed_by == "train.steps"
   assert capped.summary()["steps_fixed_by"] == "train.steps"
   loose = Budget(train_cfg(budget=10.0, steps=10**6), t_start=time.time())
-  assert loose.plan(run) == fits and loose.fixed_by == "time_budget"
+  assert loose.plan(run, None, Path('.')) == fits and loose.fixed_by == "time_budget"
 
 
 class _State(typing.NamedTuple):
@@ -201,13 +201,13 @@ def test_measure_plans_with_the_slowest_timed_step_and_counts_compilation(
   monkeypatch.setattr(checkpoint_lib, "Checkpoints", FakeCheckpoints)
   cfg = types.SimpleNamespace(checkpoint=types.SimpleNamespace(async_save=False),
                               logging=types.SimpleNamespace(activation_every=0, histogram_every=0))
-  run = types.SimpleNamespace(
-      state=_State(params={"w": np.zeros(2, np.float32)}), cfg=cfg, out_dir=tmp_path, sampler=None,
+  components = types.SimpleNamespace(
+      cfg=cfg, sampler=None,
       data=types.SimpleNamespace(train_iter=lambda: iter(lambda: {"tokens": np.zeros((1, 2, 3))},
                                                           None)),
-      _device_tokens=lambda tokens: tokens, train_step=train_step, eval_step=eval_step,
-      _val_batches=lambda: [np.zeros((2, 3))])
-  t = budget_lib.measure(run)
+      device_tokens=lambda tokens: tokens, train_step=train_step, eval_step=eval_step,
+      val_batches=lambda: [np.zeros((2, 3))])
+  t = budget_lib.measure(components, _State(params={"w": np.zeros(2, np.float32)}), tmp_path)
   assert budget_lib.TIMED_STEPS == 5
   assert t.step_seconds == pytest.approx(0.9)  # the slowest of 0.5, 0.9, 0.4, 0.5, 0.6
   assert t.eval_seconds == pytest.approx(2.0) and t.save_seconds == pytest.approx(3.0)
@@ -231,9 +231,9 @@ def test_a_budget_with_room_for_only_the_warmup_is_an_error(
   assert plan_total_steps(minutes * 60, 0.0, TIMINGS, eval_every=100, checkpoint_every=200,
                           max_steps=None) == 10
   with pytest.raises(budget_lib.BudgetError, match="not more than train.warmup_steps=10"):
-    Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run)
+    Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run, None, Path('.'))
   cfg.train.warmup_steps = 9
-  assert Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run) == 10
+  assert Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run, None, Path('.')) == 10
 
 
 def test_diagnostics_are_planned_at_the_more_frequent_interval() -> None:
@@ -323,25 +323,33 @@ def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
   out = tmp_path / "interrupted"
   started = time.monotonic()
 
-  class StopAt8(Run):
-    def _next_batch(self, step):
-      if step + 1 == 8:
-        self.stop_signal = signal.SIGTERM
-      return super()._next_batch(step)
+  def stop_at_8(run):
+    next_batch = run.batches.next
 
-  class Slower(Run):
-    def _next_batch(self, step):
+    def stopping(step):
+      if step + 1 == 8:
+        run.signals.received = signal.SIGTERM  # what the handler does
+      return next_batch(step)
+    run.batches.next = stopping
+    return run
+
+  def slower(run):
+    next_batch = run.batches.next
+
+    def slow(step):
       if time.monotonic() - started > 2 * minutes * 60:
         raise AssertionError("the resumed run went on past twice its budget")
       time.sleep(0.05)
-      return super()._next_batch(step)
+      return next_batch(step)
+    run.batches.next = slow
+    return run
 
   t0 = time.monotonic()
-  assert StopAt8(cfg, out, fresh=True).train() == 130
+  assert stop_at_8(Run(cfg, out, fresh=True)).train() == 130
   first = time.monotonic() - t0
   planned = summary(out)["planned_steps"]
   t0 = time.monotonic()
-  assert Slower(cfg, out).train() == 0
+  assert slower(Run(cfg, out)).train() == 0
   second = time.monotonic() - t0
   s = summary(out)
   assert s["planned_steps"] == planned and s["segments"] == 2
@@ -380,3 +388,19 @@ def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, 
   budget_lib.measure(run.c, state, tmp_path / "run")
   assert not probe.exists()  # process 0 removes it, leftovers included
   run.close()
+
+
+def test_a_start_killed_before_its_first_checkpoint_counts_when_the_clock_is_the_runs(tmp_path):
+  # No checkpoint yet (meta {}), but the run's own clock file says 70 s in 1 segment: the next
+  # start counts them (a SIGKILL during start-up still spent budget). A clock the run directory
+  # does not record as the trainer's is ignored (it belongs to another run).
+  from stablejax.training.checkpoint import write_json_atomic
+  clock = tmp_path / budget_lib.CLOCK_FILE
+  write_json_atomic(clock, {"elapsed_seconds": 70.0, "segments": 1})
+  owned = Budget(train_cfg(budget=10.0), t_start=time.time(), clock_file=clock)
+  owned.load_state_dict({}, owns_clock=True)
+  assert owned.prior_seconds == 70.0 and owned.segments == 2
+  assert owned.elapsed() >= 70.0
+  foreign = Budget(train_cfg(budget=10.0), t_start=time.time(), clock_file=clock)
+  foreign.load_state_dict({}, owns_clock=False)
+  assert foreign.prior_seconds == 0.0 and foreign.segments == 1

@@ -54,8 +54,10 @@ _ORBAX_TMP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
 _DAMAGED = re.compile(r"^\d+(\.\d+)?$")
 _EVENTS = re.compile(r"^events\.out\.tfevents\.")
 
-# What the trainer (and the programs reading a run) write in a run directory: a file name -> None,
-# a folder name -> what may be inside it. Atomic writes go through ".<name>.tmp" first.
+# What the trainer writes in a run directory: a file name -> None, a folder name -> what may be
+# inside it. Atomic writes go through ".<name>.tmp" first. The programs that read a run write
+# their own outputs beside (report.png, quantize_eval.json): those are theirs, and the trainer
+# neither checks nor removes them.
 WRITES: dict[str, Optional[Any]] = {
     "config.json": None,
     "metrics.jsonl": None,
@@ -63,8 +65,6 @@ WRITES: dict[str, Optional[Any]] = {
     "recovery.json": None,
     "recovery.json.stale": None,
     "budget_clock.json": None,
-    "report.png": None,           # python -m stablejax report RUN_DIR
-    "quantize_eval.json": None,   # python -m stablejax quantize-eval RUN_DIR
     "checkpoints": (_STEP, _ORBAX_TMP),
     "damaged_checkpoints": (_DAMAGED,),
     "budget_probe": (_STEP, _ORBAX_TMP),

@@ -48,7 +48,9 @@ class StopSignals:
 
     from stablejax.training import distributed
     stop = self.received or 0
-    if jax.process_count() > 1:
+    # Only a joined multi-process job agrees; asking for the process count before the job is
+    # joined would start a single-process backend (jax.distributed.initialize must come first).
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
       stop = int(distributed.agree_max(np.array(stop)))
     if stop:
       raise Interrupted(f"{signal.Signals(stop).name} during start-up ({phase}): stopped before "
