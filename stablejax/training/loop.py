@@ -92,6 +92,9 @@ class Run:
     self.signals = signals or StopSignals()
     self.signals.install()
     distributed.initialize(cfg.mesh)  # before anything touches a JAX backend
+    # Joining a job starts XLA's preemption notifier, which takes SIGTERM for itself: the
+    # trainer's handlers go back on top (a signal received meanwhile stays recorded).
+    self.signals.install()
     self.is_main = distributed.is_main()
     self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main)
     distributed.barrier("run_dir")  # no process looks for checkpoints before --fresh is done
