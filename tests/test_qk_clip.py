@@ -213,7 +213,7 @@ def test_layers_found_from_flax_mha_params_with_biases():
                                * g[:, None], rtol=1e-6)
   np.testing.assert_array_equal(got["value"]["kernel"], params["attn"]["value"]["kernel"])
   assert int(state.heads_clipped) == 2
-  with pytest.raises(ValueError, match="num_heads is for layers=None"):
+  with pytest.raises(ValueError, match="config are for layers=None"):
     stablejax.qk_clip(layers=[MHA], num_heads=4)
 
 

@@ -17,8 +17,8 @@ class _Block(nn.Module):
   @nn.compact
   def __call__(self, x):
     h = nn.LayerNorm(name="ln_1")(x)
-    h = nn.Dense(16, name="attn_qkv")(h)
-    h = nn.Dense(8, name="attn_out", use_bias=False)(h)
+    q, k, v = jnp.split(nn.Dense(24, name="attn_qkv")(h), 3, axis=-1)  # a fused projection
+    h = nn.Dense(8, name="attn_out", use_bias=False)(v * jnp.tanh(q * k))
     return x + nn.RMSNorm(name="rms")(h)
 
 
@@ -115,7 +115,7 @@ def test_describe_routing_table_with_transform():
   row = next(line for line in lines if line.startswith("params/lm_head/kernel"))
   assert "head" in row.split() and row.rstrip().endswith("0.0005")
   row = next(line for line in lines if line.startswith("params/block_0/attn_qkv/kernel"))
-  assert re.split(r"\s{2,}", row)[2:5] == ["muon", "8x16", "last two axes"]
+  assert re.split(r"\s{2,}", row)[2:5] == ["muon", "3 x 8x8", "names and shapes"]
   assert "schedule (start 0, peak 0.02)" in row
   # Summary: tensor and parameter counts per group.
   n_leaves = len(jax.tree.leaves(params))

@@ -293,6 +293,32 @@ def _to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Arra
   return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
 
 
+def _split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
+  """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
+
+  Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
+  equal parts become one more batch axis (``[D, 3W]`` -> ``[D, 3, W]``: one batched NS call);
+  parts of different sizes (grouped-query ``[D, (H + 2K) hd]``) are sliced apart.
+  """
+  if not isinstance(dims, routing.FusedDimensionNumbers):
+    return [(x, dims)], lambda outs: outs[0]
+  red, out = routing._normalize_axes(dims, x.ndim)
+  axis = int(dims.fused_axis) % x.ndim
+  sizes = dims.part_sizes(x.shape)
+  plain = routing.MuonDimensionNumbers(red, out)
+  if len(set(sizes)) == 1:  # [..., k * W, ...] -> [..., k, W, ...]: the k axis is a batch axis
+    k = len(sizes)
+    shape = x.shape[:axis] + (k, sizes[0]) + x.shape[axis + 1:]
+
+    def shift(axes: tuple) -> tuple:
+      return tuple(a + 1 if a >= axis else a for a in axes)
+    return ([(x.reshape(shape), routing.MuonDimensionNumbers(shift(red), shift(out)))],
+            lambda outs: outs[0].reshape(x.shape))
+  cuts = list(np.cumsum(sizes)[:-1])
+  pieces = jnp.split(x, cuts, axis=axis)
+  return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
+
+
 def _static_int(value: Any, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f"{name} must be a Python int, got {value!r} (under optax.inject_hyperparams "
@@ -430,12 +456,16 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any
       new_mu.append(m)
       # NS needs whole matrices: a sharded leaf is gathered once here (not once per iteration).
       m_hat, restore = _sharding.gather(m_hat)
-      x, back = _to_matrices(m_hat, d)
-      o, *counts = orthogonalise(_sharding.replicated(x))
-      new_leaves.append(restore(back(_sharding.replicated(o).astype(g.dtype))))
-      per_matrix.append([c.reshape(-1).astype(jnp.float32) for c in counts])
-      n_entries += x.size
-      n_mats += math.prod(x.shape[:-2])
+      pieces, join = _split_fused(m_hat, d)  # a fused kernel: each projection its own matrix
+      outs = []
+      for piece, piece_dims in pieces:
+        x, back = _to_matrices(piece, piece_dims)
+        o, *counts = orthogonalise(_sharding.replicated(x))
+        outs.append(back(_sharding.replicated(o).astype(g.dtype)))
+        per_matrix.append([c.reshape(-1).astype(jnp.float32) for c in counts])
+        n_entries += x.size
+        n_mats += math.prod(x.shape[:-2])
+      new_leaves.append(restore(join(outs)))
     # Counts over every matrix, each one reduction (see stablejax.transforms._common).
     n_out, n_unstable, n_fallback = (_total([c[k] for c in per_matrix]).astype(jnp.int32)
                                      for k in range(3))
