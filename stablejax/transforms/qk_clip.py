@@ -27,6 +27,7 @@ Which parameters are a layer's query and key projections, and where their heads 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -89,7 +90,7 @@ def _leaf_name(path: Sequence[Any]) -> str:
 
 
 def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_head: jax.Array,
-                 layer: str) -> jax.Array:
+                 layer: str = "") -> jax.Array:
   """``per_head`` (``[*stack, n]``) laid out to broadcast against a parameter of ``shape``."""
   ndim = len(shape)
   axis = param.head_axis % ndim if -ndim <= param.head_axis < ndim else None
@@ -249,8 +250,8 @@ from stablejax.layout.heads import resolve_head_counts
           shape = shapes[param.path]
           probe = jax.ShapeDtypeStruct(tuple(shape[:layer.stack_ndim]) + (heads[role],),
                                        jnp.float32)
-          jax.eval_shape(lambda h, shape=shape, param=param: _head_factor(
-              shape, param, layer.stack_ndim, h, layer.name), probe)
+          jax.eval_shape(functools.partial(_head_factor, shape, param, layer.stack_ndim,
+                                           layer=layer.name), probe)
 
   def init_fn(params: Any) -> QKClipState:
     check_layers(params)
