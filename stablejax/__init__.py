@@ -30,6 +30,7 @@ from stablejax.muon.newton_schulz import newton_schulz
 from stablejax.muon.describe import describe_routing
 from stablejax.muon.routing import label_params
 from stablejax.muon.routing import muon_dimension_numbers
+from stablejax.layout.analysis import FusedDimensionNumbers
 # --- end muon ---
 
 # --- model utilities ---
@@ -56,6 +57,10 @@ from stablejax.monitor import per_layer_grad_norms
 from stablejax.monitor import stability_score
 from stablejax.monitor import tensorboard_scalars
 # --- end monitoring ---
+
+# --- training loops ---
+from stablejax.training.train_state import apply_gradients
+# --- end training loops ---
 
 __all__ = [
     "__version__",
@@ -84,6 +89,7 @@ __all__ = [
     "describe_routing",
     "label_params",
     "muon_dimension_numbers",
+    "FusedDimensionNumbers",
     "newton_schulz",
     "outlier_safe_muon",
     # --- end all muon ---
@@ -110,6 +116,9 @@ __all__ = [
     "stability_score",
     "tensorboard_scalars",
     # --- end all monitoring ---
+    # --- all training loops ---
+    "apply_gradients",
+    # --- end all training loops ---
 ]
 
 # Old module paths keep working for one release (stablejax/_compat.py).

@@ -548,17 +548,24 @@ def test_inject_hyperparams_gives_the_same_updates():
   params = {"embed": _normal(0, (20, 8)), "w": _normal(1, (8, 16)), "ln": {"scale": jnp.ones(8)}}
   kw = dict(adam_learning_rate=1e-3, weight_decay=0.1, adam_weight_decay=0.1)
   plain = stablejax.outlier_safe_muon(0.02, **kw)
-  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
-      learning_rate=0.02, **kw)
-  s1, s2 = plain.init(params), injected.init(params)
+  # As written in optax's docs: no static_args, the integer ns_steps stays static by default.
+  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02, **kw)
+  explicit = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
+      learning_rate=0.02, ns_steps=5, **kw)
+  s1, s2, s3 = plain.init(params), injected.init(params), explicit.init(params)
   for k in range(2):
     grads = jax.tree.map(lambda p, k=k: _normal(40 + k, p.shape), params)
     u1, s1 = jax.jit(plain.update)(grads, s1, params)
     u2, s2 = jax.jit(injected.update)(grads, s2, params)
-    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+    u3, s3 = jax.jit(explicit.update)(grads, s3, params)
+    for a, b, c in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), jax.tree.leaves(u3)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+      np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-8)
+  assert set(s2.hyperparams) >= {"learning_rate", "momentum"} and "ns_steps" not in s2.hyperparams
+  # An explicit integer is a number to inject_hyperparams: one line says how to keep it static.
   with pytest.raises(ValueError, match="static_args=\\('ns_steps',\\)"):
-    optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02).init(params)
+    optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02,
+                                                          ns_steps=5).init(params)
 
 
 def test_pallas_interpret_backend_inside_muon_matches_xla(monkeypatch):

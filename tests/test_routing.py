@@ -161,7 +161,7 @@ def test_describe_routing_finds_outlier_safe_muon_in_any_chain():
              optax.chain(optax.inject_hyperparams(optax.scale)(step_size=1.0), readme_chain)]:
     assert _rates(stablejax.describe_routing(params, tx)) == want
   # The rates reach the factory traced under inject_hyperparams: the given values are shown.
-  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
+  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon)(
       learning_rate=optax.linear_schedule(0.0, 2e-2, 100), adam_learning_rate=1e-3)
   rates = _rates(stablejax.describe_routing(params, stablejax.skip_nonfinite(injected)))
   assert rates["muon"] == "schedule (start 0, peak 0.02) (injected)"

@@ -65,6 +65,7 @@ IQR_EXACT_MAX = 4096
 _HEALTH_MIN_FRO = 0.1
 _HEALTH_MAX_FRO_PER_SQRT_RANK = 2.0
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+DEFAULT_NS_STEPS = 5
 
 
 class OutlierSafeMuonState(NamedTuple):
@@ -334,7 +335,8 @@ def _concrete(value: Any) -> Optional[float]:
     return None
 
 
-def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
+                               ns_steps: Optional[int] = None,
                                ns_coeffs: Any = "standard", consistent_rms: Optional[float] = 0.2,
                                outlier_threshold: float = 5.0,
                                outlier_method: Optional[str] = "zscore",
@@ -359,7 +361,7 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
   Args:
     momentum: EMA decay of the momentum.
     nesterov: use Nesterov momentum.
-    ns_steps: Newton-Schulz iterations (a Python int).
+    ns_steps: Newton-Schulz iterations (a Python int); None: 5.
     ns_coeffs: coefficients, see :func:`stablejax.newton_schulz`.
     consistent_rms: Moonlight scale factor, or None for ``sqrt(max(1, fan_out / fan_in))``.
     outlier_threshold: z threshold (``"zscore"``) or ``2 k`` for ``"iqr"``.
@@ -370,6 +372,10 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`OutlierSafeMuonState`.
+
+  References:
+    Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_ (2024); Liu et al.,
+    `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_ (arXiv 2502.16982).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -492,6 +498,8 @@ def _validate_muon_args(momentum: Any, ns_steps: Any, outlier_threshold: Any,
   m = _concrete(momentum)
   if m is not None and not 0.0 <= m < 1.0:
     raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  if ns_steps is None:  # the default: a non-numeric default stays static under inject_hyperparams
+    ns_steps = DEFAULT_NS_STEPS
   if isinstance(ns_steps, (int, np.integer)) and not isinstance(ns_steps, bool) and ns_steps < 1:
     raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
   ns_steps = _static_int(ns_steps, "ns_steps")
@@ -594,16 +602,29 @@ def _check_same_parameters(updates: Any, params: Any) -> None:
                      "updates and params with the same structure as the params given to init")
 
 
-def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool = True,
-                      ns_steps: int = 5, ns_coeffs: Any = "standard", weight_decay: Any = 0.0,
-                      consistent_rms: Any = 0.2, adam_learning_rate: Any = None,
-                      embedding_learning_rate: Any = None, head_learning_rate: Any = None,
-                      adam_b1: Any = 0.9, adam_b2: Any = 0.95, adam_eps: Any = 1e-8,
-                      adam_weight_decay: Any = 0.0, outlier_threshold: Any = 5.0,
-                      outlier_method: Optional[str] = "zscore", ns_backend: str = "auto",
-                      param_labels: routing.LabelsOrFn = None,
-                      weight_dimension_numbers: Any = None, strict_overrides: bool = False
-                      ) -> optax.GradientTransformationExtraArgs:
+def outlier_safe_muon(
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float = 0.95,
+    *,
+    nesterov: bool = True,
+    ns_steps: Optional[int] = None,
+    ns_coeffs: _ns.CoeffsSpec = "standard",
+    weight_decay: float = 0.0,
+    consistent_rms: Optional[float] = 0.2,
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    embedding_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    head_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    adam_weight_decay: float = 0.0,
+    outlier_threshold: float = 5.0,
+    outlier_method: Optional[str] = "zscore",
+    ns_backend: str = "auto",
+    param_labels: routing.LabelsOrFn = None,
+    weight_dimension_numbers: routing.DimensionNumbersOrFn = None,
+    strict_overrides: bool = False,
+) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden matrices, AdamW for embeddings, head, norms and biases, with safety guards.
 
   Routing (see :func:`stablejax.label_params`, printable with :func:`stablejax.describe_routing`):
@@ -640,14 +661,18 @@ def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool =
   ``adam_learning_rate`` is then required. ``embedding_learning_rate`` and
   ``head_learning_rate`` default to ``adam_learning_rate``. Every rate may be an optax schedule,
   and every float hyperparameter may be injected with
-  ``optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))`` (add
-  ``"param_labels"`` / ``"weight_dimension_numbers"`` to ``static_args`` when passing callables).
+  ``optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=...)``: ``ns_steps``
+  (a loop count) stays static at its default; an explicit ``ns_steps`` needs
+  ``static_args=("ns_steps",)`` there (add ``"param_labels"`` / ``"weight_dimension_numbers"``
+  when passing callables, which ``inject_hyperparams`` would take for schedules).
+
+  Every argument after ``momentum`` is keyword-only.
 
   Args:
     learning_rate: Muon learning rate (float or schedule).
     momentum: Muon momentum (EMA decay).
     nesterov: Nesterov momentum for Muon.
-    ns_steps: Newton-Schulz iterations.
+    ns_steps: Newton-Schulz iterations (a Python int); None: 5.
     ns_coeffs: "standard", "polar_express", a triple or per-step triples.
     weight_decay: decoupled weight decay for Muon matrices (multiplied by the learning rate).
     consistent_rms: Moonlight RMS factor (0.2) or None for width scaling.
@@ -680,6 +705,14 @@ def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool =
     An ``optax.GradientTransformationExtraArgs``; its state is :class:`GroupUpdateRmsState`
     around an ``optax.partition`` state whose Muon branch holds :class:`OutlierSafeMuonState`.
     ``update`` needs ``params`` (weight decay).
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_ (2024) and modded-nanogpt; Liu et al.,
+    `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_ (arXiv 2502.16982),
+    the ``0.2 * sqrt(max(fan_in, fan_out))`` scale and decoupled weight decay; Loshchilov and
+    Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_
+    (arXiv 1711.05101), the AdamW groups.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, stablejax

@@ -68,6 +68,11 @@ ATTENTION_QKV = MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))
 ATTENTION_OUT = MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
 
 LabelsOrFn = Union[None, Mapping[str, str], Any, Callable[[Any], Any]]
+# What weight_dimension_numbers takes: one layout for every leaf, a tree (or a prefix of one) of
+# them with None for "the default", or a callable params -> such a tree (as optax.contrib.muon).
+DimensionNumbersOrFn = Union[None, optax.contrib.MuonDimensionNumbers,
+                             "layout.FusedDimensionNumbers", optax.Params,
+                             Callable[[optax.Params], Any]]
 
 # What decided a Muon leaf's matrix, as describe_routing prints it.
 LAYOUT_SOURCES = {"given": "given", "metadata": "metadata", "shape": "shapes",
