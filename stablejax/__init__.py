@@ -42,6 +42,9 @@ from stablejax.modeling.utils import quantize_weights_rtn
 from stablejax.modeling.attention import attention_logit_max
 from stablejax.modeling.attention import collect_attention_logits
 from stablejax.modeling.attention import sow_attention_logits
+from stablejax.modeling.probes import AttentionProbe
+from stablejax.modeling.probes import hf_attention_probe
+from stablejax.modeling.probes import mha_with_max_logit
 # --- end model utilities ---
 
 # --- monitoring ---
@@ -102,6 +105,9 @@ __all__ = [
     "attention_logit_max",
     "collect_attention_logits",
     "sow_attention_logits",
+    "AttentionProbe",
+    "hf_attention_probe",
+    "mha_with_max_logit",
     # --- end all model utilities ---
     # --- all monitoring ---
     "AttentionLogitThresholds",

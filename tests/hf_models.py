@@ -13,14 +13,16 @@ SEQ = 16
 
 def _gpt2():
   cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                initializer_range=0.2)  # logits of order 1, not 1e-2
   return transformers.FlaxGPT2LMHeadModel(cfg, seed=0)
 
 
 def _gpt_neo():
   cfg = transformers.GPTNeoConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_size=32,
                                   num_layers=2, num_heads=4, attention_types=[[["global"], 2]],
-                                  resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0)
+                                  resid_dropout=0.0, embed_dropout=0.0, attention_dropout=0.0,
+                                  initializer_range=0.2)
   return transformers.FlaxGPTNeoForCausalLM(cfg, seed=0)
 
 
@@ -35,7 +37,7 @@ def _mistral():
   cfg = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
                                    num_hidden_layers=2, num_attention_heads=4,
                                    num_key_value_heads=2, max_position_embeddings=SEQ,
-                                   sliding_window=None)
+                                   sliding_window=SEQ)  # None: Flax keeps the diagonal only
   return transformers.FlaxMistralForCausalLM(cfg, seed=0)
 
 

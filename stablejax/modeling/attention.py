@@ -36,8 +36,10 @@ MAX_LOGIT = "max_logit"
 """Name of the sown intermediate: a layer's per-head maximum pre-softmax logit (float32 ``[H]``)."""
 
 
-def _grouped_logits(query: jax.Array, key: jax.Array) -> jax.Array:
-  """float32 ``q.k / sqrt(d)`` of shape ``[batch..., H, T, S]``; key heads shared by groups."""
+def _grouped_logits(query: jax.Array, key: jax.Array, scale: Optional[float] = None
+                    ) -> jax.Array:
+  """float32 ``scale * q.k`` (``1 / sqrt(d)`` by default) of shape ``[batch..., H, T, S]``; key
+  heads shared by groups."""
   h, kh, depth = query.shape[-2], key.shape[-2], query.shape[-1]
   if h % kh:
     raise ValueError(f"query heads {h} are not a multiple of key heads {kh}: grouped-query "
@@ -46,7 +48,8 @@ def _grouped_logits(query: jax.Array, key: jax.Array) -> jax.Array:
   q = query.reshape(query.shape[:-2] + (kh, g, depth))
   logits = jnp.einsum("...tkgd,...skd->...kgts", q, key, preferred_element_type=jnp.float32)
   logits = logits.reshape(logits.shape[:-4] + (h,) + logits.shape[-2:])
-  return logits.astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(depth))
+  return logits.astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(depth) if scale is None
+                                                  else scale)
 
 
 def _per_head_max(logits: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
@@ -58,7 +61,7 @@ def _per_head_max(logits: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
 
 
 def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.Array] = None,
-                        is_causal: bool = False) -> jax.Array:
+                        is_causal: bool = False, scale: Optional[float] = None) -> jax.Array:
   """Per-head maximum pre-softmax attention logit ``max q.k / sqrt(head_dim)``.
 
   The maximum runs over the batch, the query positions and the key positions that ``mask`` and
@@ -72,6 +75,8 @@ def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.
     mask: optional boolean mask broadcastable to ``[batch..., H, T, S]``; False entries are left
       out (as ``flax.linen.dot_product_attention`` masks them).
     is_causal: also leave out key positions after the query position (``T == S``).
+    scale: the model's factor on ``q.k``; None: ``1 / sqrt(head_dim)``. A model that scales
+      differently (GPT-Neo: 1; a query pre-scaled by the model) passes its own.
 
   Returns:
     float32 ``[H]``: each query head's maximum logit (``-inf`` for a head whose every entry is
@@ -94,7 +99,7 @@ def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.
   if query.ndim < 3 or query.ndim != key.ndim or query.shape[-1] != key.shape[-1]:
     raise ValueError(f"query {query.shape} and key {key.shape} must be [batch..., length, heads, "
                      "head_dim] with the same rank and head_dim")
-  logits = _grouped_logits(query, key)
+  logits = _grouped_logits(query, key, scale)
   keep = None
   if mask is not None:
     keep = jnp.asarray(mask, bool)
