@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
@@ -53,3 +54,15 @@ def test_linen_example():
   assert _row(stdout, "Block_0/LayerNorm_0/scale")[2] == "adam"
   assert "muon: 6 tensors" in stdout
   _loss_fell(stdout)
+
+
+@pytest.mark.slow
+def test_hf_flax_example_trains_gpt2_with_qk_clip(capsys):
+  sys.path.insert(0, str(EXAMPLES))
+  import hf_flax_lm
+  losses = hf_flax_lm.train("gpt2", steps=12, d_model=32, layers=1, seq_len=16)
+  out = capsys.readouterr().out
+  assert _row(out, "transformer/h/0/attn/c_attn/kernel")[2:5] == ["muon", "3 x 32x32",
+                                                                   "names and shapes"]
+  assert "orthogonalised per projection" in out
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 1.0, losses

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -150,7 +151,9 @@ def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[...
   ``flax.nnx.dot_product_attention``). Called with ``sow_weights=True``, the layer hands its
   module to the attention function; the wrapper then sows :func:`attention_logit_max` of the
   queries and keys (with the layer's mask, and ``is_causal`` for NNX) as ``"max_logit"`` into the
-  intermediates (Linen: the ``"intermediates"`` collection; NNX: ``nnx.Intermediate``) and calls
+  intermediates (Linen: the ``"intermediates"`` collection; NNX: ``nnx.Intermediate``, collected
+  by running the forward pass under ``nnx.capture(forward, nnx.Intermediate)``, the way Flax
+  0.12 supports; outside it an NNX layer sows nothing and warns once) and calls
   ``attention_fn`` *without* the module, so the full attention weights are not stored. Without
   ``sow_weights`` it is ``attention_fn`` unchanged (no extra work). Read the values with
   :func:`collect_attention_logits`.
@@ -202,20 +205,32 @@ def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[...
     kwargs = {k: v for k, v in given.items()
               if (takes_all or k in params) and (k in params or v is not defaults[k].default)}
     if module is not None:
-      module.sow(_intermediate_collection(module), MAX_LOGIT,
-                 attention_logit_max(query, key, mask=mask, is_causal=is_causal))
+      _sow(module, lambda: attention_logit_max(query, key, mask=mask, is_causal=is_causal))
     return attention_fn(query, key, value, **kwargs)
 
   return wrapped
 
 
-def _intermediate_collection(module: Any) -> Any:
-  """Linen's "intermediates" collection name, or NNX's ``Intermediate`` variable type."""
+_warned_outside_capture: list = []
+
+
+def _sow(module: Any, value: Callable[[], jax.Array]) -> None:
+  """Sows ``value()`` as ``"max_logit"``: Linen into ``"intermediates"``; NNX into
+  ``nnx.Intermediate``, only inside ``nnx.capture`` (Flax 0.12 deprecates ``Module.sow`` outside
+  it: a layer called outside sows nothing and says once how to collect the values)."""
   import flax.linen as nn
   if isinstance(module, nn.Module):
-    return "intermediates"
+    module.sow("intermediates", MAX_LOGIT, value())
+    return
   from flax import nnx
-  return nnx.Intermediate
+  if hasattr(module, "__captures__"):  # set by nnx.capture for the duration of the call
+    module.sow(nnx.Intermediate, MAX_LOGIT, value())
+  elif not _warned_outside_capture:
+    _warned_outside_capture.append(True)
+    warnings.warn("sow_attention_logits: an NNX layer called with sow_weights=True outside "
+                  "nnx.capture sows nothing (Flax deprecates Module.sow there); run the forward "
+                  "pass as nnx.capture(forward, nnx.Intermediate)(model, x) and pass the "
+                  "intermediates it returns to collect_attention_logits", stacklevel=4)
 
 
 def _key_name(entry: Any) -> str:
@@ -229,8 +244,8 @@ def collect_attention_logits(intermediates: Any) -> dict[str, jax.Array]:
   """Every sown per-head max logit, keyed by the ``/``-joined path of the layer that sowed it.
 
   Accepts Linen intermediates (the ``"intermediates"`` collection, or the whole mutable dict
-  ``apply`` returned) and NNX state (``nnx.state(model, nnx.Intermediate)`` or what
-  ``nnx.pop(model, nnx.Intermediate)`` returns). A layer called several times in one apply gives
+  ``apply`` returned) and NNX state (what ``nnx.capture(forward, nnx.Intermediate)`` returns
+  next to the output). A layer called several times in one apply gives
   the elementwise maximum of its calls. Under ``nn.scan`` / ``nnx.scan`` the stacked-layer axes
   come first: ``[*stack, H]``, the layout of :func:`stablejax.qk_clip`'s ``max_logits``.
 

@@ -216,6 +216,14 @@ def hf_attention_probe(config: Any) -> AttentionProbe:
 
   Raises:
     ValueError: a family not in the table (build an :class:`AttentionProbe` by hand).
+
+  Example:
+    >>> import types, stablejax
+    >>> config = types.SimpleNamespace(model_type="llama", hidden_size=64,   # model.config
+    ...                                num_attention_heads=8, num_key_value_heads=2)
+    >>> probe = stablejax.hf_attention_probe(config)
+    >>> probe.query, probe.query_index, probe.num_kv_heads, probe.scale
+    ('rotary_emb', 1, 2, 0.3535533905932738)
   """
   family = getattr(config, "model_type", None)
   heads = _config_get(config, "num_attention_heads", "n_head", "num_heads")
@@ -259,6 +267,14 @@ def mha_with_max_logit(mha: Any, query: jax.Array, key_: jax.Array, value: jax.A
 
   Returns:
     ``(output [T, D], max_logit float32 [H])``.
+
+  Example:
+    >>> import equinox as eqx, jax, jax.numpy as jnp, stablejax
+    >>> mha = eqx.nn.MultiheadAttention(num_heads=2, query_size=8, key=jax.random.key(0))
+    >>> x, causal = jnp.ones((3, 8)), jnp.tril(jnp.ones((3, 3), bool))
+    >>> out, max_logit = stablejax.mha_with_max_logit(mha, x, x, x, causal)
+    >>> out.shape, max_logit.shape
+    ((3, 8), (2,))
   """
   captured: dict[str, jax.Array] = {}
 
