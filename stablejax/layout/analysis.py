@@ -574,7 +574,7 @@ class KernelLayout:
     head_axis: the axis of the kernel that indexes heads (negative), if it has one.
     fused_axis: the axis of a fused projection (``[3, H, D, hd]``: 3 projections), if any.
   """
-  dims: MuonDimensionNumbers
+  dims: Any  # MuonDimensionNumbers, or FusedDimensionNumbers for a fused 2-D kernel
   source: str
   head_axis: Optional[int] = None
   fused_axis: Optional[int] = None
@@ -668,7 +668,10 @@ def _metadata_layout(leaf: Leaf, kinds: tuple, d_model: Optional[int]) -> Option
   if len(features) == 1 and leaf.axes is not None:
     parts = fused_parts_of_name(leaf.axes[features[0]])
     if parts is not None and leaf.shape[features[0]] % parts == 0:
-      dims = FusedDimensionNumbers(dims.reduction_axis, dims.output_axis, features[0] - nd, parts)
+      fused_dims = FusedDimensionNumbers(dims.reduction_axis, dims.output_axis,
+                                         features[0] - nd, parts)
+      return KernelLayout(fused_dims, "metadata", heads[0] if len(heads) == 1 else None,
+                          fused[0] if len(fused) == 1 else None)
   return KernelLayout(dims, "metadata", heads[0] if len(heads) == 1 else None,
                       fused[0] if len(fused) == 1 else None)
 

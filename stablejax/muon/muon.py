@@ -390,7 +390,7 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
                          outlier_threshold, outlier_method, ns_backend, eps, layouts_of)
 
 
-def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any,
+def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_coeffs: Any,
                     consistent_rms: Any, outlier_threshold: Any, outlier_method: Optional[str],
                     ns_backend: str, eps: float, layouts: Any) -> optax.GradientTransformation:
   """:func:`scale_by_outlier_safe_muon` with the layouts given as ``tree -> [dims per leaf]``."""

@@ -54,13 +54,13 @@ import numpy as np
 import optax
 
 from stablejax.layout import analysis as layout
+from stablejax.layout.analysis import FusedDimensionNumbers
 from stablejax.layout.analysis import Leaf, param_leaves, path_to_str  # noqa: F401 (re-exported)
 
 GROUPS = ("muon", "adam", "embedding", "head")
 MuonDimensionNumbers: Any = optax.contrib.MuonDimensionNumbers  # Any: usable in isinstance
-FusedDimensionNumbers = layout.FusedDimensionNumbers
 # What a leaf's matrix layout may be: optax's dimension numbers, or fused parts of one axis.
-DIMENSION_TYPES = (MuonDimensionNumbers, FusedDimensionNumbers)
+DIMENSION_TYPES: tuple[type, ...] = (MuonDimensionNumbers, FusedDimensionNumbers)
 OUT_IN = MuonDimensionNumbers(reduction_axis=-1, output_axis=-2)
 
 LAST_TWO_AXES = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
@@ -71,7 +71,7 @@ LabelsOrFn = Union[None, Mapping[str, str], Any, Callable[[Any], Any]]
 # What weight_dimension_numbers takes: one layout for every leaf, a tree (or a prefix of one) of
 # them with None for "the default", or a callable params -> such a tree (as optax.contrib.muon).
 DimensionNumbersOrFn = Union[None, optax.contrib.MuonDimensionNumbers,
-                             "layout.FusedDimensionNumbers", optax.Params,
+                             FusedDimensionNumbers, optax.Params,
                              Callable[[optax.Params], Any]]
 
 # What decided a Muon leaf's matrix, as describe_routing prints it.
