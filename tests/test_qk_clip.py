@@ -365,9 +365,9 @@ def test_fused_2d_qkv_kernel_scales_only_the_query_and_key_spans():
 
 
 def test_layers_are_checked_at_init_with_the_fix_in_one_line():
+  shapes = {"q_proj": (8, 8), "k_proj": (8, 4), "v_proj": (8, 4), "o_proj": (8, 8)}
   params = {"embed": jnp.zeros((50, 8)),
-            "attn": {"q_proj": {"kernel": jnp.zeros((8, 8))}, "k_proj": {"kernel": jnp.zeros((8, 4))},
-                     "v_proj": {"kernel": jnp.zeros((8, 4))}, "o_proj": {"kernel": jnp.zeros((8, 8))}}}
+            "attn": {name: {"kernel": jnp.zeros(shape)} for name, shape in shapes.items()}}
   tx = stablejax.qk_clip(TAU)
   with pytest.raises(ValueError, match="^qk_clip: .*pass num_heads= .* or config=") as e:
     tx.init(params)

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from stablejax.layout.analysis import value_of
 from stablejax.modeling.attention import attention_logit_max
 
 _CALL = "__call__"
@@ -114,9 +115,11 @@ class AttentionProbe:
     """Each layer's float32 per-head maximum logit ``[H]`` from captured intermediates.
 
     Args:
-      intermediates: what ``apply(..., capture_intermediates=probe.filter,
+      intermediates: what Linen's ``apply(..., capture_intermediates=probe.filter,
         mutable=["intermediates"])`` returned (the whole mutable dict or its
-        ``"intermediates"``).
+        ``"intermediates"``), or, for a Flax NNX model, the state that
+        ``nnx.capture(forward, nnx.Intermediate, method_outputs=nnx.Intermediate)`` returns
+        next to the output (every method's output, ``__call__`` among them).
       attention_mask: optional ``[batch, S]`` padding mask (1 or True: a real token), as
         Hugging Face models take it.
       mask: optional boolean mask broadcastable to ``[batch, H, T, S]``.
@@ -133,7 +136,7 @@ class AttentionProbe:
         return
       for name, child in node.items():
         if name == _CALL and path and path[-1] in (self.query, self.key):
-          found.setdefault(path[:-1], {})[path[-1]] = child
+          found.setdefault(path[:-1], {})[path[-1]] = value_of(child)  # NNX: an Intermediate
         else:
           walk(child, path + (str(name),))
     walk(tree, ())
