@@ -188,7 +188,6 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
     >>> import optax
     >>> import stablejax
     >>> from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
-from stablejax.layout.heads import resolve_head_counts
     >>> attn = AttentionLayer("attn", num_heads=2, num_kv_heads=2,
     ...                       query=(HeadParam("q", head_axis=-1),),
     ...                       key=(HeadParam("k", head_axis=-1),))
