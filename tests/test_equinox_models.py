@@ -10,6 +10,7 @@ width scale against ``optax.contrib.muon`` given the transposed dimension number
 import math
 import pathlib
 import sys
+import warnings
 
 import equinox as eqx
 import jax
@@ -57,6 +58,10 @@ def test_every_leaf_routed_with_out_in_weights(model):
     assert label == want, path
     if want == "muon":
       assert dims[path] == MDN(-1, -2), path
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # nothing to warn about on a model it handles
+    optax.chain(stablejax.outlier_safe_muon(2e-3), stablejax.qk_clip(30.0, num_heads=H)).init(
+        params)
 
 
 def test_out_in_width_scale_equals_optax_with_transposed_dims(model):
