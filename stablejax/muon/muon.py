@@ -528,6 +528,11 @@ def skip_nonfinite_tensors(inner: optax.GradientTransformation
 
   Returns:
     A transform with :class:`TensorGuardState`.
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_
+    (arXiv 1710.03740), which skips an update whose gradients overflowed; here per tensor.
+    Compare ``optax.apply_if_finite``, which skips the whole step.
   """
   inner = optax.with_extra_args_support(inner)
 
