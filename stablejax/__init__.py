@@ -39,6 +39,7 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, importe
   from stablejax.muon.describe import describe_routing
   from stablejax.muon.routing import label_params
   from stablejax.muon.routing import muon_dimension_numbers
+  from stablejax.layout.analysis import FusedDimensionNumbers
   # --- end muon ---
 
   # --- model utilities ---
@@ -50,6 +51,9 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, importe
   from stablejax.modeling.attention import attention_logit_max
   from stablejax.modeling.attention import collect_attention_logits
   from stablejax.modeling.attention import sow_attention_logits
+  from stablejax.modeling.probes import AttentionProbe
+  from stablejax.modeling.probes import hf_attention_probe
+  from stablejax.modeling.probes import mha_with_max_logit
   # --- end model utilities ---
 
   # --- monitoring ---
@@ -65,6 +69,10 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, importe
   from stablejax.monitor import stability_score
   from stablejax.monitor import tensorboard_scalars
   # --- end monitoring ---
+
+  # --- training loops ---
+  from stablejax.training.train_state import apply_gradients
+  # --- end training loops ---
 
 # Where each public name comes from.
 _EXPORTS = {
@@ -95,6 +103,7 @@ _EXPORTS = {
     "describe_routing": "stablejax.muon.describe",
     "label_params": "stablejax.muon.routing",
     "muon_dimension_numbers": "stablejax.muon.routing",
+    "FusedDimensionNumbers": "stablejax.layout.analysis",
     # --- end muon ---
     # --- model utilities ---
     "init_new_token_embeddings": "stablejax.modeling.utils",
@@ -105,6 +114,9 @@ _EXPORTS = {
     "attention_logit_max": "stablejax.modeling.attention",
     "collect_attention_logits": "stablejax.modeling.attention",
     "sow_attention_logits": "stablejax.modeling.attention",
+    "AttentionProbe": "stablejax.modeling.probes",
+    "hf_attention_probe": "stablejax.modeling.probes",
+    "mha_with_max_logit": "stablejax.modeling.probes",
     # --- end model utilities ---
     # --- monitoring ---
     "AttentionLogitThresholds": "stablejax.monitor",
@@ -119,9 +131,12 @@ _EXPORTS = {
     "stability_score": "stablejax.monitor",
     "tensorboard_scalars": "stablejax.monitor",
     # --- end monitoring ---
+    # --- training loops ---
+    "apply_gradients": "stablejax.training.train_state",
+    # --- end training loops ---
 }
 # Subpackages that loading the public names binds on the package (`stablejax.muon` ...).
-_SUBPACKAGES = ("layout", "modeling", "monitor", "muon", "transforms")
+_SUBPACKAGES = ("layout", "modeling", "monitor", "muon", "training", "transforms")
 # Names of this loader, which dir() leaves out so that it lists what the package offers.
 _LOADER_NAMES = {"_importlib", "_TYPE_CHECKING", "_Any", "_EXPORTS", "_SUBPACKAGES",
                  "_LOADER_NAMES", "_load_public_names", "__getattr__", "__dir__"}
@@ -155,6 +170,7 @@ __all__ = [
     "muon_dimension_numbers",
     "newton_schulz",
     "outlier_safe_muon",
+    "FusedDimensionNumbers",
     # --- end all muon ---
     # --- all model utilities ---
     "init_new_token_embeddings",
@@ -165,6 +181,9 @@ __all__ = [
     "attention_logit_max",
     "collect_attention_logits",
     "sow_attention_logits",
+    "AttentionProbe",
+    "hf_attention_probe",
+    "mha_with_max_logit",
     # --- end all model utilities ---
     # --- all monitoring ---
     "AttentionLogitThresholds",
@@ -179,6 +198,9 @@ __all__ = [
     "stability_score",
     "tensorboard_scalars",
     # --- end all monitoring ---
+    # --- all training loops ---
+    "apply_gradients",
+    # --- end all training loops ---
 ]
 
 

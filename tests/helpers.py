@@ -146,3 +146,15 @@ def run_python(*args, timeout: float = 120, cwd: Path = ROOT, env=None,
                                     f"{result.returncode}\n{result.stderr[-3000:]}")
   return result
 
+
+def load_example(name: str):
+  """The script ``examples/NAME.py`` as a module (imported by path, not through sys.path)."""
+  import importlib.util
+  path = ROOT / "examples" / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+  assert spec is not None and spec.loader is not None, path
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses and pickling look a module up by its name
+  spec.loader.exec_module(module)
+  return module
+

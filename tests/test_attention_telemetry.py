@@ -3,6 +3,8 @@ Flax Linen and NNX attention layers (through sow_attention_logits), against nump
 
 from __future__ import annotations
 
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -120,10 +122,17 @@ def test_nnx_mha_wrapper_in_a_model_keys_by_module_path():
 
   model = Model(nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(2), (1, 5, 8)) * 3
-  model(x)
-  got = stablejax.collect_attention_logits(nnx.pop(model, nnx.Intermediate))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")   # no DeprecationWarning of Module.sow outside nnx.capture
+    _, intermediates = nnx.capture(lambda model, x: model(x), nnx.Intermediate)(model, x)
+  got = stablejax.collect_attention_logits(intermediates)
   assert sorted(got) == ["blocks/0", "blocks/1"]
   block = model.blocks[0]
   q = block.query(x)
   k = block.key(x)
   np.testing.assert_allclose(got["blocks/0"], _np_max_logit(q, k), rtol=1e-5)
+  # Outside nnx.capture the layer sows nothing and says how to collect the values, once.
+  stablejax.modeling.attention._warned_outside_capture.clear()
+  with pytest.warns(UserWarning, match="outside nnx.capture sows nothing"):
+    model(x)
+  assert stablejax.collect_attention_logits(nnx.state(model, nnx.Intermediate)) == {}

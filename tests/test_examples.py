@@ -3,9 +3,10 @@
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
-from helpers import run_python
+from helpers import load_example, run_python
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 SMALL = ["--steps", "30", "--d-model", "32", "--layers", "1", "--batch", "8", "--seq-len", "32"]
@@ -51,3 +52,14 @@ def test_linen_example():
   assert _row(stdout, "Block_0/LayerNorm_0/scale")[2] == "adam"
   assert "muon: 6 tensors" in stdout
   _loss_fell(stdout)
+
+
+@pytest.mark.slow
+def test_hf_flax_example_trains_gpt2_with_qk_clip(capsys):
+  hf_flax_lm = load_example("hf_flax_lm")
+  losses = hf_flax_lm.train("gpt2", steps=12, d_model=32, layers=1, seq_len=16)
+  out = capsys.readouterr().out
+  assert _row(out, "transformer/h/0/attn/c_attn/kernel")[2:5] == ["muon", "3 x 32x32",
+                                                                   "names and shapes"]
+  assert "orthogonalised per projection" in out
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0] - 1.0, losses

@@ -117,9 +117,9 @@ def test_fsdp_muon_update_gathers_each_sharded_matrix_once():
   # product; gathered once before the iterations, one all-gather per sharded Muon tensor.
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   env["JAX_PLATFORMS"] = "cpu"
-  proc = subprocess.run([sys.executable, str(ROOT / "bench" / "muon_collectives.py"),
+  proc = subprocess.run([sys.executable, "-m", "bench.muon_collectives",   # bench/ is a package
                          "--layers", "1", "--d-model", "64", "--json"],
-                        capture_output=True, text=True, timeout=600, env=env)
+                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   sharded, counts = out["sharded_muon_tensors"], out["counts"]

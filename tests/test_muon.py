@@ -548,17 +548,24 @@ def test_inject_hyperparams_gives_the_same_updates():
   params = {"embed": _normal(0, (20, 8)), "w": _normal(1, (8, 16)), "ln": {"scale": jnp.ones(8)}}
   kw = dict(adam_learning_rate=1e-3, weight_decay=0.1, adam_weight_decay=0.1)
   plain = stablejax.outlier_safe_muon(0.02, **kw)
-  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
-      learning_rate=0.02, **kw)
-  s1, s2 = plain.init(params), injected.init(params)
+  # As written in optax's docs: no static_args, the integer ns_steps stays static by default.
+  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02, **kw)
+  explicit = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
+      learning_rate=0.02, ns_steps=5, **kw)
+  s1, s2, s3 = plain.init(params), injected.init(params), explicit.init(params)
   for k in range(2):
     grads = jax.tree.map(lambda p, k=k: _normal(40 + k, p.shape), params)
     u1, s1 = jax.jit(plain.update)(grads, s1, params)
     u2, s2 = jax.jit(injected.update)(grads, s2, params)
-    for a, b in zip(jax.tree.leaves(u1), jax.tree.leaves(u2)):
+    u3, s3 = jax.jit(explicit.update)(grads, s3, params)
+    for a, b, c in zip(jax.tree.leaves(u1), jax.tree.leaves(u2), jax.tree.leaves(u3)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+      np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-8)
+  assert set(s2.hyperparams) >= {"learning_rate", "momentum"} and "ns_steps" not in s2.hyperparams
+  # An explicit integer is a number to inject_hyperparams: one line says how to keep it static.
   with pytest.raises(ValueError, match="static_args=\\('ns_steps',\\)"):
-    optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02).init(params)
+    optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=0.02,
+                                                          ns_steps=5).init(params)
 
 
 def test_pallas_interpret_backend_inside_muon_matches_xla(monkeypatch):
@@ -600,3 +607,35 @@ def test_optimizer_step_exported_for_accelerators_embeds_ns_kernel(platform, cal
       disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
   )(params, state, params)
   assert exported.mlir_module().count(f"custom_call @{call}(") == 15  # 5 steps x 3 products
+
+
+@pytest.mark.parametrize("consistent_rms", [0.2, None])
+def test_fused_kernel_is_optax_muon_on_each_part(consistent_rms):
+  """A fused [D, 3D] kernel (equal parts, one batched NS call) and a grouped-query
+  [(H + 2K) hd, D] kernel stored [out, in] (parts of different sizes, sliced apart): each part's
+  update is optax.contrib.muon's on that part alone, scale and all."""
+  d = 16
+  fdn = stablejax.FusedDimensionNumbers
+  params = {"qkv": _normal(0, (d, 3 * d)), "gqa": _normal(1, (16 + 4 + 4, d)),
+            "stack": _normal(2, (2, d, 2 * 8))}
+  dims = {"qkv": fdn(-2, -1, -1, 3), "gqa": fdn(-1, -2, -2, (16, 4, 4)),
+          "stack": fdn(-2, -1, -1, 2)}
+  ours = stablejax.outlier_safe_muon(0.02, consistent_rms=consistent_rms, adam_learning_rate=1e-3,
+                                     outlier_method=None, ns_backend="xla",
+                                     weight_dimension_numbers=dims)
+  grads = jax.tree.map(lambda p: _normal(p.size, p.shape), params)
+  got = jax.jit(ours.update)(grads, ours.init(params), params)[0]
+  g = grads
+  parts = {"q": g["qkv"][:, :d], "k": g["qkv"][:, d:2 * d], "v": g["qkv"][:, 2 * d:],
+           "gq": g["gqa"][:16], "gk": g["gqa"][16:20], "gv": g["gqa"][20:],
+           "s0": g["stack"][..., :8], "s1": g["stack"][..., 8:]}
+  part_dims = {k: MDN(-1, -2) if k.startswith("g") else MDN(-2, -1) for k in parts}
+  ref = optax.contrib.muon(0.02, consistent_rms=consistent_rms, eps=1e-8,
+                           muon_weight_dimension_numbers=part_dims)
+  want = ref.update(parts, ref.init(parts), parts)[0]
+  np.testing.assert_allclose(got["qkv"], np.concatenate([want["q"], want["k"], want["v"]], 1),
+                             rtol=2e-4, atol=1e-7)
+  np.testing.assert_allclose(got["gqa"], np.concatenate([want["gq"], want["gk"], want["gv"]], 0),
+                             rtol=2e-4, atol=1e-7)
+  np.testing.assert_allclose(got["stack"], np.concatenate([want["s0"], want["s1"]], -1),
+                             rtol=2e-4, atol=1e-7)

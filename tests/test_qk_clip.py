@@ -213,7 +213,7 @@ def test_layers_found_from_flax_mha_params_with_biases():
                                * g[:, None], rtol=1e-6)
   np.testing.assert_array_equal(got["value"]["kernel"], params["attn"]["value"]["kernel"])
   assert int(state.heads_clipped) == 2
-  with pytest.raises(ValueError, match="num_heads is for layers=None"):
+  with pytest.raises(ValueError, match="config are for layers=None"):
     stablejax.qk_clip(layers=[MHA], num_heads=4)
 
 
@@ -293,3 +293,95 @@ def test_state_counts_heads_per_step_and_since_init():
     _, state = tx.update(zeros, state, params, max_logits={"attn": jnp.asarray(logits)})
     totals.append((int(state.heads_clipped), int(state.total_clipped), float(state.max_logit)))
   assert totals == [(3, 3, 300.0), (1, 4, 101.0), (0, 4, 80.0)]
+
+
+def _np_head_max(x, wq, wk, heads, kv_heads, hd):
+  """max over positions of q.k / sqrt(hd) per query head; query head h uses key head h // G."""
+  q = (x @ wq).reshape(len(x), heads, hd)
+  k = (x @ wk).reshape(len(x), kv_heads, hd)
+  k = np.repeat(k, heads // kv_heads, axis=1)
+  return np.einsum("thd,shd->hts", q, k).max(axis=(1, 2)) / np.sqrt(hd)
+
+
+def test_shared_key_head_whose_query_heads_all_exceed_tau_keeps_its_weights():
+  """By hand: 4 query heads share 2 key heads; heads 0 and 1 (both on key head 0) exceed tau.
+  The shared key head 0 is not scaled; query head 0 by tau/S_0 and head 1 by tau/S_1, so both
+  end at tau exactly on the same batch, and heads 2 and 3 (below tau) keep their logits."""
+  rng = np.random.default_rng(7)
+  d, hd = 8, 4
+  x = rng.normal(size=(6, d))
+  wq = rng.normal(size=(d, 4 * hd))
+  wk = rng.normal(size=(d, 2 * hd))
+  wq[:, :2 * hd] *= 40.0                                   # heads 0 and 1 run away
+  before = _np_head_max(x, wq, wk, 4, 2, hd)
+  tau = float(before[2:].max()) * 1.5
+  assert (before[:2] > tau).all() and (before[2:] < tau).all()
+  params = {"embed": jnp.zeros((50, d)),
+            "attn": {"q_proj": {"kernel": jnp.asarray(wq, jnp.float32)},
+                     "k_proj": {"kernel": jnp.asarray(wk, jnp.float32)},
+                     "v_proj": {"kernel": jnp.zeros((d, 2 * hd))},
+                     "o_proj": {"kernel": jnp.zeros((4 * hd, d))}}}
+  tx = stablejax.qk_clip(tau, num_heads=4, num_kv_heads=2)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, state = tx.update(zeros, tx.init(params), params,
+                             max_logits={"attn": jnp.asarray(before, jnp.float32)})
+  got = optax.apply_updates(params, updates)["attn"]
+  np.testing.assert_array_equal(got["k_proj"]["kernel"], params["attn"]["k_proj"]["kernel"])
+  want_q = wq.copy()
+  for h in (0, 1):
+    want_q[:, h * hd:(h + 1) * hd] *= tau / before[h]
+  np.testing.assert_allclose(got["q_proj"]["kernel"], want_q, rtol=1e-5)
+  after = _np_head_max(x, np.asarray(got["q_proj"]["kernel"], np.float64), wk, 4, 2, hd)
+  np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
+  assert int(state.heads_clipped) == 2
+
+
+def test_fused_2d_qkv_kernel_scales_only_the_query_and_key_spans():
+  """GPT-2's fused c_attn, in either storage ([D, 3D] or Conv1D's [3D, D]) with its bias: the
+  query and key columns of a clipped head are scaled by sqrt(gamma), the value part never."""
+  rng = np.random.default_rng(3)
+  d, heads, hd = 8, 2, 4
+  logits = np.array([400.0, 20.0], np.float32)
+  g = np.sqrt(_gamma(logits))                              # head 0: 0.5, head 1: 1
+  per_feature = np.repeat(g, hd)                           # [D]: head-major
+  want_cols = np.concatenate([per_feature, per_feature, np.ones(d)])   # q | k | v
+  for out_in in (False, True):
+    kernel = rng.normal(size=(3 * d, d) if out_in else (d, 3 * d))
+    bias = rng.normal(size=(3 * d,))
+    params = {"wte": {"embedding": jnp.zeros((50, d))},
+              "h": {"0": {"attn": {"c_attn": {"kernel": jnp.asarray(kernel, jnp.float32),
+                                              "bias": jnp.asarray(bias, jnp.float32)},
+                                   "c_proj": {"kernel": jnp.zeros((d, d))}},
+                          "mlp": {"c_fc": {"kernel": jnp.zeros((4 * d, d) if out_in
+                                                               else (d, 4 * d))}}}}}
+    tx = stablejax.qk_clip(TAU, num_heads=heads)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zeros, tx.init(params), params,
+                           max_logits={"h/0/attn": jnp.asarray(logits)})
+    got = optax.apply_updates(params, updates)["h"]["0"]["attn"]["c_attn"]
+    want = kernel * (want_cols[:, None] if out_in else want_cols[None, :])
+    np.testing.assert_allclose(got["kernel"], want, rtol=1e-6, err_msg=f"out_in={out_in}")
+    np.testing.assert_allclose(got["bias"], bias * want_cols, rtol=1e-6)
+
+
+def test_layers_are_checked_at_init_with_the_fix_in_one_line():
+  shapes = {"q_proj": (8, 8), "k_proj": (8, 4), "v_proj": (8, 4), "o_proj": (8, 8)}
+  params = {"embed": jnp.zeros((50, 8)),
+            "attn": {name: {"kernel": jnp.zeros(shape)} for name, shape in shapes.items()}}
+  tx = stablejax.qk_clip(TAU)
+  with pytest.raises(ValueError, match="^qk_clip: .*pass num_heads= .* or config=") as e:
+    tx.init(params)
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="num_kv_heads=1"):
+    stablejax.qk_clip(TAU, num_heads=4, num_kv_heads=1).init(params)
+  layer = AttentionLayer("attn", 2, 2, (HeadParam("attn/q_proj/kernel", -1),),
+                         (HeadParam("attn/k_proj/nothing", -1),))
+  with pytest.raises(ValueError, match="names 'attn/k_proj/nothing', which is not a parameter"):
+    stablejax.qk_clip(TAU, layers=[layer]).init(params)
+  layer = AttentionLayer("attn", 3, 3, (HeadParam("attn/q_proj/kernel", -1),),
+                         (HeadParam("attn/k_proj/kernel", -1),))
+  with pytest.raises(ValueError, match="neither 3 heads nor a multiple"):
+    stablejax.qk_clip(TAU, layers=[layer]).init(params)
+  config = {"num_attention_heads": 2, "num_key_value_heads": 1}
+  tx = stablejax.qk_clip(TAU, config=config)
+  tx.init(params)   # the config gives the head counts

@@ -17,8 +17,8 @@ class _Block(nn.Module):
   @nn.compact
   def __call__(self, x):
     h = nn.LayerNorm(name="ln_1")(x)
-    h = nn.Dense(16, name="attn_qkv")(h)
-    h = nn.Dense(8, name="attn_out", use_bias=False)(h)
+    q, k, v = jnp.split(nn.Dense(24, name="attn_qkv")(h), 3, axis=-1)  # a fused projection
+    h = nn.Dense(8, name="attn_out", use_bias=False)(v * jnp.tanh(q * k))
     return x + nn.RMSNorm(name="rms")(h)
 
 
@@ -115,7 +115,7 @@ def test_describe_routing_table_with_transform():
   row = next(line for line in lines if line.startswith("params/lm_head/kernel"))
   assert "head" in row.split() and row.rstrip().endswith("0.0005")
   row = next(line for line in lines if line.startswith("params/block_0/attn_qkv/kernel"))
-  assert re.split(r"\s{2,}", row)[2:5] == ["muon", "8x16", "last two axes"]
+  assert re.split(r"\s{2,}", row)[2:5] == ["muon", "3 x 8x8", "names and shapes"]
   assert "schedule (start 0, peak 0.02)" in row
   # Summary: tensor and parameter counts per group.
   n_leaves = len(jax.tree.leaves(params))
@@ -161,7 +161,7 @@ def test_describe_routing_finds_outlier_safe_muon_in_any_chain():
              optax.chain(optax.inject_hyperparams(optax.scale)(step_size=1.0), readme_chain)]:
     assert _rates(stablejax.describe_routing(params, tx)) == want
   # The rates reach the factory traced under inject_hyperparams: the given values are shown.
-  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))(
+  injected = optax.inject_hyperparams(stablejax.outlier_safe_muon)(
       learning_rate=optax.linear_schedule(0.0, 2e-2, 100), adam_learning_rate=1e-3)
   rates = _rates(stablejax.describe_routing(params, stablejax.skip_nonfinite(injected)))
   assert rates["muon"] == "schedule (start 0, peak 0.02) (injected)"
@@ -396,3 +396,77 @@ def test_a_metadata_model_axis_of_the_wrong_size_is_not_trusted():
     i = [leaf.path for leaf in routed.leaves].index("proj/kernel")
     assert routed.labels[i] == "muon"
     assert (routed.layouts[i], routed.sources[i]) == (want, source)
+
+
+MDN = optax.contrib.MuonDimensionNumbers
+
+
+def _gpt2_like(d=8, vocab=40, storage="out_in"):
+  """GPT-2's layout: wte, fused c_attn, c_proj, MLP c_fc / c_proj; Conv1D kernels [out, in]."""
+  def k(fan_in, fan_out, seed):
+    shape = (fan_out, fan_in) if storage == "out_in" else (fan_in, fan_out)
+    return {"kernel": _normal(shape, seed), "bias": jnp.zeros(fan_out)}
+  block = lambda s: {"attn": {"c_attn": k(d, 3 * d, s), "c_proj": k(d, d, s + 1)},  # noqa: E731
+                     "mlp": {"c_fc": k(d, 4 * d, s + 2), "c_proj": k(4 * d, d, s + 3)},
+                     "ln_1": {"scale": jnp.ones(d), "bias": jnp.zeros(d)}}
+  return {"wte": {"embedding": _normal((vocab, d), 9)}, "h": {"0": block(0), "1": block(10)}}
+
+
+def test_out_in_storage_read_from_the_models_own_kernels():
+  FDN = stablejax.FusedDimensionNumbers
+  for storage, plain, fused in (("out_in", MDN(-1, -2), FDN(-1, -2, -2, 3)),
+                                ("in_out", MDN(-2, -1), FDN(-2, -1, -1, 3))):
+    dims = stablejax.muon_dimension_numbers(_gpt2_like(storage=storage))["h"]["0"]
+    assert dims["attn"]["c_attn"]["kernel"] == fused, storage
+    assert dims["mlp"]["c_fc"]["kernel"] == plain and dims["mlp"]["c_proj"]["kernel"] == plain
+    assert dims["attn"]["c_proj"]["kernel"] == plain, storage
+  # Kernels that disagree say nothing: the default [in, out] reading stays.
+  params = _gpt2_like()
+  params["h"]["1"]["mlp"]["c_fc"]["kernel"] = _normal((8, 32), 3)   # [in, out] this one
+  dims = stablejax.muon_dimension_numbers(params)["h"]["0"]
+  assert dims["mlp"]["c_proj"]["kernel"] == MDN(-2, -1)
+
+
+def test_equinox_linear_weights_are_out_in_by_module_type():
+  import equinox as eqx
+  keys = jax.random.split(jax.random.key(0), 3)
+  model = {"embed": eqx.nn.Embedding(50, 8, key=keys[0]),
+           "blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 24, key=k))(
+               jax.random.split(keys[1], 2)),
+           "sq": eqx.nn.Linear(8, 8, key=keys[2])}
+  dims = stablejax.muon_dimension_numbers(eqx.filter(model, eqx.is_array))
+  assert dims["blocks"].weight == MDN(-1, -2) and dims["sq"].weight == MDN(-1, -2)
+  table = stablejax.describe_routing(eqx.filter(model, eqx.is_array))
+  row = next(line for line in table.splitlines() if line.startswith("blocks/weight"))
+  assert re.split(r"\s{2,}", row)[2:5] == ["muon", "2 x 8x24", "module type"]
+
+
+def test_fused_parts_from_names_shapes_and_metadata():
+  FDN = stablejax.FusedDimensionNumbers
+  d = 16
+  gqa = {"embed": _normal((64, d)),  # Phi-3 style: qkv_proj [D, H*hd + 2 K*hd], o_proj [H*hd, D]
+         "layers": {"0": {"attn": {"qkv_proj": {"kernel": _normal((d, 16 + 2 * 4))},
+                                   "o_proj": {"kernel": _normal((16, d))}},
+                          "mlp": {"gate_up_proj": {"kernel": _normal((d, 2 * 24))},
+                                  "down_proj": {"kernel": _normal((24, d))}}}}}
+  dims = stablejax.muon_dimension_numbers(gqa)["layers"]["0"]
+  assert dims["attn"]["qkv_proj"]["kernel"] == FDN(-2, -1, -1, (16, 4, 4))
+  assert dims["mlp"]["gate_up_proj"]["kernel"] == FDN(-2, -1, -1, 2)
+  # a 2-D kernel whose logical axis names say 'qkv' on its features
+  boxed = {"embed": _normal((64, d)),
+           "attn": {"wqkv": nn.LogicallyPartitioned(_normal((d, 3 * d)), ("embed", "qkv"))}}
+  labels = stablejax.label_params(boxed)
+  assert labels["attn"]["wqkv"] == "muon"
+  got = stablejax.muon_dimension_numbers(boxed)["attn"]["wqkv"]
+  assert got == FDN(-2, -1, -1, 3)
+  # named fused but no split fits the shapes: a warning naming the override
+  odd = {"embed": _normal((64, d)), "attn": {"qkv": {"kernel": _normal((d, 20))}}}
+  with pytest.warns(UserWarning, match="attn/qkv/kernel .* named like a fused projection.*"
+                                       "FusedDimensionNumbers"):
+    stablejax.outlier_safe_muon(2e-3).init(odd)
+  # an override says what no rule can see, and a bad one is refused in one line
+  dims = stablejax.muon_dimension_numbers(odd, overrides={"attn/qkv/kernel": FDN(-2, -1, -1,
+                                                                                 (12, 4, 4))})
+  assert dims["attn"]["qkv"]["kernel"].part_sizes((d, 20)) == (12, 4, 4)
+  with pytest.raises(ValueError, match="attn/qkv/kernel: .*does not split into 3 equal parts"):
+    stablejax.muon_dimension_numbers(odd, overrides={"attn/qkv/kernel": FDN(-2, -1, -1, 3)})

@@ -362,12 +362,34 @@ def test_skip_spikes_inactive_before_min_history():
 
 
 def test_skip_spikes_requires_loss_when_watching_it():
-  tx = stablejax.skip_spikes(optax.sgd(1.0))
   params = {"w": jnp.zeros(2)}
+  tx = stablejax.skip_spikes(optax.sgd(1.0), watch=("loss", "grad_norm"))
   with pytest.raises(ValueError, match="loss="):
     tx.update({"w": jnp.ones(2)}, tx.init(params), params)
   tx = stablejax.skip_spikes(optax.sgd(1.0), watch=("grad_norm",))
   tx.update({"w": jnp.ones(2)}, tx.init(params), params)  # no loss needed
+
+
+def test_skip_spikes_default_watches_the_loss_only_when_given():
+  """watch=None: without loss= (TrainState.apply_gradients) the gradient norm alone decides and
+  the loss window stays empty; with loss= a loss spike under a normal gradient is skipped."""
+  params = {"w": jnp.zeros(2)}
+  tx = stablejax.skip_spikes(optax.sgd(1.0), window=8, min_history=4)
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  for scale in (1.0, 1.1, 0.9, 1.0):
+    _, state = step({"w": jnp.full(2, scale)}, state, params)
+  updates, state = step({"w": jnp.full(2, 1.05)}, state, params)
+  assert not bool(state.skipped) and int(state.loss_count) == 0
+  np.testing.assert_allclose(updates["w"], -1.05)
+  _, state = step({"w": jnp.full(2, 500.0)}, state, params)
+  assert bool(state.skipped) and int(state.grad_norm_count) == 6
+  state = tx.init(params)
+  for loss in (2.0, 2.1, 1.9, 2.0):
+    _, state = step({"w": jnp.ones(2)}, state, params, loss=jnp.float32(loss))
+  updates, state = step({"w": jnp.ones(2)}, state, params, loss=jnp.float32(40.0))
+  assert bool(state.skipped) and int(state.loss_count) == 5
+  np.testing.assert_array_equal(updates["w"], 0.0)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -371,8 +371,9 @@ MUTANTS = [
        "the ring buffer stops wrapping (the window freezes)"),
     _m("S19", SKIPPING, '    if "grad_norm" in watch:\n      bad, norm_hist',
        '    if False:\n      bad, norm_hist', "the gradient norm is not watched"),
-    _m("S20", SKIPPING, '    if "loss" in watch:\n      loss = extra_args.get("loss")',
-       '    if "loss" in watch and False:\n      loss = extra_args.get("loss")',
+    _m("S20", SKIPPING,
+       '    if "loss" in watch and not (loss is None and loss_optional):',
+       '    if "loss" in watch and False:',
        "the loss is not watched"),
     _m("S21", SKIPPING, "  n = jnp.maximum(count, 1).astype(_common.STAT_DTYPE)",
        "  n = jnp.asarray(history.shape[0], _common.STAT_DTYPE)",
@@ -394,6 +395,10 @@ MUTANTS = [
        "    ok = _common.all_finite(inner_updates)\n",
        "skip_nonfinite does not look at the gradients (only at what the inner transform made "
        "of them)"),
+    _m("S28", SKIPPING, "  loss_optional = watch is None  # the default: the loss when update() is "
+       "given one", "  loss_optional = False",
+       "the default watch=None needs loss= (TrainState.apply_gradients fails at its first step)",
+       ("tests/test_skipping.py", "-k", "default_watches")),
 
     # ---------------------------------------------------------------- zclip.py
     _m("Z1", ZCLIP, "      warm_scale = jnp.minimum(1.0, ceiling / (g + _NORM_EPS))",
@@ -1155,6 +1160,14 @@ MUTANTS = [
        "      corr_now = 1 - beta ** (count_inc + 1).astype(m.dtype)",
        "Nesterov's gradient term is bias-corrected for the wrong step",
        _muon_tests("matches_optax")),
+    _m("MU15", MUON, "  if not isinstance(dims, routing.FusedDimensionNumbers):\n"
+       "    return [(x, dims)], lambda outs: outs[0]",
+       "  if True:\n    return [(x, dims)], lambda outs: outs[0]",
+       "a fused kernel is orthogonalised as one matrix, not per projection",
+       _muon_tests("fused_kernel")),
+    _m("MU16", MUON, "  cuts = list(np.cumsum(sizes)[:-1])", "  cuts = list(sizes[:-1])",
+       "parts of different sizes are cut at the wrong places",
+       _muon_tests("fused_kernel")),
 
     # ---------------------------------------------------------------- training/budget.py
     _m("BU1", BUDGET, "  return Timings(max(times), eval_seconds,",
@@ -1315,6 +1328,12 @@ MUTANTS = [
     _m("QK7", QK_CLIP, "      clipped.append(jnp.sum(over, dtype=jnp.int32))",
        "      clipped.append(jnp.any(over).astype(jnp.int32))",
        "heads_clipped counts layers, not heads"),
+    _m("QK8", QK_CLIP, "  def init_fn(params: Any) -> QKClipState:\n    check_layers(params)",
+       "  def init_fn(params: Any) -> QKClipState:\n    pass",
+       "a layout whose heads cannot be located fails at the first update, not at init"),
+    _m("QK9", QK_CLIP, "    factor = jnp.concatenate([jnp.repeat(ones, start, axis=-1), factor,",
+       "    factor = jnp.concatenate([factor, jnp.repeat(ones, start, axis=-1),",
+       "the heads of a fused 2-D kernel's key part are looked for in its query part"),
 
     # ---------------------------------------------------------------- modeling/utils.py: kurtosis
     _m("KU1", MODEL_UTILS, "  return jnp.maximum(kurt - 3.0, 0.0)", "  return kurt - 3.0",
@@ -1371,6 +1390,9 @@ MUTANTS = [
        "  return tree",
        "a callable param_labels gets the boxed tree instead of its arrays",
        ("tests/test_routing.py", "-k", "same_labels or callable")),
+    _m("RT11", ROUTING, "  notes += _fused_notes(leaves, a, labels, layouts, sources)\n",
+       "", "describe_routing and init say nothing of fused kernels (split or left whole)",
+       ("tests/test_routing.py", "-k", "describe_routing_table or fused_parts")),
 
     # ---------------------------------------------------------------- layout/analysis.py
     _m("LT1", LAYOUT, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",
@@ -1391,6 +1413,31 @@ MUTANTS = [
     _m("LT5", LAYOUT, "    for a in (0, 1):", "    for a in (0,):",
        "layers stacked on axis 1 are not recognised as a stack",
        ("tests/test_model_layouts.py", "-k", "stacked_on_axis")),
+    _m("LT6", LAYOUT,
+       "      out.append(OUT_IN if v.get(OUT_IN) and not v.get(\"in_out\") else None)",
+       "      out.append(None)",
+       "[out, in] storage (Hugging Face's Conv1D) is never read from the model's own kernels",
+       ("tests/test_routing.py", "-k", "out_in_storage")),
+    _m("LT7", LAYOUT, "      in_out = (side == \"in\") == (first == d_model)",
+       "      in_out = (side == \"in\") != (first == d_model)",
+       "the storage votes of input and output projections are read the wrong way round",
+       ("tests/test_routing.py", "-k", "out_in_storage")),
+    _m("LT8", LAYOUT, "      found.add(tuple(_key_name(k) for k in path) + (\"weight\",))",
+       "      pass",
+       "eqx.nn.Linear weights are read [in, out]",
+       ("tests/test_routing.py", "-k", "equinox")),
+    _m("LT9", LAYOUT, "    parts = (out_width, rest, rest)", "    parts = 3",
+       "a grouped-query fused kernel is cut into three equal parts",
+       ("tests/test_routing.py", "-k", "fused_parts")),
+    _m("LT10", LAYOUT, "    return None\n  return FusedDimensionNumbers(red, out, out, parts)",
+       "    return None\n  return None",
+       "a fused kernel is orthogonalised as one matrix",
+       ("tests/test_routing.py", "-k", "fused_parts or out_in_storage")),
+    _m("LT11", LAYOUT,
+       "    if k == FUSED and len(leaf.shape) == 2 and leaf.shape[i] not in (2, 3):",
+       "    if False:",
+       "a 2-D kernel with a 'qkv' axis name is taken for a vector (routed to Adam)",
+       ("tests/test_routing.py", "-k", "fused_parts")),
 
     # ---------------------------------------------------------------- training/loop.py
     _m("LO1", BATCHES,

@@ -43,13 +43,57 @@ import dataclasses
 import functools
 import re
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import numpy as np
 import optax
 
 MuonDimensionNumbers = optax.contrib.MuonDimensionNumbers
+
+
+class FusedDimensionNumbers(NamedTuple):
+  """The matrix of a kernel that concatenates several projections along one axis.
+
+  A fused query/key/value kernel (GPT-2's ``c_attn``, ``[D, 3D]``; ``[3D, D]`` in Hugging Face's
+  Flax ``Conv1D``), a fused key/value or a fused gate/up kernel holds several matrices side by
+  side. Muon orthogonalises each part as its own matrix (as modded-nanogpt, Moonlight and Kimi
+  orthogonalise each projection), which ``optax.contrib.MuonDimensionNumbers`` cannot say.
+
+  Attributes:
+    reduction_axis: as in ``optax.contrib.MuonDimensionNumbers`` (fan-in axes).
+    output_axis: likewise (fan-out axes).
+    fused_axis: the axis whose entries are the parts, one after the other; one of the reduction
+      or output axes (negative values count from the end).
+    parts: the number of equal parts, or the size of each part along ``fused_axis`` (a grouped
+      query/key/value kernel: ``(H * hd, K * hd, K * hd)``).
+
+  Example:
+    >>> import jax.numpy as jnp, stablejax
+    >>> qkv = stablejax.FusedDimensionNumbers(reduction_axis=-2, output_axis=-1, fused_axis=-1,
+    ...                                       parts=3)   # a [D, 3D] kernel: three D x D matrices
+    >>> qkv.part_sizes((64, 192))
+    (64, 64, 64)
+  """
+  reduction_axis: Any
+  output_axis: Any
+  fused_axis: int
+  parts: Any
+
+  def part_sizes(self, shape: Sequence[int]) -> tuple:
+    """The size of each part along ``fused_axis`` for a kernel of ``shape``."""
+    size = shape[self.fused_axis]
+    if isinstance(self.parts, (int, np.integer)):
+      parts = int(self.parts)
+      if parts < 1 or size % parts:
+        raise ValueError(f"FusedDimensionNumbers: axis {self.fused_axis} of a {tuple(shape)} "
+                         f"kernel (size {size}) does not split into {parts} equal parts")
+      return (size // parts,) * parts
+    sizes = tuple(int(n) for n in self.parts)
+    if not sizes or min(sizes) < 1 or sum(sizes) != size:
+      raise ValueError(f"FusedDimensionNumbers: part sizes {sizes} must be positive and add up "
+                       f"to axis {self.fused_axis} of a {tuple(shape)} kernel (size {size})")
+    return sizes
 
 # ------------------------------------------------------------------ the tree
 
@@ -123,11 +167,16 @@ def axis_names_of(x: Any) -> Optional[tuple]:
 
 @dataclasses.dataclass
 class Leaf:
-  """One parameter of a tree: path, shape, masked out or not, and its metadata's axis names."""
+  """One parameter of a tree: path, shape, masked out or not, and its metadata's axis names.
+
+  ``storage`` is ``"out_in"`` for a weight whose module type says it is stored ``[out, in]``
+  (Equinox's ``eqx.nn.Linear``), None when the tree does not say.
+  """
   names: tuple
   shape: tuple
   masked: bool
   axes: Optional[tuple] = None
+  storage: Optional[str] = None
 
   @property
   def path(self) -> str:
@@ -143,18 +192,41 @@ def path_to_str(path: Sequence[Any]) -> str:
   return "/".join(_key_name(e) for e in path)
 
 
+OUT_IN = "out_in"
+
+
+def _out_in_linear(x: Any) -> bool:
+  eqx = sys.modules.get("equinox")  # no Equinox module can exist unless equinox was imported
+  return eqx is not None and isinstance(x, eqx.nn.Linear)
+
+
+def _out_in_paths(tree: Any) -> set:
+  """Paths of the weights that their module type stores ``[out, in]``: ``eqx.nn.Linear.weight``
+  (``y = W x``), also when ``eqx.filter_vmap`` stacked the module (``[L, out, in]``)."""
+  if sys.modules.get("equinox") is None:
+    return set()
+  found = set()
+  for path, node in jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: is_param_leaf(x) or _out_in_linear(x))[0]:
+    if _out_in_linear(node) and getattr(node, "weight", None) is not None:
+      found.add(tuple(_key_name(k) for k in path) + ("weight",))
+  return found
+
+
 def param_leaves(tree: Any, with_values: bool = False) -> tuple:
   """The parameters of ``tree`` (a ``Variable`` or a Linen box is one) and the treedef.
 
   Returns ``(leaves, treedef)``, or ``(leaves, values, treedef)`` with ``with_values``.
   """
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_param_leaf)
+  out_in = _out_in_paths(tree)
   leaves = []
   for path, leaf in flat:
     masked = isinstance(leaf, optax.MaskedNode)
     shape = () if masked else tuple(np.shape(value_of(leaf)))
-    leaves.append(Leaf(tuple(_key_name(k) for k in path), shape, masked,
-                       None if masked else axis_names_of(leaf)))
+    names = tuple(_key_name(k) for k in path)
+    leaves.append(Leaf(names, shape, masked, None if masked else axis_names_of(leaf),
+                       OUT_IN if names in out_in else None))
   if with_values:
     return leaves, [leaf for _, leaf in flat], treedef
   return leaves, treedef
@@ -169,6 +241,10 @@ def structure_key(leaves: Sequence[Leaf]) -> tuple:
 
 MODEL, HEADS, HEAD_DIM, MLP, VOCAB, STACK, EXPERT, FUSED, NORM = (
     "model", "heads", "head_dim", "mlp", "vocab", "stack", "expert", "fused", "norm")
+# A 'qkv' / 'kv' axis that is not a small batch axis of 2 or 3 but the features of the fused
+# projections one after the other ([D, 3 * H * hd] named ('embed', 'qkv')).
+FUSED_FEATURES = "fused_features"
+_FUSED_PARTS = {"qkv": 3, "fused_qkv": 3, "kv": 2}
 _BATCH_KINDS = (STACK, EXPERT, FUSED)
 
 _KIND_OF_NAME = {
@@ -217,7 +293,17 @@ def axis_kinds(leaf: Leaf) -> Optional[tuple]:
     # a heads axis is a fused key/value (or query/key/value) axis.
     if k == HEAD_DIM and str(name).lower() == "kv" and leaf.shape[i] in (2, 3) and has_heads:
       kinds[i] = FUSED
+    # A fused axis of a 2-D kernel is not a batch axis: the projections lie side by side in it.
+    if k == FUSED and len(leaf.shape) == 2 and leaf.shape[i] not in (2, 3):
+      kinds[i] = FUSED_FEATURES
   return tuple(kinds)
+
+
+def fused_parts_of_name(name: AxisName) -> Optional[int]:
+  """How many projections a fused axis named ``name`` holds (``qkv``: 3, ``kv``: 2)."""
+  names = name if isinstance(name, tuple) else (name,)
+  return next((_FUSED_PARTS[n.lower()] for n in names
+               if isinstance(n, str) and n.lower() in _FUSED_PARTS), None)
 
 
 # ------------------------------------------------------------------ names
@@ -353,6 +439,127 @@ def block_flags(leaves: Sequence[Leaf], stacked: Sequence[bool]) -> list[bool]:
   return out
 
 
+# ------------------------------------------------------------------ 2-D kernels
+
+# Projections whose fan-in is the model width (attention inputs, MLP up/gate) and whose fan-out is
+# (attention and MLP outputs), by the names models give them. Only specific names: a generic
+# "dense" or "output" is an input projection in one model and an output in the next.
+_IN_NAMES = frozenset((
+    "q", "k", "v", "query", "key", "value", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj",
+    "query_proj", "key_proj", "value_proj", "qkv", "qkv_proj", "wqkv", "c_attn",
+    "query_key_value", "kv", "kv_proj", "wkv", "in_proj", "c_fc", "fc1", "fc_in", "w1", "w3",
+    "wi", "wi_0", "wi_1", "gate_proj", "up_proj", "gate", "up", "gate_up_proj", "gate_up",
+    "dense_h_to_4h", "lin1"))
+_OUT_NAMES = frozenset((
+    "o", "o_proj", "out_proj", "wo", "c_proj", "attn_out", "output_proj", "fc2", "fc_out", "w2",
+    "down_proj", "down", "dense_4h_to_h", "lin2"))
+_GATE_UP_NAMES = frozenset(("gate_up_proj", "gate_up", "up_gate_proj", "up_gate", "w13", "w1_3"))
+
+
+def component_name(leaf: Leaf) -> str:
+  """The (lower-case) name of the module holding a kernel: ``q_proj`` for ``.../q_proj/kernel``."""
+  lower = leaf.lower
+  return lower[-2] if len(lower) >= 2 and lower[-1] in _WEIGHT_NAMES else lower[-1]
+
+
+def _io_side(leaf: Leaf) -> Optional[str]:
+  name = component_name(leaf)
+  if name in _IN_NAMES:
+    return "in"
+  if name in _OUT_NAMES:
+    return "out"
+  return None
+
+
+def _fused_role(leaf: Leaf) -> Optional[str]:
+  """``"qkv"``, ``"kv"`` or ``"gate_up"`` for a kernel named like a fused projection."""
+  name = component_name(leaf)
+  if name in _GATE_UP_NAMES:
+    return "gate_up"
+  role = projection_name(name)
+  return role if role in ("qkv", "kv") else None
+
+
+def _matrix_axes(leaf: Leaf, stack_axis: Optional[int]) -> bool:
+  """Whether ``leaf`` is one ``[a, b]`` matrix, or a stack ``[L, a, b]`` of them (axis 0)."""
+  stack = _stack_axes(leaf, stack_axis)
+  return len(leaf.shape) - len(stack) == 2 and stack in ((), (0,))
+
+
+def orientations(leaves: Sequence[Leaf], stack_axis: Sequence[Optional[int]],
+                 d_model: Optional[int]) -> list[Optional[str]]:
+  """``"out_in"`` for each 2-D kernel stored ``[out, in]``, None for ``[in, out]`` or unknown.
+
+  The module type decides when the tree carries it (``eqx.nn.Linear``: ``[out, in]``). Otherwise
+  the model's own convention, read per parameter name (``kernel``, ``weight``...) from its
+  non-square kernels whose module names say which side is the model width: an input projection
+  (``q_proj``, ``c_attn``, ``c_fc``, ``up_proj``...) has ``D`` as its fan-in, an output
+  projection (``o_proj``, ``c_proj``, ``down_proj``...) as its fan-out. Hugging Face's Flax
+  ``Conv1D`` (GPT-2: ``c_attn/kernel [3D, D]``) is ``[out, in]``; Flax ``Dense`` is ``[in, out]``.
+  A convention counts only when every such kernel agrees.
+  """
+  votes: dict = collections.defaultdict(collections.Counter)
+  if d_model is not None:
+    for leaf, axis in zip(leaves, stack_axis):
+      if leaf.masked or leaf.storage is not None or not _matrix_axes(leaf, axis):
+        continue
+      side = _io_side(leaf)
+      first, last = leaf.shape[-2], leaf.shape[-1]
+      if side is None or (first == d_model) == (last == d_model):
+        continue
+      in_out = (side == "in") == (first == d_model)
+      votes[leaf.lower[-1]]["in_out" if in_out else OUT_IN] += 1
+  out: list[Optional[str]] = []
+  for leaf, axis in zip(leaves, stack_axis):
+    if leaf.masked or not _matrix_axes(leaf, axis):
+      out.append(None)
+    elif leaf.storage is not None:
+      out.append(leaf.storage)
+    else:
+      v = votes.get(leaf.lower[-1], {})
+      out.append(OUT_IN if v.get(OUT_IN) and not v.get("in_out") else None)
+  return out
+
+
+def _out_widths(leaves: Sequence[Leaf], orient: Sequence[Optional[str]], d_model: int) -> dict:
+  """Module path -> the fan-in of its attention output projection ``[W, D]`` (2-D kernels)."""
+  widths: dict = {}
+  for leaf, o in zip(leaves, orient):
+    if leaf.masked or len(leaf.shape) < 2 or _io_side(leaf) != "out":
+      continue
+    if projection_name(component_name(leaf)) != "out" and component_name(leaf) != "c_proj":
+      continue
+    fan_in, fan_out = (leaf.shape[-1], leaf.shape[-2]) if o == OUT_IN else leaf.shape[-2:]
+    if fan_out == d_model:
+      widths.setdefault(_projection_path(leaf)[:-1], fan_in)
+  return widths
+
+
+def _fused_layout(leaf: Leaf, orient: Optional[str], d_model: Optional[int],
+                  out_width: Optional[int]) -> Optional[FusedDimensionNumbers]:
+  """The parts of a 2-D kernel named like a fused projection, from its shape against ``D``."""
+  role = _fused_role(leaf)
+  if role is None or d_model is None:
+    return None
+  red, out = (-1, -2) if orient == OUT_IN else (-2, -1)
+  if leaf.shape[red] != d_model:
+    return None
+  width = leaf.shape[out]
+  parts: Any = None
+  if role in ("kv", "gate_up"):
+    parts = 2 if width % 2 == 0 else None
+  elif width == 3 * d_model:
+    parts = 3
+  elif out_width is not None and 0 < out_width < width and (width - out_width) % 2 == 0:
+    rest = (width - out_width) // 2    # grouped-query: H * hd queries, K * hd keys and values
+    parts = (out_width, rest, rest)
+  elif width % 3 == 0:
+    parts = 3
+  if parts is None:
+    return None
+  return FusedDimensionNumbers(red, out, out, parts)
+
+
 # ------------------------------------------------------------------ the analysis
 
 
@@ -367,7 +574,7 @@ class KernelLayout:
     head_axis: the axis of the kernel that indexes heads (negative), if it has one.
     fused_axis: the axis of a fused projection (``[3, H, D, hd]``: 3 projections), if any.
   """
-  dims: MuonDimensionNumbers
+  dims: Any  # MuonDimensionNumbers, or FusedDimensionNumbers for a fused 2-D kernel
   source: str
   head_axis: Optional[int] = None
   fused_axis: Optional[int] = None
@@ -385,6 +592,7 @@ class Projection:
   fused: int = 1               # projections fused along fused_axis
   fused_axis: Optional[int] = None
   width: int = 0               # heads * head_dim (the non-D side of the matrix)
+  parts: Optional[tuple] = None  # 2-D fused kernel: the sizes of its parts along head_axis
 
 
 @dataclasses.dataclass
@@ -409,6 +617,8 @@ class Analysis:
   kinds: list                  # axis_kinds per leaf (None: no usable metadata)
   layouts: dict                # leaf index -> KernelLayout
   groups: list                 # AttentionGroup
+  orientation: list = dataclasses.field(default_factory=list)  # "out_in" or None per leaf
+  unsplit: list = dataclasses.field(default_factory=list)  # fused-named kernels left whole
 
 
 def _stack_axes(leaf: Leaf, axis: Optional[int]) -> tuple:
@@ -454,6 +664,14 @@ def _metadata_layout(leaf: Leaf, kinds: tuple, d_model: Optional[int]) -> Option
     dims = _dims(neg, [m - nd])
   else:
     dims = _dims([m - nd], neg)
+  features = [a for a in others if kinds[a] == FUSED_FEATURES]
+  if len(features) == 1 and leaf.axes is not None:
+    parts = fused_parts_of_name(leaf.axes[features[0]])
+    if parts is not None and leaf.shape[features[0]] % parts == 0:
+      fused_dims = FusedDimensionNumbers(dims.reduction_axis, dims.output_axis,
+                                         features[0] - nd, parts)
+      return KernelLayout(fused_dims, "metadata", heads[0] if len(heads) == 1 else None,
+                          fused[0] if len(fused) == 1 else None)
   return KernelLayout(dims, "metadata", heads[0] if len(heads) == 1 else None,
                       fused[0] if len(fused) == 1 else None)
 
@@ -533,8 +751,25 @@ def analyse(leaves: Sequence[Leaf], roles: Optional[dict] = None) -> Analysis:
       layouts[i] = _reading_layout(leaf, r, "shape")  # [D, H, hd]: DenseGeneral in any module
     elif r["position"] == "last" and r["fused"] is None and not experts:
       layouts[i] = _reading_layout(leaf, r, "shape")  # [H, hd, D]
-  groups = _attention_groups(leaves, stack_axis, kinds, d_model, layouts, readings, roles or {})
-  return Analysis(leaves, stacked, stack_axis, in_block, d_model, kinds, layouts, groups)
+  orient = orientations(leaves, stack_axis, d_model)
+  out_widths = _out_widths(leaves, orient, d_model) if d_model is not None else {}
+  unsplit = []
+  for i, leaf in enumerate(leaves):
+    if i in layouts or leaf.masked or not _matrix_axes(leaf, stack_axis[i]):
+      continue
+    source = "module" if leaf.storage is not None else "names"
+    fused = _fused_layout(leaf, orient[i], d_model,
+                          out_widths.get(_projection_path(leaf)[:-1]))
+    if fused is not None:
+      layouts[i] = KernelLayout(fused, source if orient[i] == OUT_IN else "names")
+    elif orient[i] == OUT_IN:
+      layouts[i] = KernelLayout(_dims([-1], [-2]), source)
+    if fused is None and _fused_role(leaf) is not None:
+      unsplit.append(i)
+  groups = _attention_groups(leaves, stack_axis, kinds, d_model, layouts, readings, roles or {},
+                             orient)
+  return Analysis(leaves, stacked, stack_axis, in_block, d_model, kinds, layouts, groups, orient,
+                  unsplit)
 
 
 # ------------------------------------------------------------------ attention layers
@@ -551,7 +786,7 @@ def _bias_of(leaves: Sequence[Leaf], by_path: dict, kernel: Leaf) -> Optional[in
 
 
 def _attention_groups(leaves: list, stack_axis: list, kinds: list, d_model: Optional[int],
-                      layouts: dict, readings: dict, roles: dict) -> list:
+                      layouts: dict, readings: dict, roles: dict, orient: list) -> list:
   by_path = {leaf.names: i for i, leaf in enumerate(leaves) if not leaf.masked}
   members: dict = collections.defaultdict(list)
   for i, leaf in enumerate(leaves):
@@ -573,7 +808,8 @@ def _attention_groups(leaves: list, stack_axis: list, kinds: list, d_model: Opti
       if group is not None:
         break
     if group is None:
-      group = _group_from_names(leaves, stack_axis, d_model, by_path, parent, idx, roles)
+      group = _group_from_names(leaves, stack_axis, d_model, by_path, parent, idx, roles,
+                                layouts, orient)
     if group is not None:
       groups.append(group)
   return groups
@@ -696,8 +932,10 @@ def _assign_roles(leaves: Sequence[Leaf], ins: list, q_heads: int) -> None:
 
 
 def _group_from_names(leaves: list, stack_axis: list, d_model: Optional[int], by_path: dict,
-                      parent: tuple, idx: list, roles: dict) -> Optional[AttentionGroup]:
-  """An attention layer of 2-D ``[D, H*hd]`` kernels, recognised by its projections' names."""
+                      parent: tuple, idx: list, roles: dict, layouts: dict, orient: list
+                      ) -> Optional[AttentionGroup]:
+  """An attention layer of 2-D ``[D, H*hd]`` (or ``[H*hd, D]``) kernels, recognised by its
+  projections' names; a fused query/key/value or key/value kernel counts with its parts."""
   if d_model is None:
     return None
   projs = []
@@ -707,22 +945,34 @@ def _group_from_names(leaves: list, stack_axis: list, d_model: Optional[int], by
     if len(leaf.shape) - stack != 2 or stack_axis[i] not in (None, 0):
       continue
     comp = leaf.names[-2] if _projection_path(leaf) != leaf.names else leaf.names[-1]
-    role = roles.get(i) or projection_name(comp)
+    role = roles.get(i) or projection_name(comp) or ("out" if comp.lower() == "c_proj" else None)
     if role is None:
       continue
-    fan_in, fan_out = leaf.shape[-2:]
+    out_in = orient[i] == OUT_IN if i < len(orient) else False
+    fan_in, fan_out = (leaf.shape[-1], leaf.shape[-2]) if out_in else leaf.shape[-2:]
+    head_axis = -2 if out_in else -1
+    parts = None
     if role == "out":
       if fan_out != d_model:
         continue
       width = fan_in
     else:
-      if fan_in != d_model or role in ("kv", "qkv"):
-        continue  # fused 2-D projections have no axis to select a part by
+      if fan_in != d_model:
+        continue
       width = fan_out
-    projs.append(Projection(role, i, _bias_of(leaves, by_path, leaf), None, None, -1, 1, None,
-                            width))
+      if role in ("kv", "qkv"):
+        dims = layouts[i].dims if i in layouts else None
+        if not isinstance(dims, FusedDimensionNumbers):
+          continue  # a fused kernel whose parts are unknown: no head can be located in it
+        parts = dims.part_sizes(leaf.shape)
+        if len(parts) != (3 if role == "qkv" else 2):
+          continue
+    projs.append(Projection(role, i, _bias_of(leaves, by_path, leaf), None, None, head_axis, 1,
+                            None, width, parts))
   found = [p.role for p in projs]
-  if "query" not in found or "key" not in found or len(set(found)) != len(found):
+  has_query = "query" in found or "qkv" in found
+  has_key = "key" in found or "qkv" in found or "kv" in found
+  if not has_query or not has_key or len(set(found)) != len(found):
     return None
   stack = len(_stack_axes(leaves[projs[0].kernel], stack_axis[projs[0].kernel]))
   return AttentionGroup("/".join(parent), projs, stack, None,

@@ -36,10 +36,14 @@ class HeadParam:
     select: for a fused projection, ``(axis, index)`` of the slice that is this projection
       (Gemma's ``qkv_einsum`` ``[3, H, D, hd]``: the query is ``(0, 0)``, the key ``(0, 1)``;
       axes count in the full parameter); None when the parameter is this projection alone.
+    span: for a 2-D fused projection, ``(start, size)`` of the range of ``head_axis`` that is
+      this projection, its heads head-major inside it (GPT-2's ``c_attn`` ``[D, 3D]``: the query
+      is ``(0, D)``, the key ``(D, D)``); None when the whole axis is this projection's.
   """
   path: str
   head_axis: int
   select: Optional[tuple[int, int]] = None
+  span: Optional[tuple[int, int]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +114,14 @@ def _role_overrides(leaves: list, overrides: Mapping[str, str], strict: bool) ->
 
 
 def _head_param(analysis: layout.Analysis, index: int, head_axis: Optional[int],
-                fused_axis: Optional[int], part: Optional[int]) -> HeadParam:
+                fused_axis: Optional[int], part: Optional[int],
+                span: Optional[tuple[int, int]] = None) -> HeadParam:
   leaf = analysis.leaves[index]
   assert head_axis is not None  # every projection of a layer has its head axis
   select = None
   if part is not None and fused_axis is not None:
     select = (len(leaf.shape) + fused_axis, part)
-  return HeadParam(leaf.path, head_axis, select)
+  return HeadParam(leaf.path, head_axis, select, span)
 
 
 def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, head_dim: int,
@@ -126,6 +131,11 @@ def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, hea
     return None
   leaf = analysis.leaves[p.bias]
   shape = leaf.shape[stack_ndim:]
+  if p.parts is not None and part is not None:  # a 2-D fused kernel's bias: [*stack, sum(parts)]
+    start = sum(p.parts[:part])
+    if shape != (sum(p.parts),) or p.parts[part] != heads * head_dim:
+      return None
+    return HeadParam(leaf.path, -1, None, (start, p.parts[part]))
   select = None
   if part is not None:
     if not shape or shape[0] != p.fused:
@@ -138,18 +148,28 @@ def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, hea
   return None
 
 
-def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: Optional[int]
-           ) -> AttentionLayer:
+def _part_width(p: layout.Projection, part: Optional[int]) -> int:
+  return p.parts[part] if p.parts is not None and part is not None else p.width
+
+
+def _span(p: layout.Projection, part: Optional[int]) -> Optional[tuple[int, int]]:
+  if p.parts is None or part is None:
+    return None
+  return (sum(p.parts[:part]), p.parts[part])
+
+
+def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: Optional[int],
+           num_kv_heads: Optional[int] = None) -> AttentionLayer:
   if not group.leading_stack:
     raise ValueError(f"attention layer {group.name!r} is stacked along an axis that is not the "
                      "leading one (nn.scan with variable_axes={'params': 1}); AttentionLayer "
                      "describes leading stacked axes only")
   parts: dict[str, tuple[layout.Projection, Optional[int]]] = {}
   for p in group.projections:
-    if p.role == "qkv" and p.fused == 3:
+    if p.role == "qkv" and (p.fused == 3 or (p.parts is not None and len(p.parts) == 3)):
       parts.setdefault("query", (p, 0))
       parts.setdefault("key", (p, 1))
-    elif p.role == "kv" and p.fused == 2:
+    elif p.role == "kv" and (p.fused == 2 or (p.parts is not None and len(p.parts) == 2)):
       parts.setdefault("key", (p, 0))
     elif p.role in ("query", "key") and p.fused == 1:
       parts.setdefault(p.role, (p, None))
@@ -170,25 +190,32 @@ def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: O
                        f"({analysis.leaves[q.kernel].path} {analysis.leaves[q.kernel].shape}), "
                        f"not num_heads={num_heads}")
   else:  # [D, H*hd] kernels: heads split from the output axis, head-major
+    q_width, k_width = _part_width(q, q_part), _part_width(k, k_part)
     if group.qk_norm_dim is not None:
       head_dim = group.qk_norm_dim
-    elif num_heads is not None and q.width % num_heads == 0:
-      head_dim = q.width // num_heads
+    elif num_heads is not None and q_width % num_heads == 0:
+      head_dim = q_width // num_heads
+    elif num_heads is None and num_kv_heads is not None and k_width % num_kv_heads == 0:
+      head_dim = k_width // num_kv_heads
     else:
       raise ValueError(
           f"attention layer {group.name!r}: its query kernel {analysis.leaves[q.kernel].path} "
-          f"{analysis.leaves[q.kernel].shape} holds all heads in one axis of {q.width}; "
-          + ("pass num_heads= (the model's head count)" if num_heads is None else
-             f"num_heads={num_heads} does not divide it"))
-    if q.width % head_dim or k.width % head_dim:
-      raise ValueError(f"attention layer {group.name!r}: query width {q.width} and key width "
-                       f"{k.width} are not multiples of the head size {head_dim}")
-    heads, kv_heads = q.width // head_dim, k.width // head_dim
+          f"{analysis.leaves[q.kernel].shape} holds all heads in one axis of {q_width}; "
+          + ("pass num_heads= (the model's head count) or config= (a Hugging Face config)"
+             if num_heads is None else f"num_heads={num_heads} does not divide it"))
+    if q_width % head_dim or k_width % head_dim:
+      raise ValueError(f"attention layer {group.name!r}: query width {q_width} and key width "
+                       f"{k_width} are not multiples of the head size {head_dim}")
+    heads, kv_heads = q_width // head_dim, k_width // head_dim
     if num_heads is not None and num_heads != heads:
       raise ValueError(f"attention layer {group.name!r}: num_heads={num_heads} disagrees with "
                        f"the head size {head_dim} of its query/key norm ({heads} heads)")
-  query = [_head_param(analysis, q.kernel, q.head_axis, q.fused_axis, q_part)]
-  key = [_head_param(analysis, k.kernel, k.head_axis, k.fused_axis, k_part)]
+  if num_kv_heads is not None and num_kv_heads != kv_heads:
+    raise ValueError(f"attention layer {group.name!r} has {kv_heads} key heads "
+                     f"({analysis.leaves[k.kernel].path} {analysis.leaves[k.kernel].shape}), "
+                     f"not num_kv_heads={num_kv_heads}")
+  query = [_head_param(analysis, q.kernel, q.head_axis, q.fused_axis, q_part, _span(q, q_part))]
+  key = [_head_param(analysis, k.kernel, k.head_axis, k.fused_axis, k_part, _span(k, k_part))]
   for p, part, h, out in ((q, q_part, heads, query), (k, k_part, kv_heads, key)):
     bias = _bias_param(analysis, p, h, head_dim, group.stack_ndim, part)
     if bias is not None:
@@ -196,9 +223,49 @@ def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: O
   return AttentionLayer(group.name, heads, kv_heads, tuple(query), tuple(key), group.stack_ndim)
 
 
+def heads_of_config(config: Any) -> tuple[int, Optional[int]]:
+  """``(num_heads, num_kv_heads)`` of a model config: a Hugging Face ``PretrainedConfig`` (or any
+  object or mapping with ``num_attention_heads`` / ``n_head`` / ``num_heads`` and optionally
+  ``num_key_value_heads`` / ``num_kv_heads``); ``num_kv_heads`` is None when it does not say.
+
+  Example:
+    >>> from stablejax.layout.heads import heads_of_config
+    >>> heads_of_config({"num_attention_heads": 8, "num_key_value_heads": 2})
+    (8, 2)
+  """
+  def get(name: str) -> Any:
+    if isinstance(config, Mapping):
+      return config.get(name)
+    return getattr(config, name, None)
+  heads = next((v for n in ("num_attention_heads", "n_head", "num_heads")
+                if isinstance(v := get(n), int) and not isinstance(v, bool)), None)
+  if heads is None:
+    raise ValueError(f"config {type(config).__name__} says no head count (num_attention_heads, "
+                     "n_head or num_heads); pass num_heads= instead")
+  kv = next((v for n in ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+             if isinstance(v := get(n), int) and not isinstance(v, bool)), None)
+  return heads, kv
+
+
+def resolve_head_counts(num_heads: Optional[int], num_kv_heads: Optional[int], config: Any,
+                        who: str) -> tuple[Optional[int], Optional[int]]:
+  """The head counts given directly or read from ``config`` (they must agree when both are)."""
+  for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+      raise ValueError(f"{who}: {name}={value!r} must be a positive int")
+  if config is None:
+    return num_heads, num_kv_heads
+  heads, kv = heads_of_config(config)
+  for name, given, read in (("num_heads", num_heads, heads), ("num_kv_heads", num_kv_heads, kv)):
+    if given is not None and read is not None and given != read:
+      raise ValueError(f"{who}: {name}={given} disagrees with the config's {read}")
+  return num_heads or heads, num_kv_heads or kv
+
+
 def find_attention_layers(params: Any, num_heads: Optional[int] = None,
                           overrides: Optional[Mapping[str, str]] = None,
-                          strict: bool = False) -> list[AttentionLayer]:
+                          strict: bool = False, *, num_kv_heads: Optional[int] = None,
+                          config: Any = None) -> list[AttentionLayer]:
   """The attention layers of a model: where each layer's query and key heads lie.
 
   Reads the same layout analysis as the Muon routing (:mod:`stablejax.layout.analysis`: Flax
@@ -212,13 +279,18 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
     the query is told from the key by name (``query`` / ``q_proj`` / ``wq``...), by position in a
     fused kernel, or as the projection with the most heads.
   * 2-D projections ``[D, H*hd]`` named like ``q_proj`` / ``k_proj`` (stablejax's own GPT:
-    ``blocks/attn/{q,k}_proj/kernel [L, D, D]``): heads are split from the output axis, head
-    major; the head count comes from ``num_heads`` or from a query/key norm gain ``[hd]``
-    (``q_norm/scale``) next to them.
+    ``blocks/attn/{q,k}_proj/kernel [L, D, D]``; Hugging Face's Flax Llama, Mistral, Gemma and
+    GPT-Neo), or stored ``[H*hd, D]`` (Equinox's ``MultiheadAttention``, whose
+    ``query_proj`` / ``key_proj`` are ``eqx.nn.Linear``), and fused 2-D query/key/value kernels
+    (GPT-2's ``c_attn``, ``[3D, D]`` in Hugging Face's Flax ``Conv1D``; see
+    :func:`stablejax.layout.analysis.orientations` for how the storage is read): heads are split
+    from the output axis, head major; the head count comes from ``num_heads`` (or ``config``) or
+    from a query/key norm gain ``[hd]`` (``q_norm/scale``) next to them. Grouped-query key heads
+    are the key width over the head size.
 
   Args:
     params: the parameter tree (arrays, ``jax.ShapeDtypeStruct``, Linen boxes, NNX ``Variable``
-      objects, ``{'params': ...}``).
+      objects, ``{'params': ...}``, Equinox modules).
     num_heads: the query head count, needed only for 2-D projections without a query/key norm;
       checked against the shapes otherwise.
     overrides: ``{path pattern: role}`` with role ``"query"``, ``"key"``, ``"value"``, ``"out"``
@@ -226,6 +298,10 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
       are fnmatch globs or path prefixes of kernel paths. A pattern that matches no projection
       warns (so one mapping can serve several variants of a model).
     strict: raise instead of warning for such a pattern.
+    num_kv_heads: the key head count (grouped-query attention), checked against the shapes;
+      for 2-D projections it also gives the head size when ``num_heads`` is not known.
+    config: a Hugging Face model config (``model.config``) or a mapping, read for ``num_heads``
+      and ``num_kv_heads`` (see :func:`heads_of_config`).
 
   Returns:
     One :class:`AttentionLayer` per attention module (per stack of layers for scanned models),
@@ -250,8 +326,10 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
   """
   if overrides is not None and not isinstance(overrides, Mapping):
     raise ValueError(f"overrides must be a mapping {{path pattern: role}}, got {overrides!r}")
+  num_heads, num_kv_heads = resolve_head_counts(num_heads, num_kv_heads, config,
+                                                "find_attention_layers")
   leaves, _ = layout.param_leaves(params)
   roles = _role_overrides(leaves, overrides, strict) if overrides else None
   analysis = layout.analyse(leaves, roles)
-  layers = [_layer(analysis, g, num_heads) for g in analysis.groups]
+  layers = [_layer(analysis, g, num_heads, num_kv_heads) for g in analysis.groups]
   return sorted(layers, key=lambda layer: layer.name)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -36,8 +37,10 @@ MAX_LOGIT = "max_logit"
 """Name of the sown intermediate: a layer's per-head maximum pre-softmax logit (float32 ``[H]``)."""
 
 
-def _grouped_logits(query: jax.Array, key: jax.Array) -> jax.Array:
-  """float32 ``q.k / sqrt(d)`` of shape ``[batch..., H, T, S]``; key heads shared by groups."""
+def _grouped_logits(query: jax.Array, key: jax.Array, scale: Optional[float] = None
+                    ) -> jax.Array:
+  """float32 ``scale * q.k`` (``1 / sqrt(d)`` by default) of shape ``[batch..., H, T, S]``; key
+  heads shared by groups."""
   h, kh, depth = query.shape[-2], key.shape[-2], query.shape[-1]
   if h % kh:
     raise ValueError(f"query heads {h} are not a multiple of key heads {kh}: grouped-query "
@@ -46,7 +49,8 @@ def _grouped_logits(query: jax.Array, key: jax.Array) -> jax.Array:
   q = query.reshape(query.shape[:-2] + (kh, g, depth))
   logits = jnp.einsum("...tkgd,...skd->...kgts", q, key, preferred_element_type=jnp.float32)
   logits = logits.reshape(logits.shape[:-4] + (h,) + logits.shape[-2:])
-  return logits.astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(depth))
+  return logits.astype(jnp.float32) * jnp.float32(1.0 / math.sqrt(depth) if scale is None
+                                                  else scale)
 
 
 def _per_head_max(logits: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
@@ -58,7 +62,7 @@ def _per_head_max(logits: jax.Array, keep: Optional[jax.Array]) -> jax.Array:
 
 
 def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.Array] = None,
-                        is_causal: bool = False) -> jax.Array:
+                        is_causal: bool = False, scale: Optional[float] = None) -> jax.Array:
   """Per-head maximum pre-softmax attention logit ``max q.k / sqrt(head_dim)``.
 
   The maximum runs over the batch, the query positions and the key positions that ``mask`` and
@@ -72,6 +76,8 @@ def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.
     mask: optional boolean mask broadcastable to ``[batch..., H, T, S]``; False entries are left
       out (as ``flax.linen.dot_product_attention`` masks them).
     is_causal: also leave out key positions after the query position (``T == S``).
+    scale: the model's factor on ``q.k``; None: ``1 / sqrt(head_dim)``. A model that scales
+      differently (GPT-Neo: 1; a query pre-scaled by the model) passes its own.
 
   Returns:
     float32 ``[H]``: each query head's maximum logit (``-inf`` for a head whose every entry is
@@ -94,7 +100,7 @@ def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.
   if query.ndim < 3 or query.ndim != key.ndim or query.shape[-1] != key.shape[-1]:
     raise ValueError(f"query {query.shape} and key {key.shape} must be [batch..., length, heads, "
                      "head_dim] with the same rank and head_dim")
-  logits = _grouped_logits(query, key)
+  logits = _grouped_logits(query, key, scale)
   keep = None
   if mask is not None:
     keep = jnp.asarray(mask, bool)
@@ -145,7 +151,9 @@ def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[...
   ``flax.nnx.dot_product_attention``). Called with ``sow_weights=True``, the layer hands its
   module to the attention function; the wrapper then sows :func:`attention_logit_max` of the
   queries and keys (with the layer's mask, and ``is_causal`` for NNX) as ``"max_logit"`` into the
-  intermediates (Linen: the ``"intermediates"`` collection; NNX: ``nnx.Intermediate``) and calls
+  intermediates (Linen: the ``"intermediates"`` collection; NNX: ``nnx.Intermediate``, collected
+  by running the forward pass under ``nnx.capture(forward, nnx.Intermediate)``, the way Flax
+  0.12 supports; outside it an NNX layer sows nothing and warns once) and calls
   ``attention_fn`` *without* the module, so the full attention weights are not stored. Without
   ``sow_weights`` it is ``attention_fn`` unchanged (no extra work). Read the values with
   :func:`collect_attention_logits`.
@@ -197,20 +205,32 @@ def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[...
     kwargs = {k: v for k, v in given.items()
               if (takes_all or k in params) and (k in params or v is not defaults[k].default)}
     if module is not None:
-      module.sow(_intermediate_collection(module), MAX_LOGIT,
-                 attention_logit_max(query, key, mask=mask, is_causal=is_causal))
+      _sow(module, lambda: attention_logit_max(query, key, mask=mask, is_causal=is_causal))
     return attention_fn(query, key, value, **kwargs)
 
   return wrapped
 
 
-def _intermediate_collection(module: Any) -> Any:
-  """Linen's "intermediates" collection name, or NNX's ``Intermediate`` variable type."""
+_warned_outside_capture: list = []
+
+
+def _sow(module: Any, value: Callable[[], jax.Array]) -> None:
+  """Sows ``value()`` as ``"max_logit"``: Linen into ``"intermediates"``; NNX into
+  ``nnx.Intermediate``, only inside ``nnx.capture`` (Flax 0.12 deprecates ``Module.sow`` outside
+  it: a layer called outside sows nothing and says once how to collect the values)."""
   import flax.linen as nn
   if isinstance(module, nn.Module):
-    return "intermediates"
+    module.sow("intermediates", MAX_LOGIT, value())
+    return
   from flax import nnx
-  return nnx.Intermediate
+  if hasattr(module, "__captures__"):  # set by nnx.capture for the duration of the call
+    module.sow(nnx.Intermediate, MAX_LOGIT, value())
+  elif not _warned_outside_capture:
+    _warned_outside_capture.append(True)
+    warnings.warn("sow_attention_logits: an NNX layer called with sow_weights=True outside "
+                  "nnx.capture sows nothing (Flax deprecates Module.sow there); run the forward "
+                  "pass as nnx.capture(forward, nnx.Intermediate)(model, x) and pass the "
+                  "intermediates it returns to collect_attention_logits", stacklevel=4)
 
 
 def _key_name(entry: Any) -> str:
@@ -224,8 +244,8 @@ def collect_attention_logits(intermediates: Any) -> dict[str, jax.Array]:
   """Every sown per-head max logit, keyed by the ``/``-joined path of the layer that sowed it.
 
   Accepts Linen intermediates (the ``"intermediates"`` collection, or the whole mutable dict
-  ``apply`` returned) and NNX state (``nnx.state(model, nnx.Intermediate)`` or what
-  ``nnx.pop(model, nnx.Intermediate)`` returns). A layer called several times in one apply gives
+  ``apply`` returned) and NNX state (what ``nnx.capture(forward, nnx.Intermediate)`` returns
+  next to the output). A layer called several times in one apply gives
   the elementwise maximum of its calls. Under ``nn.scan`` / ``nnx.scan`` the stacked-layer axes
   come first: ``[*stack, H]``, the layout of :func:`stablejax.qk_clip`'s ``max_logits``.
 

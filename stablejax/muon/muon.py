@@ -65,6 +65,7 @@ IQR_EXACT_MAX = 4096
 _HEALTH_MIN_FRO = 0.1
 _HEALTH_MAX_FRO_PER_SQRT_RANK = 2.0
 _INT32_MAX = jnp.iinfo(jnp.int32).max
+DEFAULT_NS_STEPS = 5
 
 
 class OutlierSafeMuonState(NamedTuple):
@@ -293,6 +294,32 @@ def _to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Arra
   return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
 
 
+def _split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
+  """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
+
+  Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
+  equal parts become one more batch axis (``[D, 3W]`` -> ``[D, 3, W]``: one batched NS call);
+  parts of different sizes (grouped-query ``[D, (H + 2K) hd]``) are sliced apart.
+  """
+  if not isinstance(dims, routing.FusedDimensionNumbers):
+    return [(x, dims)], lambda outs: outs[0]
+  red, out = routing._normalize_axes(dims, x.ndim)
+  axis = int(dims.fused_axis) % x.ndim
+  sizes = dims.part_sizes(x.shape)
+  plain = routing.MuonDimensionNumbers(red, out)
+  if len(set(sizes)) == 1:  # [..., k * W, ...] -> [..., k, W, ...]: the k axis is a batch axis
+    k = len(sizes)
+    shape = x.shape[:axis] + (k, sizes[0]) + x.shape[axis + 1:]
+
+    def shift(axes: tuple) -> tuple:
+      return tuple(a + 1 if a >= axis else a for a in axes)
+    return ([(x.reshape(shape), routing.MuonDimensionNumbers(shift(red), shift(out)))],
+            lambda outs: outs[0].reshape(x.shape))
+  cuts = list(np.cumsum(sizes)[:-1])
+  pieces = jnp.split(x, cuts, axis=axis)
+  return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
+
+
 def _static_int(value: Any, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f"{name} must be a Python int, got {value!r} (under optax.inject_hyperparams "
@@ -308,7 +335,8 @@ def _concrete(value: Any) -> Optional[float]:
     return None
 
 
-def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
+                               ns_steps: Optional[int] = None,
                                ns_coeffs: Any = "standard", consistent_rms: Optional[float] = 0.2,
                                outlier_threshold: float = 5.0,
                                outlier_method: Optional[str] = "zscore",
@@ -333,7 +361,7 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
   Args:
     momentum: EMA decay of the momentum.
     nesterov: use Nesterov momentum.
-    ns_steps: Newton-Schulz iterations (a Python int).
+    ns_steps: Newton-Schulz iterations (a Python int); None: 5.
     ns_coeffs: coefficients, see :func:`stablejax.newton_schulz`.
     consistent_rms: Moonlight scale factor, or None for ``sqrt(max(1, fan_out / fan_in))``.
     outlier_threshold: z threshold (``"zscore"``) or ``2 k`` for ``"iqr"``.
@@ -344,6 +372,10 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
 
   Returns:
     An ``optax.GradientTransformation`` with :class:`OutlierSafeMuonState`.
+
+  References:
+    Jordan et al., `Muon <https://kellerjordan.github.io/posts/muon/>`_ (2024); Liu et al.,
+    `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_ (arXiv 2502.16982).
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -358,7 +390,7 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True, ns
                          outlier_threshold, outlier_method, ns_backend, eps, layouts_of)
 
 
-def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any,
+def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_coeffs: Any,
                     consistent_rms: Any, outlier_threshold: Any, outlier_method: Optional[str],
                     ns_backend: str, eps: float, layouts: Any) -> optax.GradientTransformation:
   """:func:`scale_by_outlier_safe_muon` with the layouts given as ``tree -> [dims per leaf]``."""
@@ -430,12 +462,16 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any
       new_mu.append(m)
       # NS needs whole matrices: a sharded leaf is gathered once here (not once per iteration).
       m_hat, restore = _sharding.gather(m_hat)
-      x, back = _to_matrices(m_hat, d)
-      o, *counts = orthogonalise(_sharding.replicated(x))
-      new_leaves.append(restore(back(_sharding.replicated(o).astype(g.dtype))))
-      per_matrix.append([c.reshape(-1).astype(jnp.float32) for c in counts])
-      n_entries += x.size
-      n_mats += math.prod(x.shape[:-2])
+      pieces, join = _split_fused(m_hat, d)  # a fused kernel: each projection its own matrix
+      outs = []
+      for piece, piece_dims in pieces:
+        x, back = _to_matrices(piece, piece_dims)
+        o, *counts = orthogonalise(_sharding.replicated(x))
+        outs.append(back(_sharding.replicated(o).astype(g.dtype)))
+        per_matrix.append([c.reshape(-1).astype(jnp.float32) for c in counts])
+        n_entries += x.size
+        n_mats += math.prod(x.shape[:-2])
+      new_leaves.append(restore(join(outs)))
     # Counts over every matrix, each one reduction (see stablejax.transforms._common).
     n_out, n_unstable, n_fallback = (_total([c[k] for c in per_matrix]).astype(jnp.int32)
                                      for k in range(3))
@@ -462,6 +498,8 @@ def _validate_muon_args(momentum: Any, ns_steps: Any, outlier_threshold: Any,
   m = _concrete(momentum)
   if m is not None and not 0.0 <= m < 1.0:
     raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+  if ns_steps is None:  # the default: a non-numeric default stays static under inject_hyperparams
+    ns_steps = DEFAULT_NS_STEPS
   if isinstance(ns_steps, (int, np.integer)) and not isinstance(ns_steps, bool) and ns_steps < 1:
     raise ValueError(f"ns_steps must be a positive int, got {ns_steps!r}")
   ns_steps = _static_int(ns_steps, "ns_steps")
@@ -490,6 +528,11 @@ def skip_nonfinite_tensors(inner: optax.GradientTransformation
 
   Returns:
     A transform with :class:`TensorGuardState`.
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_
+    (arXiv 1710.03740), which skips an update whose gradients overflowed; here per tensor.
+    Compare ``optax.apply_if_finite``, which skips the whole step.
   """
   inner = optax.with_extra_args_support(inner)
 
@@ -564,16 +607,29 @@ def _check_same_parameters(updates: Any, params: Any) -> None:
                      "updates and params with the same structure as the params given to init")
 
 
-def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool = True,
-                      ns_steps: int = 5, ns_coeffs: Any = "standard", weight_decay: Any = 0.0,
-                      consistent_rms: Any = 0.2, adam_learning_rate: Any = None,
-                      embedding_learning_rate: Any = None, head_learning_rate: Any = None,
-                      adam_b1: Any = 0.9, adam_b2: Any = 0.95, adam_eps: Any = 1e-8,
-                      adam_weight_decay: Any = 0.0, outlier_threshold: Any = 5.0,
-                      outlier_method: Optional[str] = "zscore", ns_backend: str = "auto",
-                      param_labels: routing.LabelsOrFn = None,
-                      weight_dimension_numbers: Any = None, strict_overrides: bool = False
-                      ) -> optax.GradientTransformationExtraArgs:
+def outlier_safe_muon(
+    learning_rate: optax.ScalarOrSchedule,
+    momentum: float = 0.95,
+    *,
+    nesterov: bool = True,
+    ns_steps: Optional[int] = None,
+    ns_coeffs: _ns.CoeffsSpec = "standard",
+    weight_decay: float = 0.0,
+    consistent_rms: Optional[float] = 0.2,
+    adam_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    embedding_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    head_learning_rate: Optional[optax.ScalarOrSchedule] = None,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    adam_weight_decay: float = 0.0,
+    outlier_threshold: float = 5.0,
+    outlier_method: Optional[str] = "zscore",
+    ns_backend: str = "auto",
+    param_labels: routing.LabelsOrFn = None,
+    weight_dimension_numbers: routing.DimensionNumbersOrFn = None,
+    strict_overrides: bool = False,
+) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden matrices, AdamW for embeddings, head, norms and biases, with safety guards.
 
   Routing (see :func:`stablejax.label_params`, printable with :func:`stablejax.describe_routing`):
@@ -610,14 +666,18 @@ def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool =
   ``adam_learning_rate`` is then required. ``embedding_learning_rate`` and
   ``head_learning_rate`` default to ``adam_learning_rate``. Every rate may be an optax schedule,
   and every float hyperparameter may be injected with
-  ``optax.inject_hyperparams(stablejax.outlier_safe_muon, static_args=("ns_steps",))`` (add
-  ``"param_labels"`` / ``"weight_dimension_numbers"`` to ``static_args`` when passing callables).
+  ``optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=...)``: ``ns_steps``
+  (a loop count) stays static at its default; an explicit ``ns_steps`` needs
+  ``static_args=("ns_steps",)`` there (add ``"param_labels"`` / ``"weight_dimension_numbers"``
+  when passing callables, which ``inject_hyperparams`` would take for schedules).
+
+  Every argument after ``momentum`` is keyword-only.
 
   Args:
     learning_rate: Muon learning rate (float or schedule).
     momentum: Muon momentum (EMA decay).
     nesterov: Nesterov momentum for Muon.
-    ns_steps: Newton-Schulz iterations.
+    ns_steps: Newton-Schulz iterations (a Python int); None: 5.
     ns_coeffs: "standard", "polar_express", a triple or per-step triples.
     weight_decay: decoupled weight decay for Muon matrices (multiplied by the learning rate).
     consistent_rms: Moonlight RMS factor (0.2) or None for width scaling.
@@ -650,6 +710,14 @@ def outlier_safe_muon(learning_rate: Any, momentum: Any = 0.95, nesterov: bool =
     An ``optax.GradientTransformationExtraArgs``; its state is :class:`GroupUpdateRmsState`
     around an ``optax.partition`` state whose Muon branch holds :class:`OutlierSafeMuonState`.
     ``update`` needs ``params`` (weight decay).
+
+  References:
+    Jordan et al., `Muon: An optimizer for hidden layers in neural networks
+    <https://kellerjordan.github.io/posts/muon/>`_ (2024) and modded-nanogpt; Liu et al.,
+    `Muon is Scalable for LLM Training <https://arxiv.org/abs/2502.16982>`_ (arXiv 2502.16982),
+    the ``0.2 * sqrt(max(fan_in, fan_out))`` scale and decoupled weight decay; Loshchilov and
+    Hutter, `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_
+    (arXiv 1711.05101), the AdamW groups.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, stablejax

@@ -54,20 +54,30 @@ import numpy as np
 import optax
 
 from stablejax.layout import analysis as layout
+from stablejax.layout.analysis import FusedDimensionNumbers
 from stablejax.layout.analysis import Leaf, param_leaves, path_to_str  # noqa: F401 (re-exported)
 
 GROUPS = ("muon", "adam", "embedding", "head")
 MuonDimensionNumbers: Any = optax.contrib.MuonDimensionNumbers  # Any: usable in isinstance
+# What a leaf's matrix layout may be: optax's dimension numbers, or fused parts of one axis.
+DIMENSION_TYPES: tuple[type, ...] = (MuonDimensionNumbers, FusedDimensionNumbers)
+OUT_IN = MuonDimensionNumbers(reduction_axis=-1, output_axis=-2)
 
 LAST_TWO_AXES = MuonDimensionNumbers(reduction_axis=-2, output_axis=-1)
 ATTENTION_QKV = MuonDimensionNumbers(reduction_axis=-3, output_axis=(-2, -1))
 ATTENTION_OUT = MuonDimensionNumbers(reduction_axis=(-3, -2), output_axis=-1)
 
 LabelsOrFn = Union[None, Mapping[str, str], Any, Callable[[Any], Any]]
+# What weight_dimension_numbers takes: one layout for every leaf, a tree (or a prefix of one) of
+# them with None for "the default", or a callable params -> such a tree (as optax.contrib.muon).
+DimensionNumbersOrFn = Union[None, optax.contrib.MuonDimensionNumbers,
+                             FusedDimensionNumbers, optax.Params,
+                             Callable[[optax.Params], Any]]
 
 # What decided a Muon leaf's matrix, as describe_routing prints it.
 LAYOUT_SOURCES = {"given": "given", "metadata": "metadata", "shape": "shapes",
-                  "attention": "attention layer", None: "last two axes"}
+                  "attention": "attention layer", "names": "names and shapes",
+                  "module": "module type", None: "last two axes"}
 
 
 def pure(tree: Any) -> Any:
@@ -278,19 +288,31 @@ def _normalize_axes(dims: MuonDimensionNumbers, ndim: int) -> tuple[tuple, tuple
 
 def check_dims(dims: Any, shape: Sequence[int], path: str) -> None:
   """Raises a clear error when ``dims`` does not describe a matrix of a ``shape`` leaf."""
-  if not isinstance(dims, MuonDimensionNumbers):
+  if not isinstance(dims, DIMENSION_TYPES):
     raise ValueError(f"weight_dimension_numbers for {path} must be an "
-                     f"optax.contrib.MuonDimensionNumbers or None, got {dims!r}")
+                     "optax.contrib.MuonDimensionNumbers, a stablejax.FusedDimensionNumbers or "
+                     f"None, got {dims!r}")
   red, out = _normalize_axes(dims, len(shape))
   if None in red or None in out or not red or not out or set(red) & set(out) \
       or len(set(red)) != len(red) or len(set(out)) != len(out):
     raise ValueError(f"weight_dimension_numbers {dims} do not fit {path} of shape {shape}: "
                      "reduction and output axes must be non-empty, disjoint and within its "
                      f"{len(shape)} axes")
+  if isinstance(dims, FusedDimensionNumbers):
+    ndim = len(shape)
+    axis = int(dims.fused_axis) % ndim if -ndim <= int(dims.fused_axis) < ndim else None
+    if axis is None or axis not in red + out:
+      raise ValueError(f"weight_dimension_numbers {dims} do not fit {path} of shape {shape}: "
+                       "fused_axis must be one of its reduction or output axes")
+    try:
+      dims.part_sizes(shape)
+    except ValueError as e:
+      raise ValueError(f"{path}: {e}") from None
 
 
 def matrix_shape(dims: MuonDimensionNumbers, shape: Sequence[int]) -> tuple[tuple, int, int]:
-  """``(batch_shape, fan_in, fan_out)`` of the matrices ``dims`` cut out of a ``shape`` leaf."""
+  """``(batch_shape, fan_in, fan_out)`` of the matrices ``dims`` cut out of a ``shape`` leaf
+  (for fused parts: of the whole kernel; see :func:`part_shapes`)."""
   red, out = _normalize_axes(dims, len(shape))
   batch = tuple(shape[a] for a in range(len(shape)) if a not in red and a not in out)
   return batch, math.prod(shape[a] for a in red), math.prod(shape[a] for a in out)
@@ -302,7 +324,7 @@ def _given_layouts(tree: Any, weight_dimension_numbers: Any, n: int) -> list:
   wdn = weight_dimension_numbers
   if callable(wdn) and not isinstance(wdn, MuonDimensionNumbers):
     wdn = wdn(pure(tree))
-  return _broadcast(wdn, tree, lambda x: x is None or isinstance(x, MuonDimensionNumbers),
+  return _broadcast(wdn, tree, lambda x: x is None or isinstance(x, DIMENSION_TYPES),
                     "weight_dimension_numbers")
 
 
@@ -343,10 +365,29 @@ def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None) -> list:
   return _layouts(tree, leaves, a, weight_dimension_numbers, [True] * len(leaves))[0]
 
 
+def part_shapes(dims: Any, shape: Sequence[int]) -> list[tuple[tuple, int, int]]:
+  """``(batch_shape, fan_in, fan_out)`` of each matrix part of a ``shape`` leaf: one entry for
+  plain dimension numbers, one per part of a fused kernel."""
+  if not isinstance(dims, FusedDimensionNumbers):
+    return [matrix_shape(dims, shape)]
+  axis = int(dims.fused_axis) % len(shape)
+  out = []
+  for size in dims.part_sizes(shape):
+    part = list(shape)
+    part[axis] = size
+    out.append(matrix_shape(dims, part))
+  return out
+
+
 def _layout_name(dims: MuonDimensionNumbers, shape: Sequence[int]) -> str:
-  batch, fan_in, fan_out = matrix_shape(dims, shape)
-  n = math.prod(batch)
-  return f"{n} x {fan_in}x{fan_out}" if n > 1 else f"{fan_in}x{fan_out}"
+  names = []
+  for batch, fan_in, fan_out in part_shapes(dims, shape):
+    n = math.prod(batch)
+    names.append(f"{n} x {fan_in}x{fan_out}" if n > 1 else f"{fan_in}x{fan_out}")
+  if len(names) > 1 and len(set(names)) == 1:
+    return f"{len(names)} x {names[0]}" if " x " not in names[0] else \
+        f"{len(names)} parts of {names[0]}"
+  return " + ".join(names)
 
 
 def _unrecognised_note(leaves: Sequence[Leaf], a: layout.Analysis, labels: list, layouts: list,
@@ -372,6 +413,38 @@ def _unrecognised_note(leaves: Sequence[Leaf], a: layout.Analysis, labels: list,
                           "attention layer), so Muon orthogonalises their last two axes: "
                           + "; ".join(parts) + "; if that is not their layout: "
                           + _dims_hint(first))]
+
+
+def _fused_notes(leaves: Sequence[Leaf], a: layout.Analysis, labels: list, layouts: list,
+                 sources: list) -> list[Note]:
+  """What was done with fused kernels: split per projection (info), or left whole (warning)."""
+  notes = []
+  split = collections.defaultdict(list)
+  for i, leaf in enumerate(leaves):
+    if labels[i] == "muon" and isinstance(layouts[i], FusedDimensionNumbers) \
+        and sources[i] != "given":
+      split[(leaf.shape, _layout_name(layouts[i], leaf.shape))].append(leaf.path)
+  for (shape, name), paths in split.items():
+    shown = ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "")
+    notes.append(Note("info", f"{len(paths)} fused kernel{'s' if len(paths) > 1 else ''} "
+                              f"{shape} ({shown}) orthogonalised per projection as {name}; if "
+                              "the parts differ: " + _dims_hint(paths[0]).replace(
+                                  "optax.contrib.MuonDimensionNumbers(reduction_axis=..., "
+                                  "output_axis=...)", "stablejax.FusedDimensionNumbers(...)")))
+  whole = [leaves[i].path for i in a.unsplit
+           if labels[i] == "muon" and not isinstance(layouts[i], FusedDimensionNumbers)
+           and sources[i] != "given"]
+  if whole:
+    notes.append(Note("warning", f"{whole[0]} {leaves[a.unsplit[0]].shape} is named like a fused "
+                                 "projection but its parts cannot be read from the shapes, so "
+                                 "Muon orthogonalises it as one matrix"
+                                 + (f" (also {len(whole) - 1} more)" if len(whole) > 1 else "")
+                                 + "; say how it splits: " + _dims_hint(whole[0]).replace(
+                                     "optax.contrib.MuonDimensionNumbers(reduction_axis=..., "
+                                     "output_axis=...)",
+                                     "stablejax.FusedDimensionNumbers(reduction_axis=..., "
+                                     "output_axis=..., fused_axis=..., parts=...)")))
+  return notes
 
 
 # ------------------------------------------------------------------ the plan
@@ -446,6 +519,7 @@ def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: A
   muon = [label == "muon" for label in labels]
   layouts, sources = _layouts(tree, leaves, a, weight_dimension_numbers, muon)
   notes += _unrecognised_note(leaves, a, labels, layouts, sources)
+  notes += _fused_notes(leaves, a, labels, layouts, sources)
   return RoutingPlan(leaves, treedef, labels, layouts, notes, sources)
 
 
@@ -549,9 +623,10 @@ def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] =
   layouts = list(p.layouts)
   if overrides:
     def check(pattern: str, dims: Any) -> None:
-      if not isinstance(dims, MuonDimensionNumbers):
+      if not isinstance(dims, DIMENSION_TYPES):
         raise ValueError(f"overrides maps {pattern!r} to {dims!r}; use "
-                         "optax.contrib.MuonDimensionNumbers(reduction_axis=..., output_axis=...)")
+                         "optax.contrib.MuonDimensionNumbers(reduction_axis=..., output_axis=...) "
+                         "or stablejax.FusedDimensionNumbers(..., fused_axis=..., parts=...)")
     given = [None] * len(p.leaves)
     fixed, notes = _apply_overrides(p.leaves, given, overrides, "muon_dimension_numbers overrides",
                                     check, strict)

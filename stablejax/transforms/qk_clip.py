@@ -28,6 +28,7 @@ Which parameters are a layer's query and key projections, and where their heads 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
@@ -36,6 +37,7 @@ import numpy as np
 import optax
 
 from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
+from stablejax.layout.heads import resolve_head_counts
 from stablejax.transforms import _common
 from stablejax.transforms import defence
 from stablejax.transforms.metrics import Series, register_state_metrics
@@ -73,11 +75,13 @@ class QKClipState(NamedTuple):
 
 
 def _leaf_name(path: Sequence[Any]) -> str:
-  """``/``-joined dict keys and sequence indices; an NNX ``Variable``'s attribute is dropped."""
+  """``/``-joined keys, indices and attribute names (Equinox modules); the trailing attribute of
+  an NNX ``Variable`` holding its array is dropped (``.../kernel`` holds the Variable)."""
   names = []
-  for entry in path:
-    if isinstance(entry, jax.tree_util.GetAttrKey):
-      continue  # nnx.State: ".../kernel" holds the Variable, ".value" its array
+  for n, entry in enumerate(path):
+    if isinstance(entry, jax.tree_util.GetAttrKey) and n == len(path) - 1 and n > 0 \
+        and entry.name in ("value", "raw_value", "_raw_value"):
+      continue
     for attr in ("key", "idx", "name"):
       if hasattr(entry, attr):
         names.append(str(getattr(entry, attr)))
@@ -88,7 +92,7 @@ def _leaf_name(path: Sequence[Any]) -> str:
 
 
 def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_head: jax.Array,
-                 layer: str) -> jax.Array:
+                 layer: str = "") -> jax.Array:
   """``per_head`` (``[*stack, n]``) laid out to broadcast against a parameter of ``shape``."""
   ndim = len(shape)
   axis = param.head_axis % ndim if -ndim <= param.head_axis < ndim else None
@@ -99,13 +103,21 @@ def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_
   if tuple(per_head.shape[:-1]) != tuple(shape[:stack_ndim]):
     raise ValueError(f"qk_clip: max_logits[{layer!r}] has shape {tuple(per_head.shape[:-1])} + "
                      f"(heads,) but {param.path} stacks {tuple(shape[:stack_ndim])} layers")
-  if size == n:
+  start, width = param.span if param.span is not None else (0, size)
+  if start < 0 or width < 1 or start + width > size:
+    raise ValueError(f"qk_clip: span {param.span} of {param.path} lies outside its axis "
+                     f"{param.head_axis} of size {size}")
+  if width == n:
     factor = per_head
-  elif size % n == 0:
-    factor = jnp.repeat(per_head, size // n, axis=-1)     # [H * hd], head-major
+  elif width % n == 0:
+    factor = jnp.repeat(per_head, width // n, axis=-1)     # [H * hd], head-major
   else:
-    raise ValueError(f"qk_clip: axis {param.head_axis} of {param.path} has size {size}, neither "
+    raise ValueError(f"qk_clip: axis {param.head_axis} of {param.path} has size {width}, neither "
                      f"{n} heads nor a multiple of them")
+  if width != size:  # the other projections of a fused kernel keep a factor of 1
+    ones = jnp.ones(factor.shape[:-1], factor.dtype)[..., None]
+    factor = jnp.concatenate([jnp.repeat(ones, start, axis=-1), factor,
+                              jnp.repeat(ones, size - start - width, axis=-1)], axis=-1)
   factor = factor.reshape(tuple(shape[:stack_ndim]) + (1,) * (axis - stack_ndim) + (size,)
                           + (1,) * (ndim - axis - 1))
   if param.select is not None:
@@ -117,7 +129,8 @@ def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_
   return factor
 
 
-def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[int] = None
+def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[int] = None, *,
+            num_kv_heads: Optional[int] = None, config: Any = None
             ) -> optax.GradientTransformationExtraArgs:
   """Kimi K2's QK-clip (MuonClip's clipping half) as the last link of an optax chain.
 
@@ -130,6 +143,11 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
   scaled alike, so the head's logits scale by exactly ``gamma``. The returned updates, applied,
   leave the *updated* parameters rescaled; every other entry gets its update unchanged. A
   non-finite ``S_h`` clips nothing (the step is a case for :func:`stablejax.skip_nonfinite`).
+
+  A shared key head whose query heads exceed ``tau`` (one, several or all of its group) is never
+  scaled: each offending query head ``h`` takes its own ``gamma_h`` and the group's other query
+  heads keep their logits, so every query head ends at ``min(S_h, tau)`` exactly on the same
+  batch (scaling the shared key instead would move the logits of the heads below ``tau`` too).
 
   Put it after every transform that scales the update (learning rate, schedules, a
   learning-rate multiplier) and inside the skip wrappers, so a skipped step clips nothing. It
@@ -144,8 +162,16 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
       ``stablejax.layout.heads.find_attention_layers(params, num_heads)`` (called once per
       parameter structure, when the step is traced).
     num_heads: with ``layers=None``, the query head count for models whose query and key
-      kernels hold every head in one axis (``[D, H * head_dim]``) and have no QK-norm gain to
-      read it from; checked against the shapes otherwise.
+      kernels hold every head in one axis (``[D, H * head_dim]``: Hugging Face's Flax Llama,
+      Mistral, Gemma, GPT-Neo and GPT-2, an Equinox ``MultiheadAttention``) and have no QK-norm
+      gain to read it from; checked against the shapes otherwise.
+    num_kv_heads: with ``layers=None``, the key head count (grouped-query attention); checked
+      against the shapes.
+    config: with ``layers=None``, a Hugging Face model config (``model.config``) or a mapping to
+      read ``num_heads`` and ``num_kv_heads`` from.
+
+  The layers are found, and checked against the parameters, at ``init``: a layout whose heads
+  cannot be located fails there with one line naming the argument that fixes it.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose ``update(updates, state, params, *,
@@ -177,9 +203,11 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
     [0.5, 0.5, 1.0, 1.0]
   """
   _common.check("tau", tau, lambda v: v > 0 and np.isfinite(v), "use a finite number > 0")
-  if num_heads is not None and layers is not None:
-    raise ValueError("qk_clip num_heads is for layers=None (found from the params); an "
-                     "AttentionLayer already states its heads")
+  if (num_heads is not None or num_kv_heads is not None or config is not None) \
+      and layers is not None:
+    raise ValueError("qk_clip num_heads, num_kv_heads and config are for layers=None (found "
+                     "from the params); an AttentionLayer already states its heads")
+  num_heads, num_kv_heads = resolve_head_counts(num_heads, num_kv_heads, config, "qk_clip")
   if not (layers is None or callable(layers) or isinstance(layers, (list, tuple))):
     raise ValueError(f"qk_clip layers={layers!r} is invalid: pass a list of AttentionLayer, a "
                      "function params -> list of AttentionLayer, or None")
@@ -189,7 +217,11 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
     structure = jax.tree.structure(params)
     if structure not in resolved:
       if layers is None:
-        listed: Sequence[AttentionLayer] = find_attention_layers(params, num_heads=num_heads)
+        try:
+          listed: Sequence[AttentionLayer] = find_attention_layers(
+              params, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        except (ValueError, LookupError) as e:
+          raise type(e)(f"qk_clip: {e}") from None
       elif callable(layers):
         listed = layers(params)
       else:
@@ -204,8 +236,26 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
       resolved[structure] = found
     return resolved[structure]
 
+  def check_layers(params: Any) -> None:
+    """Every named parameter exists and its head axis fits the layer's head count."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    shapes = {_leaf_name(path): tuple(np.shape(leaf)) for path, leaf in flat}
+    for layer in find_layers(params):
+      heads = {"query": layer.num_heads, "key": layer.num_kv_heads}
+      for role, params_of in (("query", layer.query), ("key", layer.key)):
+        for param in params_of:
+          if param.path not in shapes:
+            raise ValueError(f"qk_clip: attention layer {layer.name!r} names {param.path!r}, "
+                             f"which is not a parameter (parameters look like "
+                             f"{next(iter(shapes), '')!r})")
+          shape = shapes[param.path]
+          probe = jax.ShapeDtypeStruct(tuple(shape[:layer.stack_ndim]) + (heads[role],),
+                                       jnp.float32)
+          jax.eval_shape(functools.partial(_head_factor, shape, param, layer.stack_ndim,
+                                           layer=layer.name), probe)
+
   def init_fn(params: Any) -> QKClipState:
-    del params
+    check_layers(params)
     return QKClipState(heads_clipped=jnp.zeros([], jnp.int32),
                        max_logit=jnp.full([], -jnp.inf, jnp.float32),
                        total_clipped=jnp.zeros([], jnp.int32))

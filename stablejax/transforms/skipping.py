@@ -292,14 +292,17 @@ def _spike_check(value: jax.Array, window_state: _Window, min_history: int,
   return bad, (new_history, new_count.astype(jnp.int32), new_next.astype(jnp.int32))
 
 
+_DEFAULT_WINDOW = 128
+
+
 def skip_spikes(
     inner: optax.GradientTransformation,
     *,
-    window: int = 128,
+    window: Optional[int] = None,
     min_history: Optional[int] = None,
     sigma: Optional[float] = 6.0,
     factor: Optional[float] = None,
-    watch: Sequence[str] = ("loss", "grad_norm"),
+    watch: Optional[Sequence[str]] = None,
     max_consecutive: Optional[int] = 16,
     statistics: str = "winsorized",
 ) -> optax.GradientTransformationExtraArgs:
@@ -332,17 +335,23 @@ def skip_spikes(
 
   Args:
     inner: the transform (or chain) to protect.
-    window: number of recent values kept per signal. Must be a Python int (it
-      is a shape); with :func:`optax.inject_hyperparams` pass
-      ``static_args=("window",)``.
+    window: number of recent values kept per signal; None: 128. A Python int
+      (it is a shape): left at its default it stays static under
+      :func:`optax.inject_hyperparams`; an explicit value needs
+      ``static_args=("window",)`` there.
     min_history: number of earlier values needed before skipping can start;
       None: ``window // 2`` (winsorized) or ``max(20, window // 2) - 1``
       (olmo_core), i.e. 64 and 63 at ``window=128``.
     sigma: skip when ``value - mean > sigma * std``; None disables this rule.
     factor: skip when ``value > factor * mean``; None (default) disables it.
     watch: signals to watch, a subset of ``("loss", "grad_norm")``. Watching
-      ``"loss"`` requires ``update(..., loss=loss)`` (a non-scalar loss is
-      averaged).
+      ``"loss"`` explicitly requires ``update(..., loss=loss)`` (a non-scalar
+      loss is averaged). None (default): the gradient norm always, and the loss
+      whenever ``update`` is given ``loss=``; an update without it (Flax's
+      ``TrainState.apply_gradients(grads=...)``, which passes no extra
+      argument) watches the gradient norm alone. The trade-off: there a loss
+      spike that leaves the gradient norm in range goes through; pass
+      ``loss=`` (see :func:`stablejax.apply_gradients`) to watch both.
     max_consecutive: consecutive skips that raise ``needs_rollback``; None
       never raises it.
     statistics: ``"winsorized"`` (default) or ``"olmo_core"``, see above.
@@ -372,6 +381,8 @@ def skip_spikes(
     >>> bool(state.skipped), updates["w"].tolist()
     (True, [0.0, 0.0])
   """
+  if window is None:
+    window = _DEFAULT_WINDOW
   if isinstance(window, bool) or not isinstance(window, int) or window < 1:
     raise ValueError(
         f"window={window!r} is invalid: use a Python int >= 1 (with "
@@ -399,6 +410,9 @@ def skip_spikes(
   if sigma is None and factor is None:
     raise ValueError("sigma and factor are both None: set at least one rule, "
                      "e.g. sigma=6.0 or factor=10.0.")
+  loss_optional = watch is None  # the default: the loss when update() is given one
+  if watch is None:
+    watch = _WATCHABLE
   if isinstance(watch, str):
     watch = (watch,)
   watch = tuple(watch)
@@ -435,12 +449,13 @@ def skip_spikes(
     loss_hist: _Window = (state.loss_history, state.loss_count, state.loss_next)
     norm_hist: _Window = (state.grad_norm_history, state.grad_norm_count,
                           state.grad_norm_next)
-    if "loss" in watch:
-      loss = extra_args.get("loss")
+    loss = extra_args.get("loss")
+    if "loss" in watch and not (loss is None and loss_optional):
       if loss is None:
         raise ValueError(
             "skip_spikes watches 'loss' but update() got no loss=: pass "
-            "loss=... or use watch=('grad_norm',).")
+            "loss=... or leave watch=None (the loss when given, else the gradient norm "
+            "alone), or use watch=('grad_norm',).")
       loss = jnp.mean(_common.f32(loss))
       bad, loss_hist = _spike_check(loss, loss_hist, min_history, sigma,
                                     factor, statistics)
