@@ -10,6 +10,7 @@ from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
 from stablejax.monitor.health import AttentionLogitThresholds, HealthThresholds, grad_health_level
 from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
+from stablejax.monitor.update_norm import HandledTransitions, UpdateNormRule, UpdateNormThresholds
 from stablejax.transforms.metrics import MetricsSpec, Rate
 
 
@@ -83,6 +84,8 @@ class StabilityMonitor:
       in the decay phase of a schedule a flattening loss is expected (and the
       row's advice, a longer warmup, does not apply).
     attention: thresholds of the attention-logit rule; None turns it off.
+    update_norm: thresholds of the update-norm rule (:mod:`stablejax.monitor.update_norm`); None
+      turns it off.
 
   Example:
     >>> from stablejax import StabilityMonitor
@@ -98,7 +101,8 @@ class StabilityMonitor:
   def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),
                score_target: float = 0.8, advice_every: Optional[int] = None,
                loss_plateau_check: bool = True,
-               attention: Optional[AttentionLogitThresholds] = AttentionLogitThresholds()):
+               attention: Optional[AttentionLogitThresholds] = AttentionLogitThresholds(),
+               update_norm: Optional[UpdateNormThresholds] = UpdateNormThresholds()):
     if not isinstance(window, int) or window < 1:
       raise ValueError(f"StabilityMonitor window must be a positive int of steps, got {window!r}")
     if not 0.0 <= score_target <= 1.0:
@@ -110,7 +114,10 @@ class StabilityMonitor:
       raise ValueError("StabilityMonitor thresholds must be a HealthThresholds instance")
     if attention is not None and not isinstance(attention, AttentionLogitThresholds):
       raise ValueError("StabilityMonitor attention must be an AttentionLogitThresholds or None")
+    if update_norm is not None and not isinstance(update_norm, UpdateNormThresholds):
+      raise ValueError("StabilityMonitor update_norm must be an UpdateNormThresholds or None")
     self.attention = attention
+    self.update_norm = update_norm
     self.window = window
     self.thresholds = thresholds
     self.score_target = float(score_target)
@@ -139,6 +146,8 @@ class StabilityMonitor:
     self._attn: collections.deque = collections.deque()   # [clock, max logit]
     self._attn_warned: Optional[float] = None   # max logit of the last attention warning
     self._attn_active = False                   # the attention rule held at the last record
+    self._updates = UpdateNormRule(self.update_norm) if self.update_norm is not None else None
+    self._transitions = HandledTransitions()    # a handled single-step transition held back
 
   # ---- feeding ----
 
@@ -199,8 +208,14 @@ class StabilityMonitor:
     self._trim()
 
     lines = []
-    lines += self._update_level(step, metrics, loss)
+    old_level, levels_read = self._level, sum(self._level_counts.values())
+    handled = any((_as_float(metrics.get(key)) or 0.0) > 0 for key in specs.acted_keys())
+    lines += self._transitions.filter(
+        self._update_level(step, metrics, loss), old_level, self._level, handled,
+        measured=sum(self._level_counts.values()) > levels_read)
     lines += self._attention_lines(step, metrics)
+    if self._updates is not None:
+      lines += self._updates.update(step, self._clock, metrics)
     lines += self._advice_lines(step)
     self._n_warnings += len(lines)
     return lines
@@ -440,6 +455,8 @@ class StabilityMonitor:
         "attn": [list(x) for x in self._attn],
         "attn_warned": self._attn_warned,
         "attn_active": self._attn_active,
+        "update_norm": None if self._updates is None else self._updates.state_dict(),
+        "held_transition": self._transitions.state_dict(),
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -476,4 +493,8 @@ class StabilityMonitor:
     self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
     self._attn_warned = state.get("attn_warned")
     self._attn_active = bool(state.get("attn_active", False))
+    # Absent from states saved before the update-norm rule and the handled-transition hold.
+    if self._updates is not None and state.get("update_norm"):
+      self._updates.load_state_dict(state["update_norm"])
+    self._transitions.load_state_dict(state.get("held_transition"))
     self._trim()

@@ -1,8 +1,8 @@
 """The periodic actions of the training loop, each saying when it is due.
 
-:class:`Logging` (every ``train.log_every`` steps, read one step late), :class:`Evaluation`
-(``train.eval_every``), :class:`Sampling` (``logging.sample_every``), :class:`Diagnostics`
-(``logging.activation_every`` / ``histogram_every``), :class:`Checkpointing`
+:class:`Logging` (step 1 and every ``train.log_every`` steps, read one step late),
+:class:`Evaluation` (``train.eval_every``), :class:`Sampling` (``logging.sample_every``),
+:class:`Diagnostics` (``logging.activation_every`` / ``histogram_every``), :class:`Checkpointing`
 (``checkpoint.every``, deferred while the loss is elevated) and :class:`TimeBudget` (the time
 budget's early stop, checked at log steps). An action that finds a reason to roll back returns it
 (a string); the loop then asks the recovery. Only these actions fetch from the device, and only at
@@ -34,9 +34,11 @@ Agree = Callable[[Optional[str]], Optional[str]]
 
 
 class Logging:
-  """Every ``train.log_every`` steps: the step's metrics (with the attention-logit telemetry),
-  read one step late so the host never stalls the device; the monitor's warnings; the record in
-  metrics.jsonl and TensorBoard; the recovery's check of the record."""
+  """At step 1 and every ``train.log_every`` steps: the step's metrics (with the attention-logit
+  telemetry), read one step late so the host never stalls the device; the monitor's warnings;
+  the record in metrics.jsonl and TensorBoard; the recovery's check of the record. Step 1 is
+  logged too so that the monitor sees a run from its first update: a learning rate high enough
+  to break a model breaks it within the first log interval."""
 
   def __init__(self, c: Components, log: RunLogger, monitor: StabilityMonitor,
                recovery: Recovery, agree: Agree, progress: Any,
@@ -49,7 +51,7 @@ class Logging:
     self.t_interval, self.tokens_interval = time.time(), 0
 
   def due(self, step: int) -> bool:
-    return step % self.c.cfg.train.log_every == 0
+    return step == 1 or step % self.c.cfg.train.log_every == 0
 
   def stepped(self) -> None:
     """Counts one step's tokens for the throughput."""
