@@ -404,7 +404,11 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
                             if r.get("attn_logit_max") is not None), default=None),
         warning_steps=[(r["step"], r.get("cause", "")) for r in records
                        if r.get("event") == "warning"],
-        qk_clipped=(train[-1].get("qk_clip/total_clipped") if train else None))
+        qk_clipped=(train[-1].get("qk_clip/total_clipped") if train else None),
+        init_attn_logit_max=run.init_attn_logit_max,
+        # The update norm before the learning rate at the logged steps (the monitor's indicator).
+        update_curve=[(r["step"], r["update_norm"] / r["lr"]) for r in train
+                      if r.get("update_norm") is not None and r.get("lr")])
   except Exception as e:  # a crashed cell is a result, not the end of the sweep
     result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     result["wall_s"] = time.time() - t0
@@ -770,7 +774,9 @@ def degradation_step(run: dict) -> int | None:
   init, a spike (> 1.25 x the median of the previous SPIKE_WINDOW logged losses), or a plateau
   (from step 2 x PLATEAU_WINDOW on, the mean logged loss of the last PLATEAU_WINDOW steps not
   below that of the PLATEAU_WINDOW steps before, the monitor's plateau rule)."""
-  curve = [(s, v) for s, v in run.get("curve") or []]
+  # The loss logged at step s is measured before update s: step 1's is the initial parameters'
+  # (logged since the trainer logs step 1 too), no degradation yet.
+  curve = [(s, v) for s, v in run.get("curve") or [] if s > 1]
   init = run.get("init_loss") or float("inf")
   history: list[float] = []
   for i, (step, loss) in enumerate(curve):
@@ -795,7 +801,7 @@ def behind_twin_step(run: dict, twin: dict, points: int = SPIKE_WINDOW) -> int |
   theirs = dict((s, v) for s, v in twin.get("curve") or [])
   gaps: list[float] = []
   for step, loss in run.get("curve") or []:
-    if step not in theirs:
+    if step not in theirs or step <= 1:  # step 1's loss: the initial parameters
       continue
     gaps.append(loss - theirs[step] if math.isfinite(loss) else float("inf"))
     if statistics.fmean(gaps[-points:]) > TWIN_MARGIN:
