@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import stablejax
+from helpers import read_metrics, run_inprocess, run_subprocess, slow, train_losses
 
 BF16 = ml_dtypes.bfloat16
 
@@ -134,3 +135,22 @@ def test_the_trainer_compensates_bf16_parameters_only():
   assert not found(fp32)  # float32 parameters: left out of the chain (the state is unchanged)
   assert len(found(bf16)) == 1
   assert "compensated/lost_fraction" in stablejax.stability_metrics(bf16)
+
+
+@slow
+def test_a_bf16_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp_path, capsys):
+  # The Kahan buffer is optimizer state: saved with the checkpoint and restored with it, so the
+  # resumed run continues bit for bit (without it, the buffer would restart at 0).
+  bf16 = ("model.param_dtype=\"bfloat16\"", "optimizer.learning_rate=0.001",
+          "optimizer.adam_learning_rate=0.001", "optimizer.embedding_learning_rate=0.001",
+          "optimizer.head_learning_rate=0.001", "train.steps=30")
+  whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+  assert run_inprocess(whole, *bf16) == 0
+  first = run_subprocess(resumed, *bf16, "faults.kill_at_step=25", fresh=True)
+  assert first.returncode == -9, first.stderr[-2000:]
+  capsys.readouterr()
+  assert run_inprocess(resumed, *bf16, fresh=False) == 0
+  assert "resuming at step 20" in capsys.readouterr().out
+  records = [r for r in read_metrics(whole) if "compensated/lost_fraction" in r]
+  assert records and max(r["compensated/lost_fraction"] for r in records) > 0.1
+  assert train_losses(resumed) == train_losses(whole)

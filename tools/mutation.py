@@ -705,6 +705,12 @@ MUTANTS = [
        "integer leaves get norms"),
     _m("LY4", LAYERS, "    idx = stacked_component(parts, stacked_names)",
        "    idx = stacked_component(parts)", "stacked_names=() does not disable the split"),
+    _m("LY5", LAYERS, "    if layer_index is not None:\n      per_layer.setdefault(layer_index",
+       "    if False:\n      per_layer.setdefault(layer_index",
+       "an unrolled layer (block_<i>) gets no update norm of its own"),
+    _m("LY6", LAYERS,
+       "    if part.lower() in names and i + 1 < len(parts) and parts[i + 1].isdigit():",
+       "    if False:", "a listed layer (h/<i>) is no layer"),
 
     # ---------------------------------------------------------------- monitor/report.py
     _m("RP1", MONITOR_REPORT, "          or isinstance(rec.get(\"step\"), bool):",
@@ -1477,9 +1483,12 @@ MUTANTS = [
     _m("UN3", UPDATE_NORM, "    if len(past) < t.min_records:", "    if len(past) < 1:",
        "the rule warns before min_records values"),
     _m("UN4", UPDATE_NORM,
-       "      if level == \"healthy\":\n        return []  # a single handled step",
-       "      if level == \"healthy\":\n        return held + lines  # a single handled step",
-       "a handled single-step transition still warns"),
+       "        self.held, self.length = None, 0\n        return []  # a short excursion",
+       "        held, self.held, self.length = self.held, None, 0\n"
+       "        return held + lines  # a short excursion",
+       "a short excursion the stack handled still warns"),
+    _m("UN7", UPDATE_NORM, "      if handled and self.length < self.max_records:",
+       "      if handled and self.length < 1:", "a two-step handled excursion warns"),
     _m("UN5", UPDATE_NORM,
        "    if lines and handled and old_level in (None, \"healthy\") and level != \"healthy\":",
        "    if lines and old_level in (None, \"healthy\") and level != \"healthy\":",

@@ -10,13 +10,14 @@ moment out of date: Wortsman et al., arXiv 2304.13013, section 3.4), so the moni
 to the attention logits as a leading indicator (:class:`UpdateNormThresholds`). A skipped step
 (update 0) and a step at learning rate 0 are left out.
 
-**Handled single-step transitions.** A gradient norm that leaves the healthy range on one logged
-step and is back at the next, where a defence acted on that step (clipped or skipped it: the
-``acted`` flags of :func:`stablejax.register_state_metrics`), is a spike the stack already
-handled; warning about it (and about the return) only teaches users to ignore warnings.
-:class:`HandledTransitions` holds such a transition back for one logged step and drops it when
-the level returns to healthy; otherwise it is emitted, one logged step late. A transition no
-defence acted on is emitted at once.
+**Handled transitions.** A gradient norm that leaves the healthy range for one or two logged
+steps, where a defence acted on each of them (clipped or skipped it: the ``acted`` flags of
+:func:`stablejax.register_state_metrics`), is a spike the stack already handled; warning about
+it (and about the return) only teaches users to ignore warnings. :class:`HandledTransitions`
+holds such an excursion back while it lasts, up to two logged steps (a gradient spike often
+spans two steps, through the momentum), and drops it when the level is healthy again; a longer
+one is emitted, late, and so is one with a step no defence acted on (at once, when its first
+step is such).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import re
 import statistics
 from typing import Any, Mapping, Optional
 
+from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
 
 UPDATE_KEY = "update_norm"
@@ -79,8 +81,15 @@ class UpdateNormThresholds:
 
 
 def _before_rate(metrics: Mapping[str, Any]) -> tuple[Optional[float], dict[str, float]]:
-  """``update_norm / lr`` and the same per layer, or (None, {}) when not measurable."""
-  norm, lr = _as_float(metrics.get(UPDATE_KEY)), _as_float(metrics.get("lr"))
+  """``update_norm / lr`` and the same per layer, or (None, {}) when not measurable. The norm of
+  the update the optimizer produced where a state says it differs from the applied one
+  (:func:`stablejax.compensated_updates`), else the record's ``update_norm``."""
+  norm = None
+  for key in (*specs.update_norm_keys(), UPDATE_KEY):
+    norm = _as_float(metrics.get(key))
+    if norm is not None:
+      break
+  lr = _as_float(metrics.get("lr"))
   if norm is None or lr is None or not (math.isfinite(lr) and lr > 0):
     return None, {}
   if not (math.isfinite(norm) and norm > 0):
@@ -143,11 +152,14 @@ class UpdateNormRule:
 
 
 class HandledTransitions:
-  """Holds back, for one logged step, a gradient-health transition out of the healthy range that
-  a defence acted on; drops it (and the return) when the next level is healthy."""
+  """Holds back a gradient-health excursion out of the healthy range while a defence acts on
+  each of its logged steps, for up to ``max_records`` of them; drops it (and the return) when the
+  level is healthy again within them, and emits it, late, otherwise."""
 
-  def __init__(self) -> None:
+  def __init__(self, max_records: int = 2) -> None:
+    self.max_records = max_records
     self.held: Optional[list[str]] = None
+    self.length = 0   # logged steps of the held excursion
 
   def filter(self, lines: list[str], old_level: Optional[str], level: Optional[str],
              handled: bool, measured: bool) -> list[str]:
@@ -157,17 +169,26 @@ class HandledTransitions:
     if self.held is not None:
       if not measured:
         return []  # no level read at this record: keep waiting
-      held, self.held = self.held, None
       if level == "healthy":
-        return []  # a single handled step: neither it nor the return is news
+        self.held, self.length = None, 0
+        return []  # a short excursion the stack handled: neither it nor the return is news
+      if handled and self.length < self.max_records:
+        self.held, self.length = self.held + lines, self.length + 1
+        return []
+      held, self.held, self.length = self.held, None, 0
       return held + lines
     if lines and handled and old_level in (None, "healthy") and level != "healthy":
-      self.held = lines
+      self.held, self.length = lines, 1
       return []
     return lines
 
-  def state_dict(self) -> Optional[list[str]]:
-    return None if self.held is None else list(self.held)
+  def state_dict(self) -> Optional[list]:
+    return None if self.held is None else [list(self.held), self.length]
 
-  def load_state_dict(self, held: Optional[list[str]]) -> None:
-    self.held = None if held is None else [str(x) for x in held]
+  def load_state_dict(self, state: Optional[list]) -> None:
+    if not state:
+      self.held, self.length = None, 0
+    elif state and isinstance(state[0], list):
+      self.held, self.length = [str(x) for x in state[0]], int(state[1])
+    else:  # a bare list of lines
+      self.held, self.length = [str(x) for x in state], 1

@@ -29,6 +29,7 @@ from stablejax.training.components import Components
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery
 from stablejax.training.step import TrainState
+from stablejax.transforms.compensated import CompensatedUpdatesState
 
 Agree = Callable[[Optional[str]], Optional[str]]
 
@@ -177,7 +178,13 @@ class Diagnostics:
     if previous is None:
       return {}
     movement = jax.device_get(self.c.param_movement(previous, state.params))
-    for line in movement_warnings(movement, dtypes=param_dtypes(state.params), step=step):
+    # Compensated low-precision updates (stablejax.compensated_updates) keep what rounds away, so
+    # an update below the parameters' resolution is not lost: only a group that does not move
+    # at all is stuck then.
+    compensated = any(isinstance(node, CompensatedUpdatesState) for node in jax.tree.leaves(
+        state.opt_state, is_leaf=lambda n: isinstance(n, CompensatedUpdatesState)))
+    for line in movement_warnings(movement, dtypes=param_dtypes(state.params), step=step,
+                                  min_resolution_ratio=0.0 if compensated else 1.0):
       self.log.console(f"warning: {line}")
       self.log.record({"step": step, "event": "warning", "cause": line})
     return movement_record(movement)

@@ -65,6 +65,9 @@ class CompensatedUpdatesState(NamedTuple):
     lost_fraction: fraction of low-precision entries whose update a plain ``p + u`` would have
       lost entirely at the last step (``u != 0`` rounded back to ``p``): the underflow this
       transform repairs (float32).
+    update_norm: global norm of the incoming update at the last step (float32): the update the
+      optimizer produced, where the applied one moves each parameter by whole steps of its
+      resolution.
 
   Example:
     >>> import jax.numpy as jnp, stablejax
@@ -78,6 +81,7 @@ class CompensatedUpdatesState(NamedTuple):
   compensation: Any
   count: jax.Array  # type: ignore[assignment]  # shadows tuple.count, as in optax's states
   lost_fraction: jax.Array
+  update_norm: jax.Array
 
 
 def _low_precision(x: Any) -> bool:
@@ -195,9 +199,10 @@ def compensated_updates(method: str = "kahan", *, seed: int = 0
         if method == "kahan":
           return jnp.zeros(p.shape, p.dtype)
       return jnp.zeros([], getattr(p, "dtype", jnp.float32))
+    zero = jnp.zeros([], _common.STAT_DTYPE)
     return CompensatedUpdatesState(compensation=jax.tree.map(buffer, params),
-                                   count=jnp.zeros([], jnp.int32),
-                                   lost_fraction=jnp.zeros([], _common.STAT_DTYPE))
+                                   count=jnp.zeros([], jnp.int32), lost_fraction=zero,
+                                   update_norm=zero)
 
   def update_fn(updates: optax.Updates, state: CompensatedUpdatesState,
                 params: Optional[optax.Params] = None
@@ -229,7 +234,8 @@ def compensated_updates(method: str = "kahan", *, seed: int = 0
                 else jnp.zeros([], _common.STAT_DTYPE))
     new_state = CompensatedUpdatesState(
         compensation=jax.tree_util.tree_unflatten(treedef, new_c),
-        count=_common.safe_increment(state.count), lost_fraction=fraction)
+        count=_common.safe_increment(state.count), lost_fraction=fraction,
+        update_norm=_common.global_norm_f32(updates))
     return jax.tree_util.tree_unflatten(treedef, new_u), new_state
 
   # update_fn takes its own state type where optax's protocol says any OptState.
@@ -237,7 +243,8 @@ def compensated_updates(method: str = "kahan", *, seed: int = 0
 
 
 register_state_metrics(CompensatedUpdatesState, "compensated",
-                       lambda s: {"lost_fraction": s.lost_fraction})
+                       lambda s: {"lost_fraction": s.lost_fraction, "update_norm": s.update_norm},
+                       update_norm="update_norm")
 
 
 # ----------------------------------------------------------------------------- the declaration
