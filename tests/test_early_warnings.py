@@ -160,3 +160,29 @@ def test_the_rule_reads_the_update_the_optimizer_produced_where_a_state_says_it_
   for step, applied in enumerate((0.02, 0.01, 0.03, 0.02, 0.09), start=1):
     assert monitor.update(step, {**_record(applied), "compensated/update_norm": 0.02}) == []
   assert len(monitor.update(6, {**_record(0.02), "compensated/update_norm": 0.08})) == 1
+
+
+def test_the_attention_rate_rule_warns_at_the_first_logged_step():
+  # Logits x230 in the first update (a learning rate that breaks the model at once), measured
+  # from the initial parameters' telemetry; a healthy first update (x1.5) says nothing, and the
+  # trend rule's floor (200) keeps quiet about both.
+  def monitor(initial):
+    m = stablejax.StabilityMonitor(update_norm=None)
+    m.observe_initial({"attn_logit_max": initial})
+    return m
+  broken = monitor(0.13)
+  line, = broken.update(1, {"loss": 5.6, "grad_norm": 1.0, "attn_logit_max": 30.0})
+  assert line.startswith("step 1: attention logits growing: max pre-softmax logit 30 "
+                         "(x231 in 1 step)")
+  assert monitor(0.13).update(1, {"loss": 5.6, "grad_norm": 1.0, "attn_logit_max": 0.2}) == []
+  healthy = monitor(8.0)
+  assert healthy.update(1, {"loss": 5.6, "grad_norm": 1.0, "attn_logit_max": 12.0}) == []
+  # Per step over the logged interval: x3 per step for 10 steps is a rate of 3 (< 4)...
+  assert healthy.update(11, {"loss": 5.0, "grad_norm": 1.0, "attn_logit_max": 12.0 * 3 ** 10
+                             / 1e4}) == []
+  # ...and it survives a checkpoint.
+  restored = stablejax.StabilityMonitor(update_norm=None)
+  restored.load_state_dict(healthy.state_dict())
+  for m in (healthy, restored):
+    assert len(m.update(12, {"loss": 5.0, "grad_norm": 1.0, "attn_logit_max": 12.0 * 3 ** 10
+                             / 1e4 * 5})) == 1

@@ -146,6 +146,7 @@ class StabilityMonitor:
     self._attn: collections.deque = collections.deque()   # [clock, max logit]
     self._attn_warned: Optional[float] = None   # max logit of the last attention warning
     self._attn_active = False                   # the attention rule held at the last record
+    self._attn_last: Optional[list] = None      # [step, max logit] of the last value seen
     self._updates = UpdateNormRule(self.update_norm) if self.update_norm is not None else None
     self._transitions = HandledTransitions()    # a handled single-step transition held back
 
@@ -220,6 +221,14 @@ class StabilityMonitor:
     self._n_warnings += len(lines)
     return lines
 
+  def observe_initial(self, metrics: Mapping[str, Any]) -> None:
+    """The telemetry of the initial parameters (step 0), before the first record: the attention
+    rule's rate condition measures the first logged step's growth from it. Nothing is counted
+    and no warning is given."""
+    v = _as_float(metrics.get(_ATTN_KEY))
+    if v is not None and math.isfinite(v) and v > 0:
+      self._attn_last = [0, v]
+
   def record_rollback(self, step: int, cause: str = "") -> None:
     """Records a rollback (restore of an earlier checkpoint) at ``step``.
 
@@ -285,7 +294,13 @@ class StabilityMonitor:
       self._attn.append([self._clock, v])
     level = v > rule.high
     trend = v > rule.growth_floor and base is not None and base > 0 and v >= rule.growth * base
-    self._attn_active = level or trend
+    last, self._attn_last = self._attn_last, ([step, v] if math.isfinite(v) and v > 0
+                                              else self._attn_last)
+    per_step = None
+    if last is not None and step > last[0] and last[1] > 0 and math.isfinite(v):
+      per_step = (v / last[1]) ** (1.0 / (step - last[0]))
+    rate = v > rule.step_growth_floor and per_step is not None and per_step >= rule.step_growth
+    self._attn_active = level or trend or rate
     if not self._attn_active:
       return []
     if self._attn_warned is not None and not v >= rule.repeat_factor * self._attn_warned:
@@ -293,6 +308,8 @@ class StabilityMonitor:
     self._attn_warned = v
     if trend and base is not None:
       why = f"x{v / base:.3g} within {rule.growth_window} steps"
+    elif rate and last is not None:
+      why = f"x{v / last[1]:.3g} in {step - last[0]} step{'s' if step - last[0] > 1 else ''}"
     else:
       why = f"above {rule.high:g}"
     layers = {k[len(_ATTN_KEY) + 1:]: _as_float(x) for k, x in metrics.items()
@@ -455,6 +472,7 @@ class StabilityMonitor:
         "attn": [list(x) for x in self._attn],
         "attn_warned": self._attn_warned,
         "attn_active": self._attn_active,
+        "attn_last": self._attn_last,
         "update_norm": None if self._updates is None else self._updates.state_dict(),
         "held_transition": self._transitions.state_dict(),
     }
@@ -493,6 +511,8 @@ class StabilityMonitor:
     self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
     self._attn_warned = state.get("attn_warned")
     self._attn_active = bool(state.get("attn_active", False))
+    last = state.get("attn_last")
+    self._attn_last = None if last is None else [int(last[0]), float(last[1])]
     # Absent from states saved before the update-norm rule and the handled-transition hold.
     if self._updates is not None and state.get("update_norm"):
       self._updates.load_state_dict(state["update_norm"])

@@ -47,6 +47,8 @@ class Logging:
     self.c, self.log, self.monitor, self.recovery = c, log, monitor, recovery
     self.agree, self.progress, self.abandoned_skips = agree, progress, abandoned_skips
     self.pending: Optional[tuple[int, Any]] = None
+    self.initial: Any = None            # the initial parameters' telemetry, until written
+    self.initial_record: dict = {}      # ... and after
     self.last_record: dict = {}
     self.tokens_per_sec = float("nan")
     self.t_interval, self.tokens_interval = time.time(), 0
@@ -57,6 +59,12 @@ class Logging:
   def stepped(self) -> None:
     """Counts one step's tokens for the throughput."""
     self.tokens_interval += self.c.cfg.train.batch_size * self.c.cfg.train.seq_len
+
+  def baseline(self, state: TrainState, tokens: jax.Array) -> None:
+    """Dispatches the attention telemetry of the initial parameters (before the first update of a
+    fresh start); the monitor gets it with step 1's record, as the base of its growth."""
+    if self.c.cfg.logging.attention_logits:
+      self.initial = self.c.logit_telemetry(state.params, tokens, np.int32(0))
 
   def hold(self, step: int, metrics: dict, state: TrainState, tokens: jax.Array) -> None:
     """Keeps ``step``'s device metrics (and dispatches its telemetry) for :meth:`flush`."""
@@ -78,6 +86,9 @@ class Logging:
       self.tokens_per_sec = self.tokens_interval / max(now - self.t_interval, 1e-9)
     self.t_interval, self.tokens_interval = now, 0
     record["tokens_per_sec"] = self.tokens_per_sec
+    if self.initial is not None:
+      self.initial_record, self.initial = fetch(self.initial), None
+      self.monitor.observe_initial(self.initial_record)
     for line in self.monitor.update(step, record):
       self.log.console(f"warning: {line}")
       self.log.record({"step": step, "event": "warning", "cause": line})
