@@ -288,31 +288,38 @@ def trainer_run_class():
   """`Run` with two bench hooks, built lazily so importing this module stays light.
 
   - `lr_factor`: every learning rate times this factor, applied by a multiplier held in the
-    optimizer state instead of through the config: right after the optimizer inside the
-    configured chain (before QK-clip, which must see the final update), or after the whole chain
-    of a `tx` given to `Run` (`with_lr_factor`). The
+    optimizer state instead of through the config: next to the trainer's learning-rate scale
+    inside the configured chain (after the update clipping, which is stated before the learning
+    rate; before QK-clip and the compensated update, which must see the final update), or after
+    the whole chain of a `tx` given to `Run` (`with_lr_factor`). The
     update is the same (`lr * factor * u`; weight decay scales with it, as with a larger
     configured rate), but the compiled train step does not depend on the rate, so every rate of a
     grid reuses one compilation from the persistent cache. The trainer's own learning-rate scale
     (the one the recovery backs off and returns to 1.0) multiplies it: a rollback backs off to
     `factor * stability.recovery.emergency_lr_factor` and returns to `factor`.
   - `init_val_loss`: the validation loss of the initial parameters, computed once before step 1
-    on the run's own validation batches.
+    on the run's own validation batches; `init_attn_logit_max`: their maximum attention logit
+    (the trainer's telemetry on the first validation batch).
   """
   from stablejax.training.loop import Run
 
   class BenchRun(Run):
     lr_factor = 1.0
     init_val_loss = None
+    init_attn_logit_max = None
 
     def __init__(self, cfg, out_dir, fresh=False, tx=None, **kwargs):
       from stablejax.training.optim import build_optimizer
 
       def factored(cfg, main):
-        # The factor right after the optimizer, inside the configured chain: QK-clip, which goes
-        # last, must see the final update (a factor after it would scale its correction too).
-        return build_optimizer(cfg, optax.chain(
-            main, optax.inject_hyperparams(_scale_by_lr_factor)(lr_factor=1.0)))
+        # The factor next to the trainer's learning-rate scale, inside the configured chain: after
+        # the defences stated before the learning rate (update clipping divides out the
+        # optimizer's configured rates, not this factor), before QK-clip and the compensated
+        # update, which must see the final update (a factor after them would scale their
+        # corrections too).
+        return build_optimizer(cfg, main, update_scale=optax.chain(
+            optax.inject_hyperparams(optax.scale)(step_size=1.0),
+            optax.inject_hyperparams(_scale_by_lr_factor)(lr_factor=1.0)))
 
       if tx is None:
         super().__init__(cfg, out_dir, fresh, optimizer=factored, **kwargs)
@@ -334,6 +341,10 @@ def trainer_run_class():
                    for b in self.c.data.val_batches(self.cfg.train.eval_batches)]
         losses = [self.c.eval_step(self.state.params, b, jnp.int32(0)) for b in batches]
         self.init_val_loss = float(np.mean(jax.device_get(losses)))
+        if self.cfg.logging.attention_logits:  # the logits before the first update
+          tokens = batches[0][None]  # the telemetry's layout: [grad_accum, micro_batch, T + 1]
+          self.init_attn_logit_max = float(jax.device_get(self.c.logit_telemetry(
+              self.state.params, tokens, np.int32(0))["attn_logit_max"]))
 
   return BenchRun
 

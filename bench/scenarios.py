@@ -22,13 +22,21 @@ Defences (all AdamW unless named; only `stablejax` and `stablejax+muon` roll bac
   skip_nonfinite   stablejax.skip_nonfinite(AdamW)
   qk_clip          AdamW + stablejax.qk_clip (tau 30)
   stablejax        the trainer's stack: skip_nonfinite(skip_spikes(zclip + AdamW)) + rollback
+                   (+ the Kahan-compensated update with bf16 parameters)
   stablejax+muon   the same around outlier-safe Muon (the trainer's default optimizer)
 
 Scenarios: clean; lr10x (every learning rate x10); garbage (a batch of one repeated byte every
 `--garbage-every` steps); nan_grads (gradients multiplied by NaN at 6 random steps); fp16_aggressive
 (fp16 compute, loss scale 2**16 growing x2 every 100 steps) and fp16_conservative (2**10, x1.5
 every 200); bf16_params (parameters stored in bfloat16, LR / 10) with its fp32 reference
-fp32_small_lr; postln_deep and preln_deep (6 layers, Post-LN vs Pre-LN).
+fp32_small_lr; postln_deep and preln_deep (6 layers, Post-LN vs Pre-LN); stale_second_moment
+(Adam b2 0.999, gradients x0.01 for the first third of the run: the update spikes when they come
+back) with its reference adam_b2_0.999 (the same without the drop).
+
+The stack variants run where they have something to do: stablejax+update_zclip and
+stablejax+update_rms (the update clips, off by default) on clean, lr10x and the b2 0.999 rows;
+stablejax_uncompensated and stablejax+stochastic_rounding (bf16 parameters without the default
+Kahan compensation, or with stochastic rounding instead) on bf16_params.
 
 Columns: status (ok: finished with a finite val loss; nan: finished with NaN/Inf; gave_up: the
 trainer stopped after its rollback budget, exit 3; crashed: an exception), final val loss (the last
@@ -102,6 +110,13 @@ DEFENCES = {
     "stablejax+muon": {"optimizer": {"name": "muon", "learning_rate": MUON_LR,
                                      "adam_learning_rate": LR, "embedding_learning_rate": LR,
                                      "head_learning_rate": LR}},
+    # The stack with the update clips (off by default), and bf16 parameters without the
+    # compensation (on by default) or with stochastic rounding instead of Kahan summation.
+    "stablejax+update_zclip": {"stability": {"zclip_update_norm": {"enabled": True}}},
+    "stablejax+update_rms": {"stability": {"clip_update_rms": {"enabled": True}}},
+    "stablejax_uncompensated": {"stability": {"compensated_updates": {"enabled": False}}},
+    "stablejax+stochastic_rounding": {"stability": {"compensated_updates": {
+        "method": "stochastic_rounding"}}},
 }
 
 DEEP = {"model": {"n_layers": 6}}
@@ -118,9 +133,26 @@ SCENARIOS = {
     "fp32_small_lr": {"lr_factor": 0.1},
     "postln_deep": {"model": {"n_layers": 6, "post_ln": True}},
     "preln_deep": DEEP,
+    # Adam's second moment left stale: gradients 100x smaller for the first third of the run,
+    # then back to their scale; with b2 = 0.999 (optax's and PyTorch's default) the second
+    # moment, an average over the run so far, is then far too small and the update norm jumps
+    # 2x while the gradient norm looks ordinary (Wortsman et al., arXiv 2304.13013, section
+    # 3.4). adam_b2_0.999 is the same run without the drop.
+    "stale_second_moment": {"optimizer": {"b2": 0.999}, "grad_scale": (0.0, 1 / 3, 0.01)},
+    "adam_b2_0.999": {"optimizer": {"b2": 0.999}},
 }
 # The fp32 reference of bf16_params only needs to show what the same LR does without underflow.
 SCENARIO_DEFENCES = {"fp32_small_lr": ("none", "stablejax")}
+# The new stack variants only where they have something to do.
+_UPDATE_CLIPS = ("stablejax+update_zclip", "stablejax+update_rms")
+_PRECISION = ("stablejax_uncompensated", "stablejax+stochastic_rounding")
+for _name in SCENARIOS:
+  if _name not in SCENARIO_DEFENCES:
+    SCENARIO_DEFENCES[_name] = tuple(
+        d for d in DEFENCES
+        if (d not in _UPDATE_CLIPS or _name in ("clean", "lr10x", "stale_second_moment",
+                                                 "adam_b2_0.999"))
+        and (d not in _PRECISION or _name == "bf16_params"))
 
 
 def scenario_config(scenario: str, defence: str, steps: int, garbage_every: int,
@@ -128,6 +160,7 @@ def scenario_config(scenario: str, defence: str, steps: int, garbage_every: int,
   spec = dict(SCENARIOS[scenario])
   lr_factor = spec.pop("lr_factor", 1.0)
   garbage, nan = spec.pop("garbage", False), spec.pop("nan", False)
+  grad_scale = spec.pop("grad_scale", None)
   raw = _common.deep_merge(BASE, DEFENCES[defence])
   raw = _common.deep_merge(raw, spec)
   raw["train"]["seed"] = seed
@@ -147,6 +180,10 @@ def scenario_config(scenario: str, defence: str, steps: int, garbage_every: int,
   if nan:
     import random
     faults["nan_grad_steps"] = sorted(random.Random(0).sample(range(warmup, steps), 6))
+  if grad_scale is not None:  # (first, last) as fractions of the run, and the factor
+    first, last, factor = grad_scale
+    faults["grad_scale_steps"] = list(range(int(first * steps), int(last * steps)))
+    faults["grad_scale_factor"] = factor
   raw["faults"] = faults
   return raw
 
@@ -239,7 +276,11 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
                   skipped=skipped, rollbacks=summary["rollbacks"],
                   wall_s=summary["wall_seconds"],
                   ms_step=1e3 * statistics.median(step_times) if step_times else None,
-                  curve=losses, warnings=sum(1 for r in records if r.get("event") == "warning"))
+                  curve=losses, warnings=sum(1 for r in records if r.get("event") == "warning"),
+                  warning_lines=[r["cause"] for r in records if r.get("event") == "warning"],
+                  # the update norm before the learning rate (the monitor's indicator)
+                  update_curve=[(r["step"], r["update_norm"] / r["lr"]) for r in train
+                                if r.get("update_norm") is not None and r.get("lr")])
   except Exception as e:  # a crashed cell is a result, not the end of the matrix
     result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     result["wall_s"] = time.time() - t0
@@ -326,7 +367,7 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 
 
 def report(ordered: list[dict], out_dir, machine: list[str], setting: str, timing: str,
-           workdir: str) -> None:
+           workdir: str, name: str = "scenarios") -> None:
   print()
   print(_common.table([_row(r) for r in ordered], HEADERS))
   print(f"\n{timing}")
@@ -338,18 +379,21 @@ def report(ordered: list[dict], out_dir, machine: list[str], setting: str, timin
   print()
   print(summary)
   if out_dir is not None:
-    write_csv(ordered, out_dir / "scenarios.csv", machine + [setting])
+    write_csv(ordered, out_dir / f"{name}.csv", machine + [setting])
     first_seed = min(r.get("seed", 0) for r in ordered)
-    plot([r for r in ordered if r.get("seed", 0) == first_seed], out_dir / "scenarios.png",
+    plot([r for r in ordered if r.get("seed", 0) == first_seed], out_dir / f"{name}.png",
          "; ".join(machine) + "\n" + setting + f"; curves of seed {first_seed}")
-    (out_dir / "scenarios_summary.md").write_text(
+    (out_dir / f"{name}_summary.md").write_text(
         "\n".join(f"<!-- {line} -->" for line in machine + [setting, timing]) + "\n\n"
         + summary + "\n")
-    print(f"wrote {out_dir / 'scenarios.csv'}, {out_dir / 'scenarios_summary.md'} and "
-          f"{out_dir / 'scenarios.png'}")
+    (out_dir / f"{name}_runs.json").write_text(json.dumps(
+        {"header": {"machine": machine, "setting": setting, "timing": timing},
+         "results": ordered}))
+    print(f"wrote {out_dir / (name + '.csv')}, {name}_summary.md, {name}_runs.json and "
+          f"{name}.png")
 
 
-STABLEJAX_DEFENCES = ("stablejax", "stablejax+muon")
+STABLEJAX_DEFENCES = tuple(d for d in DEFENCES if d.startswith("stablejax"))
 
 
 def cell_stats(rows: list[dict]) -> dict:
@@ -425,6 +469,8 @@ def main(argv=None) -> int:
                  help="only rebuild the table, CSV and PNG from a saved results.json")
   p.add_argument("--out", default=None, help="CSV/PNG directory (default bench/results, "
                  "or a temporary directory with --quick)")
+  p.add_argument("--name", default="scenarios", help="output file prefix (default scenarios: "
+                 "NAME.csv, NAME_summary.md, NAME.png)")
   args = p.parse_args(argv)
   steps = args.steps or (60 if args.quick else 150)
   garbage_every = args.garbage_every or max(5, steps // 10)
@@ -446,7 +492,7 @@ def main(argv=None) -> int:
     for line in header["machine"] + [header["setting"]]:
       print(line)
     report(saved["results"], Path(args.out) if args.out else RESULTS, header["machine"],
-           header["setting"], header["timing"], str(Path(args.replot).parent))
+           header["setting"], header["timing"], str(Path(args.replot).parent), args.name)
     return 0
 
   machine = _common.machine_lines()
@@ -483,7 +529,7 @@ def main(argv=None) -> int:
   raw_path.write_text(json.dumps({"header": {"machine": machine, "setting": setting,
                                              "timing": timing}, "results": ordered}))
 
-  report(ordered, out_dir, machine, setting, timing, workdir)
+  report(ordered, out_dir, machine, setting, timing, workdir, args.name)
   print(f"raw results with loss curves: {raw_path}")
   return 0
 

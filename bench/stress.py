@@ -404,7 +404,14 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
                             if r.get("attn_logit_max") is not None), default=None),
         warning_steps=[(r["step"], r.get("cause", "")) for r in records
                        if r.get("event") == "warning"],
-        qk_clipped=(train[-1].get("qk_clip/total_clipped") if train else None))
+        qk_clipped=(train[-1].get("qk_clip/total_clipped") if train else None),
+        # The trainer's own measurement of the initial logits (its first batch), else the
+        # bench's (the first validation batch).
+        init_attn_logit_max=float(run.logging.initial_record.get(
+            "attn_logit_max", run.init_attn_logit_max or float("nan"))),
+        # The update norm before the learning rate at the logged steps (the monitor's indicator).
+        update_curve=[(r["step"], r["update_norm"] / r["lr"]) for r in train
+                      if r.get("update_norm") is not None and r.get("lr")])
   except Exception as e:  # a crashed cell is a result, not the end of the sweep
     result["error"] = f"{type(e).__name__}: {e}".splitlines()[0][:200]
     result["wall_s"] = time.time() - t0
@@ -756,6 +763,8 @@ def attention_warning_steps(run: dict, rule=None) -> list[int]:
   """Steps at which StabilityMonitor's attention rule warns, replayed over `attn_curve`."""
   from stablejax.monitor import AttentionLogitThresholds, StabilityMonitor
   monitor = StabilityMonitor(attention=rule or AttentionLogitThresholds())
+  if run.get("init_attn_logit_max") is not None:  # runs since the trainer measures it
+    monitor.observe_initial({"attn_logit_max": run["init_attn_logit_max"]})
   steps = []
   for step, top, layers in run.get("attn_curve") or []:
     rec = {"attn_logit_max": top}
@@ -765,12 +774,30 @@ def attention_warning_steps(run: dict, rule=None) -> list[int]:
   return steps
 
 
+def update_warning_steps(run: dict, rule=None) -> list[int]:
+  """Steps at which StabilityMonitor's update-norm rule warns, replayed over `update_curve` (the
+  update norm before the learning rate; runs from before the rule have none)."""
+  from stablejax.monitor import StabilityMonitor, UpdateNormThresholds
+  monitor = StabilityMonitor(attention=None, update_norm=rule or UpdateNormThresholds())
+  return [step for step, value in run.get("update_curve") or []
+          if any("update norm spike" in line
+                 for line in monitor.update(step, {"update_norm": value, "lr": 1.0}))]
+
+
+def first_warning(run: dict, rule=None) -> int | None:
+  """The first step at which the attention rule or the update-norm rule warns."""
+  steps = attention_warning_steps(run, rule)[:1] + update_warning_steps(run)[:1]
+  return min(steps) if steps else None
+
+
 def degradation_step(run: dict) -> int | None:
   """The first logged step where the train loss degraded: non-finite or above the loss at
   init, a spike (> 1.25 x the median of the previous SPIKE_WINDOW logged losses), or a plateau
   (from step 2 x PLATEAU_WINDOW on, the mean logged loss of the last PLATEAU_WINDOW steps not
   below that of the PLATEAU_WINDOW steps before, the monitor's plateau rule)."""
-  curve = [(s, v) for s, v in run.get("curve") or []]
+  # The loss logged at step s is measured before update s: step 1's is the initial parameters'
+  # (logged since the trainer logs step 1 too), no degradation yet.
+  curve = [(s, v) for s, v in run.get("curve") or [] if s > 1]
   init = run.get("init_loss") or float("inf")
   history: list[float] = []
   for i, (step, loss) in enumerate(curve):
@@ -795,7 +822,7 @@ def behind_twin_step(run: dict, twin: dict, points: int = SPIKE_WINDOW) -> int |
   theirs = dict((s, v) for s, v in twin.get("curve") or [])
   gaps: list[float] = []
   for step, loss in run.get("curve") or []:
-    if step not in theirs:
+    if step not in theirs or step <= 1:  # step 1's loss: the initial parameters
       continue
     gaps.append(loss - theirs[step] if math.isfinite(loss) else float("inf"))
     if statistics.fmean(gaps[-points:]) > TWIN_MARGIN:
@@ -813,7 +840,9 @@ def _twin(results: list[dict], r: dict) -> dict | None:
 
 
 def lead_time_rows(results: list[dict], rule=None) -> tuple[list[str], list[list], dict]:
-  """Per clip-1.0 run hurt by logit growth: when its loss degraded, the first attention warning.
+  """Per clip-1.0 run hurt by logit growth: when its loss degraded, the first warning of the
+  attention or the update-norm rule (`first_warning`; runs logged before the update norm was
+  have attention warnings only).
 
   Hurt: a clip-1.0 run of a model without QK-norm, above the base rate, that ended more than
   TWIN_MARGIN above its QK-norm twin (same optimizer, rate, seed and warmup). Degraded: the first
@@ -821,7 +850,7 @@ def lead_time_rows(results: list[dict], rule=None) -> tuple[list[str], list[list
   the first spike or plateau (`degradation_step`). Lead: degraded minus first warning.
   """
   headers = ["model", "defence", "LR", "seed", "val loss (QK-norm twin)", "max attn logit",
-             "first attention warning", "behind QK-norm twin at (lead)",
+             "first warning (attention or update norm)", "behind QK-norm twin at (lead)",
              "spike/plateau at (lead)"]
   out, leads, leads_sp, hurt, before, before_sp = [], [], [], 0, 0, 0
   for r in results:
@@ -833,8 +862,7 @@ def lead_time_rows(results: list[dict], rule=None) -> tuple[list[str], list[list
     if not r["val_loss"] > twin["val_loss"] + TWIN_MARGIN:
       continue
     hurt += 1
-    warned = attention_warning_steps(r, rule)
-    first = warned[0] if warned else None
+    first = first_warning(r, rule)
     cols = []
     for i, degraded in enumerate((behind_twin_step(r, twin), degradation_step(r))):
       lead = None if first is None or degraded is None else degraded - first
@@ -919,7 +947,8 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
   lead_lines = []
   if lead["hurt"]:
     lead_lines = [
-        f"Attention-logit warning (the monitor's rule, replayed over the logged telemetry) in the "
+        f"First warning of the attention-logit or the update-norm rule (the monitor's rules, "
+        f"replayed over the logged telemetry) in the "
         f"{lead['hurt']} clip-1.0 runs above the base rate that ended more than {TWIN_MARGIN} "
         f"nats above their QK-norm twin: strictly before the run fell behind its twin in "
         f"{lead['warned_before']} of {lead['hurt']} (median lead "
@@ -958,8 +987,8 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         _common.markdown_table(cbody, ch), "", "Clipping statistics per rate:", "",
         _common.markdown_table(dbody, dh), ""]
   if lead_lines:
-    md += ["Lead time of the attention-logit warning: the first warning (the monitor's rule "
-           "replayed over the logged telemetry) against when the loss degraded, by two "
+    md += ["Lead time of the warnings: the first warning of the attention-logit or update-norm "
+           "rule (replayed over the logged telemetry) against when the loss degraded, by two "
            "definitions: the first logged step where the run's train loss (mean of its last "
            f"{SPIKE_WINDOW} logged values) is {TWIN_MARGIN} nats above its QK-norm twin's, and the "
            "first logged step with a non-finite loss or one above the loss at init, a spike "

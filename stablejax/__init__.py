@@ -28,6 +28,12 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, importe
   from stablejax.transforms.qk_clip import qk_clip
   from stablejax.transforms.zclip import ZClipState
   from stablejax.transforms.zclip import zclip
+  from stablejax.transforms.update_clip import ClipUpdateRmsState
+  from stablejax.transforms.update_clip import ZClipUpdateNormState
+  from stablejax.transforms.update_clip import clip_update_rms
+  from stablejax.transforms.update_clip import zclip_update_norm
+  from stablejax.transforms.compensated import CompensatedUpdatesState
+  from stablejax.transforms.compensated import compensated_updates
   # --- end transforms ---
 
   # --- muon ---
@@ -68,6 +74,7 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, importe
   from stablejax.monitor import per_layer_grad_norms
   from stablejax.monitor import stability_score
   from stablejax.monitor import tensorboard_scalars
+  from stablejax.monitor import UpdateNormThresholds
   # --- end monitoring ---
 
   # --- training loops ---
@@ -93,6 +100,12 @@ _EXPORTS = {
     "qk_clip": "stablejax.transforms.qk_clip",
     "ZClipState": "stablejax.transforms.zclip",
     "zclip": "stablejax.transforms.zclip",
+    "ClipUpdateRmsState": "stablejax.transforms.update_clip",
+    "ZClipUpdateNormState": "stablejax.transforms.update_clip",
+    "clip_update_rms": "stablejax.transforms.update_clip",
+    "zclip_update_norm": "stablejax.transforms.update_clip",
+    "CompensatedUpdatesState": "stablejax.transforms.compensated",
+    "compensated_updates": "stablejax.transforms.compensated",
     # --- end transforms ---
     # --- muon ---
     "check_learning_rates": "stablejax.muon.lr_check",
@@ -130,6 +143,7 @@ _EXPORTS = {
     "per_layer_grad_norms": "stablejax.monitor",
     "stability_score": "stablejax.monitor",
     "tensorboard_scalars": "stablejax.monitor",
+    "UpdateNormThresholds": "stablejax.monitor",
     # --- end monitoring ---
     # --- training loops ---
     "apply_gradients": "stablejax.training.train_state",
@@ -145,13 +159,18 @@ __all__ = [
     "__version__",
     # --- all transforms ---
     "AdaGCState",
+    "ClipUpdateRmsState",
+    "CompensatedUpdatesState",
     "DynamicLossScale",
     "HybridClipState",
     "QKClipState",
     "SkipNonFiniteState",
     "SkipSpikesState",
     "ZClipState",
+    "ZClipUpdateNormState",
     "adagc",
+    "clip_update_rms",
+    "compensated_updates",
     "cross_entropy_with_z_loss",
     "hybrid_clip",
     "qk_clip",
@@ -160,6 +179,7 @@ __all__ = [
     "skip_spikes",
     "stability_metrics",
     "zclip",
+    "zclip_update_norm",
     # --- end all transforms ---
     # --- all muon ---
     "GroupUpdateRmsState",
@@ -197,6 +217,7 @@ __all__ = [
     "per_layer_grad_norms",
     "stability_score",
     "tensorboard_scalars",
+    "UpdateNormThresholds",
     # --- end all monitoring ---
     # --- all training loops ---
     "apply_gradients",

@@ -60,3 +60,25 @@ def test_stacked_names_empty_gives_one_norm_per_leaf():
 def test_bf16_norms_are_float32():
   norms = per_layer_grad_norms({"blocks": {"w": jnp.full((2, 400), 0.5, jnp.bfloat16)}})
   assert float(norms["blocks/0/w"]) == pytest.approx(10.0, rel=1e-6)  # sqrt(400 * 0.25)
+
+
+def test_update_norm_per_layer_groups_stacked_slices_and_unrolled_layers():
+  from stablejax.monitor.layers import global_and_layer_norms
+  rng = np.random.default_rng(0)
+  stacked = rng.standard_normal((2, 3, 4)).astype(np.float32)
+  unrolled = {f"block_{i}": {"attn": rng.standard_normal((4, 4)).astype(np.float32),
+                             "norm": rng.standard_normal(4).astype(np.float32)} for i in (2, 3)}
+  listed = rng.standard_normal((5,)).astype(np.float32)
+  head = rng.standard_normal((4, 6)).astype(np.float32)
+  tree = {"blocks": {"mlp": jnp.asarray(stacked)}, **jax.tree.map(jnp.asarray, unrolled),
+          "h": {"4": {"w": jnp.asarray(listed)}}, "lm_head": jnp.asarray(head),
+          "count": jnp.int32(3)}
+  total, layers = jax.jit(global_and_layer_norms)(tree)
+  want = {0: np.linalg.norm(stacked[0]), 1: np.linalg.norm(stacked[1]),
+          **{i: np.sqrt(sum(np.sum(x ** 2) for x in unrolled[f"block_{i}"].values()))
+             for i in (2, 3)}, 4: np.linalg.norm(listed)}
+  assert sorted(layers) == sorted(want)  # the head is in no layer, the integer leaf nowhere
+  for i, value in want.items():
+    assert float(layers[i]) == pytest.approx(float(value), rel=1e-5)
+  everything = [stacked, *[x for d in unrolled.values() for x in d.values()], listed, head]
+  assert float(total) == pytest.approx(np.sqrt(sum(np.sum(x ** 2) for x in everything)), rel=1e-5)

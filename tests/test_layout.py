@@ -294,7 +294,8 @@ def test_a_program_without_the_train_extra_is_one_line_naming_it(tmp_path):
 # ----------------------------------------------------------------------------- the package root
 
 # What `import stablejax` imported eagerly before the public names were loaded on first use:
-# name -> the module it came from (the import list of the previous release).
+# name -> the module it came from (the import list of the previous release, and the names added
+# since).
 EAGER_IMPORTS = {
     "cross_entropy_with_z_loss": "stablejax.modeling.losses",
     "AdaGCState": "stablejax.transforms.adagc",
@@ -312,6 +313,12 @@ EAGER_IMPORTS = {
     "qk_clip": "stablejax.transforms.qk_clip",
     "ZClipState": "stablejax.transforms.zclip",
     "zclip": "stablejax.transforms.zclip",
+    "ClipUpdateRmsState": "stablejax.transforms.update_clip",
+    "ZClipUpdateNormState": "stablejax.transforms.update_clip",
+    "clip_update_rms": "stablejax.transforms.update_clip",
+    "zclip_update_norm": "stablejax.transforms.update_clip",
+    "CompensatedUpdatesState": "stablejax.transforms.compensated",
+    "compensated_updates": "stablejax.transforms.compensated",
     "check_learning_rates": "stablejax.muon.lr_check",
     "GroupUpdateRmsState": "stablejax.muon.muon",
     "OutlierSafeMuonState": "stablejax.muon.muon",
@@ -339,6 +346,7 @@ EAGER_IMPORTS = {
     "per_layer_grad_norms": "stablejax.monitor",
     "stability_score": "stablejax.monitor",
     "tensorboard_scalars": "stablejax.monitor",
+    "UpdateNormThresholds": "stablejax.monitor",
 }
 HEAVY = ("jax", "jaxlib", "numpy", "optax", "flax", "grain", "orbax")
 

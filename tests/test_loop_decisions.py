@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 
-from stablejax.training.actions import Checkpointing, Evaluation, Sampling, TimeBudget
+from stablejax.training.actions import Checkpointing, Evaluation, Logging, Sampling, TimeBudget
 from stablejax.training.batches import Batches, total_skips
 from stablejax.training.config import load_config
 
@@ -50,6 +50,20 @@ def test_batch_faults_follow_the_data_position_and_step_faults_the_step() -> Non
   batch = batches.next(2)
   assert _position(batch) == 4 and float(batch["grad_scale"]) == 100.0
   assert batches.consumed == 5
+
+
+def test_a_repeated_batch_fault_serves_the_first_listed_batch_again() -> None:
+  # faults.repeat_batch_steps: the batch of the first listed step at every listed step; the
+  # stream still advances, so the data after the fault is where it would have been.
+  batches = _batches("faults.repeat_batch_steps=[1, 2, 3]")
+  positions = [_position(batches.next(step)) for step in range(6)]
+  assert positions == [0, 1, 1, 1, 4, 5] and batches.consumed == 6
+
+
+def test_logs_step_1_and_every_log_every_steps() -> None:
+  cfg = load_config(None, ["train.log_every=10"])
+  logging = Logging(types.SimpleNamespace(cfg=cfg), *([None] * 6))
+  assert [s for s in range(1, 31) if logging.due(s)] == [1, 10, 20, 30]
 
 
 def test_a_deferred_skip_is_taken_when_the_replay_reaches_it() -> None:

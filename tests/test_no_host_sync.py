@@ -228,8 +228,9 @@ def test_training_loop_fetches_only_at_log_eval_and_checkpoint_steps(report):
   t = TINY["train"]
   assert loop["exit_code"] == 0
   assert loop["guarded_steps"] == [True] * t["steps"]
-  # one fetch per log step, plus the checkpoint step 6 that is read at once
-  assert loop["allowed_calls"].count("Logging.write") == t["steps"] // t["log_every"] + 1
+  # one fetch per log step (step 1 and every log_every), plus the checkpoint step 6 that is read
+  # at once
+  assert loop["allowed_calls"].count("Logging.write") == t["steps"] // t["log_every"] + 2
   assert loop["allowed_calls"].count("Evaluation.__call__") == 2  # step 6 and the final one
   assert loop["fetches_in_hooks"] > 0
   assert loop["total_skips"] == 1

@@ -56,7 +56,7 @@ def test_metrics_records_have_documented_keys(clean_run):
               "skip_spikes/total_skips", "muon/outlier_rate", "muon/fallback_rate",
               "stability_score", "health", "attn_logit_max", "attn_logit_max/layer_0",
               "attn_logit_max/layer_1", "output_logit_max", "output_log_z_mean",
-              "output_log_z_max"):
+              "output_log_z_max", "update_norm", "update_norm/layer_0", "update_norm/layer_1"):
     assert key in train[-1], key
   # The stability keys hold what they promise, record by record: ZClip's clipped norm is
   # min(norm, threshold) and it clips exactly when the norm exceeds the threshold; counters never
@@ -82,6 +82,11 @@ def test_metrics_records_have_documented_keys(clean_run):
     assert r["attn_logit_max"] == max(r["attn_logit_max/layer_0"], r["attn_logit_max/layer_1"])
     assert r["output_log_z_mean"] <= r["output_log_z_max"]
     assert r["output_log_z_max"] >= r["output_logit_max"]
+  # Step 1 is logged, then every log_every (2) steps; the update norm is at least its largest
+  # layer's (the rest of the norm is embedding, head and final norm).
+  assert [r["step"] for r in train] == [1] + list(range(2, 41, 2))
+  for r in train:
+    assert r["update_norm"] >= max(r["update_norm/layer_0"], r["update_norm/layer_1"]) > 0
   evals = [r for r in records if "val_loss" in r]
   assert [r["step"] for r in evals] == [20, 40]
   # The logged lr is the configured optax schedule's value (not a fraction of the peak): warmup

@@ -83,6 +83,9 @@ LAYOUT = "stablejax/layout/analysis.py"
 QK_CLIP = "stablejax/transforms/qk_clip.py"
 CLIP = "stablejax/transforms/clip.py"
 SPECS = "stablejax/monitor/specs.py"
+UPDATE_CLIP = "stablejax/transforms/update_clip.py"
+COMPENSATED = "stablejax/transforms/compensated.py"
+UPDATE_NORM = "stablejax/monitor/update_norm.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
@@ -146,6 +149,9 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
              "not check_learning_rates and not describe_routing_finds"),
     QK_CLIP: ("tests/test_qk_clip.py", QK_CLIP),
     CLIP: ("tests/test_optim.py", "tests/test_config.py", "-m", "not slow"),
+    UPDATE_CLIP: ("tests/test_update_clip.py", UPDATE_CLIP),
+    COMPENSATED: ("tests/test_compensated.py", COMPENSATED),
+    UPDATE_NORM: ("tests/test_early_warnings.py", UPDATE_NORM, "-k", "not log_norm"),
 }
 
 # Modules of stablejax/ without mutants, and why.
@@ -711,6 +717,12 @@ MUTANTS = [
        "integer leaves get norms"),
     _m("LY4", LAYERS, "    idx = stacked_component(parts, stacked_names)",
        "    idx = stacked_component(parts)", "stacked_names=() does not disable the split"),
+    _m("LY5", LAYERS, "    if layer_index is not None:\n      per_layer.setdefault(layer_index",
+       "    if False:\n      per_layer.setdefault(layer_index",
+       "an unrolled layer (block_<i>) gets no update norm of its own"),
+    _m("LY6", LAYERS,
+       "    if part.lower() in names and i + 1 < len(parts) and parts[i + 1].isdigit():",
+       "    if False:", "a listed layer (h/<i>) is no layer"),
 
     # ---------------------------------------------------------------- monitor/report.py
     _m("RP1", MONITOR_REPORT, "          or isinstance(rec.get(\"step\"), bool):",
@@ -1522,6 +1534,108 @@ MUTANTS = [
     _m("SM12", STABILITY_MONITOR, "    self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in "
        "state[\"rollbacks\"]]", "    self._rollbacks = []",
        "rollbacks are lost over a save and restore"),
+    _m("SM13", STABILITY_MONITOR,
+       "    handled = any((_as_float(metrics.get(key)) or 0.0) > 0 for key in specs.acted_keys())",
+       "    handled = False", "a transition a defence handled is warned about at once",
+       tests=("tests/test_early_warnings.py", "-k", "handled")),
+    _m("SM14", STABILITY_MONITOR,
+       "    self._transitions.load_state_dict(state.get(\"held_transition\"))", "    pass",
+       "a held transition is lost over a save and restore",
+       tests=("tests/test_early_warnings.py", "-k", "checkpoint")),
+
+    # ---------------------------------------------------------------- monitor/update_norm.py
+    _m("UN1", UPDATE_NORM, "    if not self.active or was_active:\n      return []",
+       "    if not self.active:\n      return []", "every record of an update-norm episode warns"),
+    _m("UN2", UPDATE_NORM, "  if not (math.isfinite(norm) and norm > 0):\n    return None, {}",
+       "  if not math.isfinite(norm):\n    return None, {}",
+       "a skipped step's zero update enters the history"),
+    _m("UN3", UPDATE_NORM, "    if len(past) < t.min_records:", "    if len(past) < 1:",
+       "the rule warns before min_records values"),
+    _m("UN4", UPDATE_NORM,
+       "        self.held, self.length = None, 0\n        return []  # a short excursion",
+       "        held, self.held, self.length = self.held, None, 0\n"
+       "        return held + lines  # a short excursion",
+       "a short excursion the stack handled still warns"),
+    _m("UN7", UPDATE_NORM, "      if handled and self.length < self.max_records:",
+       "      if handled and self.length < 1:", "a two-step handled excursion warns"),
+    _m("UN5", UPDATE_NORM,
+       "    if lines and handled and old_level in (None, \"healthy\") and level != \"healthy\":",
+       "    if lines and old_level in (None, \"healthy\") and level != \"healthy\":",
+       "a transition no defence acted on is held back too"),
+    _m("UN6", UPDATE_NORM,
+       "  if norm is None or lr is None or not (math.isfinite(lr) and lr > 0):",
+       "  if norm is None or lr is None:", "a learning rate of 0 is divided by"),
+
+    # ---------------------------------------------------------------- transforms/update_clip.py
+    _m("UC1", UPDATE_CLIP,
+       "      over = jnp.logical_and(jnp.isfinite(rms), rms > limit)  # a non-finite update passes",
+       "      over = rms > limit  # a non-finite update passes",
+       "a non-finite update is clipped (its finite entries zeroed)"),
+    _m("UC2", UPDATE_CLIP, "  return jnp.where(rate > 0, x / jnp.where(rate > 0, rate, 1.0), 0.0)",
+       "  return x", "the learning rate is not divided out"),
+    _m("UC3", UPDATE_CLIP,
+       "    return jnp.sqrt(jnp.mean(jnp.reshape(x, (x.shape[0], -1)), axis=1))",
+       "    return jnp.sqrt(jnp.mean(x))", "a stacked leaf gets one RMS, not one per layer slice"),
+    _m("UC4", UPDATE_CLIP, "    clipped_change = jnp.where(spike, mean + zt * std, change)",
+       "    clipped_change = change", "a spike of the update norm is not clipped"),
+    _m("UC5", UPDATE_CLIP, "        last_norm=jnp.where(usable, norm * scale, state.last_norm),",
+       "        last_norm=jnp.where(usable, norm, state.last_norm),",
+       "the next change is measured from the unclipped norm (a jump passes after one step)"),
+    _m("UC6", UPDATE_CLIP,
+       "    measured = jnp.logical_and(usable, state.last_norm > 0)  # a change exists",
+       "    measured = state.last_norm > 0  # a change exists",
+       "a NaN or zero update norm enters the statistics"),
+    _m("UC7", UPDATE_CLIP,
+       "        count=_common.safe_increment(state.count), max_rms=largest,",
+       "        count=state.count, max_rms=largest,",
+       "the learning-rate schedule is always read at count 0"),
+
+    # ---------------------------------------------------------------- transforms/compensated.py
+    _m("CU1", COMPENSATED,
+       "  new_compensation = ((t.astype(jnp.float32) - p32) - y).astype(jnp.asarray(compensation)"
+       ".dtype)", "  new_compensation = jnp.zeros_like(jnp.asarray(compensation))",
+       "the buffer never keeps what rounding lost (plain bf16 addition)"),
+    _m("CU2", COMPENSATED,
+       "  y = jnp.asarray(update).astype(jnp.float32) - jnp.asarray(compensation)"
+       ".astype(jnp.float32)",
+       "  y = jnp.asarray(update).astype(jnp.float32) + jnp.asarray(compensation)"
+       ".astype(jnp.float32)", "the buffer is added with the wrong sign"),
+    _m("CU3", COMPENSATED,
+       "  noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)",
+       "  noise = jnp.full(x.shape, 0x8000, jnp.uint32)",
+       "stochastic rounding rounds to nearest"),
+    _m("CU4", COMPENSATED, "    step_key = jax.random.fold_in(base_key, state.count)",
+       "    step_key = base_key", "every step draws the same random bits"),
+    _m("CU5", COMPENSATED,
+       "  if ctx.model is not None and dtype not in _LOW_PRECISION_DTYPES:",
+       "  if ctx.model is not None and dtype in _LOW_PRECISION_DTYPES:",
+       "the trainer compensates float32 parameters and not bfloat16 ones"),
+
+    # ---------------------------------------------------------------- the log-norm spike rule
+    _m("S28", SKIPPING,
+       "    threshold = jnp.minimum(threshold, log_sigma_threshold(history, count, sigma))",
+       "    threshold = jnp.minimum(threshold, mean + _common.f32(sigma) * std)",
+       "statistics='log_norm' uses the linear sigma rule",
+       tests=("tests/test_early_warnings.py", "-k", "log_norm")),
+    _m("S29", SKIPPING, "statistics, log_scale=statistics == \"log_norm\")",
+       "statistics, log_scale=False)", "the gradient norm's window is not read on the log scale",
+       tests=("tests/test_early_warnings.py", "-k", "log_norm")),
+    _m("S30", SKIPPING, "  mean, std = window_stats(logs, count)\n",
+       "  mean, std = window_stats(logs, count, ddof=1)\n",
+       "the log rule uses the unbiased std",
+       tests=("tests/test_early_warnings.py", "-k", "log_norm")),
+
+    # ---------------------------------------------------------------- step 1, repeated batches
+    _m("LO8", ACTIONS, "    return step == 1 or step % self.c.cfg.train.log_every == 0",
+       "    return step % self.c.cfg.train.log_every == 0", "step 1 is not logged"),
+    _m("LO9", BATCHES,
+       "      if self.repeated is None:\n        self.repeated = np.asarray(tokens)",
+       "      if True:\n        self.repeated = np.asarray(tokens)",
+       "faults.repeat_batch_steps serves fresh batches"),
+    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg)))",
+       "learning_rates=None))",
+       "the trainer's update clips do not divide out the optimizer's learning rates",
+       tests=("tests/test_update_clip.py", "-k", "trainer")),
 ]
 
 COPIED = ("stablejax", "tests", "train.py", "pyproject.toml", "README.md", "examples",

@@ -57,6 +57,7 @@ from stablejax.monitor.score import stability_score
 from stablejax.monitor.score import troubleshooting_advice
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax.monitor.tensorboard import tensorboard_scalars
+from stablejax.monitor.update_norm import UpdateNormThresholds
 
 
 __all__ = [
@@ -81,4 +82,5 @@ __all__ = [
     "stability_score",
     "tensorboard_scalars",
     "troubleshooting_advice",
+    "UpdateNormThresholds",
 ]

@@ -108,7 +108,12 @@ class AttentionLogitThresholds:
 
   * level: ``max_logit > high``;
   * trend: ``max_logit > growth_floor`` and ``max_logit >= growth`` times the smallest value
-    logged in the preceding ``growth_window`` steps.
+    logged in the preceding ``growth_window`` steps;
+  * rate: ``max_logit > step_growth_floor`` and it grew by ``step_growth`` or more per step on
+    average since the previous logged value (the initial parameters' value before the first
+    one, :meth:`StabilityMonitor.observe_initial`). Healthy runs grow their logits by orders of
+    magnitude over their first hundreds of steps (hence the trend rule's floor), never by x4 in
+    one update; a learning rate that breaks the model at once does it in its first update.
 
   A warning is given when a condition first holds and again only when the logit has grown
   ``repeat_factor`` times past the value of the previous warning. The defaults come from the
@@ -121,6 +126,9 @@ class AttentionLogitThresholds:
     growth_window: steps over which the growth is measured.
     growth_floor: no trend warning below this logit (early training grows fast from ~1).
     repeat_factor: a further warning needs the logit this many times above the last one.
+    step_growth: growth per step (geometric mean since the previous logged value) that warns
+      above ``step_growth_floor``.
+    step_growth_floor: no rate warning below this logit.
 
   Example:
     >>> from stablejax import AttentionLogitThresholds, StabilityMonitor
@@ -138,15 +146,19 @@ class AttentionLogitThresholds:
   growth_window: int = 100
   growth_floor: float = 200.0
   repeat_factor: float = 10.0
+  step_growth: float = 4.0
+  step_growth_floor: float = 10.0
 
   def __post_init__(self) -> None:
-    for name in ("high", "growth", "growth_floor", "repeat_factor"):
+    for name in ("high", "growth", "growth_floor", "repeat_factor", "step_growth",
+                 "step_growth_floor"):
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
         raise ValueError(f"AttentionLogitThresholds.{name} must be a positive finite number, "
                          f"got {value!r}")
-    if self.growth <= 1 or self.repeat_factor <= 1:
-      raise ValueError("AttentionLogitThresholds.growth and repeat_factor must be > 1")
+    if self.growth <= 1 or self.repeat_factor <= 1 or self.step_growth <= 1:
+      raise ValueError("AttentionLogitThresholds.growth, repeat_factor and step_growth must be "
+                       "> 1")
     if not isinstance(self.growth_window, int) or self.growth_window < 1:
       raise ValueError(f"AttentionLogitThresholds.growth_window must be a positive int of steps, "
                        f"got {self.growth_window!r}")

@@ -38,6 +38,17 @@ def nonfinite_keys() -> tuple[str, ...]:
   return tuple(spec.key(spec.nonfinite) for spec in metric_specs() if spec.nonfinite)
 
 
+def acted_keys() -> tuple[str, ...]:
+  """Flags (or fractions) saying that a defence clipped or skipped the step."""
+  return tuple(spec.key(spec.acted) for spec in metric_specs() if spec.acted)
+
+
+def update_norm_keys() -> tuple[str, ...]:
+  """Where a record holds the norm of the update the optimizer produced, when the applied one
+  differs from it (then before the record's ``update_norm``)."""
+  return tuple(spec.key(spec.update_norm) for spec in metric_specs() if spec.update_norm)
+
+
 def prefixes() -> tuple[str, ...]:
   """The metric prefixes of every registered state, each with its trailing slash."""
   return tuple(spec.prefix + "/" for spec in metric_specs())

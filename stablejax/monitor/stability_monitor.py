@@ -10,6 +10,7 @@ from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
 from stablejax.monitor.health import AttentionLogitThresholds, HealthThresholds, grad_health_level
 from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
+from stablejax.monitor.update_norm import HandledTransitions, UpdateNormRule, UpdateNormThresholds
 from stablejax.transforms.metrics import MetricsSpec, Rate
 
 
@@ -83,6 +84,8 @@ class StabilityMonitor:
       in the decay phase of a schedule a flattening loss is expected (and the
       row's advice, a longer warmup, does not apply).
     attention: thresholds of the attention-logit rule; None turns it off.
+    update_norm: thresholds of the update-norm rule (:mod:`stablejax.monitor.update_norm`); None
+      turns it off.
 
   Example:
     >>> from stablejax import StabilityMonitor
@@ -98,7 +101,8 @@ class StabilityMonitor:
   def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),
                score_target: float = 0.8, advice_every: Optional[int] = None,
                loss_plateau_check: bool = True,
-               attention: Optional[AttentionLogitThresholds] = AttentionLogitThresholds()):
+               attention: Optional[AttentionLogitThresholds] = AttentionLogitThresholds(),
+               update_norm: Optional[UpdateNormThresholds] = UpdateNormThresholds()):
     if not isinstance(window, int) or window < 1:
       raise ValueError(f"StabilityMonitor window must be a positive int of steps, got {window!r}")
     if not 0.0 <= score_target <= 1.0:
@@ -110,7 +114,10 @@ class StabilityMonitor:
       raise ValueError("StabilityMonitor thresholds must be a HealthThresholds instance")
     if attention is not None and not isinstance(attention, AttentionLogitThresholds):
       raise ValueError("StabilityMonitor attention must be an AttentionLogitThresholds or None")
+    if update_norm is not None and not isinstance(update_norm, UpdateNormThresholds):
+      raise ValueError("StabilityMonitor update_norm must be an UpdateNormThresholds or None")
     self.attention = attention
+    self.update_norm = update_norm
     self.window = window
     self.thresholds = thresholds
     self.score_target = float(score_target)
@@ -139,6 +146,9 @@ class StabilityMonitor:
     self._attn: collections.deque = collections.deque()   # [clock, max logit]
     self._attn_warned: Optional[float] = None   # max logit of the last attention warning
     self._attn_active = False                   # the attention rule held at the last record
+    self._attn_last: Optional[list] = None      # [step, max logit] of the last value seen
+    self._updates = UpdateNormRule(self.update_norm) if self.update_norm is not None else None
+    self._transitions = HandledTransitions()    # a handled single-step transition held back
 
   # ---- feeding ----
 
@@ -199,11 +209,25 @@ class StabilityMonitor:
     self._trim()
 
     lines = []
-    lines += self._update_level(step, metrics, loss)
+    old_level, levels_read = self._level, sum(self._level_counts.values())
+    handled = any((_as_float(metrics.get(key)) or 0.0) > 0 for key in specs.acted_keys())
+    lines += self._transitions.filter(
+        self._update_level(step, metrics, loss), old_level, self._level, handled,
+        measured=sum(self._level_counts.values()) > levels_read)
     lines += self._attention_lines(step, metrics)
+    if self._updates is not None:
+      lines += self._updates.update(step, self._clock, metrics)
     lines += self._advice_lines(step)
     self._n_warnings += len(lines)
     return lines
+
+  def observe_initial(self, metrics: Mapping[str, Any]) -> None:
+    """The telemetry of the initial parameters (step 0), before the first record: the attention
+    rule's rate condition measures the first logged step's growth from it. Nothing is counted
+    and no warning is given."""
+    v = _as_float(metrics.get(_ATTN_KEY))
+    if v is not None and math.isfinite(v) and v > 0:
+      self._attn_last = [0, v]
 
   def record_rollback(self, step: int, cause: str = "") -> None:
     """Records a rollback (restore of an earlier checkpoint) at ``step``.
@@ -270,7 +294,13 @@ class StabilityMonitor:
       self._attn.append([self._clock, v])
     level = v > rule.high
     trend = v > rule.growth_floor and base is not None and base > 0 and v >= rule.growth * base
-    self._attn_active = level or trend
+    last, self._attn_last = self._attn_last, ([step, v] if math.isfinite(v) and v > 0
+                                              else self._attn_last)
+    per_step = None
+    if last is not None and step > last[0] and last[1] > 0 and math.isfinite(v):
+      per_step = (v / last[1]) ** (1.0 / (step - last[0]))
+    rate = v > rule.step_growth_floor and per_step is not None and per_step >= rule.step_growth
+    self._attn_active = level or trend or rate
     if not self._attn_active:
       return []
     if self._attn_warned is not None and not v >= rule.repeat_factor * self._attn_warned:
@@ -278,6 +308,8 @@ class StabilityMonitor:
     self._attn_warned = v
     if trend and base is not None:
       why = f"x{v / base:.3g} within {rule.growth_window} steps"
+    elif rate and last is not None:
+      why = f"x{v / last[1]:.3g} in {step - last[0]} step{'s' if step - last[0] > 1 else ''}"
     else:
       why = f"above {rule.high:g}"
     layers = {k[len(_ATTN_KEY) + 1:]: _as_float(x) for k, x in metrics.items()
@@ -444,6 +476,9 @@ class StabilityMonitor:
         "attn": [list(x) for x in self._attn],
         "attn_warned": self._attn_warned,
         "attn_active": self._attn_active,
+        "attn_last": self._attn_last,
+        "update_norm": None if self._updates is None else self._updates.state_dict(),
+        "held_transition": self._transitions.state_dict(),
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -480,4 +515,10 @@ class StabilityMonitor:
     self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
     self._attn_warned = state.get("attn_warned")
     self._attn_active = bool(state.get("attn_active", False))
+    last = state.get("attn_last")
+    self._attn_last = None if last is None else [int(last[0]), float(last[1])]
+    # Absent from states saved before the update-norm rule and the handled-transition hold.
+    if self._updates is not None and state.get("update_norm"):
+      self._updates.load_state_dict(state["update_norm"])
+    self._transitions.load_state_dict(state.get("held_transition"))
     self._trim()

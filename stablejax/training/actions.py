@@ -1,8 +1,8 @@
 """The periodic actions of the training loop, each saying when it is due.
 
-:class:`Logging` (every ``train.log_every`` steps, read one step late), :class:`Evaluation`
-(``train.eval_every``), :class:`Sampling` (``logging.sample_every``), :class:`Diagnostics`
-(``logging.activation_every`` / ``histogram_every``), :class:`Checkpointing`
+:class:`Logging` (step 1 and every ``train.log_every`` steps, read one step late),
+:class:`Evaluation` (``train.eval_every``), :class:`Sampling` (``logging.sample_every``),
+:class:`Diagnostics` (``logging.activation_every`` / ``histogram_every``), :class:`Checkpointing`
 (``checkpoint.every``, deferred while the loss is elevated) and :class:`TimeBudget` (the time
 budget's early stop, checked at log steps). An action that finds a reason to roll back returns it
 (a string); the loop then asks the recovery. Only these actions fetch from the device, and only at
@@ -29,14 +29,17 @@ from stablejax.training.components import Components
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery
 from stablejax.training.step import TrainState
+from stablejax.transforms.compensated import CompensatedUpdatesState
 
 Agree = Callable[[Optional[str]], Optional[str]]
 
 
 class Logging:
-  """Every ``train.log_every`` steps: the step's metrics (with the attention-logit telemetry),
-  read one step late so the host never stalls the device; the monitor's warnings; the record in
-  metrics.jsonl and TensorBoard; the recovery's check of the record."""
+  """At step 1 and every ``train.log_every`` steps: the step's metrics (with the attention-logit
+  telemetry), read one step late so the host never stalls the device; the monitor's warnings;
+  the record in metrics.jsonl and TensorBoard; the recovery's check of the record. Step 1 is
+  logged too so that the monitor sees a run from its first update: a learning rate high enough
+  to break a model breaks it within the first log interval."""
 
   def __init__(self, c: Components, log: RunLogger, monitor: StabilityMonitor,
                recovery: Recovery, agree: Agree, progress: Any,
@@ -44,16 +47,24 @@ class Logging:
     self.c, self.log, self.monitor, self.recovery = c, log, monitor, recovery
     self.agree, self.progress, self.abandoned_skips = agree, progress, abandoned_skips
     self.pending: Optional[tuple[int, Any]] = None
+    self.initial: Any = None            # the initial parameters' telemetry, until written
+    self.initial_record: dict = {}      # ... and after
     self.last_record: dict = {}
     self.tokens_per_sec = float("nan")
     self.t_interval, self.tokens_interval = time.time(), 0
 
   def due(self, step: int) -> bool:
-    return step % self.c.cfg.train.log_every == 0
+    return step == 1 or step % self.c.cfg.train.log_every == 0
 
   def stepped(self) -> None:
     """Counts one step's tokens for the throughput."""
     self.tokens_interval += self.c.cfg.train.batch_size * self.c.cfg.train.seq_len
+
+  def baseline(self, state: TrainState, tokens: jax.Array) -> None:
+    """Dispatches the attention telemetry of the initial parameters (before the first update of a
+    fresh start); the monitor gets it with step 1's record, as the base of its growth."""
+    if self.c.cfg.logging.attention_logits:
+      self.initial = self.c.logit_telemetry(state.params, tokens, np.int32(0))
 
   def hold(self, step: int, metrics: dict, state: TrainState, tokens: jax.Array) -> None:
     """Keeps ``step``'s device metrics (and dispatches its telemetry) for :meth:`flush`."""
@@ -75,6 +86,9 @@ class Logging:
       self.tokens_per_sec = self.tokens_interval / max(now - self.t_interval, 1e-9)
     self.t_interval, self.tokens_interval = now, 0
     record["tokens_per_sec"] = self.tokens_per_sec
+    if self.initial is not None:
+      self.initial_record, self.initial = fetch(self.initial), None
+      self.monitor.observe_initial(self.initial_record)
     for line in self.monitor.update(step, record):
       self.log.console(f"warning: {line}")
       self.log.record({"step": step, "event": "warning", "cause": line})
@@ -175,7 +189,13 @@ class Diagnostics:
     if previous is None:
       return {}
     movement = jax.device_get(self.c.param_movement(previous, state.params))
-    for line in movement_warnings(movement, dtypes=param_dtypes(state.params), step=step):
+    # Compensated low-precision updates (stablejax.compensated_updates) keep what rounds away, so
+    # an update below the parameters' resolution is not lost: only a group that does not move
+    # at all is stuck then.
+    compensated = any(isinstance(node, CompensatedUpdatesState) for node in jax.tree.leaves(
+        state.opt_state, is_leaf=lambda n: isinstance(n, CompensatedUpdatesState)))
+    for line in movement_warnings(movement, dtypes=param_dtypes(state.params), step=step,
+                                  min_resolution_ratio=0.0 if compensated else 1.0):
       self.log.console(f"warning: {line}")
       self.log.record({"step": step, "event": "warning", "cause": line})
     return movement_record(movement)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import numpy as np
@@ -40,6 +40,7 @@ class Batches:
     self.consumed = 0                                  # position of the next batch
     self.pending: list[tuple[int, int]] = []           # skips [first, last) the replay has not met
     self.checkpoint_positions: dict[int, int] = {}     # checkpoint step -> its position
+    self.repeated: Optional[np.ndarray] = None         # faults.repeat_batch_steps' batch
 
   def load(self, meta: dict) -> None:
     """The position, the deferred skips and the positions of older checkpoints, as a restored
@@ -72,6 +73,10 @@ class Batches:
       seed = step if step in f.garbage_batch_steps else index
       tokens = garbage_batch(f.garbage_kind, tokens.shape[0], tokens.shape[1] - 1,
                              self.vocab_size, seed=seed)["tokens"]
+    if step in f.repeat_batch_steps:  # the stream still advances: the data order after it holds
+      if self.repeated is None:
+        self.repeated = np.asarray(tokens)
+      tokens = self.repeated
     grad_scale = 1.0
     if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:
       grad_scale = float("nan")

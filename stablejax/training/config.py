@@ -195,6 +195,8 @@ class FaultsConfig:
   garbage_kind: str = "repeat"     # "repeat" (one token repeated) or "random" (random bytes)
   grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
   grad_scale_factor: float = 1e4
+  # the batch of the first listed step served again at every listed step (a stuck data loader)
+  repeat_batch_steps: list[int] = dataclasses.field(default_factory=list)
   kill_at_step: Optional[int] = None        # SIGKILL just before this step runs
   # SIGKILL while the checkpoint of this step is written
   kill_during_save_step: Optional[int] = None
@@ -681,7 +683,7 @@ def _validate_logging_checkpoint_faults(cfg: Config) -> None:
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
   for name in ("nan_grad_steps", "nan_grad_batch_indices", "garbage_batch_steps",
-               "garbage_batch_indices", "grad_scale_steps"):
+               "garbage_batch_indices", "grad_scale_steps", "repeat_batch_steps"):
     if any(i < 0 for i in getattr(cfg.faults, name)):
       raise ConfigError(f"faults.{name}={getattr(cfg.faults, name)} has a negative entry: use "
                         "0-based indices")

@@ -269,6 +269,8 @@ class Run:
         break
       kill_if_due(c.cfg.faults, step, "step")
       batch = self.batches.next(step)
+      if step == 0:  # the logits before the first update: the base of the monitor's growth
+        logging.baseline(self.state, batch["tokens"])
       self.state, metrics = c.train_step(self.state, batch)
       step += 1
       logging.stepped()

@@ -109,12 +109,31 @@ def main_optimizer(cfg: Config) -> optax.GradientTransformation:
   )
 
 
-def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None
+def parameter_learning_rates(cfg: Config) -> Callable[[Any], Any]:
+  """``params -> pytree of schedules``: the learning rate `main_optimizer(cfg)` multiplies each
+  parameter's update by (AdamW: one schedule; Muon: its group's, from `stablejax.label_params`,
+  the routing `outlier_safe_muon` uses). The defences at ``Position.UPDATE`` that are stated
+  before the learning rate divide by it (`DefenceContext.learning_rates`)."""
+  def rates(params: Any) -> Any:
+    peaks = learning_rates(cfg)
+    if cfg.optimizer.name == "adamw":
+      shared = lr_schedule(cfg, peaks["adamw"])
+      return jax.tree.map(lambda _: shared, params)
+    schedules = {group: lr_schedule(cfg, peak) for group, peak in peaks.items()}
+    return jax.tree.map(lambda label: schedules[label], label_params(params))
+  return rates
+
+
+def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None, *,
+                    update_scale: optax.GradientTransformation | None = None
                     ) -> optax.GradientTransformationExtraArgs:
   """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it.
 
   The enabled defences of ``cfg.stability`` (:mod:`stablejax.transforms.defence`) in their
-  positions around the optimizer and the learning-rate scale that the recovery backs off.
+  positions around the optimizer and the learning-rate scale that the recovery backs off
+  (``update_scale``: that scale, by default `optax.inject_hyperparams(optax.scale)(1.0)`; a caller
+  that multiplies every rate by a factor of its own chains it there, after the ``UPDATE``
+  defences, which are stated before the learning rate).
 
   Example:
     >>> import jax.numpy as jnp
@@ -136,8 +155,10 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
   """
   return defence.build_chain(
       cfg.stability, main if main is not None else main_optimizer(cfg),
-      update_scale=optax.inject_hyperparams(optax.scale)(step_size=1.0),
-      ctx=defence.DefenceContext(stability=cfg.stability, model=cfg.model))
+      update_scale=(update_scale if update_scale is not None
+                    else optax.inject_hyperparams(optax.scale)(step_size=1.0)),
+      ctx=defence.DefenceContext(stability=cfg.stability, model=cfg.model,
+                                 learning_rates=parameter_learning_rates(cfg)))
 
 
 def step_arguments(cfg: Config) -> frozenset[str]:

@@ -19,6 +19,7 @@ import optax
 from stablejax.modeling.attention import collect_attention_logits
 from stablejax.modeling.gpt import layer_max_logits
 from stablejax.modeling.losses import cross_entropy_with_z_loss
+from stablejax.monitor.layers import global_and_layer_norms
 from stablejax.training.config import Config
 from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale, step_arguments
 from stablejax.training.recovery import backoff_lr_scale
@@ -115,6 +116,14 @@ def _with_lr_backoff(opt_state: Any, state: "TrainState", cfg: Config) -> Any:
                                                   r.lr_recovery_steps, r.lr_recovery_schedule))
 
 
+def update_norm_metrics(updates: Any) -> dict[str, jax.Array]:
+  """``update_norm`` (the global L2 norm of the applied update, float32; 0 on a skipped step) and
+  ``update_norm/layer_<i>`` per layer (`stablejax.monitor.layers.global_and_layer_norms`): the
+  monitor's update-norm indicator reads them with the logged ``lr``."""
+  total, layers = global_and_layer_norms(updates)
+  return {"update_norm": total, **{f"update_norm/layer_{i}": n for i, n in layers.items()}}
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs, cfg: Config,
                     lr_schedule: optax.Schedule,
                     bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
@@ -153,7 +162,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs,
 
     metrics = {"loss": loss, "z_loss": z_loss, "grad_norm": optax.tree.norm(grads), "lr": lr,
                "lr_scale": get_lr_scale(opt_state), "params_finite": all_finite(params),
-               **stability_metrics(opt_state)}
+               **update_norm_metrics(updates), **stability_metrics(opt_state)}
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.loss_scale
     if bitnet_lambda is not None:

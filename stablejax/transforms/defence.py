@@ -58,7 +58,10 @@ class Position(enum.IntEnum):
   GRADIENT = 1
   """On the gradient, before the optimizer (clipping): ``chain(GRADIENT..., optimizer, ...)``."""
   UPDATE = 2
-  """On the optimizer's update, before the trainer's learning-rate scale."""
+  """On the optimizer's update, before the trainer's learning-rate scale. The optimizer's own
+  learning rate is already in it (``optax.adamw(schedule)``); a defence whose rule is stated on
+  the update *before* the learning rate (Adafactor's update clipping) divides it out with
+  :attr:`DefenceContext.learning_rates`."""
   FINAL = 3
   """On the final update, after every scaling of it (QK-clip rescales weights by it)."""
   WRAPPER = 4
@@ -73,10 +76,17 @@ class DefenceContext:
     stability: the whole ``stability`` section (the sections of the other defences, z-loss).
     model: the ``model`` section (``n_heads``, ``qk_norm``, ``scan_layers``...), or None
       outside the trainer.
+    learning_rates: the learning rate the optimizer has multiplied each parameter's update by
+      when it reaches ``Position.UPDATE``: a function ``params -> pytree of schedules`` (optax
+      schedules of the count of applied updates, or numbers), the structure of ``params``. The
+      trainer's optimizer carries its schedules inside it (``optax.adamw(schedule)``, Muon's
+      per-group rates), so a defence stated before the learning rate divides by these. None: the
+      update reaching ``UPDATE`` carries no learning rate (an optimizer given as a direction).
   """
 
   stability: Any
   model: Any = None
+  learning_rates: Optional[Callable[[Any], Any]] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +99,9 @@ class Defence:
       recommended settings; an optional ``validate(self, where, ctx)`` raises ``ValueError``
       naming the key (``where`` is ``"stability.<name>"``) and the fix.
     build: ``(section, ctx) -> transform`` for ``GRADIENT``, ``UPDATE`` and ``FINAL``;
-      ``(section, ctx) -> (inner -> wrapped)`` for ``WRAPPER``.
+      ``(section, ctx) -> (inner -> wrapped)`` for ``WRAPPER``. A builder returns None when its
+      defence has nothing to do for this model (e.g. compensation of low-precision updates with
+      float32 parameters): the chain then leaves it out, as if it were disabled.
     position: where the transform sits in the chain.
     order: the order within the position (smaller first; for wrappers, smaller inside).
     step_args: the extra arguments its ``update`` needs from the train step, e.g.
@@ -196,7 +208,8 @@ def build_chain(stability: Any, optimizer: Transform, *,
   on = enabled(stability)
 
   def built(position: Position) -> list:
-    return [d.build(d.section(stability), ctx) for d in on if d.position is position]
+    made = [d.build(d.section(stability), ctx) for d in on if d.position is position]
+    return [t for t in made if t is not None]  # None: nothing to do for this model
 
   tx: Transform = optax.chain(*built(Position.GRADIENT), optimizer, *built(Position.UPDATE),
                               *([update_scale] if update_scale is not None else []),

@@ -84,6 +84,8 @@ class MetricsSpec:
   grad_norm: Optional[str] = None
   threshold: Optional[str] = None
   nonfinite: Optional[str] = None
+  acted: Optional[str] = None
+  update_norm: Optional[str] = None
 
   def key(self, name: str) -> str:
     """The full metric key of ``name`` (``"spike_count"`` -> ``"zclip/spike_count"``)."""
@@ -99,7 +101,9 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
                            band: Optional[tuple[str, str, str]] = None,
                            grad_norm: Optional[str] = None,
                            threshold: Optional[str] = None,
-                           nonfinite: Optional[str] = None) -> None:
+                           nonfinite: Optional[str] = None,
+                           acted: Optional[str] = None,
+                           update_norm: Optional[str] = None) -> None:
   """Registers how to turn a state type into metrics, and how they are monitored.
 
   :func:`stability_metrics` calls ``fn(state)`` for every instance of
@@ -127,6 +131,13 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
       latest as ``<prefix>_threshold``).
     nonfinite: key of a flag saying the step's gradient was non-finite (the gradient health
       level is then "exploded").
+    acted: key of a per-step flag (or fraction of tensors) that is above 0 when this transform
+      acted on the step: clipped or skipped it. The monitor does not warn about a gradient
+      health transition of a single logged step that a defence acted on (it was handled).
+    update_norm: key of the global norm of the update the optimizer produced, where the update
+      applied to the parameters differs from it (a compensated bf16 update moves each parameter
+      by whole steps of its resolution); the monitor's update-norm rule reads it instead of the
+      record's ``update_norm``.
 
   Returns:
     None.
@@ -152,7 +163,7 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
   if not callable(fn):
     raise ValueError("fn is not callable: pass state -> dict of scalars.")
   _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, tuple(rates), tuple(series),
-                                      band, grad_norm, threshold, nonfinite)
+                                      band, grad_norm, threshold, nonfinite, acted, update_norm)
 
 
 def unregister_state_metrics(state_type: type) -> None:
