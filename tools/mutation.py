@@ -527,7 +527,7 @@ MUTANTS = [
     # ---------------------------------------------------------------- _common.py
     _m("CM1", COMMON, "  return optax.tree.norm(jnp.asarray(x, STAT_DTYPE))",
        "  return optax.tree.norm(x)", "bf16 gradient norms are computed in bf16"),
-    _m("CM2", COMMON, "    zero = x.astype(STAT_DTYPE) * 0\n",
+    _m("CM2", COMMON, "    zero = xf - xf\n",
        "    zero = jnp.where(jnp.isnan(x), jnp.nan, 0.0).astype(STAT_DTYPE)\n",
        "an Inf counts as finite"),
     _m("CM3", COMMON, "  return (jnp.asarray(x, STAT_DTYPE) * scale).astype(jnp.asarray(x).dtype)",
@@ -1072,8 +1072,8 @@ MUTANTS = [
        ".astype(jnp.int32)", "  return (total + inc).astype(jnp.int32)",
        "the counters wrap around instead of saturating at int32 max",
        _muon_tests("saturate")),
-    _m("MU14", MUON, "      corr_now = 1 - beta ** count_inc.astype(m.dtype)",
-       "      corr_now = 1 - beta ** (count_inc + 1).astype(m.dtype)",
+    _m("MU14", MUON, "        corr_now = 1 - beta ** count_inc.astype(dtype)",
+       "        corr_now = 1 - beta ** (count_inc + 1).astype(dtype)",
        "Nesterov's gradient term is bias-corrected for the wrong step",
        _muon_tests("matches_optax")),
 

@@ -211,7 +211,8 @@ def _clamp(x: jax.Array, method: Optional[str],
   axes = (-2, -1)
   if method == "zscore":
     mean = jnp.mean(xf, axis=axes, keepdims=True)
-    std = jnp.std(xf, axis=axes, keepdims=True)
+    # jnp.std's own arithmetic (mean of squared deviations, square root), reusing the mean.
+    std = jnp.sqrt(jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True))
     lo, hi = mean - threshold * std, mean + threshold * std
     spread = std
   elif method == "iqr":
@@ -380,16 +381,29 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any
         ns_instability_rate=zero_f, fallback_rate=zero_f, nonfinite_count=zero_i,
         nonfinite_rate=zero_f)
 
+  def bias_corrections(count_inc: jax.Array) -> Callable[[Any], tuple[jax.Array, ...]]:
+    """``dtype -> (beta, 1 - beta^(t+1), 1 - beta^t)``, computed once per dtype per update
+    (the same scalars serve every leaf: traced once, not once per leaf)."""
+    cache: dict = {}
+
+    def corrections(dtype: Any) -> tuple[jax.Array, ...]:
+      if dtype not in cache:
+        beta = jnp.asarray(momentum, dtype)
+        corr_next = 1 - beta ** (count_inc + 1).astype(dtype)
+        corr_now = 1 - beta ** count_inc.astype(dtype)
+        cache[dtype] = (beta, corr_next, corr_now)
+      return cache[dtype]
+    return corrections
+
   def momentum_input(g: jax.Array, m: jax.Array,
-                     count_inc: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     corrections: Callable[[Any], tuple[jax.Array, ...]]
+                     ) -> tuple[jax.Array, jax.Array]:
     m = (momentum * m + (1 - momentum) * g).astype(m.dtype)
-    beta = jnp.asarray(momentum, m.dtype)
+    beta, corr_next, corr_now = corrections(m.dtype)
     if nesterov:
-      corr_next = 1 - beta ** (count_inc + 1).astype(m.dtype)
-      corr_now = 1 - beta ** count_inc.astype(m.dtype)
       m_hat = beta * (m / corr_next) + (1 - beta) * (g / corr_now)
     else:
-      m_hat = m / (1 - beta ** count_inc.astype(m.dtype))
+      m_hat = m / corr_now
     return m, m_hat
 
   def orthogonalise(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -423,10 +437,11 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: int, ns_coeffs: Any
         raise ValueError(f"outlier_safe_muon: {routing.path_to_str(path_g[0])} has shape "
                          f"{jnp.shape(path_g[1])} in the update but {jnp.shape(m)} in the state")
     dims = layouts(updates)
+    corrections = bias_corrections(count_inc)
     new_mu, new_leaves, per_matrix = [], [], []
     n_entries = n_mats = 0
     for g, m, d in zip(g_leaves, m_leaves, dims):
-      m, m_hat = momentum_input(g, m, count_inc)
+      m, m_hat = momentum_input(g, m, corrections)
       new_mu.append(m)
       # NS needs whole matrices: a sharded leaf is gathered once here (not once per iteration).
       m_hat, restore = _sharding.gather(m_hat)
