@@ -1340,6 +1340,8 @@ MUTANTS = [
        "high equal to critical is accepted"),
     _m("HE5", HEALTH, "  if g is None or not math.isfinite(g):", "  if g is None:",
        "a non-finite norm is not exploded"),
+    _m("HE6", HEALTH, "    g = g / ref\n", "    pass\n",
+       "a reference does not scale the boundaries"),
 
     # ---------------------------------------------------------------- monitor/stability_monitor.py
     _m("SM1", STABILITY_MONITOR, "    if prev is not None and steps > 0 and c >= prev:",
@@ -1375,6 +1377,21 @@ MUTANTS = [
     _m("SM12", STABILITY_MONITOR, "    self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in "
        "state[\"rollbacks\"]]", "    self._rollbacks = []",
        "rollbacks are lost over a save and restore"),
+    _m("SM13", STABILITY_MONITOR, "    if len(recent) < t.min_history:",
+       "    if len(recent) < 1:", "relative levels start before min_history norms were logged"),
+    _m("SM14", STABILITY_MONITOR,
+       "    while self._grad_norms and self._grad_norms[0][0] <= self._clock - t.window:",
+       "    while False:", "norms older than the window stay in the reference"),
+    _m("SM15", STABILITY_MONITOR, "    reference = statistics.median(recent)",
+       "    reference = sum(recent) / len(recent)",
+       "the reference is the mean (one spike moves it)"),
+    _m("SM16", STABILITY_MONITOR,
+       "        level = \"exploded\" if not math.isfinite(g) else \"healthy\"",
+       "        level = grad_health_level(g, t)",
+       "before the reference exists, norms are judged as absolute"),
+    _m("SM17", STABILITY_MONITOR,
+       "        \"grad_norms\": [list(x) for x in self._grad_norms],\n", "",
+       "the relative reference is lost over a save and restore"),
 ]
 
 COPIED = ("stablejax", "tests", "train.py", "pyproject.toml", "README.md", "examples",
