@@ -228,7 +228,13 @@ def _clamp(x: jax.Array, method: Optional[str],
     raise ValueError(f"outlier_method must be one of {OUTLIER_METHODS}, got {method!r}")
   active = (spread > 0) & jnp.isfinite(lo) & jnp.isfinite(hi)
   clamped = jnp.where(active, jnp.clip(xf, lo, hi), xf)
-  n = jnp.sum((clamped != xf) & jnp.isfinite(xf), axis=axes, dtype=jnp.int32)
+  # Counted as a float32 sum of ones (exact up to 2**24 per matrix, per row beyond): an int32
+  # reduction is a separate tree of kernels on XLA:CPU for every matrix, a float sum is not.
+  moved = ((clamped != xf) & jnp.isfinite(xf)).astype(jnp.float32)
+  if x.shape[-2] * x.shape[-1] <= 2**24:
+    n = jnp.sum(moved, axis=axes).astype(jnp.int32)
+  else:
+    n = jnp.sum(jnp.sum(moved, axis=-1).astype(jnp.int32), axis=-1)
   return clamped.astype(x.dtype), n
 
 
