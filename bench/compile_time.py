@@ -5,6 +5,7 @@ Usage:
   python -m bench.compile_time --quick         # 4 layers, d_model 64, 2 rounds (a smoke run)
   python -m bench.compile_time --breakdown     # also the chain's parts, to see what costs
   python -m bench.compile_time --layouts nanodo  # one of unrolled, scanned, nanodo
+  python -m bench.compile_time --kernels       # also the compiled step's XLA:CPU kernel counts
 
 One jitted train step (loss, grads, optimizer update, apply) of a model with each optimizer. The
 models: the trainer's GPT (`stablejax.modeling.gpt.GPT`, float32 compute, `--layers` layers,
@@ -30,6 +31,7 @@ calls of each compiled step, also interleaved, after a warm-up. Ratios are chain
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from pathlib import Path
@@ -161,6 +163,33 @@ def compile_seconds(model, tx, takes_loss, args) -> tuple[float, float, object]:
   return time.perf_counter() - wall, time.process_time() - cpu, compiled
 
 
+def _renamer():
+  names: dict = {}
+  return lambda v: names.setdefault(v.group(0), f"%{len(names)}")
+
+
+def kernel_counts(compiled) -> tuple[int, int]:
+  """(fusions, distinct loop kernels) of a compiled XLA:CPU executable.
+
+  XLA:CPU compiles each loop fusion into a kernel of its own with LLVM, once per distinct fused
+  computation (an unrolled model's identical layers share theirs); reductions and products go to
+  its YNNPACK fusions instead, which cost next to nothing to compile. The number of distinct
+  loop kernels is what most of a step's compile time follows.
+  """
+  text = compiled.as_text()
+  bodies = {}
+  for m in re.finditer(r"\n%?([\w.\-]+) \(([^\n]*)\) -> ([^\n]*) \{\n(.*?)\n\}", text, re.S):
+    body = re.sub(r", metadata=\{[^}]*\}", "", m.group(4))
+    body = re.sub(r"%[\w.\-]+", _renamer(), body)  # the same computation under other names
+    bodies[m.group(1)] = re.sub(r"[\w.]+: ", "", m.group(3) + m.group(2)) + body
+  fusions, kernels = 0, set()
+  for m in re.finditer(r"= \S+ fusion\(.*?\), kind=\w+, calls=%?([\w.\-]+)([^\n]*)", text):
+    fusions += 1
+    if "ynn" not in m.group(2):
+      kernels.add(bodies.get(m.group(1), m.group(1)))
+  return fusions, len(kernels)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--layers", type=int, default=12)
@@ -171,6 +200,8 @@ def main(argv=None) -> int:
   p.add_argument("--seq-len", type=int, default=64)
   p.add_argument("--layouts", default="unrolled,scanned,nanodo")
   p.add_argument("--breakdown", action="store_true")
+  p.add_argument("--kernels", action="store_true",
+                 help="also the compiled step's fusions and distinct LLVM loop kernels")
   p.add_argument("--quick", action="store_true")
   a = p.parse_args(argv)
   if a.quick:
@@ -188,12 +219,15 @@ def main(argv=None) -> int:
     compile_s: dict = {name: [] for name in txs}
     compile_cpu: dict = {name: [] for name in txs}
     step_s: dict = {name: [] for name in txs}
+    kernels: dict = {}
     for _ in range(a.rounds):
       for name, (tx, takes_loss) in txs.items():
         state = tx.init(params)
         seconds, cpu, compiled = compile_seconds(model, tx, takes_loss, (params, state, tokens))
         compile_s[name].append(seconds)
         compile_cpu[name].append(cpu)
+        if a.kernels and name not in kernels:
+          kernels[name] = kernel_counts(compiled)
         p_, s_ = jax.tree.map(jnp.copy, (params, state))
         p_, s_, loss = compiled(p_, s_, tokens)  # warm-up
         loss.block_until_ready()
@@ -208,10 +242,11 @@ def main(argv=None) -> int:
     for name in txs:
       c, u, t = med(compile_s[name]), med(compile_cpu[name]), med(step_s[name])
       rows.append((layout, name, f"{c:.2f}", f"{c / c0:.2f}x", f"{u:.2f}", f"{u / u0:.2f}x",
-                   f"{t * 1e3:.1f}", f"{t / t0:.3f}x"))
+                   f"{t * 1e3:.1f}", f"{t / t0:.3f}x") + (kernels[name] if a.kernels else ()))
   print()
   print(_common.table(rows, ("model", "optimizer", "compile s", "ratio", "compile CPU s",
-                             "ratio", "step ms", "step ratio")))
+                             "ratio", "step ms", "step ratio")
+                      + (("fusions", "loop kernels") if a.kernels else ())))
   return 0
 
 
