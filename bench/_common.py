@@ -144,6 +144,25 @@ class CompiledStep:
     self.batch = batch
     self.last_metrics = None
 
+  def planned_bytes(self) -> int | None:
+    """Device memory the compiled step plans for: arguments + outputs + temporaries - donated
+    (XLA's `memory_analysis`; None where the backend does not report it)."""
+    try:
+      m = self.compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+      return None
+    if m is None:
+      return None
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes)
+
+  def fork(self) -> "CompiledStep":
+    """A second runner of the same compiled step with its own copy of the state (no second
+    compilation)."""
+    other = copy.copy(self)
+    other.state = jax.tree.map(jnp.copy, self.state)
+    return other
+
   def run(self, n: int) -> float:
     """Runs `n` steps back to back (dispatch is asynchronous), waits, returns seconds per step."""
     t0 = time.perf_counter()
@@ -154,6 +173,60 @@ class CompiledStep:
     dt = (time.perf_counter() - t0) / n
     self.state, self.last_metrics = state, metrics
     return dt
+
+
+# The trainer's config keys the benches set, in one place (the config's layout may change).
+_QK_NORM_KEY = "model.qk_norm"
+_QK_CLIP_TAU_KEY = "stability.qk_clip_tau"
+STACKS = ("full", "clip_adamw")
+
+
+def trainer_config(name: str, overrides: Sequence[str] = (), *, qk_norm: bool | None = None,
+                   qk_clip_tau: float | None = None) -> Config:
+  """A packaged config (``"gpt2_small"``, ...) with ``section.key=value`` overrides, and the
+  model's QK-norm and the QK-clip threshold set by name rather than by config key."""
+  from stablejax.training.config import load_config
+  extra = list(overrides)
+  if qk_norm is not None:
+    extra.append(f"{_QK_NORM_KEY}={str(qk_norm).lower()}")
+  if qk_clip_tau is not None:
+    extra.append(f"{_QK_CLIP_TAU_KEY}={qk_clip_tau}")
+  return load_config(name, extra)
+
+
+def trainer_step(cfg: Config, stack: str = "full", batch: dict | None = None,
+                 seed: int = 0) -> "CompiledStep":
+  """The trainer's compiled train step for ``cfg`` with one optimizer stack.
+
+  ``stack``: ``"full"``, the chain ``build_optimizer(cfg)`` builds from the config (what
+  ``python -m stablejax train`` runs: the stability stack around Muon or AdamW, QK-clip when
+  configured); ``"clip_adamw"``, ``clip_by_global_norm(1.0)`` + AdamW with the trainer's schedule
+  (`plain_adamw_chain`). ``batch`` defaults to `random_batch`. This is the one place where the
+  benches that time the trainer's step build it, so a change of the trainer's API is adapted
+  here.
+  """
+  from stablejax.training.optim import build_optimizer
+  if stack not in STACKS:
+    raise ValueError(f"stack must be one of {STACKS}, got {stack!r}")
+  tx = build_optimizer(cfg) if stack == "full" else plain_adamw_chain(cfg, 1.0)
+  return CompiledStep(cfg, tx, random_batch(cfg, seed) if batch is None else batch, seed)
+
+
+def random_batch(cfg: Config, seed: int = 0) -> dict:
+  """A batch of uniformly random tokens in the trainer's layout (grad_accum, B, T + 1): for
+  timing on a machine without the config's data (speed does not depend on the tokens)."""
+  t = cfg.train
+  tokens = jax.random.randint(jax.random.PRNGKey(seed),
+                              (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
+                              0, cfg.model.vocab_size, jnp.int32)
+  return {"tokens": tokens, "grad_scale": jnp.float32(1.0)}
+
+
+def logit_telemetry(cfg: Config):
+  """The loop's attention-logit telemetry pass for ``cfg``, jitted: ``(params, tokens, step)``."""
+  from stablejax.modeling.gpt import GPT
+  from stablejax.training.step import make_logit_telemetry
+  return jax.jit(make_logit_telemetry(GPT(cfg.model), cfg))
 
 
 def fixed_batch(cfg: Config, seed: int = 0) -> dict:

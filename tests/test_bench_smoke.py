@@ -493,3 +493,15 @@ def test_scenario_summary_mean_sd_and_one_standard_error_check():
   assert "stablejax +0.100 (within 1 SE 0.115)" in text
   results[-1]["val_loss"] = 2.6   # mean 2.4: 0.2 above, outside
   assert "outside 1 SE" in scenarios.summary_markdown(results)
+
+
+def test_compile_time_counts_distinct_loop_kernels():
+  from bench.compile_time import kernel_counts
+  # five identical elementwise leaves compile one kernel; a sum goes to a reduction fusion, which
+  # is not a loop kernel; a different elementwise function is a second kernel
+  same = jax.jit(lambda xs: [jnp.sin(x) * 2 for x in xs]).lower([jnp.ones((8, 8))] * 5).compile()
+  assert kernel_counts(same) == (5, 1)
+  mixed = jax.jit(lambda x: [jnp.sin(x) * 2, jnp.cos(x) * 3, jnp.sum(x * x)]).lower(
+      jnp.ones((64, 64))).compile()
+  fusions, kernels = kernel_counts(mixed)
+  assert kernels == 2 and fusions >= 3

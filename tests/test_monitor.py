@@ -34,14 +34,28 @@ def test_grad_health_level_custom_thresholds_and_low():
 
 @pytest.mark.parametrize("kwargs", [dict(high=10.0, critical=5.0), dict(high=5.0, critical=5.0),
                                     dict(high=-1.0),
-                                    dict(low=6.0), dict(critical=float("inf"))])
+                                    dict(low=6.0), dict(critical=float("inf")),
+                                    dict(window=0), dict(min_history=0), dict(window=2.5),
+                                    dict(relative="yes")])
 def test_health_thresholds_reject_bad_values(kwargs):
   with pytest.raises(ValueError):
     HealthThresholds(**kwargs)
 
 
+def test_grad_health_level_relative_to_a_reference():
+  # the boundaries are multiples of the reference: 5 and 10 times 3.0
+  assert [stablejax.grad_health_level(g, reference=3.0) for g in (15.0, 15.1, 30.0, 30.1)] == [
+      "healthy", "high", "high", "critical"]
+  assert stablejax.grad_health_level(float("inf"), reference=3.0) == "exploded"
+  with pytest.raises(ValueError, match="reference"):
+    stablejax.grad_health_level(1.0, reference=0.0)
+
+
+ABSOLUTE = HealthThresholds(relative=False)
+
+
 def test_level_warnings_on_entry_only():
-  m = StabilityMonitor(window=100)
+  m = StabilityMonitor(window=100, thresholds=ABSOLUTE)
   norms = [1.0, 0.3, 6.0, 7.0, 12.0, float("nan"), 2.0, 2.0]
   lines = {step: m.update(step, {"loss": 1.0, "grad_norm": g}) for step, g in enumerate(norms, 1)}
   assert {s for s, warned in lines.items() if warned} == {3, 5, 6, 7}
@@ -55,13 +69,66 @@ def test_level_warnings_on_entry_only():
 
 
 def test_non_finite_loss_is_exploded_and_low_level_optional():
-  m = StabilityMonitor(thresholds=HealthThresholds(low=0.5))
+  m = StabilityMonitor(thresholds=HealthThresholds(low=0.5, relative=False))
   assert m.update(1, {"loss": float("nan"), "grad_norm": 1.0})[0].startswith(
       "step 1: gradient health exploded")
   assert "gradient health low" in m.update(2, {"loss": 1.0, "grad_norm": 0.1})[0]
   # a non-finite skip is exploded even though the state's norm is the last good step's
   assert "exploded" in m.update(3, {"zclip/grad_norm": 1.0, "skip_nonfinite/skipped": True})[0]
   assert m.update(4, {"loss": 1.0}) == [] and m.level == "exploded"  # no norm: level unchanged
+
+
+def test_relative_levels_follow_the_median_of_the_window():
+  # Reference: the median of the finite norms logged in the previous `window` steps, once
+  # `min_history` of them are there; the boundaries are 5 and 10 times it. Re-derived here with
+  # numpy from that definition.
+  m = StabilityMonitor(window=100)
+  norms = [56.0, 30.0, 12.0, 8.0, 6.0, 5.0, 4.5, 4.0, 4.2, 66.0, 4.1, 40.0, 4.0]
+  got = [m.update(10 * i, {"loss": 3.0, "grad_norm": g}) for i, g in enumerate(norms, 1)]
+  history, levels = [], []
+  for i, g in enumerate(norms, 1):
+    recent = [x for step, x in history if step > 10 * i - 200]
+    ref = float(np.median(recent)) if len(recent) >= 3 else None
+    ratio = None if ref is None else g / ref
+    levels.append("healthy" if ratio is None or ratio <= 5 else
+                  "high" if ratio <= 10 else "critical")
+    history.append((10 * i, g))
+  assert levels[:9] == ["healthy"] * 9  # the fall from the value at initialisation
+  assert levels[9:] == ["critical", "healthy", "high", "healthy"]  # 66 / 6, 40 / 6
+  assert [i for i, lines in enumerate(got) if lines] == [9, 10, 11, 12]
+  assert got[9] == ["step 100: gradient health critical (grad norm 66; grad norm > 10 x 6, "
+                    "the median grad norm of the last 200 steps)"]
+  assert "back to healthy" in got[10][0] and "gradient health high" in got[11][0]
+  assert m.summary()["level_counts"] == {"healthy": 11, "critical": 1, "high": 1}
+  # the absolute rule would have warned from the first step on
+  a = StabilityMonitor(window=100, thresholds=ABSOLUTE)
+  assert "critical" in a.update(10, {"loss": 3.0, "grad_norm": 56.0})[0]
+
+
+def test_relative_levels_need_history_and_forget_old_steps():
+  t = HealthThresholds(window=30, min_history=2)
+  m = StabilityMonitor(window=100, thresholds=t)
+  assert "exploded" in m.update(1, {"loss": 3.0, "grad_norm": float("nan")})[0]  # at once
+  assert "back to healthy" in m.update(2, {"loss": 3.0, "grad_norm": 100.0})[0]
+  assert m.update(3, {"loss": 3.0, "grad_norm": 1.0}) == []  # one finite norm: no reference
+  assert "critical" in m.update(4, {"loss": 3.0, "grad_norm": 600.0})[0]  # 600 / median(100, 1)
+  # 30 steps later the norms of steps 1-4 have left the window: the reference refills
+  assert "back to healthy" in m.update(40, {"loss": 3.0, "grad_norm": 50.0})[0]
+  m.update(41, {"loss": 3.0, "grad_norm": 50.0})
+  m.update(60, {"loss": 3.0, "grad_norm": 50.0})
+  assert m.level == "healthy"
+  assert "critical" in m.update(62, {"loss": 3.0, "grad_norm": 600.0})[0]  # 600 / 50
+
+
+def test_relative_reference_survives_state_dict():
+  a = StabilityMonitor(window=100)
+  for step, g in enumerate([9.0, 3.0, 2.0, 2.0], 1):
+    a.update(step, {"loss": 3.0, "grad_norm": g})
+  b = StabilityMonitor(window=100)
+  b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+  assert b.update(5, {"loss": 3.0, "grad_norm": 30.0}) == a.update(
+      5, {"loss": 3.0, "grad_norm": 30.0})
+  assert b.level == a.level == "critical"  # 30 / median(9, 3, 2, 2) = 12
 
 
 # ---------------------------------------------------------------- rates

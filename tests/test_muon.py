@@ -271,6 +271,25 @@ def test_nonfinite_tensor_keeps_the_state_it_had_before_the_step() -> None:
                              0.95 * before["v"] + 0.05 * np.asarray(good["v"]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(3, 40, 50), (4097, 4097)])
+def test_clamp_count_matches_numpy_below_and_above_2_24_entries(shape):
+  # The count is a float32 sum of ones per matrix up to 2**24 entries and per row above: both
+  # give numpy's count of moved entries (planted spikes in both signs, every slice its own).
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal(shape).astype(np.float32)
+  flat = x.reshape(-1, *shape[-2:])
+  for i in range(flat.shape[0]):
+    flat[i, 0, : i + 2] = 1e3
+    flat[i, -1, -1] = -1e3
+  clamped, n = muon_mod.clamp_outliers(jnp.asarray(x), "zscore", 5.0)
+  m = flat.astype(np.float64)
+  mean = m.mean(axis=(-2, -1), keepdims=True)
+  std = m.std(axis=(-2, -1), keepdims=True)
+  moved = (m < mean - 5 * std) | (m > mean + 5 * std)
+  assert int(n) == int(moved.sum()) == sum(i + 3 for i in range(flat.shape[0]))
+  np.testing.assert_array_equal(np.asarray(clamped) != x, moved.reshape(shape))
+
+
 def test_negative_outlier_is_clamped_to_the_lower_boundary() -> None:
   # "entries ... that are statistical outliers are clamped back to the boundary": both sides.
   g = np.array(_normal(5, (32, 32)), np.float64)

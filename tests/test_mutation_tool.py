@@ -18,6 +18,8 @@ def _tool():
 def test_every_mutant_applies_once_to_the_current_source():
   mutation = _tool()
   assert mutation.check() == []
+  ids = [m.id for m in mutation.MUTANTS]
+  assert sorted(i for i in set(ids) if ids.count(i) > 1) == []  # --only names one mutant
   paths = {m.path for m in mutation.MUTANTS}
   assert paths == set(mutation.AREA_TESTS)  # every module with a test area has mutants
   for m in mutation.MUTANTS:

@@ -19,17 +19,30 @@ _LEVEL_CODE = {"low": -1, "healthy": 0, "high": 1, "critical": 2, "exploded": 3}
 class HealthThresholds:
   """Boundaries of the gradient health levels (global L2 norm of the raw gradient).
 
-  ``norm <= high`` is healthy, ``high < norm <= critical`` is high,
-  ``norm > critical`` is critical and a non-finite norm (or loss) is exploded.
-  Small norms are healthy by default: a small gradient is not a stability
-  problem by itself, and a run that has stopped learning is caught by the
-  parameter movement check instead. Set ``low`` (for example ``0.5``) to get a
-  separate ``"low"`` level for ``norm < low``.
+  With ``relative=True`` (the default) the boundaries are multiples of the run's own typical
+  gradient norm: :class:`StabilityMonitor` divides each logged norm by the median of the finite
+  norms logged in the preceding ``window`` steps, and gives no high, critical or low level before
+  ``min_history`` such norms were logged. The scale of a healthy gradient norm depends on the
+  model, the vocabulary, the batch and the loss (a 124M-parameter GPT with a 50K vocabulary
+  starts near 50; a small byte-level model near 1), so a fixed norm cannot say "unusually large
+  for this run"; a norm several times the run's recent median can. The median ignores a single
+  spike, and the early steps, where the norm falls from its value at initialisation, set the
+  reference instead of raising levels. With ``relative=False`` the boundaries are absolute norms.
+
+  ``ratio <= high`` is healthy, ``high < ratio <= critical`` is high, ``ratio > critical`` is
+  critical and a non-finite norm (or loss) is exploded, where ``ratio`` is the norm over the
+  reference (over 1 when absolute). Small norms are healthy by default: a small gradient is not
+  a stability problem by itself, and a run that has stopped learning is caught by the parameter
+  movement check instead. Set ``low`` (for example ``0.5``) to get a separate ``"low"`` level
+  for ``ratio < low``.
 
   Args:
     high: upper edge of the healthy range (default 5.0).
     critical: upper edge of the high range (default 10.0).
     low: optional lower edge of the healthy range; ``None`` disables "low".
+    relative: boundaries as multiples of the run's median gradient norm (True) or as norms.
+    window: steps of history the median covers (relative only).
+    min_history: finite norms logged in the window before the relative levels apply.
 
   Example:
     >>> from stablejax import HealthThresholds, grad_health_level
@@ -37,11 +50,16 @@ class HealthThresholds:
     ('high', 'healthy')
     >>> grad_health_level(0.01, HealthThresholds(low=0.1))
     'low'
+    >>> grad_health_level(55.7, reference=50.0)  # relative: 1.1 times the run's median
+    'healthy'
   """
 
   high: float = 5.0
   critical: float = 10.0
   low: Optional[float] = None
+  relative: bool = True
+  window: int = 200
+  min_history: int = 3
 
   def __post_init__(self) -> None:
     for name in ("high", "critical"):
@@ -54,14 +72,24 @@ class HealthThresholds:
     if self.low is not None and not (0 <= self.low < self.high):
       raise ValueError(
           f"HealthThresholds.low must be in [0, high={self.high}) or None, got {self.low!r}")
+    if not isinstance(self.relative, bool):
+      raise ValueError(f"HealthThresholds.relative must be True or False, got {self.relative!r}")
+    for name in ("window", "min_history"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"HealthThresholds.{name} must be a positive int, got {value!r}")
 
 
-def grad_health_level(grad_norm: Any, thresholds: HealthThresholds = HealthThresholds()) -> str:
+def grad_health_level(grad_norm: Any, thresholds: HealthThresholds = HealthThresholds(),
+                      reference: Optional[float] = None) -> str:
   """Health level of one global gradient norm.
 
   Args:
     grad_norm: the global L2 norm of the raw gradient (a number; NaN/Inf allowed).
     thresholds: level boundaries (defaults: healthy up to 5, high up to 10).
+    reference: the run's typical gradient norm, of which the boundaries are multiples (what
+      :class:`StabilityMonitor` passes for relative thresholds: the median of recent norms);
+      None compares ``grad_norm`` with the boundaries as they are.
 
   Returns:
     ``"healthy"``, ``"high"``, ``"critical"`` or ``"exploded"`` (non-finite or
@@ -74,11 +102,19 @@ def grad_health_level(grad_norm: Any, thresholds: HealthThresholds = HealthThres
     ('healthy', 'high', 'critical')
     >>> grad_health_level(float("nan"))
     'exploded'
+    >>> grad_health_level(12.0, reference=2.0)  # 6 times the reference
+    'high'
   """
   g = _as_float(grad_norm)
   if g is None or not math.isfinite(g):
     return "exploded"
   g = abs(g)
+  if reference is not None:
+    ref = _as_float(reference)
+    if ref is None or not (math.isfinite(ref) and ref > 0):
+      raise ValueError(f"grad_health_level reference must be a positive finite norm, got "
+                       f"{reference!r}")
+    g = g / ref
   if g > thresholds.critical:
     return "critical"
   if g > thresholds.high:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from typing import Any, Mapping, Optional
 
 from stablejax.monitor import specs
@@ -51,7 +52,8 @@ class StabilityMonitor:
 
   Feed it one train record every log interval with :meth:`update`; it returns
   new warning lines: a gradient health level entered (once, not repeated while
-  the level stays), the return to healthy, and (once a full ``window`` of steps
+  the level stays; by default relative to the run's own median gradient norm,
+  see :class:`HealthThresholds`), the return to healthy, and (once a full ``window`` of steps
   has been seen, then at most once per ``advice_every`` steps) a stability
   score below ``score_target`` together
   with the troubleshooting advice, or a fired table row on its own.
@@ -88,14 +90,19 @@ class StabilityMonitor:
       turns it off.
 
   Example:
+    A gradient norm that falls from its value at initialisation sets the reference; one 14
+    times the median of the norms before it is critical:
+
     >>> from stablejax import StabilityMonitor
     >>> monitor = StabilityMonitor(window=100)
-    >>> monitor.update(10, {"loss": 3.2, "grad_norm": 1.1, "zclip/spike_count": 0})
-    []
-    >>> monitor.update(20, {"loss": 3.1, "grad_norm": 12.0})
-    ['step 20: gradient health critical (grad norm 12; grad norm > 10)']
-    >>> monitor.update(30, {"loss": 3.0, "grad_norm": 1.0})
-    ['step 30: gradient health back to healthy (grad norm 1)']
+    >>> [monitor.update(step, {"loss": 3.2, "grad_norm": g, "zclip/spike_count": 0})
+    ...  for step, g in [(10, 55.0), (20, 3.0), (30, 1.2), (40, 1.1)]]
+    [[], [], [], []]
+    >>> print(*monitor.update(50, {"loss": 3.1, "grad_norm": 30.0}))
+    step 50: gradient health critical (grad norm 30; grad norm > 10 x 2.1, the median grad
+    norm of the last 200 steps)
+    >>> monitor.update(60, {"loss": 3.0, "grad_norm": 1.0})
+    ['step 60: gradient health back to healthy (grad norm 1)']
   """
 
   def __init__(self, window: int = 100, thresholds: HealthThresholds = HealthThresholds(),
@@ -140,6 +147,7 @@ class StabilityMonitor:
     self._n_updates = 0
     self._n_warnings = 0
     self._max_grad_norm: Optional[float] = None
+    self._grad_norms: collections.deque = collections.deque()   # [clock, finite grad norm]
     self._last_loss: Optional[float] = None
     self._peak_lr: Optional[float] = None   # largest logged lr, and the latest
     self._last_lr: Optional[float] = None
@@ -256,31 +264,50 @@ class StabilityMonitor:
     # still show the last accepted step, so the flag decides.
     skipped_nonfinite = any((_as_float(metrics.get(key)) or 0.0) > 0
                             for key in specs.nonfinite_keys())
+    t = self.thresholds
+    reference = self._grad_reference() if t.relative else None
     if skipped_nonfinite or (loss is not None and not math.isfinite(loss)):
       level = "exploded"
     elif g is not None:
-      level = grad_health_level(g, self.thresholds)
+      if t.relative and reference is None:  # the history that sets the reference is filling
+        level = "exploded" if not math.isfinite(g) else "healthy"
+      else:
+        level = grad_health_level(g, t, reference)
     else:
       return []
     if g is not None and math.isfinite(g):
       self._max_grad_norm = g if self._max_grad_norm is None else max(self._max_grad_norm, g)
+      self._grad_norms.append([self._clock, g])
     self._level_counts[level] = self._level_counts.get(level, 0) + 1
     old, self._level = self._level, level
     if level == old or (old is None and level == "healthy"):
       return []
-    t = self.thresholds
     norm = "n/a" if g is None else f"{g:.4g}"
     if level == "healthy":
       return [f"step {step}: gradient health back to healthy (grad norm {norm})"]
+    unit = "" if reference is None else (
+        f" x {reference:.4g}, the median grad norm of the last {t.window} steps")
     if level == "low":
-      detail = f"grad norm < {t.low:g}"
+      detail = f"grad norm < {t.low:g}{unit}"
     elif level == "high":
-      detail = f"{t.high:g} < grad norm <= {t.critical:g}"
+      detail = f"{t.high:g}{unit} < grad norm <= {t.critical:g}{unit}"
     elif level == "critical":
-      detail = f"grad norm > {t.critical:g}"
+      detail = f"grad norm > {t.critical:g}{unit}"
     else:
       detail = "non-finite grad norm or loss"
     return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
+
+  def _grad_reference(self) -> Optional[float]:
+    """Median of the finite grad norms logged in the last ``thresholds.window`` steps before
+    this record, or None while fewer than ``thresholds.min_history`` of them (or none > 0)."""
+    t = self.thresholds
+    while self._grad_norms and self._grad_norms[0][0] <= self._clock - t.window:
+      self._grad_norms.popleft()
+    recent = [g for _, g in self._grad_norms]
+    if len(recent) < t.min_history:
+      return None
+    reference = statistics.median(recent)
+    return reference if reference > 0 else None
 
   def _attention_lines(self, step: int, metrics: Mapping[str, Any]) -> list[str]:
     rule = self.attention
@@ -479,6 +506,7 @@ class StabilityMonitor:
         "attn_last": self._attn_last,
         "update_norm": None if self._updates is None else self._updates.state_dict(),
         "held_transition": self._transitions.state_dict(),
+        "grad_norms": [list(x) for x in self._grad_norms],
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -521,4 +549,6 @@ class StabilityMonitor:
     if self._updates is not None and state.get("update_norm"):
       self._updates.load_state_dict(state["update_norm"])
     self._transitions.load_state_dict(state.get("held_transition"))
+    # Absent from states saved before the relative health levels: the history refills.
+    self._grad_norms = collections.deque([int(c), float(g)] for c, g in state.get("grad_norms", []))
     self._trim()

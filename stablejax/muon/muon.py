@@ -212,7 +212,8 @@ def _clamp(x: jax.Array, method: Optional[str],
   axes = (-2, -1)
   if method == "zscore":
     mean = jnp.mean(xf, axis=axes, keepdims=True)
-    std = jnp.std(xf, axis=axes, keepdims=True)
+    # jnp.std's own arithmetic (mean of squared deviations, square root), reusing the mean.
+    std = jnp.sqrt(jnp.mean(jnp.square(xf - mean), axis=axes, keepdims=True))
     lo, hi = mean - threshold * std, mean + threshold * std
     spread = std
   elif method == "iqr":
@@ -228,7 +229,13 @@ def _clamp(x: jax.Array, method: Optional[str],
     raise ValueError(f"outlier_method must be one of {OUTLIER_METHODS}, got {method!r}")
   active = (spread > 0) & jnp.isfinite(lo) & jnp.isfinite(hi)
   clamped = jnp.where(active, jnp.clip(xf, lo, hi), xf)
-  n = jnp.sum((clamped != xf) & jnp.isfinite(xf), axis=axes, dtype=jnp.int32)
+  # Counted as a float32 sum of ones (exact up to 2**24 per matrix, per row beyond): an int32
+  # reduction is a separate tree of kernels on XLA:CPU for every matrix, a float sum is not.
+  moved = ((clamped != xf) & jnp.isfinite(xf)).astype(jnp.float32)
+  if x.shape[-2] * x.shape[-1] <= 2**24:
+    n = jnp.sum(moved, axis=axes).astype(jnp.int32)
+  else:
+    n = jnp.sum(jnp.sum(moved, axis=-1).astype(jnp.int32), axis=-1)
   return clamped.astype(x.dtype), n
 
 
@@ -412,16 +419,29 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_c
         ns_instability_rate=zero_f, fallback_rate=zero_f, nonfinite_count=zero_i,
         nonfinite_rate=zero_f)
 
+  def bias_corrections(count_inc: jax.Array) -> Callable[[Any], tuple[jax.Array, ...]]:
+    """``dtype -> (beta, 1 - beta^(t+1), 1 - beta^t)``, computed once per dtype per update
+    (the same scalars serve every leaf: traced once, not once per leaf)."""
+    cache: dict = {}
+
+    def corrections(dtype: Any) -> tuple[jax.Array, ...]:
+      if dtype not in cache:
+        beta = jnp.asarray(momentum, dtype)
+        corr_next = 1 - beta ** (count_inc + 1).astype(dtype)
+        corr_now = 1 - beta ** count_inc.astype(dtype)
+        cache[dtype] = (beta, corr_next, corr_now)
+      return cache[dtype]
+    return corrections
+
   def momentum_input(g: jax.Array, m: jax.Array,
-                     count_inc: jax.Array) -> tuple[jax.Array, jax.Array]:
+                     corrections: Callable[[Any], tuple[jax.Array, ...]]
+                     ) -> tuple[jax.Array, jax.Array]:
     m = (momentum * m + (1 - momentum) * g).astype(m.dtype)
-    beta = jnp.asarray(momentum, m.dtype)
+    beta, corr_next, corr_now = corrections(m.dtype)
     if nesterov:
-      corr_next = 1 - beta ** (count_inc + 1).astype(m.dtype)
-      corr_now = 1 - beta ** count_inc.astype(m.dtype)
       m_hat = beta * (m / corr_next) + (1 - beta) * (g / corr_now)
     else:
-      m_hat = m / (1 - beta ** count_inc.astype(m.dtype))
+      m_hat = m / corr_now
     return m, m_hat
 
   def orthogonalise(x: jax.Array) -> tuple[jax.Array, ...]:
@@ -455,10 +475,11 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_c
         raise ValueError(f"outlier_safe_muon: {routing.path_to_str(path_g[0])} has shape "
                          f"{jnp.shape(path_g[1])} in the update but {jnp.shape(m)} in the state")
     dims = layouts(updates)
+    corrections = bias_corrections(count_inc)
     new_mu, new_leaves, per_matrix = [], [], []
     n_entries = n_mats = 0
     for g, m, d in zip(g_leaves, m_leaves, dims):
-      m, m_hat = momentum_input(g, m, count_inc)
+      m, m_hat = momentum_input(g, m, corrections)
       new_mu.append(m)
       # NS needs whole matrices: a sharded leaf is gathered once here (not once per iteration).
       m_hat, restore = _sharding.gather(m_hat)

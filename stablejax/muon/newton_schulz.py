@@ -127,8 +127,13 @@ def _normalise(x: jax.Array, eps: float, norm_factor: float,
 
 
 def _mm(lhs: jax.Array, rhs: jax.Array, trans_rhs: bool) -> jax.Array:
-  spec = "...ik,...jk->...ij" if trans_rhs else "...ik,...kj->...ij"
-  return jnp.einsum(spec, lhs, rhs, preferred_element_type=jnp.float32)
+  """``lhs @ rhs`` (``rhs^T`` with ``trans_rhs``) over the last two axes, batched over the rest,
+  accumulated in f32: the ``dot_general`` that ``einsum("...ik,...jk->...ij")`` lowers to, bound
+  directly (a Muon step makes 15 of them per matrix; einsum's parsing dominated their tracing)."""
+  batch = tuple(range(lhs.ndim - 2))
+  contract = ((lhs.ndim - 1,), (rhs.ndim - 1 if trans_rhs else rhs.ndim - 2,))
+  return jax.lax.dot_general(lhs, rhs, (contract, (batch, batch)),
+                             preferred_element_type=jnp.float32)
 
 
 def reference_iterations(x: jax.Array, coeffs: Sequence[Sequence[float]]) -> jax.Array:
