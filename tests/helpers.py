@@ -65,12 +65,20 @@ def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:
   return main(argv)
 
 
+def xla_flags_with_devices(n: int) -> str:
+  """This session's XLA_FLAGS (conftest's optimisation level included) with N simulated CPU
+  devices: a subprocess that replaced them would compile differently from the tests' own
+  process."""
+  from stablejax.training.launch import with_device_count
+  return with_device_count(os.environ.get("XLA_FLAGS", ""), n)
+
+
 def run_subprocess(out: Path, *overrides: str, fresh: bool = False, devices: int | None = None,
                    extra_args: tuple[str, ...] = (), timeout: float = 600
                    ) -> subprocess.CompletedProcess:
   env = dict(os.environ)
   if devices is not None:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags_with_devices(devices)
   cmd = [sys.executable, str(TRAIN), *sets(*overrides), "--out", str(out), *extra_args]
   if fresh:
     cmd.append("--fresh")

@@ -19,7 +19,8 @@ ROOT = TESTS.parent
 
 _SCRIPT = textwrap.dedent("""
     import json, os, sys, warnings
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
     from jax.sharding import AxisType, PartitionSpec as P
@@ -90,8 +91,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_readme_chain_trains_minigpt_under_an_explicit_batch_model_mesh():
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(TESTS)], capture_output=True,
                         text=True, timeout=600, env=env)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -115,8 +115,7 @@ def test_fsdp_muon_update_gathers_each_sharded_matrix_once():
   # The trainer's FSDP mesh (automatic axes) on 4 simulated devices: Newton-Schulz on a matrix
   # sharded over fsdp, left to the partitioner (optax.contrib.muon), gathers inside every
   # product; gathered once before the iterations, one all-gather per sharded Muon tensor.
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "-m", "bench.muon_collectives",   # bench/ is a package
                          "--layers", "1", "--d-model", "64", "--json"],
                         capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)

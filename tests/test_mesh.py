@@ -30,7 +30,8 @@ def test_fsdp_spec(shape, fsdp, spec):
 
 _SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
     from stablejax.training.config import ConfigError, MeshConfig

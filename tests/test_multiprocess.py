@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from helpers import (ROOT, TINY, TRAIN, read_metrics, run_inprocess, run_subprocess, sets,
-                           slow, train_losses)
+                     slow, train_losses, xla_flags_with_devices)
 
 HEARTBEAT = 10  # mesh.heartbeat_timeout of the multi-process runs: a lost peer is noticed within it
 RUN = ["train.steps=30", "train.eval_every=10", "checkpoint.every=10", "train.log_every=2",
@@ -110,7 +110,7 @@ def test_one_device_trains_like_the_four_device_reference(reference, tmp_path):
 def _start_env_process(rank: int, port: int, out: Path, log: Path) -> subprocess.Popen:
   """One process of a 2-process job, joined through JAX's environment variables."""
   env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-             JAX_PROCESS_ID=str(rank), XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             JAX_PROCESS_ID=str(rank), XLA_FLAGS=xla_flags_with_devices(2))
   cmd = [sys.executable, str(TRAIN), *sets(*RUN, *DISTRIBUTED), "--out", str(out)]
   return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
@@ -556,7 +556,7 @@ def _slurm_env(rank: int, port: int) -> dict:
   """What `srun --ntasks 2` gives each task (JAX's SlurmCluster reads these), on this host."""
   return _clean_env(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="127.0.0.1", SLURM_NTASKS="2",
                     SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), JAX_COORDINATOR_PORT=str(port),
-                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
+                    XLA_FLAGS=xla_flags_with_devices(2))
 
 
 @slow

@@ -196,7 +196,8 @@ def report(tmp_path_factory):
   can only be read through `_value`, which the trap watches.
   """
   out = tmp_path_factory.mktemp("no_host_sync")
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  from helpers import xla_flags_with_devices
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(2))
   proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True,
                         text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
   lines = [line for line in proc.stdout.splitlines() if line.startswith("REPORT ")]

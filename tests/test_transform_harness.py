@@ -379,7 +379,8 @@ def test_every_public_transform_is_covered():
 
 _SHARDING_SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=4")
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import NamedSharding, PartitionSpec as P
     import stablejax
