@@ -19,6 +19,7 @@ import pytest
 
 from bench import _common, scenarios
 from bench.scaling import per_device_bytes
+from helpers import gpt_params
 from stablejax.training.config import config_from_dict
 from stablejax.training.optim import build_optimizer, main_optimizer
 
@@ -29,8 +30,11 @@ PARAMS = {"tok_embed": {"embedding": jnp.zeros((8, 4))},
           "lm_head": {"kernel": jnp.zeros((4, 8))}}
 
 
-def _state_types(tx) -> set[str]:
-  state = tx.init(PARAMS)
+def _state_types(tx, cfg=None) -> set[str]:
+  """The state types of ``tx`` initialised on the parameters of ``cfg``'s GPT (shapes only:
+  QK-clip looks for the attention layers in them), or on PARAMS."""
+  state = tx.init(PARAMS) if cfg is None else jax.eval_shape(
+      tx.init, gpt_params(cfg.model, abstract=True))
   found = set()
 
   def visit(node):
@@ -65,7 +69,25 @@ EXPECTED = {
     "stablejax+muon": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
                         "OutlierSafeMuonState"}, {"ApplyIfFiniteState", "AdaGCState",
                                                   "HybridClipState"}),
+    "clip_update_rms": ({"ClipUpdateRmsState", "ScaleByAdamState"},
+                        {"ZClipState", "SkipSpikesState", "ZClipUpdateNormState"}),
+    "zclip_update_norm": ({"ZClipUpdateNormState", "ScaleByAdamState"},
+                          {"ZClipState", "SkipSpikesState", "ClipUpdateRmsState"}),
+    "compensated_updates": ({"CompensatedUpdatesState", "ScaleByAdamState"},
+                            {"ZClipState", "SkipSpikesState", "SkipNonFiniteState"}),
 }
+_STACK = EXPECTED["stablejax"]
+EXPECTED.update({
+    "stablejax+update_zclip": (_STACK[0] | {"ZClipUpdateNormState"},
+                               _STACK[1] | {"ClipUpdateRmsState"}),
+    "stablejax+update_rms": (_STACK[0] | {"ClipUpdateRmsState"},
+                             _STACK[1] | {"ZClipUpdateNormState"}),
+    # with bf16 parameters (below): the stack compensates unless told not to
+    "stablejax_uncompensated": (_STACK[0], _STACK[1] | {"CompensatedUpdatesState"}),
+    "stablejax+stochastic_rounding": (_STACK[0] | {"CompensatedUpdatesState"}, _STACK[1]),
+})
+# Defences that act on bf16 parameters only are checked on the bf16 scenario.
+BF16_DEFENCES = ("compensated_updates", "stablejax_uncompensated", "stablejax+stochastic_rounding")
 
 
 def _tx(defence: str, scenario: str = "clean"):
@@ -76,9 +98,9 @@ def _tx(defence: str, scenario: str = "clean"):
 
 @pytest.mark.parametrize("defence", sorted(set(EXPECTED) & set(scenarios.DEFENCES)))
 def test_each_defence_builds_the_chain_it_names(defence):
-  _, tx = _tx(defence)
+  cfg, tx = _tx(defence, "bf16_params" if defence in BF16_DEFENCES else "clean")
   present, absent = EXPECTED[defence]
-  types = _state_types(tx)
+  types = _state_types(tx, cfg)
   assert present <= types, present - types
   assert not (absent & types), absent & types
 
@@ -303,7 +325,10 @@ def test_each_stress_defence_builds_the_chain_it_names(defence):
     present, absent = EXPECTED[stack if defence == "stablejax_muon" else defence]
     if defence in ("stablejax", "stablejax_muon"):
       absent = absent | {"QKClipState"}
-  types = _state_types(tx)
+    if defence in BF16_DEFENCES:  # the sweep's models keep float32 parameters: nothing to do
+      present, absent = present - {"CompensatedUpdatesState"}, absent | {
+          "CompensatedUpdatesState"}
+  types = _state_types(tx, cfg)
   assert present <= types, present - types
   assert not (absent & types), absent & types
   # Every stablejax chain is the trainer's own (built from the config by build_optimizer).

@@ -49,8 +49,12 @@ def test_update_norm_rule_ignores_skipped_steps_and_a_zero_rate():
   assert len(monitor.update(10, _record(0.1))) == 1
 
 
+# The hold is checked against the absolute health levels (their lines are fixed numbers).
+ABSOLUTE = stablejax.HealthThresholds(relative=False)
+
+
 def test_a_handled_single_step_transition_is_not_a_warning():
-  monitor = stablejax.StabilityMonitor(update_norm=None)
+  monitor = stablejax.StabilityMonitor(thresholds=ABSOLUTE, update_norm=None)
   handled = {"zclip/was_clipped": True}
   assert monitor.update(10, {"loss": 3.0, "grad_norm": 1.0}) == []
   assert monitor.update(11, {"loss": 3.0, "grad_norm": 40.0, **handled}) == []
@@ -73,18 +77,20 @@ def test_a_handled_single_step_transition_is_not_a_warning():
       "step 20: gradient health high (grad norm 7; 5 < grad norm <= 10)",
       "step 21: gradient health critical (grad norm 12; grad norm > 10)"]
   # A transition no defence acted on is emitted at once.
-  plain = stablejax.StabilityMonitor(update_norm=None)
+  plain = stablejax.StabilityMonitor(thresholds=ABSOLUTE, update_norm=None)
   plain.update(1, {"loss": 3.0, "grad_norm": 1.0})
   assert plain.update(2, {"loss": 3.0, "grad_norm": 40.0}) == [
       "step 2: gradient health critical (grad norm 40; grad norm > 10)"]
 
 
 def test_the_held_transition_and_the_update_history_survive_a_checkpoint():
-  monitor = stablejax.StabilityMonitor(update_norm=UpdateNormThresholds(min_records=2))
+  monitor = stablejax.StabilityMonitor(thresholds=ABSOLUTE,
+                                       update_norm=UpdateNormThresholds(min_records=2))
   for step in (1, 2, 3):
     monitor.update(step, _record(0.02))
   monitor.update(4, {**_record(0.02), "grad_norm": 40.0, "skip_spikes/skipped": True})
-  restored = stablejax.StabilityMonitor(update_norm=UpdateNormThresholds(min_records=2))
+  restored = stablejax.StabilityMonitor(thresholds=ABSOLUTE,
+                                        update_norm=UpdateNormThresholds(min_records=2))
   restored.load_state_dict(monitor.state_dict())
   for m in (monitor, restored):
     assert m.update(5, {**_record(0.02), "grad_norm": 30.0}) == [

@@ -25,7 +25,7 @@ def _param_shapes(cfg):
 
 
 def test_builds_the_parameter_count_the_docs_state():
-  stated = re.search(r"`stablejax/configs/gpt2_small\.json` \((\d+)M parameters",
+  stated = re.search(r"`gpt2_small` \((\d+)M parameters",
                      (ROOT / "docs" / "trainer.md").read_text())
   assert stated, "docs/trainer.md no longer states gpt2_small's size"
   cfg = load_config("gpt2_small")

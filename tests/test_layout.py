@@ -347,6 +347,11 @@ EAGER_IMPORTS = {
     "stability_score": "stablejax.monitor",
     "tensorboard_scalars": "stablejax.monitor",
     "UpdateNormThresholds": "stablejax.monitor",
+    "FusedDimensionNumbers": "stablejax.layout.analysis",
+    "AttentionProbe": "stablejax.modeling.probes",
+    "hf_attention_probe": "stablejax.modeling.probes",
+    "mha_with_max_logit": "stablejax.modeling.probes",
+    "apply_gradients": "stablejax.training.train_state",
 }
 HEAVY = ("jax", "jaxlib", "numpy", "optax", "flax", "grain", "orbax")
 

@@ -26,7 +26,7 @@ def init(cfg: ModelConfig, seed: int = 1):
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_kv_cache_equals_full_recomputation(variant):
-  cfg = ModelConfig(**BASE, **VARIANTS[variant])
+  cfg = ModelConfig(**{**BASE, **VARIANTS[variant]})
   params = init(cfg)
   prompt = [3, 5, 7, 11, 13]
   ref_tokens, ref_logits = greedy_reference(cfg, params, prompt, 20)
@@ -173,7 +173,7 @@ def bpe_run_home(tmp_path_factory):
 
   from stablejax.cli import prepare as prepare_cli
 
-  from trainer_utils import run_inprocess
+  from helpers import run_inprocess
   home = tmp_path_factory.mktemp("bpe_run") / "home"
   home.mkdir()
   docs = [f"Document {i}: the quick brown fox jumps over the lazy dog {i % 7} times." * 3
@@ -272,7 +272,7 @@ def test_a_stop_signal_while_sample_compiles_is_one_line_never_a_crash(
   import sys
 
   from process_hooks import hooked_env
-  from trainer_utils import ROOT
+  from helpers import ROOT
   env = hooked_env(tmp_path, HOOK_SIGNAL_AFTER_MODULE="tokenizers",
                    HOOK_DELAY=str(delay), HOOK_SIGNAL=signal_name)
   proc = subprocess.run([sys.executable, "-m", "stablejax", "sample", str(bpe_run_home / "run"),

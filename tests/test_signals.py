@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from process_hooks import hooked_env
-from trainer_utils import ROOT
+from helpers import ROOT
 
 STOP = ["SIGINT", "SIGTERM", "SIGHUP"]
 

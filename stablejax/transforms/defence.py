@@ -36,7 +36,8 @@ Example:
   ...     build=lambda section, ctx: optax.scale(section.factor), label="scale the update")
   >>> _ = defence.register(scale)
   >>> [d.name for d in defence.registered()]  # chain order: by position, then order
-  ['clip', 'zclip', 'adagc', 'example_scale', 'qk_clip', 'skip_spikes', 'skip_nonfinite']
+  ['clip', 'zclip', 'adagc', 'example_scale', 'clip_update_rms', 'zclip_update_norm', 'qk_clip',
+   'compensated_updates', 'skip_spikes', 'skip_nonfinite']
   >>> defence.unregister("example_scale")
 """
 
