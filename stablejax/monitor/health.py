@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
-from typing import Any, Optional
+import statistics
+from typing import Any, Mapping, Optional
 
 from stablejax.monitor._numbers import _as_float
 
@@ -122,6 +124,86 @@ def grad_health_level(grad_norm: Any, thresholds: HealthThresholds = HealthThres
   if thresholds.low is not None and g < thresholds.low:
     return "low"
   return "healthy"
+
+
+class GradientHealth:
+  """The gradient health level of a run's logged records (what :class:`StabilityMonitor` reports
+  and warns about): the level, how often each level was measured, the largest finite norm, and
+  for relative thresholds the norms of the last ``thresholds.window`` steps, whose median is the
+  reference."""
+
+  def __init__(self, thresholds: HealthThresholds):
+    self.thresholds = thresholds
+    self.level: Optional[str] = None
+    self.level_counts: dict[str, int] = {}
+    self.max_grad_norm: Optional[float] = None
+    self._grad_norms: collections.deque = collections.deque()   # [clock, finite grad norm]
+
+  def update(self, step: int, clock: int, g: Optional[float], exploded: bool) -> list[str]:
+    """The line of one record's level if it changed (none for a first healthy record).
+
+    Args:
+      step: the record's step.
+      clock: the monitor's count of steps seen (the reference's window is in these).
+      g: the record's global gradient norm, or None.
+      exploded: the step was skipped as non-finite, or its loss is not finite.
+    """
+    t = self.thresholds
+    reference = self._reference(clock) if t.relative else None
+    if exploded:
+      level = "exploded"
+    elif g is not None:
+      if t.relative and reference is None:  # the history that sets the reference is filling
+        level = "exploded" if not math.isfinite(g) else "healthy"
+      else:
+        level = grad_health_level(g, t, reference)
+    else:
+      return []
+    if g is not None and math.isfinite(g):
+      self.max_grad_norm = g if self.max_grad_norm is None else max(self.max_grad_norm, g)
+      self._grad_norms.append([clock, g])
+    self.level_counts[level] = self.level_counts.get(level, 0) + 1
+    old, self.level = self.level, level
+    if level == old or (old is None and level == "healthy"):
+      return []
+    norm = "n/a" if g is None else f"{g:.4g}"
+    if level == "healthy":
+      return [f"step {step}: gradient health back to healthy (grad norm {norm})"]
+    unit = "" if reference is None else (
+        f" x {reference:.4g}, the median grad norm of the last {t.window} steps")
+    if level == "low":
+      detail = f"grad norm < {t.low:g}{unit}"
+    elif level == "high":
+      detail = f"{t.high:g}{unit} < grad norm <= {t.critical:g}{unit}"
+    elif level == "critical":
+      detail = f"grad norm > {t.critical:g}{unit}"
+    else:
+      detail = "non-finite grad norm or loss"
+    return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
+
+  def _reference(self, clock: int) -> Optional[float]:
+    """Median of the finite grad norms logged in the last ``thresholds.window`` steps before
+    this record, or None while fewer than ``thresholds.min_history`` of them (or none > 0)."""
+    t = self.thresholds
+    while self._grad_norms and self._grad_norms[0][0] <= clock - t.window:
+      self._grad_norms.popleft()
+    recent = [g for _, g in self._grad_norms]
+    if len(recent) < t.min_history:
+      return None
+    reference = statistics.median(recent)
+    return reference if reference > 0 else None
+
+  def state_dict(self) -> dict[str, Any]:
+    return {"level": self.level, "level_counts": dict(self.level_counts),
+            "max_grad_norm": self.max_grad_norm,
+            "grad_norms": [list(x) for x in self._grad_norms]}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    self.level = state["level"]
+    self.level_counts = {str(k): int(v) for k, v in state["level_counts"].items()}
+    self.max_grad_norm = state["max_grad_norm"]
+    # Absent from states saved before the relative health levels: the history refills.
+    self._grad_norms = collections.deque([int(c), float(g)] for c, g in state.get("grad_norms", []))
 
 
 def health_code(level: Optional[str]) -> float:

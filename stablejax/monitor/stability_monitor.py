@@ -4,22 +4,15 @@ from __future__ import annotations
 
 import collections
 import math
-import statistics
 from typing import Any, Mapping, Optional
 
 from stablejax.monitor import specs
 from stablejax.monitor._numbers import _as_float
-from stablejax.monitor.health import AttentionLogitThresholds, HealthThresholds, grad_health_level
+from stablejax.monitor.attention_rule import ATTENTION_ADVICE, AttentionLogitRule
+from stablejax.monitor.health import AttentionLogitThresholds, GradientHealth, HealthThresholds
 from stablejax.monitor.score import (_worst_signal, stability_score, troubleshooting_advice)
 from stablejax.monitor.update_norm import HandledTransitions, UpdateNormRule, UpdateNormThresholds
 from stablejax.transforms.metrics import MetricsSpec, Rate
-
-
-_ATTN_KEY = "attn_logit_max"
-ATTENTION_ADVICE = ("without QK-norm, attention logits past ~1e4 preceded divergence in every run "
-                    "of Wortsman et al. (arXiv 2309.14322): turn on QK-norm (model.qk_norm=true), "
-                    "or QK-clip (stability.qk_clip.enabled=true, stablejax.qk_clip), or lower the "
-                    "learning rate")
 
 
 _V1_EVENT_KINDS = {"zclip_spike": "zclip_spike_rate", "zclip_clip": "zclip_clip_rate",
@@ -140,21 +133,15 @@ class StabilityMonitor:
     self._entries: collections.deque = collections.deque()
     self._losses: collections.deque = collections.deque()   # [clock, loss]
     self._rollbacks: list[list] = []    # [clock, step, cause]
-    self._level: Optional[str] = None
-    self._level_counts: dict[str, int] = {}
+    self._health = GradientHealth(self.thresholds)
     self._thresholds: dict[str, float] = {}   # spec prefix -> latest clip value in effect
     self._last_advice_clock: Optional[int] = None
     self._n_updates = 0
     self._n_warnings = 0
-    self._max_grad_norm: Optional[float] = None
-    self._grad_norms: collections.deque = collections.deque()   # [clock, finite grad norm]
     self._last_loss: Optional[float] = None
     self._peak_lr: Optional[float] = None   # largest logged lr, and the latest
     self._last_lr: Optional[float] = None
-    self._attn: collections.deque = collections.deque()   # [clock, max logit]
-    self._attn_warned: Optional[float] = None   # max logit of the last attention warning
-    self._attn_active = False                   # the attention rule held at the last record
-    self._attn_last: Optional[list] = None      # [step, max logit] of the last value seen
+    self._attention = AttentionLogitRule(self.attention) if self.attention is not None else None
     self._updates = UpdateNormRule(self.update_norm) if self.update_norm is not None else None
     self._transitions = HandledTransitions()    # a handled single-step transition held back
 
@@ -217,12 +204,13 @@ class StabilityMonitor:
     self._trim()
 
     lines = []
-    old_level, levels_read = self._level, sum(self._level_counts.values())
+    old_level, levels_read = self._health.level, sum(self._health.level_counts.values())
     handled = any((_as_float(metrics.get(key)) or 0.0) > 0 for key in specs.acted_keys())
     lines += self._transitions.filter(
-        self._update_level(step, metrics, loss), old_level, self._level, handled,
-        measured=sum(self._level_counts.values()) > levels_read)
-    lines += self._attention_lines(step, metrics)
+        self._update_level(step, metrics, loss), old_level, self._health.level, handled,
+        measured=sum(self._health.level_counts.values()) > levels_read)
+    if self._attention is not None:
+      lines += self._attention.update(step, self._clock, metrics)
     if self._updates is not None:
       lines += self._updates.update(step, self._clock, metrics)
     lines += self._advice_lines(step)
@@ -233,9 +221,8 @@ class StabilityMonitor:
     """The telemetry of the initial parameters (step 0), before the first record: the attention
     rule's rate condition measures the first logged step's growth from it. Nothing is counted
     and no warning is given."""
-    v = _as_float(metrics.get(_ATTN_KEY))
-    if v is not None and math.isfinite(v) and v > 0:
-      self._attn_last = [0, v]
+    if self._attention is not None:
+      self._attention.observe_initial(metrics)
 
   def record_rollback(self, step: int, cause: str = "") -> None:
     """Records a rollback (restore of an earlier checkpoint) at ``step``.
@@ -264,87 +251,8 @@ class StabilityMonitor:
     # still show the last accepted step, so the flag decides.
     skipped_nonfinite = any((_as_float(metrics.get(key)) or 0.0) > 0
                             for key in specs.nonfinite_keys())
-    t = self.thresholds
-    reference = self._grad_reference() if t.relative else None
-    if skipped_nonfinite or (loss is not None and not math.isfinite(loss)):
-      level = "exploded"
-    elif g is not None:
-      if t.relative and reference is None:  # the history that sets the reference is filling
-        level = "exploded" if not math.isfinite(g) else "healthy"
-      else:
-        level = grad_health_level(g, t, reference)
-    else:
-      return []
-    if g is not None and math.isfinite(g):
-      self._max_grad_norm = g if self._max_grad_norm is None else max(self._max_grad_norm, g)
-      self._grad_norms.append([self._clock, g])
-    self._level_counts[level] = self._level_counts.get(level, 0) + 1
-    old, self._level = self._level, level
-    if level == old or (old is None and level == "healthy"):
-      return []
-    norm = "n/a" if g is None else f"{g:.4g}"
-    if level == "healthy":
-      return [f"step {step}: gradient health back to healthy (grad norm {norm})"]
-    unit = "" if reference is None else (
-        f" x {reference:.4g}, the median grad norm of the last {t.window} steps")
-    if level == "low":
-      detail = f"grad norm < {t.low:g}{unit}"
-    elif level == "high":
-      detail = f"{t.high:g}{unit} < grad norm <= {t.critical:g}{unit}"
-    elif level == "critical":
-      detail = f"grad norm > {t.critical:g}{unit}"
-    else:
-      detail = "non-finite grad norm or loss"
-    return [f"step {step}: gradient health {level} (grad norm {norm}; {detail})"]
-
-  def _grad_reference(self) -> Optional[float]:
-    """Median of the finite grad norms logged in the last ``thresholds.window`` steps before
-    this record, or None while fewer than ``thresholds.min_history`` of them (or none > 0)."""
-    t = self.thresholds
-    while self._grad_norms and self._grad_norms[0][0] <= self._clock - t.window:
-      self._grad_norms.popleft()
-    recent = [g for _, g in self._grad_norms]
-    if len(recent) < t.min_history:
-      return None
-    reference = statistics.median(recent)
-    return reference if reference > 0 else None
-
-  def _attention_lines(self, step: int, metrics: Mapping[str, Any]) -> list[str]:
-    rule = self.attention
-    v = _as_float(metrics.get(_ATTN_KEY))
-    if rule is None or v is None or math.isnan(v):
-      return []
-    while self._attn and self._attn[0][0] < self._clock - rule.growth_window:
-      self._attn.popleft()
-    base = min((x for _, x in self._attn), default=None)
-    if math.isfinite(v):
-      self._attn.append([self._clock, v])
-    level = v > rule.high
-    trend = v > rule.growth_floor and base is not None and base > 0 and v >= rule.growth * base
-    last, self._attn_last = self._attn_last, ([step, v] if math.isfinite(v) and v > 0
-                                              else self._attn_last)
-    per_step = None
-    if last is not None and step > last[0] and last[1] > 0 and math.isfinite(v):
-      per_step = (v / last[1]) ** (1.0 / (step - last[0]))
-    rate = v > rule.step_growth_floor and per_step is not None and per_step >= rule.step_growth
-    self._attn_active = level or trend or rate
-    if not self._attn_active:
-      return []
-    if self._attn_warned is not None and not v >= rule.repeat_factor * self._attn_warned:
-      return []
-    self._attn_warned = v
-    if trend and base is not None:
-      why = f"x{v / base:.3g} within {rule.growth_window} steps"
-    elif rate and last is not None:
-      why = f"x{v / last[1]:.3g} in {step - last[0]} step{'s' if step - last[0] > 1 else ''}"
-    else:
-      why = f"above {rule.high:g}"
-    layers = {k[len(_ATTN_KEY) + 1:]: _as_float(x) for k, x in metrics.items()
-              if k.startswith(_ATTN_KEY + "/layer_") and k.count("/") == 1}
-    finite = {k: x for k, x in layers.items() if x is not None and not math.isnan(x)}
-    where = f", largest in {max(finite, key=finite.__getitem__)}" if finite else ""
-    return [f"step {step}: attention logits growing: max pre-softmax logit {v:.4g} ({why}{where})"
-            f"; {ATTENTION_ADVICE}"]
+    exploded = skipped_nonfinite or (loss is not None and not math.isfinite(loss))
+    return self._health.update(step, self._clock, g, exploded)
 
   def _loss_plateau(self) -> bool:
     if not self.loss_plateau_check or not self._losses:
@@ -390,7 +298,7 @@ class StabilityMonitor:
   @property
   def level(self) -> Optional[str]:
     """Gradient health level of the latest update (None before any grad norm)."""
-    return self._level
+    return self._health.level
 
   @property
   def step(self) -> Optional[int]:
@@ -450,7 +358,7 @@ class StabilityMonitor:
     """Troubleshooting rows that fire for the current window (not rate-limited), and the
     attention-logit advice while that rule holds."""
     lines = troubleshooting_advice(self.rates(), self._loss_plateau())
-    if self._attn_active:
+    if self._attention is not None and self._attention.active:
       lines.append(f"attention logits growing: {ATTENTION_ADVICE}")
     return lines
 
@@ -465,12 +373,12 @@ class StabilityMonitor:
     return {
         "step": self._last_step,
         "updates": self._n_updates,
-        "level": self._level,
+        "level": self._health.level,
         "score": self.score(),
         "score_target": self.score_target,
         "rates": self.rates(),
-        "level_counts": dict(self._level_counts),
-        "max_grad_norm": self._max_grad_norm,
+        "level_counts": dict(self._health.level_counts),
+        "max_grad_norm": self._health.max_grad_norm,
         "last_loss": self._last_loss,
         "warnings": self._n_warnings,
         "rollbacks_total": len(self._rollbacks),
@@ -490,23 +398,17 @@ class StabilityMonitor:
         "entries": [[c, {k: list(v) for k, v in e.items()}, dict(s)] for c, e, s in self._entries],
         "losses": [list(x) for x in self._losses],
         "rollbacks": [list(x) for x in self._rollbacks],
-        "level": self._level,
-        "level_counts": dict(self._level_counts),
+        **self._health.state_dict(),
         "thresholds": dict(self._thresholds),
         "last_advice_clock": self._last_advice_clock,
         "updates": self._n_updates,
         "warnings": self._n_warnings,
-        "max_grad_norm": self._max_grad_norm,
         "last_loss": self._last_loss,
         "peak_lr": self._peak_lr,
         "last_lr": self._last_lr,
-        "attn": [list(x) for x in self._attn],
-        "attn_warned": self._attn_warned,
-        "attn_active": self._attn_active,
-        "attn_last": self._attn_last,
+        **({} if self._attention is None else self._attention.state_dict()),
         "update_norm": None if self._updates is None else self._updates.state_dict(),
         "held_transition": self._transitions.state_dict(),
-        "grad_norms": [list(x) for x in self._grad_norms],
     }
 
   def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -526,8 +428,7 @@ class StabilityMonitor:
          {k: float(v) for k, v in s.items()}] for c, e, s in state["entries"])
     self._losses = collections.deque([int(c), float(value)] for c, value in state["losses"])
     self._rollbacks = [[int(c), int(s), str(m)] for c, s, m in state["rollbacks"]]
-    self._level = state["level"]
-    self._level_counts = {str(k): int(v) for k, v in state["level_counts"].items()}
+    self._health.load_state_dict(state)
     if state["version"] == 1:
       self._thresholds = {} if state["threshold"] is None else {"zclip": state["threshold"]}
     else:
@@ -535,20 +436,14 @@ class StabilityMonitor:
     self._last_advice_clock = state["last_advice_clock"]
     self._n_updates = int(state["updates"])
     self._n_warnings = int(state["warnings"])
-    self._max_grad_norm = state["max_grad_norm"]
     self._last_loss = state["last_loss"]
     # Absent from states saved before the attention rule and the lr-aware plateau existed.
     self._peak_lr = state.get("peak_lr")
     self._last_lr = state.get("last_lr")
-    self._attn = collections.deque([int(c), float(v)] for c, v in state.get("attn", []))
-    self._attn_warned = state.get("attn_warned")
-    self._attn_active = bool(state.get("attn_active", False))
-    last = state.get("attn_last")
-    self._attn_last = None if last is None else [int(last[0]), float(last[1])]
+    if self._attention is not None:
+      self._attention.load_state_dict(state)
     # Absent from states saved before the update-norm rule and the handled-transition hold.
     if self._updates is not None and state.get("update_norm"):
       self._updates.load_state_dict(state["update_norm"])
     self._transitions.load_state_dict(state.get("held_transition"))
-    # Absent from states saved before the relative health levels: the history refills.
-    self._grad_norms = collections.deque([int(c), float(g)] for c, g in state.get("grad_norms", []))
     self._trim()
