@@ -65,6 +65,28 @@ EXPECTED = {
     "stablejax+muon": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
                         "OutlierSafeMuonState"}, {"ApplyIfFiniteState", "AdaGCState",
                                                   "HybridClipState"}),
+    # The update clips alone (no gradient clip), and the stack with either of them.
+    "clip_update_rms": ({"ClipUpdateRmsState", "ScaleByAdamState"},
+                        {"ZClipState", "ZClipUpdateNormState", "SkipNonFiniteState",
+                         "SkipSpikesState"}),
+    "zclip_update_norm": ({"ZClipUpdateNormState", "ScaleByAdamState"},
+                          {"ZClipState", "ClipUpdateRmsState", "SkipNonFiniteState",
+                           "SkipSpikesState"}),
+    "stablejax+update_zclip": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
+                                "ZClipUpdateNormState", "ScaleByAdamState"},
+                               {"ClipUpdateRmsState", "OutlierSafeMuonState"}),
+    "stablejax+update_rms": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
+                              "ClipUpdateRmsState", "ScaleByAdamState"},
+                             {"ZClipUpdateNormState", "OutlierSafeMuonState"}),
+    # With float32 parameters the compensated update adds nothing, whatever its setting (the
+    # bf16 row: test_the_bf16_row_compensates_as_its_defence_says).
+    "compensated_updates": ({"ScaleByAdamState"},
+                            {"CompensatedUpdatesState", "ZClipState", "SkipNonFiniteState",
+                             "SkipSpikesState"}),
+    "stablejax_uncompensated": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
+                                 "ScaleByAdamState"}, {"CompensatedUpdatesState"}),
+    "stablejax+stochastic_rounding": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
+                                       "ScaleByAdamState"}, {"CompensatedUpdatesState"}),
 }
 
 
@@ -81,6 +103,18 @@ def test_each_defence_builds_the_chain_it_names(defence):
   types = _state_types(tx)
   assert present <= types, present - types
   assert not (absent & types), absent & types
+
+
+def test_the_bf16_row_compensates_as_its_defence_says():
+  for defence, compensated, method in (("stablejax", True, "kahan"),
+                                       ("stablejax+stochastic_rounding", True,
+                                        "stochastic_rounding"),
+                                       ("stablejax_uncompensated", False, "kahan")):
+    cfg, tx = _tx(defence, "bf16_params")
+    assert cfg.model.param_dtype == "bfloat16"
+    assert cfg.stability.compensated_updates.enabled == compensated
+    assert cfg.stability.compensated_updates.method == method
+    assert ("CompensatedUpdatesState" in _state_types(tx)) == compensated, defence
 
 
 def _updates(tx, steps=3):
