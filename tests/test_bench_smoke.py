@@ -105,6 +105,18 @@ def test_each_defence_builds_the_chain_it_names(defence):
   assert not (absent & types), absent & types
 
 
+def test_the_bf16_row_compensates_as_its_defence_says():
+  for defence, compensated, method in (("stablejax", True, "kahan"),
+                                       ("stablejax+stochastic_rounding", True,
+                                        "stochastic_rounding"),
+                                       ("stablejax_uncompensated", False, "kahan")):
+    cfg, tx = _tx(defence, "bf16_params")
+    assert cfg.model.param_dtype == "bfloat16"
+    assert cfg.stability.compensated_updates.enabled == compensated
+    assert cfg.stability.compensated_updates.method == method
+    assert ("CompensatedUpdatesState" in _state_types(tx)) == compensated, defence
+
+
 def _updates(tx, steps=3):
   state = tx.init(PARAMS)
   for i in range(steps):

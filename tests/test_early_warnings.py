@@ -152,6 +152,26 @@ def test_log_norm_statistics_match_numpy_and_spare_multiplicative_noise():
   assert skipped[blips].sum() < linear[blips].sum()  # the linear rule skips more of the blips
 
 
+def test_log_norm_threshold_uses_the_population_std_of_the_window():
+  # Norms 1, 2, 4, 8: logs k * ln 2 (k = 0..3), mean 1.5 ln 2, population std sqrt(1.25) ln 2, so
+  # at sigma 2 the threshold is 2 ** (1.5 + 2 sqrt(1.25)) = 13.3 (16.9 with the sample std).
+  from stablejax.transforms.skipping import log_sigma_threshold
+  history = jnp.array([1.0, 2.0, 4.0, 8.0, 1e6, 1e6], jnp.float32)  # entries past count ignored
+  expected = 2.0 ** (1.5 + 2.0 * np.sqrt(1.25))
+  np.testing.assert_allclose(float(log_sigma_threshold(history, jnp.array(4), 2.0)), expected,
+                             rtol=1e-5)
+  # A norm of 15 lies between the two thresholds: the rule skips it.
+  tx = stablejax.skip_spikes(optax.sgd(1.0), window=4, min_history=4, sigma=2.0,
+                             watch=("grad_norm",), statistics="log_norm", max_consecutive=None)
+  params, skipped = {"w": jnp.zeros(4)}, []
+  state = tx.init(params)
+  for norm in (1.0, 2.0, 4.0, 8.0, 15.0):
+    _, state = tx.update({"w": jnp.full(4, norm / 2.0)}, state, params, loss=jnp.float32(2.0))
+    skipped.append(bool(state.skipped))
+  assert skipped == reference_log_norm_skips(np.array([1.0, 2.0, 4.0, 8.0, 15.0]), 4, 4,
+                                             2.0).tolist() == [False] * 4 + [True]
+
+
 def test_the_trainer_uses_the_log_norm_rule():
   from stablejax.training.config import load_config
   assert load_config(None, []).stability.skip_spikes.statistics == "log_norm"

@@ -490,8 +490,11 @@ def test_second_rollback_goes_further_back_and_survives_a_kill_before_cleanup(tm
   records = read_metrics(out)
   resumed = records[records.index(events[1]) + 1:]
   first_train = next(r for r in resumed if "lr_scale" in r and "event" not in r)
-  assert first_train["step"] == 2
-  assert first_train["lr_scale"] == pytest.approx(
+  assert first_train["step"] == 1  # step 1 is logged: the first update, at the backed-off scale
+  assert first_train["lr_scale"] == pytest.approx(events[1]["lr_scale"], rel=1e-6)
+  second_train = next(r for r in resumed if "lr_scale" in r and "event" not in r
+                      and r["step"] == 2)
+  assert second_train["lr_scale"] == pytest.approx(
       events[1]["lr_scale"] + (1 - events[1]["lr_scale"]) * 1 / 100, rel=1e-6)
 
 

@@ -20,7 +20,7 @@ SUMMARY_KEYS = {"final_val_loss", "steps", "skipped_steps", "rollbacks", "tokens
 def test_loss_decreases_and_files_are_written(clean_run):
   losses = train_losses(clean_run)
   steps = sorted(losses)
-  assert steps[0] == 2 and steps[-1] == 40
+  assert steps[0] == 1 and steps[-1] == 40  # step 1 is logged, then every log_every
   first, last = losses[steps[0]], np.mean([losses[s] for s in steps[-3:]])
   assert first > 5.0  # about ln(256) at initialisation
   assert last < first - 1.5, (first, last)
@@ -90,8 +90,11 @@ def test_metrics_records_have_documented_keys(clean_run):
   # Step 1 is logged, then every log_every (2) steps; the update norm is at least its largest
   # layer's (the rest of the norm is embedding, head and final norm).
   assert [r["step"] for r in train] == [1] + list(range(2, 41, 2))
+  # Step 1 logs the first update, at the warmup's learning rate of 0: nothing moves.
   for r in train:
-    assert r["update_norm"] >= max(r["update_norm/layer_0"], r["update_norm/layer_1"]) > 0
+    layers = max(r["update_norm/layer_0"], r["update_norm/layer_1"])
+    assert r["update_norm"] >= layers
+    assert (layers > 0) == (r["lr"] > 0), (r["step"], r["lr"], layers)
   evals = [r for r in records if "val_loss" in r]
   assert [r["step"] for r in evals] == [20, 40]
   # The logged lr is the configured optax schedule's value (not a fraction of the peak): warmup
