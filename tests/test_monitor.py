@@ -120,6 +120,25 @@ def test_relative_levels_need_history_and_forget_old_steps():
   assert "critical" in m.update(62, {"loss": 3.0, "grad_norm": 600.0})[0]  # 600 / 50
 
 
+def test_relative_levels_wait_for_min_history_norms_of_the_window():
+  def norm(g):
+    return {"loss": 3.0, "grad_norm": g}
+  m = StabilityMonitor(window=100, thresholds=HealthThresholds(min_history=3))
+  m.update(1, norm(1.0))
+  m.update(2, norm(1.0))
+  assert m.update(3, norm(30.0)) == [] and m.level == "healthy"  # two norms before it: no level
+  m.update(4, norm(1.0))
+  assert "critical" in m.update(5, norm(30.0))[0]  # 30 / median(1, 1, 30, 1)
+  # Only the norms of the last `window` steps set the reference: the five norms of 100 are more
+  # than 10 steps old at step 22, so 30 is 30 times median(1, 1), not 0.3 times 100.
+  m = StabilityMonitor(window=100, thresholds=HealthThresholds(window=10, min_history=1))
+  for step in range(1, 6):
+    m.update(step, norm(100.0))
+  m.update(20, norm(1.0))
+  m.update(21, norm(1.0))
+  assert "critical" in m.update(22, norm(30.0))[0]
+
+
 def test_relative_reference_survives_state_dict():
   a = StabilityMonitor(window=100)
   for step, g in enumerate([9.0, 3.0, 2.0, 2.0], 1):
