@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
       "errors": [],
   }
   _common.print_machine()
-  print(f"mode {mode}; peak {peak / 1e12:.1f} TFLOP/s per device ({peak_source})", flush=True)
+  print(f"mode {mode}; peak {peak / 1e12:.3g} TFLOP/s per device ({peak_source})", flush=True)
   start = time.perf_counter()
 
   def write() -> None:

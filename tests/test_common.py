@@ -48,3 +48,12 @@ def test_a_traced_hyperparameter_is_not_checked_and_a_concrete_one_is():
     _common.check("alpha", 1.5, lambda v: 0 < v < 1, "use a factor in (0, 1)")
   _common.check("alpha", jnp.float32(1.5), lambda v: 0 < v < 1, "not checked: an array")
   _common.check("alpha", None, lambda v: 0 < v < 1, "not checked: None")
+
+
+def test_leaf_norm_is_computed_in_float32_for_bf16():
+  # 3000 entries of 1.01 in bfloat16 (1.0078125 each): the norm in float32 is sqrt(3000) x that;
+  # squares summed in bfloat16 would round the sum to 8 bits of mantissa
+  x = jnp.full((3000,), 1.01, jnp.bfloat16)
+  norm = _common.leaf_norm_f32(x)
+  assert norm.dtype == jnp.float32
+  np.testing.assert_allclose(float(norm), np.sqrt(3000) * 1.0078125, rtol=1e-6)
