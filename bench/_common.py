@@ -177,7 +177,7 @@ class CompiledStep:
 
 # The trainer's config keys the benches set, in one place (the config's layout may change).
 _QK_NORM_KEY = "model.qk_norm"
-_QK_CLIP_TAU_KEY = "stability.qk_clip_tau"
+_QK_CLIP_KEYS = ("stability.qk_clip.enabled=true", "stability.qk_clip.tau={tau}")
 STACKS = ("full", "clip_adamw")
 
 
@@ -190,7 +190,7 @@ def trainer_config(name: str, overrides: Sequence[str] = (), *, qk_norm: bool | 
   if qk_norm is not None:
     extra.append(f"{_QK_NORM_KEY}={str(qk_norm).lower()}")
   if qk_clip_tau is not None:
-    extra.append(f"{_QK_CLIP_TAU_KEY}={qk_clip_tau}")
+    extra += [key.format(tau=qk_clip_tau) for key in _QK_CLIP_KEYS]
   return load_config(name, extra)
 
 
