@@ -181,3 +181,32 @@ def own_output() -> None:
       with contextlib.suppress(OSError, ValueError):
         stream.flush()
       setattr(sys, name, getattr(sys, f"__{name}__"))
+
+
+# ----------------------------------------------------------------------------- Orbax's leftovers
+
+
+def _is_orbax_leftover(unraisable: Any) -> bool:
+  """What Orbax's background work leaves after a read or write that failed (an error the program
+  reports itself, in one line): tensorstore's late callbacks find Orbax's short-lived event loop
+  closed, and a read's coroutine is dropped unfinished. Each is one traceback of Python's
+  'unraisable exception' report, and says nothing the error line does not."""
+  error = unraisable.exc_value
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  code = getattr(unraisable.object, "cr_code", None)  # a coroutine
+  return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
+def quiet_orbax_leftovers() -> None:
+  """Drops the reports `_is_orbax_leftover` names; every other unraisable exception is reported
+  as before (by the hook that was installed)."""
+  previous = sys.unraisablehook
+  if getattr(previous, "drops_orbax_leftovers", False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if not _is_orbax_leftover(unraisable):
+      previous(unraisable)
+  hook.drops_orbax_leftovers = True  # type: ignore[attr-defined]
+  sys.unraisablehook = hook

@@ -63,6 +63,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
       :mod:`stablejax.cli._process`).
   """
   with _process.program(argv is None):
+    _process.quiet_orbax_leftovers()
     try:
       args = parser().parse_args(argv)
     except _UsageError as e:

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
+from stablejax.cli import _process
 from stablejax.training.signals import StopSignals
 
 PROG = "python -m stablejax train"
@@ -96,6 +97,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   import jax
   for name in ("absl", "asyncio"):
     logging.getLogger(name).addFilter(_ReportedOnce())
+  _process.quiet_orbax_leftovers()
 
   from stablejax.data.pipeline import DataError
   from stablejax.training import distributed

@@ -84,6 +84,12 @@ def damage_evidence(error: Optional[BaseException]) -> Optional[str]:
   return None
 
 
+def _path_names(path: tuple) -> tuple[str, ...]:
+  """A pytree path as names, whether its nodes are dicts, attributes or sequences (a saved
+  state's metadata holds dict keys where the state has NamedTuple fields)."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 # Files that every complete save of `Checkpoints` writes into a step directory, whatever the
 # model: the PyTree item's tree metadata, the JSON item's file, and one Grain iterator state per
 # process (`data/process_<i>-of-<n>.json`, checked separately). Their absence is proof of damage
@@ -285,6 +291,7 @@ class Checkpoints:
         " that directory or pass --fresh to start over")
 
   def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> tuple[Any, dict]:
+    self._check_shapes(step, abstract_state)
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(
@@ -298,6 +305,23 @@ class Checkpoints:
     if not fingerprint_matches(meta.get("fingerprint", []), actual):
       raise CheckpointDamaged("contents do not match the fingerprint saved with it")
     return state, meta
+
+  def _check_shapes(self, step: int, abstract_state: Any) -> None:
+    """Refuses a checkpoint whose arrays have other shapes than this run's state (a changed
+    model config) before Orbax reads any: its own error comes from background reads, which
+    leave a traceback per array on the way out."""
+    try:
+      stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
+      saved = {_path_names(path): tuple(leaf.shape) for path, leaf
+               in jax.tree_util.tree_leaves_with_path(getattr(stored, "tree", stored))
+               if hasattr(leaf, "shape")}
+    except Exception:  # noqa: BLE001 - unreadable metadata: the restore itself says what is wrong
+      return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
+      name = _path_names(path)
+      if name in saved and hasattr(leaf, "shape") and saved[name] != tuple(leaf.shape):
+        raise ValueError(f"{'/'.join(name)} has shape {saved[name]} in the checkpoint and "
+                         f"{tuple(leaf.shape)} in this run's config")
 
   def _missing_evidence(self, step: int) -> Optional[str]:
     missing = missing_files(self.directory / str(step))
