@@ -30,7 +30,7 @@ if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest  # noqa: E402
 
-from helpers import run_inprocess  # noqa: E402
+from helpers import DIAGNOSTICS, run_inprocess  # noqa: E402
 
 
 def pytest_configure(config):
@@ -45,5 +45,7 @@ def clean_run(tmp_path_factory):
   """One uninterrupted tiny run without faults: the reference the fault and resume tests compare
   to."""
   out = tmp_path_factory.mktemp("clean")
-  assert run_inprocess(out, "train.peak_flops_per_device=null") == 0  # MFU from the measured rate
+  # MFU from the measured rate; the diagnostics on (on a fixed validation batch: the losses are
+  # those of a run without them)
+  assert run_inprocess(out, "train.peak_flops_per_device=null", *DIAGNOSTICS) == 0
   return out

@@ -26,13 +26,18 @@ TINY = [
     "stability.zclip.warmup_steps=5",
     "checkpoint.every=10", "checkpoint.async_save=false",
     "logging.tensorboard=true", "logging.progress=false",
-    "logging.histogram_every=20", "logging.activation_every=20",
+    # No histograms or activation statistics: they compile two more programs per run. The tests
+    # of the diagnostics turn them on (DIAGNOSTICS).
+    "logging.histogram_every=0", "logging.activation_every=0",
     # No sample at evals: each run would compile a sampler. Tests of sampling turn it on.
     "logging.sample_every=0",
     # A given peak rate for MFU skips the trainer's CPU matmul benchmark at the end of each run
     # (clean_run keeps measuring it).
     "train.peak_flops_per_device=1e12",
 ]
+
+
+DIAGNOSTICS = ("logging.histogram_every=20", "logging.activation_every=20")
 
 
 def sets(*overrides: str) -> list[str]:

@@ -97,6 +97,17 @@ def test_metrics_records_have_documented_keys(clean_run):
     assert (layers > 0) == (r["lr"] > 0), (r["step"], r["lr"], layers)
   evals = [r for r in records if "val_loss" in r]
   assert [r["step"] for r in evals] == [20, 40]
+  # The diagnostics (every 20 steps in this run, on a fixed validation batch): activation
+  # statistics, per-layer gradient norms, and from the second check on the parameter movement.
+  diagnostics = [r for r in records if "act_rms" in r]
+  assert [r["step"] for r in diagnostics] == [20, 40]
+  for r in diagnostics:
+    assert 0 < r["act_rms"] <= r["act_max"] and r["logit_max"] > 0
+    layer_norms = {k for k in r if k.startswith("grad_norm/blocks/")}  # per layer, per tensor
+    assert {k.split("/")[2] for k in layer_norms} == {"0", "1"}
+    assert all(r[k] > 0 for k in layer_norms)
+  assert not any(k.startswith("param_move/") for k in diagnostics[0])
+  assert any(k.startswith("param_move/") for k in diagnostics[1])
   # The logged lr is the configured optax schedule's value (not a fraction of the peak): warmup
   # to 0.01 over 4 updates, cosine to 0.001 at 40. Record k logs update k - 1 (0-based).
   lrs = {r["step"]: r["lr"] for r in train}
