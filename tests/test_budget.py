@@ -280,14 +280,14 @@ def run_budget(out, *overrides, fresh=True):
 @slow
 def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count(tmp_path, capsys):
   out = tmp_path / "budget"
-  minutes = 2.0
+  minutes = 1.0  # the tiny model runs hundreds of steps a minute: enough to plan past 250
   capsys.readouterr()
   assert run_budget(out, f"train.time_budget_minutes={minutes}", "train.target_val_loss=5.0") == 0
   printed = capsys.readouterr().out
   s = summary(out)
   # The budget fixed the length, not stablejax/configs/default.json's 250 steps, and says so.
   assert s["planned_steps"] == s["steps"] > 250 and s["steps_fixed_by"] == "time_budget"
-  assert f"{s['steps']} steps (fixed by train.time_budget_minutes=2)" in printed
+  assert f"{s['steps']} steps (fixed by train.time_budget_minutes={minutes:g})" in printed
   assert s["total_wall_seconds"] <= 1.1 * minutes * 60, s["budget_timings"]
   assert s["within_time_budget"] is (s["total_wall_seconds"] <= minutes * 60)
   train = [r for r in read_metrics(out) if "lr" in r and "event" not in r]
@@ -316,7 +316,7 @@ def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
   from stablejax.training.config import load_config
   from stablejax.training.loop import Run
 
-  minutes = 2.0
+  minutes = 2.0  # the check below allows 2% over: 2.4 s of a busy machine's noise
   argv = budget_argv(tmp_path, f"train.time_budget_minutes={minutes}")
   cfg = load_config(ROOT / "stablejax" / "configs" / "default.json", argv[1:-2:2])
   assert cfg.train.steps is None
