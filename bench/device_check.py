@@ -108,14 +108,9 @@ def peak_flops(override_tflops: float | None) -> tuple[float, str]:
                    "--peak-tflops (the device's dense bf16 TFLOP/s)")
 
 
-def _measured_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
-  a = jnp.ones((n, n), jnp.float32)
-  mm = jax.jit(lambda x: x @ x)
-  mm(a).block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(repeats):
-    mm(a).block_until_ready()
-  return 2 * n**3 * repeats / (time.perf_counter() - t0)
+def _measured_matmul_flops() -> float:
+  from stablejax.training.components import measured_peak_flops  # the trainer's own measure
+  return measured_peak_flops()
 
 
 def time_per_call(fn: Callable[[], Any], calls: int, repeats: int) -> float:
