@@ -399,10 +399,11 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
 
 def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_coeffs: Any,
                     consistent_rms: Any, outlier_threshold: Any, outlier_method: Optional[str],
-                    ns_backend: str, eps: float, layouts: Any) -> optax.GradientTransformation:
+                    ns_backend: str, eps: float, layouts: Any, ns_method: str = "standard",
+                    ns_preconditioning: str = "frobenius") -> optax.GradientTransformation:
   """:func:`scale_by_outlier_safe_muon` with the layouts given as ``tree -> [dims per leaf]``."""
   ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
-  _ns.resolve_coeffs(ns_coeffs, ns_steps)  # validates early
+  _ns.resolve_iteration(ns_coeffs, ns_steps, ns_method, ns_preconditioning)  # validates early
 
   def init_fn(params: Any) -> OutlierSafeMuonState:
     leaves, _ = routing.param_leaves(params)
@@ -448,7 +449,8 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_c
     """Clamp, NS, health check and scale of a stack ``[n, fan_in, fan_out]`` of matrices."""
     x, n_out = _clamp(x, outlier_method, outlier_threshold)
     norm = _ns.frobenius_norm(x)  # shared by NS's normalisation and the health check
-    o = _ns.newton_schulz_given_norm(x, norm, ns_steps, ns_coeffs, eps, ns_backend)
+    o = _ns.newton_schulz_given_norm(x, norm, ns_steps, ns_coeffs, eps, ns_backend, ns_method,
+                                     ns_preconditioning)
     healthy, mom_finite, norm = ns_health(o, x, eps, norm)
     xf = x.astype(jnp.float32)
     fallback = jnp.where(mom_finite[..., None, None], xf / (norm[..., None, None] + eps),
@@ -650,6 +652,12 @@ def outlier_safe_muon(
     param_labels: routing.LabelsOrFn = None,
     weight_dimension_numbers: routing.DimensionNumbersOrFn = None,
     strict_overrides: bool = False,
+    ns_method: str = "standard",
+    ns_preconditioning: str = "frobenius",
+    per_head: bool = False,
+    num_heads: Optional[int] = None,
+    normuon: bool = False,
+    normuon_b2: float = 0.95,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden matrices, AdamW for embeddings, head, norms and biases, with safety guards.
 
@@ -726,6 +734,22 @@ def outlier_safe_muon(
       axes that no rule recognises gets a warning at init naming it and this fix.
     strict_overrides: a ``param_labels`` pattern that matches no parameter is an error (by
       default it warns once at ``init``, so one mapping can serve several variants of a model).
+    ns_method: "standard" or "gram" (Gram Newton-Schulz where it takes fewer FLOPs, see
+      :func:`stablejax.newton_schulz`).
+    ns_preconditioning: "frobenius" or "aol" (Turbo-Muon; use it with one step fewer).
+    per_head: orthogonalise attention projections per head: query, key and value per head
+      (grouped-query key and value per key head; a fused query/key/value kernel per head of each
+      part), the output projection per head (:func:`stablejax.layout.heads.per_head_layouts`),
+      in every layout the routing recognises; given ``weight_dimension_numbers`` win. With
+      ``consistent_rms`` the update RMS is unchanged; with width scaling the output projection's
+      per-head ``[hd, D]`` matrices get ``sqrt(D / hd)``.
+    num_heads: the query head count, needed by ``per_head`` for attention layers of 2-D kernels
+      without a query/key norm (a clear error at ``init`` names it when missing).
+    normuon: NorMuon (arXiv 2510.05491): after orthogonalisation, each output neuron of each
+      matrix divided by the root of an EMA of its mean square, the matrix's Frobenius norm kept
+      (:mod:`stablejax.muon.normuon`; its :class:`~stablejax.muon.normuon.NorMuonState` sits in
+      the Muon group's chain state).
+    normuon_b2: that EMA's decay.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its state is :class:`GroupUpdateRmsState`
@@ -752,6 +776,10 @@ def outlier_safe_muon(
     ['muon/fallback_count', 'muon/fallback_rate']
   """
   ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
+  _ns.resolve_iteration(ns_coeffs, ns_steps, ns_method, ns_preconditioning)  # validates early
+  heads = routing.per_head_of(per_head, num_heads)
+  if not isinstance(normuon, bool):
+    raise ValueError(f"normuon must be True or False, got {normuon!r}")
   rate_sources = {"muon": "learning_rate", "adam": "adam_learning_rate",
                   "embedding": "embedding_learning_rate", "head": "head_learning_rate"}
   if adam_learning_rate is None:
@@ -782,7 +810,8 @@ def outlier_safe_muon(
     key = routing.layout.structure_key(routing.param_leaves(tree)[0])
     found = plans.get(key)
     if found is None:
-      found = routing.plan(tree, param_labels, weight_dimension_numbers, strict_overrides)
+      found = routing.plan(tree, param_labels, weight_dimension_numbers, strict_overrides,
+                           heads)
       plans[key] = found
       plans.setdefault(found.muon_only_key(), found)
     return found
@@ -793,13 +822,18 @@ def outlier_safe_muon(
   def muon_layouts(tree: Any) -> list:
     found = plans.get(routing.layout.structure_key(routing.param_leaves(tree)[0]))
     if found is None:  # a tree the router never saw: route it as it is
-      return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
+      return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers, heads)
+              if d is not None]
     return found.muon_layouts()
 
   muon_parts = [
       _muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms, outlier_threshold,
-                      outlier_method, ns_backend, 1e-8, muon_layouts),
+                      outlier_method, ns_backend, 1e-8, muon_layouts, ns_method,
+                      ns_preconditioning),
   ]
+  if normuon:
+    from stablejax.muon.normuon import _normuon  # normuon cuts matrices with this module's code
+    muon_parts.append(_normuon(normuon_b2, 1e-8, muon_layouts))
   if not _is_zero(weight_decay):
     muon_parts.append(optax.add_decayed_weights(weight_decay))
   muon_parts.append(optax.scale_by_learning_rate(learning_rate))
@@ -820,7 +854,7 @@ def outlier_safe_muon(
       param_labels=param_labels, weight_dimension_numbers=weight_dimension_numbers,
       learning_rates={"muon": learning_rate, "adam": adam_learning_rate,
                       "embedding": embedding_learning_rate, "head": head_learning_rate},
-      rate_sources=rate_sources)
+      rate_sources=rate_sources, per_head=heads)
 
   def init_fn(params: Any) -> GroupUpdateRmsState:
     found = plan(params)

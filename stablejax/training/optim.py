@@ -106,6 +106,12 @@ def main_optimizer(cfg: Config) -> optax.GradientTransformation:
       outlier_threshold=o.outlier_threshold,
       outlier_method=o.outlier_method,
       ns_backend=o.ns_backend,
+      ns_method=o.ns_method,
+      ns_preconditioning=o.ns_preconditioning,
+      per_head=o.per_head,
+      num_heads=cfg.model.n_heads,
+      normuon=o.normuon,
+      normuon_b2=o.normuon_b2,
   )
 
 
