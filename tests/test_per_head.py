@@ -213,3 +213,25 @@ def test_per_head_errors_and_describe():
                                                                                        -1, 4)
   with pytest.warns(UserWarning, match="no attention projection is split"):
     stablejax.muon_dimension_numbers({"w": jnp.zeros((8, 8))}, per_head=True)
+
+
+def test_given_dimension_numbers_win_over_per_head():
+  import optax
+
+  from stablejax.modeling.gpt import GPT, ModelConfig
+  from stablejax.muon import routing
+  cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
+                    qk_norm=False)
+  params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  whole = optax.contrib.MuonDimensionNumbers(-2, -1)
+
+  def given(p):
+    tree = jax.tree.map(lambda _: None, p)
+    tree["blocks"]["attn"]["q_proj"]["kernel"] = whole
+    return tree
+  plan = routing.plan(params, weight_dimension_numbers=given, per_head=routing.PerHead(4))
+  by_path = {leaf.path: (dims, source) for leaf, dims, source in
+             zip(plan.leaves, plan.layouts, plan.sources)}
+  assert by_path["blocks/attn/q_proj/kernel"] == (whole, "given")
+  assert by_path["blocks/attn/k_proj/kernel"] == (
+      stablejax.FusedDimensionNumbers(-2, -1, -1, 4), "per_head")

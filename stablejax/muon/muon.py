@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 from stablejax.muon import newton_schulz as _ns
+from stablejax.muon import normuon as _normuon
 from stablejax.muon import routing
 from stablejax.muon import sharding as _sharding
 from stablejax.transforms._common import finite_probe
@@ -283,48 +284,9 @@ def shape_scale(fan_in: int, fan_out: int, consistent_rms: Any) -> Any:
   return consistent_rms * math.sqrt(max(fan_in, fan_out))
 
 
-def _to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
-  """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
-  red, out = routing._normalize_axes(dims, x.ndim)
-  batch = [a for a in range(x.ndim) if a not in red and a not in out]
-  perm = tuple(batch) + red + out
-  permuted_shape = tuple(x.shape[a] for a in perm)
-  shape = (tuple(x.shape[a] for a in batch) + (math.prod(x.shape[a] for a in red),
-                                               math.prod(x.shape[a] for a in out)))
-  inverse = tuple(sorted(range(x.ndim), key=perm.__getitem__))
-  identity = perm == tuple(range(x.ndim))
-
-  def back(m: jax.Array) -> jax.Array:
-    m = m.reshape(permuted_shape)
-    return m if identity else jnp.transpose(m, inverse)
-
-  return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
-
-
-def _split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
-  """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
-
-  Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
-  equal parts become one more batch axis (``[D, 3W]`` -> ``[D, 3, W]``: one batched NS call);
-  parts of different sizes (grouped-query ``[D, (H + 2K) hd]``) are sliced apart.
-  """
-  if not isinstance(dims, routing.FusedDimensionNumbers):
-    return [(x, dims)], lambda outs: outs[0]
-  red, out = routing._normalize_axes(dims, x.ndim)
-  axis = int(dims.fused_axis) % x.ndim
-  sizes = dims.part_sizes(x.shape)
-  plain = routing.MuonDimensionNumbers(red, out)
-  if len(set(sizes)) == 1:  # [..., k * W, ...] -> [..., k, W, ...]: the k axis is a batch axis
-    k = len(sizes)
-    shape = x.shape[:axis] + (k, sizes[0]) + x.shape[axis + 1:]
-
-    def shift(axes: tuple) -> tuple:
-      return tuple(a + 1 if a >= axis else a for a in axes)
-    return ([(x.reshape(shape), routing.MuonDimensionNumbers(shift(red), shift(out)))],
-            lambda outs: outs[0].reshape(x.shape))
-  cuts = list(np.cumsum(sizes)[:-1])
-  pieces = jnp.split(x, cuts, axis=axis)
-  return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
+# The matrices of a leaf (routing.to_matrices, routing.split_fused): shared with NorMuon.
+_to_matrices = routing.to_matrices
+_split_fused = routing.split_fused
 
 
 def _static_int(value: Any, name: str) -> int:
@@ -832,8 +794,7 @@ def outlier_safe_muon(
                       ns_preconditioning),
   ]
   if normuon:
-    from stablejax.muon.normuon import _normuon  # normuon cuts matrices with this module's code
-    muon_parts.append(_normuon(normuon_b2, 1e-8, muon_layouts))
+    muon_parts.append(_normuon.with_layouts(normuon_b2, 1e-8, muon_layouts))
   if not _is_zero(weight_decay):
     muon_parts.append(optax.add_decayed_weights(weight_decay))
   muon_parts.append(optax.scale_by_learning_rate(learning_rate))

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stablejax.muon import muon as _muon
 from stablejax.muon import routing
 
 
@@ -63,8 +62,10 @@ def normalise(o: jax.Array, nu: jax.Array, b2: Any, eps: float) -> tuple[jax.Arr
   return (scaled * (norm / jnp.maximum(new_norm, 1e-8))).astype(o.dtype), nu
 
 
-def _normuon(b2: Any, eps: float, layouts: Callable[[Any], list]) -> optax.GradientTransformation:
-  """:func:`scale_by_normuon` with the layouts given as ``tree -> [dims per leaf]``."""
+def with_layouts(b2: Any, eps: float, layouts: Callable[[Any], list]
+                 ) -> optax.GradientTransformation:
+  """:func:`scale_by_normuon` with the layouts given as ``tree -> [dims per leaf]`` (what
+  :func:`stablejax.outlier_safe_muon` chains, with its routing's layouts)."""
 
   def init_fn(params: Any) -> NorMuonState:
     treedef: Any
@@ -80,10 +81,10 @@ def _normuon(b2: Any, eps: float, layouts: Callable[[Any], list]) -> optax.Gradi
     leaves, treedef = jax.tree.flatten(updates)
     new_leaves, new_nu = [], []
     for u, nu, dims in zip(leaves, treedef.flatten_up_to(state.nu), layouts(updates)):
-      pieces, join = _muon._split_fused(u, dims)
+      pieces, join = routing.split_fused(u, dims)
       outs, nus, offset = [], [], 0
       for piece, piece_dims in pieces:
-        x, back = _muon._to_matrices(piece, piece_dims)
+        x, back = routing.to_matrices(piece, piece_dims)
         k = math.prod(x.shape[:-2]) * x.shape[-1]
         o, v = normalise(x, nu[offset:offset + k].reshape(x.shape[:-2] + x.shape[-1:]), b2, eps)
         outs.append(back(o))
@@ -137,4 +138,4 @@ def scale_by_normuon(b2: float = 0.95, eps: float = 1e-8,
   def layouts_of(tree: Any) -> list:
     return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
 
-  return _normuon(b2, eps, layouts_of)
+  return with_layouts(b2, eps, layouts_of)

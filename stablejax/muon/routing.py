@@ -50,6 +50,7 @@ import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -395,6 +396,50 @@ def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None,
   leaves, _ = param_leaves(tree)
   a = layout.analyse(leaves)
   return _layouts(tree, leaves, a, weight_dimension_numbers, [True] * len(leaves), per_head)[0]
+
+
+def to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+  """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
+  red, out = _normalize_axes(dims, x.ndim)
+  batch = [a for a in range(x.ndim) if a not in red and a not in out]
+  perm = tuple(batch) + red + out
+  permuted_shape = tuple(x.shape[a] for a in perm)
+  shape = (tuple(x.shape[a] for a in batch) + (math.prod(x.shape[a] for a in red),
+                                               math.prod(x.shape[a] for a in out)))
+  inverse = tuple(sorted(range(x.ndim), key=perm.__getitem__))
+  identity = perm == tuple(range(x.ndim))
+
+  def back(m: jax.Array) -> jax.Array:
+    m = m.reshape(permuted_shape)
+    return m if identity else jnp.transpose(m, inverse)
+
+  return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
+
+
+def split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
+  """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
+
+  Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
+  equal parts become one more batch axis (``[D, 3W]`` -> ``[D, 3, W]``: one batched NS call);
+  parts of different sizes (grouped-query ``[D, (H + 2K) hd]``) are sliced apart.
+  """
+  if not isinstance(dims, FusedDimensionNumbers):
+    return [(x, dims)], lambda outs: outs[0]
+  red, out = _normalize_axes(dims, x.ndim)
+  axis = int(dims.fused_axis) % x.ndim
+  sizes = dims.part_sizes(x.shape)
+  plain = MuonDimensionNumbers(red, out)
+  if len(set(sizes)) == 1:  # [..., k * W, ...] -> [..., k, W, ...]: the k axis is a batch axis
+    k = len(sizes)
+    shape = x.shape[:axis] + (k, sizes[0]) + x.shape[axis + 1:]
+
+    def shift(axes: tuple) -> tuple:
+      return tuple(a + 1 if a >= axis else a for a in axes)
+    return ([(x.reshape(shape), MuonDimensionNumbers(shift(red), shift(out)))],
+            lambda outs: outs[0].reshape(x.shape))
+  cuts = list(np.cumsum(sizes)[:-1])
+  pieces = jnp.split(x, cuts, axis=axis)
+  return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
 
 
 def part_shapes(dims: Any, shape: Sequence[int]) -> list[tuple[tuple, int, int]]:
