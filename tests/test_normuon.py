@@ -149,3 +149,24 @@ def test_bad_normuon_arguments():
   u, state = optax.chain(scale_by_normuon()).update(
       {"w": jnp.zeros((4, 6))}, optax.chain(scale_by_normuon()).init({"w": jnp.zeros((4, 6))}))
   assert np.all(np.asarray(u["w"]) == 0)  # a zero update stays zero (no 0/0)
+
+
+def test_trainer_config_keys_reach_the_optimizer():
+  from stablejax.modeling.gpt import GPT
+  from stablejax.training.config import ConfigError, ineffective_keys, load_config
+  from stablejax.training.optim import build_optimizer
+  cfg = load_config(None, ["optimizer.per_head=true", "optimizer.normuon=true",
+                           "optimizer.normuon_b2=0.9", "optimizer.ns_method=\"gram\"",
+                           "model.n_layers=1", "model.d_model=32", "model.n_heads=4",
+                           "model.qk_norm=false", "model.vocab_size=64"])
+  params = GPT(cfg.model).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  tx = build_optimizer(cfg)
+  state = tx.init(params)
+  nu = _muon_state(state, NorMuonState).nu  # normuon=true reached the chain
+  assert nu["blocks"]["attn"]["q_proj"]["kernel"].shape == (32,)
+  table = stablejax.describe_routing(params, tx)  # per_head with model.n_heads as the count
+  assert "4 x 32x8" in table and "attention heads" in table
+  assert ineffective_keys(load_config(None, ["optimizer.normuon_b2=0.9"])) != []
+  for bad in ('optimizer.ns_preconditioning="spectral"', "optimizer.normuon_b2=1.5"):
+    with pytest.raises(ConfigError, match="optimizer"):
+      load_config(None, [bad])
