@@ -1196,6 +1196,16 @@ def main(argv=None) -> int:
           f"groups {MUON_ADAM_LR:g}); QK-clip tau 100 (stablejax_qkclip100), 300 "
           f"(stablejax_qkclip), 30 (stablejax_qkclip30); command of the runs: python "
           f"bench/stress.py --long --results bench/results/stress_long_runs.jsonl")
+    if args.muon_methods and header["setting"] == "":
+      b = BASE
+      header["setting"] = (
+          f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, no warmup, "
+          f"data pydoc; the model without QK-norm (long) and with it (long_qk); base LR Muon "
+          f"{MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}), 1x and 10x; command of the runs: "
+          f"python -m bench.stress --muon-methods --results "
+          f"bench/results/stress_long_muon_runs.jsonl (long), and the same with --models "
+          f"long_qk --defences stablejax_muon,stablejax_muon_normuon --lr-factors 1,10")
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
