@@ -347,6 +347,19 @@ def test_gram_bfloat16_restart_keeps_it_as_close_as_the_standard_iteration():
               stablejax.newton_schulz(g, backend="xla")) < 0.03
 
 
+def test_gram_bfloat16_polar_express_on_a_low_rank_matrix():
+  # The hardest case measured: bfloat16, the large first polar_express coefficients, a spectrum
+  # of 8 directions and noise at 1e-4. Gram stays within 0.36 of the standard bfloat16 result
+  # (RZ not transposed in R's update; transposed, 1.1).
+  rng = np.random.default_rng(0)
+  u = np.linalg.qr(rng.standard_normal((128, 128)))[0]
+  v = np.linalg.qr(rng.standard_normal((512, 128)))[0]
+  s = np.concatenate([np.geomspace(1, 0.1, 8), np.full(120, 1e-4)])
+  x = jnp.asarray((u * s) @ v.T, jnp.bfloat16)
+  gram = stablejax.newton_schulz(x, coeffs="polar_express", method="gram", backend="xla")
+  assert _rel(gram, stablejax.newton_schulz(x, coeffs="polar_express", backend="xla")) < 0.5
+
+
 def test_gram_runs_where_it_saves_flops_and_its_flop_count():
   from stablejax.muon import gram
   n, m = 64, 256

@@ -1467,9 +1467,9 @@ MUTANTS = [
        "a restart keeps the old R instead of recomputing it from X"),
     _m("GR6", GRAM, "      macs += 2 * n**3  # R (a I + Z), then (a I + Z) RZ",
        "      macs += n**3", "the FLOP count misses one of the two products of R's update"),
-    _m("GR7", GRAM, "    if i + 1 < steps and i + 1 not in restarts:\n      rz",
-       "    if i + 1 < steps:\n      rz",
-       "R is updated before a restart recomputes it (two products for nothing)"),
+    _m("GR7", GRAM, "  return steps > 0 and flops(n, m, steps, restarts) < flops(n, m, steps, "
+       "method=\"standard\")", "  return steps > 0",
+       "Gram runs on every shape, square ones too, where it takes more FLOPs"),
 
     # ---------------------------------------------------------------- muon/normuon.py
     _m("NM1", NORMUON, "jnp.mean(of * of, axis=-2)", "jnp.mean(of * of, axis=-1)",
