@@ -396,10 +396,15 @@ def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Any],
     ...     name: {"kernel": jnp.zeros((8, 8))} for name in ("q_proj", "k_proj", "v_proj",
     ...                                                     "o_proj")}}
     >>> leaves, _ = analysis.param_leaves(params)
-    >>> split, unknown = per_head_layouts(analysis.analyse(leaves), [None] + [MDN(-2, -1)] * 4,
-    ...                                   num_heads=2)
-    >>> split[1]  # attn/k_proj/kernel: 2 heads of 4 along its output axis
+    >>> [leaf.path for leaf in leaves]  # doctest: +NORMALIZE_WHITESPACE
+    ['attn/k_proj/kernel', 'attn/o_proj/kernel', 'attn/q_proj/kernel', 'attn/v_proj/kernel',
+     'embed']
+    >>> whole = [MDN(-2, -1)] * 4 + [None]   # the Muon layouts; the embedding is not Muon's
+    >>> split, unknown = per_head_layouts(analysis.analyse(leaves), whole, num_heads=2)
+    >>> split[0]  # k_proj: 2 heads of 4 along its output axis
     FusedDimensionNumbers(reduction_axis=-2, output_axis=-1, fused_axis=-1, parts=2)
+    >>> split[1]  # o_proj: 2 heads of 4 along its input axis
+    FusedDimensionNumbers(reduction_axis=-2, output_axis=-1, fused_axis=-2, parts=2)
   """
   out: dict[int, Any] = {}
   unknown: list[str] = []
