@@ -658,7 +658,7 @@ def outlier_safe_muon(
   ``head_learning_rate`` default to ``adam_learning_rate``. Every rate may be an optax schedule,
   and every float hyperparameter may be injected with
   ``optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=...)``: ``ns_steps``
-  (a loop count) stays static at its default; an explicit ``ns_steps`` needs
+  (a loop count) stays static at its default; an explicit ``ns_steps`` (or ``num_heads``) needs
   ``static_args=("ns_steps",)`` there (add ``"param_labels"`` / ``"weight_dimension_numbers"``
   when passing callables, which ``inject_hyperparams`` would take for schedules).
 
