@@ -349,14 +349,25 @@ class QKClipConfig:
 
   def validate(self, where: str, ctx: defence.DefenceContext) -> None:
     defence.check_positive(f"{where}.tau", self.tau)
-    if self.enabled and ctx.model is not None and getattr(ctx.model, "qk_norm", False):
+    if not self.enabled or ctx.model is None:
+      return
+    needed_by = f"QK-clip ({where}.enabled=true)"
+    ctx.model.require("attention logits", needed_by)
+    ctx.model.require("attention layout", needed_by)
+    if ctx.model.attention_heads().qk_norm:
       raise ValueError(f"{where}.enabled=true with model.qk_norm=true: QK-norm removes the scale "
                        "of W_q and W_k from the logits, so QK-clip would shrink them every step "
                        f"without lowering a logit; set {where}.enabled=false (QK-norm already "
                        "bounds the logits) or model.qk_norm=false")
 
 
-QK_CLIP = defence.register(defence.Defence(
+def _build(c: QKClipConfig, ctx: defence.DefenceContext) -> optax.GradientTransformationExtraArgs:
+  heads = ctx.model.attention_heads() if ctx.model is not None else None
+  return qk_clip(tau=c.tau, num_heads=heads.num_heads if heads else None,
+                 num_kv_heads=heads.num_kv_heads if heads else None)
+
+
+QK_CLIP = defence.Defence(
     name="qk_clip", config=QKClipConfig, position=defence.Position.FINAL, order=10,
-    build=lambda c, ctx: qk_clip(tau=c.tau, num_heads=getattr(ctx.model, "n_heads", None)),
-    step_args=("max_logits",), label="QK-clip (per-head rescale of W_q, W_k above tau)"))
+    build=_build, step_args=("max_logits",),
+    label="QK-clip (per-head rescale of W_q, W_k above tau)")
