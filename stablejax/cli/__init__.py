@@ -31,7 +31,7 @@ class Command(NamedTuple):
 
 COMMANDS = {
     "train": Command("stablejax.cli.train",
-                     "train a Pre-LN GPT with the stability stack (checkpoints, logs, recovery)",
+                     "train a language model with the stability stack (checkpoints, logs, recovery)",
                      own_signals=True),
     "prepare": Command("stablejax.cli.prepare",
                        "prepare a corpus: documents -> tokens -> train.bin, val.bin, meta.json"),

@@ -51,6 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt as e:
       print(f"interrupted by {_process.interrupted_name(e)}: no report written", file=sys.stderr)
       return _process.EXIT_INTERRUPTED
+    _import_plugins(Path(args.run_dir))
     try:
       out, text = make_report(Path(args.run_dir), Path(args.out) if args.out else None,
                               args.window)
@@ -66,6 +67,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(text)
     print(f"report written to {out}")
     return 0
+
+
+def _import_plugins(run_dir: Path) -> None:
+  """The run's plugins, so that the rates of their defences are read (a warning line when one
+  cannot be imported: the report is drawn without them)."""
+  from stablejax.training import plugins
+  from stablejax.training.run_dir import recorded_plugins
+  try:
+    plugins.load(recorded_plugins(run_dir), str(run_dir / "config.json"))
+  except plugins.PluginError as e:
+    print(f"warning: {e}; its defences' rates are not reported", file=sys.stderr)
 
 
 if __name__ == "__main__":

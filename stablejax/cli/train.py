@@ -1,4 +1,4 @@
-"""Train a Pre-LN GPT with the stablejax stability stack.
+"""Train a language model with the stablejax stability stack (a Pre-LN GPT by default).
 
     python -m stablejax train                    # the packaged config "default" into runs/default
     python -m stablejax train --config gpt2_small --set train.steps=100 --set data.train=my.txt \
@@ -8,6 +8,11 @@
 ``--config`` takes a packaged config's name (``default``, ``gpt2_small``, ``openwebtext_stable``,
 ``openwebtext_stable_cpu``) or a JSON file. ``python train.py ...`` at the repository root is the
 same program.
+
+``--plugin MODULE`` imports a module of the user's that declares defences or model families
+(``stablejax.training.plugins``); the run records it, and a resume imports it again. A resume may
+switch defences on or off and change their settings: it says in one line what changed and what
+became of each defence's state. Switching between Muon and AdamW needs ``--reset-optimizer``.
 
 The run directory is the trainer's: it holds its lock while it runs (a second trainer on it stops
 with one line naming the first), records what it wrote in ``run.json``, and never deletes, appends
@@ -56,6 +61,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument("--data-changed", action="store_true",
                       help="resume on data other than the run recorded, on purpose (the "
                            "validation set and the data order change)")
+  parser.add_argument("--reset-optimizer", action="store_true",
+                      help="resume with the optimizer's state started afresh (keeping the "
+                           "parameters, step, data position and monitor): to switch between "
+                           "muon and adamw")
+  parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                      help="import a module that declares defences or model families (a module "
+                           "name or a .py path), repeatable; recorded in config.json, so a resume, "
+                           "sample, report and quantize-eval import it again")
   return parser.parse_args(argv)
 
 
@@ -104,14 +117,16 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, config_name, load_config
   from stablejax.training.loop import Interrupted, Run
-  from stablejax.training.run_dir import RunDirError, environment_message
+  from stablejax.training.run_dir import RunDirError, environment_message, recorded_plugins
 
   out = Path(args.out or Path("runs") / config_name(args.config))
   try:
     signals.check_startup("importing")
-    cfg = load_config(args.config, args.set)
+    # A resume imports the plugins the run recorded, before the config names their sections.
+    plugins = ([] if args.fresh else recorded_plugins(out)) + args.plugin
+    cfg = load_config(args.config, args.set, plugins=plugins)
     return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
-               signals=signals).train()
+               reset_optimizer=args.reset_optimizer, signals=signals).train()
   except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)
     if distributed.is_main():
       print(e, flush=True)

@@ -33,14 +33,14 @@ from stablejax.training import actions, components, distributed, runs
 from stablejax.training.batches import Batches, kill_if_due, total_skips
 from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
-from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
+from stablejax.training.config import (Config, ConfigError, changed_keys, ineffective_keys,
+                                      load_run_file, to_dict)
 from stablejax.training.logger import RunLogger
 from stablejax.training.optim import learning_rate_warnings, learning_rates
 from stablejax.training.recovery import Recovery
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
 from stablejax.training.run_dir import RunDirectory
 from stablejax.training.signals import Interrupted, StopSignals
-from stablejax.modeling.gpt import count_params, model_flops_per_token
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 
@@ -64,6 +64,8 @@ class Run:
     optimizer: ``(cfg, main) -> chain`` around the configured main optimizer instead of
       ``build_optimizer`` (rebuilt when the time budget fixes the step count).
     data_changed: resume on data other than the run recorded (its identity is updated).
+    reset_optimizer: at resume, start the optimizer's state afresh (keeping the parameters, the
+      step, the data position and the monitor): needed to switch between Muon and AdamW.
     signals: the stop-signal handler a program installed before its imports.
 
   Example:
@@ -85,7 +87,8 @@ class Run:
   def __init__(self, cfg: Config, out_dir: Path | str, fresh: bool = False,
                tx: Optional[optax.GradientTransformationExtraArgs] = None,
                optimizer: Optional[components.OptimizerFactory] = None,
-               data_changed: bool = False, signals: Optional[StopSignals] = None):
+               data_changed: bool = False, reset_optimizer: bool = False,
+               signals: Optional[StopSignals] = None):
     self.t_start = time.time()
     # From here a signal stops the run at the next safe point (between start-up phases, or at a
     # step), never in the middle of a compilation, a checkpoint save or the budget's probe.
@@ -93,13 +96,14 @@ class Run:
     self.signals.install()
     distributed.initialize(cfg.mesh)  # before anything touches a JAX backend
     # Joining a job starts XLA's preemption notifier, which takes SIGTERM for itself: the
-    # trainer's handlers go back on top (a signal received meanwhile stays recorded).
-    self.signals.install()
+    # trainer's handler takes it back (a signal received meanwhile stays recorded).
+    if cfg.mesh.distributed:
+      self.signals.reclaim()
     self.is_main = distributed.is_main()
     self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main)
     distributed.barrier("run_dir")  # no process looks for checkpoints before --fresh is done
     try:
-      self._build(cfg, tx, optimizer, data_changed)
+      self._build(cfg, tx, optimizer, data_changed, reset_optimizer)
     except BaseException:
       if hasattr(self, "checkpoints"):
         self.checkpoints.close()  # no Orbax thread may outlive a refused start
@@ -107,8 +111,10 @@ class Run:
       raise
 
   def _build(self, cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
-             optimizer: Optional[components.OptimizerFactory], data_changed: bool) -> None:
+             optimizer: Optional[components.OptimizerFactory], data_changed: bool,
+             reset_optimizer: bool) -> None:
     self.custom_tx, self.data_changed = tx, data_changed
+    self.recorded = self._recorded_config()
     self.log = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard)  # console until opened
     # Data first: a bad path is the commonest mistake and should fail before any compilation.
     t = cfg.train
@@ -132,8 +138,20 @@ class Run:
     self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
                            lambda tokens: self.c.device_tokens(tokens))
-    self.restorer = Restorer(self.c, self.run_dir, self.checkpoints, self.batches, self.recovery,
-                             self.monitor, self.log)
+    self.restorer = Restorer(lambda: self.c, self.run_dir, self.checkpoints, self.batches,
+                             self.recovery, self.monitor, self.log, recorded=self.recorded,
+                             reset_optimizer=reset_optimizer)
+
+  def _recorded_config(self) -> Optional[Config]:
+    """The config of the run's previous start (its ``config.json``), or None: a new run, or one
+    whose recorded config this version cannot read (then only a keyed checkpoint resumes)."""
+    path = self.run_dir.root / "config.json"
+    if "config.json" not in self.run_dir.recorded or not path.is_file():
+      return None
+    try:
+      return load_run_file(path)
+    except ConfigError:
+      return None
 
   @property
   def cfg(self) -> Config:
@@ -181,16 +199,22 @@ class Run:
     self.state, meta = self.restorer.restore_or_init()
     resuming = bool(meta)
     self._check_resume(resuming)
+    notes = self._changes(meta) if resuming else []
     self._record_start()
     self.signals.check_startup("restoring the checkpoint" if resuming else "initialising the model")
     self.budget.load_state_dict(meta, owns_clock=CLOCK_FILE in self.run_dir.recorded)
     self.budget.tick(force=True)  # a start killed from here on still counts in the budget
     self._apply_budget()
     step = int(meta.get("step", 0))
+    self.checkpointing = actions.Checkpointing(self.c, self.checkpoints, self.batches,
+                                               self._meta, self.recovery, self.log)
     if step == 0 and not self.checkpoints.all_steps():
-      self._checkpointing().save(0, self.state)  # the initial state is a rollback target
+      self.checkpointing.save(0, self.state)  # the initial state is a rollback target
       self.signals.check_startup("saving step 0")
     self._banner(step)
+    for line in notes:
+      self.log.console(line)
+      self.log.record({"step": step, "event": "resumed", "cause": line})
     self.val_batches = self.c.val_batches()
     if self.budget.active and self.val_batches:
       # Compile the eval (and sample) now, at start-up: the budget's margin for the final eval
@@ -221,6 +245,19 @@ class Run:
           "to start over, or --data-changed to resume on the new data on purpose (its "
           "validation set and order change)")
 
+  def _changes(self, meta: dict) -> list[str]:
+    """What changed since the run's last start, one line each: the settings, and what the
+    restore did with the optimizer state (a defence switched on or off, ...)."""
+    lines = []
+    if self.recorded is not None:
+      changed = [line for line in changed_keys(self.recorded, self.cfg)
+                 if not (line.startswith("train.steps ") and self.cfg.train.time_budget_minutes)]
+      if changed:
+        lines.append("changed since the last start: " + "; ".join(changed))
+    if meta.get("changes"):
+      lines.append(str(meta["changes"]))
+    return lines
+
   def _record_start(self) -> None:
     """The checks passed: the run's config, tokenizer and data identity, and its log files."""
     if self.is_main:
@@ -246,8 +283,7 @@ class Run:
       self.log.console("warning: train.time_budget_minutes with Run(tx=...): the step count is "
                        "fixed, but the schedules inside that tx are the caller's")
     if steps != self.c.total_steps:
-      self.c = components.with_steps(self.c, steps, self.custom_tx)
-      self.restorer.c = self.c
+      self.c = components.with_steps(self.c, steps, self.custom_tx)  # the restorer reads self.c
     self.log.console(self.budget.describe())
 
   # ------------------------------------------------------------------ the step loop
@@ -318,25 +354,20 @@ class Run:
                                            self.log)
     self.time_budget = actions.TimeBudget(self.budget, self.log, distributed.agree_any)
     return (self.logging, self.evaluation, self.sampling, self.diagnostics,
-            self._checkpointing(), self.time_budget)
-
-  def _checkpointing(self) -> actions.Checkpointing:
-    self.checkpointing = actions.Checkpointing(self.c, self.checkpoints, self.batches,
-                                               self._meta, self.recovery, self.log)
-    return self.checkpointing
+            self.checkpointing, self.time_budget)
 
   def _meta(self) -> dict:
     return {**self.restorer.meta(), **self.budget.state_dict()}
 
   def _save_if_healthy(self, step: int) -> None:
     if self.recovery.healthy():
-      self._checkpointing().save(step, self.state)
+      self.checkpointing.save(step, self.state)
 
   # ------------------------------------------------------------------ endings
 
   def _interrupted(self, step: int) -> int:
     if self.recovery.healthy() and step not in self.checkpoints.all_steps():
-      self._checkpointing().save(step, self.state)
+      self.checkpointing.save(step, self.state)
     self.log.console(f"{self.signals.name} at step {step}: checkpoint saved; run the same command"
                      " to resume")
     return EXIT_INTERRUPTED
@@ -350,10 +381,11 @@ class Run:
     if not self.is_main:
       return
     cfg = self.cfg
+    model = self.c.model
     lines = [
-        f"stablejax {_version()}: {count_params(self.state.params) / 1e6:.2f}M "
-        f"parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), "
-        f"params {cfg.model.param_dtype}, compute {cfg.model.compute_dtype}",
+        f"stablejax {_version()}: {model.count_params(self.state.params) / 1e6:.2f}M "
+        f"parameters ({model.describe()}), params {model.param_dtype}, compute "
+        f"{model.compute_dtype}",
         f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
         f"({jax.process_count()} process(es)); mesh {dict(self.c.mesh.shape)}",
         f"data: {json.dumps(self.c.data.stats, default=str)}",
@@ -378,7 +410,8 @@ class Run:
     record = self.logging.last_record
     skipped = total_skips(record) + self.restorer.abandoned_skips
     tokens_per_sec = self.logging.tokens_per_sec
-    flops = model_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
+    model = self.c.model
+    flops = model.flops_per_token(self.cfg.train.seq_len) if model.supports("FLOPs") else None
     peak = components.peak_flops_per_device(self.cfg) * jax.device_count()
     summary = {
         "final_val_loss": self.evaluation.last_val_loss,
@@ -387,7 +420,8 @@ class Run:
         "skipped_steps": skipped,
         "rollbacks": self.recovery.rollbacks,
         "tokens_per_sec": tokens_per_sec,
-        "mfu": flops * tokens_per_sec / peak if math.isfinite(tokens_per_sec) else None,
+        "mfu": (flops * tokens_per_sec / peak
+                if flops is not None and math.isfinite(tokens_per_sec) else None),
         "stability_score": self.monitor.score(),
         "excess_kurtosis": self.diagnostics.last_kurtosis,
         "wall_seconds": wall,

@@ -263,6 +263,19 @@ class RunDirectory:
     self._lock = None
 
 
+def recorded_plugins(root: Path | str) -> list[str]:
+  """The plugins of the run in ``root`` (its ``config.json``, when the trainer's record says the
+  trainer wrote it), for a resume to import again; [] for no run, or a folder that is not one (a
+  config the trainer did not write names nothing to import)."""
+  from stablejax.training.config import recorded_plugins as listed
+  root = Path(root)
+  try:
+    record = RunDirectory._read_record(root)
+  except RunDirError:
+    return []
+  return listed(root / "config.json") if "config.json" in record.get("written", []) else []
+
+
 def environment_error(e: OSError, path: Path, what: str) -> str:
   """One line for an error of the environment (disk full, read-only, a file in the way)."""
   reasons = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 if TYPE_CHECKING:
   from stablejax.data.pipeline import DataConfig
   from stablejax.training.config import Config
-  from stablejax.modeling.gpt import ModelConfig
 
 import numpy as np
 
@@ -44,7 +43,7 @@ class RunError(Exception):
 @dataclasses.dataclass
 class RestoredParams:
   """Parameters restored from one checkpoint of a run."""
-  params: dict        # the GPT parameter tree (jax arrays, on the default device)
+  params: dict        # the model's parameter tree (jax arrays, on the default device)
   step: int           # the checkpoint's step
   directory: Path     # the checkpoint directory they came from
 
@@ -94,7 +93,7 @@ def restore_params(run_dir: str | Path,
   Example::
 
     restored = restore_params("runs/small")
-    logits = GPT(cfg.model).apply({"params": restored.params}, tokens)
+    logits = model_of(cfg).logits(restored.params, tokens, restored.step)
   """
   import jax
   import orbax.checkpoint as ocp
@@ -149,20 +148,25 @@ def restore_params(run_dir: str | Path,
                  f"train the run again (python -m stablejax train --fresh)")
 
 
-def check_params(params: Any, model_cfg: ModelConfig, seq_len: int) -> None:
-  """Raises RunError if ``params`` do not fit ``GPT(model_cfg)`` (shapes and names)."""
+def check_params(params: Any, cfg: Config) -> None:
+  """Raises RunError if ``params`` do not fit the model of ``cfg`` (names and shapes)."""
   import jax
   import jax.numpy as jnp
 
-  from stablejax.modeling.gpt import GPT
+  from stablejax.training.config import ConfigError, model_of
+  from stablejax.training.restore_plan import describe_difference, leaf_layout
 
-  tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-  expected = jax.eval_shape(lambda t: GPT(model_cfg).init(jax.random.PRNGKey(0), t), tokens)
-  shapes = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
-      lambda p, x: tuple(x.shape), tree)
-  if shapes(expected["params"]) != shapes(params):
-    raise RunError("the checkpoint's parameters do not match the model in config.json: "
-                   "was config.json edited after training? restore the original config")
+  try:
+    model = model_of(cfg)
+  except ConfigError as e:
+    raise RunError(str(e)) from None
+  tokens = jax.ShapeDtypeStruct((1, cfg.train.seq_len), jnp.int32)
+  expected = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)
+  shapes = {path: shape for path, (shape, _) in leaf_layout(expected).items()}
+  if shapes != {path: shape for path, (shape, _) in leaf_layout(params).items()}:
+    raise RunError("the checkpoint's parameters do not fit the model in config.json ("
+                   f"{describe_difference(params, expected, 'params')}): was config.json edited "
+                   "after training? restore the original config")
 
 
 TOKENIZER_DIR = "tokenizer"     # in the run directory: what decoding needs

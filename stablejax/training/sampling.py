@@ -61,7 +61,8 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   """
   import jax
 
-  from stablejax.modeling.utils import lambda_warmup
+  from stablejax.modeling.family import MissingCapability
+  from stablejax.training.config import model_of
   from stablejax.training.generate import Generator
 
   check_stop()
@@ -71,7 +72,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   cfg = load_run_config(run_dir)
   check_stop()
   restored = restore_params(run_dir, on_fallback)
-  check_params(restored.params, cfg.model, cfg.train.seq_len)
+  check_params(restored.params, cfg)
   check_stop()
   tok = run_tokenizer(cfg, tokenizer, run_dir)
   if tok.vocab_size > cfg.model.vocab_size:
@@ -80,13 +81,11 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   prompt_ids = tok.encode(prompt) if prompt else list(tok.start_ids)
   if not prompt_ids:
     prompt_ids = list(tok.start_ids)
-  lam = 1.0
-  if cfg.model.bitnet:
-    schedule: Callable[[int], Any] = lambda_warmup(cfg.train.lambda_warmup_steps,
-                                                   cfg.train.lambda_schedule)
-    lam = float(schedule(restored.step))
-  gen = Generator(cfg.model, top_k=top_k, valid_vocab=tok.vocab_size)
-  kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, bitnet_lambda=lam,
+  try:
+    gen = Generator(model_of(cfg), top_k=top_k, valid_vocab=tok.vocab_size)
+  except MissingCapability as e:
+    raise SampleError(str(e)) from None
+  kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, step=restored.step,
                                 num_samples=num_samples)
   check_stop()
   t0 = time.perf_counter()
