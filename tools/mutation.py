@@ -83,6 +83,8 @@ LAYOUT = "stablejax/layout/analysis.py"
 QK_CLIP = "stablejax/transforms/qk_clip.py"
 CLIP = "stablejax/transforms/clip.py"
 SPECS = "stablejax/monitor/specs.py"
+DEFENCE = "stablejax/transforms/defence.py"
+RESTORE_PLAN = "stablejax/training/restore_plan.py"
 UPDATE_CLIP = "stablejax/transforms/update_clip.py"
 COMPENSATED = "stablejax/transforms/compensated.py"
 UPDATE_NORM = "stablejax/monitor/update_norm.py"
@@ -151,6 +153,10 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     CLIP: ("tests/test_optim.py", "tests/test_config.py", "-m", "not slow"),
     UPDATE_CLIP: ("tests/test_update_clip.py", UPDATE_CLIP),
     COMPENSATED: ("tests/test_compensated.py", COMPENSATED),
+    SPECS: ("tests/test_loop_decisions.py", "tests/test_recovery_policy.py", SPECS),
+    DEFENCE: ("tests/test_optim.py", "tests/test_adding_a_defence.py", DEFENCE, "-m", "not slow"),
+    RESTORE_PLAN: ("tests/test_stack_changes.py", "tests/test_recovery_policy.py", RESTORE_PLAN,
+                   "-m", "not slow"),
     UPDATE_NORM: ("tests/test_early_warnings.py", UPDATE_NORM, "-k", "not log_norm"),
 }
 
@@ -256,8 +262,9 @@ MUTANTS = [
        "lr_recovery_steps=null drops the backoff instead of keeping it"),
     _m("R22", RECOVERY, "return self.rollbacks < self.cfg.max_rollbacks",
        "return self.rollbacks <= self.cfg.max_rollbacks", "one rollback more than max_rollbacks"),
-    _m("R23", RECOVERY, 'if k.endswith("/rollback_requests")}', 'if k.endswith("/total_skips")}',
-       "skipped steps are read as rollback requests"),
+    _m("R23", SPECS, 'for key in counter_keys(record, "rollback")}',
+       'for key in counter_keys(record, "skips")}', "skipped steps are read as rollback requests",
+       RECOVERY_TESTS),
     _m("R24", RECOVERY, "    self.elevated_run = 0\n\n  def state_dict", "\n  def state_dict",
        "the elevated run of the abandoned trajectory survives a rollback"),
 
@@ -317,8 +324,9 @@ MUTANTS = [
     _m("C22", CHECKPOINT, "  except (OSError, ValueError) as e:\n    raise CheckpointError(",
        "  except (OSError, ValueError) as e:\n    return None\n    raise CheckpointError(",
        "an unreadable decision file is silently ignored"),
-    _m("C23", CHECKPOINT, "fingerprint=[float(v) for v in np.asarray(fingerprint(state))])",
-       "fingerprint=[0.0, 0.0, 0.0])", "the saved fingerprint does not describe the state"),
+    _m("C23", CHECKPOINT, "    meta = dict(meta, step=int(step), fingerprints=parts,",
+       "    meta = dict(meta, step=int(step), fingerprints={k: [0.0] * 3 for k in parts},",
+       "the saved fingerprints do not describe the state"),
     _m("C24", CHECKPOINT, "        cleanup_tmp_directories=True,",
        "        cleanup_tmp_directories=False,",
        "leftovers of a killed save are not cleaned up"),
@@ -1245,12 +1253,14 @@ MUTANTS = [
        "optimizer.outlier_threshold with outlier_method=null is not named as ineffective"),
 
     # ---------------------------------------------------------------- training/optim.py
-    _m("OP1", SKIPPING, "        max_consecutive=c.max_consecutive, statistics=c.statistics),",
-       "        max_consecutive=c.max_consecutive, statistics=\"winsorized\"),",
-       "stability.skip_spikes.statistics does not reach skip_spikes", AREA_TESTS[OPTIM]),
-    _m("OP2", SKIPPING, "        max_consecutive=c.max_consecutive, statistics=c.statistics),",
-       "        statistics=c.statistics),",
-       "stability.skip_spikes.max_consecutive does not reach skip_spikes", AREA_TESTS[OPTIM]),
+    _m("OP1", DEFENCE, 'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
+       'for f in dataclasses.fields(section)\n              if f.name not in ("enabled", '
+       '"statistics")}', "stability.skip_spikes.statistics does not reach skip_spikes",
+       AREA_TESTS[OPTIM]),
+    _m("OP2", DEFENCE, 'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
+       'for f in dataclasses.fields(section)\n              if f.name not in ("enabled", '
+       '"max_consecutive")}', "stability.<skip wrapper>.max_consecutive does not reach it",
+       AREA_TESTS[OPTIM]),
     _m("OP3", OPTIM, "      decay_steps=t.steps, end_value=peak * t.min_lr_ratio)",
        "      decay_steps=t.steps, end_value=0.0)", "train.min_lr_ratio is ignored (decay to 0)"),
     _m("OP4", OPTIM, "  return jax.tree.map(lambda label: label != \"adam\", "
@@ -1266,16 +1276,14 @@ MUTANTS = [
     _m("CL4", CLIP, "position=defence.Position.GRADIENT, order=10,",
        "position=defence.Position.UPDATE, order=10,",
        "the plain clip clips the optimizer's update instead of the gradient"),
-    _m("OP6", CLIP, "    build=lambda c, ctx: optax.clip_by_global_norm(c.max_norm),",
-       "    build=lambda c, ctx: optax.identity(),",
+    _m("OP6", CLIP, "    factory=optax.clip_by_global_norm, label=",
+       "    factory=lambda max_norm: optax.identity(), label=",
        "stability.clip does not clip", AREA_TESTS[OPTIM]),
     _m("OP7", OPTIM, "          \"head\": adam if o.head_learning_rate is None else "
        "o.head_learning_rate}", "          \"head\": o.learning_rate if o.head_learning_rate is "
        "None else o.head_learning_rate}", "an unset head rate resolves to the Muon rate"),
-    _m("OP8", SKIPPING,
-       "    build=lambda c, ctx: lambda inner: skip_nonfinite(inner, "
-       "max_consecutive=c.max_consecutive),",
-       "    build=lambda c, ctx: lambda inner: skip_nonfinite(inner),",
+    _m("OP8", SKIPPING, "    order=20, factory=skip_nonfinite,",
+       "    order=20, factory=lambda inner, max_consecutive: skip_nonfinite(inner),",
        "stability.skip_nonfinite.max_consecutive does not reach skip_nonfinite",
        AREA_TESTS[OPTIM]),
 
@@ -1454,10 +1462,10 @@ MUTANTS = [
        ("tests/test_routing.py", "-k", "fused_parts")),
 
     # ---------------------------------------------------------------- training/loop.py
-    _m("LO1", BATCHES,
-       "  return sum(int(v) for k, v in record.items() if k.endswith(\"/total_skips\"))",
-       "  return max([int(v) for k, v in record.items() if k.endswith(\"/total_skips\")], "
-       "default=0)", "skipped steps of two skip wrappers are not added up"),
+    _m("LO1", SPECS,
+       '  return sum(int(record[key]) for key in counter_keys(record, "skips"))',
+       '  return max([int(record[key]) for key in counter_keys(record, "skips")], default=0)',
+       "skipped steps of two skip wrappers are not added up", AREA_TESTS[BATCHES]),
     _m("LO2", BATCHES, "    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:",
        "    if step in f.nan_grad_steps or step in f.nan_grad_batch_indices:",
        "faults.nan_grad_batch_indices counts steps instead of data positions"),
@@ -1612,9 +1620,39 @@ MUTANTS = [
     _m("CU4", COMPENSATED, "    step_key = jax.random.fold_in(base_key, state.count)",
        "    step_key = base_key", "every step draws the same random bits"),
     _m("CU5", COMPENSATED,
-       "  if ctx.model is not None and dtype not in _LOW_PRECISION_DTYPES:",
-       "  if ctx.model is not None and dtype in _LOW_PRECISION_DTYPES:",
+       "  if ctx.model is not None and ctx.model.param_dtype not in _LOW_PRECISION_DTYPES:",
+       "  if ctx.model is not None and ctx.model.param_dtype in _LOW_PRECISION_DTYPES:",
        "the trainer compensates float32 parameters and not bfloat16 ones"),
+
+    # ---------------------------------------------------------------- declarations and their counters
+    _m("SP3", SPECS, r'pattern = re.compile(rf"{re.escape(spec.prefix)}(_\d+)?/{re.escape(name)}")',
+       r'pattern = re.compile(rf"{re.escape(spec.prefix)}/{re.escape(name)}")',
+       "the counters of a repeated prefix (skip_spikes_1/...) are left out"),
+    _m("SP4", SPECS, '  return sum(int(record[key]) for key in counter_keys(record, "skips"))',
+       '  return sum(int(record[key]) for key in counter_keys(record, "rollback"))',
+       "rollback requests are counted as skipped steps"),
+    _m("DF3", DEFENCE,
+       "  if not declaration.name.isidentifier() or declaration.name in RESERVED_NAMES:",
+       "  if not declaration.name.isidentifier():", "a defence may take the optimizer's key"),
+    _m("DF4", DEFENCE, "key=lambda d: (d.position, d.order, d.name)",
+       "key=lambda d: (d.order, d.name)", "the chain is ordered without the positions"),
+    _m("DF5", DEFENCE, "  if (declaration.factory is None) == (declaration.build is None):",
+       "  if False:", "a declaration with neither a factory nor a builder is accepted"),
+
+    # ---------------------------------------------------------------- restoring by name
+    _m("RB1", RESTORE_PLAN, "    elif key not in layouts:\n      result.fresh.append(key)",
+       "    elif key not in layouts:\n      result.dropped.append(key)",
+       "a defence switched on is said to be dropped"),
+    _m("RB2", RESTORE_PLAN, "    elif layouts[key] != leaf_layout(current_opt[key]):",
+       "    elif False:", "an entry whose layout changed is read into the new layout"),
+    _m("RB3", RESTORE_PLAN, "  if not same_optimizer or reset_optimizer:",
+       "  if reset_optimizer:", "another optimizer's state is read into this one"),
+    _m("RB4", RESTORE_PLAN, "  result.dropped = sorted(k for k in layouts if k not in current_opt)",
+       "  result.dropped = []", "a defence switched off is not said"),
+    _m("RB5", RESTORE_PLAN,
+       "      return jnp.array(applied, leaf.dtype, copy=True)  # its own buffer: states are donated",
+       "      return leaf", "a reset optimizer starts the learning-rate schedule over",
+       ("tests/test_stack_changes.py",)),
 
     # ---------------------------------------------------------------- the log-norm spike rule
     _m("S31", SKIPPING,
@@ -1637,8 +1675,8 @@ MUTANTS = [
        "      if self.repeated is None:\n        self.repeated = np.asarray(tokens)",
        "      if True:\n        self.repeated = np.asarray(tokens)",
        "faults.repeat_batch_steps serves fresh batches"),
-    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg)))",
-       "learning_rates=None))",
+    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg, schedules))",
+       "learning_rates=None)",
        "the trainer's update clips do not divide out the optimizer's learning rates",
        tests=("tests/test_update_clip.py", "-k", "trainer")),
     # The gradient health level's history (monitor/health.py's GradientHealth) is read through
