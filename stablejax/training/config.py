@@ -487,10 +487,29 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     except json.JSONDecodeError:
       value = text  # bare strings need no quotes: --set data.train=/path/to/text
     node = raw
-    for part in parts[:-1]:
+    for i, part in enumerate(parts[:-1]):
       node = node.setdefault(part, {})
+      if not isinstance(node, dict):
+        where = ".".join(parts[:i + 1])
+        raise ConfigError(f"--set {dotted}: {where} is {json.dumps(node)} in the config, not a "
+                          f"JSON object of its keys: make {where} an object (or leave it out)")
     node[parts[-1]] = value
   return raw
+
+
+def _check_sections(raw: Any, path: Path) -> dict:
+  """A config file's content: a JSON object whose sections are objects (one line otherwise)."""
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config file {path} is {type(raw).__name__} JSON, not an object with "
+                      "sections like 'model' and 'train'")
+  for section, value in raw.items():
+    if section in _SECTIONS and not isinstance(value, dict):
+      raise ConfigError(f"config file {path}: section {section!r} is {json.dumps(value)}, not a "
+                        f"JSON object of its keys: make it an object (or leave it out)")
+  return raw
+
+
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def packaged_configs() -> dict[str, Path]:
@@ -552,10 +571,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
   if path is not None:
     path = config_path(path)
     try:
-      raw = json.loads(path.read_text())
+      raw = _check_sections(json.loads(path.read_text()), path)
     except json.JSONDecodeError as e:
       raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") \
           from None
+    except UnicodeDecodeError as e:
+      raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                        "pass a JSON file") from None
+    except OSError as e:
+      raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
   layers = [flat_keys(raw), flat_keys(apply_overrides({}, list(overrides)))]
   return config_from_dict(apply_overrides(raw, list(overrides)), layers)
 
@@ -575,9 +599,9 @@ def load_run_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
   except json.JSONDecodeError as e:
     raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path} is not a config: expected a JSON object with sections")
-  raw = translate_v0_1(raw)
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+  raw = translate_v0_1(_check_sections(raw, path))
   layers = [flat_keys(raw), flat_keys(apply_overrides({}, list(overrides)))]
   return config_from_dict(apply_overrides(raw, list(overrides)), layers)
 
