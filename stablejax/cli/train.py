@@ -102,7 +102,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.data.pipeline import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
-  from stablejax.training.config import ConfigError, config_name, load_config
+  from stablejax.training.config import ConfigError, config_name, config_path, load_config
   from stablejax.training.loop import Interrupted, Run
   from stablejax.training.run_dir import RunDirError, environment_message
 
@@ -110,13 +110,20 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   try:
     signals.check_startup("importing")
     cfg = load_config(args.config, args.set)
-    return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
-               signals=signals).train()
+    return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed, signals=signals,
+               config_file=config_path(args.config)).train()
   except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)
     if distributed.is_main():
       print(e, flush=True)
     return distributed.leave(130)
-  except (ConfigError, DataError, CheckpointError, RunDirError) as e:
+  except RunDirError as e:
+    if not e.quiet:  # (quiet: process 0 said it, and every process knows)
+      print(f"error: {e}", file=sys.stderr)
+    if not e.agreed:
+      return distributed.leave(2)
+    jax.distributed.shutdown()  # every process refused: they leave together, none waits alone
+    return 2
+  except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return distributed.leave(2)
   except jax.errors.JaxRuntimeError as e:
