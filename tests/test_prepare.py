@@ -1093,3 +1093,13 @@ def test_a_killed_prepares_marker_claims_none_of_the_users_files(tmp_path, capsy
                           "--val-fraction", "0.25", "--force")
   assert code == 0, err
   assert not list(out.glob("*.partial")) and read_prepared(out) is not None
+
+
+def test_a_one_document_corpus_is_told_to_split_it_not_to_raise_val_fraction(tmp_path, capsys):
+  text = "one long document without any separator in it. " * 200
+  assert not blake_is_val(text, 0.005)  # it goes to training, and validation stays empty
+  (tmp_path / "one.txt").write_text(text)
+  code, _, err = run_main(capsys, tmp_path / "one.txt", "--out", tmp_path / "out", "--tokenizer",
+                          "bytes")
+  assert code == 2 and "one document" in err and "--separator" in err, err
+  assert "raise --val-fraction" not in err

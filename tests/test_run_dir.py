@@ -519,3 +519,15 @@ def test_a_start_that_fails_on_a_full_disk_leaves_no_out(tmp_path, monkeypatch):
     run.record_written()
   run.close()
   assert not out.exists()
+
+
+@slow
+def test_a_resume_with_another_data_order_says_so_in_one_line(clean_run, tmp_path, capsys):
+  out = tmp_path / "run"
+  _copy_run(clean_run, out)
+  assert run_inprocess(out, "train.seed=1", "data.shuffle_buffer=64", fresh=False) == 0
+  warnings = [line for line in capsys.readouterr().err.splitlines() if "order" in line]
+  assert warnings == ["warning: train.seed 0 -> 1, data.shuffle_buffer 256 -> 64 since the last "
+                      "start of this run: the batches from here on come in another order than "
+                      "the run's own (the data is the same)"], warnings
+  assert json.loads((out / RECORD).read_text())["data_order"]["train.seed"] == 1

@@ -69,7 +69,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if command is not None and command.own_signals:
     if as_program:
       _process.tolerate_closed_output()
-    return _run(command, argv)
+    try:
+      return _run(command, argv)
+    finally:
+      if as_program:
+        _process.ignore_stop_signals()
   with _process.program(as_program):
     if command is not None:
       return _run(command, argv)

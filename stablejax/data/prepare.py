@@ -1262,8 +1262,14 @@ def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_sp
         f.abort()
   if totals["val"] == 0:
     n = sum(s["train_documents"] for s in sources)
+    split = ("split the text into documents (--separator for text files, one record per "
+             "document in JSON Lines/Parquet)")
+    if n == 1:  # no --val-fraction gives a validation split without losing the only document
+      raise PrepareError(f"the corpus is one document, which cannot be split into training and "
+                         f"validation documents: {split}, or add text")
     raise PrepareError(f"none of the {n} documents fell into the validation split "
-                       f"(--val-fraction {opts.val_fraction}): raise --val-fraction or add text")
+                       f"(--val-fraction {opts.val_fraction}): raise --val-fraction (about "
+                       f"{min(0.5, 2 / n):.2g} puts a document there), {split}, or add text")
   if weights is None:
     weights = [float(s["train_tokens"]) for s in sources]
   total_w = sum(weights)

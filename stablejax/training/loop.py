@@ -226,9 +226,9 @@ class Run:
       return
     order = self.run_dir.data_order
     if order is not None and order != data_order(self.cfg):
-      self.log.console(f"warning: {order_difference(order, data_order(self.cfg))} since the run "
-                       "started: the batches from here on come in another order than the run's "
-                       "own (the data is the same)")
+      self.log.console(f"warning: {order_difference(order, data_order(self.cfg))} since the last "
+                       "start of this run: the batches from here on come in another order than "
+                       "the run's own (the data is the same)")
     recorded, current = self.run_dir.data_identity, data_identity(self.cfg.data)
     difference = identity_difference(recorded, current) if recorded is not None else None
     if difference and not self.data_changed:
