@@ -183,3 +183,14 @@ def test_a_lock_whose_holder_cannot_be_written_leaves_nothing(tmp_path, monkeypa
   monkeypatch.undo()
   assert list(tmp_path.iterdir()) == []
   FolderLock(tmp_path, "train").acquire().release()
+
+
+def test_a_folder_replaced_under_its_holder_stops_it(tmp_path):
+  folder = tmp_path / "run"
+  folder.mkdir()
+  lock = FolderLock(folder, "train").acquire()
+  folder.rename(tmp_path / "moved")
+  folder.mkdir()  # a folder of the same name, which nobody locked
+  with pytest.raises(FolderBusy, match="was removed or replaced"):
+    lock.verify()
+  lock.release()

@@ -342,3 +342,18 @@ def test_report_out_a_directory_a_missing_folder_or_a_read_only_run_is_one_line(
   finally:
     subprocess.run(["umount", str(disk)], capture_output=True)
   assert "read-only" in line and "--out" in line, line
+
+
+def test_report_out_never_replaces_a_device_or_another_runs_records(tmp_path, capsys):
+  run = tmp_path / "run"
+  run.mkdir()
+  _write_run(run, n_steps=60, truncate=False)
+  other = tmp_path / "other"
+  _run_with_records(other)
+  before = _snapshot(other)
+  assert report_cli.main([str(run), "--out", "/dev/null", "--force"]) == 2
+  assert "not a regular file" in _one_error(capsys)
+  for target in ("metrics.jsonl", "run.json", "checkpoints/40/r.png"):
+    assert report_cli.main([str(run), "--out", str(other / target), "--force"]) == 2
+    assert "the run's own" in _one_error(capsys)
+  assert _snapshot(other) == before

@@ -531,3 +531,53 @@ def test_a_resume_with_another_data_order_says_so_in_one_line(clean_run, tmp_pat
                       "start of this run: the batches from here on come in another order than "
                       "the run's own (the data is the same)"], warnings
   assert json.loads((out / RECORD).read_text())["data_order"]["train.seed"] == 1
+
+
+# ----------------------------------------------------------------------------- more attacks
+
+
+def test_a_recorded_file_replaced_by_a_link_is_never_written_through(tmp_path):
+  out = tmp_path / "run"
+  _trainer_files(out)
+  important = tmp_path / "important.log"
+  important.write_text("the user's log\n")
+  (out / "metrics.jsonl").unlink()
+  (out / "metrics.jsonl").symlink_to(important)
+  with pytest.raises(RunDirError, match="metrics.jsonl is a symbolic link"):
+    RunDirectory.open(out)
+  (out / "metrics.jsonl").unlink()
+  import os
+  os.link(important, out / "metrics.jsonl")  # appended to, it would grow the user's log too
+  with pytest.raises(RunDirError, match="has other names"):
+    RunDirectory.open(out)
+  assert important.read_text() == "the user's log\n"
+
+
+def test_out_inside_another_runs_folder_is_refused(tmp_path):
+  run = tmp_path / "run"
+  _trainer_files(run)
+  before = _tree(run)
+  for inside in (run / "checkpoints" / "sweep", run / "tensorboard", run / "checkpoints"):
+    with pytest.raises(RunDirError, match="which the trainer keeps for the run in"):
+      RunDirectory.open(inside)
+  assert _tree(run) == before
+  RunDirectory.open(run / "sweep").close()  # beside its records is a folder like any other
+
+
+def test_a_fresh_killed_while_deleting_is_finished_by_the_next_start(tmp_path, monkeypatch):
+  out = tmp_path / "run"
+  _trainer_files(out)
+  run = RunDirectory.open(out, fresh=True)
+
+  def killed(path, *args, **kwargs):
+    raise KeyboardInterrupt  # as if killed in the deletion
+  monkeypatch.setattr("stablejax.training.run_dir.shutil.rmtree", killed)
+  with pytest.raises(KeyboardInterrupt):
+    run.remove_previous()
+  monkeypatch.undo()
+  run.close()
+  assert sorted(p.name for p in out.iterdir()) == [".fresh-removing", RECORD]
+  run = RunDirectory.open(out)  # the record lists the folder: its own
+  run.record_written()
+  assert sorted(p.name for p in out.iterdir()) == [".lock", RECORD]
+  run.close()

@@ -178,10 +178,23 @@ class FolderLock:
     file is locked, or `FolderBusy` is raised when another writer holds it.
 
     Raises:
-      FolderBusy: the lock rested on ``.lock`` alone, it was removed, and another process
+      FolderBusy: the folder was removed or replaced (another folder of the same name is not
+        locked), or the lock rested on ``.lock`` alone, it was removed, and another process
         locked the file created in its place.
     """
-    if self._fd is None or self._is_there(self._fd):
+    if self._fd is None:
+      return
+    if self._dir_fd is not None:
+      try:
+        here, locked = os.stat(self.folder), os.fstat(self._dir_fd)
+        same = (here.st_ino, here.st_dev) == (locked.st_ino, locked.st_dev)
+      except OSError:
+        same = False
+      if not same:
+        raise FolderBusy(f"{self.folder} was removed or replaced while this {self.program} held "
+                         f"its lock (the folder there now is another one): this {self.program} "
+                         "stops")
+    if self._is_there(self._fd):
       return
     old = self._fd
     try:

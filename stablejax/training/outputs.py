@@ -6,8 +6,10 @@ that file, and only where it may:
 
 * **Never the run's records or inputs**, even with ``--force``: a name the trainer writes in the
   run directory (``run.json``, ``config.json``, ``metrics.jsonl``, anything inside
-  ``checkpoints/`` or ``tensorboard/`` ...) and the run's data (the paths its ``config.json``
-  names, and anything inside them).
+  ``checkpoints/`` or ``tensorboard/`` ...), in that run's directory or in any run directory of
+  the trainer (one with its ``run.json``), and the run's data (the paths its ``config.json``
+  names, and anything inside them). Nor anything that is not a regular file (``/dev/null``, a
+  pipe).
 * **Never a file it did not write, unless ``--force``**: an existing file is replaced only when
   the program recognises it as its own output (the report's PNG carries ``Software: stablejax
   report``; a JSON result carries ``"program"``). A symbolic link is not followed: with
@@ -117,9 +119,12 @@ def check_output(path: Path | str, *, program: str, ours: Callable[[Path], bool]
   place = _place(given)
   if os.path.isdir(place) and not os.path.islink(place):
     raise OutputError(f"{given} is a directory: pass a file name for the {program}'s output")
+  from stablejax.training.run_dir import trainer_folder_of
   record = _inside(place, protected)
-  if record is not None:
-    raise OutputError(f"{given} is the run's own {record.name} (the trainer's record, never "
+  owner = trainer_folder_of(place)
+  if record is not None or owner is not None:
+    name = record.name if record is not None else owner[1] if owner is not None else ""
+    raise OutputError(f"{given} is the run's own {name} (the trainer's record, never "
                       f"written by {program}, even with --force): pass another --out")
   source = _inside(place, inputs)
   if source is not None:
@@ -127,6 +132,9 @@ def check_output(path: Path | str, *, program: str, ours: Callable[[Path], bool]
   if not place.parent.is_dir():
     raise OutputError(f"cannot write {given}: its folder {given.parent} does not exist; create "
                       "it or pass another --out")
+  if os.path.lexists(place) and not os.path.islink(place) and not os.path.isfile(place):
+    raise OutputError(f"{given} is not a regular file (a device, a pipe, a socket): {program} "
+                      "replaces only files; pass another --out")
   if os.path.lexists(place) and not force:
     if os.path.islink(place):
       raise OutputError(f"{given} is a symbolic link, not a file {program} wrote: pass --force "

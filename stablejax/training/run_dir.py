@@ -209,6 +209,10 @@ class RunDirectory:
     if os.path.lexists(root) and not root.is_dir():
       raise RunDirError(f"--out {root} is a file: pass a folder for the run (it is created if "
                         "missing)")
+    owner = trainer_folder_of(root)
+    if owner is not None and owner[0] != _resolved(root):
+      raise RunDirError(f"--out {root} lies in {owner[0] / owner[1]}, which the trainer keeps for "
+                        f"the run in {owner[0]}: choose another --out")
     created = not root.exists()
     try:
       root.mkdir(parents=True, exist_ok=True)
@@ -275,7 +279,7 @@ class RunDirectory:
         continue  # the run's own config, resumed from: rewritten with the same content
       if what == "--config":
         raise RunDirError(
-            f"--config {given} is where the trainer writes the run's config.json in --out "
+            f"--config {given} is where the trainer writes the run's {parts[0]} in --out "
             f"{self.root}, and it did not write that file: move your config elsewhere (e.g. "
             f"{self.root.parent / (self.root.name + '.json')}) and pass that, or choose another "
             "--out; nothing was changed")
@@ -346,6 +350,16 @@ class RunDirectory:
             f"{'--fresh: ' if fresh else ''}{path} was not written by this trainer (no record of "
             f"it in {self.root / RECORD}): move it away or choose another --out; nothing was "
             "changed")
+      if WRITES[name] is None and path.is_symlink():
+        raise RunDirError(
+            f"{path} is a symbolic link (to {os.readlink(path)}), not the file the trainer "
+            "wrote: it writes nothing through a link; move it away or choose another --out; "
+            "nothing was changed")
+      if name == "metrics.jsonl" and not path.is_dir() and path.stat().st_nlink > 1:
+        raise RunDirError(
+            f"{path} has other names (hard links): the trainer appends to it, and would write "
+            "into them too; copy it (cp) instead of linking, or choose another --out; nothing "
+            "was changed")
       if fresh and path.is_symlink():
         raise RunDirError(
             f"--fresh: {path} is a symbolic link (to {os.readlink(path)}), not the folder the "
@@ -540,6 +554,11 @@ class RunDirectory:
       return
     if self._previous is not None:
       self.remove_previous()
+    elif TRASH in self.recorded:  # a --fresh killed while deleting: the deletion is finished now
+      shutil.rmtree(self.root / TRASH, ignore_errors=True)
+      if not os.path.lexists(self.root / TRASH):
+        self.recorded.discard(TRASH)
+        self._dirty = True
     if not self._dirty:
       return
     record = dict(self._record, program=PROGRAM, written=sorted(self.recorded))
@@ -588,6 +607,33 @@ class RunDirectory:
         (self.root / name).unlink(missing_ok=True)
       except OSError:
         pass
+
+
+def _resolved(path: Path) -> Path:
+  """``path`` resolved, as far as it exists (the rest appended as given)."""
+  path = Path(os.path.abspath(os.path.expanduser(str(path))))
+  missing: list[str] = []
+  while not os.path.lexists(path) and path != path.parent:
+    missing.insert(0, path.name)
+    path = path.parent
+  return path.resolve().joinpath(*missing)
+
+
+def trainer_folder_of(path: Path | str) -> Optional[tuple[Path, str]]:
+  """(run directory, name) when ``path`` is or lies in a name the trainer writes in a run
+  directory of this trainer (one with its ``run.json``): such a place is the run's alone."""
+  place = _resolved(Path(path))
+  for folder in place.parents:
+    name = place.relative_to(folder).parts[0]
+    if name not in (*WRITES, RECORD, LOCK_NAME, TRASH):
+      continue
+    try:
+      record = json.loads((folder / RECORD).read_text())
+    except (OSError, ValueError):
+      continue
+    if isinstance(record, dict) and record.get("program") == PROGRAM:
+      return folder, name
+  return None
 
 
 def run_inputs(cfg: Any, config_file: Optional[Path | str] = None) -> list[tuple[str, Any]]:
