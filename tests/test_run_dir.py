@@ -581,3 +581,21 @@ def test_a_fresh_killed_while_deleting_is_finished_by_the_next_start(tmp_path, m
   run.record_written()
   assert sorted(p.name for p in out.iterdir()) == [".lock", RECORD]
   run.close()
+
+
+def test_a_file_put_into_the_folder_of_a_killed_fresh_is_not_deleted(tmp_path, monkeypatch):
+  out = tmp_path / "run"
+  _trainer_files(out)
+  run = RunDirectory.open(out, fresh=True)
+
+  def killed(path, *args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr("stablejax.training.run_dir.shutil.rmtree", killed)
+  with pytest.raises(KeyboardInterrupt):
+    run.remove_previous()
+  monkeypatch.undo()
+  run.close()
+  (out / ".fresh-removing" / "keep.txt").write_text("mine")
+  with pytest.raises(RunDirError, match=r"keep.txt: not written by this trainer"):
+    RunDirectory.open(out)
+  assert (out / ".fresh-removing" / "keep.txt").read_text() == "mine"

@@ -12,9 +12,11 @@ same program.
 The run directory is the trainer's: it holds its lock while it runs (a second trainer on it stops
 with one line naming the first), records what it wrote in ``run.json``, and never deletes, appends
 to or reads as a checkpoint a file it did not write (``--fresh`` removes only what the record
-lists). A checkpoint in ``--out`` resumes the run: run the same command again. It resumes on the
-data and tokenizer it recorded (another corpus is refused unless ``--data-changed``), and writes
-``config.json`` only once the resume checks passed.
+lists, once the new start's checks passed). A checkpoint in ``--out`` resumes the run: run the
+same command again. It resumes on the data and tokenizer it recorded (another corpus is refused
+unless ``--data-changed``; another tokenizer always), and writes ``config.json`` only once the
+resume checks passed. Every name it writes in ``--out`` is listed in docs/trainer.md, "The run
+directory".
 
 Exit codes: 0 done; 2 bad command line, config, data, checkpoints or run directory, or an error
 of the environment (disk full, read-only folder); 3 diverged beyond the recovery budget; 130
@@ -52,10 +54,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                            "resumes")
   parser.add_argument("--fresh", action="store_true",
                       help="start over: delete what an earlier run wrote in --out (only what its "
-                           "run.json lists)")
+                           "run.json lists, and only once the new start's checks passed)")
   parser.add_argument("--data-changed", action="store_true",
                       help="resume on data other than the run recorded, on purpose (the "
-                           "validation set and the data order change)")
+                           "validation set and the data order change; the tokenizer must stay "
+                           "the run's)")
   return parser.parse_args(argv)
 
 

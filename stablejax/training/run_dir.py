@@ -366,9 +366,15 @@ class RunDirectory:
             "trainer made: --fresh deletes nothing through a link; remove the link (or empty "
             "what it points to) yourself, or choose another --out; nothing was deleted")
       self._check_content(name)
-    if os.path.lexists(self.root / TRASH) and TRASH not in self.recorded:
-      raise RunDirError(f"{self.root / TRASH} was not written by this trainer: move it away or "
-                        "choose another --out; nothing was changed")
+    trash = self.root / TRASH
+    if os.path.lexists(trash):
+      foreign = ([] if TRASH in self.recorded and trash.is_dir() and not trash.is_symlink()
+                 else [trash])
+      foreign += [trash / n for n in (os.listdir(trash) if not foreign else []) if n not in WRITES]
+      if foreign:
+        raise RunDirError(f"{_shown(foreign)}: not written by this trainer (its --fresh leaves "
+                          "only the previous run's names there): move it away or choose another "
+                          "--out; nothing was changed")
     self._check_checkpoints()
 
   def _check_content(self, name: str) -> None:
