@@ -599,3 +599,23 @@ def test_a_file_put_into_the_folder_of_a_killed_fresh_is_not_deleted(tmp_path, m
   with pytest.raises(RunDirError, match=r"keep.txt: not written by this trainer"):
     RunDirectory.open(out)
   assert (out / ".fresh-removing" / "keep.txt").read_text() == "mine"
+
+
+def test_a_record_of_the_previous_release_adopts_its_checkpoints(clean_run, tmp_path):
+  """run.json without fingerprints (written before they were recorded): the steps there are the
+  run's, recorded as found at the next start; a step copied in after that is refused."""
+  out = tmp_path / "run"
+  _copy_run(clean_run, out)
+  record = json.loads((out / RECORD).read_text())
+  for key in ("checkpoints", "tokenizer", "data_order"):
+    record.pop(key)
+  (out / RECORD).write_text(json.dumps(record))
+  run = RunDirectory.open(out)
+  run.record_written()
+  run.close()
+  saved = json.loads((out / RECORD).read_text())["checkpoints"]
+  assert sorted(saved, key=int) == sorted((p.name for p in (out / "checkpoints").iterdir()),
+                                          key=int)
+  shutil.copytree(out / "checkpoints" / "30", out / "checkpoints" / "50")
+  with pytest.raises(RunDirError, match="checkpoints/50 is not a checkpoint this run saved"):
+    RunDirectory.open(out)
