@@ -9,12 +9,13 @@ writer gets `FolderBusy`, a one-line message naming the holder (program, process
 time, command line), which the lock file records.
 
 The lock rests on the folder, which cannot be removed under its holder: a ``.lock`` deleted by
-hand (a "stale lock" clean-up) frees nothing, the next writer is still refused, and the holder
-puts its ``.lock`` back at its next write (`FolderLock.verify`). Where the file system cannot
-lock a folder (NFS emulates ``flock`` with byte-range locks, which need a file opened for
-writing), the lock rests on ``DIR/.lock`` alone (NFSv4, Lustre mounted with ``-o flock``):
-`FolderLock.verify` then takes the lock of a ``.lock`` created again after a deletion, and raises
-`FolderBusy` when another writer got there first.
+hand (a "stale lock" clean-up) frees nothing, the next writer is still refused (named from
+``/proc/locks``), and `FolderLock.verify`, which the trainer calls before each write of its
+record, puts the holder's ``.lock`` back. Where the file system cannot lock a folder (NFS
+emulates ``flock`` with byte-range locks, which need a file opened for writing), the lock rests
+on ``DIR/.lock`` alone (NFSv4, Lustre mounted with ``-o flock``): `FolderLock.verify` then takes
+the lock of a ``.lock`` created again after a deletion, and raises `FolderBusy` when another
+writer got there first. It also raises when DIR itself was removed or replaced.
 
 `FolderLock.release` removes the lock file; a process that dies without releasing leaves it
 behind, unlocked, and the next writer takes it over. That is safe because `FolderLock.acquire`
