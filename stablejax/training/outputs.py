@@ -132,6 +132,11 @@ def check_output(path: Path | str, *, program: str, ours: Callable[[Path], bool]
   if not place.parent.is_dir():
     raise OutputError(f"cannot write {given}: its folder {given.parent} does not exist; create "
                       "it or pass another --out")
+  if not os.access(place.parent, os.W_OK):  # before the work, not after it
+    read_only = bool(os.statvfs(place.parent).f_flag & os.ST_RDONLY)
+    raise OutputError(f"cannot write {given}: "
+                      f"{'the file system is read-only' if read_only else 'permission denied'}; "
+                      "pass another --out (a folder you can write)")
   if os.path.lexists(place) and not os.path.islink(place) and not os.path.isfile(place):
     raise OutputError(f"{given} is not a regular file (a device, a pipe, a socket): {program} "
                       "replaces only files; pass another --out")
