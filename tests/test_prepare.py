@@ -1057,3 +1057,49 @@ def test_an_input_given_twice_is_refused(tmp_path, capsys, case):
   line = one_error_line(err)
   assert code == 2 and "repeats" in line and "give each input once" in line
   assert not out.exists()
+
+
+KILL_BEFORE_FINISH = r"""
+import os, sys
+from stablejax.data import prepare as prep
+prep._finish = lambda *args: os._exit(9)  # as if SIGKILLed with every partial file written
+prep.prepare([sys.argv[1]], sys.argv[2], "bpe:300", opts=prep.Options(val_fraction=0.25),
+             progress=False)
+"""
+
+
+def test_a_killed_prepares_marker_claims_none_of_the_users_files(tmp_path, capsys):
+  """After a SIGKILLed prepare, files of the user's put into --out under the names prepare writes
+  are refused without --force, not deleted or replaced: the dead run's marker claims only what
+  it wrote (its partial files, and files it renamed into place, by their identity)."""
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  script = tmp_path / "kill.py"
+  script.write_text(KILL_BEFORE_FINISH)
+  r = subprocess.run([sys.executable, str(script), str(inputs["text"]), str(out)],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 9, r.stderr
+  assert (out / "meta.json.partial").exists() and any(out.glob("*.partial"))
+  mine = {"tokenizer.json": b'{"mine": true}', "train.bin": b"\x01\x02" * 50,
+          "val.bin": b"\x03\x04" * 20}
+  for name, data in mine.items():
+    (out / name).write_bytes(data)
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:300",
+                          "--val-fraction", "0.25")
+  assert code == 2 and "not written by python -m stablejax prepare" in err, err
+  assert all((out / name).read_bytes() == data for name, data in mine.items())
+  # With --force they are replaced, and the dead run's partial files are gone.
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:300",
+                          "--val-fraction", "0.25", "--force")
+  assert code == 0, err
+  assert not list(out.glob("*.partial")) and read_prepared(out) is not None
+
+
+def test_a_one_document_corpus_is_told_to_split_it_not_to_raise_val_fraction(tmp_path, capsys):
+  text = "one long document without any separator in it. " * 200
+  assert not blake_is_val(text, 0.005)  # it goes to training, and validation stays empty
+  (tmp_path / "one.txt").write_text(text)
+  code, _, err = run_main(capsys, tmp_path / "one.txt", "--out", tmp_path / "out", "--tokenizer",
+                          "bytes")
+  assert code == 2 and "one document" in err and "--separator" in err, err
+  assert "raise --val-fraction" not in err

@@ -774,16 +774,10 @@ MUTANTS = [
        "      print(f\"error: {e}\", file=sys.stderr)\n      return 2\n    finally:",
        "      print(f\"error: {e}\", file=sys.stderr)\n      return 1\n    finally:",
        "an unusable run directory exits 1 instead of 2"),
-    _m("CR3", CLI_REPORT,
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None,\n"
-       "                              args.window)",
-       "make_report(Path(args.run_dir), None,\n                              args.window)",
-       "--out is ignored"),
-    _m("CR4", CLI_REPORT,
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None,\n"
-       "                              args.window)",
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None)",
-       "--window is not passed on"),
+    _m("CR3", CLI_REPORT, "    given = Path(args.out) if args.out else run_dir / REPORT_FILE",
+       "    given = run_dir / REPORT_FILE", "--out is ignored"),
+    _m("CR4", CLI_REPORT, "        text = make_report(run_dir, tmp, args.window)[1]",
+       "        text = make_report(run_dir, tmp)[1]", "--window is not passed on"),
 
     # ---------------------------------------------------------------- muon/lr_check.py
     _m("LR1", LR_CHECK, "MUON_MIN_LR = 1e-3", "MUON_MIN_LR = 1e-4",
@@ -1019,9 +1013,9 @@ MUTANTS = [
        "a symbolic link named .lock is followed and its target overwritten"),
     _m("FO4", FOLDER, "        os.unlink(self.path)\n", "        pass\n",
        "release leaves the lock file behind"),
-    _m("FO5", FOLDER, "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
-       "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
-       "two writers both take a shared lock"),
+    _m("FO5", FOLDER, "      try:\n        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+       "      try:\n        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+       "two writers both take a shared lock on the lock file"),
 
     # ---------------------------------------------------------------- training/distributed.py
     _m("DI1", DISTRIBUTED,
@@ -1253,11 +1247,13 @@ MUTANTS = [
        "optimizer.outlier_threshold with outlier_method=null is not named as ineffective"),
 
     # ---------------------------------------------------------------- training/optim.py
-    _m("OP1", DEFENCE, 'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
+    _m("OP1", DEFENCE,
+       'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
        'for f in dataclasses.fields(section)\n              if f.name not in ("enabled", '
        '"statistics")}', "stability.skip_spikes.statistics does not reach skip_spikes",
        AREA_TESTS[OPTIM]),
-    _m("OP2", DEFENCE, 'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
+    _m("OP2", DEFENCE,
+       'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
        'for f in dataclasses.fields(section)\n              if f.name not in ("enabled", '
        '"max_consecutive")}', "stability.<skip wrapper>.max_consecutive does not reach it",
        AREA_TESTS[OPTIM]),
@@ -1624,8 +1620,9 @@ MUTANTS = [
        "  if ctx.model is not None and ctx.model.param_dtype in _LOW_PRECISION_DTYPES:",
        "the trainer compensates float32 parameters and not bfloat16 ones"),
 
-    # ---------------------------------------------------------------- declarations and their counters
-    _m("SP3", SPECS, r'pattern = re.compile(rf"{re.escape(spec.prefix)}(_\d+)?/{re.escape(name)}")',
+    # ---------------------------------------------------------- declarations and their counters
+    _m("SP3", SPECS,
+       r'pattern = re.compile(rf"{re.escape(spec.prefix)}(_\d+)?/{re.escape(name)}")',
        r'pattern = re.compile(rf"{re.escape(spec.prefix)}/{re.escape(name)}")',
        "the counters of a repeated prefix (skip_spikes_1/...) are left out"),
     _m("SP4", SPECS, '  return sum(int(record[key]) for key in counter_keys(record, "skips"))',
@@ -1650,7 +1647,8 @@ MUTANTS = [
     _m("RB4", RESTORE_PLAN, "  result.dropped = sorted(k for k in layouts if k not in current_opt)",
        "  result.dropped = []", "a defence switched off is not said"),
     _m("RB5", RESTORE_PLAN,
-       "      return jnp.array(applied, leaf.dtype, copy=True)  # its own buffer: states are donated",
+       "      return jnp.array(applied, leaf.dtype, copy=True)  # its own buffer: states are "
+       "donated",
        "      return leaf", "a reset optimizer starts the learning-rate schedule over",
        ("tests/test_stack_changes.py",)),
 

@@ -18,7 +18,10 @@ exits with its own code.
 
 Both are set up for the life of the process when a program runs (``main()`` without arguments);
 ``main(argv)`` called from Python (tests, notebooks) restores the previous signal handlers when it
-returns and leaves the streams alone.
+returns and leaves the streams alone. A program's ``main`` that returned has said its last line:
+the stop signals are ignored from then on (`ignore_stop_signals`), so a second Ctrl-C during the
+interpreter's shutdown, when Python puts the default handlers back, cannot kill the process by
+the signal after its line (it exits with its own code).
 """
 
 from __future__ import annotations
@@ -108,9 +111,20 @@ def program(as_program: bool) -> Iterator[None]:
   try:
     yield
   finally:
-    if not as_program:
+    if as_program:
+      ignore_stop_signals()
+    else:
       restore(previous)
       forget()
+
+
+def ignore_stop_signals() -> None:
+  """Ignores the stop signals for the rest of the process (a program that said its last line).
+  Python's shutdown restores the default handler of a signal it handles, but leaves an ignored
+  one ignored: a signal then can no longer kill the process after its exit code was decided."""
+  if threading.current_thread() is threading.main_thread():
+    for s in STOP_SIGNALS:
+      signal.signal(s, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- closed output

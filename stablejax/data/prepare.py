@@ -640,6 +640,28 @@ def _named_files(record: dict) -> set[str]:
   return names & {*SPLIT_FILES, TOKENIZER_FILE}  # a record claims only the tool's own names
 
 
+def _file_identity(path: Path) -> Optional[list[int]]:
+  """What tells one file from another under the same name: device, inode, size, modification
+  time (kept by a rename; a file copied or written there has others). None when missing."""
+  try:
+    st = os.lstat(path)
+  except OSError:
+    return None
+  return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def _claimed_files(out: Path, marker: dict) -> set[str]:
+  """The files of --out that a marker's run wrote: those its ``claims`` name with the identity
+  the file still has (a file put there since under the same name is not the run's). A marker of
+  an earlier release claims no finished file, only its partials (`_named_partials`)."""
+  claims = marker.get("claims")
+  if not isinstance(claims, dict):
+    return set()
+  names = {*SPLIT_FILES, TOKENIZER_FILE}  # a marker claims only the tool's own names
+  return {name for name, identity in claims.items()
+          if name in names and identity is not None and _file_identity(out / name) == identity}
+
+
 def _named_partials(record: dict) -> set[str]:
   """The partial files a marker says its run writes (NAME.partial for an earlier release's)."""
   if isinstance(record.get("partials"), list):
@@ -696,7 +718,7 @@ def _existing(out: Path) -> _Existing:
   kept = (_named_files(meta) | {PREPARED_META}) - changed if meta is not None else set()
   leftovers = set()
   if marker is not None:
-    finals = _named_files(marker)
+    finals = _claimed_files(out, marker)
     leftovers = (finals - kept - changed) | _named_partials(marker) | {PREPARED_MARKER}
   return _Existing(meta, complete, kept, leftovers, changed)
 
@@ -1021,15 +1043,16 @@ class _Job:
                          f"stablejax prepare (no meta.json of its own names them): choose another "
                          f"--out, or pass --force to replace them")
 
-    # The marker names every file of the tool's in --out until meta.json replaces it, so an
-    # interrupted run's files are recognised (and removed) by the next one. `stale`: files of
-    # the corpus already there that the new one does not have (removed once it is in place);
-    # leftovers of an interrupted run are removed now.
+    # The marker names this run's partial files, and (`_finish`, just before they are renamed
+    # into place) each file it puts in --out with that file's identity, so an interrupted run's
+    # files are recognised (and removed) by the next one, and a file put there since under the
+    # same name is not. `stale`: files of the corpus already there that the new one does not
+    # have (removed once it is in place); leftovers of an interrupted run are removed now.
     stale = existing.kept - {PREPARED_META} - set(writes) - (
         {TOKENIZER_FILE} if in_place else set())
     tag = f"{os.getpid()}-{secrets.token_hex(4)}"
     partials = {name: f"{name}.{tag}{PARTIAL}" for name in (*writes, PREPARED_META)}
-    marker = {"format": PREPARED_FORMAT, "incomplete": True, "written": sorted({*writes, *stale}),
+    marker = {"format": PREPARED_FORMAT, "incomplete": True, "written": [], "claims": {},
               "partials": sorted(partials.values()), "request": self.request,
               "writer": {"pid": os.getpid(), "host": socket.gethostname(), "tag": tag}}
     with _writing(out):
@@ -1054,7 +1077,7 @@ class _Job:
       meta["written"] = writes
       meta["seconds"] = time.time() - self.started
       self.check_stop()  # the last moment a stop leaves the directory as it was
-      _finish(out, meta, writes, stale, tok_path, state, partials)
+      _finish(out, meta, writes, stale, tok_path, state, partials, marker)
     except BaseException:
       # Cleaning up must not be cut short by a second Ctrl-C (it is delivered when done).
       mask = signal.pthread_sigmask(signal.SIG_BLOCK, set(_STOP_SIGNALS))
@@ -1239,8 +1262,14 @@ def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_sp
         f.abort()
   if totals["val"] == 0:
     n = sum(s["train_documents"] for s in sources)
+    split = ("split the text into documents (--separator for text files, one record per "
+             "document in JSON Lines/Parquet)")
+    if n == 1:  # no --val-fraction gives a validation split without losing the only document
+      raise PrepareError(f"the corpus is one document, which cannot be split into training and "
+                         f"validation documents: {split}, or add text")
     raise PrepareError(f"none of the {n} documents fell into the validation split "
-                       f"(--val-fraction {opts.val_fraction}): raise --val-fraction or add text")
+                       f"(--val-fraction {opts.val_fraction}): raise --val-fraction (about "
+                       f"{min(0.5, 2 / n):.2g} puts a document there), {split}, or add text")
   if weights is None:
     weights = [float(s["train_tokens"]) for s in sources]
   total_w = sum(weights)
@@ -1268,11 +1297,16 @@ def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_sp
 
 
 def _finish(out: Path, meta: dict, writes: Sequence[str], stale: set[str],
-            tok_path: Optional[Path], state: dict, partials: dict[str, str]) -> None:
-  """Puts the new corpus in place: the old meta.json goes first (from then on the directory is
-  incomplete and the marker says so), the partial files are renamed, files of the old corpus
-  that the new one lacks are removed, meta.json is written (atomically) with the status of the
-  files now in place, and the marker goes last."""
+            tok_path: Optional[Path], state: dict, partials: dict[str, str],
+            marker: dict) -> None:
+  """Puts the new corpus in place: the marker first claims the files it is about to put there
+  and the old corpus' files it removes (each by its identity), the old meta.json goes (from then
+  on the directory is incomplete and the marker says so), the partial files are renamed, files of
+  the old corpus that the new one lacks are removed, meta.json is written (atomically) with the
+  status of the files now in place, and the marker goes last."""
+  claims = {name: _file_identity(out / partials[name]) for name in writes}
+  claims.update({name: _file_identity(out / name) for name in stale})
+  _write_json(out / PREPARED_MARKER, dict(marker, claims=claims), out / partials[PREPARED_META])
   state["old_meta_removed"] = True
   with _writing(out / PREPARED_META):
     (out / PREPARED_META).unlink(missing_ok=True)

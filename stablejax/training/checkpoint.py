@@ -226,6 +226,8 @@ class Checkpoints:
     directory: where the checkpoints live (created if missing).
     keep: how many checkpoints to keep.
     async_save: save in the background (the next save or :meth:`wait` waits for it).
+    record_step: called as ``record_step(step, fingerprint)`` before each save is started (the
+      trainer records what it saves in its run directory's record first).
 
   Example:
     >>> import pathlib, tempfile, jax, jax.numpy as jnp
@@ -245,8 +247,10 @@ class Checkpoints:
     >>> ckpts.close()
   """
 
-  def __init__(self, directory: Path, keep: int, async_save: bool = True):
+  def __init__(self, directory: Path, keep: int, async_save: bool = True,
+               record_step: Optional[Callable[[int, list[float]], None]] = None):
     self.directory = Path(directory).absolute()
+    self.record_step = record_step
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=True,
@@ -265,6 +269,8 @@ class Checkpoints:
              for name, value in part_fingerprints(state).items()}
     meta = dict(meta, step=int(step), fingerprints=parts,
                 fingerprint=[float(sum(p[i] for p in parts.values())) for i in range(3)])
+    if self.record_step is not None:
+      self.record_step(int(step), meta["fingerprint"])
     self.manager.save(
         step,
         args=ocp.args.Composite(

@@ -445,7 +445,7 @@ def config_from_dict(raw: dict, layers: Optional[list[set[str]]] = None) -> Conf
   if not isinstance(raw, dict):
     raise ConfigError("the config must be a JSON object with sections like 'model' and 'train'")
   load_plugins(raw.get("plugins", []), "the config's plugins")
-  _check_sections(raw)
+  _sections_are_objects(raw)
   _vocab_from_prepared_data(raw)
   _budget_fixes_steps(raw, [flat_keys(raw)] if layers is None else layers)
   cfg = _build(Config, raw)
@@ -477,8 +477,8 @@ def _family_name(raw: dict) -> str:
   return name
 
 
-def _check_sections(raw: dict) -> None:
-  """Every section of ``raw`` that is a dataclass must be a JSON object."""
+def _sections_are_objects(raw: dict) -> None:
+  """Every section of ``raw`` but ``plugins`` must be a JSON object."""
   for f in dataclasses.fields(Config):
     value = raw.get(f.name)
     if f.name != "plugins" and value is not None and not isinstance(value, dict):
@@ -572,7 +572,7 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
       if not isinstance(child, dict):
         where = ".".join(parts[:i + 1])
         raise ConfigError(f"--set {dotted}: {where} is {json.dumps(child)} in the config, not a "
-                          "JSON object of keys: fix the config file")
+                          f"JSON object of its keys: make {where} an object (or leave it out)")
       node = child
     node[parts[-1]] = value
   return raw
@@ -595,6 +595,21 @@ def _switch_family(model: dict, family: Any) -> dict:
       raise ConfigError(f"model.{key}={json.dumps(value)} of the config file is not a key of "
                         f"model.family={family!r}: remove it, or set the family in the file")
   return kept
+
+
+def _check_sections(raw: Any, path: Path) -> dict:
+  """A config file's content: a JSON object whose sections are objects (one line otherwise)."""
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config file {path} is {type(raw).__name__} JSON, not an object with "
+                      "sections like 'model' and 'train'")
+  for section, value in raw.items():
+    if section in _SECTIONS and section != "plugins" and not isinstance(value, dict):
+      raise ConfigError(f"config file {path}: section {section!r} is {json.dumps(value)}, not a "
+                        f"JSON object of its keys: make it an object (or leave it out)")
+  return raw
+
+
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def packaged_configs() -> dict[str, Path]:
@@ -661,13 +676,15 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
   if path is not None:
     path = config_path(path)
     try:
-      raw = json.loads(path.read_text())
+      raw = _check_sections(json.loads(path.read_text()), path)
     except json.JSONDecodeError as e:
       raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") \
           from None
-    if not isinstance(raw, dict):
-      raise ConfigError(f"config file {path} is not a config: expected a JSON object with "
-                        "sections like 'model' and 'train'")
+    except UnicodeDecodeError as e:
+      raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                        "pass a JSON file") from None
+    except OSError as e:
+      raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
   return _with_overrides(raw, overrides, plugins, str(path) if path else "the config")
 
 
@@ -716,9 +733,10 @@ def load_run_file(path: str | Path, overrides: Sequence[str] = (),
     raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
   except json.JSONDecodeError as e:
     raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path} is not a config: expected a JSON object with sections")
-  return _with_overrides(translate_v0_1(raw), overrides, plugins, str(path))
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+  raw = translate_v0_1(_check_sections(raw, path))
+  return _with_overrides(raw, overrides, plugins, str(path))
 
 
 def recorded_plugins(path: str | Path) -> list[str]:

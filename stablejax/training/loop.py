@@ -39,7 +39,7 @@ from stablejax.training.logger import RunLogger
 from stablejax.training.optim import learning_rate_warnings, learning_rates
 from stablejax.training.recovery import Recovery
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
-from stablejax.training.run_dir import RunDirectory
+from stablejax.training.run_dir import RunDirectory, data_order, order_difference, run_inputs
 from stablejax.training.signals import Interrupted, StopSignals
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
@@ -63,10 +63,13 @@ class Run:
       scale that the recovery backs off.
     optimizer: ``(cfg, main) -> chain`` around the configured main optimizer instead of
       ``build_optimizer`` (rebuilt when the time budget fixes the step count).
-    data_changed: resume on data other than the run recorded (its identity is updated).
+    data_changed: resume on data other than the run recorded (its identity is updated; the
+      tokenizer must stay the run's).
     reset_optimizer: at resume, start the optimizer's state afresh (keeping the parameters, the
       step, the data position and the monitor): needed to switch between Muon and AdamW.
     signals: the stop-signal handler a program installed before its imports.
+    config_file: the config file the run was given (``--config``): it must not lie where the
+      trainer writes in ``out_dir``.
 
   Example:
     >>> import contextlib, io, json, pathlib, tempfile
@@ -88,7 +91,7 @@ class Run:
                tx: Optional[optax.GradientTransformationExtraArgs] = None,
                optimizer: Optional[components.OptimizerFactory] = None,
                data_changed: bool = False, reset_optimizer: bool = False,
-               signals: Optional[StopSignals] = None):
+               signals: Optional[StopSignals] = None, config_file: Optional[Path] = None):
     self.t_start = time.time()
     # From here a signal stops the run at the next safe point (between start-up phases, or at a
     # step), never in the middle of a compilation, a checkpoint save or the budget's probe.
@@ -100,8 +103,9 @@ class Run:
     if cfg.mesh.distributed:
       self.signals.reclaim()
     self.is_main = distributed.is_main()
-    self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main)
-    distributed.barrier("run_dir")  # no process looks for checkpoints before --fresh is done
+    self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main,
+                                     inputs=run_inputs(cfg, config_file))
+    self.fresh = fresh
     try:
       self._build(cfg, tx, optimizer, data_changed, reset_optimizer)
     except BaseException:
@@ -114,7 +118,7 @@ class Run:
              optimizer: Optional[components.OptimizerFactory], data_changed: bool,
              reset_optimizer: bool) -> None:
     self.custom_tx, self.data_changed = tx, data_changed
-    self.recorded = self._recorded_config()
+    self.recorded = None if self.fresh else self._recorded_config()
     self.log = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard)  # console until opened
     # Data first: a bad path is the commonest mistake and should fail before any compilation.
     t = cfg.train
@@ -133,9 +137,12 @@ class Run:
     self.recovery = Recovery(cfg.stability)
     self.monitor = StabilityMonitor(thresholds=HealthThresholds(
         high=cfg.logging.grad_norm_high, critical=cfg.logging.grad_norm_critical))
+    self.run_dir.remove_previous()  # --fresh: every check of the new start passed
+    distributed.barrier("run_dir")  # no process looks for checkpoints before --fresh is done
     checkpoint_dir = self.run_dir.path("checkpoints")
     self.run_dir.record_written()  # before Orbax creates the folder
-    self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                                   record_step=self.run_dir.record_checkpoint)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
                            lambda tokens: self.c.device_tokens(tokens))
     self.restorer = Restorer(lambda: self.c, self.run_dir, self.checkpoints, self.batches,
@@ -184,7 +191,8 @@ class Run:
     the run, the logs are closed and the lock released (:meth:`train` does it when it returns).
     Each part is closed even when another fails; the first failure is raised unless ``quiet``."""
     errors = []
-    for close in (self.checkpoints.close, self.log.close, self.run_dir.close):
+    for close in (self.budget.stop_heartbeat, self.checkpoints.close, self.log.close,
+                  self.run_dir.close):
       try:
         close()
       except Exception as e:  # noqa: BLE001 - every part gets its chance to close
@@ -198,12 +206,13 @@ class Run:
     to continue from. Raises Interrupted when a signal came in the meantime."""
     self.state, meta = self.restorer.restore_or_init()
     resuming = bool(meta)
-    self._check_resume(resuming)
+    self._check_resume(meta)
     notes = self._changes(meta) if resuming else []
     self._record_start()
     self.signals.check_startup("restoring the checkpoint" if resuming else "initialising the model")
     self.budget.load_state_dict(meta, owns_clock=CLOCK_FILE in self.run_dir.recorded)
     self.budget.tick(force=True)  # a start killed from here on still counts in the budget
+    self.budget.start_heartbeat()  # up to its last beat: the probe, the compilations
     self._apply_budget()
     step = int(meta.get("step", 0))
     self.checkpointing = actions.Checkpointing(self.c, self.checkpoints, self.batches,
@@ -226,16 +235,24 @@ class Run:
       self.signals.check_startup("compiling the evaluation")
     return step
 
-  def _check_resume(self, resuming: bool) -> None:
-    """A resumed run must train on its tokenizer and its data (unless told the data changed)."""
-    if not resuming:
-      return
+  def _check_resume(self, meta: dict) -> None:
+    """A resumed run (``meta``: its checkpoint's) must train on its tokenizer, whatever the
+    data, and on its data unless told the data changed; another data order is said."""
     try:
-      problem = runs.tokenizer_mismatch(self.run_dir.root, self.cfg.data)
+      self.tokenizer = runs.tokenizer_record(self.cfg.data)[0]
+      problem = runs.resume_tokenizer_problem(meta, self.run_dir.tokenizer, self.run_dir.root,
+                                              self.tokenizer) if meta else None
     except runs.RunError as e:
       raise ConfigError(str(e)) from None
     if problem:
       raise ConfigError(problem)
+    if not meta:
+      return
+    order = self.run_dir.data_order
+    if order is not None and order != data_order(self.cfg):
+      self.log.console(f"warning: {order_difference(order, data_order(self.cfg))} since the last "
+                       "start of this run: the batches from here on come in another order than "
+                       "the run's own (the data is the same)")
     recorded, current = self.run_dir.data_identity, data_identity(self.cfg.data)
     difference = identity_difference(recorded, current) if recorded is not None else None
     if difference and not self.data_changed:
@@ -261,9 +278,12 @@ class Run:
   def _record_start(self) -> None:
     """The checks passed: the run's config, tokenizer and data identity, and its log files."""
     if self.is_main:
-      for name in ("tokenizer", CLOCK_FILE, PROBE_DIR, "config.json"):
+      for name in ("tokenizer", CLOCK_FILE, PROBE_DIR, "config.json", "metrics.jsonl",
+                   "tensorboard"):
         self.run_dir.path(name)
       self.run_dir.set_data_identity(data_identity(self.cfg.data))
+      self.run_dir.set_tokenizer(self.tokenizer)
+      self.run_dir.set_data_order(data_order(self.cfg))
       self.run_dir.record_written()
       try:
         runs.write_tokenizer_record(self.run_dir.root, self.cfg.data)
@@ -357,7 +377,7 @@ class Run:
             self.checkpointing, self.time_budget)
 
   def _meta(self) -> dict:
-    return {**self.restorer.meta(), **self.budget.state_dict()}
+    return {**self.restorer.meta(), **self.budget.state_dict(), "tokenizer": self.tokenizer}
 
   def _save_if_healthy(self, step: int) -> None:
     if self.recovery.healthy():

@@ -110,6 +110,9 @@ class Restorer:
     return restore_plan.LegacyLayout(positional, tuple(chain), wrappers, recorded.optimizer.name)
 
   def _fallback(self, step: int, reason: str) -> None:
+    if self.run_dir.is_main:  # the damaged step goes there: recorded before it is created
+      self.run_dir.path("damaged_checkpoints")
+      self.run_dir.record_written()
     self.log.console(f"warning: checkpoint {step} is damaged ({reason}); trying the previous one"
                      f" (the damaged one goes to {self.checkpoints.damaged_directory})")
     self.log.record({"step": step, "event": "fallback_checkpoint", "cause": reason})
@@ -131,7 +134,9 @@ class Restorer:
     if restored is None:
       stale = self.recovery_file
       if self.run_dir.is_main and stale.exists():  # its checkpoints are gone: another run's
-        stale.replace(self.run_dir.path(RECOVERY_FILE + ".stale"))
+        target = self.run_dir.path(RECOVERY_FILE + ".stale")
+        self.run_dir.record_written()  # recorded before it is there
+        stale.replace(target)
         self.log.console(f"warning: no checkpoint in {self.checkpoints.directory}: starting at step"
                          f" 0 and keeping the old rollback record as {RECOVERY_FILE}.stale")
       return self.c.init_state(jax.random.PRNGKey(self.c.cfg.train.seed)), {}

@@ -257,19 +257,41 @@ def write_tokenizer_record(run_dir: str | Path, data_cfg: "DataConfig") -> None:
   write_json_atomic(directory / TOKENIZER_RECORD, record)
 
 
-def tokenizer_mismatch(run_dir: str | Path, data_cfg: "DataConfig") -> Optional[str]:
-  """Why the data's tokenizer is not the one the run recorded (one line), or None (the same, or
-  nothing recorded yet). A resumed run on data of another tokenizer would train on other ids."""
-  recorded = read_tokenizer_record(run_dir)
+def recorded_tokenizer(checkpoint_meta: dict, run_record: Optional[dict],
+                       run_dir: str | Path) -> tuple[Optional[dict], str]:
+  """The tokenizer a run trained with, and where it is recorded: the metadata of the checkpoint
+  being resumed (every checkpoint carries it), else ``run.json``, else ``tokenizer/record.json``
+  (a run of an earlier release). (None, ...) when none of them names one."""
+  run_dir = Path(run_dir)
+  if isinstance(checkpoint_meta.get("tokenizer"), dict):
+    step = checkpoint_meta.get("step", "?")
+    return checkpoint_meta["tokenizer"], f"checkpoint {step} in {run_dir / 'checkpoints'}"
+  if run_record is not None:
+    return run_record, str(run_dir / "run.json")
+  return read_tokenizer_record(run_dir), str(run_dir / TOKENIZER_DIR / TOKENIZER_RECORD)
+
+
+def resume_tokenizer_problem(checkpoint_meta: dict, run_record: Optional[dict],
+                             run_dir: str | Path, current: dict) -> Optional[str]:
+  """Why a run may not resume from ``checkpoint_meta`` on data whose tokenizer is ``current``
+  (`tokenizer_record`), in one line; None when it may. A run would train on other token ids;
+  ``--data-changed`` changes the data, never the tokenizer. A run whose tokenizer is recorded
+  nowhere (its record files deleted) cannot be checked, so it does not resume.
+
+  Raises:
+    RunError: ``tokenizer/record.json`` is the only record and it cannot be read.
+  """
+  recorded, where = recorded_tokenizer(checkpoint_meta, run_record, run_dir)
   if recorded is None:
-    return None
-  current, _ = tokenizer_record(data_cfg)
+    return (f"the tokenizer this run was trained with is recorded nowhere (not in its checkpoint, "
+            f"{Path(run_dir) / 'run.json'} or {where}), so the data's cannot be checked against "
+            f"it: restore {where}, or pass --fresh to start a new run")
   if _identity(current) == _identity(recorded):
     return None
-  path = Path(run_dir) / TOKENIZER_DIR / TOKENIZER_RECORD
   return (f"the data's tokenizer ({_describe(current)}) is not the one this run was trained "
-          f"with ({_describe(recorded)}, recorded in {path}): point data.train at the run's data, "
-          "or pass --fresh to start a new run")
+          f"with ({_describe(recorded)}, recorded in {where}): point data.train at the run's data, "
+          "or pass --fresh to start a new run (--data-changed allows other data, never another "
+          "tokenizer)")
 
 
 def _from_record(run_dir: Path, record: dict) -> Any:

@@ -48,13 +48,17 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
            check_stop: Callable[[], None] = lambda: None) -> dict:
   """Samples ``num_samples`` continuations of ``prompt`` from a run's newest usable checkpoint.
 
-  ``check_stop`` is called between the steps (config, checkpoint, tokenizer, compilation,
-  generation); whatever it raises stops sampling there. A step under way, such as an XLA
-  compilation, always runs to its end: nothing is thrown into it.
+  ``check_stop`` is called between the steps (config, checkpoint, tokenizer, compilation);
+  whatever it raises stops sampling there. A step under way, such as an XLA compilation, always
+  runs to its end: nothing is thrown into it. The first generation compiles the decoder and
+  gives the samples; a second one, already compiled, measures the speed. A stop that comes once
+  the samples exist does not throw them away: the speed is not measured, and the result says
+  ``"stopped": True``.
 
   Returns:
-    ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds"}``
-    where each text is the prompt followed by its continuation.
+    ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds",
+    "stopped"}`` where each text is the prompt followed by its continuation (``seconds`` None
+    when the speed was not measured).
 
   Raises:
     SampleError: missing run, config, checkpoint or tokenizer; bad arguments.
@@ -89,16 +93,21 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
                                 num_samples=num_samples)
   check_stop()
   t0 = time.perf_counter()
-  gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # compile
-  t1 = time.perf_counter()
-  check_stop()
-  tokens = gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)
+  tokens = gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # and compile
   jax.block_until_ready(tokens)
-  t2 = time.perf_counter()
-  check_stop()
+  t1 = t2 = time.perf_counter()
+  stopped = False
+  try:
+    check_stop()
+  except BaseException:  # noqa: BLE001 - a stop now keeps the samples, unmeasured
+    stopped = True
+  if not stopped:  # the same samples again (the same seed), compiled: the speed
+    jax.block_until_ready(gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs))
+    t2 = time.perf_counter()
   texts = [tok.decode(list(prompt_ids) + row.tolist()) if prompt else tok.decode(row.tolist())
            for row in np.asarray(tokens)]
   if prompt:
     texts = [prompt + t[len(tok.decode(prompt_ids)):] for t in texts]
   return {"step": restored.step, "prompt_ids": list(prompt_ids), "samples": texts,
-          "tokens": np.asarray(tokens).tolist(), "seconds": t2 - t1, "compile_seconds": t1 - t0}
+          "tokens": np.asarray(tokens).tolist(), "seconds": None if stopped else t2 - t1,
+          "compile_seconds": t1 - t0, "stopped": stopped}
