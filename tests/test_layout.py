@@ -293,66 +293,6 @@ def test_a_program_without_the_train_extra_is_one_line_naming_it(tmp_path):
 
 # ----------------------------------------------------------------------------- the package root
 
-# What `import stablejax` imported eagerly before the public names were loaded on first use:
-# name -> the module it came from (the import list of the previous release, and the names added
-# since).
-EAGER_IMPORTS = {
-    "cross_entropy_with_z_loss": "stablejax.modeling.losses",
-    "AdaGCState": "stablejax.transforms.adagc",
-    "adagc": "stablejax.transforms.adagc",
-    "HybridClipState": "stablejax.transforms.hybrid",
-    "hybrid_clip": "stablejax.transforms.hybrid",
-    "DynamicLossScale": "stablejax.transforms.loss_scaling",
-    "register_state_metrics": "stablejax.transforms.metrics",
-    "stability_metrics": "stablejax.transforms.metrics",
-    "SkipNonFiniteState": "stablejax.transforms.skipping",
-    "SkipSpikesState": "stablejax.transforms.skipping",
-    "skip_nonfinite": "stablejax.transforms.skipping",
-    "skip_spikes": "stablejax.transforms.skipping",
-    "QKClipState": "stablejax.transforms.qk_clip",
-    "qk_clip": "stablejax.transforms.qk_clip",
-    "ZClipState": "stablejax.transforms.zclip",
-    "zclip": "stablejax.transforms.zclip",
-    "ClipUpdateRmsState": "stablejax.transforms.update_clip",
-    "ZClipUpdateNormState": "stablejax.transforms.update_clip",
-    "clip_update_rms": "stablejax.transforms.update_clip",
-    "zclip_update_norm": "stablejax.transforms.update_clip",
-    "CompensatedUpdatesState": "stablejax.transforms.compensated",
-    "compensated_updates": "stablejax.transforms.compensated",
-    "check_learning_rates": "stablejax.muon.lr_check",
-    "GroupUpdateRmsState": "stablejax.muon.muon",
-    "OutlierSafeMuonState": "stablejax.muon.muon",
-    "outlier_safe_muon": "stablejax.muon.muon",
-    "newton_schulz": "stablejax.muon.newton_schulz",
-    "describe_routing": "stablejax.muon.describe",
-    "label_params": "stablejax.muon.routing",
-    "muon_dimension_numbers": "stablejax.muon.routing",
-    "init_new_token_embeddings": "stablejax.modeling.utils",
-    "lambda_warmup": "stablejax.modeling.utils",
-    "excess_kurtosis": "stablejax.modeling.utils",
-    "merge_emb_proj": "stablejax.modeling.utils",
-    "quantize_weights_rtn": "stablejax.modeling.utils",
-    "attention_logit_max": "stablejax.modeling.attention",
-    "collect_attention_logits": "stablejax.modeling.attention",
-    "sow_attention_logits": "stablejax.modeling.attention",
-    "AttentionLogitThresholds": "stablejax.monitor",
-    "HealthThresholds": "stablejax.monitor",
-    "StabilityMonitor": "stablejax.monitor",
-    "grad_health_level": "stablejax.monitor",
-    "movement_record": "stablejax.monitor",
-    "movement_warnings": "stablejax.monitor",
-    "param_dtypes": "stablejax.monitor",
-    "param_movement": "stablejax.monitor",
-    "per_layer_grad_norms": "stablejax.monitor",
-    "stability_score": "stablejax.monitor",
-    "tensorboard_scalars": "stablejax.monitor",
-    "UpdateNormThresholds": "stablejax.monitor",
-    "FusedDimensionNumbers": "stablejax.layout.analysis",
-    "AttentionProbe": "stablejax.modeling.probes",
-    "hf_attention_probe": "stablejax.modeling.probes",
-    "mha_with_max_logit": "stablejax.modeling.probes",
-    "apply_gradients": "stablejax.training.train_state",
-}
 HEAVY = ("jax", "jaxlib", "numpy", "optax", "flax", "grain", "orbax")
 
 
@@ -371,13 +311,15 @@ def test_importing_stablejax_and_its_command_loads_no_heavy_library():
 def test_the_lazy_package_offers_the_same_names_as_the_eager_one():
   code = ("import importlib, json, stablejax; before = dir(stablejax); "
           "muon = stablejax.muon.__name__; "  # a subpackage, without importing it by name
-          f"same = {{n: getattr(stablejax, n) is getattr(importlib.import_module(m), n) "
-          f"for n, m in {EAGER_IMPORTS!r}.items()}}; "
+          "same = {n: getattr(stablejax, n) is getattr(importlib.import_module(m), n) "
+          "for n, m in stablejax._EXPORTS.items()}; "
           "print(json.dumps([before, dir(stablejax), muon, same, stablejax.__all__, "
           "stablejax.__version__]))")
   before, after, muon, same, names, version = json.loads(_python(code))
   assert before == after  # dir() is the same before and after the names are loaded
-  assert set(names) == {"__version__", *EAGER_IMPORTS} and len(names) == len(set(names))
+  # Every public name, from the package's one list, resolves to its module's object.
+  assert names == ["__version__", *stablejax._EXPORTS] and len(names) == len(set(names))
+  assert len(same) == len(stablejax._EXPORTS) > 50
   assert set(names) <= set(before)
   assert {"_compat", "layout", "modeling", "monitor", "muon", "transforms"} <= set(before)
   assert not {"_importlib", "_EXPORTS", "_load_public_names", "__getattr__"} & set(before)

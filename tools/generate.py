@@ -5,6 +5,8 @@
 
 * ``stablejax/configs/default.json``: the config dataclasses' defaults (every registered defence's
   section; the model section of the default family, without ``vocab_size``, which the data sets);
+* ``stablejax/__init__.py``'s imports for type checkers, one per public name of its
+  ``_EXPORTS`` (the one list of the public names);
 * the tables of docs/trainer.md (the stability sections, the model families) and of
   docs/monitoring.md (the monitor's rates, the stability score's budgets, the troubleshooting
   rows), between ``<!-- generated: NAME -->`` and ``<!-- end generated: NAME -->``, from the
@@ -27,6 +29,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 TRAINER_DOC = ROOT / "docs" / "trainer.md"
+PACKAGE_FRONT = ROOT / "stablejax" / "__init__.py"
 MONITORING_DOC = ROOT / "docs" / "monitoring.md"
 
 
@@ -154,9 +157,23 @@ def _with_blocks(text: str, blocks: dict[str, Callable[[], str]], path: Path) ->
   return text
 
 
+def package_front() -> str:
+  """``stablejax/__init__.py`` with the type checkers' imports of the public names, one
+  ``from MODULE import NAME as NAME`` per entry of ``_EXPORTS`` (an explicit re-export)."""
+  import stablejax
+  text = PACKAGE_FRONT.read_text()
+  begin, end = "  # <!-- generated: public-names", "  # <!-- end generated: public-names -->"
+  head, rest = text.split(begin, 1)
+  marker, rest = rest.split("\n", 1)
+  _, tail = rest.split(end, 1)
+  lines = [f"  from {module} import {name} as {name}"
+           for name, module in stablejax._EXPORTS.items()]
+  return head + begin + marker + "\n" + "\n".join(lines) + "\n" + end + tail
+
+
 def generated() -> dict[Path, str]:
   """Every generated file's expected text."""
-  out = {DEFAULT_CONFIG: default_config()}
+  out = {DEFAULT_CONFIG: default_config(), PACKAGE_FRONT: package_front()}
   for path, blocks in BLOCKS.items():
     out[path] = _with_blocks(path.read_text(), blocks, path)
   return out

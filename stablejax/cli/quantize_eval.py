@@ -23,7 +23,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
 from stablejax.cli import _process
 
@@ -31,20 +31,10 @@ PROG = "python -m stablejax quantize-eval"
 PROGRAM_NAME = "stablejax quantize-eval"  # the "program" of the JSON it writes
 
 
-class _UsageError(Exception):
-  """A bad command line (one line, exit code 2)."""
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-  # One line and exit code 2, like the trainer (main returns it).
-  def error(self, message: str) -> NoReturn:
-    raise _UsageError(f"{message} (see {PROG} --help)")
-
-
 def parser() -> argparse.ArgumentParser:
-  p = _ArgumentParser(prog=PROG, description="Validation loss of a trained run before and after "
-                      "round-to-nearest weight quantisation. SIGINT, SIGTERM or SIGHUP stops it "
-                      "with exit code 130.")
+  p = _process.ArgumentParser(
+      prog=PROG, description="Validation loss of a trained run before and after round-to-nearest "
+      "weight quantisation. SIGINT, SIGTERM or SIGHUP stops it with exit code 130.")
   p.add_argument("run_dir", help="a training run's output directory (train --out)")
   p.add_argument("--bits", type=int, default=4, help="weight bits, 2..8 (default 4)")
   p.add_argument("--batches", type=int, default=None,
@@ -62,60 +52,38 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the program; returns its exit code (0, 2 or 130).
+  """The program (``argv``: its arguments, default ``sys.argv[1:]``); returns its exit code."""
+  return _process.run(argv, parser().parse_args, _evaluate, refused=_process.run_refusals,
+                      orbax=True,
+                      stopped="stopped before the evaluation was done; nothing was written")
 
-  Args:
-    argv: the arguments (default ``sys.argv[1:]``, as the program: see
-      :mod:`stablejax.cli._process`).
-  """
-  with _process.program(argv is None):
-    _process.quiet_orbax_leftovers()
-    try:
-      args = parser().parse_args(argv)
-    except _UsageError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
 
-    def fallback(step: int, reason: str) -> None:
-      print(f"warning: checkpoint {step} is unusable ({reason}); trying the previous one",
-            file=sys.stderr)
-
-    try:
-      _process.check()
-      # Imported once the signals are handled (JAX).
-      from stablejax.training import outputs
-      from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
-      from stablejax.training.runs import RunError
-      run_dir = Path(args.run_dir)
-      given = Path(args.out) if args.out else run_dir / RESULT_FILE
-      check = functools.partial(
-          outputs.check_output, given, program="quantize-eval", force=args.force, ours=_ours,
-          protected=outputs.run_records(run_dir), inputs=outputs.run_data(run_dir))
-      try:
-        if run_dir.is_dir():  # (a missing run directory: the evaluation's own line)
-          check()  # before the work: an output it may not write fails at once
-        r = quantize_eval(args.run_dir, args.bits, batches=args.batches, exclude=args.exclude,
-                          merge=not args.no_merge, on_fallback=fallback,
-                          check_stop=_process.check, write=False)
-        result = {"program": PROGRAM_NAME, **r}
-        outputs.write_output(check(), lambda tmp: tmp.write_text(json.dumps(result, indent=2)
-                                                                 + "\n"),
-                             program="quantize-eval")
-      except (RunError, outputs.OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-      print(f"interrupted by {_process.interrupted_name(e)}: stopped before the evaluation was "
-            f"done; nothing was written", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    note = " (EmbProj merged)" if r["merged_emb_proj"] else ""
-    note += f", excluded {', '.join(r['exclude'])}" if r["exclude"] else ""
-    print(f"checkpoint step {r['checkpoint_step']}, {r['batches']} validation batches{note}")
-    print(f"val loss full precision: {r['val_loss_before']:.4f}")
-    print(f"val loss {r['bits']}-bit RTN:      {r['val_loss_after']:.4f}")
-    print(f"difference:              {r['delta']:+.4f} ({100 * r['relative_delta']:+.2f}%)")
-    print(f"wrote {given}")
-    return 0
+def _evaluate(args: argparse.Namespace) -> int:
+  _process.check()
+  # Imported once the signals are handled (JAX).
+  from stablejax.training import outputs
+  from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
+  run_dir = Path(args.run_dir)
+  given = Path(args.out) if args.out else run_dir / RESULT_FILE
+  check = functools.partial(
+      outputs.check_output, given, program="quantize-eval", force=args.force, ours=_ours,
+      protected=outputs.run_records(run_dir), inputs=outputs.run_data(run_dir))
+  if run_dir.is_dir():  # (a missing run directory: the evaluation's own line)
+    check()  # before the work: an output it may not write fails at once
+  r = quantize_eval(args.run_dir, args.bits, batches=args.batches, exclude=args.exclude,
+                    merge=not args.no_merge, on_fallback=_process.checkpoint_fallback,
+                    check_stop=_process.check, write=False)
+  result = {"program": PROGRAM_NAME, **r}
+  outputs.write_output(check(), lambda tmp: tmp.write_text(json.dumps(result, indent=2) + "\n"),
+                       program="quantize-eval")
+  note = " (EmbProj merged)" if r["merged_emb_proj"] else ""
+  note += f", excluded {', '.join(r['exclude'])}" if r["exclude"] else ""
+  print(f"checkpoint step {r['checkpoint_step']}, {r['batches']} validation batches{note}")
+  print(f"val loss full precision: {r['val_loss_before']:.4f}")
+  print(f"val loss {r['bits']}-bit RTN:      {r['val_loss_after']:.4f}")
+  print(f"difference:              {r['delta']:+.4f} ({100 * r['relative_delta']:+.2f}%)")
+  print(f"wrote {given}")
+  return 0
 
 
 # The keys of the result written before it named its program: such a file is this program's too.

@@ -25,7 +25,7 @@ from stablejax.cli import _process
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = _process.ArgumentParser(
       prog="python -m stablejax report",
       description="Plot and summarise a stablejax run's metrics.jsonl. SIGINT, SIGTERM or SIGHUP "
                   "stops it with exit code 130.")
@@ -46,54 +46,57 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv: arguments without the program name (default ``sys.argv[1:]``, as the program: see
       :mod:`stablejax.cli._process`).
   """
-  with _process.program(argv is None):
-    args = parser().parse_args(argv)
-    if args.window < 1:
-      print("error: --window must be a positive number of steps", file=sys.stderr)
-      return 2
-    try:
-      _process.check()
-      # Imported once the signals are handled (matplotlib and JAX take a second to load).
-      from stablejax.monitor.report import (METRICS_FILE, REPORT_FILE, REPORT_SOFTWARE,
-                                            ReportError, make_report)
-      from stablejax.training import outputs
-      _process.check()
-    except KeyboardInterrupt as e:
-      print(f"interrupted by {_process.interrupted_name(e)}: no report written", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    run_dir = Path(args.run_dir)
-    _import_plugins(run_dir)
-    given = Path(args.out) if args.out else run_dir / REPORT_FILE
-    inputs = [*outputs.run_data(run_dir), run_dir / METRICS_FILE]
-    check = functools.partial(
-        outputs.check_output, given, program="report", force=args.force, inputs=inputs,
-        ours=lambda p: outputs.png_software(p) == REPORT_SOFTWARE,
-        protected=outputs.run_records(run_dir))
-    text = ""
-    try:
-      if not run_dir.is_dir():
-        raise ReportError(f"run directory {run_dir} does not exist; pass the directory a run "
-                          f"wrote {METRICS_FILE} into")
-      out = check()  # before the work: an --out it may not write fails at once
+  return _process.run(argv, _parse, _report, refused=_refused, stopped="no report written")
 
-      def draw(tmp: Path) -> None:
-        nonlocal text
-        text = make_report(run_dir, tmp, args.window)[1]
-        check()  # still free to replace, now that it is drawn
 
-      outputs.write_output(out, draw, program="report")
-    except (ReportError, outputs.OutputError) as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-    finally:
-      stopped = _process.received()
-    if stopped is not None:  # (the report is drawn in one go; it stops only after it)
-      print(f"interrupted by {_process.signal_name(stopped)}: the report was written to {given}, "
-            f"its summary not printed", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    print(text)
-    print(f"report written to {given}")
-    return 0
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+  args = parser().parse_args(argv)
+  if args.window < 1:
+    raise _process.UsageError("--window must be a positive number of steps")
+  return args
+
+
+def _refused() -> tuple[type[BaseException], ...]:
+  from stablejax.monitor.report import ReportError
+  from stablejax.training import outputs
+  return ReportError, outputs.OutputError
+
+
+def _report(args: argparse.Namespace) -> int:
+  _process.check()
+  # Imported once the signals are handled (matplotlib and JAX take a second to load).
+  from stablejax.monitor.report import (METRICS_FILE, REPORT_FILE, REPORT_SOFTWARE, ReportError,
+                                        make_report)
+  from stablejax.training import outputs
+  _process.check()
+  run_dir = Path(args.run_dir)
+  _import_plugins(run_dir)
+  given = Path(args.out) if args.out else run_dir / REPORT_FILE
+  inputs = [*outputs.run_data(run_dir), run_dir / METRICS_FILE]
+  check = functools.partial(
+      outputs.check_output, given, program="report", force=args.force, inputs=inputs,
+      ours=lambda p: outputs.png_software(p) == REPORT_SOFTWARE,
+      protected=outputs.run_records(run_dir))
+  if not run_dir.is_dir():
+    raise ReportError(f"run directory {run_dir} does not exist; pass the directory a run wrote "
+                      f"{METRICS_FILE} into")
+  out = check()  # before the work: an --out it may not write fails at once
+  text = ""
+
+  def draw(tmp: Path) -> None:
+    nonlocal text
+    text = make_report(run_dir, tmp, args.window)[1]
+    check()  # still free to replace, now that it is drawn
+
+  outputs.write_output(out, draw, program="report")
+  stopped = _process.received()
+  if stopped is not None:  # (the report is drawn in one go; it stops only after it)
+    print(f"interrupted by {_process.signal_name(stopped)}: the report was written to {given}, "
+          f"its summary not printed", file=sys.stderr)
+    return _process.EXIT_INTERRUPTED
+  print(text)
+  print(f"report written to {given}")
+  return 0
 
 
 def _import_plugins(run_dir: Path) -> None:

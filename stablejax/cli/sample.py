@@ -27,7 +27,7 @@ import functools
 import json
 import sys
 from pathlib import Path
-from typing import NoReturn, Optional, Sequence
+from typing import Optional, Sequence
 
 from stablejax.cli import _process
 
@@ -36,18 +36,10 @@ PROGRAM_NAME = "stablejax sample"  # the "program" of the JSON it writes: how it
 SEPARATOR = "\n" + "-" * 40
 
 
-class _UsageError(Exception):
-  """A bad command line (one line, exit code 2)."""
-
-
-class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message: str) -> NoReturn:
-    raise _UsageError(f"{message} (see {PROG} --help)")
-
-
 def parser() -> argparse.ArgumentParser:
-  p = _ArgumentParser(prog=PROG, description="Sample text from a trained run's newest usable "
-                      "checkpoint. SIGINT, SIGTERM or SIGHUP stops it with exit code 130.")
+  p = _process.ArgumentParser(
+      prog=PROG, description="Sample text from a trained run's newest usable checkpoint. SIGINT, "
+      "SIGTERM or SIGHUP stops it with exit code 130.")
   p.add_argument("run_dir", help="a training run's output directory (train --out)")
   p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
   p.add_argument("--max-new-tokens", type=int, default=200,
@@ -70,69 +62,48 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the program; returns its exit code (0, 2 or 130).
+  """The program (``argv``: its arguments, default ``sys.argv[1:]``); returns its exit code."""
+  return _process.run(argv, parser().parse_args, _sample, refused=_process.run_refusals,
+                      orbax=True, stopped="stopped before the samples were done; nothing was "
+                      "written")
 
-  Args:
-    argv: the arguments (default ``sys.argv[1:]``, as the program: see
-      :mod:`stablejax.cli._process`).
-  """
-  with _process.program(argv is None):
-    _process.quiet_orbax_leftovers()
-    try:
-      args = parser().parse_args(argv)
-    except _UsageError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
 
-    def fallback(step: int, reason: str) -> None:
-      print(f"warning: checkpoint {step} is unusable ({reason}); trying the previous one",
-            file=sys.stderr)
-
-    try:
-      _process.check()
-      # Imported once the signals are handled, like everything JAX does from here on: a signal
-      # only takes effect at the next safe point, never inside an import or a compilation.
-      from stablejax.training import outputs
-      from stablejax.training.runs import RunError
-      from stablejax.training.sampling import sample
-      check = functools.partial(
-          outputs.check_output, args.out or "", program="sample", force=args.force,
-          ours=lambda p: outputs.json_program(p) == PROGRAM_NAME,
-          protected=outputs.run_records(Path(args.run_dir)),
-          inputs=outputs.run_data(Path(args.run_dir)))
-      try:
-        out = check() if args.out else None  # before the work: a bad --out fails at once
-        result = sample(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        num_samples=args.num_samples, tokenizer=args.tokenizer,
-                        on_fallback=fallback, check_stop=_process.check)
-        if out is not None:
-          record = {"program": PROGRAM_NAME, "run_dir": str(args.run_dir), "step": result["step"],
-                    "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
-                    "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed,
-                    "samples": result["samples"], "tokens": result["tokens"]}
-          check()  # still free to replace
-          outputs.write_output(out, lambda tmp: tmp.write_text(json.dumps(record, indent=1)),
-                               program="sample")
-      except (RunError, outputs.OutputError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt as e:
-      print(f"interrupted by {_process.interrupted_name(e)}: stopped before the samples were "
-            f"done; nothing was written", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    for i, text in enumerate(result["samples"]):
-      print(text + (SEPARATOR if i < len(result["samples"]) - 1 else ""))
-    written = f", and written to {args.out}" if args.out else ""
-    if result["stopped"]:
-      print(f"interrupted by {_process.signal_name(_process.received())}: the samples were done "
-            f"and are printed above{written}; their speed was not measured", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    n = args.max_new_tokens * args.num_samples
-    print(f"checkpoint step {result['step']}: {n} tokens in {result['seconds']:.2f} s "
-          f"({n / max(result['seconds'], 1e-9):.0f} tokens/s; compile "
-          f"{result['compile_seconds']:.1f} s){written}", file=sys.stderr)
-    return 0
+def _sample(args: argparse.Namespace) -> int:
+  _process.check()
+  # Imported once the signals are handled, like everything JAX does from here on: a signal only
+  # takes effect at the next safe point, never inside an import or a compilation.
+  from stablejax.training import outputs
+  from stablejax.training.sampling import sample
+  check = functools.partial(
+      outputs.check_output, args.out or "", program="sample", force=args.force,
+      ours=lambda p: outputs.json_program(p) == PROGRAM_NAME,
+      protected=outputs.run_records(Path(args.run_dir)),
+      inputs=outputs.run_data(Path(args.run_dir)))
+  out = check() if args.out else None  # before the work: a bad --out fails at once
+  result = sample(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                  num_samples=args.num_samples, tokenizer=args.tokenizer,
+                  on_fallback=_process.checkpoint_fallback, check_stop=_process.check)
+  if out is not None:
+    record = {"program": PROGRAM_NAME, "run_dir": str(args.run_dir), "step": result["step"],
+              "prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
+              "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed,
+              "samples": result["samples"], "tokens": result["tokens"]}
+    check()  # still free to replace
+    outputs.write_output(out, lambda tmp: tmp.write_text(json.dumps(record, indent=1)),
+                         program="sample")
+  for i, text in enumerate(result["samples"]):
+    print(text + (SEPARATOR if i < len(result["samples"]) - 1 else ""))
+  written = f", and written to {args.out}" if args.out else ""
+  if result["stopped"]:
+    print(f"interrupted by {_process.signal_name(_process.received())}: the samples were done "
+          f"and are printed above{written}; their speed was not measured", file=sys.stderr)
+    return _process.EXIT_INTERRUPTED
+  n = args.max_new_tokens * args.num_samples
+  print(f"checkpoint step {result['step']}: {n} tokens in {result['seconds']:.2f} s "
+        f"({n / max(result['seconds'], 1e-9):.0f} tokens/s; compile "
+        f"{result['compile_seconds']:.1f} s){written}", file=sys.stderr)
+  return 0
 
 
 if __name__ == "__main__":

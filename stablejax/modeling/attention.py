@@ -141,11 +141,6 @@ def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax
   return out, max_logit
 
 
-_MHA_KWARGS = ("bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",
-               "dtype", "precision", "force_fp32_for_softmax", "qk_attn_weights_einsum",
-               "attn_weights_value_einsum", "is_causal")
-
-
 def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
   """An ``attention_fn`` for Flax attention layers that also sows the per-head max logit.
 

@@ -33,8 +33,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 import re
 import types
 from pathlib import Path
@@ -43,6 +41,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from stablejax.transforms._registry import Builtins
 
 DEFAULT_FAMILY = "gpt"
 
@@ -307,7 +307,6 @@ class ModelFamily:
 
 
 _REGISTRY: dict[str, ModelFamily] = {}
-_BUILTINS_LOADED = False
 
 
 def register(declaration: ModelFamily) -> ModelFamily:
@@ -335,17 +334,10 @@ def register_module(module: types.ModuleType) -> list[ModelFamily]:
   return [register(value) for value in vars(module).values() if isinstance(value, ModelFamily)]
 
 
-def _load_builtins() -> None:
-  global _BUILTINS_LOADED
-  if _BUILTINS_LOADED:
-    return
-  _BUILTINS_LOADED = True
-  # The modules of this module's own package, found on disk: discovered when first asked, so
-  # the package does not import its modules to register them.
-  folder = Path(__file__).resolve().parent
-  for info in sorted(pkgutil.iter_modules([str(folder)]), key=lambda m: m.name):
-    if not info.name.startswith("_") and info.name != "family":
-      register_module(importlib.import_module(f"{__package__}.{info.name}"))
+# The declarations of stablejax/modeling/'s modules, registered when first asked for.
+_BUILTINS = Builtins(__name__.rsplit(".", 1)[0], Path(__file__).resolve().parent,
+                     lambda module: register_module(module), skip=("family",))
+_load_builtins = _BUILTINS.load
 
 
 def registered() -> tuple[ModelFamily, ...]:

@@ -442,11 +442,6 @@ class Checkpoints:
       self.manager.close()
 
 
-def remove_run_checkpoints(directory: Path) -> None:
-  if Path(directory).exists():
-    shutil.rmtree(directory)
-
-
 def write_json_atomic(path: Path, data: dict, indent: int = 1) -> None:
   """Writes `data` to `path` so that a crash at any moment leaves the old file or the new one:
   a temporary file in the same directory, flushed to disk, then renamed over the old one."""

@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import importlib
-import pkgutil
 import types
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Union
@@ -68,6 +66,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stablejax.transforms._registry import Builtins
 from stablejax.transforms.keyed import OPTIMIZER_KEY, keyed_chain, nest
 
 Transform = Union[optax.GradientTransformation, optax.GradientTransformationExtraArgs]
@@ -195,7 +194,6 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 
 _REGISTRY: dict[str, Defence] = {}
-_BUILTINS_LOADED = False
 
 
 def register(declaration: Defence) -> Defence:
@@ -233,18 +231,10 @@ def register_module(module: types.ModuleType) -> list[Defence]:
   return found
 
 
-def _load_builtins() -> None:
-  """The declarations of the modules of :mod:`stablejax.transforms`, once."""
-  global _BUILTINS_LOADED
-  if _BUILTINS_LOADED:
-    return
-  _BUILTINS_LOADED = True
-  # The modules of this module's own package, found on disk: discovered when first asked, so
-  # the package does not import its modules to register them.
-  folder = Path(__file__).resolve().parent
-  for info in sorted(pkgutil.iter_modules([str(folder)]), key=lambda m: m.name):
-    if not info.name.startswith("_"):
-      register_module(importlib.import_module(f"{__package__}.{info.name}"))
+# The declarations of stablejax/transforms/'s modules, registered when first asked for.
+_BUILTINS = Builtins(__name__.rsplit(".", 1)[0], Path(__file__).resolve().parent,
+                     lambda module: register_module(module))
+_load_builtins = _BUILTINS.load
 
 
 def unregister(name: str) -> None:
