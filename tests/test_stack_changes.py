@@ -114,3 +114,37 @@ def test_a_restore_plan_matches_entries_by_name():
   with pytest.raises(StateMismatch, match=r"params/w is \(4,\) float32 in the checkpoint and "
                                           r"\(5,\) float32 in this run"):
     plan(saved, current.replace(params={"w": shape(5)}))
+
+
+def test_a_reset_optimizer_continues_the_learning_rate_schedule():
+  # finish() after --reset-optimizer: the new optimizer's step counters (the schedule's, Adam's)
+  # start at the updates applied so far (the kept lr_scale's count), not at 0.
+  import flax.struct
+  import optax
+  from stablejax.training.restore_plan import plan
+
+  class State(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: dict
+    opt_state: dict
+
+  params = {"w": jnp.ones(3)}
+  adamw = optax.adamw(optax.linear_schedule(0.0, 1e-3, 100))
+  scale = optax.inject_hyperparams(optax.scale)(step_size=1.0)
+
+  def fresh(p):
+    return {"optimizer": {"adamw": adamw.init(p)}, "lr_scale": scale.init(p)}
+
+  abstract = jax.eval_shape(lambda: State(step=jnp.int32(0), params=params,
+                                          opt_state=fresh(params)))
+  saved = {"step": abstract.step, "params": abstract.params,
+           "opt_state": {"optimizer": {"muon": {"mu": jax.ShapeDtypeStruct((3,), jnp.float32)}},
+                         "lr_scale": abstract.opt_state["lr_scale"]}}
+  p = plan(saved, abstract, reset_optimizer=True)
+  applied = scale.init(params)._replace(count=jnp.int32(7))
+  restored = State(step=jnp.int32(9), params=params, opt_state={"lr_scale": applied})
+  state = p.finish(restored, fresh, lambda: None)
+  counts = [int(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      state.opt_state["optimizer"]) if getattr(path[-1], "name", None) == "count"]
+  assert counts == [7, 7]  # Adam's and the schedule's
+  assert int(state.opt_state["lr_scale"].count) == 7 and int(state.step) == 9

@@ -770,14 +770,13 @@ MUTANTS = [
     # ---------------------------------------------------------------- cli/report.py
     _m("CR1", CLI_REPORT, "  if args.window < 1:", "  if args.window < 0:",
        "--window 0 is accepted"),
-    _m("CR2", CLI_REPORT,
-       "      print(f\"error: {e}\", file=sys.stderr)\n      return 2\n    finally:",
-       "      print(f\"error: {e}\", file=sys.stderr)\n      return 1\n    finally:",
-       "an unusable run directory exits 1 instead of 2"),
-    _m("CR3", CLI_REPORT, "    given = Path(args.out) if args.out else run_dir / REPORT_FILE",
-       "    given = run_dir / REPORT_FILE", "--out is ignored"),
-    _m("CR4", CLI_REPORT, "        text = make_report(run_dir, tmp, args.window)[1]",
-       "        text = make_report(run_dir, tmp)[1]", "--window is not passed on"),
+    _m("CR2", CLI_REPORT, "  return ReportError, outputs.OutputError",
+       "  return (outputs.OutputError,)",
+       "an unusable run directory is a traceback and exit 1 instead of one line and 2"),
+    _m("CR3", CLI_REPORT, "  given = Path(args.out) if args.out else run_dir / REPORT_FILE",
+       "  given = run_dir / REPORT_FILE", "--out is ignored"),
+    _m("CR4", CLI_REPORT, "    text = make_report(run_dir, tmp, args.window)[1]",
+       "    text = make_report(run_dir, tmp)[1]", "--window is not passed on"),
 
     # ---------------------------------------------------------------- muon/lr_check.py
     _m("LR1", LR_CHECK, "MUON_MIN_LR = 1e-3", "MUON_MIN_LR = 1e-4",
@@ -1649,8 +1648,7 @@ MUTANTS = [
     _m("RB5", RESTORE_PLAN,
        "      return jnp.array(applied, leaf.dtype, copy=True)  # its own buffer: states are "
        "donated",
-       "      return leaf", "a reset optimizer starts the learning-rate schedule over",
-       ("tests/test_stack_changes.py",)),
+       "      return leaf", "a reset optimizer starts the learning-rate schedule over"),
 
     # ---------------------------------------------------------------- the log-norm spike rule
     _m("S31", SKIPPING,
