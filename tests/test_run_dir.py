@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stablejax.training.run_dir import RECORD, RunDirectory, RunDirError
+from stablejax.training.run_dir import RunDirectory
+from stablejax.training.run_record import RECORD, RunDirError
 from helpers import ROOT, run_inprocess, run_subprocess, sets, slow
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v0_1"
@@ -578,7 +579,7 @@ def test_a_fresh_killed_while_deleting_is_finished_by_the_next_start(tmp_path, m
 
   def killed(path, *args, **kwargs):
     raise KeyboardInterrupt  # as if killed in the deletion
-  monkeypatch.setattr("stablejax.training.run_dir.shutil.rmtree", killed)
+  monkeypatch.setattr("stablejax.training.previous_run.shutil.rmtree", killed)
   with pytest.raises(KeyboardInterrupt):
     run.remove_previous()
   monkeypatch.undo()
@@ -597,7 +598,7 @@ def test_a_file_put_into_the_folder_of_a_killed_fresh_is_not_deleted(tmp_path, m
 
   def killed(path, *args, **kwargs):
     raise KeyboardInterrupt
-  monkeypatch.setattr("stablejax.training.run_dir.shutil.rmtree", killed)
+  monkeypatch.setattr("stablejax.training.previous_run.shutil.rmtree", killed)
   with pytest.raises(KeyboardInterrupt):
     run.remove_previous()
   monkeypatch.undo()

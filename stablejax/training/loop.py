@@ -35,11 +35,13 @@ from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
 from stablejax.training.config import (Config, ConfigError, changed_keys, ineffective_keys,
                                       load_run_file, to_dict)
+from stablejax.training.data_order import data_order, order_difference
 from stablejax.training.logger import RunLogger
 from stablejax.training.optim import learning_rate_warnings, learning_rates
 from stablejax.training.recovery import Recovery
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
-from stablejax.training.run_dir import RunDirectory, data_order, order_difference, run_inputs
+from stablejax.training.run_dir import RunDirectory
+from stablejax.training.run_dir_checks import run_inputs
 from stablejax.training.signals import Interrupted, StopSignals
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
