@@ -30,10 +30,11 @@
   names are moved into one folder and deleted, all or nothing (a name that cannot be moved, or a
   symbolic link among them, is one line and nothing is deleted).
 
-Here is :class:`RunDirectory`, which opens, locks and closes the folder and keeps the record; the
-names the trainer writes and the record's file are :mod:`stablejax.training.run_record`, the
-checks of what is in the folder :mod:`stablejax.training.run_dir_checks`, and ``--fresh``'s
-removal :mod:`stablejax.training.previous_run`.
+This module holds :class:`RunDirectory`, which opens, locks and closes the folder and keeps the
+record. The names the trainer writes and the record's file are
+:mod:`stablejax.training.run_record`, the checks of what is in the folder
+:mod:`stablejax.training.run_dir_checks`, and ``--fresh``'s removal
+:mod:`stablejax.training.previous_run`.
 
 Example:
   >>> import pathlib, tempfile
