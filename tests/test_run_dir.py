@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stablejax.training.run_dir import RECORD, RunDirectory, RunDirError
+from stablejax.training.run_dir import RunDirectory
+from stablejax.training.run_record import RECORD, RunDirError
 from helpers import ROOT, run_inprocess, run_subprocess, sets, slow
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v0_1"
@@ -99,6 +100,24 @@ def test_fresh_is_all_or_nothing_when_a_recorded_folder_holds_a_foreign_file(tmp
   with pytest.raises(RunDirError, match=r"checkpoints/best.pt: not written by this trainer"):
     RunDirectory.open(out, fresh=True)
   assert _tree(out) == before  # metrics.jsonl and tensorboard/ were not deleted either
+
+
+def test_a_users_file_beside_or_inside_a_recorded_run_is_refused(tmp_path):
+  """A run with its record: a trainer name the record does not list (a summary.json of the
+  user's), or a file of the user's inside a step folder, is refused; nothing changes."""
+  out = tmp_path / "run"
+  _trainer_files(out)
+  (out / "summary.json").write_text("the user's")
+  before = _tree(out)
+  with pytest.raises(RunDirError, match=r"summary.json was not written by this trainer \(no "
+                                        r"record of it in .*run.json\)"):
+    RunDirectory.open(out)
+  (out / "summary.json").unlink()
+  (out / "checkpoints" / "3" / "notes.txt").write_text("the user's")
+  with pytest.raises(RunDirError, match=r"checkpoints/3/notes.txt: not written by this trainer"):
+    RunDirectory.open(out)
+  assert _tree(out) == {**{k: v for k, v in before.items() if k != "summary.json"},
+                        "checkpoints/3/notes.txt": b"the user's"}
 
 
 def test_out_naming_a_file_is_one_line(tmp_path):
@@ -227,6 +246,33 @@ def test_a_full_disk_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     line = _one_error_line(capsys.readouterr().err)
   assert line.startswith("error: cannot write into the run directory ") and \
       "the disk is full" in line, line
+
+
+def test_errors_of_the_environment_are_one_line_each():
+  """Found through the chain of errors Orbax and tensorstore wrap them in (by errno, whatever the
+  words), or by the words of a log message; any other error is none of them."""
+  import errno
+
+  from stablejax.training.environment_errors import environment_message, is_environment_error
+  out = Path("exp")
+  wrapped = ValueError("RESOURCE_EXHAUSTED: writing the checkpoint")
+  wrapped.__cause__ = OSError(errno.ENOSPC, "write failed")
+  assert environment_message(wrapped, out) == (
+      "cannot write into the run directory exp: the disk is full; free space or choose another "
+      "--out (the last complete checkpoint resumes the run)")
+  assert environment_message(OSError(errno.EROFS, "write failed"), out) == (
+      "cannot write into the run directory exp: the file system is read-only; choose another "
+      "--out")
+  denied = PermissionError(errno.EACCES, "Permission denied", "exp/run.json")
+  assert environment_message(denied, out) == (
+      "cannot write into the run directory exp/run.json: permission denied; choose another --out")
+  oom = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 2.00GiB")
+  assert environment_message(oom, out).startswith("the device ran out of memory: lower ")
+  assert is_environment_error("OSError: [Errno 30] Read-only file system: 'exp/run.json'")
+  assert is_environment_error(wrapped)
+  for other in (KeyError("model"), RuntimeError("RESOURCE_EXHAUSTED: received message larger "
+                                                "than max (4194304)")):
+    assert environment_message(other, out) is None and not is_environment_error(other)
 
 
 def test_a_read_only_out_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
@@ -578,7 +624,7 @@ def test_a_fresh_killed_while_deleting_is_finished_by_the_next_start(tmp_path, m
 
   def killed(path, *args, **kwargs):
     raise KeyboardInterrupt  # as if killed in the deletion
-  monkeypatch.setattr("stablejax.training.run_dir.shutil.rmtree", killed)
+  monkeypatch.setattr("stablejax.training.previous_run.shutil.rmtree", killed)
   with pytest.raises(KeyboardInterrupt):
     run.remove_previous()
   monkeypatch.undo()
@@ -597,7 +643,7 @@ def test_a_file_put_into_the_folder_of_a_killed_fresh_is_not_deleted(tmp_path, m
 
   def killed(path, *args, **kwargs):
     raise KeyboardInterrupt
-  monkeypatch.setattr("stablejax.training.run_dir.shutil.rmtree", killed)
+  monkeypatch.setattr("stablejax.training.previous_run.shutil.rmtree", killed)
   with pytest.raises(KeyboardInterrupt):
     run.remove_previous()
   monkeypatch.undo()

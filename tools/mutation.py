@@ -88,6 +88,9 @@ RESTORE_PLAN = "stablejax/training/restore_plan.py"
 UPDATE_CLIP = "stablejax/transforms/update_clip.py"
 COMPENSATED = "stablejax/transforms/compensated.py"
 UPDATE_NORM = "stablejax/monitor/update_norm.py"
+RUN_DIR_CHECKS = "stablejax/training/run_dir_checks.py"
+PREVIOUS_RUN = "stablejax/training/previous_run.py"
+ENVIRONMENT_ERRORS = "stablejax/training/environment_errors.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
@@ -158,6 +161,12 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     RESTORE_PLAN: ("tests/test_stack_changes.py", "tests/test_recovery_policy.py", RESTORE_PLAN,
                    "-m", "not slow"),
     UPDATE_NORM: ("tests/test_early_warnings.py", UPDATE_NORM, "-k", "not log_norm"),
+    # The run directory's checks on folders the tests write, without the trainer runs (@slow)
+    # and the session's trained run (the fingerprint mutant names its test).
+    RUN_DIR_CHECKS: ("tests/test_run_dir.py", RUN_DIR_CHECKS, "-m", "not slow", "-k",
+                     "not (step_copied or previous_release or another_tokenizer)"),
+    PREVIOUS_RUN: ("tests/test_run_dir.py", PREVIOUS_RUN, "-k", "fresh or previous_run"),
+    ENVIRONMENT_ERRORS: ("tests/test_run_dir.py", ENVIRONMENT_ERRORS, "-k", "environment"),
 }
 
 # Modules of stablejax/ without mutants, and why.
@@ -167,10 +176,14 @@ MODULES_NOT_COVERED = {
     "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
-    "training/loop.py, components.py, rollback.py, run_dir.py": "their promises are kept by "
+    "training/loop.py, components.py, rollback.py, run_summary.py": "their promises are kept by "
         "trainer runs (tests/test_trainer.py, test_recovery.py, test_run_dir.py: minutes per "
         "mutant); the loop's decisions are mutated where they live (training/batches.py, "
         "training/actions.py)",
+    "training/run_dir.py, run_record.py, data_order.py": "not yet: what RunDirectory decides "
+        "is mutated where it lives (training/run_dir_checks.py, training/previous_run.py); its "
+        "record, the names it lists and the data order are read back by resumes "
+        "(tests/test_run_dir.py, most of them trainer runs)",
     "transforms/metrics.py: QK-clip entry": "comes with the QK-clip transform",
     "monitor/attention_rule.py": "not yet: moved out of the monitor unchanged; its tests are "
         "tests/test_monitor.py's and tests/test_early_warnings.py's attention cases",
@@ -1326,11 +1339,11 @@ MUTANTS = [
     _m("QK1", QK_CLIP, "over = jnp.logical_and(jnp.isfinite(logits), logits > tau32)",
        "over = jnp.logical_and(jnp.isfinite(logits), logits >= 0.5 * tau32)",
        "heads below tau are clipped too"),
-    _m("QK2", QK_CLIP, "        query_factor = key_factor = jnp.sqrt(gamma)",
-       "        query_factor, key_factor = gamma, jnp.ones_like(gamma)",
+    _m("QK2", QK_CLIP, "    query_factor = key_factor = jnp.sqrt(gamma)",
+       "    query_factor, key_factor = gamma, jnp.ones_like(gamma)",
        "the factor is not split as sqrt(tau / max) between W_q and W_k"),
-    _m("QK3", QK_CLIP, "        query_factor = gamma\n",
-       "        query_factor = jnp.sqrt(gamma)\n",
+    _m("QK3", QK_CLIP, "    query_factor = gamma\n",
+       "    query_factor = jnp.sqrt(gamma)\n",
        "with shared key heads (GQA) the query head does not take the whole factor"),
     _m("QK4", QK_CLIP, "_common.f32(u) * f + _common.f32(p) * (f - 1.0)",
        "_common.f32(u) * f",
@@ -1339,14 +1352,13 @@ MUTANTS = [
        "over = logits > tau32",
        "a non-finite logit is used as a scale (NaN weights) instead of being left alone"),
     _m("QK6", QK_CLIP, "total_clipped=jnp.where(heads > room, jnp.iinfo(jnp.int32).max,\n"
-       "                                state.total_clipped + heads))",
+       "                              state.total_clipped + heads))",
        "total_clipped=heads)",
        "total_clipped counts the last step only"),
-    _m("QK7", QK_CLIP, "      clipped.append(jnp.sum(over, dtype=jnp.int32))",
-       "      clipped.append(jnp.any(over).astype(jnp.int32))",
+    _m("QK7", QK_CLIP, "  return query_factor, key_factor, jnp.sum(over, dtype=jnp.int32)",
+       "  return query_factor, key_factor, jnp.any(over).astype(jnp.int32)",
        "heads_clipped counts layers, not heads"),
-    _m("QK8", QK_CLIP, "  def init_fn(params: Any) -> QKClipState:\n    check_layers(params)",
-       "  def init_fn(params: Any) -> QKClipState:\n    pass",
+    _m("QK8", QK_CLIP, "    _check_layers(params, find_layers(params))\n", "    pass\n",
        "a layout whose heads cannot be located fails at the first update, not at init"),
     _m("QK9", QK_CLIP, "    factor = jnp.concatenate([jnp.repeat(ones, start, axis=-1), factor,",
        "    factor = jnp.concatenate([factor, jnp.repeat(ones, start, axis=-1),",
@@ -1455,6 +1467,63 @@ MUTANTS = [
        "    if False:",
        "a 2-D kernel with a 'qkv' axis name is taken for a vector (routed to Adam)",
        ("tests/test_routing.py", "-k", "fused_parts")),
+
+    # ---------------------------------------------------------------- training/run_dir_checks.py
+    _m("RC1", RUN_DIR_CHECKS, "    if name not in recorded:\n      raise RunDirError(",
+       "    if False:\n      raise RunDirError(",
+       "a trainer name the record does not list is taken for the run's (and overwritten)"),
+    _m("RC2", RUN_DIR_CHECKS, "    if WRITES[name] is None and path.is_symlink():",
+       "    if False:", "a recorded file replaced by a symbolic link is written through"),
+    _m("RC3", RUN_DIR_CHECKS, "path.stat().st_nlink > 1", "path.stat().st_nlink > 2",
+       "a metrics.jsonl with another name (a hard link) is appended to"),
+    _m("RC4", RUN_DIR_CHECKS, "    if fresh and path.is_symlink():", "    if False:",
+       "--fresh deletes through a symbolic link"),
+    _m("RC5", RUN_DIR_CHECKS,
+       "      foreign += [step_dir / f for f in sorted(os.listdir(step_dir)) if f not in "
+       "STEP_ENTRIES]", "      pass",
+       "a file of the user's inside a checkpoint step folder is not found"),
+    _m("RC6", RUN_DIR_CHECKS, 'if meta.get("fingerprint") != saved[step_dir.name] or ', "if ",
+       "another run's step saved over one of this run's (same step number) is resumed from",
+       ("tests/test_run_dir.py", "-k", "step_copied")),
+    _m("RC7", RUN_DIR_CHECKS,
+       '  if not any(m is not None and "fingerprint" in m and "step" in m for m in metas):',
+       "  if False:",
+       "a folder with a full config.json is taken for a run of 0.1, whatever its checkpoints"),
+    _m("RC8", RUN_DIR_CHECKS, ' and "config.json" in recorded:', ":",
+       "a user's config.json in --out, given as --config, is taken for the run's own"),
+    _m("RC9", RUN_DIR_CHECKS, "foreign += [trash / n for n in (os.listdir(trash) if not foreign "
+       "else []) if n not in WRITES]", "pass",
+       "a file put into the folder of a killed --fresh is deleted with it"),
+
+    # ---------------------------------------------------------------- training/previous_run.py
+    _m("PR1", PREVIOUS_RUN, "          os.rename(trash / name, self.root / name)",
+       "          pass", "a --fresh that cannot move a name leaves the others moved aside"),
+    _m("PR2", PREVIOUS_RUN, "        write_record(self.record)  # the record as it was",
+       "        pass", "a --fresh that cannot move a name leaves the record changed"),
+    _m("PR3", PREVIOUS_RUN, "          moved.append(name)\n", "",
+       "a --fresh that cannot move a name does not put back those it moved"),
+    _m("PR4", PREVIOUS_RUN, "      if os.path.lexists(trash):\n        shutil.rmtree(trash)",
+       "      if False:\n        shutil.rmtree(trash)",
+       "--fresh leaves the previous run in its folder .fresh-removing"),
+
+    # --------------------------------------------------------------- training/environment_errors.py
+    _m("EE1", ENVIRONMENT_ERRORS, "    node = node.__cause__ or node.__context__",
+       "    node = None", "a full disk wrapped in Orbax's error (its cause) is not recognised"),
+    _m("EE2", ENVIRONMENT_ERRORS,
+       "  return _chain_has(error, _DISK_FULL) or _chain_has(error, _READ_ONLY)",
+       "  return _chain_has(error, _DISK_FULL)",
+       "a read-only file system is not recognised in a log message"),
+    _m("EE3", ENVIRONMENT_ERRORS,
+       "if (isinstance(node, OSError) and node.errno in errnos) or _chain_has(str(node), kind):",
+       "if _chain_has(str(node), kind):",
+       "an OSError is recognised by its words only, not its errno"),
+    _m("EE4", ENVIRONMENT_ERRORS,
+       "  if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):", "  if False:",
+       "no permission to write is not one line"),
+    _m("EE5", ENVIRONMENT_ERRORS,
+       '  if "RESOURCE_EXHAUSTED" in str(e) and "memory" in str(e).lower():',
+       '  if "RESOURCE_EXHAUSTED" in str(e):',
+       "any RESOURCE_EXHAUSTED is reported as the device's memory"),
 
     # ---------------------------------------------------------------- training/loop.py
     _m("LO1", SPECS,

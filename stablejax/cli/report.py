@@ -103,7 +103,7 @@ def _import_plugins(run_dir: Path) -> None:
   """The run's plugins, so that the rates of their defences are read (a warning line when one
   cannot be imported: the report is drawn without them)."""
   from stablejax.training import plugins
-  from stablejax.training.run_dir import recorded_plugins
+  from stablejax.training.run_record import recorded_plugins
   try:
     plugins.load(recorded_plugins(run_dir), str(run_dir / "config.json"))
   except plugins.PluginError as e:

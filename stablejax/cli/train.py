@@ -101,7 +101,7 @@ class _ReportedOnce(logging.Filter):
   one line, when it reaches the main thread."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    from stablejax.training.run_dir import is_environment_error
+    from stablejax.training.environment_errors import is_environment_error
     error = record.exc_info[1] if record.exc_info else None
     if error is not None and is_environment_error(error):
       return False
@@ -120,7 +120,8 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, config_name, config_path, load_config
   from stablejax.training.loop import Interrupted, Run
-  from stablejax.training.run_dir import RunDirError, environment_message, recorded_plugins
+  from stablejax.training.environment_errors import environment_message
+  from stablejax.training.run_record import RunDirError, recorded_plugins
 
   out = Path(args.out or Path("runs") / config_name(args.config))
   try:

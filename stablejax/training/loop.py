@@ -8,14 +8,13 @@ by ``python -m stablejax train``), 3 diverged beyond the recovery budget, 130 in
 What is built once is :class:`stablejax.training.components.Components`; what happens every so
 many steps is in :mod:`stablejax.training.actions`; restoring and rolling back is
 :mod:`stablejax.training.rollback`; the run directory's ownership and lock are
-:mod:`stablejax.training.run_dir`. :meth:`Run._train_from` is the step loop.
+:mod:`stablejax.training.run_dir`; the banner and the summary are
+:mod:`stablejax.training.run_summary`. :meth:`Run._train_from` is the step loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -28,18 +27,17 @@ from tqdm import tqdm
 from stablejax.data.pipeline import build_data, data_identity, identity_difference
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
-from stablejax.muon.describe import NoOutlierSafeMuonError, describe_routing
-from stablejax.training import actions, components, distributed, runs
-from stablejax.training.batches import Batches, kill_if_due, total_skips
-from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
+from stablejax.training import actions, components, distributed, run_summary, runs
+from stablejax.training.batches import Batches, kill_if_due
+from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
-from stablejax.training.config import (Config, ConfigError, changed_keys, ineffective_keys,
-                                      load_run_file, to_dict)
+from stablejax.training.config import Config, ConfigError, changed_keys, load_run_file, to_dict
+from stablejax.training.data_order import data_order, order_difference
 from stablejax.training.logger import RunLogger
-from stablejax.training.optim import learning_rate_warnings, learning_rates
 from stablejax.training.recovery import Recovery
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
-from stablejax.training.run_dir import RunDirectory, data_order, order_difference, run_inputs
+from stablejax.training.run_dir import RunDirectory
+from stablejax.training.run_dir_checks import run_inputs
 from stablejax.training.signals import Interrupted, StopSignals
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
@@ -398,78 +396,24 @@ class Run:
     return EXIT_DIVERGED
 
   def _banner(self, step: int) -> None:
-    if not self.is_main:
-      return
-    cfg = self.cfg
-    model = self.c.model
-    lines = [
-        f"stablejax {_version()}: {model.count_params(self.state.params) / 1e6:.2f}M "
-        f"parameters ({model.describe()}), params {model.param_dtype}, compute "
-        f"{model.compute_dtype}",
-        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
-        f"({jax.process_count()} process(es)); mesh {dict(self.c.mesh.shape)}",
-        f"data: {json.dumps(self.c.data.stats, default=str)}",
-        f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
-        f"{self.c.total_steps} steps ({self.budget.describe_length(self.c.total_steps)}), warmup "
-        f"{cfg.train.warmup_steps}",
-        f"output: {self.run_dir.root}" + (f" (resuming at step {step})" if step else ""),
-    ]
-    try:  # the configured chain or Run(tx=...): any chain holding an outlier_safe_muon
-      lines.append(describe_routing(self.state.params, self.c.tx))
-    except NoOutlierSafeMuonError:
-      pass
-    for line in lines:
-      self.log.console(line)
-    for warning in learning_rate_warnings(cfg) + ineffective_keys(cfg):
-      self.log.console(f"warning: {warning}")
+    if self.is_main:
+      for line in run_summary.banner(self.c, self.state.params, self.budget, self.run_dir.root,
+                                     step):
+        self.log.console(line)
 
   def _finish(self, step: int, exit_code: int) -> int:
     self.checkpoints.close()
     self.budget.tick(force=True)
-    wall = time.time() - self.t_start
-    record = self.logging.last_record
-    skipped = total_skips(record) + self.restorer.abandoned_skips
-    tokens_per_sec = self.logging.tokens_per_sec
-    model = self.c.model
-    flops = model.flops_per_token(self.cfg.train.seq_len) if model.supports("FLOPs") else None
-    peak = components.peak_flops_per_device(self.cfg) * jax.device_count()
-    summary = {
-        "final_val_loss": self.evaluation.last_val_loss,
-        "final_train_loss": record.get("loss"),
-        "steps": step,
-        "skipped_steps": skipped,
-        "rollbacks": self.recovery.rollbacks,
-        "tokens_per_sec": tokens_per_sec,
-        "mfu": (flops * tokens_per_sec / peak
-                if flops is not None and math.isfinite(tokens_per_sec) else None),
-        "stability_score": self.monitor.score(),
-        "excess_kurtosis": self.diagnostics.last_kurtosis,
-        "wall_seconds": wall,
-        "total_wall_seconds": self.budget.elapsed(),
-        "exit_code": exit_code,
-        "events": [e.describe() for e in self.recovery.events],
-        **self.budget.summary(),
-        **peak_memory(),
-    }
+    summary = run_summary.summary(
+        self.c, step=step, exit_code=exit_code, wall=time.time() - self.t_start,
+        logging=self.logging, evaluation=self.evaluation, diagnostics=self.diagnostics,
+        recovery=self.recovery, monitor=self.monitor, budget=self.budget,
+        abandoned_skips=self.restorer.abandoned_skips)
     if self.is_main:
       path = self.run_dir.path("summary.json")
       self.run_dir.record_written()
       write_json_atomic(path, summary, indent=2)
       if exit_code == EXIT_OK:
-        self.log.console(
-            f"done: {step} steps in {wall:.0f}s, val_loss {summary['final_val_loss']:.4f}, "
-            f"{skipped} skipped steps, {self.recovery.rollbacks} rollbacks, "
-            f"stability score {summary['stability_score']:.2f}; logs in {self.run_dir.root}")
-        for line in self.monitor.advice():
-          self.log.console(f"advice: {line}")
+        for line in run_summary.done(summary, self.run_dir.root, self.monitor):
+          self.log.console(line)
     return exit_code
-
-
-def _version() -> str:
-  """The installed version (read from the package's metadata, not by importing its front file)."""
-  from importlib import metadata
-  try:
-    return metadata.version("stablejax")
-  except metadata.PackageNotFoundError:
-    return "(not installed)"
-

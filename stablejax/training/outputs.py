@@ -61,7 +61,7 @@ _REASONS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is e
 def run_records(run_dir: Path) -> list[Path]:
   """The names the trainer writes in ``run_dir`` (its records; a folder counts with all it
   holds)."""
-  from stablejax.training.run_dir import RECORD, TRASH, WRITES
+  from stablejax.training.run_record import RECORD, TRASH, WRITES
   return [Path(run_dir) / name for name in (*WRITES, RECORD, LOCK_NAME, TRASH)]
 
 
@@ -119,7 +119,7 @@ def check_output(path: Path | str, *, program: str, ours: Callable[[Path], bool]
   place = _place(given)
   if os.path.isdir(place) and not os.path.islink(place):
     raise OutputError(f"{given} is a directory: pass a file name for the {program}'s output")
-  from stablejax.training.run_dir import trainer_folder_of
+  from stablejax.training.run_record import trainer_folder_of
   record = _inside(place, protected)
   owner = trainer_folder_of(place)
   if record is not None or owner is not None:
