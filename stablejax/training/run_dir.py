@@ -645,7 +645,7 @@ def trainer_folder_of(path: Path | str) -> Optional[tuple[Path, str]]:
 def run_inputs(cfg: Any, config_file: Optional[Path | str] = None) -> list[tuple[str, Any]]:
   """What a run of ``cfg`` reads, as ``(what, path)`` pairs for :meth:`RunDirectory.open`: the
   config file it was given and the data paths (the embedded corpus is no path)."""
-  from stablejax.data.pipeline import EMBEDDED
+  from stablejax.data.config import EMBEDDED
   inputs: list[tuple[str, Any]] = [("--config", config_file)] if config_file else []
   for split in ("train", "val"):
     value = getattr(cfg.data, split)
