@@ -3,7 +3,10 @@
     python -m stablejax prepare INPUT... --out DIR --tokenizer T [--weights W...] [--workers N]
 
 After nanoGPT's ``data/openwebtext/prepare.py``, as a tool (the command line is
-:mod:`stablejax.cli.prepare`; this module is the library it runs, :func:`prepare`). Then
+:mod:`stablejax.cli.prepare`; this module is the library it runs, :func:`prepare`, and the job;
+its parts are :mod:`~stablejax.data.inputs`, :mod:`~stablejax.data.encode`,
+:mod:`~stablejax.data.workers`, :mod:`~stablejax.data.tokenizer_choice`,
+:mod:`~stablejax.data.out_dir` and the format, :mod:`~stablejax.data.prepared`). Then
 ``python -m stablejax train --set data.train=DIR`` trains on it and
 ``python -m stablejax sample RUN_DIR`` samples with its tokenizer.
 
