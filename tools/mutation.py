@@ -61,8 +61,14 @@ CLI_REPORT = "stablejax/cli/report.py"
 LR_CHECK = "stablejax/muon/lr_check.py"
 NEWTON_SCHULZ = "stablejax/muon/newton_schulz.py"
 PREPARE = "stablejax/data/prepare.py"
+PREPARED = "stablejax/data/prepared.py"
+ENCODE = "stablejax/data/encode.py"
+INPUTS = "stablejax/data/inputs.py"
+OUT_DIR = "stablejax/data/out_dir.py"
 TOKENIZER = "stablejax/data/tokenizer.py"
+SOURCES = "stablejax/data/sources.py"
 PIPELINE = "stablejax/data/pipeline.py"
+IDENTITY = "stablejax/data/identity.py"
 FOLDER = "stablejax/data/folder.py"
 DISTRIBUTED = "stablejax/training/distributed.py"
 MESH = "stablejax/training/mesh.py"
@@ -96,6 +102,8 @@ _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
 RECOVERY_TESTS = ("tests/test_recovery_policy.py", "-k", f"not ({_CHECKPOINT_K} or config_errors)")
 CHECKPOINT_TESTS = ("tests/test_recovery_policy.py", "-k", _CHECKPOINT_K)
+# python -m stablejax prepare without its end-to-end runs and its stop-signal processes.
+_PREPARE_TESTS = ("tests/test_prepare.py", "-k", "not end_to_end and not stop_signals")
 # A prepared directory as build_data reads it (tests/test_prepare.py writes them).
 _PREPARED_TESTS = ("tests/test_prepare.py", "tests/test_data.py", "-k",
                    "config_takes_vocab or large_vocabulary or uint16_holds or incomplete or "
@@ -124,10 +132,16 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     LR_CHECK: ("tests/test_lr_check.py", LR_CHECK),
     NEWTON_SCHULZ: ("tests/test_newton_schulz.py", NEWTON_SCHULZ, "-k",
                     "not export and not kernel_interpret and not public_pallas"),
-    PREPARE: ("tests/test_prepare.py", "-k", "not end_to_end and not stop_signals"),
+    PREPARE: _PREPARE_TESTS,
+    PREPARED: _PREPARE_TESTS,
+    ENCODE: _PREPARE_TESTS,
+    INPUTS: _PREPARE_TESTS,
+    OUT_DIR: _PREPARE_TESTS,
     TOKENIZER: ("tests/test_prepare.py", "tests/test_tokenizer.py", "-k",
                 "tokenizer or round_trip or endoftext or eot"),
+    SOURCES: ("tests/test_data.py", "-k", "not resume_at_every_batch"),
     PIPELINE: ("tests/test_data.py", "-k", "not resume_at_every_batch"),
+    IDENTITY: ("tests/test_data.py", "-k", "data_identity"),
     FOLDER: ("tests/test_folder.py", FOLDER),
 
     DISTRIBUTED: ("tests/test_distributed.py", DISTRIBUTED),
@@ -187,6 +201,11 @@ MODULES_NOT_COVERED = {
     "transforms/metrics.py: QK-clip entry": "comes with the QK-clip transform",
     "monitor/attention_rule.py": "not yet: moved out of the monitor unchanged; its tests are "
         "tests/test_monitor.py's and tests/test_early_warnings.py's attention cases",
+    "data/workers.py, data/tokenizer_choice.py, data/config.py": "not yet (they had no "
+        "mutants inside data/prepare.py either): the pool's task order is checked by "
+        "tests/test_prepare.py's two-worker test and its stopping by the stop-signal test "
+        "(processes, tens of seconds per mutant); config.py holds the settings' dataclasses and "
+        "one check of data.train's entries",
     "cli/_process.py": "not yet: its tests start the programs (tests/test_signals.py, a second "
         "or two each); the launcher's use of it is mutated in training/launch.py (LA12)",
 }
@@ -858,33 +877,9 @@ MUTANTS = [
        "backend='pallas' on CPU falls back without a warning"),
 
     # ---------------------------------------------------------------- data/prepare.py
-    _m("P1", PREPARE, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size < 1 << 16",
-       "a vocabulary of exactly 65,536 (ids up to 65,535) is written as uint32"),
-    _m("P2", PREPARE, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size <= (1 << 16) + 1",
-       "a vocabulary of 65,537 is written as uint16 (id 65,536 wraps to 0)"),
-    _m("P3", PREPARE,
-       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")',
-       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")',
-       "the split hash is read big-endian"),
-    _m("P4", PREPARE, "  return h < val_fraction * 2.0**64",
-       "  return h >= (1.0 - val_fraction) * 2.0**64",
-       "validation takes the top of the hash range instead of the bottom"),
-    _m("P5", PREPARE,
-       "_max_run(np.frombuffer(raw, np.uint8)) > opts.filter_max_repeat:",
-       "_max_run(np.frombuffer(raw, np.uint8)) >= opts.filter_max_repeat:",
-       "a run of exactly --filter-max-repeat bytes drops the document"),
-    _m("P6", PREPARE, "  if opts.filter_max_repeat > 0 and _max_run",
-       "  if opts.filter_max_repeat >= 0 and _max_run",
-       "--filter-max-repeat 0 does not disable the repeat filter"),
-    _m("P7", PREPARE, "_nontext_fraction(raw) > opts.filter_max_nontext:",
-       "_nontext_fraction(raw) >= opts.filter_max_nontext:",
-       "a document exactly at --filter-max-nontext is dropped"),
     _m("P8", PREPARE, '    weights = [float(s["train_tokens"]) for s in sources]',
        '    weights = [float(s["train_documents"]) for s in sources]',
        "default weights are document counts, not token counts"),
-    _m("P9", PREPARE, '          "train_range": [start["train"], totals["train"]],',
-       '          "train_range": [0, totals["train"]],',
-       "a source's token range starts at 0, not where it starts in train.bin"),
     _m("P10", PREPARE, "  if not 0.0 < opts.val_fraction < 1.0:",
        "  if not 0.0 < opts.val_fraction <= 1.0:", "--val-fraction 1 is accepted"),
     _m("P11", PREPARE, '      if counts["train"] == 0:  # it would be in val.bin only',
@@ -894,8 +889,6 @@ MUTANTS = [
        "a complete directory prepared with the same request is prepared again"),
     _m("P13", PREPARE, "    if not same and not force:", "    if False:",
        "a directory prepared with other settings is replaced without --force"),
-    _m("P14", PREPARE, "      arr[pos + n - 1] = tok.eot_id\n", "",
-       "documents are not followed by the end-of-text id"),
     _m("P15", PREPARE, "    s[\"weight\"] = w / total_w", "    s[\"weight\"] = w",
        "the weights in meta.json are not normalised"),
     _m("P16", PREPARE, "    try:\n      lock.acquire()\n", "    try:\n      pass\n",
@@ -904,22 +897,92 @@ MUTANTS = [
     _m("P17", PREPARE, "    if existing.changed and not force:", "    if False:",
        "a train.bin the user put in place of prepare's is prepared over without --force",
        ("tests/test_prepare.py", "-k", "replaced_by_the_user")),
-    _m("P18", PREPARE, "      if key in seen:", "      if False:",
-       "an input given twice is read twice", ("tests/test_prepare.py", "-k", "given_twice")),
-    _m("P19", PREPARE, '        counts["invalid_utf8_bytes"] += invalid',
+    _m("P20", PREPARE,
+       "    if created and not (out / PREPARED_META).exists():\n"
+       "      out_dir.remove_created(created)\n",
+       "", "a failed prepare leaves the --out folder it created",
+       ("tests/test_prepare.py", "-k", "failed_prepare or given_twice or full_disk")),
+
+    # ---------------------------------------------------------------- data/prepared.py
+    _m("P1", PREPARED, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size < 1 << 16",
+       "a vocabulary of exactly 65,536 (ids up to 65,535) is written as uint32"),
+    _m("P2", PREPARED, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size <= (1 << 16) + 1",
+       "a vocabulary of 65,537 is written as uint16 (id 65,536 wraps to 0)"),
+    _m("P9", PREPARED, '      "train_range": [start["train"], end["train"]],',
+       '      "train_range": [0, end["train"]],',
+       "a source's token range starts at 0, not where it starts in train.bin"),
+    _m("P21", PREPARED, "  except OSError as e:\n    raise write_error(path, e) from None",
+       "  except OSError:\n    raise", "a full disk is a traceback, not one error line",
+       ("tests/test_prepare.py", "-k", "full_disk or read_only")),
+    _m("P22", PREPARED, "    self.sha256.update(data)\n", "",
+       "meta.json records the SHA-256 of nothing, not of the file",
+       ("tests/test_prepare.py", "-k", "records_the")),
+    _m("D11", PREPARED, "    if actual != expected:", "    if actual is None:",
+       "a train.bin/val.bin whose size differs from meta.json is accepted",
+       ("tests/test_data.py", "-k", "meta_json")),
+    _m("D16", PREPARED, '    if facts["sha256"] != record["sha256"]:', "    if False:",
+       "a prepared file changed in place (same size) is accepted",
+       ("tests/test_data.py", "-k", "changed_in_place")),
+    _m("D17", PREPARED, '  if (record.get("stat") == stat_record(st)', "  if (False",
+       "a prepared file untouched since prepare wrote it is read again at every start",
+       ("tests/test_data.py", "-k", "changed_in_place")),
+
+    # ---------------------------------------------------------------- data/encode.py
+    _m("P3", ENCODE,
+       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")',
+       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")',
+       "the split hash is read big-endian"),
+    _m("P4", ENCODE, "  return h < val_fraction * 2.0**64",
+       "  return h >= (1.0 - val_fraction) * 2.0**64",
+       "validation takes the top of the hash range instead of the bottom"),
+    _m("P5", ENCODE,
+       " max_run(np.frombuffer(raw, np.uint8)) > opts.filter_max_repeat:",
+       " max_run(np.frombuffer(raw, np.uint8)) >= opts.filter_max_repeat:",
+       "a run of exactly --filter-max-repeat bytes drops the document"),
+    _m("P6", ENCODE, "  if opts.filter_max_repeat > 0 and max_run",
+       "  if opts.filter_max_repeat >= 0 and max_run",
+       "--filter-max-repeat 0 does not disable the repeat filter"),
+    _m("P7", ENCODE, " nontext_fraction(raw) > opts.filter_max_nontext:",
+       " nontext_fraction(raw) >= opts.filter_max_nontext:",
+       "a document exactly at --filter-max-nontext is dropped"),
+    _m("P14", ENCODE, "      arr[pos + n - 1] = tok.eot_id\n", "",
+       "documents are not followed by the end-of-text id"),
+    _m("P19", ENCODE, '        counts["invalid_utf8_bytes"] += invalid',
        '        counts["invalid_utf8_bytes"] += 1',
        "invalid UTF-8 is counted per document, not per byte",
        ("tests/test_prepare.py", "-k", "invalid_utf8")),
-    _m("P20", PREPARE,
-       "    if created and not (out / PREPARED_META).exists():\n      _remove_created(created)\n",
-       "", "a failed prepare leaves the --out folder it created",
+
+    # ---------------------------------------------------------------- data/inputs.py
+    _m("P18", INPUTS, "      if key in seen:", "      if False:",
+       "an input given twice is read twice", ("tests/test_prepare.py", "-k", "given_twice")),
+    _m("P23", INPUTS, '  return gzip.open(path, "rb") if path.name.endswith(".gz") else',
+       '  return open(path, "rb") if path.name.endswith(".gz") else',
+       "a .gz input is read as it is on disk, not decompressed",
+       ("tests/test_prepare.py", "-k", "gz")),
+    _m("P24", INPUTS, "  if opts.text_field not in record:", "  if False:",
+       "a JSON record without the text field is a traceback, not one error line",
+       ("tests/test_prepare.py", "-k", "bad_input")),
+    _m("P25", INPUTS, '  if name.endswith(JSON_SUFFIXES):\n    return "json"',
+       '  if name.endswith(JSON_SUFFIXES):\n    return "text"',
+       "a .jsonl input is read as plain text",
+       ("tests/test_prepare.py", "-k", "each_input_format")),
+    _m("P26", INPUTS, "  if opts.text_field not in names:", "  if False:",
+       "a Parquet file without the text column is called unreadable, not told to pass "
+       "--text-field", ("tests/test_prepare.py", "-k", "bad_input")),
+
+    # ---------------------------------------------------------------- data/out_dir.py
+    _m("P27", OUT_DIR, "    if path.is_dir() and (path == where or path in where.parents):",
+       "    if False:", "an --out inside an input folder is accepted (its files read as input)",
+       ("tests/test_prepare.py", "-k", "more_bad_input")),
+    _m("P28", OUT_DIR, "  if in_the_way and not force:", "  if False:",
+       "files under prepare's names that it did not write are replaced without --force",
+       ("tests/test_prepare.py", "-k", "did_not_write")),
+    _m("P29", OUT_DIR, "    try:\n      os.rmdir(folder)\n", "    try:\n      pass\n",
+       "a failed prepare leaves the --out folder it created",
        ("tests/test_prepare.py", "-k", "failed_prepare or given_twice or full_disk")),
-    _m("P21", PREPARE, "  except OSError as e:\n    raise _write_error(path, e) from None",
-       "  except OSError:\n    raise", "a full disk is a traceback, not one error line",
-       ("tests/test_prepare.py", "-k", "full_disk or read_only")),
-    _m("P22", PREPARE, "    self.sha256.update(data)\n", "",
-       "meta.json records the SHA-256 of nothing, not of the file",
-       ("tests/test_prepare.py", "-k", "records_the")),
+    _m("P30", OUT_DIR, '  state["old_meta_removed"] = True\n', "",
+       "a run stopped while it puts its corpus in place leaves files of the old corpus",
+       ("tests/test_prepare.py", "-k", "interrupted_while_replacing")),
 
     # ---------------------------------------------------------------- data/tokenizer.py
     _m("T1", TOKENIZER, '    return list(text.replace("\\x00", "").encode("utf-8", "replace"))',
@@ -947,20 +1010,35 @@ MUTANTS = [
        "    found = [n for n in reversed(names) if n in vocab]",
        "the end-of-text names are looked up in the wrong order"),
 
-    # ---------------------------------------------------------------- data/pipeline.py
-    _m("D1", PIPELINE,
-       "      if cfg.filter_max_repeat > 0 and _max_run(a) > cfg.filter_max_repeat:",
-       "      if cfg.filter_max_repeat > 0 and _max_run(a) >= cfg.filter_max_repeat:",
+    # ---------------------------------------------------------------- data/sources.py
+    _m("D1", SOURCES,
+       "      if cfg.filter_max_repeat > 0 and max_run(a) > cfg.filter_max_repeat:",
+       "      if cfg.filter_max_repeat > 0 and max_run(a) >= cfg.filter_max_repeat:",
        "a run of exactly filter_max_repeat bytes drops the document",
        ("tests/test_data.py", "-k", "filter")),
-    _m("D2", PIPELINE, "_CONTROL[list(range(0, 9)) + list(range(14, 32)) + [127]] = True",
+    _m("D2", SOURCES, "_CONTROL[list(range(0, 9)) + list(range(14, 32)) + [127]] = True",
        "_CONTROL[list(range(0, 9)) + list(range(14, 32))] = True", "DEL counts as text",
        ("tests/test_data.py", "-k", "filter or nontext")),
-    _m("D3", PIPELINE, "  if len(raw) <= TEXT_DOC_BYTES:\n    return [raw]",
+    _m("D3", SOURCES, "  if len(raw) <= TEXT_DOC_BYTES:\n    return [raw]",
        "  if len(raw) < TEXT_DOC_BYTES:\n    return [raw]",
        "a file of exactly 64 KiB is split into paragraph documents",
        equivalent="paragraphs are packed losslessly into documents of up to 64 KiB, so a file of "
                   "at most 64 KiB packs into the one document the early return gives"),
+    _m("D10", SOURCES, '  dtype = np.dtype(meta["dtype"])\n  train_tokens',
+       '  dtype = np.dtype("uint16")\n  train_tokens',
+       "a prepared uint32 corpus is read as uint16",
+       _PREPARED_TESTS),
+    _m("D12", SOURCES, "    if max_token >= vocab_size:", "    if max_token > vocab_size:",
+       "a .bin token id equal to the vocabulary size is accepted",
+       ("tests/test_data.py", "-k", "vocabulary_size")),
+    _m("D14", SOURCES, "    if size + len(para) > TEXT_DOC_BYTES and current:",
+       "    if size + len(para) > 2 * TEXT_DOC_BYTES and current:",
+       "paragraphs are packed into documents of up to 128 KiB"),
+    _m("D15", SOURCES, "    if top >= vocab_size:", "    if top > vocab_size:",
+       "a prepared token id equal to the vocabulary size is accepted",
+       ("tests/test_data.py", "-k", "checked_against_its_vocabulary")),
+
+    # ---------------------------------------------------------------- data/pipeline.py
     _m("D4", PIPELINE, "      n_val = max(window, math.ceil(src.usable * cfg.val_fraction))",
        "      n_val = math.ceil(src.usable * cfg.val_fraction)",
        "a small source holds out less than one validation window",
@@ -984,36 +1062,23 @@ MUTANTS = [
        "      picks = np.arange(needed)",
        "validation takes the first windows instead of evenly spaced ones",
        ("tests/test_data.py", "-k", "val")),
-    _m("D10", PIPELINE, '  dtype = np.dtype(meta["dtype"])\n  train_tokens',
-       '  dtype = np.dtype("uint16")\n  train_tokens',
-       "a prepared uint32 corpus is read as uint16",
-       _PREPARED_TESTS),
-    _m("D11", PIPELINE, "    if actual != expected:", "    if actual is None:",
-       "a train.bin/val.bin whose size differs from meta.json is accepted",
-       ("tests/test_data.py", "-k", "meta_json")),
-    _m("D12", PIPELINE, "    if max_token >= vocab_size:", "    if max_token > vocab_size:",
-       "a .bin token id equal to the vocabulary size is accepted",
-       ("tests/test_data.py", "-k", "vocabulary_size")),
     _m("D13", PIPELINE, '    vocab_size = int(meta["vocab_size"])', "    vocab_size = vocab_size",
        "a prepared directory's vocabulary size is not used",
        _PREPARED_TESTS),
-    _m("D14", PIPELINE, "    if size + len(para) > TEXT_DOC_BYTES and current:",
-       "    if size + len(para) > 2 * TEXT_DOC_BYTES and current:",
-       "paragraphs are packed into documents of up to 128 KiB"),
-    _m("D15", PIPELINE, "    if top >= vocab_size:", "    if top > vocab_size:",
-       "a prepared token id equal to the vocabulary size is accepted",
-       ("tests/test_data.py", "-k", "checked_against_its_vocabulary")),
-    _m("D16", PIPELINE, '    if facts["sha256"] != record["sha256"]:', "    if False:",
-       "a prepared file changed in place (same size) is accepted",
-       ("tests/test_data.py", "-k", "changed_in_place")),
-    _m("D17", PIPELINE, '  if (record.get("stat") == _stat_record(st)', "  if (False",
-       "a prepared file untouched since prepare wrote it is read again at every start",
-       ("tests/test_data.py", "-k", "changed_in_place")),
-    _m("D18", PIPELINE, "        if x.get(key) != y.get(key):", "        if False:",
+
+    # ---------------------------------------------------------------- data/identity.py
+    _m("D18", IDENTITY, "        if x.get(key) != y.get(key):", "        if False:",
        "two identities of different data compare equal",
        ("tests/test_data.py", "-k", "data_identity")),
-    _m("D19", PIPELINE, "  if sum(sizes) <= hash_limit:", "  if True:",
+    _m("D19", IDENTITY, "  if sum(sizes) <= hash_limit:", "  if True:",
        "data_identity hashes plain files of any size at every start",
+       ("tests/test_data.py", "-k", "data_identity")),
+    _m("D20", IDENTITY, '  if recorded.get("settings") != current.get("settings"):',
+       "  if False:", "a change of the data settings (a filter, the weights) is not noticed",
+       ("tests/test_data.py", "-k", "data_identity")),
+    _m("D21", IDENTITY, '"".join(f"{n}\\0{_file_sha256(f)}\\n" for n, f',
+       '"".join(f"{n}\\0\\n" for n, f',
+       "a folder's identity is its file names only: a file's new content is the same data",
        ("tests/test_data.py", "-k", "data_identity")),
 
     # ---------------------------------------------------------------- data/folder.py

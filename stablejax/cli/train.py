@@ -115,7 +115,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     logging.getLogger(name).addFilter(_ReportedOnce())
   _process.quiet_orbax_leftovers()
 
-  from stablejax.data.pipeline import DataError
+  from stablejax.data.config import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, config_name, config_path, load_config

@@ -17,7 +17,6 @@ from typing import Any, Callable, Iterator, Optional
 import jax
 import numpy as np
 
-from stablejax.data.pipeline import garbage_batch
 from stablejax.monitor.specs import total_skips  # noqa: F401 (the loop's import of it)
 from stablejax.training.config import FaultsConfig
 
@@ -99,6 +98,29 @@ class Batches:
     for _ in range(n):
       next(self.stream)
     self.consumed += max(0, n)
+
+
+def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
+  """A deliberately bad batch for fault injection.
+
+  Args:
+    kind: "repeat" (every position is one token, chosen from the seed) or "random" (uniform
+      random token ids, i.e. random bytes for vocab 256).
+    batch_size: rows.
+    seq_len: model sequence length (the batch has ``seq_len + 1`` columns like real batches).
+    vocab_size: token ids are drawn from ``[0, vocab_size)``.
+    seed: seed.
+
+  Returns:
+    ``{"tokens": int32 [batch_size, seq_len + 1]}``.
+  """
+  rng = np.random.default_rng(seed)
+  shape = (batch_size, seq_len + 1)
+  if kind == "repeat":
+    return {"tokens": np.full(shape, int(rng.integers(0, vocab_size)), np.int32)}
+  if kind == "random":
+    return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
+  raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
 
 
 def kill_if_due(faults: FaultsConfig, n: int, when: str) -> None:

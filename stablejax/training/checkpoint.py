@@ -231,7 +231,8 @@ class Checkpoints:
 
   Example:
     >>> import pathlib, tempfile, jax, jax.numpy as jnp
-    >>> from stablejax.data.pipeline import DataConfig, build_data
+    >>> from stablejax.data.config import DataConfig
+    >>> from stablejax.data.pipeline import build_data
     >>> from stablejax.training.checkpoint import Checkpoints
     >>> data = build_data(DataConfig(), seq_len=16, batch_size=2, seed=0)
     >>> batches = data.train_iter()

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stablejax.data.pipeline import Data, data_tokenizer
+from stablejax.data.pipeline import Data
+from stablejax.data.sources import data_tokenizer
 from stablejax.modeling.family import CAPABILITIES, LanguageModel
 from stablejax.modeling.losses import cross_entropy_with_z_loss
 from stablejax.modeling.utils import excess_kurtosis

@@ -15,7 +15,8 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-from stablejax.data.pipeline import DataConfig, prepared_vocab_size
+from stablejax.data.config import DataConfig
+from stablejax.data.prepared import prepared_vocab_size
 from stablejax.modeling import family as family_lib
 from stablejax.training import plugins as plugins_lib
 from stablejax.transforms import defence

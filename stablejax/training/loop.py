@@ -24,7 +24,8 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from stablejax.data.pipeline import build_data, data_identity, identity_difference
+from stablejax.data.identity import data_identity, identity_difference
+from stablejax.data.pipeline import build_data
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax.training import actions, components, distributed, run_summary, runs

@@ -149,7 +149,8 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
     result = quantize_eval("runs/small", bits=4)
     print(result["val_loss_before"], result["val_loss_after"])
   """
-  from stablejax.data.pipeline import DataError, build_data
+  from stablejax.data.config import DataError
+  from stablejax.data.pipeline import build_data
   from stablejax.training.config import model_of
 
   check_stop()

@@ -230,7 +230,7 @@ def run_inputs(cfg: Config, config_file: Optional[Path | str] = None) -> list[tu
   """What a run of ``cfg`` reads, as ``(what, path)`` pairs for
   :meth:`stablejax.training.run_dir.RunDirectory.open` (which checks them with `check_inputs`):
   the config file it was given and the data paths (the embedded corpus is no path)."""
-  from stablejax.data.pipeline import EMBEDDED
+  from stablejax.data.config import EMBEDDED
   inputs: list[tuple[str, Any]] = [("--config", config_file)] if config_file else []
   for split in ("train", "val"):
     value = getattr(cfg.data, split)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-  from stablejax.data.pipeline import DataConfig
+  from stablejax.data.config import DataConfig
   from stablejax.training.config import Config
 
 import numpy as np
@@ -183,7 +183,9 @@ def tokenizer_record(data_cfg: "DataConfig") -> tuple[dict, Optional[Path]]:
     RunError: the data's tokenizer cannot be read (e.g. a prepared directory's meta.json).
   """
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.data.pipeline import DataError, data_tokenizer, read_prepared
+  from stablejax.data.config import DataError
+  from stablejax.data.prepared import read_prepared
+  from stablejax.data.sources import data_tokenizer
   try:
     tok = data_tokenizer(data_cfg)
   except tokenizer_lib.TokenizerError:  # e.g. tiktoken's files not cached: its name suffices
@@ -342,7 +344,8 @@ def run_tokenizer(cfg: Any, spec: Optional[str] = None,
       from it, an old run's data path does not resolve, or plain ``.bin`` data without ``spec``.
   """
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.data.pipeline import EMBEDDED, DataError, data_tokenizer
+  from stablejax.data.config import EMBEDDED, DataError
+  from stablejax.data.sources import data_tokenizer
   record = read_tokenizer_record(run_dir) if run_dir is not None else None
   if spec:
     try:
