@@ -15,15 +15,35 @@ import typing
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
-import stablejax.transforms  # noqa: F401 (registers the built-in defences)
-from stablejax.data.pipeline import DataConfig, prepared_vocab_size
-from stablejax.modeling.gpt import ModelConfig
+from stablejax.data.config import DataConfig
+from stablejax.data.prepared import prepared_vocab_size
+from stablejax.modeling import family as family_lib
 from stablejax.muon import newton_schulz as _ns
+from stablejax.training import plugins as plugins_lib
 from stablejax.transforms import defence
 
 
 class ConfigError(ValueError):
   """A bad configuration file, key or value; the message names the problem and the fix."""
+
+
+def model_section_class(name: str) -> type:
+  """The ``model`` section's dataclass of the family ``name`` (``family`` first, then its
+  fields).
+
+  Raises:
+    ConfigError: no family of that name is registered.
+  """
+  declaration = family_lib.get(name)
+  if declaration is None:
+    known = ", ".join(f.name for f in family_lib.registered())
+    raise ConfigError(f"model.family={name!r} is not a registered model family: use one of "
+                      f"{known}, or name the module that declares it with --plugin")
+  return family_lib.section_class(declaration)
+
+
+def _default_model() -> Any:
+  return model_section_class(family_lib.DEFAULT_FAMILY)()
 
 
 @dataclasses.dataclass
@@ -225,7 +245,11 @@ class Config:
     >>> cfg.train.steps == Config().train.steps  # untouched keys keep their defaults
     True
   """
-  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+  # Modules declaring defences or model families, imported before the rest is read
+  # (stablejax.training.plugins); recorded, so every later command imports them again.
+  plugins: list[str] = dataclasses.field(default_factory=list)
+  # The family's section (model_section_class): model.family names it, the other keys are its.
+  model: Any = dataclasses.field(default_factory=_default_model)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   # A dataclass built from the registered defences (stability_config_class).
@@ -296,8 +320,14 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
 
 
 def _build(cls: type, raw: dict, prefix: str = "") -> Any:
-  if cls is Config and isinstance(raw.get("stability"), dict):
-    raw = dict(raw, stability=_build(stability_config_class(), raw["stability"], "stability"))
+  if cls is Config:
+    built = {}
+    if isinstance(raw.get("stability"), dict):
+      built["stability"] = _build(stability_config_class(), raw["stability"], "stability")
+    if isinstance(raw.get("model"), dict):
+      section = model_section_class(_family_name(raw))
+      built["model"] = _build(section, raw["model"], "model")
+    raw = dict(raw, **built)
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]
   for key, value in raw.items():
@@ -307,7 +337,7 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
       raise ConfigError(old)
     if key not in hints:
       raise ConfigError(f"unknown config key '{where}': valid keys here are {', '.join(names)}")
-  kwargs = {k: v if k in ("stability",) and dataclasses.is_dataclass(v) else
+  kwargs = {k: v if k in ("stability", "model") and dataclasses.is_dataclass(v) else
             _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()}
   return cls(**kwargs)
 
@@ -410,6 +440,9 @@ def translate_v0_1(raw: dict) -> dict:
 def config_from_dict(raw: dict, layers: Optional[list[set[str]]] = None) -> Config:
   """Builds and validates a `Config` from a (possibly partial) nested dict.
 
+  The plugins it names (``raw["plugins"]``) are imported first, so their defences and model
+  families exist when the rest is read.
+
   Args:
     raw: the config values, e.g. ``{"train": {"steps": 100}}``.
     layers: the dotted keys each source gave, in the order they were applied (a config file,
@@ -418,11 +451,45 @@ def config_from_dict(raw: dict, layers: Optional[list[set[str]]] = None) -> Conf
   """
   if not isinstance(raw, dict):
     raise ConfigError("the config must be a JSON object with sections like 'model' and 'train'")
+  load_plugins(raw.get("plugins", []), "the config's plugins")
+  _sections_are_objects(raw)
   _vocab_from_prepared_data(raw)
   _budget_fixes_steps(raw, [flat_keys(raw)] if layers is None else layers)
   cfg = _build(Config, raw)
   validate(cfg)
   return cfg
+
+
+def load_plugins(names: Any, where: str) -> None:
+  """Imports the plugins ``names`` (:mod:`stablejax.training.plugins`).
+
+  Raises:
+    ConfigError: ``names`` is not a list of strings, or a plugin cannot be imported.
+  """
+  if not isinstance(names, list):
+    raise ConfigError(f"plugins={json.dumps(names)} has the wrong type: expected a JSON list of "
+                      "module names or .py paths")
+  try:
+    plugins_lib.load(names, where)
+  except plugins_lib.PluginError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _family_name(raw: dict) -> str:
+  model = raw.get("model")
+  name = model.get("family", family_lib.DEFAULT_FAMILY) if isinstance(model, dict) else \
+      family_lib.DEFAULT_FAMILY
+  if not isinstance(name, str):
+    raise ConfigError(f"model.family={json.dumps(name)} has the wrong type: expected a string")
+  return name
+
+
+def _sections_are_objects(raw: dict) -> None:
+  """Every section of ``raw`` but ``plugins`` must be a JSON object."""
+  for f in dataclasses.fields(Config):
+    value = raw.get(f.name)
+    if f.name != "plugins" and value is not None and not isinstance(value, dict):
+      raise ConfigError(f"{f.name} must be a JSON object of its keys, not {json.dumps(value)}")
 
 
 def flat_keys(raw: Any, prefix: str = "") -> set[str]:
@@ -471,32 +538,85 @@ def _maybe_json(text: str) -> Any:
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-  """Applies `section.key=value` overrides (value parsed as JSON, else taken as a string)."""
-  defaults = dataclasses.asdict(Config())
+  """Applies `section.key=value` overrides (value parsed as JSON, else taken as a string).
+
+  The keys are checked against the sections of the config they make: ``model.*`` against the
+  family ``model.family`` names (set in the file or by an override), ``stability.*`` against the
+  registered defences (import a plugin's first: :func:`load_plugins`).
+  """
+  parsed = []
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. "
                         "train.steps=100)")
     dotted, text = item.split("=", 1)
-    parts = dotted.strip().split(".")
-    old = _old_key_message(dotted.strip(), _maybe_json(text))
+    dotted = dotted.strip()
+    old = _old_key_message(dotted, _maybe_json(text))
     if old:
       raise ConfigError(old)
-    node_default = defaults
+    parsed.append((dotted, _maybe_json(text)))
+  for dotted, value in parsed:
+    if dotted == "model.family":
+      raw.setdefault("model", {})
+      if not isinstance(raw["model"], dict):
+        raise ConfigError("model must be a JSON object of its keys, not "
+                          f"{json.dumps(raw['model'])}")
+      raw["model"] = _switch_family(raw["model"], value)
+  defaults = to_dict(Config(model=model_section_class(_family_name(raw))()))
+  for dotted, value in parsed:
+    parts = dotted.split(".")
+    node_default: Any = defaults
     for part in parts:
       if not isinstance(node_default, dict) or part not in node_default:
         raise ConfigError(f"--set {dotted}: no such config key; see "
-                          "stablejax/configs/default.json for the keys")
+                          "stablejax/configs/default.json for the keys"
+                          + (" (model.* keys depend on model.family)"
+                             if parts[0] == "model" else ""))
       node_default = node_default[part]
-    try:
-      value = json.loads(text)
-    except json.JSONDecodeError:
-      value = text  # bare strings need no quotes: --set data.train=/path/to/text
     node = raw
-    for part in parts[:-1]:
-      node = node.setdefault(part, {})
+    for i, part in enumerate(parts[:-1]):
+      child = node.setdefault(part, {})
+      if not isinstance(child, dict):
+        where = ".".join(parts[:i + 1])
+        raise ConfigError(f"--set {dotted}: {where} is {json.dumps(child)} in the config, not a "
+                          f"JSON object of its keys: make {where} an object (or leave it out)")
+      node = child
     node[parts[-1]] = value
   return raw
+
+
+def _switch_family(model: dict, family: Any) -> dict:
+  """A ``model`` section of a config file under ``--set model.family=...``: the keys the new
+  family has too are kept; the others are dropped when they only restate the old family's
+  defaults (the packaged default config) and refused otherwise."""
+  old = _family_name({"model": model})
+  if not isinstance(family, str) or family == old:
+    return dict(model, family=family)
+  new_fields = {f.name for f in dataclasses.fields(model_section_class(family))}
+  old_defaults = dataclasses.asdict(model_section_class(old)())
+  kept = {"family": family}
+  for key, value in model.items():
+    if key in new_fields and key != "family":
+      kept[key] = value
+    elif key != "family" and old_defaults.get(key, object()) != value:
+      raise ConfigError(f"model.{key}={json.dumps(value)} of the config file is not a key of "
+                        f"model.family={family!r}: remove it, or set the family in the file")
+  return kept
+
+
+def _check_sections(raw: Any, path: Path) -> dict:
+  """A config file's content: a JSON object whose sections are objects (one line otherwise)."""
+  if not isinstance(raw, dict):
+    raise ConfigError(f"config file {path} is {type(raw).__name__} JSON, not an object with "
+                      "sections like 'model' and 'train'")
+  for section, value in raw.items():
+    if section in _SECTIONS and section != "plugins" and not isinstance(value, dict):
+      raise ConfigError(f"config file {path}: section {section!r} is {json.dumps(value)}, not a "
+                        f"JSON object of its keys: make it an object (or leave it out)")
+  return raw
+
+
+_SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def packaged_configs() -> dict[str, Path]:
@@ -527,18 +647,22 @@ def config_name(name_or_path: str | Path) -> str:
   return Path(name_or_path).stem
 
 
-def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = (),
+                plugins: Sequence[str] = ()) -> Config:
   """The config of a JSON file or packaged config (None: the defaults) with ``section.key=value``
-  overrides.
+  overrides and plugins.
 
   ``path`` is a JSON file, or the name of a config that ships with the package (``"default"``,
-  ``"gpt2_small"``, ...; `packaged_configs`).
+  ``"gpt2_small"``, ...; `packaged_configs`). ``plugins`` (the trainer's ``--plugin``) join the
+  file's ``plugins`` and a ``--set plugins=[...]``; all are imported before the keys are checked,
+  and the config lists them all.
 
   A time budget in the file or the overrides owns the step count unless ``train.steps`` is given
   in the same place or later (`config_from_dict`).
 
   Raises:
-    ConfigError: a missing or invalid file, an unknown key or a bad value (one line naming it).
+    ConfigError: a missing or invalid file, an unknown key or a bad value, a plugin that cannot
+      be imported (one line naming it).
 
   Example:
     >>> import json, pathlib, tempfile
@@ -553,26 +677,61 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     ... except ConfigError as e:
     ...   print(e)
     --set model.n_layer: no such config key; see stablejax/configs/default.json for the keys
+    (model.* keys depend on model.family)
   """
   raw: dict = {}
   if path is not None:
     path = config_path(path)
     try:
-      raw = json.loads(path.read_text())
+      raw = _check_sections(json.loads(path.read_text()), path)
     except json.JSONDecodeError as e:
       raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") \
           from None
-  layers = [flat_keys(raw), flat_keys(apply_overrides({}, list(overrides)))]
-  return config_from_dict(apply_overrides(raw, list(overrides)), layers)
+    except UnicodeDecodeError as e:
+      raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                        "pass a JSON file") from None
+    except OSError as e:
+      raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+  return _with_overrides(raw, overrides, plugins, str(path) if path else "the config")
 
 
-def load_run_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+def _with_overrides(raw: dict, overrides: Sequence[str], plugins: Sequence[str],
+                    where: str) -> Config:
+  """``raw`` with the plugins imported, then the overrides applied, then checked."""
+  overrides = list(overrides)
+  named = [_maybe_json(item.split("=", 1)[1]) for item in overrides
+           if item.split("=", 1)[0].strip() == "plugins" and "=" in item]
+  listed = raw.get("plugins", [])
+  load_plugins(listed, where)
+  for value in named:
+    load_plugins(value, "--set plugins")
+  load_plugins(list(plugins), "--plugin")
+  layers = [flat_keys(raw), _override_keys(overrides)]
+  raw = apply_overrides(raw, overrides)
+  every = [plugins_lib.normalise(name) for group in [listed, *named, list(plugins)]
+           for name in group]
+  raw["plugins"] = list(dict.fromkeys(every))
+  return config_from_dict(raw, layers)
+
+
+def _override_keys(overrides: Sequence[str]) -> set[str]:
+  """The dotted keys (and their sections) ``section.key=value`` overrides give."""
+  keys = set()
+  for item in overrides:
+    parts = item.split("=", 1)[0].strip().split(".")
+    keys |= {".".join(parts[:i + 1]) for i in range(len(parts))}
+  return keys
+
+
+def load_run_file(path: str | Path, overrides: Sequence[str] = (),
+                  plugins: Sequence[str] = ()) -> Config:
   """The config a run wrote (``RUN_DIR/config.json``), in this version's form, with
-  ``section.key=value`` overrides: a run directory of stablejax 0.1 (flat stability keys) is
-  translated (`translate_v0_1`), so it still resumes.
+  ``section.key=value`` overrides: its plugins are imported again first, and a run directory of
+  stablejax 0.1 (flat stability keys) is translated (`translate_v0_1`), so it still resumes.
 
   Raises:
-    ConfigError: a missing or invalid file (one line naming it), or a bad override.
+    ConfigError: a missing or invalid file (one line naming it), a plugin that cannot be
+      imported, or a bad override.
   """
   path = Path(path)
   try:
@@ -581,15 +740,68 @@ def load_run_file(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
   except json.JSONDecodeError as e:
     raise ConfigError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
-  if not isinstance(raw, dict):
-    raise ConfigError(f"{path} is not a config: expected a JSON object with sections")
-  raw = translate_v0_1(raw)
-  layers = [flat_keys(raw), flat_keys(apply_overrides({}, list(overrides)))]
-  return config_from_dict(apply_overrides(raw, list(overrides)), layers)
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+  raw = translate_v0_1(_check_sections(raw, path))
+  return _with_overrides(raw, overrides, plugins, str(path))
+
+
+def recorded_plugins(path: str | Path) -> list[str]:
+  """The plugins a run's ``config.json`` lists ([] when it lists none or cannot be read: the
+  reader that needs the file says what is wrong with it)."""
+  try:
+    raw = json.loads(Path(path).read_text())
+  except (OSError, ValueError):
+    return []
+  names = raw.get("plugins", []) if isinstance(raw, dict) else []
+  return [n for n in names if isinstance(n, str)] if isinstance(names, list) else []
 
 
 def to_dict(cfg: Config) -> dict:
-  return dataclasses.asdict(cfg)
+  """The config as JSON (``config.json``): every section, ``model.family`` first in its own."""
+  out = dataclasses.asdict(cfg)
+  out["model"] = family_lib.section_dict(cfg.model)
+  return out
+
+
+def changed_keys(before: Config, after: Config) -> list[str]:
+  """``key old -> new`` for every config key whose value differs between two starts of a run
+  (a section that exists on one side only, such as a plugin defence's, counts as its keys).
+
+  Example:
+    >>> from stablejax.training.config import changed_keys, load_config
+    >>> changed_keys(load_config(None), load_config(None, ["optimizer.learning_rate=0.005",
+    ...                                                    "stability.qk_clip.enabled=true",
+    ...                                                    "model.qk_norm=false"]))
+    ['model.qk_norm true -> false', 'optimizer.learning_rate 0.01 -> 0.005',
+     'stability.qk_clip.enabled false -> true']
+  """
+  def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+      out: dict[str, Any] = {}
+      for key, value in tree.items():
+        out.update(leaves(value, f"{prefix}.{key}" if prefix else key))
+      return out
+    return {prefix: tree}
+  old, new = leaves(to_dict(before)), leaves(to_dict(after))
+  lines = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key, "(none)"), new.get(key, "(none)")
+    if a != b:
+      lines.append(f"{key} {json.dumps(a)} -> {json.dumps(b)}")
+  return lines
+
+
+def model_of(cfg: Config) -> family_lib.LanguageModel:
+  """The :class:`stablejax.modeling.family.LanguageModel` of a config's ``model`` section.
+
+  Raises:
+    ConfigError: the family is not registered.
+  """
+  try:
+    return family_lib.build(cfg.model, cfg)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _positive(name: str, value: float, allow_zero: bool = False) -> None:
@@ -606,8 +818,10 @@ def validate(cfg: Config) -> None:
   _validate_stability(cfg)
   _validate_logging_checkpoint_faults(cfg)
   _validate_mesh(cfg.mesh)
+  check = getattr(cfg.model, "validate", None)
   try:
-    cfg.model.validate()
+    if check is not None:
+      check()
   except ValueError as e:
     raise ConfigError(str(e)) from None
 
@@ -663,7 +877,7 @@ def _validate_stability(cfg: Config) -> None:
   s = cfg.stability
   _positive("stability.z_loss", s.z_loss, allow_zero=True)
   try:
-    defence.validate(s, defence.DefenceContext(stability=s, model=cfg.model))
+    defence.validate(s, defence.DefenceContext(stability=s, model=model_of(cfg)))
   except ValueError as e:
     raise ConfigError(str(e)) from None
   r = s.recovery
@@ -737,12 +951,9 @@ _INEFFECTIVE_RULES = (
     (("optimizer.normuon_b2",),
      lambda c: c.optimizer.name == "muon" and not c.optimizer.normuon,
      "optimizer.normuon=false"),
-    (("stability.adagc.per_layer",),
-     lambda c: c.stability.adagc.enabled and not c.model.scan_layers,
-     "model.scan_layers=false (no stacked layers)"),
     (("stability.loss_scale.init", "stability.loss_scale.growth_interval",
       "stability.loss_scale.growth_factor"),
-     lambda c: c.model.compute_dtype != "float16",
+     lambda c: model_of(c).compute_dtype != "float16",
      'model.compute_dtype other than "float16" (loss scaling is for fp16 only)'),
     (("stability.recovery.emergency_lr_factor", "stability.recovery.max_rollbacks",
       "stability.recovery.loss_window", "stability.recovery.loss_explosion_factor",
@@ -750,8 +961,6 @@ _INEFFECTIVE_RULES = (
      lambda c: not c.stability.recovery.enabled, "stability.recovery.enabled=false"),
     (("logging.attention_per_head", "logging.attention_sequences"),
      lambda c: not c.logging.attention_logits, "logging.attention_logits=false"),
-    (("train.lambda_warmup_steps", "train.lambda_schedule"),
-     lambda c: not c.model.bitnet, "model.bitnet=false"),
     (("faults.garbage_kind",),
      lambda c: not (c.faults.garbage_batch_steps or c.faults.garbage_batch_indices),
      "faults.garbage_batch_steps and faults.garbage_batch_indices empty"),
@@ -771,14 +980,20 @@ def _get(cfg: Any, dotted: str) -> tuple[bool, Any, Any]:
   return True, getattr(node, key), getattr(type(node)(), key)
 
 
-def _defence_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
-  """Every key of a disabled defence's section has no effect."""
+def _declared_rules(cfg: Config) -> list[tuple[tuple[str, ...], bool, str]]:
+  """Every key of a disabled defence's section has no effect; then the defences' own rules
+  (``Defence.ineffective``) and the model's (``LanguageModel.ineffective_keys``)."""
+  model = model_of(cfg)
+  ctx = defence.DefenceContext(stability=cfg.stability, model=model)
   rules = []
   for d in defence.registered():
+    section = d.section(cfg.stability)
     keys = tuple(f"stability.{d.name}.{f.name}" for f in dataclasses.fields(d.config)
                  if f.name != "enabled")
-    rules.append((keys, not d.section(cfg.stability).enabled,
-                  f"stability.{d.name}.enabled=false"))
+    rules.append((keys, not section.enabled, f"stability.{d.name}.enabled=false"))
+    if section.enabled and d.ineffective is not None:
+      rules += [((key,), True, reason) for key, reason in d.ineffective(section, ctx)]
+  rules += [((key,), True, reason) for key, reason in model.ineffective_keys(cfg)]
   return rules
 
 
@@ -791,7 +1006,7 @@ def ineffective_keys(cfg: Config) -> list[str]:
   """
   rules = [(keys, ineffective(cfg), reason) for keys, ineffective, reason in _INEFFECTIVE_RULES]
   lines, seen = [], set()
-  for keys, ineffective, reason in rules + _defence_rules(cfg):
+  for keys, ineffective, reason in rules + _declared_rules(cfg):
     if not ineffective:
       continue
     for dotted in keys:
