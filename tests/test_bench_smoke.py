@@ -337,9 +337,16 @@ def test_each_stress_defence_builds_the_chain_it_names(defence):
         defence, float(defence.rsplit("qkclip", 1)[1] or 0))
     assert cfg.stability.qk_clip.enabled and cfg.stability.qk_clip.tau == tau
   else:
-    present, absent = EXPECTED[stack if defence == "stablejax_muon" else defence]
-    if defence in ("stablejax", "stablejax_muon"):
+    variant = defence.startswith("stablejax_muon_")  # per-head Muon, NorMuon: the Muon stack
+    present, absent = EXPECTED[stack if defence == "stablejax_muon" or variant else defence]
+    if defence in ("stablejax", "stablejax_muon") or variant:
       absent = absent | {"QKClipState"}
+    if variant:
+      assert cfg.optimizer.per_head == ("perhead" in defence)
+      if "normuon" in defence:
+        present = present | {"NorMuonState"}
+      else:
+        absent = absent | {"NorMuonState"}
     if defence in BF16_DEFENCES:  # the sweep's models keep float32 parameters: nothing to do
       present, absent = present - {"CompensatedUpdatesState"}, absent | {
           "CompensatedUpdatesState"}

@@ -94,6 +94,9 @@ RESTORE_PLAN = "stablejax/training/restore_plan.py"
 UPDATE_CLIP = "stablejax/transforms/update_clip.py"
 COMPENSATED = "stablejax/transforms/compensated.py"
 UPDATE_NORM = "stablejax/monitor/update_norm.py"
+GRAM = "stablejax/muon/gram.py"
+NORMUON = "stablejax/muon/normuon.py"
+HEADS = "stablejax/layout/heads.py"
 RUN_DIR_CHECKS = "stablejax/training/run_dir_checks.py"
 PREVIOUS_RUN = "stablejax/training/previous_run.py"
 ENVIRONMENT_ERRORS = "stablejax/training/environment_errors.py"
@@ -175,6 +178,9 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     RESTORE_PLAN: ("tests/test_stack_changes.py", "tests/test_recovery_policy.py", RESTORE_PLAN,
                    "-m", "not slow"),
     UPDATE_NORM: ("tests/test_early_warnings.py", UPDATE_NORM, "-k", "not log_norm"),
+    GRAM: ("tests/test_newton_schulz.py", GRAM, "-k", "gram and not kernels_interpret"),
+    NORMUON: ("tests/test_normuon.py", NORMUON),
+    HEADS: ("tests/test_per_head.py", "-k", "not hugging_face"),
     # The run directory's checks on folders the tests write, without the trainer runs (@slow)
     # and the session's trained run (the fingerprint mutant names its test).
     RUN_DIR_CHECKS: ("tests/test_run_dir.py", RUN_DIR_CHECKS, "-m", "not slow", "-k",
@@ -185,8 +191,9 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
 
 # Modules of stablejax/ without mutants, and why.
 MODULES_NOT_COVERED = {
-    "muon/describe.py, layout/heads.py, modeling/attention.py": "not yet: heads.py holds types "
-        "and find_attention_layers, whose layout analysis is mutated in layout/analysis.py",
+    "muon/describe.py, modeling/attention.py, layout/heads.py: find_attention_layers": "not "
+        "yet: its layout analysis is mutated in layout/analysis.py (heads.py's per-head "
+        "layouts are)",
     "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
@@ -838,6 +845,21 @@ MUTANTS = [
        "a non-positive head rate passes"),
 
     # ---------------------------------------------------------------- muon/newton_schulz.py
+    _m("NS12", NEWTON_SCHULZ, "  if from_end and 0 < steps < len(table):",
+       "  if False and 0 < steps < len(table):",
+       "AOL with a longer coefficient list uses its first triples, not its last (Turbo-Muon)",
+       ("tests/test_newton_schulz.py", "-k", "turbo")),
+    _m("NS13", NEWTON_SCHULZ, "  rows = jnp.sum(jnp.abs(gram.astype(jnp.float32)), axis=-1)",
+       "  rows = jnp.sum(gram.astype(jnp.float32), axis=-1)",
+       "AOL sums the Gram rows without their absolute values",
+       ("tests/test_newton_schulz.py", "-k", "aol")),
+    _m("NS14", NEWTON_SCHULZ, "    if i == 0 and precondition is not None:\n      x, gram = "
+       "precondition(x, gram)\n    poly", "    if precondition is not None:\n      x, gram = "
+       "precondition(x, gram)\n    poly", "AOL rescales every step, not only the first",
+       ("tests/test_newton_schulz.py", "-k", "aol_matches_optax")),
+    _m("NS15", NEWTON_SCHULZ, "    (4.0848, -6.8946, 2.9270),", "    (4.0848, -6.8946, 2.9),",
+       "the dion preset's first triple is not optax's", ("tests/test_newton_schulz.py", "-k",
+                                                         "dion")),
     _m("NS1", NEWTON_SCHULZ, "STANDARD_COEFFS = (3.4445, -4.7750, 2.0315)",
        "STANDARD_COEFFS = (3.4445, -4.7750, 2.3)", "the standard quintic's c is not 2.0315"),
     _m("NS2", NEWTON_SCHULZ, "_PE_SAFETY = 1.01", "_PE_SAFETY = 1.0",
@@ -1253,12 +1275,12 @@ MUTANTS = [
        "        corr_now = 1 - beta ** (count_inc + 1).astype(dtype)",
        "Nesterov's gradient term is bias-corrected for the wrong step",
        _muon_tests("matches_optax")),
-    _m("MU15", MUON, "  if not isinstance(dims, routing.FusedDimensionNumbers):\n"
+    _m("RT13", ROUTING, "  if not isinstance(dims, FusedDimensionNumbers):\n"
        "    return [(x, dims)], lambda outs: outs[0]",
        "  if True:\n    return [(x, dims)], lambda outs: outs[0]",
        "a fused kernel is orthogonalised as one matrix, not per projection",
        _muon_tests("fused_kernel")),
-    _m("MU16", MUON, "  cuts = list(np.cumsum(sizes)[:-1])", "  cuts = list(sizes[:-1])",
+    _m("RT14", ROUTING, "  cuts = list(np.cumsum(sizes)[:-1])", "  cuts = list(sizes[:-1])",
        "parts of different sizes are cut at the wrong places",
        _muon_tests("fused_kernel")),
 
@@ -1487,6 +1509,63 @@ MUTANTS = [
     _m("RT11", ROUTING, "  notes += _fused_notes(leaves, a, labels, layouts, sources)\n",
        "", "describe_routing and init say nothing of fused kernels (split or left whole)",
        ("tests/test_routing.py", "-k", "describe_routing_table or fused_parts")),
+
+    _m("RT12", ROUTING, '      if sources[i] != "given":\n', '      if True:\n',
+       "per_head overrides dimension numbers the user gave",
+       ("tests/test_per_head.py", "-k", "given")),
+
+    # ---------------------------------------------------------------- layout/heads.py (per head)
+    _m("HD1", HEADS, '      side = red if p.role == "out" else outs', "      side = outs",
+       "the output projection is split along its model axis, not its heads",
+       ("tests/test_per_head.py", "-k", "stablejax_gpt or plain_tree")),
+    _m("HD2", HEADS, "red2, out2 = tuple(a for a in red if a != head), tuple(a for a in outs "
+       "if a != head)", "red2, out2 = tuple(a for a in red if a != head), outs",
+       "a [D, H, hd] kernel's heads axis stays a matrix axis",
+       ("tests/test_per_head.py", "-k", "dense_general or gemma or scanned")),
+    _m("HD3", HEADS, "  if group.qk_norm_dim is not None:\n    return group.qk_norm_dim\n", "",
+       "the head size is not read from the query/key norm",
+       ("tests/test_per_head.py", "-k", "stablejax_gpt")),
+    _m("HD4", HEADS, '    width = p.parts[0] if p.role == "qkv" and p.parts else p.width',
+       "    width = p.width",
+       "a fused query/key/value kernel's whole width is taken as the query's",
+       ("tests/test_per_head.py", "-k", "plain_tree")),
+
+    # ---------------------------------------------------------------- muon/gram.py
+    _m("GR1", GRAM, "      r = _symmetrise(matmul(z, rz, rz, alpha=a, beta=1.0, "
+       "trans_rhs=False))", "      r = matmul(z, rz, rz, alpha=a, beta=1.0, trans_rhs=False)",
+       "R is not symmetrised after its update"),
+    _m("GR2", GRAM, "_symmetrise(matmul(z, rz, rz, alpha=a, beta=1.0, trans_rhs=False))",
+       "_symmetrise(matmul(z, rz, rz, alpha=a, beta=1.0, trans_rhs=True))",
+       "R's update uses RZ transposed (its rounding asymmetry compounds)"),
+    _m("GR3", GRAM, "  if jnp.dtype(dtype).itemsize > 2:", "  if jnp.dtype(dtype).itemsize > 1:",
+       "bfloat16 runs without a restart"),
+    _m("GR4", GRAM, "      q = matmul(q, z, q, alpha=a, beta=1.0, trans_rhs=True)",
+       "      q = matmul(q, z, q, alpha=0.0, beta=1.0, trans_rhs=True)",
+       "Q accumulates Z instead of a I + Z after its first step"),
+    _m("GR5", GRAM, "      r = matmul(x, x, None, alpha=0.0, beta=1.0, trans_rhs=True)\n"
+       "      q = None", "      q = None",
+       "a restart keeps the old R instead of recomputing it from X"),
+    _m("GR6", GRAM, "      macs += 2 * n**3  # R (a I + Z), then (a I + Z) RZ",
+       "      macs += n**3", "the FLOP count misses one of the two products of R's update"),
+    _m("GR7", GRAM, "  return steps > 0 and flops(n, m, steps, restarts) < flops(n, m, steps, "
+       "method=\"standard\")", "  return steps > 0",
+       "Gram runs on every shape, square ones too, where it takes more FLOPs"),
+
+    # ---------------------------------------------------------------- muon/normuon.py
+    _m("NM1", NORMUON, "jnp.mean(of * of, axis=-2)", "jnp.mean(of * of, axis=-1)",
+       "the second moment is taken per input row, not per output neuron"),
+    _m("NM2", NORMUON, "  return (scaled * (norm / jnp.maximum(new_norm, 1e-8))).astype(o.dtype), "
+       "nu", "  return scaled.astype(o.dtype), nu",
+       "the normalised update does not get the Frobenius norm of Muon's back"),
+    _m("NM3", NORMUON, "      new_nu.append(jnp.concatenate(nus) if len(nus) > 1 else nus[0])",
+       "      new_nu.append(nu)", "the per-neuron statistics are never updated"),
+    _m("NM4", NORMUON, "      pieces, join = routing.split_fused(u, dims)",
+       "      pieces, join = [(u, dims)], (lambda outs: outs[0])",
+       "per-head (fused) matrices are normalised as one matrix"),
+    _m("NM5", MUON, "    muon_parts.append(_normuon.with_layouts(normuon_b2, 1e-8, muon_layouts))",
+       "    muon_parts.append(_normuon.with_layouts(0.0, 1e-8, muon_layouts))",
+       "normuon_b2 is not passed on (no averaging over steps)",
+       ("tests/test_normuon.py", "-k", "outlier_safe_muon_normuon")),
 
     # ---------------------------------------------------------------- layout/analysis.py
     _m("LT1", LAYOUT, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",

@@ -18,6 +18,7 @@ from typing import Any, Optional, Sequence, Union
 from stablejax.data.config import DataConfig
 from stablejax.data.prepared import prepared_vocab_size
 from stablejax.modeling import family as family_lib
+from stablejax.muon import newton_schulz as _ns
 from stablejax.training import plugins as plugins_lib
 from stablejax.transforms import defence
 
@@ -96,6 +97,11 @@ class OptimizerConfig:
   consistent_rms: Optional[float] = 0.2
   outlier_threshold: float = 5.0
   outlier_method: Optional[str] = "zscore"
+  ns_method: str = "standard"             # "standard" or "gram" (Gram Newton-Schulz)
+  ns_preconditioning: str = "frobenius"   # "frobenius" or "aol" (Turbo-Muon)
+  per_head: bool = False                  # attention projections orthogonalised per head
+  normuon: bool = False                   # NorMuon's per-neuron normalisation after Muon
+  normuon_b2: float = 0.95
 
 
 @dataclasses.dataclass
@@ -859,6 +865,12 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
                       "width scaling runs at ~0.02, far too high for AdamW; set "
                       "adam_learning_rate (e.g. 3e-3)")
+  for name, known in (("ns_method", _ns.METHODS), ("ns_preconditioning", _ns.PRECONDITIONINGS)):
+    if getattr(o, name) not in known:
+      raise ConfigError(f"optimizer.{name}={getattr(o, name)!r} is not known: use one of "
+                        + ", ".join(f'"{k}"' for k in known))
+  if not 0 <= o.normuon_b2 < 1:
+    raise ConfigError(f"optimizer.normuon_b2={o.normuon_b2} must lie in [0, 1)")
 
 
 def _validate_stability(cfg: Config) -> None:
@@ -928,12 +940,17 @@ _INEFFECTIVE_RULES = (
     (("optimizer.adam_learning_rate", "optimizer.embedding_learning_rate",
       "optimizer.head_learning_rate", "optimizer.adam_weight_decay", "optimizer.momentum",
       "optimizer.ns_steps", "optimizer.ns_coeffs", "optimizer.ns_backend",
-      "optimizer.consistent_rms", "optimizer.outlier_threshold", "optimizer.outlier_method"),
+      "optimizer.consistent_rms", "optimizer.outlier_threshold", "optimizer.outlier_method",
+      "optimizer.ns_method", "optimizer.ns_preconditioning", "optimizer.per_head",
+      "optimizer.normuon", "optimizer.normuon_b2"),
      lambda c: c.optimizer.name == "adamw",
      'optimizer.name="adamw" (AdamW uses optimizer.learning_rate and optimizer.weight_decay)'),
     (("optimizer.outlier_threshold",),
      lambda c: c.optimizer.name == "muon" and c.optimizer.outlier_method is None,
      "optimizer.outlier_method=null"),
+    (("optimizer.normuon_b2",),
+     lambda c: c.optimizer.name == "muon" and not c.optimizer.normuon,
+     "optimizer.normuon=false"),
     (("stability.loss_scale.init", "stability.loss_scale.growth_interval",
       "stability.loss_scale.growth_factor"),
      lambda c: model_of(c).compute_dtype != "float16",

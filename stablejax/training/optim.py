@@ -135,7 +135,23 @@ def main_optimizer(cfg: Config, schedules: Optional[Schedules] = None
       outlier_threshold=o.outlier_threshold,
       outlier_method=o.outlier_method,
       ns_backend=o.ns_backend,
+      ns_method=o.ns_method,
+      ns_preconditioning=o.ns_preconditioning,
+      per_head=o.per_head,
+      num_heads=_query_heads(cfg),
+      normuon=o.normuon,
+      normuon_b2=o.normuon_b2,
   )
+
+
+def _query_heads(cfg: Config) -> Optional[int]:
+  """The query head count ``optimizer.per_head`` splits attention projections by: the model
+  family's attention layout (None without ``per_head``)."""
+  if not cfg.optimizer.per_head:
+    return None
+  model = model_of(cfg)
+  model.require("attention layout", "optimizer.per_head")
+  return model.attention_heads().num_heads
 
 
 def parameter_learning_rates(cfg: Config, schedules: Optional[Schedules] = None
