@@ -13,8 +13,9 @@ on skipping batches around loss spikes.
 A skipped step returns zero updates and keeps the *entire* inner state (Adam
 moments, counts, ZClip/AdaGC statistics, Muon momentum) exactly as it was, so
 a run with a skipped step is identical to the run without that step. The inner
-update is always computed and the result chosen per leaf with ``jnp.where``:
-no Python branch on traced values, no host transfer.
+update is always computed and the result chosen with one ``lax.cond`` (zero
+updates and the old state, or the inner result): no Python branch on traced
+values, no host transfer.
 """
 
 from __future__ import annotations
