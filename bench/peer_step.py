@@ -1,10 +1,12 @@
 """Tokens/s of the trainer's compiled step against a minimal JAX GPT loop of the same size.
 
 Usage:
-  python -m bench.peer_step                  # two sizes, 9 and 5 interleaved rounds
+  python -m bench.peer_step                  # two sizes, 11 and 7 interleaved rounds
   python -m bench.peer_step --quick          # the default size only, 3 rounds (a smoke run)
   python -m bench.peer_step --sizes default  # one of the sizes below
   python -m bench.peer_step --flat-peer      # also the peer with its Dense layers over [B*T, D]
+  python -m bench.peer_step --profile 12     # also where each runner's time goes (jax.profiler)
+  python -m bench.peer_step --set model.scan_unroll=1   # the trainer with a config override
 
 The peer is a minimal GPT training loop of nanoGPT's classic shape, written in Flax Linen as a
 user writes one (`PeerGPT`): token and learned position embeddings; Pre-LN blocks of a bias-free
@@ -39,10 +41,16 @@ trainer over the peer's. Targets: clip_adamw >= 1.0, default >= 0.95.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import gzip
+import json
+import re
 import sys
+import tempfile
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -57,7 +65,7 @@ SIZES = {
     "wide": ["model.d_model=256", "model.n_layers=6", "model.n_heads=4", "model.max_seq_len=256",
              "train.seq_len=256"],
 }
-ROUNDS = {"default": 9, "wide": 5}
+ROUNDS = {"default": 11, "wide": 7}
 TARGETS = {"clip_adamw": 1.0, "default": 0.95}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -215,6 +223,50 @@ def peer_for(cfg, trainer_params: int, batch: dict, flat: bool = False) -> PeerS
   return PeerStep(cfg, tokens, peer_mlp_width(cfg, trainer_params), flat)
 
 
+# ----------------------------------------------------------------------------- the profile
+
+
+def _op_names(compiled: Any) -> dict[str, str]:
+  """XLA instruction name -> the JAX op name it came from (the compiled HLO's metadata)."""
+  names = {}
+  for line in compiled.as_text().splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name=\"([^\"]*)\"", line)
+    if m:
+      names.setdefault(m.group(1), m.group(2))
+  return names
+
+
+def _where(op_name: str, depth: int) -> str:
+  """``jit(train_step)/.../transpose(jvp(GPT))/block_2/mlp/jit(silu)/mul`` -> ``backward
+  block/mlp``: forward or backward pass, the layer index dropped, ``depth`` parts of the path."""
+  name = re.sub(r"^jit\([^)]*\)/", "", op_name)
+  name = re.sub(r"(while/body/)?closed_call/", "", name)
+  name = re.sub(r"([A-Za-z]*[Bb]lock|layers?)_\d+", r"\1", name)
+  if name.startswith("transpose(jvp("):
+    return f"backward {'/'.join(name.split('/')[1:depth + 1])}"
+  if name.startswith("jvp("):
+    return f"forward {'/'.join(name.split('/')[1:depth + 1])}"
+  # The optimizer's transforms and the step's metrics carry no module path: their products
+  # (Newton-Schulz) apart from the rest.
+  return "optimizer and metrics: " + ("products" if "dot_general" in name else "other")
+
+
+def profile(runner: Any, steps: int, out_dir: Path, depth: int = 3) -> list[tuple[str, float]]:
+  """Milliseconds per step of ``runner``'s XLA operations (`jax.profiler` trace of ``steps``
+  steps in ``out_dir``), summed by where they come from (:func:`_where`), largest first."""
+  runner.run(1)
+  with jax.profiler.trace(str(out_dir)):
+    runner.run(steps)
+  trace = sorted(out_dir.rglob("*.trace.json.gz"), key=lambda p: p.stat().st_mtime)[-1]
+  events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+  names = _op_names(runner.compiled)
+  totals: dict[str, float] = collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("name") in names:
+      totals[_where(names[e["name"]], depth)] += e["dur"] / 1e3 / steps
+  return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
 # ----------------------------------------------------------------------------- the comparison
 
 
@@ -237,9 +289,10 @@ def _count(params: Any) -> int:
   return int(sum(np.prod(np.shape(p)) for p in jax.tree.leaves(params)))
 
 
-def compare(size: str, rounds: int, steps: int, flat_peer: bool) -> list[dict]:
+def compare(size: str, rounds: int, steps: int, flat_peer: bool, top: int = 0,
+            overrides: Sequence[str] = ()) -> list[dict]:
   """Builds the runners of one size, times them interleaved, prints the table; returns rows."""
-  cfg = _common.trainer_config("default", SIZES[size])
+  cfg = _common.trainer_config("default", [*SIZES[size], *overrides])
   batch = _common.random_batch(cfg)
   trainer = {"clip_adamw": _common.trainer_step(cfg, "clip_adamw", batch),
              "default": _common.trainer_step(cfg, "full", batch)}
@@ -268,6 +321,15 @@ def compare(size: str, rounds: int, steps: int, flat_peer: bool) -> list[dict]:
         f"{r['vs_peer']:.3f}x", f"{r['vs_peer_iqr'][0]:.3f}-{r['vs_peer_iqr'][1]:.3f}",
         f"{r['loss']:.3f}") for r in rows],
       ("runner", "ms/step", "tokens/s", "tokens/s vs peer", "IQR", "last loss")))
+  if top:
+    for name, runner in runners.items():
+      with tempfile.TemporaryDirectory() as tmp:
+        where = profile(runner, steps, Path(tmp))
+      total = sum(ms for _, ms in where)
+      print(f"\n  profile of {name}: {total:.0f} ms of XLA operations per step (jax.profiler), "
+            f"the {top} largest by origin")
+      print(_common.table([(origin, f"{ms:.1f}", f"{100 * ms / total:.1f}%")
+                           for origin, ms in where[:top]], ("origin", "ms/step", "share")))
   return rows
 
 
@@ -279,12 +341,23 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--quick", action="store_true", help="the default size, 3 rounds of 2 steps")
   p.add_argument("--flat-peer", action="store_true",
                  help="also the peer with its Dense layers applied to [B*T, D] rows")
+  p.add_argument("--profile", type=int, default=0, metavar="N",
+                 help="after the timing, each runner's N largest origins of XLA op time")
+  p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                 help="a trainer config override (repeatable), e.g. model.scan_unroll=1")
   a = p.parse_args(argv)
   sizes = ["default"] if a.quick else [s for s in a.sizes.split(",") if s]
   unknown = [s for s in sizes if s not in SIZES]
   if unknown:
     print(f"error: unknown size {unknown[0]!r} in --sizes; use some of {', '.join(SIZES)}",
           file=sys.stderr)
+    return 2
+  from stablejax.training.config import ConfigError
+  try:
+    for size in sizes:
+      _common.trainer_config("default", [*SIZES[size], *a.set])
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
     return 2
   if a.quick:
     a.rounds, a.steps = a.rounds or 3, 2
@@ -293,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds per step, peer / runner")
   rows = []
   for size in sizes:
-    rows += compare(size, a.rounds or ROUNDS[size], a.steps, a.flat_peer)
+    rows += compare(size, a.rounds or ROUNDS[size], a.steps, a.flat_peer, a.profile, a.set)
   print("\ntargets (tokens/s over the peer's):")
   for r in rows:
     if r["runner"] in TARGETS:

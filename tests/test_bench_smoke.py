@@ -563,3 +563,15 @@ def test_the_peer_loop_is_sized_to_the_trainer_by_its_parameter_count():
   d, layers, t = 192, 4, 128
   n = layers * (4 * d * d + 2 * d * width) + d * 256
   assert peer_step.peer_flops_per_token(cfg, width) == 6 * n + 12 * layers * d * t
+
+
+def test_the_profile_groups_op_time_by_pass_and_module_without_the_layer_index():
+  from bench.peer_step import _where
+  assert _where("jit(train_step)/while/body/closed_call/transpose(jvp(GPT))/block_2/mlp/"
+                "jit(silu)/mul", 2) == "backward block/mlp"
+  assert _where("jit(step)/jvp(PeerGPT)/PeerBlock_3/Dense_0/dot_general", 2) == \
+      "forward PeerBlock/Dense_0"
+  assert _where("jit(train_step)/jvp(GPT)/closed_call/blocks/attn/k_norm/mul", 3) == \
+      "forward blocks/attn/k_norm"
+  assert _where("jit(train_step)/dot_general", 2) == "optimizer and metrics: products"
+  assert _where("jit(train_step)/add", 2) == "optimizer and metrics: other"
