@@ -88,8 +88,8 @@ class ModelConfig:
   init_std: float = 0.02
   scan_layers: bool = True   # nn.scan over blocks: stacked [L, ...] params, fast compile
   # Layers per iteration of that scan (lax.scan's unroll; the parameters stay stacked). null: the
-  # platform's choice, every layer on a CPU (XLA:CPU runs the rolled loop about 25% slower,
-  # docs/results.md "Peer speed"), 1 on GPU and TPU (one layer's code to compile).
+  # platform's choice, every layer on a CPU (where the rolled loop cost about a fifth of the
+  # default step, docs/results.md "Peer speed"), 1 on GPU and TPU (one layer's code to compile).
   scan_unroll: Optional[int] = None
   remat: bool = False        # rematerialise each block in the backward pass
 
@@ -141,11 +141,11 @@ class ModelConfig:
 def scan_unroll(cfg: ModelConfig, platform: str) -> int:
   """Layers per iteration of the scanned layers' loop on ``platform`` (``jax.default_backend()``).
 
-  ``cfg.scan_unroll`` when set; otherwise every layer on ``"cpu"``, where XLA runs a rolled loop
-  of layers about 25% slower than the same layers unrolled (the loop's dynamic slices of the
-  stacked weights and activations, and fusions that cannot cross iterations), and 1 elsewhere,
-  where the rolled loop compiles one layer's code for all of them. The parameter layout is the
-  same either way (stacked ``[L, ...]``), so a checkpoint moves between platforms.
+  ``cfg.scan_unroll`` when set; otherwise every layer on ``"cpu"``, where the rolled loop of
+  layers cost about a fifth of the default model's step (the loop's dynamic slices of the
+  stacked weights and saved activations, and fusions that cannot cross iterations), and 1
+  elsewhere, where the rolled loop compiles one layer's code for all of them. The parameter
+  layout is the same either way (stacked ``[L, ...]``), so a checkpoint moves between platforms.
 
   Example:
     >>> cfg = ModelConfig(n_layers=4)
@@ -167,9 +167,9 @@ def _matmul(x: jax.Array, kernel: jax.Array, **kwargs: Any) -> jax.Array:
 
   The same products as ``jnp.dot(x, kernel)``, but the weight gradient that autodiff derives is
   then a 2D product with one contracting axis. From a 3D ``x`` it contracts two (batch and
-  position), which XLA:CPU lowers by writing the whole upstream gradient transposed in a loop
-  fusion with the elementwise backward in it: 2.6x the time of the MLP's forward and backward
-  at ``d_model`` 192 on a 2-core CPU (docs/results.md, "Peer speed").
+  position), which XLA:CPU lowers by writing the whole upstream gradient transposed inside the
+  loop fusion of the elementwise backward; a Flax loop whose ``nn.Dense`` layers see flattened
+  rows instead ran at 1.4x to 1.9x its tokens/s on a 2-core CPU (docs/results.md, "Peer speed").
   """
   lead = x.shape[:-1]
   y = jnp.dot(x.reshape(-1, x.shape[-1]), kernel, **kwargs)
