@@ -563,8 +563,8 @@ MUTANTS = [
     _m("CM5", COMMON, "  if not ok(value):\n    raise ValueError",
        "  if False:\n    raise ValueError",
        "invalid hyperparameters are accepted"),
-    _m("CM6", COMMON, "  if not values:\n    return jnp.zeros((), STAT_DTYPE)",
-       "  if not values:\n    return jnp.full((), jnp.nan, STAT_DTYPE)",
+    _m("CM6", COMMON, "  if not probes:\n    return jnp.zeros((), STAT_DTYPE)",
+       "  if not probes:\n    return jnp.full((), jnp.nan, STAT_DTYPE)",
        "an empty tree is not finite (a stateless step would always be skipped)"),
 
     # ---------------------------------------------------------------- metrics.py
