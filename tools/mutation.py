@@ -136,7 +136,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     CONFIG: ("tests/test_config.py", "tests/test_optim.py", "-k", "config or ineffective"),
     OPTIM: ("tests/test_optim.py", "-m", "not slow"),
     STEP: ("tests/test_train_step.py", "tests/test_optim.py", "-k",
-           "micro_batches or fp16 or logged_lr_is"),
+           "micro_batches or fp16 or logged_lr_is or update_norms"),
     GENERATE: ("tests/test_sample.py", "-k", "not cli and not carries"),
     # The loop's decisions on a bare Run (its trainer runs take minutes each).
     BATCHES: ("tests/test_loop_decisions.py",),
@@ -1298,6 +1298,11 @@ MUTANTS = [
     _m("TS6", STEP, "    lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)",
        "    lr = lr_schedule(applied_updates(opt_state))",
        "the logged lr leaves out the recovery's backoff"),
+    _m("TS7", STEP, "(step % t.log_every == 0) | (step % cfg.checkpoint.every == 0)",
+       "(step % t.log_every == 0)",
+       "a checkpoint step's update norms are not computed (the save reads its record)"),
+    _m("TS8", STEP, "jnp.full(s.shape, jnp.nan, s.dtype)", "jnp.zeros(s.shape, s.dtype)",
+       "an update norm the step did not compute reads as 0 (a skipped step's value)"),
 
     # ---------------------------------------------------------------- training/generate.py
     _m("GE1", GENERATE, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",
