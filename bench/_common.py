@@ -121,19 +121,19 @@ def plain_adamw_chain(cfg: Config, max_grad_norm: float | None = 1.0):
 class CompiledStep:
   """The trainer's `train_step` for one optimizer, jitted (with donation) and compiled.
 
-  Uses `stablejax.training.step.make_train_step` and `stablejax.modeling.gpt.GPT`, i.e. exactly
+  Uses `stablejax.training.step.make_train_step` and the config's model family, i.e. exactly
   the step `train.py` runs, on one device.
   """
 
   def __init__(self, cfg: Config, tx, batch: dict, seed: int = 0):
-    from stablejax.modeling.gpt import GPT
+    from stablejax.training.config import model_of
     from stablejax.training.optim import lr_schedule
     from stablejax.training.step import TrainState, make_train_step
     self.cfg, self.tx = cfg, tx
-    model = GPT(cfg.model)
+    model = model_of(cfg)
 
     def init(rng):
-      params = model.init(rng, jnp.zeros((1, cfg.train.seq_len), jnp.int32))["params"]
+      params = model.init(rng, jnp.zeros((1, cfg.train.seq_len), jnp.int32))
       return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
     self.state = jax.jit(init)(jax.random.PRNGKey(seed))
@@ -228,9 +228,9 @@ def random_batch(cfg: Config, seed: int = 0) -> dict:
 
 def logit_telemetry(cfg: Config):
   """The loop's attention-logit telemetry pass for ``cfg``, jitted: ``(params, tokens, step)``."""
-  from stablejax.modeling.gpt import GPT
+  from stablejax.training.config import model_of
   from stablejax.training.step import make_logit_telemetry
-  return jax.jit(make_logit_telemetry(GPT(cfg.model), cfg))
+  return jax.jit(make_logit_telemetry(model_of(cfg), cfg))
 
 
 def fixed_batch(cfg: Config, seed: int = 0) -> dict:

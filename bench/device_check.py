@@ -15,6 +15,8 @@ Three sections, each timed on the machine's default device, one JSON file and pr
    arithmetic the kernel does): the largest difference of their outputs, absolute and relative
    to the largest entry, time per call and TFLOP/s, and whether the lowered function holds the
    kernel's custom call (a kernel that silently fell back to XLA would pass every other check).
+   Then the same for Gram Newton-Schulz (`method="gram"`) at the shapes where it runs (those
+   where it takes fewer FLOPs: 768x3072), with its time over the standard kernel's.
 2. The trainer's train step (`stablejax.training.step`, built by `bench._common.trainer_step`)
    for the packaged `gpt2_small` config on random tokens: the full stability stack (the config's
    chain around outlier-safe Muon) and `clip_by_global_norm(1.0)` + AdamW, and the minimal
@@ -55,11 +57,13 @@ import numpy as np
 
 import stablejax
 from bench import _common
+from stablejax.muon import gram
 
 NS_SHAPES = ((768, 768), (768, 3072), (12, 768, 768))
 DRY_NS_SHAPES = ((64, 64), (64, 128), (2, 64, 64))
 NS_DTYPES = ("bfloat16", "float32")
 NS_STEPS = 5
+NS_METHODS = ("standard", "gram")
 # Largest |kernel - reference| / max|reference| accepted per dtype: one or two bfloat16 roundings
 # where tiles sum in another order (measured up to 0.016 in interpret mode at these shapes), and
 # float32 rounding (1e-6 measured) with room for a device's own accumulation order.
@@ -142,11 +146,22 @@ def peak_bytes_in_use() -> int | None:
   return None if value is None else int(value)
 
 
-def ns_flops(shape: tuple[int, ...], steps: int = NS_STEPS) -> float:
-  """FLOPs of ``steps`` NS iterations: 4 n^2 m + 2 n^3 per matrix (n <= m; symmetry not used)."""
+def ns_flops(shape: tuple[int, ...], steps: int = NS_STEPS, method: str = "standard",
+             dtype: str = "float32") -> float:
+  """FLOPs of ``steps`` NS iterations: 4 n^2 m + 2 n^3 per matrix (n <= m; symmetry not used),
+  or, for ``method="gram"``, the Gram iteration's count with ``dtype``'s default restarts."""
   *batch, r, c = shape
   n, m = min(r, c), max(r, c)
+  if method == "gram":
+    restarts = gram.default_restarts(steps, jnp.dtype(dtype))
+    return float(math.prod(batch) * gram.flops(n, m, steps, restarts))
   return float(steps * math.prod(batch) * (4 * n * n * m + 2 * n**3))
+
+
+def gram_runs(shape: tuple[int, ...], dtype: str, steps: int = NS_STEPS) -> bool:
+  """Whether ``method="gram"`` runs the Gram iteration at ``shape`` (fewer FLOPs there)."""
+  n, m = min(shape[-2:]), max(shape[-2:])
+  return gram.uses_gram(n, m, steps, gram.default_restarts(steps, jnp.dtype(dtype)))
 
 
 def gib(value: int | None) -> str:
@@ -157,51 +172,59 @@ def gib(value: int | None) -> str:
 
 
 def check_newton_schulz(shapes, repeats: int, calls: int) -> list[dict]:
-  """One row per shape and dtype: the Pallas kernel against the XLA reference."""
+  """One row per method, shape and dtype: the Pallas kernel against the XLA reference (Gram
+  rows only where Gram runs; ``vs_standard``: its kernel time over the standard kernel's)."""
   plat = platform()
   interpret = plat == "cpu"
   rows = []
-  for shape in shapes:
-    for dtype_name in NS_DTYPES:
-      dtype = jnp.dtype(dtype_name)
-      x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
-      precision = "highest" if dtype == jnp.float32 else "default"
+  standard_ms: dict = {}
+  for method, shape, dtype_name in ((m, s, d) for m in NS_METHODS for s in shapes
+                                    for d in NS_DTYPES):
+    if method == "gram" and not gram_runs(shape, dtype_name):
+      continue
+    dtype = jnp.dtype(dtype_name)
+    x = jax.random.normal(jax.random.key(1), shape, jnp.float32).astype(dtype)
+    precision = "highest" if dtype == jnp.float32 else "default"
 
-      def reference(v):
-        return stablejax.newton_schulz(v, steps=NS_STEPS, backend="xla")
+    def reference(v, method=method):
+      return stablejax.newton_schulz(v, steps=NS_STEPS, backend="xla", method=method)
 
-      def kernel(v):
-        return stablejax.newton_schulz(v, steps=NS_STEPS, backend="pallas", interpret=interpret)
+    def kernel(v, method=method):
+      return stablejax.newton_schulz(v, steps=NS_STEPS, backend="pallas", interpret=interpret,
+                                     method=method)
 
-      lowered = jax.jit(kernel).lower(x)
-      call = CUSTOM_CALLS.get(plat)
-      kernel_in_hlo = None if call is None else call in lowered.as_text()
-      kernel_fn = lowered.compile()
-      with jax.default_matmul_precision(precision):  # read when the products are lowered
-        reference_fn = jax.jit(reference).lower(x).compile()
-      got = np.asarray(kernel_fn(x), np.float32)
-      want = np.asarray(reference_fn(x), np.float32)
-      diff = float(np.max(np.abs(got - want)))
-      scale = float(np.max(np.abs(want)))
-      rel = diff / scale if scale > 0 else diff
-      t_kernel = time_per_call(lambda f=kernel_fn, v=x: f(v), calls, repeats)
-      t_reference = time_per_call(lambda f=reference_fn, v=x: f(v), calls, repeats)
-      flops = ns_flops(shape)
-      ok = (math.isfinite(rel) and rel <= NS_TOLERANCE[dtype_name]
-            and kernel_in_hlo is not False)
-      rows.append({
-          "shape": "x".join(map(str, shape)), "dtype": dtype_name,
-          "kernel": "interpret" if interpret else {"cuda": "triton", "rocm": "triton",
-                                                   "tpu": "mosaic"}.get(plat, plat),
-          "kernel_in_hlo": kernel_in_hlo, "reference_precision": precision,
-          "max_abs_diff": diff, "max_abs_reference": scale, "max_rel_diff": rel,
-          "tolerance": NS_TOLERANCE[dtype_name], "ok": bool(ok),
-          "kernel_ms": t_kernel * 1e3, "reference_ms": t_reference * 1e3,
-          "kernel_tflops": flops / t_kernel / 1e12, "reference_tflops": flops / t_reference / 1e12,
-          "speedup": t_reference / t_kernel,
-      })
-      print(f"  NS {rows[-1]['shape']} {dtype_name}: rel diff {rel:.2e}, kernel "
-            f"{t_kernel * 1e3:.3f} ms, reference {t_reference * 1e3:.3f} ms", flush=True)
+    lowered = jax.jit(kernel).lower(x)
+    call = CUSTOM_CALLS.get(plat)
+    kernel_in_hlo = None if call is None else call in lowered.as_text()
+    kernel_fn = lowered.compile()
+    with jax.default_matmul_precision(precision):  # read when the products are lowered
+      reference_fn = jax.jit(reference).lower(x).compile()
+    got = np.asarray(kernel_fn(x), np.float32)
+    want = np.asarray(reference_fn(x), np.float32)
+    diff = float(np.max(np.abs(got - want)))
+    scale = float(np.max(np.abs(want)))
+    rel = diff / scale if scale > 0 else diff
+    t_kernel = time_per_call(lambda f=kernel_fn, v=x: f(v), calls, repeats)
+    t_reference = time_per_call(lambda f=reference_fn, v=x: f(v), calls, repeats)
+    flops = ns_flops(shape, method=method, dtype=dtype_name)
+    ok = (math.isfinite(rel) and rel <= NS_TOLERANCE[dtype_name]
+          and kernel_in_hlo is not False)
+    if method == "standard":
+      standard_ms[shape, dtype_name] = t_kernel * 1e3
+    rows.append({
+        "method": method, "shape": "x".join(map(str, shape)), "dtype": dtype_name,
+        "kernel": "interpret" if interpret else {"cuda": "triton", "rocm": "triton",
+                                                 "tpu": "mosaic"}.get(plat, plat),
+        "kernel_in_hlo": kernel_in_hlo, "reference_precision": precision,
+        "max_abs_diff": diff, "max_abs_reference": scale, "max_rel_diff": rel,
+        "tolerance": NS_TOLERANCE[dtype_name], "ok": bool(ok),
+        "kernel_ms": t_kernel * 1e3, "reference_ms": t_reference * 1e3,
+        "kernel_tflops": flops / t_kernel / 1e12, "reference_tflops": flops / t_reference / 1e12,
+        "speedup": t_reference / t_kernel,
+        "vs_standard": t_kernel * 1e3 / standard_ms[shape, dtype_name],
+    })
+    print(f"  NS {method} {rows[-1]['shape']} {dtype_name}: rel diff {rel:.2e}, kernel "
+          f"{t_kernel * 1e3:.3f} ms, reference {t_reference * 1e3:.3f} ms", flush=True)
   return rows
 
 
@@ -296,12 +319,13 @@ def print_tables(result: dict) -> None:
   if ns:
     print("\nNewton-Schulz, Pallas kernel vs XLA reference (5 steps)")
     print(_common.table(
-        [(r["shape"], r["dtype"], r["kernel"], {True: "yes", False: "NO", None: "-"}[
+        [(r["method"], r["shape"], r["dtype"], r["kernel"], {True: "yes", False: "NO", None: "-"}[
             r["kernel_in_hlo"]], f"{r['max_abs_diff']:.2e}", f"{r['max_rel_diff']:.2e}",
           f"{r['kernel_ms']:.3f}", f"{r['reference_ms']:.3f}", f"{r['speedup']:.2f}x",
-          f"{r['kernel_tflops']:.2f}", "ok" if r["ok"] else "FAIL") for r in ns],
-        ("shape", "dtype", "kernel", "in HLO", "max |diff|", "rel diff", "kernel ms", "ref ms",
-         "speedup", "kernel TFLOP/s", "check")))
+          f"{r['vs_standard']:.2f}x", f"{r['kernel_tflops']:.2f}", "ok" if r["ok"] else "FAIL")
+         for r in ns],
+        ("method", "shape", "dtype", "kernel", "in HLO", "max |diff|", "rel diff", "kernel ms",
+         "ref ms", "speedup", "vs standard", "kernel TFLOP/s", "check")))
   train = result.get("train_step")
   if train:
     print(f"\n{train['config']}: {train['params'] / 1e6:.1f}M params, {train['model']}; "

@@ -5,6 +5,8 @@ Usage:
                                           #   bench/results/stress*
   python -m bench.stress --quick          # minutes: Pre-LN only, 3 learning rates, 1 seed
   python -m bench.stress --diagnose       # variants of the stablejax stacks at 1x and 10x, 3 seeds
+  python -m bench.stress --muon-methods --results bench/results/stress_long_muon_runs.jsonl
+                                          # per-head Muon and NorMuon, long horizon (hours)
   python -m bench.stress --models preln --defences clip1,stablejax --lr-factors 1,10 --seeds 0,1,2 \
       --variant 'lam2=stablejax:stability.adagc.lambda_rel=2.0'
   python -m bench.stress --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
@@ -31,6 +33,9 @@ Defences (the AdamW ones as in bench/scenarios.py; every stablejax chain is buil
   muon_clip1       optax.clip_by_global_norm(1.0) + optax.contrib.muon (hidden matrices, same
                    routing as stablejax: embeddings, head and norms go to its AdamW branch)
   stablejax_muon   the trainer's default stack around outlier-safe Muon
+  stablejax_muon_perhead, stablejax_muon_normuon, stablejax_muon_perhead_normuon
+                   the same with optimizer.per_head (attention projections orthogonalised per
+                   head), optimizer.normuon (NorMuon), or both (--muon-methods runs them)
 `--variant NAME=BASE:section.key=value,...` adds a defence: BASE with config overrides (JSON
 values), e.g. `lam2=stablejax:stability.adagc.lambda_rel=2.0`. `--diagnose` runs the predefined
 variants of DIAGNOSIS.
@@ -154,6 +159,11 @@ for _tau in (100, 30):
   _qk = {"qk_clip": {"enabled": True, "tau": float(_tau)}}
   DEFENCES[f"stablejax_qkclip{_tau}"] = ({"stability": _qk}, None)
   DEFENCES[f"stablejax_muon_qkclip{_tau}"] = ({"optimizer": _MUON_OPT, "stability": _qk}, None)
+# The Muon stack with per-head orthogonalisation of the attention projections, with NorMuon
+# (arXiv 2510.05491), and with both (--muon-methods).
+for _name, _opt in (("perhead", {"per_head": True}), ("normuon", {"normuon": True}),
+                    ("perhead_normuon", {"per_head": True, "normuon": True})):
+  DEFENCES[f"stablejax_muon_{_name}"] = ({"optimizer": {**_MUON_OPT, **_opt}}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "skip_spikes", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -226,6 +236,12 @@ def long_cells() -> list[tuple]:
   return cells
 # The short-horizon rows planned in the first sweep and not run then.
 SHORT_PLAN = {"preln_qk": PAIR, "preln_nowarmup": PAIR, "preln_fp16": PAIR}
+# --muon-methods: today's Muon stack against per-head orthogonalisation, NorMuon and both, on the
+# long-horizon model without QK-norm (800 steps, no warmup) at the base rate and 10x, 3 seeds.
+MUON_METHODS = {"models": ("long",), "defences": ("stablejax_muon", "stablejax_muon_perhead",
+                                                  "stablejax_muon_normuon",
+                                                  "stablejax_muon_perhead_normuon"),
+                "lr_factors": (1.0, 10.0), "seeds": SEEDS}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
          "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
 
@@ -1133,6 +1149,9 @@ def main(argv=None) -> int:
   p.add_argument("--long", action="store_true",
                  help="the long-horizon sweep: LONG_PLAN at 800 steps, LONG_FACTORS per "
                  "optimizer, 3 seeds")
+  p.add_argument("--muon-methods", action="store_true",
+                 help="today's Muon stack against per-head Muon, NorMuon and both (MUON_METHODS: "
+                 "the long-horizon model, 1x and 10x, 3 seeds)")
   p.add_argument("--short-plan", action="store_true",
                  help="the short-horizon rows planned and not run in the first sweep "
                  "(SHORT_PLAN: QK-norm, no warmup, fp16)")
@@ -1162,6 +1181,7 @@ def main(argv=None) -> int:
                  "merged, e.g. a full run and a run of new variants)")
   args = p.parse_args(argv)
   name = args.name or ("stress_diagnosis" if args.diagnose else "stress_long" if args.long
+                       else "stress_long_muon" if args.muon_methods
                        else "stress_short" if args.short_plan else "stress")
 
   if args.replot:
@@ -1176,6 +1196,16 @@ def main(argv=None) -> int:
           f"groups {MUON_ADAM_LR:g}); QK-clip tau 100 (stablejax_qkclip100), 300 "
           f"(stablejax_qkclip), 30 (stablejax_qkclip30); command of the runs: python "
           f"bench/stress.py --long --results bench/results/stress_long_runs.jsonl")
+    if args.muon_methods and header["setting"] == "":
+      b = BASE
+      header["setting"] = (
+          f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, no warmup, "
+          f"data pydoc; the model without QK-norm (long) and with it (long_qk); base LR Muon "
+          f"{MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}), 1x and 10x; command of the runs: "
+          f"python -m bench.stress --muon-methods --results "
+          f"bench/results/stress_long_muon_runs.jsonl (long), and the same with --models "
+          f"long_qk --defences stablejax_muon,stablejax_muon_normuon --lr-factors 1,10")
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
@@ -1190,7 +1220,8 @@ def main(argv=None) -> int:
   except ValueError as e:
     p.error(str(e))
 
-  preset = QUICK if args.quick else DIAGNOSE if args.diagnose else {}
+  preset = (QUICK if args.quick else DIAGNOSE if args.diagnose else MUON_METHODS
+            if args.muon_methods else {})
   plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
   default_models = LONG_MODELS if args.long else preset.get("models", plan)

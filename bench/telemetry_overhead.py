@@ -34,7 +34,8 @@ from pathlib import Path
 import jax
 
 from bench import _common
-from stablejax.modeling.gpt import GPT, count_params
+from stablejax.modeling.gpt import count_params
+from stablejax.training.config import model_of
 from stablejax.training.optim import build_optimizer
 from stablejax.training.step import make_logit_telemetry
 
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
   steps = {"plain": _common.CompiledStep(cfg, build_optimizer(cfg), batch),
            "telemetry": _common.CompiledStep(cfg, build_optimizer(cfg), batch),
            "qk_clip": _common.CompiledStep(cfg_qk, build_optimizer(cfg_qk), batch)}
-  telemetry = jax.jit(make_logit_telemetry(GPT(cfg.model), cfg))
+  telemetry = jax.jit(make_logit_telemetry(model_of(cfg), cfg))
   jax.block_until_ready(telemetry(steps["telemetry"].state.params, batch["tokens"], 0))
 
   def interval_with_telemetry() -> float:

@@ -10,78 +10,67 @@ import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-if _TYPE_CHECKING:  # what static checkers and IDEs see: the same names, imported eagerly
-  # --- transforms (gradient-side stability) ---
-  from stablejax.modeling.losses import cross_entropy_with_z_loss
-  from stablejax.transforms.adagc import AdaGCState
-  from stablejax.transforms.adagc import adagc
-  from stablejax.transforms.hybrid import HybridClipState
-  from stablejax.transforms.hybrid import hybrid_clip
-  from stablejax.transforms.loss_scaling import DynamicLossScale
-  from stablejax.transforms.metrics import register_state_metrics
-  from stablejax.transforms.metrics import stability_metrics
-  from stablejax.transforms.skipping import SkipNonFiniteState
-  from stablejax.transforms.skipping import SkipSpikesState
-  from stablejax.transforms.skipping import skip_nonfinite
-  from stablejax.transforms.skipping import skip_spikes
-  from stablejax.transforms.qk_clip import QKClipState
-  from stablejax.transforms.qk_clip import qk_clip
-  from stablejax.transforms.zclip import ZClipState
-  from stablejax.transforms.zclip import zclip
-  from stablejax.transforms.update_clip import ClipUpdateRmsState
-  from stablejax.transforms.update_clip import ZClipUpdateNormState
-  from stablejax.transforms.update_clip import clip_update_rms
-  from stablejax.transforms.update_clip import zclip_update_norm
-  from stablejax.transforms.compensated import CompensatedUpdatesState
-  from stablejax.transforms.compensated import compensated_updates
-  # --- end transforms ---
+if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, imported eagerly
+  # <!-- generated: public-names (python tools/generate.py, from _EXPORTS) -->
+  from stablejax.modeling.losses import cross_entropy_with_z_loss as cross_entropy_with_z_loss
+  from stablejax.transforms.adagc import AdaGCState as AdaGCState
+  from stablejax.transforms.adagc import adagc as adagc
+  from stablejax.transforms.hybrid import HybridClipState as HybridClipState
+  from stablejax.transforms.hybrid import hybrid_clip as hybrid_clip
+  from stablejax.transforms.loss_scaling import DynamicLossScale as DynamicLossScale
+  from stablejax.transforms.metrics import register_state_metrics as register_state_metrics
+  from stablejax.transforms.metrics import stability_metrics as stability_metrics
+  from stablejax.transforms.skipping import SkipNonFiniteState as SkipNonFiniteState
+  from stablejax.transforms.skipping import SkipSpikesState as SkipSpikesState
+  from stablejax.transforms.skipping import skip_nonfinite as skip_nonfinite
+  from stablejax.transforms.skipping import skip_spikes as skip_spikes
+  from stablejax.transforms.qk_clip import QKClipState as QKClipState
+  from stablejax.transforms.qk_clip import qk_clip as qk_clip
+  from stablejax.transforms.zclip import ZClipState as ZClipState
+  from stablejax.transforms.zclip import zclip as zclip
+  from stablejax.transforms.update_clip import ClipUpdateRmsState as ClipUpdateRmsState
+  from stablejax.transforms.update_clip import ZClipUpdateNormState as ZClipUpdateNormState
+  from stablejax.transforms.update_clip import clip_update_rms as clip_update_rms
+  from stablejax.transforms.update_clip import zclip_update_norm as zclip_update_norm
+  from stablejax.transforms.compensated import CompensatedUpdatesState as CompensatedUpdatesState
+  from stablejax.transforms.compensated import compensated_updates as compensated_updates
+  from stablejax.muon.lr_check import check_learning_rates as check_learning_rates
+  from stablejax.muon.muon import GroupUpdateRmsState as GroupUpdateRmsState
+  from stablejax.muon.muon import OutlierSafeMuonState as OutlierSafeMuonState
+  from stablejax.muon.muon import outlier_safe_muon as outlier_safe_muon
+  from stablejax.muon.newton_schulz import newton_schulz as newton_schulz
+  from stablejax.muon.describe import describe_routing as describe_routing
+  from stablejax.muon.routing import label_params as label_params
+  from stablejax.muon.routing import muon_dimension_numbers as muon_dimension_numbers
+  from stablejax.layout.analysis import FusedDimensionNumbers as FusedDimensionNumbers
+  from stablejax.modeling.utils import init_new_token_embeddings as init_new_token_embeddings
+  from stablejax.modeling.utils import lambda_warmup as lambda_warmup
+  from stablejax.modeling.utils import excess_kurtosis as excess_kurtosis
+  from stablejax.modeling.utils import merge_emb_proj as merge_emb_proj
+  from stablejax.modeling.utils import quantize_weights_rtn as quantize_weights_rtn
+  from stablejax.modeling.attention import attention_logit_max as attention_logit_max
+  from stablejax.modeling.attention import collect_attention_logits as collect_attention_logits
+  from stablejax.modeling.attention import sow_attention_logits as sow_attention_logits
+  from stablejax.modeling.probes import AttentionProbe as AttentionProbe
+  from stablejax.modeling.probes import hf_attention_probe as hf_attention_probe
+  from stablejax.modeling.probes import mha_with_max_logit as mha_with_max_logit
+  from stablejax.monitor import AttentionLogitThresholds as AttentionLogitThresholds
+  from stablejax.monitor import HealthThresholds as HealthThresholds
+  from stablejax.monitor import StabilityMonitor as StabilityMonitor
+  from stablejax.monitor import grad_health_level as grad_health_level
+  from stablejax.monitor import movement_record as movement_record
+  from stablejax.monitor import movement_warnings as movement_warnings
+  from stablejax.monitor import param_dtypes as param_dtypes
+  from stablejax.monitor import param_movement as param_movement
+  from stablejax.monitor import per_layer_grad_norms as per_layer_grad_norms
+  from stablejax.monitor import stability_score as stability_score
+  from stablejax.monitor import tensorboard_scalars as tensorboard_scalars
+  from stablejax.monitor import UpdateNormThresholds as UpdateNormThresholds
+  from stablejax.training.train_state import apply_gradients as apply_gradients
+  # <!-- end generated: public-names -->
 
-  # --- muon ---
-  from stablejax.muon.lr_check import check_learning_rates
-  from stablejax.muon.muon import GroupUpdateRmsState
-  from stablejax.muon.muon import OutlierSafeMuonState
-  from stablejax.muon.muon import outlier_safe_muon
-  from stablejax.muon.newton_schulz import newton_schulz
-  from stablejax.muon.describe import describe_routing
-  from stablejax.muon.routing import label_params
-  from stablejax.muon.routing import muon_dimension_numbers
-  from stablejax.layout.analysis import FusedDimensionNumbers
-  # --- end muon ---
-
-  # --- model utilities ---
-  from stablejax.modeling.utils import init_new_token_embeddings
-  from stablejax.modeling.utils import lambda_warmup
-  from stablejax.modeling.utils import excess_kurtosis
-  from stablejax.modeling.utils import merge_emb_proj
-  from stablejax.modeling.utils import quantize_weights_rtn
-  from stablejax.modeling.attention import attention_logit_max
-  from stablejax.modeling.attention import collect_attention_logits
-  from stablejax.modeling.attention import sow_attention_logits
-  from stablejax.modeling.probes import AttentionProbe
-  from stablejax.modeling.probes import hf_attention_probe
-  from stablejax.modeling.probes import mha_with_max_logit
-  # --- end model utilities ---
-
-  # --- monitoring ---
-  from stablejax.monitor import AttentionLogitThresholds
-  from stablejax.monitor import HealthThresholds
-  from stablejax.monitor import StabilityMonitor
-  from stablejax.monitor import grad_health_level
-  from stablejax.monitor import movement_record
-  from stablejax.monitor import movement_warnings
-  from stablejax.monitor import param_dtypes
-  from stablejax.monitor import param_movement
-  from stablejax.monitor import per_layer_grad_norms
-  from stablejax.monitor import stability_score
-  from stablejax.monitor import tensorboard_scalars
-  from stablejax.monitor import UpdateNormThresholds
-  # --- end monitoring ---
-
-  # --- training loops ---
-  from stablejax.training.train_state import apply_gradients
-  # --- end training loops ---
-
-# Where each public name comes from.
+# The public names, each once: where it comes from, grouped as docs/api groups them. The lazy
+# loader, __all__, the type checkers' imports above and tests/test_layout.py all read this.
 _EXPORTS = {
     # --- transforms (gradient-side stability) ---
     "cross_entropy_with_z_loss": "stablejax.modeling.losses",
@@ -155,74 +144,7 @@ _SUBPACKAGES = ("layout", "modeling", "monitor", "muon", "training", "transforms
 _LOADER_NAMES = {"_importlib", "_TYPE_CHECKING", "_Any", "_EXPORTS", "_SUBPACKAGES",
                  "_LOADER_NAMES", "_load_public_names", "__getattr__", "__dir__"}
 
-__all__ = [
-    "__version__",
-    # --- all transforms ---
-    "AdaGCState",
-    "ClipUpdateRmsState",
-    "CompensatedUpdatesState",
-    "DynamicLossScale",
-    "HybridClipState",
-    "QKClipState",
-    "SkipNonFiniteState",
-    "SkipSpikesState",
-    "ZClipState",
-    "ZClipUpdateNormState",
-    "adagc",
-    "clip_update_rms",
-    "compensated_updates",
-    "cross_entropy_with_z_loss",
-    "hybrid_clip",
-    "qk_clip",
-    "register_state_metrics",
-    "skip_nonfinite",
-    "skip_spikes",
-    "stability_metrics",
-    "zclip",
-    "zclip_update_norm",
-    # --- end all transforms ---
-    # --- all muon ---
-    "GroupUpdateRmsState",
-    "OutlierSafeMuonState",
-    "check_learning_rates",
-    "describe_routing",
-    "label_params",
-    "muon_dimension_numbers",
-    "newton_schulz",
-    "outlier_safe_muon",
-    "FusedDimensionNumbers",
-    # --- end all muon ---
-    # --- all model utilities ---
-    "init_new_token_embeddings",
-    "lambda_warmup",
-    "excess_kurtosis",
-    "merge_emb_proj",
-    "quantize_weights_rtn",
-    "attention_logit_max",
-    "collect_attention_logits",
-    "sow_attention_logits",
-    "AttentionProbe",
-    "hf_attention_probe",
-    "mha_with_max_logit",
-    # --- end all model utilities ---
-    # --- all monitoring ---
-    "AttentionLogitThresholds",
-    "HealthThresholds",
-    "StabilityMonitor",
-    "grad_health_level",
-    "movement_record",
-    "movement_warnings",
-    "param_dtypes",
-    "param_movement",
-    "per_layer_grad_norms",
-    "stability_score",
-    "tensorboard_scalars",
-    "UpdateNormThresholds",
-    # --- end all monitoring ---
-    # --- all training loops ---
-    "apply_gradients",
-    # --- end all training loops ---
-]
+__all__ = ["__version__", *_EXPORTS]
 
 
 def _load_public_names() -> None:

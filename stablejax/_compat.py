@@ -1,8 +1,12 @@
-"""Old module paths, kept for one release.
+"""Old module paths and names, kept for one release.
 
 Modules that moved keep their old names for one release: an import of an old name returns the
 very module of the new name (same object) with a DeprecationWarning, and ``python -m OLD`` runs
 the new program. A finder on ``sys.meta_path`` does it, so no files are left at the old paths.
+
+Names that moved out of a module that stays (``_MOVED_NAMES``) are found by that module's
+``__getattr__``, which calls `moved_name`: ``from OLD import NAME`` returns the very object of
+its new module, with a DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -44,6 +48,46 @@ _MOVED = {
                                       "stablejax.cli.quantize_eval",
                                       "python -m stablejax quantize-eval"),
 }
+
+
+_DATA = "stablejax.data."
+# Module that stays -> {name that moved out of it: the module it lives in now}.
+_MOVED_NAMES: dict[str, dict[str, str]] = {
+    _DATA + "pipeline": {
+        **dict.fromkeys(("PREPARED_META", "PREPARED_FORMAT", "PREPARED_MARKER", "read_prepared",
+                         "prepared_vocab_size", "scan_tokens", "prepared_file"),
+                        _DATA + "prepared"),
+        **dict.fromkeys(("TEXT_SUFFIXES", "TEXT_DOC_BYTES", "BIN_DOC_TOKENS", "data_tokenizer"),
+                        _DATA + "sources"),
+        **dict.fromkeys(("IDENTITY_FORMAT", "HASH_LIMIT", "data_identity",
+                         "identity_difference"), _DATA + "identity"),
+        "garbage_batch": "stablejax.training.batches",
+    },
+    _DATA + "prepare": {
+        "TEXT_FIELD": _DATA + "config",
+        **dict.fromkeys(("JSON_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_SUFFIXES", "input_files"),
+                        _DATA + "inputs"),
+        **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), _DATA + "encode"),
+        "PARTIAL": _DATA + "out_dir",
+    },
+}
+
+
+def moved_name(module: str, name: str) -> object:
+  """``module.name`` where it lives now, with a DeprecationWarning at the importer's line.
+
+  A module that names moved out of calls it from its ``__getattr__``.
+
+  Raises:
+    AttributeError: ``module`` has no ``name`` and never had (as for any missing attribute).
+  """
+  new = _MOVED_NAMES.get(module, {}).get(name)
+  if new is None:
+    raise AttributeError(f"module {module!r} has no attribute {name!r}")
+  # stacklevel 3: past this function and the module's __getattr__, at the import or the access.
+  warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release: import "
+                f"it from {new} instead", DeprecationWarning, stacklevel=3)
+  return getattr(importlib.import_module(new), name)
 
 
 class _MovedModuleLoader(importlib.abc.Loader):

@@ -1,71 +1,34 @@
-"""A defence declared in this file alone trains through the trainer's own path and shows up in
-metrics.jsonl, TensorBoard and the report, with no other file edited (docs/development.md,
-"Adding a defence")."""
+"""A defence declared in a module of the user's (tests/plugins/scale_updates.py) trains through
+``python -m stablejax train --plugin``, and shows up in metrics.jsonl, TensorBoard, the report and
+config.json; a resume, ``sample`` and ``report`` import the plugin again from the run's record
+(docs/development.md, "Adding a defence")."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
 from pathlib import Path
-from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
-import optax
 import pytest
 
-from stablejax.transforms import defence, metrics
-from helpers import read_metrics, run_inprocess, slow
+from helpers import ROOT, read_metrics, sets, slow
 
-
-# ----------------------------------------------------------------------------- the defence
-# Everything a new defence needs: its transform and state (optax's shape), its metrics, its
-# config section and its declaration.
-
-
-class ScaleUpdatesState(NamedTuple):
-  steps: jax.Array    # int32 updates scaled so far
-  scaled: jax.Array   # bool: this step's update was scaled
-
-
-def scale_updates(factor: float) -> optax.GradientTransformation:
-  """Multiplies every update by ``factor`` (a stand-in for a real defence's rule)."""
-  def init(params):
-    return ScaleUpdatesState(jnp.zeros([], jnp.int32), jnp.zeros([], bool))
-
-  def update(updates, state, params=None):
-    return (jax.tree.map(lambda u: u * factor, updates),
-            ScaleUpdatesState(state.steps + 1, jnp.asarray(True)))
-  return optax.GradientTransformation(init, update)
-
-
-@dataclasses.dataclass
-class ScaleUpdatesConfig:
-  enabled: bool = False
-  factor: float = 0.5
-
-  def validate(self, where, ctx):
-    if not 0 < self.factor <= 1:
-      raise ValueError(f"{where}.factor={self.factor} must lie in (0, 1]")
-
-
-def _register():
-  metrics.register_state_metrics(
-      ScaleUpdatesState, "scale_updates", lambda s: {"steps": s.steps, "scaled": s.scaled},
-      rates=(metrics.Rate("scale_updates_rate", flag="scaled", counter="steps",
-                          label="scaled updates"),))
-  defence.register(defence.Defence(
-      name="scale_updates", config=ScaleUpdatesConfig, position=defence.Position.UPDATE,
-      build=lambda section, ctx: scale_updates(section.factor), label="scale every update"))
+PLUGINS = Path(__file__).parent / "plugins"
 
 
 @pytest.fixture
 def declared():
-  _register()
-  yield
+  from stablejax.training import plugins
+  from stablejax.transforms import defence, metrics
+  (module,) = plugins.load([str(PLUGINS / "scale_updates.py")])
+  yield module
   defence.unregister("scale_updates")
-  metrics.unregister_state_metrics(ScaleUpdatesState)
+  metrics.unregister_state_metrics(module.ScaleUpdatesState)
 
 
 # ----------------------------------------------------------------------------- reading TensorBoard
@@ -87,7 +50,7 @@ def tensorboard_tags(folder: Path) -> dict[str, list[float]]:
   return tags
 
 
-# ----------------------------------------------------------------------------- the tests
+# ----------------------------------------------------------------------------- the declaration
 
 
 def test_the_declaration_gives_the_config_section_its_validation_and_the_chain(declared):
@@ -95,14 +58,15 @@ def test_the_declaration_gives_the_config_section_its_validation_and_the_chain(d
   from stablejax.training.optim import build_optimizer
   cfg = load_config(None, ["stability.scale_updates.enabled=true", "optimizer.name=adamw",
                            "train.steps=10", "train.warmup_steps=1"])
-  assert cfg.stability.scale_updates == ScaleUpdatesConfig(enabled=True, factor=0.5)
+  assert cfg.stability.scale_updates == declared.ScaleUpdatesConfig(enabled=True, factor=0.5)
   with pytest.raises(ConfigError, match=r"stability.scale_updates.factor=2.0 must lie in"):
     load_config(None, ["stability.scale_updates.enabled=true", "stability.scale_updates.factor=2"])
   off = load_config(None, ["stability.scale_updates.factor=0.25"])
   assert ineffective_keys(off) == ["stability.scale_updates.factor=0.25 has no effect with "
                                    "stability.scale_updates.enabled=false"]
   # In the chain at its position: after the optimizer, before the learning-rate scale, inside
-  # the skip wrappers; the update is half of the chain's without it.
+  # the skip wrappers; the update is half of the chain's without it (the factory got the
+  # section's factor without the declaration restating it).
   params = {"w": jnp.ones(4)}
   grads = {"w": jnp.full(4, 0.5)}
   with_it, without = build_optimizer(cfg), build_optimizer(load_config(
@@ -112,33 +76,92 @@ def test_the_declaration_gives_the_config_section_its_validation_and_the_chain(d
     a, state_a = with_it.update(grads, state_a, params, loss=jnp.float32(1.0))
     b, state_b = without.update(grads, state_b, params, loss=jnp.float32(1.0))
   assert float(a["w"][0]) == pytest.approx(0.5 * float(b["w"][0]), rel=1e-6) != 0.0
-  # skip_nonfinite(skip_spikes(chain(zclip, adamw, scale_updates, lr scale)))
-  chain = state_a.inner_state.inner_state
-  assert [type(s).__name__ for s in chain] == ["ZClipState", "tuple", "ScaleUpdatesState",
-                                               "InjectStatefulHyperparamsState"]
+  # skip_nonfinite(skip_spikes(chain(zclip, adamw, scale_updates, lr scale))), keyed by name
+  assert sorted(state_a) == ["lr_scale", "optimizer", "scale_updates", "skip_nonfinite",
+                             "skip_spikes", "zclip"]
+  from stablejax.transforms import metrics
   assert metrics.stability_metrics(state_a)["scale_updates/steps"] == 2
 
 
-def test_without_the_declaration_the_key_is_unknown():
+def test_without_the_plugin_the_key_is_unknown():
   from stablejax.training.config import ConfigError, load_config
   with pytest.raises(ConfigError, match="scale_updates"):
     load_config(None, ["stability.scale_updates.enabled=true"])
 
 
+def test_a_plugin_that_cannot_be_imported_is_one_line(tmp_path):
+  from stablejax.training.config import ConfigError, load_config
+  with pytest.raises(ConfigError, match=r"^plugin 'no_such_plugin_module' \(from --plugin\) "
+                                        r"cannot be imported \(ModuleNotFoundError"):
+    load_config(None, [], plugins=["no_such_plugin_module"])
+  broken = tmp_path / "broken_plugin.py"
+  broken.write_text("raise RuntimeError('the plugin failed')\n")
+  with pytest.raises(ConfigError, match=r"cannot be imported \(RuntimeError: the plugin failed\)"):
+    load_config(None, [], plugins=[str(broken)])
+
+
+# ----------------------------------------------------------------------------- the programs
+
+
+def _program(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, "-m", "stablejax", *args], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
 @slow
-def test_it_trains_through_the_trainer_and_shows_up_everywhere(declared, tmp_path):
-  from stablejax.monitor.report import make_report
-  out = tmp_path / "run"
-  steps = 8
-  assert run_inprocess(out, "stability.scale_updates.enabled=true", f"train.steps={steps}",
-                       "train.warmup_steps=2", "train.eval_every=8", "checkpoint.every=8") == 0
+def test_a_plugin_defence_trains_from_the_command_line_and_every_program_reads_the_run(tmp_path):
+  workdir = tmp_path / "work"
+  workdir.mkdir()
+  shutil.copy(PLUGINS / "scale_updates.py", workdir / "mydefs.py")  # the user's own module
+  out = workdir / "run"
+  steps = ("train.steps=8", "train.warmup_steps=2", "train.eval_every=8", "checkpoint.every=4")
+  done = _program("train", "--plugin", "mydefs", *sets("stability.scale_updates.enabled=true",
+                                                        *steps), "--out", str(out), cwd=workdir)
+  assert done.returncode == 0, done.stderr[-2000:]
+  config = json.loads((out / "config.json").read_text())
+  assert config["plugins"] == ["mydefs"]
+  assert config["stability"]["scale_updates"] == {"enabled": True, "factor": 0.5}
   train = [r for r in read_metrics(out) if "loss" in r and "event" not in r]
   assert [r["scale_updates/steps"] for r in train] == [r["step"] for r in train]  # every update
-  assert all(r["scale_updates/scaled"] for r in train)
   tags = tensorboard_tags(out / "tensorboard")
   assert tags["stability/scale_updates/steps"] == [float(r["step"]) for r in train]
   assert tags["stability/rate/scale_updates_rate"][-1] == 1.0
-  _, text = make_report(out)
-  assert "scale_updates_rate 1" in text
-  assert json.loads((out / "config.json").read_text())["stability"]["scale_updates"] == {
-      "enabled": True, "factor": 0.5}
+
+  # The report imports the recorded plugin: its rate is known.
+  report = _program("report", str(out), cwd=workdir)
+  assert report.returncode == 0, report.stderr[-2000:]
+  assert "scale_updates_rate 1" in report.stdout
+  # A resume without --plugin imports it from the run's record, and goes on.
+  resumed = _program("train", *sets("stability.scale_updates.enabled=true", *steps,
+                                    "train.steps=12"), "--out", str(out), cwd=workdir)
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert max(r["step"] for r in read_metrics(out) if "scale_updates/steps" in r) == 12
+  # sample reads the run's config, which names the plugin's section.
+  sample = _program("sample", str(out), "--max-new-tokens", "4", cwd=workdir)
+  assert sample.returncode == 0, sample.stderr[-2000:]
+  # From a folder where the plugin cannot be imported: one line naming it.
+  elsewhere = _program("sample", str(out), "--max-new-tokens", "4", cwd=tmp_path)
+  lines = elsewhere.stderr.strip().splitlines()
+  assert elsewhere.returncode == 2 and len(lines) == 1, elsewhere.stderr
+  assert "plugin 'mydefs'" in lines[0] and "cannot be imported" in lines[0]
+
+
+def test_a_declaration_is_checked_when_it_is_registered(declared):
+  import dataclasses
+  from stablejax.transforms import defence
+  ok = dict(config=declared.ScaleUpdatesConfig, position=defence.Position.UPDATE)
+  for name in ("optimizer", "lr_scale", "not a name"):  # the trainer's own keys, and no section
+    with pytest.raises(ValueError, match="must be an identifier other than optimizer, lr_scale"):
+      defence.register(defence.Defence(name=name, factory=declared.scale_updates, **ok))
+  with pytest.raises(ValueError, match="exactly one of factory="):
+    defence.register(defence.Defence(name="both_missing", **ok))
+
+  @dataclasses.dataclass
+  class NoSwitch:
+    factor: float = 0.5
+  with pytest.raises(ValueError, match="no 'enabled' field"):
+    defence.register(defence.Defence(name="no_switch", config=NoSwitch,
+                                     position=defence.Position.UPDATE,
+                                     factory=declared.scale_updates))
+  assert defence.get("both_missing") is None and defence.get("no_switch") is None

@@ -22,6 +22,7 @@ from bench.scaling import per_device_bytes
 from helpers import gpt_params
 from stablejax.training.config import config_from_dict
 from stablejax.training.optim import build_optimizer, main_optimizer
+from stablejax.transforms import defence as defence_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -46,22 +47,13 @@ def _state_types(tx, cfg=None) -> set[str]:
   return found
 
 
-# (defence, state types that must be present, state types that must be absent)
+# The baselines and stacks of bench/scenarios.py: (state types that must be present, that must
+# be absent). Each declared defence alone is checked from its declaration (below).
 EXPECTED = {
     "none": ({"ScaleByAdamState"}, {"ClipByGlobalNormState", "ZClipState", "AdaGCState",
                                     "SkipNonFiniteState", "SkipSpikesState", "ApplyIfFiniteState"}),
     "apply_if_finite": ({"ApplyIfFiniteState", "ScaleByAdamState"},
                         {"ZClipState", "AdaGCState", "SkipNonFiniteState", "SkipSpikesState"}),
-    "zclip": ({"ZClipState", "ScaleByAdamState"}, {"AdaGCState", "SkipNonFiniteState",
-                                                   "SkipSpikesState", "HybridClipState"}),
-    "adagc": ({"AdaGCState", "ScaleByAdamState"}, {"ZClipState", "SkipNonFiniteState",
-                                                   "SkipSpikesState", "HybridClipState"}),
-    "skip_spikes": ({"SkipSpikesState", "ScaleByAdamState"},
-                    {"ZClipState", "AdaGCState", "SkipNonFiniteState", "HybridClipState"}),
-    "skip_nonfinite": ({"SkipNonFiniteState", "ScaleByAdamState"},
-                       {"ZClipState", "AdaGCState", "SkipSpikesState", "QKClipState"}),
-    "qk_clip": ({"QKClipState", "ScaleByAdamState"},
-                {"ZClipState", "AdaGCState", "SkipNonFiniteState", "SkipSpikesState"}),
     "stablejax": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState", "ScaleByAdamState"},
                   {"OutlierSafeMuonState", "ApplyIfFiniteState", "AdaGCState", "HybridClipState"}),
     "stablejax_adagc": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState", "AdaGCState",
@@ -69,12 +61,6 @@ EXPECTED = {
     "stablejax+muon": ({"SkipNonFiniteState", "SkipSpikesState", "ZClipState",
                         "OutlierSafeMuonState"}, {"ApplyIfFiniteState", "AdaGCState",
                                                   "HybridClipState"}),
-    "clip_update_rms": ({"ClipUpdateRmsState", "ScaleByAdamState"},
-                        {"ZClipState", "SkipSpikesState", "ZClipUpdateNormState"}),
-    "zclip_update_norm": ({"ZClipUpdateNormState", "ScaleByAdamState"},
-                          {"ZClipState", "SkipSpikesState", "ClipUpdateRmsState"}),
-    "compensated_updates": ({"CompensatedUpdatesState", "ScaleByAdamState"},
-                            {"ZClipState", "SkipSpikesState", "SkipNonFiniteState"}),
 }
 _STACK = EXPECTED["stablejax"]
 EXPECTED.update({
@@ -86,8 +72,8 @@ EXPECTED.update({
     "stablejax_uncompensated": (_STACK[0], _STACK[1] | {"CompensatedUpdatesState"}),
     "stablejax+stochastic_rounding": (_STACK[0] | {"CompensatedUpdatesState"}, _STACK[1]),
 })
-# Defences that act on bf16 parameters only are checked on the bf16 scenario.
-BF16_DEFENCES = ("compensated_updates", "stablejax_uncompensated", "stablejax+stochastic_rounding")
+# Presets that act on bf16 parameters only are checked on the bf16 scenario.
+BF16_DEFENCES = ("stablejax_uncompensated", "stablejax+stochastic_rounding")
 
 
 def _tx(defence: str, scenario: str = "clean"):
@@ -103,6 +89,18 @@ def test_each_defence_builds_the_chain_it_names(defence):
   types = _state_types(tx, cfg)
   assert present <= types, present - types
   assert not (absent & types), absent & types
+
+
+@pytest.mark.parametrize("name", [d.name for d in defence_lib.registered()])
+def test_each_declared_defence_alone_builds_its_own_entry(name):
+  # Its scenario preset (bench/scenarios.py, from the declarations): the defence's state under
+  # its name and no other defence's, around AdamW; bf16 parameters, so every defence has
+  # something to do (the compensated update leaves float32 parameters alone).
+  cfg, tx = _tx("clip1" if name == "clip" else name, "bf16_params")
+  state = jax.eval_shape(tx.init, gpt_params(cfg.model, abstract=True))
+  declared = {d.name for d in defence_lib.registered()}
+  assert set(state) & declared == {name}
+  assert "adamw" in state["optimizer"]
 
 
 def test_the_bf16_row_compensates_as_its_defence_says():
@@ -327,22 +325,35 @@ def _stress_tx(defence, variants=None):
 def test_each_stress_defence_builds_the_chain_it_names(defence):
   cfg, kind, tx = _stress_tx(defence)
   stack = "stablejax+muon" if "muon" in defence else "stablejax"
-  if "qkclip" in defence:  # the stack with QK-clip at the end, at the tau its name says
+  declared = {d.name for d in defence_lib.registered()}
+  if defence in declared:  # one declared defence alone, its entry in the keyed state
+    state = jax.eval_shape(tx.init, gpt_params(cfg.model, abstract=True))
+    # the sweep's models keep float32 parameters: the compensated update has nothing to do
+    assert set(state) & declared == (set() if defence == "compensated_updates" else {defence})
+  elif "qkclip" in defence:  # the stack with QK-clip at the end, at the tau its name says
     present, absent = EXPECTED[stack]
     present = present | {"QKClipState"}
     tau = {"stablejax_qkclip": stress.QK_TAU, "stablejax_muon_qkclip": stress.QK_TAU}.get(
         defence, float(defence.rsplit("qkclip", 1)[1] or 0))
     assert cfg.stability.qk_clip.enabled and cfg.stability.qk_clip.tau == tau
   else:
-    present, absent = EXPECTED[stack if defence == "stablejax_muon" else defence]
-    if defence in ("stablejax", "stablejax_muon"):
+    variant = defence.startswith("stablejax_muon_")  # per-head Muon, NorMuon: the Muon stack
+    present, absent = EXPECTED[stack if defence == "stablejax_muon" or variant else defence]
+    if defence in ("stablejax", "stablejax_muon") or variant:
       absent = absent | {"QKClipState"}
+    if variant:
+      assert cfg.optimizer.per_head == ("perhead" in defence)
+      if "normuon" in defence:
+        present = present | {"NorMuonState"}
+      else:
+        absent = absent | {"NorMuonState"}
     if defence in BF16_DEFENCES:  # the sweep's models keep float32 parameters: nothing to do
       present, absent = present - {"CompensatedUpdatesState"}, absent | {
           "CompensatedUpdatesState"}
-  types = _state_types(tx, cfg)
-  assert present <= types, present - types
-  assert not (absent & types), absent & types
+  if defence not in declared:
+    types = _state_types(tx, cfg)
+    assert present <= types, present - types
+    assert not (absent & types), absent & types
   # Every stablejax chain is the trainer's own (built from the config by build_optimizer).
   assert (kind is None) == (defence != "apply_if_finite")
   assert cfg.stability.recovery.enabled == defence.startswith("stablejax")

@@ -404,3 +404,30 @@ def test_a_start_killed_before_its_first_checkpoint_counts_when_the_clock_is_the
   foreign = Budget(train_cfg(budget=10.0), t_start=time.time(), clock_file=clock)
   foreign.load_state_dict({}, owns_clock=False)
   assert foreign.prior_seconds == 0.0 and foreign.segments == 1
+
+
+def test_a_segment_killed_during_start_up_counts_to_its_last_heartbeat(tmp_path):
+  """The start-up after the first clock write (the budget's probe, compilations: 14.7 s or 51 s
+  in the reviewed runs) writes no log step; a heartbeat keeps the clock so that a SIGKILL there
+  loses at most one interval. Here the main thread is busy for 0.8 s after the first write, and
+  the clock file (what a SIGKILL leaves) follows it."""
+  clock = tmp_path / budget_lib.CLOCK_FILE
+  segment = Budget(train_cfg(budget=3.0), t_start=time.time() - 14.7, clock_file=clock)
+  segment.tick(force=True)
+  first = json.loads(clock.read_text())["elapsed_seconds"]
+  segment.start_heartbeat(interval=0.1)
+  try:
+    time.sleep(0.8)  # the start-up: no log step ticks the clock
+    last = json.loads(clock.read_text())["elapsed_seconds"]
+  finally:
+    segment.stop_heartbeat()
+  assert 14.7 <= first < 16 and last >= first + 0.5
+  resumed = Budget(train_cfg(budget=3.0), t_start=time.time(), clock_file=clock)
+  resumed.load_state_dict({}, owns_clock=True)  # killed before its first checkpoint
+  assert resumed.prior_seconds >= first + 0.5 and resumed.segments == 2
+  # Without a budget there is no heartbeat (the clock is written at log steps).
+  plain = Budget(train_cfg(budget=None), t_start=time.time(), clock_file=tmp_path / "other.json")
+  plain.start_heartbeat(interval=0.01)
+  time.sleep(0.1)
+  plain.stop_heartbeat()
+  assert not (tmp_path / "other.json").exists()

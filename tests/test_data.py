@@ -7,8 +7,10 @@ import grain
 import numpy as np
 import pytest
 
+from stablejax.data import identity, prepared, sources
 from stablejax.data import pipeline as data_lib
-from stablejax.data.pipeline import DataConfig, DataError, build_data, garbage_batch
+from stablejax.data.config import DataConfig, DataError
+from stablejax.data.pipeline import build_data
 
 SEQ = 32
 BS = 4
@@ -29,7 +31,7 @@ def test_pydoc_batches_shape_dtype_and_windows_are_corpus_slices():
   src = d.stats["sources"][0]
   assert src["name"] == "pydoc" and src["documents"] > 50 and src["kept"] == src["documents"]
   assert d.stats["train_tokens"] + d.stats["val_tokens"] == src["tokens"]
-  corpus = bytes(data_lib._load_pydoc(DataConfig()).tokens)
+  corpus = bytes(sources._load_pydoc(DataConfig()).tokens)
   batch = next(d.train_iter())["tokens"]
   assert batch.shape == (BS, SEQ + 1) and batch.dtype == np.int32
   for row in batch:
@@ -128,9 +130,9 @@ def test_a_run_of_exactly_filter_max_repeat_bytes_is_kept_and_a_longer_one_dropp
 
 def test_nontext_bytes_are_control_bytes_but_the_whitespace_ones():
   # ASCII control bytes other than \t \n \v \f \r are non-text, DEL (127) included.
-  assert data_lib._nontext_fraction(b"\t\n\v\f\r ok") == 0.0
-  assert data_lib._nontext_fraction(b"ab\x7f\x7f") == 0.5
-  assert data_lib._nontext_fraction(b"\x00\x1b\x08\x0e") == 1.0
+  assert sources.nontext_fraction(b"\t\n\v\f\r ok") == 0.0
+  assert sources.nontext_fraction(b"ab\x7f\x7f") == 0.5
+  assert sources.nontext_fraction(b"\x00\x1b\x08\x0e") == 1.0
 
 def test_a_tiny_val_fraction_still_holds_out_one_window(tmp_path):
   # At least one window is held out: the val batch is the file's last SEQ + 1 tokens.
@@ -149,14 +151,14 @@ def test_a_prepared_file_of_another_size_than_meta_json_records_is_an_error(tmp_
   (out / "train.bin").write_bytes(np.arange(999, dtype=np.uint16).tobytes())
   (out / "val.bin").write_bytes(np.arange(100, dtype=np.uint16).tobytes())
   (out / "meta.json").write_text(json.dumps({
-      "format": data_lib.PREPARED_FORMAT, "dtype": "uint16", "train_tokens": 1000,
+      "format": prepared.PREPARED_FORMAT, "dtype": "uint16", "train_tokens": 1000,
       "val_tokens": 100, "vocab_size": 1000}))
   with pytest.raises(DataError, match="train.bin has 1998 bytes but meta.json records 2000"):
     build_data(DataConfig(train=str(out)), seq_len=SEQ, batch_size=BS, seed=0)
 
 def test_a_bin_token_id_equal_to_the_vocabulary_size_is_an_error(tmp_path):
   f = tmp_path / "train.bin"
-  (np.arange(2 * data_lib.BIN_DOC_TOKENS) % 1001).astype(np.uint16).tofile(f)
+  (np.arange(2 * sources.BIN_DOC_TOKENS) % 1001).astype(np.uint16).tofile(f)
   with pytest.raises(DataError, match="holds token id 1000 >= vocab size 1000"):
     build_data(DataConfig(train=str(f), vocab_size=1000), seq_len=SEQ, batch_size=BS, seed=0)
   build_data(DataConfig(train=str(f), vocab_size=1001), seq_len=SEQ, batch_size=BS, seed=0)
@@ -219,17 +221,17 @@ def test_filter_drops_planted_garbage_documents(tmp_path):
                   seq_len=SEQ, batch_size=BS, seed=0)
   assert d2.stats["sources"][0]["kept"] == 5
   # A run at the threshold is kept, one above it is dropped.
-  assert data_lib._max_run(np.frombuffer(b"ab" + b"=" * 256 + b"c", np.uint8)) == 256
+  assert sources.max_run(np.frombuffer(b"ab" + b"=" * 256 + b"c", np.uint8)) == 256
   # Valid UTF-8 text in other scripts is text, not garbage.
-  assert data_lib._nontext_fraction("Grüße, 世界! ".encode() * 10) == 0.0
+  assert sources.nontext_fraction("Grüße, 世界! ".encode() * 10) == 0.0
 
 
 def test_large_text_file_splits_into_paragraph_documents():
   para = b"x" * 1000 + b"\n\n"
   raw = para * 200 + b"y" * 70000
-  docs = data_lib._text_documents(raw)
+  docs = sources._text_documents(raw)
   assert b"".join(docs) == raw
-  assert all(len(doc) <= data_lib.TEXT_DOC_BYTES for doc in docs)
+  assert all(len(doc) <= sources.TEXT_DOC_BYTES for doc in docs)
   assert len(docs) >= 4
 
 
@@ -263,9 +265,9 @@ def test_mixing_proportions_follow_weights(tmp_path):
 
 def test_bin_source_memmap_filter_and_val(tmp_path):
   rng = np.random.default_rng(3)
-  n = 3 * data_lib.BIN_DOC_TOKENS
+  n = 3 * sources.BIN_DOC_TOKENS
   tokens = rng.integers(0, 50257, size=n).astype(np.uint16)
-  tokens[data_lib.BIN_DOC_TOKENS + 100: data_lib.BIN_DOC_TOKENS + 1000] = 7   # chunk 1: garbage
+  tokens[sources.BIN_DOC_TOKENS + 100: sources.BIN_DOC_TOKENS + 1000] = 7   # chunk 1: garbage
   train_f, val_f = tmp_path / "train.bin", tmp_path / "val.bin"
   tokens.tofile(train_f)
   tokens[:5000].tofile(val_f)
@@ -279,23 +281,13 @@ def test_bin_source_memmap_filter_and_val(tmp_path):
   for row in rows[:8]:
     starts = np.flatnonzero((windows[:, 0] == row[0]) & (windows[:, 1] == row[1]))
     assert any((windows[s] == row).all() for s in starts)
-    assert not (starts // data_lib.BIN_DOC_TOKENS == 1).all()   # never from the dropped chunk
+    assert not (starts // sources.BIN_DOC_TOKENS == 1).all()   # never from the dropped chunk
   val = d.val_batches(2)
   assert val[0]["tokens"].shape == (BS, SEQ + 1)
   assert all(v["tokens"].max() < 50257 for v in val)
   with pytest.raises(DataError, match="vocab"):
     build_data(DataConfig(train=str(train_f), vocab_size=1000), seq_len=SEQ, batch_size=BS,
                seed=0)
-
-
-def test_garbage_batch():
-  rep = garbage_batch("repeat", 3, 8, 256, seed=0)["tokens"]
-  assert rep.shape == (3, 9) and rep.dtype == np.int32 and len(np.unique(rep)) == 1
-  rnd = garbage_batch("random", 3, 8, 256, seed=0)["tokens"]
-  assert rnd.shape == (3, 9) and rnd.min() >= 0 and rnd.max() < 256 and len(np.unique(rnd)) > 10
-  np.testing.assert_array_equal(rnd, garbage_batch("random", 3, 8, 256, seed=0)["tokens"])
-  with pytest.raises(ValueError, match="repeat"):
-    garbage_batch("zeros", 3, 8, 256, seed=0)
 
 
 def _err(cfg, seq_len=SEQ):
@@ -421,23 +413,23 @@ def test_a_prepared_file_changed_in_place_is_refused_and_a_copied_folder_is_acce
   copy = tmp_path / "copy"
   shutil.copytree(out, copy)  # other inodes and times: verified by reading, and the same data
   build_data(DataConfig(train=str(copy)), seq_len=SEQ, batch_size=BS, seed=0)
-  assert data_lib.identity_difference(data_lib.data_identity(str(out)),
-                                      data_lib.data_identity(str(copy))) is None
-  assert data_lib.data_identity(str(copy))["train"][0]["checked"] == "sha256"
-  assert data_lib.data_identity(str(out))["train"][0]["checked"] == "status"
+  assert identity.identity_difference(identity.data_identity(str(out)),
+                                      identity.data_identity(str(copy))) is None
+  assert identity.data_identity(str(copy))["train"][0]["checked"] == "sha256"
+  assert identity.data_identity(str(out))["train"][0]["checked"] == "status"
   ids = np.fromfile(out / "val.bin", np.uint16)
   ids[0] = (int(ids[0]) + 1) % 256  # the same size, another content
   ids.tofile(out / "val.bin")
   msg = _err(DataConfig(train=str(out)))
   assert "val.bin is not the file python -m stablejax prepare wrote" in msg
   with pytest.raises(DataError, match="SHA-256"):
-    data_lib.data_identity(str(out))
+    identity.data_identity(str(out))
 
 
 def test_data_identity_of_each_kind_of_source(tmp_path):
   out = _prepared(tmp_path)
-  ident = data_lib.data_identity(DataConfig(train=str(out), weights=None))
-  assert json.loads(json.dumps(ident)) == ident and ident["format"] == data_lib.IDENTITY_FORMAT
+  ident = identity.data_identity(DataConfig(train=str(out), weights=None))
+  assert json.loads(json.dumps(ident)) == ident and ident["format"] == identity.IDENTITY_FORMAT
   (entry,) = ident["train"]
   assert entry["kind"] == "prepared" and entry["path"] == str(out.resolve())
   assert entry["files"] == {n: {"bytes": (out / n).stat().st_size, "sha256": _sha256(out / n)}
@@ -447,7 +439,7 @@ def test_data_identity_of_each_kind_of_source(tmp_path):
   # An earlier release's folder (no hashes in meta.json): hashed once, the same identity.
   meta = json.loads((out / "meta.json").read_text())
   (out / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
-  old = data_lib.data_identity(str(out))
+  old = identity.data_identity(str(out))
   assert old["train"][0]["files"] == entry["files"] and old["train"][0]["checked"] == "read"
   # Plain files: their SHA-256 (or, beyond hash_limit, their sizes and times, and it says so).
   text = tmp_path / "a.txt"
@@ -455,23 +447,23 @@ def test_data_identity_of_each_kind_of_source(tmp_path):
   bins = tmp_path / "t.bin"
   np.arange(1000, dtype=np.uint16).tofile(bins)
   for path in (text, bins):
-    (got,) = data_lib.data_identity(str(path))["train"]
+    (got,) = identity.data_identity(str(path))["train"]
     assert got["sha256"] == _sha256(path) and got["bytes"] == path.stat().st_size
-    (big,) = data_lib.data_identity(str(path), hash_limit=10)["train"]
+    (big,) = identity.data_identity(str(path), hash_limit=10)["train"]
     assert "sha256" not in big and "sizes and mtimes" in big["checked"]
   folder = tmp_path / "texts"
   (folder / "sub").mkdir(parents=True)
   (folder / "b.txt").write_text("bee " * 50)
   (folder / "sub" / "a.md").write_text("ay " * 50)
-  before = data_lib.data_identity(str(folder))
+  before = identity.data_identity(str(folder))
   assert before["train"][0]["files"] == 2
   (folder / "sub" / "a.md").write_text("ay " * 49 + "oh ")
-  assert "content (SHA-256)" in data_lib.identity_difference(before,
-                                                            data_lib.data_identity(str(folder)))
-  assert data_lib.data_identity("pydoc")["train"][0]["kind"] == "pydoc"
+  assert "content (SHA-256)" in identity.identity_difference(before,
+                                                            identity.data_identity(str(folder)))
+  assert identity.data_identity("pydoc")["train"][0]["kind"] == "pydoc"
   # The config's own settings are part of it.
-  a = data_lib.data_identity(DataConfig(train="pydoc"))
-  b = data_lib.data_identity(DataConfig(train="pydoc", filter_max_repeat=64))
-  assert data_lib.identity_difference(a, b) == "data settings differ: filter_max_repeat"
+  a = identity.data_identity(DataConfig(train="pydoc"))
+  b = identity.data_identity(DataConfig(train="pydoc", filter_max_repeat=64))
+  assert identity.identity_difference(a, b) == "data settings differ: filter_max_repeat"
   with pytest.raises(DataError, match="does not exist"):
-    data_lib.data_identity(str(tmp_path / "missing.bin"))
+    identity.data_identity(str(tmp_path / "missing.bin"))

@@ -25,8 +25,13 @@ def test_dry_run_writes_every_section(tmp_path):
   assert result["mode"] == "dry" and result["errors"] == []
   assert result["platform"] == "cpu" and result["peak_source"].startswith("measured")
   ns = result["newton_schulz"]
-  assert [(r["shape"], r["dtype"]) for r in ns] == [
-      (s, d) for s in ("64x64", "64x128", "2x64x64") for d in ("bfloat16", "float32")]
+  # Gram rows where Gram runs (fewer FLOPs: the 2:1 matrix), each timed against the standard one
+  assert [(r["method"], r["shape"], r["dtype"]) for r in ns] == [
+      ("standard", s, d) for s in ("64x64", "64x128", "2x64x64") for d in ("bfloat16", "float32")
+  ] + [("gram", "64x128", d) for d in ("bfloat16", "float32")]
+  standard = {(r["shape"], r["dtype"]): r["kernel_ms"] for r in ns if r["method"] == "standard"}
+  for r in ns:
+    assert r["vs_standard"] == pytest.approx(r["kernel_ms"] / standard[r["shape"], r["dtype"]])
   for r in ns:
     # interpret mode runs the kernel's own tiling in the same arithmetic as the reference
     assert r["kernel"] == "interpret" and r["ok"], r
@@ -58,6 +63,10 @@ def test_ns_flops_counts_the_three_products_of_each_iteration():
   assert device_check.ns_flops((n, m)) == 5 * (2 * n * n * m + 2 * n**3 + 2 * n * n * m)
   assert device_check.ns_flops((m, n)) == device_check.ns_flops((n, m))  # a tall one transposes
   assert device_check.ns_flops((12, 768, 768)) == 12 * device_check.ns_flops((768, 768))
+  # Gram, float32 (no restart): n^2 m for R_0 and for Q X, 17 n^3 products (multiply-adds)
+  assert device_check.ns_flops((n, m), method="gram") == 2 * (2 * n * n * m + 17 * n**3)
+  assert device_check.gram_runs((n, m), "bfloat16") and not device_check.gram_runs((n, n),
+                                                                                    "float32")
 
 
 @pytest.mark.parametrize("kind, tflops", [

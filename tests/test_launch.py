@@ -91,3 +91,36 @@ def test_jax_platforms_cpu_looks_for_no_accelerator(monkeypatch):
   assert launch_lib.detect_platform() == ("tpu", 4)
   monkeypatch.setenv("JAX_PLATFORMS", "cuda")
   assert launch_lib.detect_platform() == ("gpu", 2)
+
+
+HOLD = """
+import sys, time
+from stablejax.data.folder import FolderLock
+FolderLock(sys.argv[1], "train").acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_second_launch_on_a_live_run_directory_is_one_line_and_exit_2(tmp_path):
+  """Process 0 refuses the folder; every process learns it and they leave together: one error
+  line, no XLA check failure from a process left waiting for its coordinator."""
+  out = tmp_path / "run"
+  out.mkdir()
+  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
+                            text=True)
+  try:
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    proc = subprocess.run([sys.executable, "-m", "stablejax", "launch", "--nproc", "2", "--grace",
+                           "20", "--", "train.py", "--set", "mesh.distributed=true", "--out",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  finally:
+    holder.kill()
+    holder.wait(timeout=30)
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 2, output[-3000:]
+  errors = [line for line in output.splitlines() if "error" in line.lower()]
+  assert len(errors) == 1 and errors[0].startswith("[0] error: ") and "is in use by train" in \
+      errors[0], output[-3000:]
+  assert "Check failure" not in output and "Traceback" not in output and "launch:" not in output
+  assert sorted(p.name for p in out.iterdir()) == [".lock"]

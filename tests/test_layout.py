@@ -38,6 +38,26 @@ MOVED = {
     "stablejax.muon.heads": ("stablejax.layout.heads", None),
 }
 COMMANDS = ("train", "prepare", "sample", "report", "launch", "quantize-eval")
+# Names that moved out of a module that stays: old module -> {name: the module it lives in now}.
+MOVED_NAMES = {
+    "stablejax.data.pipeline": {
+        **dict.fromkeys(("PREPARED_META", "PREPARED_FORMAT", "PREPARED_MARKER", "read_prepared",
+                         "prepared_vocab_size", "scan_tokens", "prepared_file"),
+                        "stablejax.data.prepared"),
+        **dict.fromkeys(("TEXT_SUFFIXES", "TEXT_DOC_BYTES", "BIN_DOC_TOKENS", "data_tokenizer"),
+                        "stablejax.data.sources"),
+        **dict.fromkeys(("IDENTITY_FORMAT", "HASH_LIMIT", "data_identity", "identity_difference"),
+                        "stablejax.data.identity"),
+        "garbage_batch": "stablejax.training.batches",
+    },
+    "stablejax.data.prepare": {
+        "TEXT_FIELD": "stablejax.data.config",
+        **dict.fromkeys(("JSON_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_SUFFIXES", "input_files"),
+                        "stablejax.data.inputs"),
+        **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), "stablejax.data.encode"),
+        "PARTIAL": "stablejax.data.out_dir",
+    },
+}
 
 
 # ----------------------------------------------------------------------------- import graph
@@ -221,6 +241,34 @@ def test_old_from_imports_work_and_the_warning_points_at_the_importer():
   assert QuantizeEvalError is RunError and SampleError is RunError
 
 
+def test_every_moved_name_has_an_old_path():
+  assert stablejax._compat._MOVED_NAMES == MOVED_NAMES
+
+
+def test_old_names_are_the_new_objects_with_a_warning():
+  for old, names in MOVED_NAMES.items():
+    module = importlib.import_module(old)
+    for name, new in names.items():
+      assert name not in vars(module), f"{old}.{name} is still defined there"
+      with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} is deprecated.*from {new} "):
+        value = getattr(module, name)
+      assert value is getattr(importlib.import_module(new), name)
+
+
+def test_an_old_names_warning_points_at_the_importer_and_other_names_stay_missing():
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from stablejax.data.pipeline import garbage_batch  # noqa: F401
+    from stablejax.data.prepare import is_val  # noqa: F401
+  deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+  assert len(deprecations) == 2
+  assert all(Path(w.filename).resolve() == Path(__file__).resolve() for w in deprecations)
+  with pytest.raises(ImportError, match="no_such_name"):
+    from stablejax.data.pipeline import no_such_name  # noqa: F401
+  with pytest.raises(AttributeError, match="has no attribute '_max_run'"):
+    stablejax.data.pipeline._max_run  # noqa: B018 (private names get no old path)
+
+
 @pytest.mark.parametrize("old", [o for o in sorted(MOVED) if MOVED[o][1]])
 def test_old_program_path_runs_the_new_program_with_a_warning(old):
   command = MOVED[old][1]
@@ -293,66 +341,6 @@ def test_a_program_without_the_train_extra_is_one_line_naming_it(tmp_path):
 
 # ----------------------------------------------------------------------------- the package root
 
-# What `import stablejax` imported eagerly before the public names were loaded on first use:
-# name -> the module it came from (the import list of the previous release, and the names added
-# since).
-EAGER_IMPORTS = {
-    "cross_entropy_with_z_loss": "stablejax.modeling.losses",
-    "AdaGCState": "stablejax.transforms.adagc",
-    "adagc": "stablejax.transforms.adagc",
-    "HybridClipState": "stablejax.transforms.hybrid",
-    "hybrid_clip": "stablejax.transforms.hybrid",
-    "DynamicLossScale": "stablejax.transforms.loss_scaling",
-    "register_state_metrics": "stablejax.transforms.metrics",
-    "stability_metrics": "stablejax.transforms.metrics",
-    "SkipNonFiniteState": "stablejax.transforms.skipping",
-    "SkipSpikesState": "stablejax.transforms.skipping",
-    "skip_nonfinite": "stablejax.transforms.skipping",
-    "skip_spikes": "stablejax.transforms.skipping",
-    "QKClipState": "stablejax.transforms.qk_clip",
-    "qk_clip": "stablejax.transforms.qk_clip",
-    "ZClipState": "stablejax.transforms.zclip",
-    "zclip": "stablejax.transforms.zclip",
-    "ClipUpdateRmsState": "stablejax.transforms.update_clip",
-    "ZClipUpdateNormState": "stablejax.transforms.update_clip",
-    "clip_update_rms": "stablejax.transforms.update_clip",
-    "zclip_update_norm": "stablejax.transforms.update_clip",
-    "CompensatedUpdatesState": "stablejax.transforms.compensated",
-    "compensated_updates": "stablejax.transforms.compensated",
-    "check_learning_rates": "stablejax.muon.lr_check",
-    "GroupUpdateRmsState": "stablejax.muon.muon",
-    "OutlierSafeMuonState": "stablejax.muon.muon",
-    "outlier_safe_muon": "stablejax.muon.muon",
-    "newton_schulz": "stablejax.muon.newton_schulz",
-    "describe_routing": "stablejax.muon.describe",
-    "label_params": "stablejax.muon.routing",
-    "muon_dimension_numbers": "stablejax.muon.routing",
-    "init_new_token_embeddings": "stablejax.modeling.utils",
-    "lambda_warmup": "stablejax.modeling.utils",
-    "excess_kurtosis": "stablejax.modeling.utils",
-    "merge_emb_proj": "stablejax.modeling.utils",
-    "quantize_weights_rtn": "stablejax.modeling.utils",
-    "attention_logit_max": "stablejax.modeling.attention",
-    "collect_attention_logits": "stablejax.modeling.attention",
-    "sow_attention_logits": "stablejax.modeling.attention",
-    "AttentionLogitThresholds": "stablejax.monitor",
-    "HealthThresholds": "stablejax.monitor",
-    "StabilityMonitor": "stablejax.monitor",
-    "grad_health_level": "stablejax.monitor",
-    "movement_record": "stablejax.monitor",
-    "movement_warnings": "stablejax.monitor",
-    "param_dtypes": "stablejax.monitor",
-    "param_movement": "stablejax.monitor",
-    "per_layer_grad_norms": "stablejax.monitor",
-    "stability_score": "stablejax.monitor",
-    "tensorboard_scalars": "stablejax.monitor",
-    "UpdateNormThresholds": "stablejax.monitor",
-    "FusedDimensionNumbers": "stablejax.layout.analysis",
-    "AttentionProbe": "stablejax.modeling.probes",
-    "hf_attention_probe": "stablejax.modeling.probes",
-    "mha_with_max_logit": "stablejax.modeling.probes",
-    "apply_gradients": "stablejax.training.train_state",
-}
 HEAVY = ("jax", "jaxlib", "numpy", "optax", "flax", "grain", "orbax")
 
 
@@ -371,13 +359,15 @@ def test_importing_stablejax_and_its_command_loads_no_heavy_library():
 def test_the_lazy_package_offers_the_same_names_as_the_eager_one():
   code = ("import importlib, json, stablejax; before = dir(stablejax); "
           "muon = stablejax.muon.__name__; "  # a subpackage, without importing it by name
-          f"same = {{n: getattr(stablejax, n) is getattr(importlib.import_module(m), n) "
-          f"for n, m in {EAGER_IMPORTS!r}.items()}}; "
+          "same = {n: getattr(stablejax, n) is getattr(importlib.import_module(m), n) "
+          "for n, m in stablejax._EXPORTS.items()}; "
           "print(json.dumps([before, dir(stablejax), muon, same, stablejax.__all__, "
           "stablejax.__version__]))")
   before, after, muon, same, names, version = json.loads(_python(code))
   assert before == after  # dir() is the same before and after the names are loaded
-  assert set(names) == {"__version__", *EAGER_IMPORTS} and len(names) == len(set(names))
+  # Every public name, from the package's one list, resolves to its module's object.
+  assert names == ["__version__", *stablejax._EXPORTS] and len(names) == len(set(names))
+  assert len(same) == len(stablejax._EXPORTS) > 50
   assert set(names) <= set(before)
   assert {"_compat", "layout", "modeling", "monitor", "muon", "transforms"} <= set(before)
   assert not {"_importlib", "_EXPORTS", "_load_public_names", "__getattr__"} & set(before)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from stablejax.training.actions import Checkpointing, Evaluation, Logging, Sampling, TimeBudget
-from stablejax.training.batches import Batches, total_skips
+from stablejax.training.batches import Batches, garbage_batch, total_skips
 from stablejax.training.config import load_config
 
 
@@ -58,6 +58,16 @@ def test_a_repeated_batch_fault_serves_the_first_listed_batch_again() -> None:
   batches = _batches("faults.repeat_batch_steps=[1, 2, 3]")
   positions = [_position(batches.next(step)) for step in range(6)]
   assert positions == [0, 1, 1, 1, 4, 5] and batches.consumed == 6
+
+
+def test_garbage_batch() -> None:
+  rep = garbage_batch("repeat", 3, 8, 256, seed=0)["tokens"]
+  assert rep.shape == (3, 9) and rep.dtype == np.int32 and len(np.unique(rep)) == 1
+  rnd = garbage_batch("random", 3, 8, 256, seed=0)["tokens"]
+  assert rnd.shape == (3, 9) and rnd.min() >= 0 and rnd.max() < 256 and len(np.unique(rnd)) > 10
+  np.testing.assert_array_equal(rnd, garbage_batch("random", 3, 8, 256, seed=0)["tokens"])
+  with pytest.raises(ValueError, match="repeat"):
+    garbage_batch("zeros", 3, 8, 256, seed=0)
 
 
 def test_logs_step_1_and_every_log_every_steps() -> None:

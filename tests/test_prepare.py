@@ -18,9 +18,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 from stablejax.cli import prepare as prepare_cli  # noqa: E402
+from stablejax.data import encode, prepared  # noqa: E402
+from stablejax.data import inputs as inputs_lib  # noqa: E402
 from stablejax.data import prepare as prep  # noqa: E402
 from stablejax.data import tokenizer as tokenizer_lib  # noqa: E402
-from stablejax.data.pipeline import DataConfig, DataError, build_data, read_prepared  # noqa: E402
+from stablejax.data.config import DataConfig, DataError  # noqa: E402
+from stablejax.data.pipeline import build_data  # noqa: E402
+from stablejax.data.prepared import read_prepared  # noqa: E402
 
 from helpers import ROOT, run_inprocess, slow  # noqa: E402
 
@@ -160,17 +164,14 @@ def test_hf_datasets_local_folder_equals_direct_jsonl(tmp_path, capsys):
         (tmp_path / "direct" / f"{split}.bin").read_bytes()
 
 
-def test_two_workers_write_the_same_files_as_one(tmp_path, capsys, bpe_dir):
+def test_two_workers_write_the_same_files_as_one(tmp_path, capsys, bpe_dir, monkeypatch):
   inputs = write_inputs(tmp_path, DOCS * 40)  # several batches
-  prep.BATCH_BYTES, old = 20_000, prep.BATCH_BYTES
-  try:
-    for workers in (1, 2):
-      code, _, err = run_main(capsys, inputs["parquet"], inputs["text"], "--out",
-                              tmp_path / f"w{workers}", "--tokenizer", bpe_dir / "tokenizer.json",
-                              "--workers", workers, "--val-fraction", "0.25")
-      assert code == 0, err
-  finally:
-    prep.BATCH_BYTES = old
+  monkeypatch.setattr(encode, "BATCH_BYTES", 20_000)
+  for workers in (1, 2):
+    code, _, err = run_main(capsys, inputs["parquet"], inputs["text"], "--out",
+                            tmp_path / f"w{workers}", "--tokenizer", bpe_dir / "tokenizer.json",
+                            "--workers", workers, "--val-fraction", "0.25")
+    assert code == 0, err
   for name in ("train.bin", "val.bin", "tokenizer.json"):
     assert (tmp_path / "w1" / name).read_bytes() == (tmp_path / "w2" / name).read_bytes()
 
@@ -321,7 +322,7 @@ def test_text_separator_split_across_read_blocks(tmp_path):
   docs = ["a" * ((1 << 20) - 5), "b" * 10, "c" * (1 << 20)]  # separators straddle 1 MiB blocks
   path = tmp_path / "t.txt"
   path.write_text(sep.join(docs))
-  got = [d.decode() for d in prep._text_documents(path, prep.Options())]
+  got = [d.decode() for d in inputs_lib._text_documents(path, prep.Options())]
   assert got == docs
 
 
@@ -712,13 +713,13 @@ def test_tiktoken_encodes_literal_endoftext_as_text_in_prepare():
   tok = tokenizer_lib.TiktokenTokenizer.__new__(tokenizer_lib.TiktokenTokenizer)
   tok._enc, tok.name, tok.vocab_size, tok.eot_id = enc, "bytes_eot", enc.n_vocab, enc.eot_token
   spec = ("name", "bytes_eot", None)
-  prep._WORKER_TOKENIZER.clear()
-  prep._WORKER_TOKENIZER[spec] = tok
+  encode._WORKER_TOKENIZER.clear()
+  encode._WORKER_TOKENIZER[spec] = tok
   try:
-    result = prep.encode_batch((ORDINARY_EOT_DOCS, spec, prep.Options(val_fraction=1e-9),
+    result = encode.encode_batch((ORDINARY_EOT_DOCS, spec, prep.Options(val_fraction=1e-9),
                                 np.dtype("uint16")))
   finally:
-    prep._WORKER_TOKENIZER.clear()
+    encode._WORKER_TOKENIZER.clear()
   ids = result["train"]
   assert np.count_nonzero(ids == 256) == len(ORDINARY_EOT_DOCS)
   assert tok.decode(ids.tolist()) == "<|endoftext|>".join(ORDINARY_EOT_DOCS) + "<|endoftext|>"
@@ -784,13 +785,13 @@ def test_filters_drop_beyond_their_bounds_not_at_them():
   # --filter-max-repeat (0 disables the filter) or a non-text share ABOVE --filter-max-nontext.
   opts = prep.Options(val_fraction=0.5, filter_max_repeat=8, filter_max_nontext=0.25)
   text = b"plain words "
-  assert prep._classify(b"a" * 8 + text, opts) in ("train", "val")         # a run of exactly 8
-  assert prep._classify(b"a" * 9 + text, opts) == "repeat"
+  assert encode.classify(b"a" * 8 + text, opts) in ("train", "val")         # a run of exactly 8
+  assert encode.classify(b"a" * 9 + text, opts) == "repeat"
   no_repeat_filter = prep.Options(val_fraction=0.5, filter_max_repeat=0)
-  assert prep._classify(b"a" * 5000, no_repeat_filter) in ("train", "val")
+  assert encode.classify(b"a" * 5000, no_repeat_filter) in ("train", "val")
   at_limit = b"\x01" * 3 + b"abcdefghi"                                     # 3 of 12 = 0.25
-  assert prep._classify(at_limit, opts) in ("train", "val")
-  assert prep._classify(b"\x01" * 4 + b"abcdefghi", opts) == "nontext"     # 4 of 13 > 0.25
+  assert encode.classify(at_limit, opts) in ("train", "val")
+  assert encode.classify(b"\x01" * 4 + b"abcdefghi", opts) == "nontext"     # 4 of 13 > 0.25
 
 
 def test_default_weights_are_token_shares(tmp_path, capsys):
@@ -949,7 +950,7 @@ def test_a_full_disk_while_writing_tokens_is_one_line_and_leaves_nothing(tmp_pat
     f = real_open(path, mode, *args, **kwargs)
     return _FullDisk(f, 4096) if "w" in mode and ".bin." in str(path) else f
 
-  monkeypatch.setattr(prep, "open", open_on_a_small_disk, raising=False)
+  monkeypatch.setattr(prepared, "open", open_on_a_small_disk, raising=False)
   out = tmp_path / "out"
   code, _, err = run_main(capsys, tmp_path / "a.txt", "--out", out, "--tokenizer", "bytes",
                           "--val-fraction", "0.25")
@@ -1057,3 +1058,50 @@ def test_an_input_given_twice_is_refused(tmp_path, capsys, case):
   line = one_error_line(err)
   assert code == 2 and "repeats" in line and "give each input once" in line
   assert not out.exists()
+
+
+KILL_BEFORE_FINISH = r"""
+import os, sys
+from stablejax.data import out_dir
+from stablejax.data import prepare as prep
+out_dir.finish = lambda *args: os._exit(9)  # as if SIGKILLed with every partial file written
+prep.prepare([sys.argv[1]], sys.argv[2], "bpe:300", opts=prep.Options(val_fraction=0.25),
+             progress=False)
+"""
+
+
+def test_a_killed_prepares_marker_claims_none_of_the_users_files(tmp_path, capsys):
+  """After a SIGKILLed prepare, files of the user's put into --out under the names prepare writes
+  are refused without --force, not deleted or replaced: the dead run's marker claims only what
+  it wrote (its partial files, and files it renamed into place, by their identity)."""
+  inputs = write_inputs(tmp_path)
+  out = tmp_path / "out"
+  script = tmp_path / "kill.py"
+  script.write_text(KILL_BEFORE_FINISH)
+  r = subprocess.run([sys.executable, str(script), str(inputs["text"]), str(out)],
+                     cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 9, r.stderr
+  assert (out / "meta.json.partial").exists() and any(out.glob("*.partial"))
+  mine = {"tokenizer.json": b'{"mine": true}', "train.bin": b"\x01\x02" * 50,
+          "val.bin": b"\x03\x04" * 20}
+  for name, data in mine.items():
+    (out / name).write_bytes(data)
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:300",
+                          "--val-fraction", "0.25")
+  assert code == 2 and "not written by python -m stablejax prepare" in err, err
+  assert all((out / name).read_bytes() == data for name, data in mine.items())
+  # With --force they are replaced, and the dead run's partial files are gone.
+  code, _, err = run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bpe:300",
+                          "--val-fraction", "0.25", "--force")
+  assert code == 0, err
+  assert not list(out.glob("*.partial")) and read_prepared(out) is not None
+
+
+def test_a_one_document_corpus_is_told_to_split_it_not_to_raise_val_fraction(tmp_path, capsys):
+  text = "one long document without any separator in it. " * 200
+  assert not blake_is_val(text, 0.005)  # it goes to training, and validation stays empty
+  (tmp_path / "one.txt").write_text(text)
+  code, _, err = run_main(capsys, tmp_path / "one.txt", "--out", tmp_path / "out", "--tokenizer",
+                          "bytes")
+  assert code == 2 and "one document" in err and "--separator" in err, err
+  assert "raise --val-fraction" not in err

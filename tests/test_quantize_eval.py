@@ -170,3 +170,36 @@ def test_exit_2_cases(run, tmp_path, capsys):
   assert "bits" in _exit_2([str(run), "--bits", "9"], capsys)
   assert "--bits" in _exit_2([str(run), "--bits", "four"], capsys)
   assert not (no_ckpt / RESULT_FILE).exists()
+
+
+def test_what_it_writes(run, tmp_path, capsys):
+  """Its result and nothing else: never the run's records (even with --force), a file of the
+  user's only with --force, and a read-only run directory is one line naming --out."""
+  copy = tmp_path / "run"
+  shutil.copytree(run, copy, ignore=shutil.ignore_patterns(".lock", RESULT_FILE))
+  before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+  for target in ("config.json", "run.json", "metrics.jsonl", f"checkpoints/{STEPS}/x.json"):
+    for force in ([], ["--force"]):
+      assert "the run's own" in _exit_2([str(copy), "--out", str(copy / target), *force], capsys)
+  (copy / RESULT_FILE).write_text('{"my": "own results"}')
+  assert "not written by quantize-eval" in _exit_2([str(copy)], capsys)
+  assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != RESULT_FILE} \
+      == before
+  disk = tmp_path / "ro"
+  disk.mkdir()
+  if __import__("subprocess").run(["mount", "-t", "tmpfs", "-o", "size=20m", "tmpfs", str(disk)],
+                                  capture_output=True).returncode != 0:
+    pytest.skip("needs a file system of its own (mount)")
+  import subprocess
+  try:
+    shutil.copytree(copy, disk / "run", ignore=shutil.ignore_patterns(RESULT_FILE))
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    err = _exit_2([str(disk / "run")], capsys)
+    assert "read-only" in err and "--out" in err and "free some space" not in err, err
+    assert main([str(disk / "run"), "--out", str(tmp_path / "q.json")]) == 0
+  finally:
+    subprocess.run(["umount", str(disk)], capture_output=True)
+  capsys.readouterr()
+  result = json.loads((tmp_path / "q.json").read_text())
+  assert result["program"] == "stablejax quantize-eval" and result["checkpoint_step"] == STEPS
+  assert main([str(copy), "--out", str(tmp_path / "q.json")]) == 0  # its own file: replaced

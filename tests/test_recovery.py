@@ -45,11 +45,12 @@ def test_nan_gradients_and_a_gradient_spike_are_skipped(clean_run, tmp_path):
 
 
 def _inner_states(opt_state):
-  """The optimizer state below the skip wrappers (what a skipped step must leave untouched)."""
-  from stablejax.transforms.skipping import SkipNonFiniteState, SkipSpikesState
-  while isinstance(opt_state, (SkipNonFiniteState, SkipSpikesState)):
-    opt_state = opt_state.inner_state
-  return opt_state
+  """The optimizer state below the skip wrappers (what a skipped step must leave untouched):
+  every entry of the keyed state but the wrappers' own."""
+  from stablejax.transforms import defence
+  wrappers = {d.name for d in defence.registered() if d.position is defence.Position.WRAPPER}
+  assert wrappers & set(opt_state)
+  return {name: state for name, state in opt_state.items() if name not in wrappers}
 
 
 @slow
@@ -400,7 +401,7 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
   assert seen["lr_scale"] == pytest.approx(0.2)  # in the optimizer state at once
   assert float(seen["backoff"].scale) == pytest.approx(0.2) and int(seen["backoff"].start) == 10
   # fed: batches 0..16 (16 replaced by garbage), then after the rollback 17.. (10..16 skipped)
-  from stablejax.data.pipeline import garbage_batch
+  from stablejax.training.batches import garbage_batch
   stream = data_stream(cfg, 17 + 30)
   garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
   want = stream[:16] + [garbage] + stream[17:47]
@@ -507,7 +508,7 @@ def test_rollback_past_a_damaged_target_replays_the_good_batches(tmp_path):
   # 10 is damaged by then: restore falls back to step 0. The data that led to the failure is
   # still batches 10..16; batches 0..9 between the two checkpoints were good and are trained on
   # again (before, the skip started at the restored step's position and dropped them too).
-  from stablejax.data.pipeline import garbage_batch
+  from stablejax.training.batches import garbage_batch
   cfg = tiny_config(*NAN_BATCHES)
   base = _recording_run_class()
 

@@ -421,8 +421,8 @@ def test_checkpoint_of_another_model_is_not_damage(two_steps):
   ckpt = Checkpoints(two_steps, keep=5)
   other = dict(ABSTRACT, w=jax.ShapeDtypeStruct((16, 65), jnp.float32))
   with pytest.raises(CheckpointError,
-                     match=r"reading checkpoint 20 in .* failed \(ValueError: w has shape "
-                           r"\(16, 64\) in the checkpoint and \(16, 65\) in this run's config"):
+                     match=r"checkpoint 20 in .* does not fit this run \(w is \(16, 64\) "
+                           r"float32 in the checkpoint and \(16, 65\) float32 in this run\)"):
     ckpt.restore(other, _data_iter())
   ckpt.close()
   assert _listing(two_steps) == before
@@ -582,3 +582,16 @@ def test_a_long_damage_reason_is_cut_between_words_not_inside_a_path():
   assert short.endswith(" ...") and len(short) <= 304
   assert all(word == path for word in short[len("missing file: "):-len(" ...")].split())
   assert shorten("one line\nsecond line") == "one line"
+
+
+def test_skip_and_rollback_counters_come_from_the_metric_specs():
+  # The counters a state declares (register_state_metrics(skips=..., rollback=...)), a repeated
+  # prefix included; other counters of the same record are not skips.
+  from stablejax.monitor.specs import rollback_request_counts, total_skips
+  record = {"skip_spikes/total_skips": 2, "skip_nonfinite/total_skips": 3,
+            "skip_spikes_1/total_skips": 4, "zclip/spike_count": 7, "muon/fallback_count": 5,
+            "skip_spikes/rollback_requests": 1, "skip_nonfinite/rollback_requests": 0,
+            "loss": 2.0}
+  assert total_skips(record) == 9
+  assert rollback_request_counts(record) == {"skip_spikes/rollback_requests": 1,
+                                             "skip_nonfinite/rollback_requests": 0}

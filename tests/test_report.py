@@ -266,3 +266,94 @@ def test_report_draws_attention_telemetry_and_replays_its_warning(tmp_path):
             if "attention logits growing" in line]
   assert warned and "layer_0" in warned[0]
   assert "attention logits growing" in text
+
+
+# ----------------------------------------------------------------------------- what it writes
+
+
+def _run_with_records(root):
+  """A run directory with the trainer's records beside its metrics, and data outside it."""
+  root.mkdir()
+  _write_run(root, n_steps=60, truncate=False)
+  corpus = root.parent / "corpus.txt"
+  corpus.write_text("the run's training text\n")
+  (root / "config.json").write_text(json.dumps({"data": {"train": str(corpus)}}))
+  (root / "run.json").write_text('{"program": "stablejax train", "written": []}')
+  (root / "checkpoints" / "40" / "state").mkdir(parents=True)
+  (root / "checkpoints" / "40" / "state" / "_METADATA").write_text("{}")
+  (root / "notes.png").write_bytes(PNG_SIGNATURE + b"the user's own picture")
+  return corpus
+
+
+def _snapshot(root):
+  return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _one_error(capsys) -> str:
+  captured = capsys.readouterr()
+  lines = captured.err.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+  return lines[0]
+
+
+def test_report_out_never_writes_the_runs_records_or_inputs(tmp_path, capsys):
+  run = tmp_path / "run"
+  corpus = _run_with_records(run)
+  before, corpus_bytes = _snapshot(run), corpus.read_bytes()
+  for target in ("metrics.jsonl", "run.json", "config.json", "checkpoints/40/state/_METADATA",
+                 "checkpoints/new.png", "tensorboard/x.png"):
+    for force in ([], ["--force"]):
+      assert report_cli.main([str(run), "--out", str(run / target), *force]) == 2
+      assert "the run's own" in _one_error(capsys)
+  for force in ([], ["--force"]):
+    assert report_cli.main([str(run), "--out", str(corpus), *force]) == 2
+    assert "what report reads" in _one_error(capsys)
+  assert _snapshot(run) == before and corpus.read_bytes() == corpus_bytes
+  assert not any(p.name.endswith(".tmp") for p in run.rglob("*"))
+  # A file of the user's is replaced only with --force; the report's own PNG is replaced again.
+  assert report_cli.main([str(run), "--out", str(run / "notes.png")]) == 2
+  assert "was not written by report: pass --force" in _one_error(capsys)
+  assert report_cli.main([str(run), "--out", str(run / "notes.png"), "--force"]) == 0
+  assert report_cli.main([str(run)]) == 0 and report_cli.main([str(run)]) == 0
+  capsys.readouterr()
+  from stablejax.training.outputs import png_software
+  assert png_software(run / "report.png") == "stablejax report"
+
+
+def test_report_out_a_directory_a_missing_folder_or_a_read_only_run_is_one_line(tmp_path,
+                                                                                 capsys):
+  run = tmp_path / "run"
+  run.mkdir()
+  _write_run(run, n_steps=60, truncate=False)
+  assert report_cli.main([str(run), "--out", str(run)]) == 2
+  assert "is a directory" in _one_error(capsys)
+  assert report_cli.main([str(run), "--out", str(tmp_path / "missing" / "r.png")]) == 2
+  assert "does not exist" in _one_error(capsys)
+  disk = tmp_path / "ro"
+  disk.mkdir()
+  if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
+                    capture_output=True).returncode != 0:
+    pytest.skip("needs a file system of its own (mount)")
+  try:
+    _write_run(disk, n_steps=60, truncate=False)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+    assert report_cli.main([str(disk)]) == 2
+    line = _one_error(capsys)
+  finally:
+    subprocess.run(["umount", str(disk)], capture_output=True)
+  assert "read-only" in line and "--out" in line, line
+
+
+def test_report_out_never_replaces_a_device_or_another_runs_records(tmp_path, capsys):
+  run = tmp_path / "run"
+  run.mkdir()
+  _write_run(run, n_steps=60, truncate=False)
+  other = tmp_path / "other"
+  _run_with_records(other)
+  before = _snapshot(other)
+  assert report_cli.main([str(run), "--out", "/dev/null", "--force"]) == 2
+  assert "not a regular file" in _one_error(capsys)
+  for target in ("metrics.jsonl", "run.json", "checkpoints/40/r.png"):
+    assert report_cli.main([str(run), "--out", str(other / target), "--force"]) == 2
+    assert "the run's own" in _one_error(capsys)
+  assert _snapshot(other) == before

@@ -283,7 +283,62 @@ def test_a_stop_signal_while_sample_compiles_is_one_line_never_a_crash(
                          "--max-new-tokens", "64"], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=300)
   assert proc.returncode == 130, (proc.returncode, proc.stderr[-3000:])
-  assert proc.stderr.strip().splitlines() == [
-      f"interrupted by {signal_name}: stopped before the samples were done; nothing was "
-      f"written"], proc.stderr
-  assert proc.stdout == ""
+  lines = proc.stderr.strip().splitlines()
+  if proc.stdout == "":  # before the samples existed
+    assert lines == [f"interrupted by {signal_name}: stopped before the samples were done; "
+                     f"nothing was written"], proc.stderr
+  else:  # once they exist (the compilation ended with them), they are kept
+    assert lines == [f"interrupted by {signal_name}: the samples were done and are printed "
+                     f"above; their speed was not measured"], proc.stderr
+
+
+def test_sample_out_never_writes_the_runs_records(tmp_path, capsys):
+  from stablejax.cli import sample as sample_cli
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text('{"data": {"train": "corpus.txt"}}')
+  (run / "run.json").write_text("{}")
+  (tmp_path / "mine.json").write_text('{"not": "samples"}')
+  before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  for target, needle in ((run / "config.json", "the run's own"),
+                         (run / "run.json", "the run's own"),
+                         (run / "checkpoints" / "s.json", "the run's own"),
+                         (tmp_path / "mine.json", "not written by sample"),
+                         (tmp_path, "is a directory"),
+                         (tmp_path / "missing" / "s.json", "does not exist")):
+    assert sample_cli.main([str(run), "--out", str(target)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_a_stop_once_the_samples_exist_keeps_them(tmp_path, capsys, monkeypatch, bpe_run_home):
+  """Ctrl-C during the generation: it finishes (nothing is thrown into it), and then the samples
+  are printed and written, not thrown away; only their speed is not measured."""
+  import json
+  import signal
+
+  from stablejax.cli import _process
+  from stablejax.cli import sample as sample_cli
+  from stablejax.training.generate import Generator
+  real = Generator.generate
+
+  def generate_then_ctrl_c(self, *args, **kwargs):
+    tokens = real(self, *args, **kwargs)
+    _process._record(signal.SIGINT, None)  # arrives while the first generation runs
+    return tokens
+
+  monkeypatch.setattr(Generator, "generate", generate_then_ctrl_c)
+  out = tmp_path / "samples.json"
+  code = sample_cli.main([str(bpe_run_home / "run"), "--prompt", "Document 1", "--temperature",
+                          "0", "--max-new-tokens", "6", "--tokenizer",
+                          str(bpe_run_home / "data" / "tokenizer.json"), "--out", str(out)])
+  captured = capsys.readouterr()
+  assert code == 130, captured.err
+  assert captured.err.strip().splitlines() == [
+      f"interrupted by SIGINT: the samples were done and are printed above, and written to "
+      f"{out}; their speed was not measured"]
+  saved = json.loads(out.read_text())
+  assert saved["program"] == "stablejax sample" and captured.out == saved["samples"][0] + "\n"
+  assert saved["samples"][0].startswith("Document 1") and len(saved["tokens"][0]) == 6

@@ -163,3 +163,22 @@ def test_orbax_leftovers_are_not_reported_and_other_unraisables_are():
   assert proc.returncode == 0, proc.stderr
   assert proc.stdout.strip() == "['a report of our own']"
   assert "Event loop is closed" not in proc.stderr
+
+
+def test_a_program_that_said_its_last_line_ignores_stop_signals_until_it_exits():
+  """Python puts the default handlers back while the interpreter shuts down: a second Ctrl-C
+  then would kill the program by the signal after its line. Once main returned, the stop signals
+  are ignored, and stay so through the shutdown."""
+  code = textwrap.dedent("""
+      import os, signal, sys
+      from stablejax.cli import _process
+      with _process.program(True):
+        pass
+      print(all(signal.getsignal(s) == signal.SIG_IGN for s in _process.STOP_SIGNALS))
+      import atexit  # a second Ctrl-C in the shutdown, after the handlers would be put back
+      atexit.register(lambda: os.kill(os.getpid(), signal.SIGINT))
+      sys.exit(130)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+  assert proc.stdout.strip() == "True" and proc.returncode == 130, (proc.returncode, proc.stderr)

@@ -1,7 +1,9 @@
 """Shared harness: every public transform under jit, bf16/f32, chain, inject, MultiSteps.
 
-To cover a new transform, add a ``Case`` to ``CASES`` (and its public names to
-``DOCUMENTED``); every test below then runs on it.
+To check a new transform against an independent reference, add a ``Case`` to ``CASES`` (and its
+public names to ``DOCUMENTED``); every test below then runs on it. Every declared defence of the
+trainer also goes through the generic half of the harness from its declaration alone (at the
+end).
 """
 
 import dataclasses
@@ -439,3 +441,40 @@ def test_state_keeps_sharding_on_a_4_device_mesh():
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert "SHARDING_OK" in proc.stdout
+
+
+# ------------------------------------------------------------------------ every declared defence
+
+
+def _declared() -> list:
+  """The trainer's declared defences whose update needs nothing from a model (``loss`` at most)
+  and returns updates in the gradients' dtype: the registry, so a new defence is covered here
+  with no edit of this file. (A defence that changes how updates are applied, the compensated
+  update, returns float32 differences of bf16 parameters; tests/test_compensated.py.)"""
+  from stablejax.transforms import defence
+  return [d for d in defence.registered()
+          if set(d.step_args) <= {"loss"} and not d.changes_update_application]
+
+
+def _declared_tx(d):
+  from stablejax.training.config import Config
+  from stablejax.transforms import defence
+  made = d.make(d.config(), defence.DefenceContext(stability=Config().stability))
+  return made(optax.adam(1e-3)) if d.position is defence.Position.WRAPPER else made
+
+
+@pytest.mark.parametrize("name", [d.name for d in _declared()])
+def test_every_declared_defence_at_its_defaults_jits_keeps_dtypes_and_agrees_in_bf16(name):
+  # The generic half of the harness, from the declaration alone: one trace, the gradients'
+  # dtypes and shapes, a state of fixed signature, finite updates (_drive checks these), and a
+  # bf16 run within 3% of the float32 one.
+  from stablejax.transforms import defence
+  d = defence.get(name)
+  runs = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    runs[dtype] = []
+    _drive(_declared_tx(d), dtype, "loss" in d.step_args, runs[dtype])
+  for t, (want, got) in enumerate(zip(runs[jnp.float32], runs[jnp.bfloat16])):
+    for a, b in zip(jax.tree.leaves(got[0]), jax.tree.leaves(want[0])):
+      np.testing.assert_allclose(a, b, rtol=0, atol=0.03 * np.abs(b).max() + 1e-12,
+                                 err_msg=f"{name} step {t}")

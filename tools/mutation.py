@@ -61,15 +61,21 @@ CLI_REPORT = "stablejax/cli/report.py"
 LR_CHECK = "stablejax/muon/lr_check.py"
 NEWTON_SCHULZ = "stablejax/muon/newton_schulz.py"
 PREPARE = "stablejax/data/prepare.py"
+PREPARED = "stablejax/data/prepared.py"
+ENCODE = "stablejax/data/encode.py"
+INPUTS = "stablejax/data/inputs.py"
+OUT_DIR = "stablejax/data/out_dir.py"
 TOKENIZER = "stablejax/data/tokenizer.py"
+SOURCES = "stablejax/data/sources.py"
 PIPELINE = "stablejax/data/pipeline.py"
+IDENTITY = "stablejax/data/identity.py"
 FOLDER = "stablejax/data/folder.py"
 DISTRIBUTED = "stablejax/training/distributed.py"
 MESH = "stablejax/training/mesh.py"
 LAUNCH = "stablejax/training/launch.py"
 MUON = "stablejax/muon/muon.py"
 BUDGET = "stablejax/training/budget.py"
-CONFIG = "stablejax/training/config.py"
+CONFIG = "stablejax/training/config/checks.py"
 OPTIM = "stablejax/training/optim.py"
 STEP = "stablejax/training/step.py"
 GENERATE = "stablejax/training/generate.py"
@@ -83,14 +89,24 @@ LAYOUT = "stablejax/layout/analysis.py"
 QK_CLIP = "stablejax/transforms/qk_clip.py"
 CLIP = "stablejax/transforms/clip.py"
 SPECS = "stablejax/monitor/specs.py"
+DEFENCE = "stablejax/transforms/defence.py"
+RESTORE_PLAN = "stablejax/training/restore_plan.py"
 UPDATE_CLIP = "stablejax/transforms/update_clip.py"
 COMPENSATED = "stablejax/transforms/compensated.py"
 UPDATE_NORM = "stablejax/monitor/update_norm.py"
+GRAM = "stablejax/muon/gram.py"
+NORMUON = "stablejax/muon/normuon.py"
+HEADS = "stablejax/layout/heads.py"
+RUN_DIR_CHECKS = "stablejax/training/run_dir_checks.py"
+PREVIOUS_RUN = "stablejax/training/previous_run.py"
+ENVIRONMENT_ERRORS = "stablejax/training/environment_errors.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
 RECOVERY_TESTS = ("tests/test_recovery_policy.py", "-k", f"not ({_CHECKPOINT_K} or config_errors)")
 CHECKPOINT_TESTS = ("tests/test_recovery_policy.py", "-k", _CHECKPOINT_K)
+# python -m stablejax prepare without its end-to-end runs and its stop-signal processes.
+_PREPARE_TESTS = ("tests/test_prepare.py", "-k", "not end_to_end and not stop_signals")
 # A prepared directory as build_data reads it (tests/test_prepare.py writes them).
 _PREPARED_TESTS = ("tests/test_prepare.py", "tests/test_data.py", "-k",
                    "config_takes_vocab or large_vocabulary or uint16_holds or incomplete or "
@@ -119,10 +135,16 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     LR_CHECK: ("tests/test_lr_check.py", LR_CHECK),
     NEWTON_SCHULZ: ("tests/test_newton_schulz.py", NEWTON_SCHULZ, "-k",
                     "not export and not kernel_interpret and not public_pallas"),
-    PREPARE: ("tests/test_prepare.py", "-k", "not end_to_end and not stop_signals"),
+    PREPARE: _PREPARE_TESTS,
+    PREPARED: _PREPARE_TESTS,
+    ENCODE: _PREPARE_TESTS,
+    INPUTS: _PREPARE_TESTS,
+    OUT_DIR: _PREPARE_TESTS,
     TOKENIZER: ("tests/test_prepare.py", "tests/test_tokenizer.py", "-k",
                 "tokenizer or round_trip or endoftext or eot"),
+    SOURCES: ("tests/test_data.py", "-k", "not resume_at_every_batch"),
     PIPELINE: ("tests/test_data.py", "-k", "not resume_at_every_batch"),
+    IDENTITY: ("tests/test_data.py", "-k", "data_identity"),
     FOLDER: ("tests/test_folder.py", FOLDER),
 
     DISTRIBUTED: ("tests/test_distributed.py", DISTRIBUTED),
@@ -151,23 +173,46 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     CLIP: ("tests/test_optim.py", "tests/test_config.py", "-m", "not slow"),
     UPDATE_CLIP: ("tests/test_update_clip.py", UPDATE_CLIP),
     COMPENSATED: ("tests/test_compensated.py", COMPENSATED),
+    SPECS: ("tests/test_loop_decisions.py", "tests/test_recovery_policy.py", SPECS),
+    DEFENCE: ("tests/test_optim.py", "tests/test_adding_a_defence.py", DEFENCE, "-m", "not slow"),
+    RESTORE_PLAN: ("tests/test_stack_changes.py", "tests/test_recovery_policy.py", RESTORE_PLAN,
+                   "-m", "not slow"),
     UPDATE_NORM: ("tests/test_early_warnings.py", UPDATE_NORM, "-k", "not log_norm"),
+    GRAM: ("tests/test_newton_schulz.py", GRAM, "-k", "gram and not kernels_interpret"),
+    NORMUON: ("tests/test_normuon.py", NORMUON),
+    HEADS: ("tests/test_per_head.py", "-k", "not hugging_face"),
+    # The run directory's checks on folders the tests write, without the trainer runs (@slow)
+    # and the session's trained run (the fingerprint mutant names its test).
+    RUN_DIR_CHECKS: ("tests/test_run_dir.py", RUN_DIR_CHECKS, "-m", "not slow", "-k",
+                     "not (step_copied or previous_release or another_tokenizer)"),
+    PREVIOUS_RUN: ("tests/test_run_dir.py", PREVIOUS_RUN, "-k", "fresh or previous_run"),
+    ENVIRONMENT_ERRORS: ("tests/test_run_dir.py", ENVIRONMENT_ERRORS, "-k", "environment"),
 }
 
 # Modules of stablejax/ without mutants, and why.
 MODULES_NOT_COVERED = {
-    "muon/describe.py, layout/heads.py, modeling/attention.py": "not yet: heads.py holds types "
-        "and find_attention_layers, whose layout analysis is mutated in layout/analysis.py",
+    "muon/describe.py, modeling/attention.py, layout/heads.py: find_attention_layers": "not "
+        "yet: its layout analysis is mutated in layout/analysis.py (heads.py's per-head "
+        "layouts are)",
     "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
-    "training/loop.py, components.py, rollback.py, run_dir.py": "their promises are kept by "
+    "training/loop.py, components.py, rollback.py, run_summary.py": "their promises are kept by "
         "trainer runs (tests/test_trainer.py, test_recovery.py, test_run_dir.py: minutes per "
         "mutant); the loop's decisions are mutated where they live (training/batches.py, "
         "training/actions.py)",
+    "training/run_dir.py, run_record.py, data_order.py": "not yet: what RunDirectory decides "
+        "is mutated where it lives (training/run_dir_checks.py, training/previous_run.py); its "
+        "record, the names it lists and the data order are read back by resumes "
+        "(tests/test_run_dir.py, most of them trainer runs)",
     "transforms/metrics.py: QK-clip entry": "comes with the QK-clip transform",
     "monitor/attention_rule.py": "not yet: moved out of the monitor unchanged; its tests are "
         "tests/test_monitor.py's and tests/test_early_warnings.py's attention cases",
+    "data/workers.py, data/tokenizer_choice.py, data/config.py": "not yet (they had no "
+        "mutants inside data/prepare.py either): the pool's task order is checked by "
+        "tests/test_prepare.py's two-worker test and its stopping by the stop-signal test "
+        "(processes, tens of seconds per mutant); config.py holds the settings' dataclasses and "
+        "one check of data.train's entries",
     "cli/_process.py": "not yet: its tests start the programs (tests/test_signals.py, a second "
         "or two each); the launcher's use of it is mutated in training/launch.py (LA12)",
 }
@@ -256,8 +301,9 @@ MUTANTS = [
        "lr_recovery_steps=null drops the backoff instead of keeping it"),
     _m("R22", RECOVERY, "return self.rollbacks < self.cfg.max_rollbacks",
        "return self.rollbacks <= self.cfg.max_rollbacks", "one rollback more than max_rollbacks"),
-    _m("R23", RECOVERY, 'if k.endswith("/rollback_requests")}', 'if k.endswith("/total_skips")}',
-       "skipped steps are read as rollback requests"),
+    _m("R23", SPECS, 'for key in counter_keys(record, "rollback")}',
+       'for key in counter_keys(record, "skips")}', "skipped steps are read as rollback requests",
+       RECOVERY_TESTS),
     _m("R24", RECOVERY, "    self.elevated_run = 0\n\n  def state_dict", "\n  def state_dict",
        "the elevated run of the abandoned trajectory survives a rollback"),
 
@@ -317,8 +363,9 @@ MUTANTS = [
     _m("C22", CHECKPOINT, "  except (OSError, ValueError) as e:\n    raise CheckpointError(",
        "  except (OSError, ValueError) as e:\n    return None\n    raise CheckpointError(",
        "an unreadable decision file is silently ignored"),
-    _m("C23", CHECKPOINT, "fingerprint=[float(v) for v in np.asarray(fingerprint(state))])",
-       "fingerprint=[0.0, 0.0, 0.0])", "the saved fingerprint does not describe the state"),
+    _m("C23", CHECKPOINT, "    meta = dict(meta, step=int(step), fingerprints=parts,",
+       "    meta = dict(meta, step=int(step), fingerprints={k: [0.0] * 3 for k in parts},",
+       "the saved fingerprints do not describe the state"),
     _m("C24", CHECKPOINT, "        cleanup_tmp_directories=True,",
        "        cleanup_tmp_directories=False,",
        "leftovers of a killed save are not cleaned up"),
@@ -763,20 +810,13 @@ MUTANTS = [
     # ---------------------------------------------------------------- cli/report.py
     _m("CR1", CLI_REPORT, "  if args.window < 1:", "  if args.window < 0:",
        "--window 0 is accepted"),
-    _m("CR2", CLI_REPORT,
-       "      print(f\"error: {e}\", file=sys.stderr)\n      return 2\n    finally:",
-       "      print(f\"error: {e}\", file=sys.stderr)\n      return 1\n    finally:",
-       "an unusable run directory exits 1 instead of 2"),
-    _m("CR3", CLI_REPORT,
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None,\n"
-       "                              args.window)",
-       "make_report(Path(args.run_dir), None,\n                              args.window)",
-       "--out is ignored"),
-    _m("CR4", CLI_REPORT,
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None,\n"
-       "                              args.window)",
-       "make_report(Path(args.run_dir), Path(args.out) if args.out else None)",
-       "--window is not passed on"),
+    _m("CR2", CLI_REPORT, "  return ReportError, outputs.OutputError",
+       "  return (outputs.OutputError,)",
+       "an unusable run directory is a traceback and exit 1 instead of one line and 2"),
+    _m("CR3", CLI_REPORT, "  given = Path(args.out) if args.out else run_dir / REPORT_FILE",
+       "  given = run_dir / REPORT_FILE", "--out is ignored"),
+    _m("CR4", CLI_REPORT, "    text = make_report(run_dir, tmp, args.window)[1]",
+       "    text = make_report(run_dir, tmp)[1]", "--window is not passed on"),
 
     # ---------------------------------------------------------------- muon/lr_check.py
     _m("LR1", LR_CHECK, "MUON_MIN_LR = 1e-3", "MUON_MIN_LR = 1e-4",
@@ -806,6 +846,21 @@ MUTANTS = [
        "a non-positive head rate passes"),
 
     # ---------------------------------------------------------------- muon/newton_schulz.py
+    _m("NS12", NEWTON_SCHULZ, "  if from_end and 0 < steps < len(table):",
+       "  if False and 0 < steps < len(table):",
+       "AOL with a longer coefficient list uses its first triples, not its last (Turbo-Muon)",
+       ("tests/test_newton_schulz.py", "-k", "turbo")),
+    _m("NS13", NEWTON_SCHULZ, "  rows = jnp.sum(jnp.abs(gram.astype(jnp.float32)), axis=-1)",
+       "  rows = jnp.sum(gram.astype(jnp.float32), axis=-1)",
+       "AOL sums the Gram rows without their absolute values",
+       ("tests/test_newton_schulz.py", "-k", "aol")),
+    _m("NS14", NEWTON_SCHULZ, "    if i == 0 and precondition is not None:\n      x, gram = "
+       "precondition(x, gram)\n    poly", "    if precondition is not None:\n      x, gram = "
+       "precondition(x, gram)\n    poly", "AOL rescales every step, not only the first",
+       ("tests/test_newton_schulz.py", "-k", "aol_matches_optax")),
+    _m("NS15", NEWTON_SCHULZ, "    (4.0848, -6.8946, 2.9270),", "    (4.0848, -6.8946, 2.9),",
+       "the dion preset's first triple is not optax's", ("tests/test_newton_schulz.py", "-k",
+                                                         "dion")),
     _m("NS1", NEWTON_SCHULZ, "STANDARD_COEFFS = (3.4445, -4.7750, 2.0315)",
        "STANDARD_COEFFS = (3.4445, -4.7750, 2.3)", "the standard quintic's c is not 2.0315"),
     _m("NS2", NEWTON_SCHULZ, "_PE_SAFETY = 1.01", "_PE_SAFETY = 1.0",
@@ -845,33 +900,9 @@ MUTANTS = [
        "backend='pallas' on CPU falls back without a warning"),
 
     # ---------------------------------------------------------------- data/prepare.py
-    _m("P1", PREPARE, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size < 1 << 16",
-       "a vocabulary of exactly 65,536 (ids up to 65,535) is written as uint32"),
-    _m("P2", PREPARE, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size <= (1 << 16) + 1",
-       "a vocabulary of 65,537 is written as uint16 (id 65,536 wraps to 0)"),
-    _m("P3", PREPARE,
-       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")',
-       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")',
-       "the split hash is read big-endian"),
-    _m("P4", PREPARE, "  return h < val_fraction * 2.0**64",
-       "  return h >= (1.0 - val_fraction) * 2.0**64",
-       "validation takes the top of the hash range instead of the bottom"),
-    _m("P5", PREPARE,
-       "_max_run(np.frombuffer(raw, np.uint8)) > opts.filter_max_repeat:",
-       "_max_run(np.frombuffer(raw, np.uint8)) >= opts.filter_max_repeat:",
-       "a run of exactly --filter-max-repeat bytes drops the document"),
-    _m("P6", PREPARE, "  if opts.filter_max_repeat > 0 and _max_run",
-       "  if opts.filter_max_repeat >= 0 and _max_run",
-       "--filter-max-repeat 0 does not disable the repeat filter"),
-    _m("P7", PREPARE, "_nontext_fraction(raw) > opts.filter_max_nontext:",
-       "_nontext_fraction(raw) >= opts.filter_max_nontext:",
-       "a document exactly at --filter-max-nontext is dropped"),
     _m("P8", PREPARE, '    weights = [float(s["train_tokens"]) for s in sources]',
        '    weights = [float(s["train_documents"]) for s in sources]',
        "default weights are document counts, not token counts"),
-    _m("P9", PREPARE, '          "train_range": [start["train"], totals["train"]],',
-       '          "train_range": [0, totals["train"]],',
-       "a source's token range starts at 0, not where it starts in train.bin"),
     _m("P10", PREPARE, "  if not 0.0 < opts.val_fraction < 1.0:",
        "  if not 0.0 < opts.val_fraction <= 1.0:", "--val-fraction 1 is accepted"),
     _m("P11", PREPARE, '      if counts["train"] == 0:  # it would be in val.bin only',
@@ -881,8 +912,6 @@ MUTANTS = [
        "a complete directory prepared with the same request is prepared again"),
     _m("P13", PREPARE, "    if not same and not force:", "    if False:",
        "a directory prepared with other settings is replaced without --force"),
-    _m("P14", PREPARE, "      arr[pos + n - 1] = tok.eot_id\n", "",
-       "documents are not followed by the end-of-text id"),
     _m("P15", PREPARE, "    s[\"weight\"] = w / total_w", "    s[\"weight\"] = w",
        "the weights in meta.json are not normalised"),
     _m("P16", PREPARE, "    try:\n      lock.acquire()\n", "    try:\n      pass\n",
@@ -891,22 +920,92 @@ MUTANTS = [
     _m("P17", PREPARE, "    if existing.changed and not force:", "    if False:",
        "a train.bin the user put in place of prepare's is prepared over without --force",
        ("tests/test_prepare.py", "-k", "replaced_by_the_user")),
-    _m("P18", PREPARE, "      if key in seen:", "      if False:",
-       "an input given twice is read twice", ("tests/test_prepare.py", "-k", "given_twice")),
-    _m("P19", PREPARE, '        counts["invalid_utf8_bytes"] += invalid',
+    _m("P20", PREPARE,
+       "    if created and not (out / PREPARED_META).exists():\n"
+       "      out_dir.remove_created(created)\n",
+       "", "a failed prepare leaves the --out folder it created",
+       ("tests/test_prepare.py", "-k", "failed_prepare or given_twice or full_disk")),
+
+    # ---------------------------------------------------------------- data/prepared.py
+    _m("P1", PREPARED, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size < 1 << 16",
+       "a vocabulary of exactly 65,536 (ids up to 65,535) is written as uint32"),
+    _m("P2", PREPARED, "  fits16 = vocab_size <= 1 << 16", "  fits16 = vocab_size <= (1 << 16) + 1",
+       "a vocabulary of 65,537 is written as uint16 (id 65,536 wraps to 0)"),
+    _m("P9", PREPARED, '      "train_range": [start["train"], end["train"]],',
+       '      "train_range": [0, end["train"]],',
+       "a source's token range starts at 0, not where it starts in train.bin"),
+    _m("P21", PREPARED, "  except OSError as e:\n    raise write_error(path, e) from None",
+       "  except OSError:\n    raise", "a full disk is a traceback, not one error line",
+       ("tests/test_prepare.py", "-k", "full_disk or read_only")),
+    _m("P22", PREPARED, "    self.sha256.update(data)\n", "",
+       "meta.json records the SHA-256 of nothing, not of the file",
+       ("tests/test_prepare.py", "-k", "records_the")),
+    _m("D11", PREPARED, "    if actual != expected:", "    if actual is None:",
+       "a train.bin/val.bin whose size differs from meta.json is accepted",
+       ("tests/test_data.py", "-k", "meta_json")),
+    _m("D16", PREPARED, '    if facts["sha256"] != record["sha256"]:', "    if False:",
+       "a prepared file changed in place (same size) is accepted",
+       ("tests/test_data.py", "-k", "changed_in_place")),
+    _m("D17", PREPARED, '  if (record.get("stat") == stat_record(st)', "  if (False",
+       "a prepared file untouched since prepare wrote it is read again at every start",
+       ("tests/test_data.py", "-k", "changed_in_place")),
+
+    # ---------------------------------------------------------------- data/encode.py
+    _m("P3", ENCODE,
+       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")',
+       '  h = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "big")',
+       "the split hash is read big-endian"),
+    _m("P4", ENCODE, "  return h < val_fraction * 2.0**64",
+       "  return h >= (1.0 - val_fraction) * 2.0**64",
+       "validation takes the top of the hash range instead of the bottom"),
+    _m("P5", ENCODE,
+       " max_run(np.frombuffer(raw, np.uint8)) > opts.filter_max_repeat:",
+       " max_run(np.frombuffer(raw, np.uint8)) >= opts.filter_max_repeat:",
+       "a run of exactly --filter-max-repeat bytes drops the document"),
+    _m("P6", ENCODE, "  if opts.filter_max_repeat > 0 and max_run",
+       "  if opts.filter_max_repeat >= 0 and max_run",
+       "--filter-max-repeat 0 does not disable the repeat filter"),
+    _m("P7", ENCODE, " nontext_fraction(raw) > opts.filter_max_nontext:",
+       " nontext_fraction(raw) >= opts.filter_max_nontext:",
+       "a document exactly at --filter-max-nontext is dropped"),
+    _m("P14", ENCODE, "      arr[pos + n - 1] = tok.eot_id\n", "",
+       "documents are not followed by the end-of-text id"),
+    _m("P19", ENCODE, '        counts["invalid_utf8_bytes"] += invalid',
        '        counts["invalid_utf8_bytes"] += 1',
        "invalid UTF-8 is counted per document, not per byte",
        ("tests/test_prepare.py", "-k", "invalid_utf8")),
-    _m("P20", PREPARE,
-       "    if created and not (out / PREPARED_META).exists():\n      _remove_created(created)\n",
-       "", "a failed prepare leaves the --out folder it created",
+
+    # ---------------------------------------------------------------- data/inputs.py
+    _m("P18", INPUTS, "      if key in seen:", "      if False:",
+       "an input given twice is read twice", ("tests/test_prepare.py", "-k", "given_twice")),
+    _m("P23", INPUTS, '  return gzip.open(path, "rb") if path.name.endswith(".gz") else',
+       '  return open(path, "rb") if path.name.endswith(".gz") else',
+       "a .gz input is read as it is on disk, not decompressed",
+       ("tests/test_prepare.py", "-k", "gz")),
+    _m("P24", INPUTS, "  if opts.text_field not in record:", "  if False:",
+       "a JSON record without the text field is a traceback, not one error line",
+       ("tests/test_prepare.py", "-k", "bad_input")),
+    _m("P25", INPUTS, '  if name.endswith(JSON_SUFFIXES):\n    return "json"',
+       '  if name.endswith(JSON_SUFFIXES):\n    return "text"',
+       "a .jsonl input is read as plain text",
+       ("tests/test_prepare.py", "-k", "each_input_format")),
+    _m("P26", INPUTS, "  if opts.text_field not in names:", "  if False:",
+       "a Parquet file without the text column is called unreadable, not told to pass "
+       "--text-field", ("tests/test_prepare.py", "-k", "bad_input")),
+
+    # ---------------------------------------------------------------- data/out_dir.py
+    _m("P27", OUT_DIR, "    if path.is_dir() and (path == where or path in where.parents):",
+       "    if False:", "an --out inside an input folder is accepted (its files read as input)",
+       ("tests/test_prepare.py", "-k", "more_bad_input")),
+    _m("P28", OUT_DIR, "  if in_the_way and not force:", "  if False:",
+       "files under prepare's names that it did not write are replaced without --force",
+       ("tests/test_prepare.py", "-k", "did_not_write")),
+    _m("P29", OUT_DIR, "    try:\n      os.rmdir(folder)\n", "    try:\n      pass\n",
+       "a failed prepare leaves the --out folder it created",
        ("tests/test_prepare.py", "-k", "failed_prepare or given_twice or full_disk")),
-    _m("P21", PREPARE, "  except OSError as e:\n    raise _write_error(path, e) from None",
-       "  except OSError:\n    raise", "a full disk is a traceback, not one error line",
-       ("tests/test_prepare.py", "-k", "full_disk or read_only")),
-    _m("P22", PREPARE, "    self.sha256.update(data)\n", "",
-       "meta.json records the SHA-256 of nothing, not of the file",
-       ("tests/test_prepare.py", "-k", "records_the")),
+    _m("P30", OUT_DIR, '  state["old_meta_removed"] = True\n', "",
+       "a run stopped while it puts its corpus in place leaves files of the old corpus",
+       ("tests/test_prepare.py", "-k", "interrupted_while_replacing")),
 
     # ---------------------------------------------------------------- data/tokenizer.py
     _m("T1", TOKENIZER, '    return list(text.replace("\\x00", "").encode("utf-8", "replace"))',
@@ -934,20 +1033,35 @@ MUTANTS = [
        "    found = [n for n in reversed(names) if n in vocab]",
        "the end-of-text names are looked up in the wrong order"),
 
-    # ---------------------------------------------------------------- data/pipeline.py
-    _m("D1", PIPELINE,
-       "      if cfg.filter_max_repeat > 0 and _max_run(a) > cfg.filter_max_repeat:",
-       "      if cfg.filter_max_repeat > 0 and _max_run(a) >= cfg.filter_max_repeat:",
+    # ---------------------------------------------------------------- data/sources.py
+    _m("D1", SOURCES,
+       "      if cfg.filter_max_repeat > 0 and max_run(a) > cfg.filter_max_repeat:",
+       "      if cfg.filter_max_repeat > 0 and max_run(a) >= cfg.filter_max_repeat:",
        "a run of exactly filter_max_repeat bytes drops the document",
        ("tests/test_data.py", "-k", "filter")),
-    _m("D2", PIPELINE, "_CONTROL[list(range(0, 9)) + list(range(14, 32)) + [127]] = True",
+    _m("D2", SOURCES, "_CONTROL[list(range(0, 9)) + list(range(14, 32)) + [127]] = True",
        "_CONTROL[list(range(0, 9)) + list(range(14, 32))] = True", "DEL counts as text",
        ("tests/test_data.py", "-k", "filter or nontext")),
-    _m("D3", PIPELINE, "  if len(raw) <= TEXT_DOC_BYTES:\n    return [raw]",
+    _m("D3", SOURCES, "  if len(raw) <= TEXT_DOC_BYTES:\n    return [raw]",
        "  if len(raw) < TEXT_DOC_BYTES:\n    return [raw]",
        "a file of exactly 64 KiB is split into paragraph documents",
        equivalent="paragraphs are packed losslessly into documents of up to 64 KiB, so a file of "
                   "at most 64 KiB packs into the one document the early return gives"),
+    _m("D10", SOURCES, '  dtype = np.dtype(meta["dtype"])\n  train_tokens',
+       '  dtype = np.dtype("uint16")\n  train_tokens',
+       "a prepared uint32 corpus is read as uint16",
+       _PREPARED_TESTS),
+    _m("D12", SOURCES, "    if max_token >= vocab_size:", "    if max_token > vocab_size:",
+       "a .bin token id equal to the vocabulary size is accepted",
+       ("tests/test_data.py", "-k", "vocabulary_size")),
+    _m("D14", SOURCES, "    if size + len(para) > TEXT_DOC_BYTES and current:",
+       "    if size + len(para) > 2 * TEXT_DOC_BYTES and current:",
+       "paragraphs are packed into documents of up to 128 KiB"),
+    _m("D15", SOURCES, "    if top >= vocab_size:", "    if top > vocab_size:",
+       "a prepared token id equal to the vocabulary size is accepted",
+       ("tests/test_data.py", "-k", "checked_against_its_vocabulary")),
+
+    # ---------------------------------------------------------------- data/pipeline.py
     _m("D4", PIPELINE, "      n_val = max(window, math.ceil(src.usable * cfg.val_fraction))",
        "      n_val = math.ceil(src.usable * cfg.val_fraction)",
        "a small source holds out less than one validation window",
@@ -971,36 +1085,23 @@ MUTANTS = [
        "      picks = np.arange(needed)",
        "validation takes the first windows instead of evenly spaced ones",
        ("tests/test_data.py", "-k", "val")),
-    _m("D10", PIPELINE, '  dtype = np.dtype(meta["dtype"])\n  train_tokens',
-       '  dtype = np.dtype("uint16")\n  train_tokens',
-       "a prepared uint32 corpus is read as uint16",
-       _PREPARED_TESTS),
-    _m("D11", PIPELINE, "    if actual != expected:", "    if actual is None:",
-       "a train.bin/val.bin whose size differs from meta.json is accepted",
-       ("tests/test_data.py", "-k", "meta_json")),
-    _m("D12", PIPELINE, "    if max_token >= vocab_size:", "    if max_token > vocab_size:",
-       "a .bin token id equal to the vocabulary size is accepted",
-       ("tests/test_data.py", "-k", "vocabulary_size")),
     _m("D13", PIPELINE, '    vocab_size = int(meta["vocab_size"])', "    vocab_size = vocab_size",
        "a prepared directory's vocabulary size is not used",
        _PREPARED_TESTS),
-    _m("D14", PIPELINE, "    if size + len(para) > TEXT_DOC_BYTES and current:",
-       "    if size + len(para) > 2 * TEXT_DOC_BYTES and current:",
-       "paragraphs are packed into documents of up to 128 KiB"),
-    _m("D15", PIPELINE, "    if top >= vocab_size:", "    if top > vocab_size:",
-       "a prepared token id equal to the vocabulary size is accepted",
-       ("tests/test_data.py", "-k", "checked_against_its_vocabulary")),
-    _m("D16", PIPELINE, '    if facts["sha256"] != record["sha256"]:', "    if False:",
-       "a prepared file changed in place (same size) is accepted",
-       ("tests/test_data.py", "-k", "changed_in_place")),
-    _m("D17", PIPELINE, '  if (record.get("stat") == _stat_record(st)', "  if (False",
-       "a prepared file untouched since prepare wrote it is read again at every start",
-       ("tests/test_data.py", "-k", "changed_in_place")),
-    _m("D18", PIPELINE, "        if x.get(key) != y.get(key):", "        if False:",
+
+    # ---------------------------------------------------------------- data/identity.py
+    _m("D18", IDENTITY, "        if x.get(key) != y.get(key):", "        if False:",
        "two identities of different data compare equal",
        ("tests/test_data.py", "-k", "data_identity")),
-    _m("D19", PIPELINE, "  if sum(sizes) <= hash_limit:", "  if True:",
+    _m("D19", IDENTITY, "  if sum(sizes) <= hash_limit:", "  if True:",
        "data_identity hashes plain files of any size at every start",
+       ("tests/test_data.py", "-k", "data_identity")),
+    _m("D20", IDENTITY, '  if recorded.get("settings") != current.get("settings"):',
+       "  if False:", "a change of the data settings (a filter, the weights) is not noticed",
+       ("tests/test_data.py", "-k", "data_identity")),
+    _m("D21", IDENTITY, '"".join(f"{n}\\0{_file_sha256(f)}\\n" for n, f',
+       '"".join(f"{n}\\0\\n" for n, f',
+       "a folder's identity is its file names only: a file's new content is the same data",
        ("tests/test_data.py", "-k", "data_identity")),
 
     # ---------------------------------------------------------------- data/folder.py
@@ -1012,9 +1113,9 @@ MUTANTS = [
        "a symbolic link named .lock is followed and its target overwritten"),
     _m("FO4", FOLDER, "        os.unlink(self.path)\n", "        pass\n",
        "release leaves the lock file behind"),
-    _m("FO5", FOLDER, "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
-       "fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
-       "two writers both take a shared lock"),
+    _m("FO5", FOLDER, "      try:\n        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)",
+       "      try:\n        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)",
+       "two writers both take a shared lock on the lock file"),
 
     # ---------------------------------------------------------------- training/distributed.py
     _m("DI1", DISTRIBUTED,
@@ -1175,12 +1276,12 @@ MUTANTS = [
        "        corr_now = 1 - beta ** (count_inc + 1).astype(dtype)",
        "Nesterov's gradient term is bias-corrected for the wrong step",
        _muon_tests("matches_optax")),
-    _m("MU15", MUON, "  if not isinstance(dims, routing.FusedDimensionNumbers):\n"
+    _m("RT13", ROUTING, "  if not isinstance(dims, FusedDimensionNumbers):\n"
        "    return [(x, dims)], lambda outs: outs[0]",
        "  if True:\n    return [(x, dims)], lambda outs: outs[0]",
        "a fused kernel is orthogonalised as one matrix, not per projection",
        _muon_tests("fused_kernel")),
-    _m("MU16", MUON, "  cuts = list(np.cumsum(sizes)[:-1])", "  cuts = list(sizes[:-1])",
+    _m("RT14", ROUTING, "  cuts = list(np.cumsum(sizes)[:-1])", "  cuts = list(sizes[:-1])",
        "parts of different sizes are cut at the wrong places",
        _muon_tests("fused_kernel")),
 
@@ -1246,12 +1347,16 @@ MUTANTS = [
        "optimizer.outlier_threshold with outlier_method=null is not named as ineffective"),
 
     # ---------------------------------------------------------------- training/optim.py
-    _m("OP1", SKIPPING, "        max_consecutive=c.max_consecutive, statistics=c.statistics),",
-       "        max_consecutive=c.max_consecutive, statistics=\"winsorized\"),",
-       "stability.skip_spikes.statistics does not reach skip_spikes", AREA_TESTS[OPTIM]),
-    _m("OP2", SKIPPING, "        max_consecutive=c.max_consecutive, statistics=c.statistics),",
-       "        statistics=c.statistics),",
-       "stability.skip_spikes.max_consecutive does not reach skip_spikes", AREA_TESTS[OPTIM]),
+    _m("OP1", DEFENCE,
+       'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
+       'for f in dataclasses.fields(section)\n              if f.name not in ("enabled", '
+       '"statistics")}', "stability.skip_spikes.statistics does not reach skip_spikes",
+       AREA_TESTS[OPTIM]),
+    _m("OP2", DEFENCE,
+       'for f in dataclasses.fields(section)\n              if f.name != "enabled"}',
+       'for f in dataclasses.fields(section)\n              if f.name not in ("enabled", '
+       '"max_consecutive")}', "stability.<skip wrapper>.max_consecutive does not reach it",
+       AREA_TESTS[OPTIM]),
     _m("OP3", OPTIM, "      decay_steps=t.steps, end_value=peak * t.min_lr_ratio)",
        "      decay_steps=t.steps, end_value=0.0)", "train.min_lr_ratio is ignored (decay to 0)"),
     _m("OP4", OPTIM, "  return jax.tree.map(lambda label: label != \"adam\", "
@@ -1267,16 +1372,14 @@ MUTANTS = [
     _m("CL4", CLIP, "position=defence.Position.GRADIENT, order=10,",
        "position=defence.Position.UPDATE, order=10,",
        "the plain clip clips the optimizer's update instead of the gradient"),
-    _m("OP6", CLIP, "    build=lambda c, ctx: optax.clip_by_global_norm(c.max_norm),",
-       "    build=lambda c, ctx: optax.identity(),",
+    _m("OP6", CLIP, "    factory=optax.clip_by_global_norm, label=",
+       "    factory=lambda max_norm: optax.identity(), label=",
        "stability.clip does not clip", AREA_TESTS[OPTIM]),
     _m("OP7", OPTIM, "          \"head\": adam if o.head_learning_rate is None else "
        "o.head_learning_rate}", "          \"head\": o.learning_rate if o.head_learning_rate is "
        "None else o.head_learning_rate}", "an unset head rate resolves to the Muon rate"),
-    _m("OP8", SKIPPING,
-       "    build=lambda c, ctx: lambda inner: skip_nonfinite(inner, "
-       "max_consecutive=c.max_consecutive),",
-       "    build=lambda c, ctx: lambda inner: skip_nonfinite(inner),",
+    _m("OP8", SKIPPING, "    order=20, factory=skip_nonfinite,",
+       "    order=20, factory=lambda inner, max_consecutive: skip_nonfinite(inner),",
        "stability.skip_nonfinite.max_consecutive does not reach skip_nonfinite",
        AREA_TESTS[OPTIM]),
 
@@ -1329,11 +1432,11 @@ MUTANTS = [
     _m("QK1", QK_CLIP, "over = jnp.logical_and(jnp.isfinite(logits), logits > tau32)",
        "over = jnp.logical_and(jnp.isfinite(logits), logits >= 0.5 * tau32)",
        "heads below tau are clipped too"),
-    _m("QK2", QK_CLIP, "        query_factor = key_factor = jnp.sqrt(gamma)",
-       "        query_factor, key_factor = gamma, jnp.ones_like(gamma)",
+    _m("QK2", QK_CLIP, "    query_factor = key_factor = jnp.sqrt(gamma)",
+       "    query_factor, key_factor = gamma, jnp.ones_like(gamma)",
        "the factor is not split as sqrt(tau / max) between W_q and W_k"),
-    _m("QK3", QK_CLIP, "        query_factor = gamma\n",
-       "        query_factor = jnp.sqrt(gamma)\n",
+    _m("QK3", QK_CLIP, "    query_factor = gamma\n",
+       "    query_factor = jnp.sqrt(gamma)\n",
        "with shared key heads (GQA) the query head does not take the whole factor"),
     _m("QK4", QK_CLIP, "_common.f32(u) * f + _common.f32(p) * (f - 1.0)",
        "_common.f32(u) * f",
@@ -1342,14 +1445,13 @@ MUTANTS = [
        "over = logits > tau32",
        "a non-finite logit is used as a scale (NaN weights) instead of being left alone"),
     _m("QK6", QK_CLIP, "total_clipped=jnp.where(heads > room, jnp.iinfo(jnp.int32).max,\n"
-       "                                state.total_clipped + heads))",
+       "                              state.total_clipped + heads))",
        "total_clipped=heads)",
        "total_clipped counts the last step only"),
-    _m("QK7", QK_CLIP, "      clipped.append(jnp.sum(over, dtype=jnp.int32))",
-       "      clipped.append(jnp.any(over).astype(jnp.int32))",
+    _m("QK7", QK_CLIP, "  return query_factor, key_factor, jnp.sum(over, dtype=jnp.int32)",
+       "  return query_factor, key_factor, jnp.any(over).astype(jnp.int32)",
        "heads_clipped counts layers, not heads"),
-    _m("QK8", QK_CLIP, "  def init_fn(params: Any) -> QKClipState:\n    check_layers(params)",
-       "  def init_fn(params: Any) -> QKClipState:\n    pass",
+    _m("QK8", QK_CLIP, "    _check_layers(params, find_layers(params))\n", "    pass\n",
        "a layout whose heads cannot be located fails at the first update, not at init"),
     _m("QK9", QK_CLIP, "    factor = jnp.concatenate([jnp.repeat(ones, start, axis=-1), factor,",
        "    factor = jnp.concatenate([factor, jnp.repeat(ones, start, axis=-1),",
@@ -1414,6 +1516,63 @@ MUTANTS = [
        "", "describe_routing and init say nothing of fused kernels (split or left whole)",
        ("tests/test_routing.py", "-k", "describe_routing_table or fused_parts")),
 
+    _m("RT12", ROUTING, '      if sources[i] != "given":\n', '      if True:\n',
+       "per_head overrides dimension numbers the user gave",
+       ("tests/test_per_head.py", "-k", "given")),
+
+    # ---------------------------------------------------------------- layout/heads.py (per head)
+    _m("HD1", HEADS, '      side = red if p.role == "out" else outs', "      side = outs",
+       "the output projection is split along its model axis, not its heads",
+       ("tests/test_per_head.py", "-k", "stablejax_gpt or plain_tree")),
+    _m("HD2", HEADS, "red2, out2 = tuple(a for a in red if a != head), tuple(a for a in outs "
+       "if a != head)", "red2, out2 = tuple(a for a in red if a != head), outs",
+       "a [D, H, hd] kernel's heads axis stays a matrix axis",
+       ("tests/test_per_head.py", "-k", "dense_general or gemma or scanned")),
+    _m("HD3", HEADS, "  if group.qk_norm_dim is not None:\n    return group.qk_norm_dim\n", "",
+       "the head size is not read from the query/key norm",
+       ("tests/test_per_head.py", "-k", "stablejax_gpt")),
+    _m("HD4", HEADS, '    width = p.parts[0] if p.role == "qkv" and p.parts else p.width',
+       "    width = p.width",
+       "a fused query/key/value kernel's whole width is taken as the query's",
+       ("tests/test_per_head.py", "-k", "plain_tree")),
+
+    # ---------------------------------------------------------------- muon/gram.py
+    _m("GR1", GRAM, "      r = _symmetrise(matmul(z, rz, rz, alpha=a, beta=1.0, "
+       "trans_rhs=False))", "      r = matmul(z, rz, rz, alpha=a, beta=1.0, trans_rhs=False)",
+       "R is not symmetrised after its update"),
+    _m("GR2", GRAM, "_symmetrise(matmul(z, rz, rz, alpha=a, beta=1.0, trans_rhs=False))",
+       "_symmetrise(matmul(z, rz, rz, alpha=a, beta=1.0, trans_rhs=True))",
+       "R's update uses RZ transposed (its rounding asymmetry compounds)"),
+    _m("GR3", GRAM, "  if jnp.dtype(dtype).itemsize > 2:", "  if jnp.dtype(dtype).itemsize > 1:",
+       "bfloat16 runs without a restart"),
+    _m("GR4", GRAM, "      q = matmul(q, z, q, alpha=a, beta=1.0, trans_rhs=True)",
+       "      q = matmul(q, z, q, alpha=0.0, beta=1.0, trans_rhs=True)",
+       "Q accumulates Z instead of a I + Z after its first step"),
+    _m("GR5", GRAM, "      r = matmul(x, x, None, alpha=0.0, beta=1.0, trans_rhs=True)\n"
+       "      q = None", "      q = None",
+       "a restart keeps the old R instead of recomputing it from X"),
+    _m("GR6", GRAM, "      macs += 2 * n**3  # R (a I + Z), then (a I + Z) RZ",
+       "      macs += n**3", "the FLOP count misses one of the two products of R's update"),
+    _m("GR7", GRAM, "  return steps > 0 and flops(n, m, steps, restarts) < flops(n, m, steps, "
+       "method=\"standard\")", "  return steps > 0",
+       "Gram runs on every shape, square ones too, where it takes more FLOPs"),
+
+    # ---------------------------------------------------------------- muon/normuon.py
+    _m("NM1", NORMUON, "jnp.mean(of * of, axis=-2)", "jnp.mean(of * of, axis=-1)",
+       "the second moment is taken per input row, not per output neuron"),
+    _m("NM2", NORMUON, "  return (scaled * (norm / jnp.maximum(new_norm, 1e-8))).astype(o.dtype), "
+       "nu", "  return scaled.astype(o.dtype), nu",
+       "the normalised update does not get the Frobenius norm of Muon's back"),
+    _m("NM3", NORMUON, "      new_nu.append(jnp.concatenate(nus) if len(nus) > 1 else nus[0])",
+       "      new_nu.append(nu)", "the per-neuron statistics are never updated"),
+    _m("NM4", NORMUON, "      pieces, join = routing.split_fused(u, dims)",
+       "      pieces, join = [(u, dims)], (lambda outs: outs[0])",
+       "per-head (fused) matrices are normalised as one matrix"),
+    _m("NM5", MUON, "    muon_parts.append(_normuon.with_layouts(normuon_b2, 1e-8, muon_layouts))",
+       "    muon_parts.append(_normuon.with_layouts(0.0, 1e-8, muon_layouts))",
+       "normuon_b2 is not passed on (no averaging over steps)",
+       ("tests/test_normuon.py", "-k", "outlier_safe_muon_normuon")),
+
     # ---------------------------------------------------------------- layout/analysis.py
     _m("LT1", LAYOUT, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",
        "return _is_variable(x) or isinstance(x, optax.MaskedNode)",
@@ -1459,11 +1618,68 @@ MUTANTS = [
        "a 2-D kernel with a 'qkv' axis name is taken for a vector (routed to Adam)",
        ("tests/test_routing.py", "-k", "fused_parts")),
 
+    # ---------------------------------------------------------------- training/run_dir_checks.py
+    _m("RC1", RUN_DIR_CHECKS, "    if name not in recorded:\n      raise RunDirError(",
+       "    if False:\n      raise RunDirError(",
+       "a trainer name the record does not list is taken for the run's (and overwritten)"),
+    _m("RC2", RUN_DIR_CHECKS, "    if WRITES[name] is None and path.is_symlink():",
+       "    if False:", "a recorded file replaced by a symbolic link is written through"),
+    _m("RC3", RUN_DIR_CHECKS, "path.stat().st_nlink > 1", "path.stat().st_nlink > 2",
+       "a metrics.jsonl with another name (a hard link) is appended to"),
+    _m("RC4", RUN_DIR_CHECKS, "    if fresh and path.is_symlink():", "    if False:",
+       "--fresh deletes through a symbolic link"),
+    _m("RC5", RUN_DIR_CHECKS,
+       "      foreign += [step_dir / f for f in sorted(os.listdir(step_dir)) if f not in "
+       "STEP_ENTRIES]", "      pass",
+       "a file of the user's inside a checkpoint step folder is not found"),
+    _m("RC6", RUN_DIR_CHECKS, 'if meta.get("fingerprint") != saved[step_dir.name] or ', "if ",
+       "another run's step saved over one of this run's (same step number) is resumed from",
+       ("tests/test_run_dir.py", "-k", "step_copied")),
+    _m("RC7", RUN_DIR_CHECKS,
+       '  if not any(m is not None and "fingerprint" in m and "step" in m for m in metas):',
+       "  if False:",
+       "a folder with a full config.json is taken for a run of 0.1, whatever its checkpoints"),
+    _m("RC8", RUN_DIR_CHECKS, ' and "config.json" in recorded:', ":",
+       "a user's config.json in --out, given as --config, is taken for the run's own"),
+    _m("RC9", RUN_DIR_CHECKS, "foreign += [trash / n for n in (os.listdir(trash) if not foreign "
+       "else []) if n not in WRITES]", "pass",
+       "a file put into the folder of a killed --fresh is deleted with it"),
+
+    # ---------------------------------------------------------------- training/previous_run.py
+    _m("PR1", PREVIOUS_RUN, "          os.rename(trash / name, self.root / name)",
+       "          pass", "a --fresh that cannot move a name leaves the others moved aside"),
+    _m("PR2", PREVIOUS_RUN, "        write_record(self.record)  # the record as it was",
+       "        pass", "a --fresh that cannot move a name leaves the record changed"),
+    _m("PR3", PREVIOUS_RUN, "          moved.append(name)\n", "",
+       "a --fresh that cannot move a name does not put back those it moved"),
+    _m("PR4", PREVIOUS_RUN, "      if os.path.lexists(trash):\n        shutil.rmtree(trash)",
+       "      if False:\n        shutil.rmtree(trash)",
+       "--fresh leaves the previous run in its folder .fresh-removing"),
+
+    # --------------------------------------------------------------- training/environment_errors.py
+    _m("EE1", ENVIRONMENT_ERRORS, "    node = node.__cause__ or node.__context__",
+       "    node = None", "a full disk wrapped in Orbax's error (its cause) is not recognised"),
+    _m("EE2", ENVIRONMENT_ERRORS,
+       "  return _chain_has(error, _DISK_FULL) or _chain_has(error, _READ_ONLY)",
+       "  return _chain_has(error, _DISK_FULL)",
+       "a read-only file system is not recognised in a log message"),
+    _m("EE3", ENVIRONMENT_ERRORS,
+       "if (isinstance(node, OSError) and node.errno in errnos) or _chain_has(str(node), kind):",
+       "if _chain_has(str(node), kind):",
+       "an OSError is recognised by its words only, not its errno"),
+    _m("EE4", ENVIRONMENT_ERRORS,
+       "  if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):", "  if False:",
+       "no permission to write is not one line"),
+    _m("EE5", ENVIRONMENT_ERRORS,
+       '  if "RESOURCE_EXHAUSTED" in str(e) and "memory" in str(e).lower():',
+       '  if "RESOURCE_EXHAUSTED" in str(e):',
+       "any RESOURCE_EXHAUSTED is reported as the device's memory"),
+
     # ---------------------------------------------------------------- training/loop.py
-    _m("LO1", BATCHES,
-       "  return sum(int(v) for k, v in record.items() if k.endswith(\"/total_skips\"))",
-       "  return max([int(v) for k, v in record.items() if k.endswith(\"/total_skips\")], "
-       "default=0)", "skipped steps of two skip wrappers are not added up"),
+    _m("LO1", SPECS,
+       '  return sum(int(record[key]) for key in counter_keys(record, "skips"))',
+       '  return max([int(record[key]) for key in counter_keys(record, "skips")], default=0)',
+       "skipped steps of two skip wrappers are not added up", AREA_TESTS[BATCHES]),
     _m("LO2", BATCHES, "    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:",
        "    if step in f.nan_grad_steps or step in f.nan_grad_batch_indices:",
        "faults.nan_grad_batch_indices counts steps instead of data positions"),
@@ -1618,9 +1834,40 @@ MUTANTS = [
     _m("CU4", COMPENSATED, "    step_key = jax.random.fold_in(base_key, state.count)",
        "    step_key = base_key", "every step draws the same random bits"),
     _m("CU5", COMPENSATED,
-       "  if ctx.model is not None and dtype not in _LOW_PRECISION_DTYPES:",
-       "  if ctx.model is not None and dtype in _LOW_PRECISION_DTYPES:",
+       "  if ctx.model is not None and ctx.model.param_dtype not in _LOW_PRECISION_DTYPES:",
+       "  if ctx.model is not None and ctx.model.param_dtype in _LOW_PRECISION_DTYPES:",
        "the trainer compensates float32 parameters and not bfloat16 ones"),
+
+    # ---------------------------------------------------------- declarations and their counters
+    _m("SP3", SPECS,
+       r'pattern = re.compile(rf"{re.escape(spec.prefix)}(_\d+)?/{re.escape(name)}")',
+       r'pattern = re.compile(rf"{re.escape(spec.prefix)}/{re.escape(name)}")',
+       "the counters of a repeated prefix (skip_spikes_1/...) are left out"),
+    _m("SP4", SPECS, '  return sum(int(record[key]) for key in counter_keys(record, "skips"))',
+       '  return sum(int(record[key]) for key in counter_keys(record, "rollback"))',
+       "rollback requests are counted as skipped steps"),
+    _m("DF3", DEFENCE,
+       "  if not declaration.name.isidentifier() or declaration.name in RESERVED_NAMES:",
+       "  if not declaration.name.isidentifier():", "a defence may take the optimizer's key"),
+    _m("DF4", DEFENCE, "key=lambda d: (d.position, d.order, d.name)",
+       "key=lambda d: (d.order, d.name)", "the chain is ordered without the positions"),
+    _m("DF5", DEFENCE, "  if (declaration.factory is None) == (declaration.build is None):",
+       "  if False:", "a declaration with neither a factory nor a builder is accepted"),
+
+    # ---------------------------------------------------------------- restoring by name
+    _m("RB1", RESTORE_PLAN, "    elif key not in layouts:\n      result.fresh.append(key)",
+       "    elif key not in layouts:\n      result.dropped.append(key)",
+       "a defence switched on is said to be dropped"),
+    _m("RB2", RESTORE_PLAN, "    elif layouts[key] != leaf_layout(current_opt[key]):",
+       "    elif False:", "an entry whose layout changed is read into the new layout"),
+    _m("RB3", RESTORE_PLAN, "  if not same_optimizer or reset_optimizer:",
+       "  if reset_optimizer:", "another optimizer's state is read into this one"),
+    _m("RB4", RESTORE_PLAN, "  result.dropped = sorted(k for k in layouts if k not in current_opt)",
+       "  result.dropped = []", "a defence switched off is not said"),
+    _m("RB5", RESTORE_PLAN,
+       "      return jnp.array(applied, leaf.dtype, copy=True)  # its own buffer: states are "
+       "donated",
+       "      return leaf", "a reset optimizer starts the learning-rate schedule over"),
 
     # ---------------------------------------------------------------- the log-norm spike rule
     _m("S31", SKIPPING,
@@ -1643,8 +1890,8 @@ MUTANTS = [
        "      if self.repeated is None:\n        self.repeated = np.asarray(tokens)",
        "      if True:\n        self.repeated = np.asarray(tokens)",
        "faults.repeat_batch_steps serves fresh batches"),
-    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg)))",
-       "learning_rates=None))",
+    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg, schedules))",
+       "learning_rates=None)",
        "the trainer's update clips do not divide out the optimizer's learning rates",
        tests=("tests/test_update_clip.py", "-k", "trainer")),
     # The gradient health level's history (monitor/health.py's GradientHealth) is read through

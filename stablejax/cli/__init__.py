@@ -31,7 +31,8 @@ class Command(NamedTuple):
 
 COMMANDS = {
     "train": Command("stablejax.cli.train",
-                     "train a Pre-LN GPT with the stability stack (checkpoints, logs, recovery)",
+                     "train a language model with the stability stack (checkpoints, logs, "
+                     "recovery)",
                      own_signals=True),
     "prepare": Command("stablejax.cli.prepare",
                        "prepare a corpus: documents -> tokens -> train.bin, val.bin, meta.json"),
@@ -69,7 +70,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if command is not None and command.own_signals:
     if as_program:
       _process.tolerate_closed_output()
-    return _run(command, argv)
+    try:
+      return _run(command, argv)
+    finally:
+      if as_program:
+        _process.ignore_stop_signals()
   with _process.program(as_program):
     if command is not None:
       return _run(command, argv)

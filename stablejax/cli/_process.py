@@ -18,18 +18,22 @@ exits with its own code.
 
 Both are set up for the life of the process when a program runs (``main()`` without arguments);
 ``main(argv)`` called from Python (tests, notebooks) restores the previous signal handlers when it
-returns and leaves the streams alone.
+returns and leaves the streams alone. A program's ``main`` that returned has said its last line:
+the stop signals are ignored from then on (`ignore_stop_signals`), so a second Ctrl-C during the
+interpreter's shutdown, when Python puts the default handlers back, cannot kill the process by
+the signal after its line (it exits with its own code).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
 import signal
 import sys
 import threading
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
                      if hasattr(signal, name))
@@ -108,9 +112,95 @@ def program(as_program: bool) -> Iterator[None]:
   try:
     yield
   finally:
-    if not as_program:
+    if as_program:
+      ignore_stop_signals()
+    else:
       restore(previous)
       forget()
+
+
+class UsageError(Exception):
+  """A bad command line, raised by a program's parser instead of exiting (one line, exit 2)."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """An ``argparse`` parser whose errors raise `UsageError` naming ``--help``."""
+
+  def error(self, message: str) -> NoReturn:
+    raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def run(argv: Optional[Sequence[str]], parse: Callable[[Optional[Sequence[str]]], Any],
+        body: Callable[[Any], int], *, refused: Callable[[], tuple[type[BaseException], ...]],
+        stopped: str, startup: Optional[str] = None, orbax: bool = False) -> int:
+  """The frame every program's ``main`` shares: the signals handled from the first line
+  (`program`), the arguments parsed, ``body(args)`` run; returns its exit code.
+
+  Args:
+    argv: the arguments (None: the process's, as the program).
+    parse: ``argv -> args``; it may raise `UsageError` (one line, exit 2).
+    body: the program's work, ``args -> exit code``; it imports what it needs, calls `check` at
+      its safe points, and `started` once its imports are done.
+    refused: ``() -> exception types`` that mean bad input (one ``error:`` line, exit 2), asked
+      only when an exception comes, so the body imports them.
+    stopped: what a stop signal left, after ``interrupted by SIGNAL: `` (exit 130).
+    startup: the same for a signal before `started` (``interrupted by SIGNAL during start-up:
+      ``); None: ``stopped`` then too.
+    orbax: drop Orbax's leftover tracebacks (`quiet_orbax_leftovers`).
+  """
+  with program(argv is None):
+    if orbax:
+      quiet_orbax_leftovers()
+    _started.clear()
+    try:
+      args = parse(argv)
+    except UsageError as e:
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+    try:
+      return body(args)
+    except KeyboardInterrupt as e:
+      phase = " during start-up" if startup is not None and not _started else ""
+      left = startup if phase else stopped
+      print(f"interrupted by {interrupted_name(e)}{phase}: {left}", file=sys.stderr)
+      return EXIT_INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - refusals are one line, anything else propagates
+      if not isinstance(e, refused()):
+        raise
+      print(f"error: {e}", file=sys.stderr)
+      return 2
+
+
+def run_refusals() -> tuple[type[BaseException], ...]:
+  """What a program that reads a run refuses in one line: an unusable run, an output it may not
+  write."""
+  from stablejax.training import outputs
+  from stablejax.training.runs import RunError
+  return RunError, outputs.OutputError
+
+
+def checkpoint_fallback(step: int, reason: str) -> None:
+  """The warning when a program reading a run passes over an unusable checkpoint."""
+  print(f"warning: checkpoint {step} is unusable ({reason}); trying the previous one",
+        file=sys.stderr)
+
+
+_started: list[bool] = []
+
+
+def started() -> None:
+  """Marks the end of a program's start-up (its imports): a stop signal from here on gets the
+  program's ``stopped`` line."""
+  _started.append(True)
+
+
+def ignore_stop_signals() -> None:
+  """Ignores the stop signals for the rest of the process (a program that said its last line).
+  Python's shutdown restores the default handler of a signal it handles, but leaves an ignored
+  one ignored: a signal then can no longer kill the process after its exit code was decided."""
+  if threading.current_thread() is threading.main_thread():
+    for s in STOP_SIGNALS:
+      signal.signal(s, signal.SIG_IGN)
 
 
 # ----------------------------------------------------------------------------- closed output

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from stablejax.cli import _process
 from stablejax.data import tokenizer as tokenizer_lib  # standard library only: --help is quick
@@ -25,14 +25,8 @@ DESCRIPTION = ("Prepare a corpus for the trainer: documents -> tokens -> train.b
                "one runs; SIGINT, SIGTERM or SIGHUP removes this run's files and exits 130.")
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-  def error(self, message: str) -> NoReturn:
-    print(f"error: {message} (see {PROG} --help)", file=sys.stderr)
-    sys.exit(2)
-
-
 def parser() -> argparse.ArgumentParser:
-  p = _ArgumentParser(prog=PROG, description=DESCRIPTION)
+  p = _process.ArgumentParser(prog=PROG, description=DESCRIPTION)
   p.add_argument("inputs", nargs="+", metavar="INPUT",
                  help="text/.jsonl/.json/.parquet files or folders, pydoc, or hf:NAME[:CONFIG]; "
                       "each at most once")
@@ -69,41 +63,44 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the program; returns its exit code (0, 2 or 130).
+  """The program (``argv``: its arguments, default ``sys.argv[1:]``); returns its exit code."""
+  stopped = "this run's files in {out} removed; run the same command again"
+  return _process.run(argv, parser().parse_args, _prepare, refused=_refused,
+                      startup="nothing was written",
+                      stopped=stopped.format(out=_out_of(argv)))
 
-  Args:
-    argv: the arguments (default ``sys.argv[1:]``, as the program: see
-      :mod:`stablejax.cli._process`).
-  """
-  with _process.program(argv is None):
-    args = parser().parse_args(argv)
-    try:
-      _process.check()
-      # Imported once the signals are handled: a Ctrl-C while NumPy and Grain load is a clean
-      # exit 130 too.
-      from stablejax.data.prepare import Options, PrepareError, prepare
-      _process.check()
-    except KeyboardInterrupt as e:
-      print(f"interrupted by {_process.interrupted_name(e)} during start-up: nothing was "
-            f"written", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,
-                   val_fraction=args.val_fraction, filter_max_repeat=args.filter_max_repeat,
-                   filter_max_nontext=args.filter_max_nontext)
-    try:
-      prepare(args.inputs, args.out, args.tokenizer, weights=args.weights, workers=args.workers,
-              dtype=args.dtype, opts=opts, eot_token=args.eot_token,
-              bpe_train_bytes=int(args.bpe_train_bytes) if args.bpe_train_bytes else None,
-              force=args.force, progress=not args.no_progress, log=_log,
-              check_stop=_process.check)
-    except PrepareError as e:
-      print(f"error: {e}", file=sys.stderr)
-      return 2
-    except KeyboardInterrupt as e:
-      print(f"interrupted by {_process.interrupted_name(e)}: this run's files in {args.out} "
-            f"removed; run the same command again", file=sys.stderr)
-      return _process.EXIT_INTERRUPTED
-    return 0
+
+def _refused() -> tuple[type[BaseException], ...]:
+  from stablejax.data.prepare import PrepareError
+  return (PrepareError,)
+
+
+def _out_of(argv: Optional[Sequence[str]]) -> str:
+  """The --out of the command line (for the stop line, which comes after the work)."""
+  args = list(sys.argv[1:] if argv is None else argv)
+  for i, item in enumerate(args):
+    if item == "--out" and i + 1 < len(args):
+      return args[i + 1]
+    if item.startswith("--out="):
+      return item.split("=", 1)[1]
+  return "--out"
+
+
+def _prepare(args: argparse.Namespace) -> int:
+  _process.check()
+  # Imported once the signals are handled: a Ctrl-C while NumPy and Grain load is a clean exit
+  # 130 too.
+  from stablejax.data.prepare import Options, prepare
+  _process.check()
+  _process.started()
+  opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,
+                 val_fraction=args.val_fraction, filter_max_repeat=args.filter_max_repeat,
+                 filter_max_nontext=args.filter_max_nontext)
+  prepare(args.inputs, args.out, args.tokenizer, weights=args.weights, workers=args.workers,
+          dtype=args.dtype, opts=opts, eot_token=args.eot_token,
+          bpe_train_bytes=int(args.bpe_train_bytes) if args.bpe_train_bytes else None,
+          force=args.force, progress=not args.no_progress, log=_log, check_stop=_process.check)
+  return 0
 
 
 def _log(line: Any) -> None:

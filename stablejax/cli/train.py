@@ -1,4 +1,4 @@
-"""Train a Pre-LN GPT with the stablejax stability stack.
+"""Train a language model with the stablejax stability stack (a Pre-LN GPT by default).
 
     python -m stablejax train                    # the packaged config "default" into runs/default
     python -m stablejax train --config gpt2_small --set train.steps=100 --set data.train=my.txt \
@@ -9,12 +9,19 @@
 ``openwebtext_stable_cpu``) or a JSON file. ``python train.py ...`` at the repository root is the
 same program.
 
+``--plugin MODULE`` imports a module of the user's that declares defences or model families
+(``stablejax.training.plugins``); the run records it, and a resume imports it again. A resume may
+switch defences on or off and change their settings: it says in one line what changed and what
+became of each defence's state. Switching between Muon and AdamW needs ``--reset-optimizer``.
+
 The run directory is the trainer's: it holds its lock while it runs (a second trainer on it stops
 with one line naming the first), records what it wrote in ``run.json``, and never deletes, appends
 to or reads as a checkpoint a file it did not write (``--fresh`` removes only what the record
-lists). A checkpoint in ``--out`` resumes the run: run the same command again. It resumes on the
-data and tokenizer it recorded (another corpus is refused unless ``--data-changed``), and writes
-``config.json`` only once the resume checks passed.
+lists, once the new start's checks passed). A checkpoint in ``--out`` resumes the run: run the
+same command again. It resumes on the data and tokenizer it recorded (another corpus is refused
+unless ``--data-changed``; another tokenizer always), and writes ``config.json`` only once the
+resume checks passed. Every name it writes in ``--out`` is listed in docs/trainer.md, "The run
+directory".
 
 Exit codes: 0 done; 2 bad command line, config, data, checkpoints or run directory, or an error
 of the environment (disk full, read-only folder); 3 diverged beyond the recovery budget; 130
@@ -52,10 +59,19 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                            "resumes")
   parser.add_argument("--fresh", action="store_true",
                       help="start over: delete what an earlier run wrote in --out (only what its "
-                           "run.json lists)")
+                           "run.json lists, and only once the new start's checks passed)")
   parser.add_argument("--data-changed", action="store_true",
                       help="resume on data other than the run recorded, on purpose (the "
-                           "validation set and the data order change)")
+                           "validation set and the data order change; the tokenizer must stay "
+                           "the run's)")
+  parser.add_argument("--reset-optimizer", action="store_true",
+                      help="resume with the optimizer's state started afresh (keeping the "
+                           "parameters, step, data position and monitor): to switch between "
+                           "muon and adamw")
+  parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                      help="import a module that declares defences or model families (a module "
+                           "name or a .py path), repeatable; recorded in config.json, so a resume, "
+                           "sample, report and quantize-eval import it again")
   return parser.parse_args(argv)
 
 
@@ -85,7 +101,7 @@ class _ReportedOnce(logging.Filter):
   one line, when it reaches the main thread."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    from stablejax.training.run_dir import is_environment_error
+    from stablejax.training.environment_errors import is_environment_error
     error = record.exc_info[1] if record.exc_info else None
     if error is not None and is_environment_error(error):
       return False
@@ -99,24 +115,35 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     logging.getLogger(name).addFilter(_ReportedOnce())
   _process.quiet_orbax_leftovers()
 
-  from stablejax.data.pipeline import DataError
+  from stablejax.data.config import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
-  from stablejax.training.config import ConfigError, config_name, load_config
+  from stablejax.training.config import ConfigError, config_name, config_path, load_config
   from stablejax.training.loop import Interrupted, Run
-  from stablejax.training.run_dir import RunDirError, environment_message
+  from stablejax.training.environment_errors import environment_message
+  from stablejax.training.run_record import RunDirError, recorded_plugins
 
   out = Path(args.out or Path("runs") / config_name(args.config))
   try:
     signals.check_startup("importing")
-    cfg = load_config(args.config, args.set)
+    # A resume imports the plugins the run recorded, before the config names their sections.
+    plugins = ([] if args.fresh else recorded_plugins(out)) + args.plugin
+    cfg = load_config(args.config, args.set, plugins=plugins)
     return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
-               signals=signals).train()
+               reset_optimizer=args.reset_optimizer, signals=signals,
+               config_file=config_path(args.config)).train()
   except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)
     if distributed.is_main():
       print(e, flush=True)
     return distributed.leave(130)
-  except (ConfigError, DataError, CheckpointError, RunDirError) as e:
+  except RunDirError as e:
+    if not e.quiet:  # (quiet: process 0 said it, and every process knows)
+      print(f"error: {e}", file=sys.stderr)
+    if not e.agreed:
+      return distributed.leave(2)
+    jax.distributed.shutdown()  # every process refused: they leave together, none waits alone
+    return 2
+  except (ConfigError, DataError, CheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return distributed.leave(2)
   except jax.errors.JaxRuntimeError as e:

@@ -142,11 +142,59 @@ class HFTokenizer:
     self.eot_id = vocab[self.eot_token]
     self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
 
+  # A document longer than two pieces is encoded a piece at a time, so that memory follows the
+  # piece (the library's encoding keeps strings and offsets for every token: about 1.5 GB for a
+  # 12 MB line), cut where the tokenizer's own cut lies (`_cut_near`): the ids are the same.
+  PIECE_CHARS = 1 << 20
+
   def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False).ids
+    return self.encode_batch([text])[0]
 
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-    return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+    texts = list(texts)
+    out: list[list[int]] = [[] for _ in texts]
+    short = [i for i, t in enumerate(texts) if len(t) <= 2 * self.PIECE_CHARS]
+    for i, ids in zip(short, self._ids([texts[i] for i in short])):
+      out[i] = ids
+    for i in sorted(set(range(len(texts))) - set(short)):
+      out[i] = self._encode_long(texts[i])
+    return out
+
+  def _ids(self, texts: list[str]) -> list[list[int]]:
+    # encode_batch_fast: the same ids without the offsets (tokenizers >= 0.20)
+    encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+    return [e.ids for e in encode(texts, add_special_tokens=False)] if texts else []
+
+  def _encode_long(self, text: str) -> list[int]:
+    ids: list[int] = []
+    start = 0
+    while len(text) - start > 2 * self.PIECE_CHARS:
+      cut = self._cut_near(text, start + self.PIECE_CHARS)
+      if cut is None:
+        break  # no place found where a cut changes nothing: the rest in one go
+      ids += self._ids([text[start:cut]])[0]
+      start = cut
+    return ids + self._ids([text[start:]])[0]
+
+  def _cut_near(self, text: str, position: int, window: int = 256, tries: int = 16,
+                reach: int = 1 << 16) -> Optional[int]:
+    """A position at or after ``position`` where cutting the text changes no id: the start of a
+    whitespace run after a non-space character, where the text around it (``window`` characters
+    each side) encodes the same cut and whole. (Normalisers and pre-tokenizers are local, so
+    that test holds for the whole text.) None when none of the first ``tries`` candidates within
+    ``reach`` characters passes."""
+    tried = 0
+    for i in range(max(position, 1), min(position + reach, len(text) - 1)):
+      if not (text[i].isspace() and not text[i - 1].isspace()):
+        continue
+      left, right = text[max(0, i - window):i], text[i:i + window]
+      pieces = self._ids([left, right, left + right])
+      if pieces[0] + pieces[1] == pieces[2]:
+        return i
+      tried += 1
+      if tried == tries:
+        return None
+    return None
 
   def decode(self, ids: Iterable[int]) -> str:
     ids = [int(i) for i in ids]

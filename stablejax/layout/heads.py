@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import warnings
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from stablejax.layout import analysis as layout
 
@@ -333,3 +333,105 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
   analysis = layout.analyse(leaves, roles)
   layers = [_layer(analysis, g, num_heads, num_kv_heads) for g in analysis.groups]
   return sorted(layers, key=lambda layer: layer.name)
+
+
+# ------------------------------------------------------------------ per-head matrices
+
+def _axes(axes: Any, ndim: int) -> tuple[int, ...]:
+  """Axes as negative ints (a layout's convention: unchanged by leading stacked axes)."""
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  return tuple(int(a) % ndim - ndim for a in axes)
+
+
+def _pack(axes: Sequence[int]) -> Any:
+  return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _head_dim(analysis: layout.Analysis, group: layout.AttentionGroup,
+              num_heads: Optional[int]) -> Optional[int]:
+  """The head size of a layer: its heads axis, its query/key norm, or the query width over
+  ``num_heads`` (None when none of them says)."""
+  if group.head_dim is not None:
+    return group.head_dim
+  if group.qk_norm_dim is not None:
+    return group.qk_norm_dim
+  for p in group.projections:
+    if num_heads is None:
+      break
+    width = p.parts[0] if p.role == "qkv" and p.parts else p.width
+    if p.role in ("query", "qkv", "out") and width % num_heads == 0:
+      return width // num_heads
+  return None
+
+
+def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Any],
+                     num_heads: Optional[int] = None) -> tuple[dict[int, Any], list[str]]:
+  """The matrices of every attention projection split per head, for Muon.
+
+  Query, key and value projections become one ``[D, hd]`` matrix per head (grouped-query key
+  and value: per key head; a fused query/key/value kernel: per head of each part), the output
+  projection one ``[hd, D]`` matrix per head, whatever the storage: a kernel with a heads axis
+  (``[D, H, hd]``, ``[H, hd, D]``, Gemma's ``[H, D, hd]``) gets that axis as a batch axis of
+  its ``optax.contrib.MuonDimensionNumbers``; a 2-D kernel (``[D, H*hd]``, ``[out, in]``
+  storage, fused ``[D, (H + 2K) hd]``, stacked ``[L, ...]``) a
+  :class:`stablejax.FusedDimensionNumbers` of ``width / hd`` equal parts along its head side,
+  split head-major as ``reshape(..., H, hd)`` does.
+
+  Args:
+    analysis: :func:`stablejax.layout.analysis.analyse` of the parameters.
+    layouts: the whole-matrix layout of each leaf (None for leaves that are not Muon's); only
+      the attention projections among them are split.
+    num_heads: the query head count, needed for layers of 2-D kernels without a query/key norm
+      (the head size is then the query width over it).
+
+  Returns:
+    ``({leaf index: per-head dimension numbers}, [layers whose head size is unknown])``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> from stablejax.layout import analysis
+    >>> from stablejax.layout.heads import per_head_layouts
+    >>> MDN = optax.contrib.MuonDimensionNumbers
+    >>> params = {"embed": jnp.zeros((50, 8)), "attn": {
+    ...     name: {"kernel": jnp.zeros((8, 8))} for name in ("q_proj", "k_proj", "v_proj",
+    ...                                                     "o_proj")}}
+    >>> leaves, _ = analysis.param_leaves(params)
+    >>> [leaf.path for leaf in leaves]  # doctest: +NORMALIZE_WHITESPACE
+    ['attn/k_proj/kernel', 'attn/o_proj/kernel', 'attn/q_proj/kernel', 'attn/v_proj/kernel',
+     'embed']
+    >>> whole = [MDN(-2, -1)] * 4 + [None]   # the Muon layouts; the embedding is not Muon's
+    >>> split, unknown = per_head_layouts(analysis.analyse(leaves), whole, num_heads=2)
+    >>> split[0]  # k_proj: 2 heads of 4 along its output axis
+    FusedDimensionNumbers(reduction_axis=-2, output_axis=-1, fused_axis=-1, parts=2)
+    >>> split[1]  # o_proj: 2 heads of 4 along its input axis
+    FusedDimensionNumbers(reduction_axis=-2, output_axis=-1, fused_axis=-2, parts=2)
+  """
+  out: dict[int, Any] = {}
+  unknown: list[str] = []
+  for group in analysis.groups:
+    hd = _head_dim(analysis, group, num_heads)
+    for p in group.projections:
+      dims = layouts[p.kernel] if p.kernel < len(layouts) else None
+      if dims is None:
+        continue
+      shape = analysis.leaves[p.kernel].shape
+      nd = len(shape)
+      red, outs = _axes(dims.reduction_axis, nd), _axes(dims.output_axis, nd)
+      if p.heads is not None and p.head_axis is not None:  # a heads axis: make it a batch axis
+        head = p.head_axis % nd - nd
+        red2, out2 = tuple(a for a in red if a != head), tuple(a for a in outs if a != head)
+        if red2 and out2 and (red2, out2) != (red, outs):
+          out[p.kernel] = layout.MuonDimensionNumbers(_pack(red2), _pack(out2))
+        continue
+      if p.role is None:
+        continue
+      if hd is None:
+        if group.name not in unknown:
+          unknown.append(group.name)
+        continue
+      side = red if p.role == "out" else outs
+      if len(side) != 1 or shape[side[0]] % hd:
+        continue
+      out[p.kernel] = layout.FusedDimensionNumbers(_pack(red), _pack(outs), side[0],
+                                                   shape[side[0]] // hd)
+  return out, unknown

@@ -122,19 +122,22 @@ def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax
 
   Args:
     query: ``[B, T, H, head_dim]``.
-    key: ``[B, T, H, head_dim]``.
-    value: ``[B, T, H, head_dim]``.
+    key: ``[B, T, K, head_dim]``, ``K`` dividing ``H`` (grouped-query attention: query head
+      ``h`` attends with key and value head ``h // (H // K)``).
+    value: ``[B, T, K, head_dim]``.
 
   Returns:
     ``(out [B, T, H, head_dim] in value's dtype, max_logit float32 [H])``.
   """
   logits = _grouped_logits(query, key)                       # [B, H, T, T]
-  t = logits.shape[-1]
+  b, h, t, _ = logits.shape
+  kh = key.shape[-2]
   causal = jnp.asarray(np.tril(np.ones((t, t), bool)))
   max_logit = _per_head_max(logits, causal)
   masked = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(masked, axis=-1).astype(key.dtype)
-  out = jnp.einsum("bhts,bshd->bthd", probs, value)
+  grouped = probs.reshape(b, kh, h // kh, t, t)
+  out = jnp.einsum("bkgts,bskd->btkgd", grouped, value).reshape(b, t, h, value.shape[-1])
   return out, max_logit
 
 
@@ -208,11 +211,6 @@ def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.
                       f"{query.dtype} ({type(e).__name__}: {str(e).splitlines()[0]}); the XLA "
                       "implementation runs instead", stacklevel=2)
   return jax.nn.dot_product_attention(query, key, value, is_causal=True)
-
-
-_MHA_KWARGS = ("bias", "mask", "broadcast_dropout", "dropout_rng", "dropout_rate", "deterministic",
-               "dtype", "precision", "force_fp32_for_softmax", "qk_attn_weights_einsum",
-               "attn_weights_value_einsum", "is_causal")
 
 
 def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:

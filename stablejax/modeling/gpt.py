@@ -60,8 +60,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablejax.modeling.attention import (MAX_LOGIT, causal_attention,
-                                         causal_attention_with_max_logit)
+                                         causal_attention_with_max_logit,
+                                         collect_attention_logits)
 from stablejax.modeling.bitnet import bitnet_matmul
+from stablejax.modeling.family import AttentionHeads, LanguageModel, ModelFamily
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NORMS = ("rmsnorm", "ssnorm")
@@ -497,3 +499,92 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
   if cfg.emb_proj:
     n += 2 * d * d
   return float(6 * n + 12 * layers * d * seq_len)
+
+
+# ----------------------------------------------------------------------------- the family
+
+
+class GPTModel(LanguageModel):
+  """:class:`GPT` as the trainer uses it (``model.family="gpt"``): every capability.
+
+  ``model.bitnet``: the quantisation strength follows ``train.lambda_warmup_steps`` and
+  ``train.lambda_schedule`` of the run's config (1.0 outside the trainer) and is logged as
+  ``lambda``.
+  """
+
+  def __init__(self, config: ModelConfig, run_config: Any = None):
+    super().__init__("gpt", config)
+    self.module = GPT(config)
+    self.lam: Optional[Any] = None
+    if config.bitnet:
+      from stablejax.modeling.utils import lambda_warmup
+      train = getattr(run_config, "train", None)
+      self.lam = (lambda_warmup(train.lambda_warmup_steps, train.lambda_schedule)
+                  if train is not None else (lambda step: jnp.float32(1.0)))
+
+  def _kwargs(self, step: Any) -> dict[str, Any]:
+    return {"bitnet_lambda": self.lam(step)} if self.lam is not None else {}
+
+  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+    return self.module.init(rng, tokens)["params"]
+
+  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
+    logits: jax.Array = self.module.apply(  # type: ignore[assignment]
+        {"params": params}, tokens, **self._kwargs(step))
+    return logits
+
+  def logits_and_attention(self, params: Any, tokens: jax.Array, step: Any
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    logits, sown = self.module.apply({"params": params}, tokens, attention_logits=True,
+                                     mutable=["intermediates"], **self._kwargs(step))
+    return logits, collect_attention_logits(sown)
+
+  def attention_heads(self) -> AttentionHeads:
+    return AttentionHeads(self.config.n_heads, self.config.n_heads, self.config.qk_norm)
+
+  def decode_start(self, params: Any, prompt: jax.Array, step: Any) -> tuple[jax.Array, Any]:
+    logits, variables = self.module.apply({"params": params}, prompt, decode=True,
+                                          mutable=["cache"], **self._kwargs(step))
+    return logits, variables["cache"]
+
+  def decode_next(self, params: Any, cache: Any, token: jax.Array, step: Any
+                  ) -> tuple[jax.Array, Any]:
+    logits, variables = self.module.apply({"params": params, "cache": cache}, token, decode=True,
+                                          mutable=["cache"], **self._kwargs(step))
+    return logits, variables["cache"]
+
+  def residual_stream(self, params: Any, tokens: jax.Array, step: Any
+                      ) -> tuple[jax.Array, jax.Array]:
+    logits, acts = self.module.apply({"params": params}, tokens, return_activations=True,
+                                     **self._kwargs(step))
+    return logits, acts["residual"]
+
+  def flops_per_token(self, seq_len: int) -> float:
+    return model_flops_per_token(self.config, seq_len)
+
+  def describe(self) -> str:
+    c = self.config
+    return f"GPT, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads"
+
+  def step_metrics(self, step: Any) -> dict[str, jax.Array]:
+    return {"lambda": self.lam(step)} if self.lam is not None else {}
+
+  def ineffective_keys(self, run_config: Any) -> list[tuple[str, str]]:
+    if self.config.bitnet:
+      return []
+    return [("train.lambda_warmup_steps", "model.bitnet=false"),
+            ("train.lambda_schedule", "model.bitnet=false")]
+
+  def for_deployment(self, params: Any) -> tuple[Any, LanguageModel]:
+    if not self.config.emb_proj:
+      return params, self
+    from stablejax.modeling.utils import merge_emb_proj
+    merged, cfg = merge_emb_proj(params, self.config)
+    model = GPTModel(cfg)
+    model.lam = self.lam
+    return merged, model
+
+
+FAMILY = ModelFamily(
+    name="gpt", config=ModelConfig, build=lambda section, run_config: GPTModel(section, run_config),
+    label="Pre-LN GPT: RMSNorm, SwiGLU, rotary, QK-norm, EmbProj, BitNet (stablejax.modeling.gpt)")

@@ -17,15 +17,12 @@ a tree wrapped as ``{"params": ...}`` is accepted too.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-if TYPE_CHECKING:
-  from stablejax.modeling.gpt import ModelConfig
 
 
 def _unwrap(params: Any) -> tuple[Any, Callable[[Any], Any]]:
@@ -187,7 +184,7 @@ def _layer_excess_kurtosis(x: jax.Array) -> jax.Array:
   return jnp.maximum(kurt - 3.0, 0.0)
 
 
-def merge_emb_proj(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
+def merge_emb_proj(params: Any, cfg: Any) -> tuple[Any, Any]:
   """Folds the EmbProj projections into the embedding table and the output head.
 
   The model computes ``x0 = s * E[t] @ P_in`` (``s`` = sqrt(D) with ``embed_scale``, else 1) and

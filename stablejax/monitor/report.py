@@ -37,6 +37,7 @@ from stablejax.transforms.metrics import MetricsSpec
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
+REPORT_SOFTWARE = "stablejax report"  # the PNG's Software text: how the report knows its own
 
 
 class ReportError(Exception):
@@ -183,7 +184,7 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
     _finish(ax, panel_title, ylabel, log)
   fig.tight_layout(rect=(0, 0, 1, 0.97))
   out_path = Path(out_path)
-  fig.savefig(out_path, format="png")
+  fig.savefig(out_path, format="png", metadata={"Software": REPORT_SOFTWARE})
   return out_path
 
 

@@ -6,7 +6,8 @@ building an optimizer first."""
 
 from __future__ import annotations
 
-from typing import Iterator
+import re
+from typing import Iterator, Mapping
 
 import stablejax.muon.muon  # noqa: F401 (registers Muon's metrics)
 import stablejax.transforms  # noqa: F401 (registers the defences' metrics)
@@ -52,3 +53,26 @@ def update_norm_keys() -> tuple[str, ...]:
 def prefixes() -> tuple[str, ...]:
   """The metric prefixes of every registered state, each with its trailing slash."""
   return tuple(spec.prefix + "/" for spec in metric_specs())
+
+
+def counter_keys(record: Mapping, field: str) -> list[str]:
+  """The keys of ``record`` that hold a spec's cumulative ``field`` counter (``"skips"`` or
+  ``"rollback"``: :func:`stablejax.register_state_metrics`), a repeated prefix (``name_1/``)
+  included."""
+  found = []
+  for spec in metric_specs():
+    name = getattr(spec, field)
+    if name:
+      pattern = re.compile(rf"{re.escape(spec.prefix)}(_\d+)?/{re.escape(name)}")
+      found += [key for key in record if pattern.fullmatch(key)]
+  return found
+
+
+def total_skips(record: Mapping) -> int:
+  """Skipped steps in a metrics record, over every transform that counts them (``skips``)."""
+  return sum(int(record[key]) for key in counter_keys(record, "skips"))
+
+
+def rollback_request_counts(record: Mapping) -> dict[str, int]:
+  """The rollback-request counters (``rollback``) of a metrics record, by key."""
+  return {key: int(record[key]) for key in counter_keys(record, "rollback")}

@@ -44,7 +44,7 @@ the XLA reference):
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +191,8 @@ def fused_matmul(lhs: jax.Array, rhs: jax.Array, addend: Optional[jax.Array], *,
 
 
 def ns_iterations(x: jax.Array, coeffs: Sequence[Sequence[float]], *, platform: str,
-                  interpret: bool = False) -> jax.Array:
+                  interpret: bool = False, precondition: Optional[Callable[..., Any]] = None
+                  ) -> jax.Array:
   """Runs the NS iterations on a normalised ``[B, n, m]`` array with ``n <= m``.
 
   Args:
@@ -199,13 +200,17 @@ def ns_iterations(x: jax.Array, coeffs: Sequence[Sequence[float]], *, platform: 
     coeffs: sequence of ``(a, b, c)`` Python floats, one per iteration.
     platform: "triton" or "mosaic".
     interpret: Pallas interpret mode.
+    precondition: ``(X, A) -> (X, A)`` applied to the first step's ``X`` and ``A = X X^T``
+      (Turbo-Muon's AOL rescaling, elementwise, in XLA between the kernels).
 
   Returns:
     The iterate after ``len(coeffs)`` steps, same shape and dtype as ``x``.
   """
   mm = functools.partial(fused_matmul, platform=platform, interpret=interpret)
-  for a, b, c in coeffs:
+  for i, (a, b, c) in enumerate(coeffs):
     gram = mm(x, x, None, alpha=0.0, beta=1.0, trans_rhs=True)
+    if i == 0 and precondition is not None:
+      x, gram = precondition(x, gram)
     poly = mm(gram, gram, gram, alpha=b, beta=c, trans_rhs=True)
     x = mm(poly, x, x, alpha=a, beta=1.0, trans_rhs=False)
   return x

@@ -145,7 +145,8 @@ def describe_routing(params: Any, tx_or_labels: routing.LabelsOrFn = None) -> st
   Returns:
     A multi-line string: one row per parameter (path, shape, group, the matrix Muon
     orthogonalises, what that matrix was read from: ``metadata``, ``shapes``, ``attention
-    layer``, ``given`` or ``last two axes``, and the learning rate), one summary line per group
+    layer``, ``attention heads`` (``per_head``), ``given`` or ``last two axes``, and the
+    learning rate), one summary line per group
     (tensors, parameters, learning rate), then notes: heads found by shape, heads taken as tied,
     unsure cases, override patterns that match nothing and unrecognised 3+ axis kernels (one
     line for all of them, grouped by layout), each with the override that changes it.
@@ -171,7 +172,8 @@ def describe_routing(params: Any, tx_or_labels: routing.LabelsOrFn = None) -> st
         "param_labels (a {pattern: group} mapping, a label tree or a callable) instead")
   tables = []
   for k, (info, tree) in enumerate(found):
-    p = routing.plan(tree, info.param_labels, info.weight_dimension_numbers)
+    p = routing.plan(tree, info.param_labels, info.weight_dimension_numbers,
+                     per_head=info.per_head)
     title = f"outlier_safe_muon #{k + 1} of {len(found)}\n" if len(found) > 1 else ""
     tables.append(title + _table(p, _rates_for_display(info, tx)))
   return "\n\n".join(tables)

@@ -50,6 +50,7 @@ import numpy as np
 import optax
 
 from stablejax.muon import newton_schulz as _ns
+from stablejax.muon import normuon as _normuon
 from stablejax.muon import routing
 from stablejax.muon import sharding as _sharding
 from stablejax.transforms._common import finite_probe, probe_total
@@ -283,48 +284,9 @@ def shape_scale(fan_in: int, fan_out: int, consistent_rms: Any) -> Any:
   return consistent_rms * math.sqrt(max(fan_in, fan_out))
 
 
-def _to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
-  """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
-  red, out = routing._normalize_axes(dims, x.ndim)
-  batch = [a for a in range(x.ndim) if a not in red and a not in out]
-  perm = tuple(batch) + red + out
-  permuted_shape = tuple(x.shape[a] for a in perm)
-  shape = (tuple(x.shape[a] for a in batch) + (math.prod(x.shape[a] for a in red),
-                                               math.prod(x.shape[a] for a in out)))
-  inverse = tuple(sorted(range(x.ndim), key=perm.__getitem__))
-  identity = perm == tuple(range(x.ndim))
-
-  def back(m: jax.Array) -> jax.Array:
-    m = m.reshape(permuted_shape)
-    return m if identity else jnp.transpose(m, inverse)
-
-  return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
-
-
-def _split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
-  """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
-
-  Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
-  equal parts become one more batch axis (``[D, 3W]`` -> ``[D, 3, W]``: one batched NS call);
-  parts of different sizes (grouped-query ``[D, (H + 2K) hd]``) are sliced apart.
-  """
-  if not isinstance(dims, routing.FusedDimensionNumbers):
-    return [(x, dims)], lambda outs: outs[0]
-  red, out = routing._normalize_axes(dims, x.ndim)
-  axis = int(dims.fused_axis) % x.ndim
-  sizes = dims.part_sizes(x.shape)
-  plain = routing.MuonDimensionNumbers(red, out)
-  if len(set(sizes)) == 1:  # [..., k * W, ...] -> [..., k, W, ...]: the k axis is a batch axis
-    k = len(sizes)
-    shape = x.shape[:axis] + (k, sizes[0]) + x.shape[axis + 1:]
-
-    def shift(axes: tuple) -> tuple:
-      return tuple(a + 1 if a >= axis else a for a in axes)
-    return ([(x.reshape(shape), routing.MuonDimensionNumbers(shift(red), shift(out)))],
-            lambda outs: outs[0].reshape(x.shape))
-  cuts = list(np.cumsum(sizes)[:-1])
-  pieces = jnp.split(x, cuts, axis=axis)
-  return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
+# The matrices of a leaf (routing.to_matrices, routing.split_fused): shared with NorMuon.
+_to_matrices = routing.to_matrices
+_split_fused = routing.split_fused
 
 
 def _static_int(value: Any, name: str) -> int:
@@ -399,10 +361,11 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
 
 def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_coeffs: Any,
                     consistent_rms: Any, outlier_threshold: Any, outlier_method: Optional[str],
-                    ns_backend: str, eps: float, layouts: Any) -> optax.GradientTransformation:
+                    ns_backend: str, eps: float, layouts: Any, ns_method: str = "standard",
+                    ns_preconditioning: str = "frobenius") -> optax.GradientTransformation:
   """:func:`scale_by_outlier_safe_muon` with the layouts given as ``tree -> [dims per leaf]``."""
   ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
-  _ns.resolve_coeffs(ns_coeffs, ns_steps)  # validates early
+  _ns.resolve_iteration(ns_coeffs, ns_steps, ns_method, ns_preconditioning)  # validates early
 
   def init_fn(params: Any) -> OutlierSafeMuonState:
     leaves, _ = routing.param_leaves(params)
@@ -448,7 +411,8 @@ def _muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_c
     """Clamp, NS, health check and scale of a stack ``[n, fan_in, fan_out]`` of matrices."""
     x, n_out = _clamp(x, outlier_method, outlier_threshold)
     norm = _ns.frobenius_norm(x)  # shared by NS's normalisation and the health check
-    o = _ns.newton_schulz_given_norm(x, norm, ns_steps, ns_coeffs, eps, ns_backend)
+    o = _ns.newton_schulz_given_norm(x, norm, ns_steps, ns_coeffs, eps, ns_backend, ns_method,
+                                     ns_preconditioning)
     healthy, mom_finite, norm = ns_health(o, x, eps, norm)
     xf = x.astype(jnp.float32)
     fallback = jnp.where(mom_finite[..., None, None], xf / (norm[..., None, None] + eps),
@@ -650,6 +614,12 @@ def outlier_safe_muon(
     param_labels: routing.LabelsOrFn = None,
     weight_dimension_numbers: routing.DimensionNumbersOrFn = None,
     strict_overrides: bool = False,
+    ns_method: str = "standard",
+    ns_preconditioning: str = "frobenius",
+    per_head: bool = False,
+    num_heads: Optional[int] = None,
+    normuon: bool = False,
+    normuon_b2: float = 0.95,
 ) -> optax.GradientTransformationExtraArgs:
   """Muon for hidden matrices, AdamW for embeddings, head, norms and biases, with safety guards.
 
@@ -688,7 +658,7 @@ def outlier_safe_muon(
   ``head_learning_rate`` default to ``adam_learning_rate``. Every rate may be an optax schedule,
   and every float hyperparameter may be injected with
   ``optax.inject_hyperparams(stablejax.outlier_safe_muon)(learning_rate=...)``: ``ns_steps``
-  (a loop count) stays static at its default; an explicit ``ns_steps`` needs
+  (a loop count) stays static at its default; an explicit ``ns_steps`` (or ``num_heads``) needs
   ``static_args=("ns_steps",)`` there (add ``"param_labels"`` / ``"weight_dimension_numbers"``
   when passing callables, which ``inject_hyperparams`` would take for schedules).
 
@@ -726,6 +696,22 @@ def outlier_safe_muon(
       axes that no rule recognises gets a warning at init naming it and this fix.
     strict_overrides: a ``param_labels`` pattern that matches no parameter is an error (by
       default it warns once at ``init``, so one mapping can serve several variants of a model).
+    ns_method: "standard" or "gram" (Gram Newton-Schulz where it takes fewer FLOPs, see
+      :func:`stablejax.newton_schulz`).
+    ns_preconditioning: "frobenius" or "aol" (Turbo-Muon; use it with one step fewer).
+    per_head: orthogonalise attention projections per head: query, key and value per head
+      (grouped-query key and value per key head; a fused query/key/value kernel per head of each
+      part), the output projection per head (:func:`stablejax.layout.heads.per_head_layouts`),
+      in every layout the routing recognises; given ``weight_dimension_numbers`` win. With
+      ``consistent_rms`` the update RMS is unchanged; with width scaling the output projection's
+      per-head ``[hd, D]`` matrices get ``sqrt(D / hd)``.
+    num_heads: the query head count, needed by ``per_head`` for attention layers of 2-D kernels
+      without a query/key norm (a clear error at ``init`` names it when missing).
+    normuon: NorMuon (arXiv 2510.05491): after orthogonalisation, each output neuron of each
+      matrix divided by the root of an EMA of its mean square, the matrix's Frobenius norm kept
+      (:mod:`stablejax.muon.normuon`; its :class:`~stablejax.muon.normuon.NorMuonState` sits in
+      the Muon group's chain state).
+    normuon_b2: that EMA's decay.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; its state is :class:`GroupUpdateRmsState`
@@ -752,6 +738,10 @@ def outlier_safe_muon(
     ['muon/fallback_count', 'muon/fallback_rate']
   """
   ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
+  _ns.resolve_iteration(ns_coeffs, ns_steps, ns_method, ns_preconditioning)  # validates early
+  heads = routing.per_head_of(per_head, num_heads)
+  if not isinstance(normuon, bool):
+    raise ValueError(f"normuon must be True or False, got {normuon!r}")
   rate_sources = {"muon": "learning_rate", "adam": "adam_learning_rate",
                   "embedding": "embedding_learning_rate", "head": "head_learning_rate"}
   if adam_learning_rate is None:
@@ -782,7 +772,8 @@ def outlier_safe_muon(
     key = routing.layout.structure_key(routing.param_leaves(tree)[0])
     found = plans.get(key)
     if found is None:
-      found = routing.plan(tree, param_labels, weight_dimension_numbers, strict_overrides)
+      found = routing.plan(tree, param_labels, weight_dimension_numbers, strict_overrides,
+                           heads)
       plans[key] = found
       plans.setdefault(found.muon_only_key(), found)
     return found
@@ -793,13 +784,17 @@ def outlier_safe_muon(
   def muon_layouts(tree: Any) -> list:
     found = plans.get(routing.layout.structure_key(routing.param_leaves(tree)[0]))
     if found is None:  # a tree the router never saw: route it as it is
-      return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
+      return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers, heads)
+              if d is not None]
     return found.muon_layouts()
 
   muon_parts = [
       _muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms, outlier_threshold,
-                      outlier_method, ns_backend, 1e-8, muon_layouts),
+                      outlier_method, ns_backend, 1e-8, muon_layouts, ns_method,
+                      ns_preconditioning),
   ]
+  if normuon:
+    muon_parts.append(_normuon.with_layouts(normuon_b2, 1e-8, muon_layouts))
   if not _is_zero(weight_decay):
     muon_parts.append(optax.add_decayed_weights(weight_decay))
   muon_parts.append(optax.scale_by_learning_rate(learning_rate))
@@ -820,7 +815,7 @@ def outlier_safe_muon(
       param_labels=param_labels, weight_dimension_numbers=weight_dimension_numbers,
       learning_rates={"muon": learning_rate, "adam": adam_learning_rate,
                       "embedding": embedding_learning_rate, "head": head_learning_rate},
-      rate_sources=rate_sources)
+      rate_sources=rate_sources, per_head=heads)
 
   def init_fn(params: Any) -> GroupUpdateRmsState:
     found = plan(params)

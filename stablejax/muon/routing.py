@@ -50,10 +50,12 @@ import warnings
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from stablejax.layout import analysis as layout
+from stablejax.layout import heads as _heads
 from stablejax.layout.analysis import FusedDimensionNumbers
 from stablejax.layout.analysis import Leaf, param_leaves, path_to_str  # noqa: F401 (re-exported)
 
@@ -77,7 +79,27 @@ DimensionNumbersOrFn = Union[None, optax.contrib.MuonDimensionNumbers,
 # What decided a Muon leaf's matrix, as describe_routing prints it.
 LAYOUT_SOURCES = {"given": "given", "metadata": "metadata", "shape": "shapes",
                   "attention": "attention layer", "names": "names and shapes",
-                  "module": "module type", None: "last two axes"}
+                  "module": "module type", "per_head": "attention heads", None: "last two axes"}
+
+
+class PerHead(NamedTuple):
+  """Per-head orthogonalisation of attention projections
+  (:func:`stablejax.layout.heads.per_head_layouts`).
+
+  Attributes:
+    num_heads: the query head count, for layers of 2-D kernels without a query/key norm.
+  """
+  num_heads: Optional[int] = None
+
+
+def per_head_of(per_head: Any, num_heads: Any) -> Optional[PerHead]:
+  """Validates ``per_head`` / ``num_heads`` arguments: a :class:`PerHead`, or None."""
+  if not isinstance(per_head, bool):
+    raise ValueError(f"per_head must be True or False, got {per_head!r}")
+  if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, int)
+                                or num_heads < 1):
+    raise ValueError(f"num_heads={num_heads!r} must be a positive int (the query head count)")
+  return PerHead(num_heads) if per_head else None
 
 
 def pure(tree: Any) -> Any:
@@ -329,7 +351,7 @@ def _given_layouts(tree: Any, weight_dimension_numbers: Any, n: int) -> list:
 
 
 def _layouts(tree: Any, leaves: Sequence[Leaf], a: layout.Analysis, weight_dimension_numbers: Any,
-             muon: Sequence[bool]) -> tuple[list, list]:
+             muon: Sequence[bool], per_head: Optional[PerHead] = None) -> tuple[list, list]:
   """One layout and its source per leaf (None for leaves that are not Muon's)."""
   given = _given_layouts(tree, weight_dimension_numbers, len(leaves))
   layouts: list = []
@@ -349,10 +371,21 @@ def _layouts(tree: Any, leaves: Sequence[Leaf], a: layout.Analysis, weight_dimen
       check_dims(dims, leaf.shape, leaf.path)
     layouts.append(dims)
     sources.append(source)
+  if per_head is not None:
+    split, unknown = _heads.per_head_layouts(a, layouts, per_head.num_heads)
+    if unknown:
+      raise ValueError(f"per_head: attention layer {unknown[0]!r} holds all its heads in one "
+                       "axis of 2-D kernels and has no query/key norm to read the head size "
+                       "from; pass num_heads= (the model's query head count)")
+    for i, dims in split.items():
+      if sources[i] != "given":
+        check_dims(dims, leaves[i].shape, leaves[i].path)
+        layouts[i], sources[i] = dims, "per_head"
   return layouts, sources
 
 
-def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None) -> list:
+def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None,
+                   per_head: Optional[PerHead] = None) -> list:
   """One ``MuonDimensionNumbers`` per parameter of ``tree`` (None for masked-out leaves).
 
   Every unmasked parameter is taken to be a Muon matrix. Given dimension numbers win (a tree,
@@ -362,7 +395,51 @@ def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None) -> list:
   """
   leaves, _ = param_leaves(tree)
   a = layout.analyse(leaves)
-  return _layouts(tree, leaves, a, weight_dimension_numbers, [True] * len(leaves))[0]
+  return _layouts(tree, leaves, a, weight_dimension_numbers, [True] * len(leaves), per_head)[0]
+
+
+def to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+  """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
+  red, out = _normalize_axes(dims, x.ndim)
+  batch = [a for a in range(x.ndim) if a not in red and a not in out]
+  perm = tuple(batch) + red + out
+  permuted_shape = tuple(x.shape[a] for a in perm)
+  shape = (tuple(x.shape[a] for a in batch) + (math.prod(x.shape[a] for a in red),
+                                               math.prod(x.shape[a] for a in out)))
+  inverse = tuple(sorted(range(x.ndim), key=perm.__getitem__))
+  identity = perm == tuple(range(x.ndim))
+
+  def back(m: jax.Array) -> jax.Array:
+    m = m.reshape(permuted_shape)
+    return m if identity else jnp.transpose(m, inverse)
+
+  return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
+
+
+def split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
+  """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
+
+  Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
+  equal parts become one more batch axis (``[D, 3W]`` -> ``[D, 3, W]``: one batched NS call);
+  parts of different sizes (grouped-query ``[D, (H + 2K) hd]``) are sliced apart.
+  """
+  if not isinstance(dims, FusedDimensionNumbers):
+    return [(x, dims)], lambda outs: outs[0]
+  red, out = _normalize_axes(dims, x.ndim)
+  axis = int(dims.fused_axis) % x.ndim
+  sizes = dims.part_sizes(x.shape)
+  plain = MuonDimensionNumbers(red, out)
+  if len(set(sizes)) == 1:  # [..., k * W, ...] -> [..., k, W, ...]: the k axis is a batch axis
+    k = len(sizes)
+    shape = x.shape[:axis] + (k, sizes[0]) + x.shape[axis + 1:]
+
+    def shift(axes: tuple) -> tuple:
+      return tuple(a + 1 if a >= axis else a for a in axes)
+    return ([(x.reshape(shape), MuonDimensionNumbers(shift(red), shift(out)))],
+            lambda outs: outs[0].reshape(x.shape))
+  cuts = list(np.cumsum(sizes)[:-1])
+  pieces = jnp.split(x, cuts, axis=axis)
+  return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
 
 
 def part_shapes(dims: Any, shape: Sequence[int]) -> list[tuple[tuple, int, int]]:
@@ -422,7 +499,7 @@ def _fused_notes(leaves: Sequence[Leaf], a: layout.Analysis, labels: list, layou
   split = collections.defaultdict(list)
   for i, leaf in enumerate(leaves):
     if labels[i] == "muon" and isinstance(layouts[i], FusedDimensionNumbers) \
-        and sources[i] != "given":
+        and sources[i] not in ("given", "per_head"):
       split[(leaf.shape, _layout_name(layouts[i], leaf.shape))].append(leaf.path)
   for (shape, name), paths in split.items():
     shown = ", ".join(paths[:2]) + (f" and {len(paths) - 2} more" if len(paths) > 2 else "")
@@ -484,7 +561,7 @@ class RoutingPlan(NamedTuple):
 
 
 def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: Any = None,
-         strict: bool = False) -> RoutingPlan:
+         strict: bool = False, per_head: Optional[PerHead] = None) -> RoutingPlan:
   """Routes every parameter of ``tree``: group, Muon matrix layout, and notes on unsure rules.
 
   Args:
@@ -495,6 +572,7 @@ def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: A
     weight_dimension_numbers: Muon matrix layouts, as ``optax.contrib.muon`` takes them.
     strict: a ``param_labels`` pattern that matches no parameter is an error (a warning note
       otherwise).
+    per_head: orthogonalise attention projections per head (:class:`PerHead`); None: whole.
 
   Returns:
     A :class:`RoutingPlan`.
@@ -517,7 +595,12 @@ def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: A
       raise ValueError(f"Muon needs matrices but {leaf.path} has shape {leaf.shape}; label it "
                        f"'adam' in param_labels, e.g. {_labels_hint(leaf.path, 'adam')}")
   muon = [label == "muon" for label in labels]
-  layouts, sources = _layouts(tree, leaves, a, weight_dimension_numbers, muon)
+  layouts, sources = _layouts(tree, leaves, a, weight_dimension_numbers, muon, per_head)
+  if per_head is not None and "per_head" not in sources:
+    notes.append(Note("warning", "per_head: no attention projection is split per head (no "
+                                 "attention layer was recognised, or weight_dimension_numbers "
+                                 "gives their layouts); give them as stablejax."
+                                 "FusedDimensionNumbers with one part per head"))
   notes += _unrecognised_note(leaves, a, labels, layouts, sources)
   notes += _fused_notes(leaves, a, labels, layouts, sources)
   return RoutingPlan(leaves, treedef, labels, layouts, notes, sources)
@@ -591,7 +674,8 @@ def label_params(params: Any, overrides: Optional[Mapping[str, str]] = None,
 
 
 def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] = None,
-                           param_labels: LabelsOrFn = None, strict: bool = False) -> Any:
+                           param_labels: LabelsOrFn = None, strict: bool = False, *,
+                           per_head: bool = False, num_heads: Optional[int] = None) -> Any:
   """The matrix layout of every Muon parameter, as ``optax.contrib.MuonDimensionNumbers``.
 
   The tree :func:`stablejax.outlier_safe_muon` uses by default: the layouts read from Flax
@@ -607,6 +691,12 @@ def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] =
       :func:`label_params`. A pattern matching no parameter warns once, naming it.
     param_labels: the routing, as :func:`stablejax.outlier_safe_muon` takes it.
     strict: a pattern matching no parameter is an error instead.
+    per_head: attention projections per head (query, key, value per head, grouped-query key
+      and value per key head, the output projection per head; see
+      :func:`stablejax.layout.heads.per_head_layouts`); kernels with a heads axis get plain
+      ``MuonDimensionNumbers`` that ``optax.contrib.muon`` takes too.
+    num_heads: the query head count, for ``per_head`` on 2-D projections without a query/key
+      norm.
 
   Returns:
     A tree with the structure of ``params`` (each parameter replaced by its dimension numbers or
@@ -619,7 +709,8 @@ def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] =
     ...     "conv/kernel": optax.contrib.MuonDimensionNumbers((0, 1, 2), 3)})
     >>> tx = stablejax.outlier_safe_muon(2e-3, weight_dimension_numbers=dims)
   """
-  p = plan(params, param_labels, strict=strict)
+  p = plan(params, param_labels, strict=strict, per_head=per_head_of(per_head, num_heads))
+  warn_notes([n for n in p.notes if n.text.startswith("per_head")], "muon_dimension_numbers")
   layouts = list(p.layouts)
   if overrides:
     def check(pattern: str, dims: Any) -> None:
@@ -655,6 +746,7 @@ class RoutingInfo(NamedTuple):
   weight_dimension_numbers: Any
   learning_rates: dict      # group -> float, schedule or (under inject_hyperparams) tracer
   rate_sources: dict        # group -> name of the argument the rate came from
+  per_head: Optional[PerHead] = None
 
 
 _CAPTURES: list = []

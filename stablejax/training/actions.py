@@ -29,7 +29,7 @@ from stablejax.training.components import Components
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery
 from stablejax.training.step import TrainState
-from stablejax.transforms.compensated import CompensatedUpdatesState
+from stablejax.transforms import defence
 
 Agree = Callable[[Optional[str]], Optional[str]]
 
@@ -63,12 +63,12 @@ class Logging:
   def baseline(self, state: TrainState, tokens: jax.Array) -> None:
     """Dispatches the attention telemetry of the initial parameters (before the first update of a
     fresh start); the monitor gets it with step 1's record, as the base of its growth."""
-    if self.c.cfg.logging.attention_logits:
+    if self.c.telemetry:
       self.initial = self.c.logit_telemetry(state.params, tokens, np.int32(0))
 
   def hold(self, step: int, metrics: dict, state: TrainState, tokens: jax.Array) -> None:
     """Keeps ``step``'s device metrics (and dispatches its telemetry) for :meth:`flush`."""
-    if self.c.cfg.logging.attention_logits:
+    if self.c.telemetry:
       metrics = {**metrics, **self.c.logit_telemetry(state.params, tokens, np.int32(step))}
     self.pending = (step, metrics)
 
@@ -173,8 +173,9 @@ class Diagnostics:
     assert self.batch is not None, "due() is False without a validation batch"
     record: dict[str, Any] = {"step": step}
     if lg.activation_every and step % lg.activation_every == 0:
-      record.update(fetch(self.c.activation_stats(state.params, self.batch, np.int32(step))))
-      self.last_kurtosis = record["excess_kurtosis"]
+      if self.c.activation_statistics:  # the model family offers its residual stream
+        record.update(fetch(self.c.activation_stats(state.params, self.batch, np.int32(step))))
+        self.last_kurtosis = record["excess_kurtosis"]
       record.update(self._movement(step, state))
     if lg.histogram_every and step % lg.histogram_every == 0:
       norms = fetch(self.c.grad_norms(state.params, self.batch))
@@ -192,8 +193,7 @@ class Diagnostics:
     # Compensated low-precision updates (stablejax.compensated_updates) keep what rounds away, so
     # an update below the parameters' resolution is not lost: only a group that does not move
     # at all is stuck then.
-    compensated = any(isinstance(node, CompensatedUpdatesState) for node in jax.tree.leaves(
-        state.opt_state, is_leaf=lambda n: isinstance(n, CompensatedUpdatesState)))
+    compensated = any(d.changes_update_application for d in defence.in_state(state.opt_state))
     for line in movement_warnings(movement, dtypes=param_dtypes(state.params), step=step,
                                   min_resolution_ratio=0.0 if compensated else 1.0):
       self.log.console(f"warning: {line}")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Optional
 import jax
 import numpy as np
 
-from stablejax.data.pipeline import garbage_batch
+from stablejax.monitor.specs import total_skips  # noqa: F401 (the loop's import of it)
 from stablejax.training.config import FaultsConfig
 
 
@@ -100,6 +100,29 @@ class Batches:
     self.consumed += max(0, n)
 
 
+def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> dict:
+  """A deliberately bad batch for fault injection.
+
+  Args:
+    kind: "repeat" (every position is one token, chosen from the seed) or "random" (uniform
+      random token ids, i.e. random bytes for vocab 256).
+    batch_size: rows.
+    seq_len: model sequence length (the batch has ``seq_len + 1`` columns like real batches).
+    vocab_size: token ids are drawn from ``[0, vocab_size)``.
+    seed: seed.
+
+  Returns:
+    ``{"tokens": int32 [batch_size, seq_len + 1]}``.
+  """
+  rng = np.random.default_rng(seed)
+  shape = (batch_size, seq_len + 1)
+  if kind == "repeat":
+    return {"tokens": np.full(shape, int(rng.integers(0, vocab_size)), np.int32)}
+  if kind == "random":
+    return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
+  raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
+
+
 def kill_if_due(faults: FaultsConfig, n: int, when: str) -> None:
   """SIGKILL at the configured step, checkpoint save or rollback (``faults.kill_*``)."""
   target = {"step": faults.kill_at_step, "save": faults.kill_during_save_step,
@@ -112,7 +135,3 @@ def fetch(tree: Any) -> dict:
   """A dict of device scalars as Python numbers (one transfer)."""
   return {k: np.asarray(v).item() for k, v in jax.device_get(tree).items()}
 
-
-def total_skips(record: dict) -> int:
-  """Skipped steps in a metrics record, over every skip wrapper of the chain."""
-  return sum(int(v) for k, v in record.items() if k.endswith("/total_skips"))

@@ -28,6 +28,7 @@ import os
 import resource
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -185,8 +186,10 @@ class Budget:
 
   The wall time of a run is the sum over its segments (a resumed run is a new segment): the
   checkpoint stores it, and so does ``CLOCK_FILE`` (written atomically at log steps, at most
-  every ``CLOCK_INTERVAL`` seconds), so the time a killed segment spent after its last
-  checkpoint counts too. The plan (step count, measured timings, what fixed the length) is
+  every ``CLOCK_INTERVAL`` seconds, and by a heartbeat every ``CLOCK_INTERVAL`` seconds in a
+  budgeted run, `start_heartbeat`), so the time a killed segment spent after its last
+  checkpoint counts too, up to its last write: a SIGKILL in the start-up's probe or a
+  compilation included. The plan (step count, measured timings, what fixed the length) is
   stored in every checkpoint, so a resumed run keeps it and still stops early when the budget
   runs out (``out_of_time``).
   """
@@ -206,6 +209,8 @@ class Budget:
     self.step_to_target: Optional[int] = None
     self.stopped_at: Optional[int] = None  # step at which out_of_time() ended the run early
     self._clock_written = -math.inf
+    self._clock_lock = threading.Lock()  # the heartbeat's thread and the loop both write it
+    self._heartbeat: Optional[tuple[threading.Thread, threading.Event]] = None
 
   @property
   def active(self) -> bool:
@@ -252,9 +257,38 @@ class Budget:
         not force and now - self._clock_written < CLOCK_INTERVAL):
       return
     from stablejax.training.checkpoint import write_json_atomic
-    write_json_atomic(self.clock_file, {"elapsed_seconds": self.elapsed(),
-                                        "segments": self.segments})
-    self._clock_written = now
+    with self._clock_lock:
+      write_json_atomic(self.clock_file, {"elapsed_seconds": self.elapsed(),
+                                          "segments": self.segments})
+      self._clock_written = now
+
+  def start_heartbeat(self, interval: float = CLOCK_INTERVAL) -> None:
+    """Writes the clock file every ``interval`` seconds from a background thread until
+    `stop_heartbeat` (a budgeted run, process 0; call it once the run's record lists the clock):
+    a segment killed at any moment, even in the start-up's probe or a long compilation, counts
+    up to its last beat."""
+    if (not self.active or self.clock_file is None or not distributed.is_main()
+        or self._heartbeat is not None):
+      return
+    stop = threading.Event()
+
+    def beat() -> None:
+      while not stop.wait(interval):
+        try:
+          self.tick(force=True)
+        except Exception:  # noqa: BLE001 - a full disk: the loop meets it at its next write
+          pass
+
+    thread = threading.Thread(target=beat, name="budget-clock", daemon=True)
+    self._heartbeat = (thread, stop)
+    thread.start()
+
+  def stop_heartbeat(self) -> None:
+    if self._heartbeat is not None:
+      thread, stop = self._heartbeat
+      self._heartbeat = None
+      stop.set()
+      thread.join(timeout=30)
 
   def plan(self, c: Any, state: Any, out_dir: Path,
            check: Callable[[str], None] = lambda phase: None) -> Optional[int]:

@@ -14,13 +14,14 @@ of another model config) stops with `CheckpointError` and leaves every checkpoin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import grain
 import jax
@@ -28,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from stablejax.training import distributed
+
+from stablejax.training import distributed, restore_plan
+from stablejax.training.restore_plan import StateMismatch
 
 
 class CheckpointError(RuntimeError):
@@ -37,6 +40,14 @@ class CheckpointError(RuntimeError):
 
 class CheckpointDamaged(ValueError):
   """A checkpoint was read but its contents are not what was saved."""
+
+
+class StateMatcher(Protocol):
+  """Restores a train state by name (:class:`stablejax.training.rollback.Restorer` is one)."""
+
+  def plan(self, stored: Any) -> restore_plan.RestorePlan: ...
+
+  def finish(self, plan: restore_plan.RestorePlan, restored: Any) -> Any: ...
 
 
 # tensorstore reports these status codes for a missing file, a file shorter than the byte range
@@ -82,12 +93,6 @@ def damage_evidence(error: Optional[BaseException]) -> Optional[str]:
       return text
     error = error.__cause__
   return None
-
-
-def _path_names(path: tuple) -> tuple[str, ...]:
-  """A pytree path as names, whether its nodes are dicts, attributes or sequences (a saved
-  state's metadata holds dict keys where the state has NamedTuple fields)."""
-  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 # Files that every complete save of `Checkpoints` writes into a step directory, whatever the
@@ -154,8 +159,7 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
   return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-@jax.jit
-def fingerprint(tree: Any) -> jax.Array:
+def _fingerprint(tree: Any) -> jax.Array:
   """Three float32 numbers summarising every floating leaf: the sum and the sum of squares of
   its finite entries, and the number of entries that are not finite.
 
@@ -171,6 +175,32 @@ def fingerprint(tree: Any) -> jax.Array:
   squares = sum((jnp.sum(jnp.square(x)) for x in finite), jnp.float32(0))
   not_finite = sum((jnp.sum(~jnp.isfinite(x)).astype(jnp.float32) for x in leaves), jnp.float32(0))
   return jnp.stack([total, squares, not_finite])
+
+
+fingerprint = jax.jit(_fingerprint)
+
+
+def state_parts(state: Any) -> dict[str, Any]:
+  """The parts of a state that are fingerprinted one by one: each field of a dataclass state
+  (the train state), each entry of a field that is a dict (``opt_state/zclip``,
+  ``params/blocks``), so that a restore of some entries, by name, can be checked on its own.
+  Any other state is one part."""
+  if not dataclasses.is_dataclass(state):
+    return {"state": state}
+  parts = {}
+  for f in dataclasses.fields(state):
+    value = getattr(state, f.name)
+    if isinstance(value, dict):
+      parts.update({f"{f.name}/{key}": entry for key, entry in value.items()})
+    else:
+      parts[f.name] = value
+  return parts
+
+
+@jax.jit
+def part_fingerprints(state: Any) -> dict[str, jax.Array]:
+  """:func:`fingerprint` of each of :func:`state_parts` (their sum is the state's)."""
+  return {name: _fingerprint(part) for name, part in state_parts(state).items()}
 
 
 def fingerprint_matches(expected: Any, actual: Any) -> bool:
@@ -196,10 +226,13 @@ class Checkpoints:
     directory: where the checkpoints live (created if missing).
     keep: how many checkpoints to keep.
     async_save: save in the background (the next save or :meth:`wait` waits for it).
+    record_step: called as ``record_step(step, fingerprint)`` before each save is started (the
+      trainer records what it saves in its run directory's record first).
 
   Example:
     >>> import pathlib, tempfile, jax, jax.numpy as jnp
-    >>> from stablejax.data.pipeline import DataConfig, build_data
+    >>> from stablejax.data.config import DataConfig
+    >>> from stablejax.data.pipeline import build_data
     >>> from stablejax.training.checkpoint import Checkpoints
     >>> data = build_data(DataConfig(), seq_len=16, batch_size=2, seed=0)
     >>> batches = data.train_iter()
@@ -215,8 +248,10 @@ class Checkpoints:
     >>> ckpts.close()
   """
 
-  def __init__(self, directory: Path, keep: int, async_save: bool = True):
+  def __init__(self, directory: Path, keep: int, async_save: bool = True,
+               record_step: Optional[Callable[[int, list[float]], None]] = None):
     self.directory = Path(directory).absolute()
+    self.record_step = record_step
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         create=True,
@@ -231,12 +266,16 @@ class Checkpoints:
     return sorted(self.manager.all_steps())
 
   def save(self, step: int, state: Any, data_iter: Any, meta: dict) -> None:
-    meta = dict(meta, step=int(step),
-                fingerprint=[float(v) for v in np.asarray(fingerprint(state))])
+    parts = {name: [float(v) for v in np.asarray(value)]
+             for name, value in part_fingerprints(state).items()}
+    meta = dict(meta, step=int(step), fingerprints=parts,
+                fingerprint=[float(sum(p[i] for p in parts.values())) for i in range(3)])
+    if self.record_step is not None:
+      self.record_step(int(step), meta["fingerprint"])
     self.manager.save(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state),
+            state=ocp.args.PyTreeSave(state),
             data=grain.checkpoint.CheckpointSave(data_iter),
             meta=ocp.args.JsonSave(meta),
         ),
@@ -246,8 +285,8 @@ class Checkpoints:
     self.manager.wait_until_finished()
 
   def restore(self, abstract_state: Any, data_iter: Any, *, at_most: Optional[int] = None,
-              on_fallback: Callable[[int, str], None] = lambda step, why: None
-              ) -> Optional[tuple[Any, dict]]:
+              on_fallback: Callable[[int, str], None] = lambda step, why: None,
+              match: Optional[StateMatcher] = None) -> Optional[tuple[Any, dict]]:
     """Restores the newest checkpoint that is not damaged (at step `at_most` or older when given).
 
     Returns (state, meta) with `data_iter` moved to the saved position, or None when the
@@ -255,7 +294,12 @@ class Checkpoints:
     `on_fallback(step, reason)` and the previous one tried; once one restores, the damaged ones
     are moved to `damaged_checkpoints/` (their step numbers will be saved again). Any other error
     raises CheckpointError at once, and so does finding every step damaged: nothing is moved or
-    deleted then.
+    deleted then. A checkpoint whose state does not fit ``abstract_state`` (another model, another
+    optimizer) raises CheckpointError saying what differs.
+
+    ``match`` restores a train state by name (:mod:`stablejax.training.restore_plan`): only the
+    entries this run has are read, the rest is completed by ``match.finish``, and
+    ``meta["changes"]`` says in one line what the restore did (None: nothing).
     """
     self.wait()
     steps = [s for s in self.all_steps() if at_most is None or s <= at_most]
@@ -265,7 +309,11 @@ class Checkpoints:
     for step in reversed(steps):
       state, meta, error = None, None, None
       try:
-        state, meta = self._restore_step(step, abstract_state, data_iter)
+        state, meta = self._restore_step(step, abstract_state, data_iter, match)
+      except StateMismatch as e:
+        raise CheckpointError(
+            f"checkpoint {step} in {self.directory} does not fit this run ({e}); every checkpoint "
+            "was left as it is") from None
       except Exception as e:  # noqa: BLE001 - sorted into damage / not damage just below
         error = e
       # Each process reads its own shards, so they decide together: a process that fell back
@@ -290,38 +338,60 @@ class Checkpoints:
         f"all {len(steps)} checkpoints in {self.directory} are damaged (left in place): delete"
         " that directory or pass --fresh to start over")
 
-  def _restore_step(self, step: int, abstract_state: Any, data_iter: Any) -> tuple[Any, dict]:
-    self._check_shapes(step, abstract_state)
+  def _restore_step(self, step: int, abstract_state: Any, data_iter: Any,
+                    match: Optional[StateMatcher]) -> tuple[Any, dict]:
+    stored = self._stored_tree(step)
+    plan = match.plan(stored) if match is not None and stored is not None else None
+    if plan is None and stored is not None:
+      restore_plan.plan(stored, abstract_state)  # the same check: another model is named
+    target = plan.target if plan is not None else abstract_state
     restored = self.manager.restore(
         step,
         args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state),
+            state=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                partial_restore=plan is not None),
             data=grain.checkpoint.CheckpointRestore(data_iter),
             meta=ocp.args.JsonRestore(),
         ),
     )
     state, meta = restored["state"], dict(restored["meta"])
-    actual = [float(v) for v in np.asarray(fingerprint(state))]
-    if not fingerprint_matches(meta.get("fingerprint", []), actual):
-      raise CheckpointDamaged("contents do not match the fingerprint saved with it")
+    self._check_fingerprints(state, meta, skip=plan.fresh_fields if plan is not None else ())
+    if plan is not None and match is not None:
+      state = match.finish(plan, state)
+      meta["changes"] = plan.describe()
     return state, meta
 
-  def _check_shapes(self, step: int, abstract_state: Any) -> None:
-    """Refuses a checkpoint whose arrays have other shapes than this run's state (a changed
-    model config) before Orbax reads any: its own error comes from background reads, which
-    leave a traceback per array on the way out."""
-    try:
-      stored = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state")
-      saved = {_path_names(path): tuple(leaf.shape) for path, leaf
-               in jax.tree_util.tree_leaves_with_path(getattr(stored, "tree", stored))
-               if hasattr(leaf, "shape")}
-    except Exception:  # noqa: BLE001 - unreadable metadata: the restore itself says what is wrong
+  @staticmethod
+  def _check_fingerprints(state: Any, meta: dict, skip: Sequence[str] = ()) -> None:
+    """The restored parts against the fingerprints saved with them (all of them at once for a
+    checkpoint of a version that saved one)."""
+    saved = meta.get("fingerprints")
+    if isinstance(saved, dict):
+      # The parts and the whole were saved together: they must agree before either is trusted.
+      whole = [sum(float(part[i]) for part in saved.values()) for i in range(3)]
+      if not fingerprint_matches(meta.get("fingerprint", []), whole):
+        raise CheckpointDamaged("its fingerprints do not agree with each other")
+      actual = part_fingerprints(state)
+      for name, value in actual.items():
+        if name in skip:
+          continue
+        if name not in saved or not fingerprint_matches(saved[name], np.asarray(value).tolist()):
+          raise CheckpointDamaged(f"contents of {name} do not match the fingerprint saved with "
+                                  "it")
       return
-    for path, leaf in jax.tree_util.tree_leaves_with_path(abstract_state):
-      name = _path_names(path)
-      if name in saved and hasattr(leaf, "shape") and saved[name] != tuple(leaf.shape):
-        raise ValueError(f"{'/'.join(name)} has shape {saved[name]} in the checkpoint and "
-                         f"{tuple(leaf.shape)} in this run's config")
+    actual_whole = [float(v) for v in np.asarray(fingerprint(state))]
+    if not fingerprint_matches(meta.get("fingerprint", []), actual_whole):
+      raise CheckpointDamaged("contents do not match the fingerprint saved with it")
+
+  def _stored_tree(self, step: int) -> Any:
+    """The checkpoint's state as Orbax's metadata tree (shapes and dtypes, no arrays), or None
+    when it cannot be read (the restore itself then says what is wrong)."""
+    try:
+      stored = ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state")
+      return getattr(stored, "tree", stored)
+    except Exception:  # noqa: BLE001 - unreadable metadata: the restore reports the cause
+      return None
 
   def _missing_evidence(self, step: int) -> Optional[str]:
     missing = missing_files(self.directory / str(step))
@@ -371,11 +441,6 @@ class Checkpoints:
       self.manager.wait_until_finished()
     finally:
       self.manager.close()
-
-
-def remove_run_checkpoints(directory: Path) -> None:
-  if Path(directory).exists():
-    shutil.rmtree(directory)
 
 
 def write_json_atomic(path: Path, data: dict, indent: int = 1) -> None:

@@ -17,16 +17,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from stablejax.data.pipeline import Data, data_tokenizer
-from stablejax.modeling.gpt import GPT
+from stablejax.data.pipeline import Data
+from stablejax.data.sources import data_tokenizer
+from stablejax.modeling.family import CAPABILITIES, LanguageModel
 from stablejax.modeling.losses import cross_entropy_with_z_loss
-from stablejax.modeling.utils import excess_kurtosis, lambda_warmup
+from stablejax.modeling.utils import excess_kurtosis
 from stablejax.monitor.layers import per_layer_grad_norms
 from stablejax.monitor.movement import param_movement
 from stablejax.training import mesh as mesh_lib
-from stablejax.training.config import Config
+from stablejax.training.config import Config, model_of
 from stablejax.training.generate import EvalSampler
-from stablejax.training.optim import build_optimizer, lr_schedule, main_optimizer, set_lr_scale
+from stablejax.training.optim import Schedules, build_optimizer, main_optimizer, set_lr_scale
 from stablejax.training.recovery import LRBackoff
 from stablejax.training.step import (TrainState, make_eval_step, make_logit_telemetry,
                                      make_train_step)
@@ -40,6 +41,7 @@ OptimizerFactory = Callable[[Config, optax.GradientTransformation],
                             optax.GradientTransformationExtraArgs]
 
 
+
 @dataclasses.dataclass(frozen=True)
 class Components:
   """The built pieces of a run (see :func:`build`). Every function is jitted with the run's
@@ -48,15 +50,16 @@ class Components:
   cfg: Config
   data: Data
   mesh: jax.sharding.Mesh
-  model: GPT
+  model: LanguageModel
   tx: optax.GradientTransformationExtraArgs
-  schedule: optax.Schedule          # the main learning rate, logged as "lr" (with the LR scale)
-  bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]]
+  schedules: Schedules              # every parameter group's learning rate, built once
   sampler: Optional[EvalSampler]
   abstract_state: Any               # ShapeDtypeStructs with shardings: what a restore fills
   state_sharding: Any
   tokens_sharding: jax.sharding.NamedSharding
   init_state: Callable[[jax.Array], TrainState]
+  init_optimizer: Callable[[Any], Any]  # params -> the chain's initial state (a restore's new
+                                        # defences)
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_step: Callable[[Any, jax.Array, Any], jax.Array]
   set_lr_backoff: Callable[[TrainState, jax.Array, jax.Array], TrainState]
@@ -64,7 +67,24 @@ class Components:
   activation_stats: Callable[[Any, jax.Array, Any], dict]
   grad_norms: Callable[[Any, jax.Array], dict]
   param_movement: Callable[[Any, Any], Any]
-  optimizer: Optional[OptimizerFactory]  # how tx was built (None: given as a chain)
+  optimizer: Optional[OptimizerFactory]  # the caller's chain factory (None: the configured one)
+
+  @property
+  def telemetry(self) -> bool:
+    """Whether log steps measure the attention logits (``logging.attention_logits``, when the
+    model family offers them)."""
+    return self.cfg.logging.attention_logits and self.model.supports("attention logits")
+
+  @property
+  def activation_statistics(self) -> bool:
+    """Whether ``logging.activation_every`` measures the residual stream (when the model family
+    offers it)."""
+    return bool(self.cfg.logging.activation_every) and self.model.supports("residual stream")
+
+  @property
+  def schedule(self) -> optax.Schedule:
+    """The main learning rate, logged as ``lr`` (with the LR scale)."""
+    return self.schedules.main
 
   @property
   def total_steps(self) -> int:
@@ -96,22 +116,28 @@ def build(cfg: Config, data: Data, *, tx: Optional[optax.GradientTransformationE
     data: the run's data (:func:`stablejax.data.pipeline.build_data`).
     tx: a whole chain instead of the configured one (its schedules are the caller's).
     optimizer: ``(cfg, main) -> chain`` instead of :func:`build_optimizer`.
-    warn: where a warning line goes (no samples at evals, ...).
+    warn: where a warning line goes (no samples at evals, no attention telemetry, ...).
+
+  Raises:
+    MissingCapability: the model family lacks what the config asks of it (QK-clip's logits).
   """
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
-  model = GPT(cfg.model)
-  factory = None if tx is not None else (optimizer or build_optimizer)
-  chain = tx if tx is not None else factory(cfg, main_optimizer(cfg))  # type: ignore[misc]
-  schedule = lr_schedule(cfg, cfg.optimizer.learning_rate)
+  model = model_of(cfg)
+  _warn_missing(cfg, model, warn)
+  schedules = Schedules.of(cfg)
+  if tx is not None:
+    chain = tx
+  elif optimizer is not None:
+    chain = optimizer(cfg, main_optimizer(cfg, schedules))
+  else:
+    chain = build_optimizer(cfg, main_optimizer(cfg, schedules), schedules=schedules)
   t = cfg.train
-  lam: Optional[Callable[..., Any]] = (
-      lambda_warmup(t.lambda_warmup_steps, t.lambda_schedule) if cfg.model.bitnet else None)
 
   def init_state(rng: jax.Array) -> TrainState:
-    params = model.init(rng, jnp.zeros((1, t.seq_len), jnp.int32))["params"]
+    params = model.init(rng, jnp.zeros((1, t.seq_len), jnp.int32))
     loss_scale = None
-    if cfg.model.compute_dtype == "float16":
+    if model.compute_dtype == "float16":
       s = cfg.stability.loss_scale
       loss_scale = DynamicLossScale.create(initial_scale=s.init, growth_interval=s.growth_interval,
                                            growth_factor=s.growth_factor)
@@ -124,42 +150,50 @@ def build(cfg: Config, data: Data, *, tx: Optional[optax.GradientTransformationE
   tokens_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
   batch_sharding = {"tokens": tokens_sharding, "grad_scale": replicated}
-  step_fn = _under_mesh(mesh, make_train_step(model, chain, cfg, schedule, lam))
+  step_fn = _under_mesh(mesh, make_train_step(model, chain, cfg, schedules.main))
 
   def activation_stats(params: Any, tokens: jax.Array, step: jax.Array) -> dict:
-    kwargs: dict[str, Any] = {"bitnet_lambda": lam(step)} if lam is not None else {}
-    logits, acts = model.apply({"params": params}, tokens[:, :-1], return_activations=True,
-                               **kwargs)
-    residual = acts["residual"]
+    logits, residual = model.residual_stream(params, tokens[:, :-1], step)
     return {"act_rms": jnp.sqrt(jnp.mean(jnp.square(residual))),
             "act_max": jnp.max(jnp.abs(residual)), "logit_max": jnp.max(jnp.abs(logits)),
             "excess_kurtosis": excess_kurtosis(residual[1:])}
 
   def grad_norms(params: Any, tokens: jax.Array) -> dict:
     def loss_fn(p: Any) -> jax.Array:
-      logits: jax.Array = model.apply({"params": p}, tokens[:, :-1])  # type: ignore[assignment]
+      logits = model.logits(p, tokens[:, :-1], jnp.int32(0))
       return cross_entropy_with_z_loss(logits, tokens[:, 1:])[0]
     return per_layer_grad_norms(jax.grad(loss_fn)(params))
 
   return Components(
-      cfg=cfg, data=data, mesh=mesh, model=model, tx=chain, schedule=schedule, bitnet_lambda=lam,
-      sampler=_sampler(cfg, lam, warn),
+      cfg=cfg, data=data, mesh=mesh, model=model, tx=chain, schedules=schedules,
+      sampler=_sampler(cfg, model, warn),
       abstract_state=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   abstract, state_sharding),
       state_sharding=state_sharding, tokens_sharding=tokens_sharding,
       init_state=jax.jit(init_state, out_shardings=state_sharding),
+      init_optimizer=jax.jit(chain.init, out_shardings=state_sharding.opt_state),
       train_step=jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                          out_shardings=(state_sharding, replicated), donate_argnums=0),
       # Replicated outputs: every process fetches the same values, so all take the same branches.
-      eval_step=jax.jit(make_eval_step(model, cfg, lam),
+      eval_step=jax.jit(make_eval_step(model, cfg),
                         in_shardings=(state_sharding.params, mesh_lib.batch_sharding(mesh),
                                       replicated), out_shardings=replicated),
       set_lr_backoff=jax.jit(_with_lr_backoff, out_shardings=state_sharding, donate_argnums=0),
-      logit_telemetry=jax.jit(make_logit_telemetry(model, cfg, lam), out_shardings=replicated),
+      logit_telemetry=jax.jit(make_logit_telemetry(model, cfg), out_shardings=replicated),
       activation_stats=jax.jit(activation_stats, out_shardings=replicated),
       grad_norms=jax.jit(grad_norms, out_shardings=replicated),
       param_movement=jax.jit(param_movement, out_shardings=replicated),
-      optimizer=factory)
+      optimizer=optimizer)
+
+
+def _warn_missing(cfg: Config, model: LanguageModel, warn: Callable[[str], None]) -> None:
+  """A report the config asks for that the model family cannot give: one warning line, off."""
+  asked = [("logging.attention_logits", cfg.logging.attention_logits, "attention logits"),
+           ("logging.activation_every", bool(cfg.logging.activation_every), "residual stream")]
+  for key, on, capability in asked:
+    if on and not model.supports(capability):
+      warn(f"warning: model family {model.family!r} does not offer {capability} "
+           f"({CAPABILITIES[capability][1]}): {key} has no effect")
 
 
 def with_steps(c: Components, steps: int, tx: Optional[optax.GradientTransformationExtraArgs]
@@ -171,11 +205,16 @@ def with_steps(c: Components, steps: int, tx: Optional[optax.GradientTransformat
   return build(cfg, c.data, tx=tx, optimizer=c.optimizer)
 
 
-def _sampler(cfg: Config, lam: Optional[Callable[..., Any]],
-             warn: Callable[[str], None]) -> Optional[EvalSampler]:
-  """The sample printed at evals (logging.sample_*); None when off or the tokenizer is unknown."""
+def _sampler(cfg: Config, model: LanguageModel, warn: Callable[[str], None]
+             ) -> Optional[EvalSampler]:
+  """The sample printed at evals (logging.sample_*); None when off, the tokenizer is unknown or
+  the model family cannot decode."""
   lg = cfg.logging
   if lg.sample_every == 0 or jax.process_count() > 1:
+    return None
+  if not model.supports("decoding"):
+    if lg.sample_every is not None:  # asked for: say why there are none
+      warn(f"warning: no samples at evals: {model.missing('decoding', 'logging.sample_every')}")
     return None
   try:
     tok = data_tokenizer(cfg.data)
@@ -184,7 +223,7 @@ def _sampler(cfg: Config, lam: Optional[Callable[..., Any]],
     return None
   if tok is None:
     return None
-  return EvalSampler(cfg.model, tok, lg.sample_prompt, lg.sample_tokens, cfg.train.seed, lam)
+  return EvalSampler(model, tok, lg.sample_prompt, lg.sample_tokens, cfg.train.seed)
 
 
 def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -8,14 +8,13 @@ by ``python -m stablejax train``), 3 diverged beyond the recovery budget, 130 in
 What is built once is :class:`stablejax.training.components.Components`; what happens every so
 many steps is in :mod:`stablejax.training.actions`; restoring and rolling back is
 :mod:`stablejax.training.rollback`; the run directory's ownership and lock are
-:mod:`stablejax.training.run_dir`. :meth:`Run._train_from` is the step loop.
+:mod:`stablejax.training.run_dir`; the banner and the summary are
+:mod:`stablejax.training.run_summary`. :meth:`Run._train_from` is the step loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -25,22 +24,22 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from stablejax.data.pipeline import build_data, data_identity, identity_difference
+from stablejax.data.identity import data_identity, identity_difference
+from stablejax.data.pipeline import build_data
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
-from stablejax.muon.describe import NoOutlierSafeMuonError, describe_routing
-from stablejax.training import actions, components, distributed, runs
-from stablejax.training.batches import Batches, kill_if_due, total_skips
-from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget, peak_memory
+from stablejax.training import actions, components, distributed, run_summary, runs
+from stablejax.training.batches import Batches, kill_if_due
+from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
-from stablejax.training.config import Config, ConfigError, ineffective_keys, to_dict
+from stablejax.training.config import Config, ConfigError, changed_keys, load_run_file, to_dict
+from stablejax.training.data_order import data_order, order_difference
 from stablejax.training.logger import RunLogger
-from stablejax.training.optim import learning_rate_warnings, learning_rates
 from stablejax.training.recovery import Recovery
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
 from stablejax.training.run_dir import RunDirectory
+from stablejax.training.run_dir_checks import run_inputs
 from stablejax.training.signals import Interrupted, StopSignals
-from stablejax.modeling.gpt import count_params, model_flops_per_token
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 
@@ -63,8 +62,13 @@ class Run:
       scale that the recovery backs off.
     optimizer: ``(cfg, main) -> chain`` around the configured main optimizer instead of
       ``build_optimizer`` (rebuilt when the time budget fixes the step count).
-    data_changed: resume on data other than the run recorded (its identity is updated).
+    data_changed: resume on data other than the run recorded (its identity is updated; the
+      tokenizer must stay the run's).
+    reset_optimizer: at resume, start the optimizer's state afresh (keeping the parameters, the
+      step, the data position and the monitor): needed to switch between Muon and AdamW.
     signals: the stop-signal handler a program installed before its imports.
+    config_file: the config file the run was given (``--config``): it must not lie where the
+      trainer writes in ``out_dir``.
 
   Example:
     >>> import contextlib, io, json, pathlib, tempfile
@@ -85,7 +89,8 @@ class Run:
   def __init__(self, cfg: Config, out_dir: Path | str, fresh: bool = False,
                tx: Optional[optax.GradientTransformationExtraArgs] = None,
                optimizer: Optional[components.OptimizerFactory] = None,
-               data_changed: bool = False, signals: Optional[StopSignals] = None):
+               data_changed: bool = False, reset_optimizer: bool = False,
+               signals: Optional[StopSignals] = None, config_file: Optional[Path] = None):
     self.t_start = time.time()
     # From here a signal stops the run at the next safe point (between start-up phases, or at a
     # step), never in the middle of a compilation, a checkpoint save or the budget's probe.
@@ -93,13 +98,15 @@ class Run:
     self.signals.install()
     distributed.initialize(cfg.mesh)  # before anything touches a JAX backend
     # Joining a job starts XLA's preemption notifier, which takes SIGTERM for itself: the
-    # trainer's handlers go back on top (a signal received meanwhile stays recorded).
-    self.signals.install()
+    # trainer's handler takes it back (a signal received meanwhile stays recorded).
+    if cfg.mesh.distributed:
+      self.signals.reclaim()
     self.is_main = distributed.is_main()
-    self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main)
-    distributed.barrier("run_dir")  # no process looks for checkpoints before --fresh is done
+    self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main,
+                                     inputs=run_inputs(cfg, config_file))
+    self.fresh = fresh
     try:
-      self._build(cfg, tx, optimizer, data_changed)
+      self._build(cfg, tx, optimizer, data_changed, reset_optimizer)
     except BaseException:
       if hasattr(self, "checkpoints"):
         self.checkpoints.close()  # no Orbax thread may outlive a refused start
@@ -107,8 +114,10 @@ class Run:
       raise
 
   def _build(self, cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
-             optimizer: Optional[components.OptimizerFactory], data_changed: bool) -> None:
+             optimizer: Optional[components.OptimizerFactory], data_changed: bool,
+             reset_optimizer: bool) -> None:
     self.custom_tx, self.data_changed = tx, data_changed
+    self.recorded = None if self.fresh else self._recorded_config()
     self.log = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard)  # console until opened
     # Data first: a bad path is the commonest mistake and should fail before any compilation.
     t = cfg.train
@@ -127,13 +136,28 @@ class Run:
     self.recovery = Recovery(cfg.stability)
     self.monitor = StabilityMonitor(thresholds=HealthThresholds(
         high=cfg.logging.grad_norm_high, critical=cfg.logging.grad_norm_critical))
+    self.run_dir.remove_previous()  # --fresh: every check of the new start passed
+    distributed.barrier("run_dir")  # no process looks for checkpoints before --fresh is done
     checkpoint_dir = self.run_dir.path("checkpoints")
     self.run_dir.record_written()  # before Orbax creates the folder
-    self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save)
+    self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
+                                   record_step=self.run_dir.record_checkpoint)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
                            lambda tokens: self.c.device_tokens(tokens))
-    self.restorer = Restorer(self.c, self.run_dir, self.checkpoints, self.batches, self.recovery,
-                             self.monitor, self.log)
+    self.restorer = Restorer(lambda: self.c, self.run_dir, self.checkpoints, self.batches,
+                             self.recovery, self.monitor, self.log, recorded=self.recorded,
+                             reset_optimizer=reset_optimizer)
+
+  def _recorded_config(self) -> Optional[Config]:
+    """The config of the run's previous start (its ``config.json``), or None: a new run, or one
+    whose recorded config this version cannot read (then only a keyed checkpoint resumes)."""
+    path = self.run_dir.root / "config.json"
+    if "config.json" not in self.run_dir.recorded or not path.is_file():
+      return None
+    try:
+      return load_run_file(path)
+    except ConfigError:
+      return None
 
   @property
   def cfg(self) -> Config:
@@ -166,7 +190,8 @@ class Run:
     the run, the logs are closed and the lock released (:meth:`train` does it when it returns).
     Each part is closed even when another fails; the first failure is raised unless ``quiet``."""
     errors = []
-    for close in (self.checkpoints.close, self.log.close, self.run_dir.close):
+    for close in (self.budget.stop_heartbeat, self.checkpoints.close, self.log.close,
+                  self.run_dir.close):
       try:
         close()
       except Exception as e:  # noqa: BLE001 - every part gets its chance to close
@@ -180,17 +205,24 @@ class Run:
     to continue from. Raises Interrupted when a signal came in the meantime."""
     self.state, meta = self.restorer.restore_or_init()
     resuming = bool(meta)
-    self._check_resume(resuming)
+    self._check_resume(meta)
+    notes = self._changes(meta) if resuming else []
     self._record_start()
     self.signals.check_startup("restoring the checkpoint" if resuming else "initialising the model")
     self.budget.load_state_dict(meta, owns_clock=CLOCK_FILE in self.run_dir.recorded)
     self.budget.tick(force=True)  # a start killed from here on still counts in the budget
+    self.budget.start_heartbeat()  # up to its last beat: the probe, the compilations
     self._apply_budget()
     step = int(meta.get("step", 0))
+    self.checkpointing = actions.Checkpointing(self.c, self.checkpoints, self.batches,
+                                               self._meta, self.recovery, self.log)
     if step == 0 and not self.checkpoints.all_steps():
-      self._checkpointing().save(0, self.state)  # the initial state is a rollback target
+      self.checkpointing.save(0, self.state)  # the initial state is a rollback target
       self.signals.check_startup("saving step 0")
     self._banner(step)
+    for line in notes:
+      self.log.console(line)
+      self.log.record({"step": step, "event": "resumed", "cause": line})
     self.val_batches = self.c.val_batches()
     if self.budget.active and self.val_batches:
       # Compile the eval (and sample) now, at start-up: the budget's margin for the final eval
@@ -202,16 +234,24 @@ class Run:
       self.signals.check_startup("compiling the evaluation")
     return step
 
-  def _check_resume(self, resuming: bool) -> None:
-    """A resumed run must train on its tokenizer and its data (unless told the data changed)."""
-    if not resuming:
-      return
+  def _check_resume(self, meta: dict) -> None:
+    """A resumed run (``meta``: its checkpoint's) must train on its tokenizer, whatever the
+    data, and on its data unless told the data changed; another data order is said."""
     try:
-      problem = runs.tokenizer_mismatch(self.run_dir.root, self.cfg.data)
+      self.tokenizer = runs.tokenizer_record(self.cfg.data)[0]
+      problem = runs.resume_tokenizer_problem(meta, self.run_dir.tokenizer, self.run_dir.root,
+                                              self.tokenizer) if meta else None
     except runs.RunError as e:
       raise ConfigError(str(e)) from None
     if problem:
       raise ConfigError(problem)
+    if not meta:
+      return
+    order = self.run_dir.data_order
+    if order is not None and order != data_order(self.cfg):
+      self.log.console(f"warning: {order_difference(order, data_order(self.cfg))} since the last "
+                       "start of this run: the batches from here on come in another order than "
+                       "the run's own (the data is the same)")
     recorded, current = self.run_dir.data_identity, data_identity(self.cfg.data)
     difference = identity_difference(recorded, current) if recorded is not None else None
     if difference and not self.data_changed:
@@ -221,12 +261,28 @@ class Run:
           "to start over, or --data-changed to resume on the new data on purpose (its "
           "validation set and order change)")
 
+  def _changes(self, meta: dict) -> list[str]:
+    """What changed since the run's last start, one line each: the settings, and what the
+    restore did with the optimizer state (a defence switched on or off, ...)."""
+    lines = []
+    if self.recorded is not None:
+      changed = [line for line in changed_keys(self.recorded, self.cfg)
+                 if not (line.startswith("train.steps ") and self.cfg.train.time_budget_minutes)]
+      if changed:
+        lines.append("changed since the last start: " + "; ".join(changed))
+    if meta.get("changes"):
+      lines.append(str(meta["changes"]))
+    return lines
+
   def _record_start(self) -> None:
     """The checks passed: the run's config, tokenizer and data identity, and its log files."""
     if self.is_main:
-      for name in ("tokenizer", CLOCK_FILE, PROBE_DIR, "config.json"):
+      for name in ("tokenizer", CLOCK_FILE, PROBE_DIR, "config.json", "metrics.jsonl",
+                   "tensorboard"):
         self.run_dir.path(name)
       self.run_dir.set_data_identity(data_identity(self.cfg.data))
+      self.run_dir.set_tokenizer(self.tokenizer)
+      self.run_dir.set_data_order(data_order(self.cfg))
       self.run_dir.record_written()
       try:
         runs.write_tokenizer_record(self.run_dir.root, self.cfg.data)
@@ -246,8 +302,7 @@ class Run:
       self.log.console("warning: train.time_budget_minutes with Run(tx=...): the step count is "
                        "fixed, but the schedules inside that tx are the caller's")
     if steps != self.c.total_steps:
-      self.c = components.with_steps(self.c, steps, self.custom_tx)
-      self.restorer.c = self.c
+      self.c = components.with_steps(self.c, steps, self.custom_tx)  # the restorer reads self.c
     self.log.console(self.budget.describe())
 
   # ------------------------------------------------------------------ the step loop
@@ -318,25 +373,20 @@ class Run:
                                            self.log)
     self.time_budget = actions.TimeBudget(self.budget, self.log, distributed.agree_any)
     return (self.logging, self.evaluation, self.sampling, self.diagnostics,
-            self._checkpointing(), self.time_budget)
-
-  def _checkpointing(self) -> actions.Checkpointing:
-    self.checkpointing = actions.Checkpointing(self.c, self.checkpoints, self.batches,
-                                               self._meta, self.recovery, self.log)
-    return self.checkpointing
+            self.checkpointing, self.time_budget)
 
   def _meta(self) -> dict:
-    return {**self.restorer.meta(), **self.budget.state_dict()}
+    return {**self.restorer.meta(), **self.budget.state_dict(), "tokenizer": self.tokenizer}
 
   def _save_if_healthy(self, step: int) -> None:
     if self.recovery.healthy():
-      self._checkpointing().save(step, self.state)
+      self.checkpointing.save(step, self.state)
 
   # ------------------------------------------------------------------ endings
 
   def _interrupted(self, step: int) -> int:
     if self.recovery.healthy() and step not in self.checkpoints.all_steps():
-      self._checkpointing().save(step, self.state)
+      self.checkpointing.save(step, self.state)
     self.log.console(f"{self.signals.name} at step {step}: checkpoint saved; run the same command"
                      " to resume")
     return EXIT_INTERRUPTED
@@ -347,75 +397,24 @@ class Run:
     return EXIT_DIVERGED
 
   def _banner(self, step: int) -> None:
-    if not self.is_main:
-      return
-    cfg = self.cfg
-    lines = [
-        f"stablejax {_version()}: {count_params(self.state.params) / 1e6:.2f}M "
-        f"parameters ({cfg.model.n_layers} layers, d_model {cfg.model.d_model}), "
-        f"params {cfg.model.param_dtype}, compute {cfg.model.compute_dtype}",
-        f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
-        f"({jax.process_count()} process(es)); mesh {dict(self.c.mesh.shape)}",
-        f"data: {json.dumps(self.c.data.stats, default=str)}",
-        f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
-        f"{self.c.total_steps} steps ({self.budget.describe_length(self.c.total_steps)}), warmup "
-        f"{cfg.train.warmup_steps}",
-        f"output: {self.run_dir.root}" + (f" (resuming at step {step})" if step else ""),
-    ]
-    try:  # the configured chain or Run(tx=...): any chain holding an outlier_safe_muon
-      lines.append(describe_routing(self.state.params, self.c.tx))
-    except NoOutlierSafeMuonError:
-      pass
-    for line in lines:
-      self.log.console(line)
-    for warning in learning_rate_warnings(cfg) + ineffective_keys(cfg):
-      self.log.console(f"warning: {warning}")
+    if self.is_main:
+      for line in run_summary.banner(self.c, self.state.params, self.budget, self.run_dir.root,
+                                     step):
+        self.log.console(line)
 
   def _finish(self, step: int, exit_code: int) -> int:
     self.checkpoints.close()
     self.budget.tick(force=True)
-    wall = time.time() - self.t_start
-    record = self.logging.last_record
-    skipped = total_skips(record) + self.restorer.abandoned_skips
-    tokens_per_sec = self.logging.tokens_per_sec
-    flops = model_flops_per_token(self.cfg.model, self.cfg.train.seq_len)
-    peak = components.peak_flops_per_device(self.cfg) * jax.device_count()
-    summary = {
-        "final_val_loss": self.evaluation.last_val_loss,
-        "final_train_loss": record.get("loss"),
-        "steps": step,
-        "skipped_steps": skipped,
-        "rollbacks": self.recovery.rollbacks,
-        "tokens_per_sec": tokens_per_sec,
-        "mfu": flops * tokens_per_sec / peak if math.isfinite(tokens_per_sec) else None,
-        "stability_score": self.monitor.score(),
-        "excess_kurtosis": self.diagnostics.last_kurtosis,
-        "wall_seconds": wall,
-        "total_wall_seconds": self.budget.elapsed(),
-        "exit_code": exit_code,
-        "events": [e.describe() for e in self.recovery.events],
-        **self.budget.summary(),
-        **peak_memory(),
-    }
+    summary = run_summary.summary(
+        self.c, step=step, exit_code=exit_code, wall=time.time() - self.t_start,
+        logging=self.logging, evaluation=self.evaluation, diagnostics=self.diagnostics,
+        recovery=self.recovery, monitor=self.monitor, budget=self.budget,
+        abandoned_skips=self.restorer.abandoned_skips)
     if self.is_main:
       path = self.run_dir.path("summary.json")
       self.run_dir.record_written()
       write_json_atomic(path, summary, indent=2)
       if exit_code == EXIT_OK:
-        self.log.console(
-            f"done: {step} steps in {wall:.0f}s, val_loss {summary['final_val_loss']:.4f}, "
-            f"{skipped} skipped steps, {self.recovery.rollbacks} rollbacks, "
-            f"stability score {summary['stability_score']:.2f}; logs in {self.run_dir.root}")
-        for line in self.monitor.advice():
-          self.log.console(f"advice: {line}")
+        for line in run_summary.done(summary, self.run_dir.root, self.monitor):
+          self.log.console(line)
     return exit_code
-
-
-def _version() -> str:
-  """The installed version (read from the package's metadata, not by importing its front file)."""
-  from importlib import metadata
-  try:
-    return metadata.version("stablejax")
-  except metadata.PackageNotFoundError:
-    return "(not installed)"
-

@@ -5,6 +5,10 @@ enabled section of ``stability`` puts its transform in its position. The default
 
     skip_nonfinite(skip_spikes(chain(zclip, outlier_safe_muon | adamw, lr_scale)))
 
+Its state is keyed by name (:mod:`stablejax.transforms.keyed`): ``{"zclip": ..., "optimizer":
+{"muon": ...}, "lr_scale": ..., "skip_spikes": ..., "skip_nonfinite": ...}``, so a defence
+switched on or off between two starts of a run adds or drops only its own entry.
+
 with ``stability.clip`` / ``stability.adagc`` next to ZClip on the gradient and
 ``stability.qk_clip`` last, when enabled. A defence that needs an extra ``update`` argument says
 so (QK-clip: ``max_logits``, the step's per-head max attention logits, which the train step then
@@ -30,7 +34,8 @@ through optax's own `mask=`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +44,7 @@ import optax
 from stablejax.muon.lr_check import check_learning_rates
 from stablejax.muon.muon import outlier_safe_muon
 from stablejax.muon.routing import label_params
-from stablejax.training.config import Config
+from stablejax.training.config import Config, model_of
 from stablejax.transforms import defence
 
 
@@ -51,6 +56,27 @@ def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak, warmup_steps=t.warmup_steps,
       decay_steps=t.steps, end_value=peak * t.min_lr_ratio)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedules:
+  """Every parameter group's learning-rate schedule (:func:`lr_schedule` of its peak), built once
+  per run (and again when the time budget fixes the step count).
+
+  Attributes:
+    by_group: ``{"adamw": ...}`` or ``{"muon": ..., "adam": ..., "embedding": ..., "head": ...}``.
+  """
+
+  by_group: dict[str, optax.Schedule]
+
+  @classmethod
+  def of(cls, cfg: Config) -> "Schedules":
+    return cls({group: lr_schedule(cfg, peak) for group, peak in learning_rates(cfg).items()})
+
+  @property
+  def main(self) -> optax.Schedule:
+    """The rate of ``optimizer.learning_rate`` (AdamW's, or Muon's matrices'): logged as ``lr``."""
+    return self.by_group["adamw"] if "adamw" in self.by_group else self.by_group["muon"]
 
 
 def learning_rates(cfg: Config) -> dict[str, float]:
@@ -83,22 +109,25 @@ def decay_mask(params: Any) -> Any:
   return jax.tree.map(lambda label: label != "adam", label_params(params))
 
 
-def main_optimizer(cfg: Config) -> optax.GradientTransformation:
+def main_optimizer(cfg: Config, schedules: Optional[Schedules] = None
+                   ) -> optax.GradientTransformation:
+  """Muon (``outlier_safe_muon``) or AdamW as ``cfg.optimizer`` says, with ``schedules``
+  (default: ``Schedules.of(cfg)``)."""
   o = cfg.optimizer
-  rates = learning_rates(cfg)
+  rates = (schedules or Schedules.of(cfg)).by_group
   if o.name == "adamw":
-    return optax.adamw(lr_schedule(cfg, rates["adamw"]), b1=o.b1, b2=o.b2, eps=o.eps,
+    return optax.adamw(rates["adamw"], b1=o.b1, b2=o.b2, eps=o.eps,
                        weight_decay=o.weight_decay, mask=decay_mask)
   return outlier_safe_muon(
-      learning_rate=lr_schedule(cfg, rates["muon"]),
+      learning_rate=rates["muon"],
       momentum=o.momentum,
       ns_steps=o.ns_steps,
       ns_coeffs=o.ns_coeffs,
       weight_decay=o.weight_decay,
       consistent_rms=o.consistent_rms,
-      adam_learning_rate=lr_schedule(cfg, rates["adam"]),
-      embedding_learning_rate=lr_schedule(cfg, rates["embedding"]),
-      head_learning_rate=lr_schedule(cfg, rates["head"]),
+      adam_learning_rate=rates["adam"],
+      embedding_learning_rate=rates["embedding"],
+      head_learning_rate=rates["head"],
       adam_b1=o.b1,
       adam_b2=o.b2,
       adam_eps=o.eps,
@@ -106,26 +135,43 @@ def main_optimizer(cfg: Config) -> optax.GradientTransformation:
       outlier_threshold=o.outlier_threshold,
       outlier_method=o.outlier_method,
       ns_backend=o.ns_backend,
+      ns_method=o.ns_method,
+      ns_preconditioning=o.ns_preconditioning,
+      per_head=o.per_head,
+      num_heads=_query_heads(cfg),
+      normuon=o.normuon,
+      normuon_b2=o.normuon_b2,
   )
 
 
-def parameter_learning_rates(cfg: Config) -> Callable[[Any], Any]:
+def _query_heads(cfg: Config) -> Optional[int]:
+  """The query head count ``optimizer.per_head`` splits attention projections by: the model
+  family's attention layout (None without ``per_head``)."""
+  if not cfg.optimizer.per_head:
+    return None
+  model = model_of(cfg)
+  model.require("attention layout", "optimizer.per_head")
+  return model.attention_heads().num_heads
+
+
+def parameter_learning_rates(cfg: Config, schedules: Optional[Schedules] = None
+                             ) -> Callable[[Any], Any]:
   """``params -> pytree of schedules``: the learning rate `main_optimizer(cfg)` multiplies each
   parameter's update by (AdamW: one schedule; Muon: its group's, from `stablejax.label_params`,
   the routing `outlier_safe_muon` uses). The defences at ``Position.UPDATE`` that are stated
   before the learning rate divide by it (`DefenceContext.learning_rates`)."""
+  by_group = (schedules or Schedules.of(cfg)).by_group
+
   def rates(params: Any) -> Any:
-    peaks = learning_rates(cfg)
     if cfg.optimizer.name == "adamw":
-      shared = lr_schedule(cfg, peaks["adamw"])
-      return jax.tree.map(lambda _: shared, params)
-    schedules = {group: lr_schedule(cfg, peak) for group, peak in peaks.items()}
-    return jax.tree.map(lambda label: schedules[label], label_params(params))
+      return jax.tree.map(lambda _: by_group["adamw"], params)
+    return jax.tree.map(lambda label: by_group[label], label_params(params))
   return rates
 
 
 def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = None, *,
-                    update_scale: optax.GradientTransformation | None = None
+                    update_scale: optax.GradientTransformation | None = None,
+                    schedules: Optional[Schedules] = None
                     ) -> optax.GradientTransformationExtraArgs:
   """The full chain; `main` is `main_optimizer(cfg)` when the caller already built it.
 
@@ -154,11 +200,18 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
     (True, 1.0)
   """
   return defence.build_chain(
-      cfg.stability, main if main is not None else main_optimizer(cfg),
+      cfg.stability, main if main is not None else main_optimizer(cfg, schedules),
+      optimizer_name=cfg.optimizer.name,
       update_scale=(update_scale if update_scale is not None
                     else optax.inject_hyperparams(optax.scale)(step_size=1.0)),
-      ctx=defence.DefenceContext(stability=cfg.stability, model=cfg.model,
-                                 learning_rates=parameter_learning_rates(cfg)))
+      ctx=defence_context(cfg, schedules))
+
+
+def defence_context(cfg: Config, schedules: Optional[Schedules] = None
+                    ) -> defence.DefenceContext:
+  """What the defences' builders read: the stability section, the model, the learning rates."""
+  return defence.DefenceContext(stability=cfg.stability, model=model_of(cfg),
+                                learning_rates=parameter_learning_rates(cfg, schedules))
 
 
 def step_arguments(cfg: Config) -> frozenset[str]:

@@ -9,11 +9,13 @@ Measures the outlier-safe claim (Outlier-Safe Pre-Training, arXiv 2506.19697) on
 a model without activation/weight outliers loses little when its weights are rounded to 4 bits.
 
 Reads ``RUN_DIR/config.json``, rebuilds the model and the fixed validation batches the way the
-trainer does (``build_data``, ``GPT``, the trainer's own eval step), restores the parameters of the
-newest usable checkpoint in ``RUN_DIR/checkpoints``, and evaluates the validation cross-entropy of
-the parameters as trained and after ``stablejax.quantize_weights_rtn(params, bits)`` (per-channel,
-symmetric, round-to-nearest; norm gains and vectors stay in full precision). An EmbProj model is
-merged first (``stablejax.merge_emb_proj``, as it would be deployed), unless ``--no-merge``.
+trainer does (``build_data``, the config's model family, the trainer's own eval step), restores
+the parameters of the newest usable checkpoint in ``RUN_DIR/checkpoints``, and evaluates the
+validation cross-entropy of the parameters as trained and after
+``stablejax.quantize_weights_rtn(params, bits)`` (per-channel, symmetric, round-to-nearest; norm
+gains and vectors stay in full precision). The model is quantised as it would be deployed (its
+family's ``for_deployment``: a GPT with EmbProj merged, ``stablejax.merge_emb_proj``), unless
+``--no-merge``.
 Prints both losses and the difference and writes ``RUN_DIR/quantize_eval.json``.
 
 A checkpoint is usable when Orbax can read it and its contents match the fingerprint the trainer
@@ -53,7 +55,6 @@ from stablejax.training.runs import RunError, check_params, load_run_config, res
 
 if TYPE_CHECKING:
   from stablejax.training.config import Config
-  from stablejax.modeling.gpt import ModelConfig
 
 RESULT_FILE = "quantize_eval.json"
 
@@ -61,16 +62,16 @@ RESULT_FILE = "quantize_eval.json"
 QuantizeEvalError = RunError  # one error type for an unusable run (stablejax.training.runs)
 
 
-def make_evaluator(cfg: Config, model_cfg: Optional[ModelConfig] = None, step: int = 0
+def make_evaluator(cfg: Config, model_cfg: Any = None, step: int = 0
                    ) -> Callable[[Any, Sequence[Any]], float]:
   """``params, batches -> mean validation cross-entropy``, with the trainer's eval step.
 
   Args:
     cfg: the run's trainer ``Config``.
-    model_cfg: the model to evaluate (default ``cfg.model``; e.g. the config returned by
-      ``merge_emb_proj``).
-    step: training step, for the BitNet lambda of ``model.bitnet`` runs (the value the trainer's
-      eval at that step used).
+    model_cfg: the ``model`` section to evaluate (default ``cfg.model``; e.g. the deployed
+      model's, :meth:`stablejax.modeling.family.LanguageModel.for_deployment`).
+    step: training step, for models whose forward pass follows a schedule (BitNet's lambda: the
+      value the trainer's eval at that step used).
 
   Returns:
     A function of (params, list of ``[B, T+1]`` token arrays) returning a Python float: the mean
@@ -98,15 +99,11 @@ def _jitted_eval_step(config_json: str) -> Callable:
   """The trainer's eval step for a config (given as JSON, so it can key a cache), jitted once."""
   import jax
 
-  from stablejax.modeling.utils import lambda_warmup
-  from stablejax.training.config import config_from_dict
-  from stablejax.modeling.gpt import GPT
+  from stablejax.training.config import config_from_dict, model_of
   from stablejax.training.step import make_eval_step
 
   cfg = config_from_dict(json.loads(config_json))
-  lam = lambda_warmup(cfg.train.lambda_warmup_steps, cfg.train.lambda_schedule) \
-      if cfg.model.bitnet else None
-  return jax.jit(make_eval_step(GPT(cfg.model), cfg, lam))
+  return jax.jit(make_eval_step(model_of(cfg), cfg))
 
 
 @functools.lru_cache(maxsize=1)
@@ -152,8 +149,9 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
     result = quantize_eval("runs/small", bits=4)
     print(result["val_loss_before"], result["val_loss_after"])
   """
-  from stablejax.data.pipeline import DataError, build_data
-  from stablejax.modeling.utils import merge_emb_proj
+  from stablejax.data.config import DataError
+  from stablejax.data.pipeline import build_data
+  from stablejax.training.config import model_of
 
   check_stop()
   if not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= 8:
@@ -164,7 +162,7 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
   cfg = load_run_config(run_dir)
   check_stop()
   restored = restore_params(run_dir, on_fallback)
-  check_params(restored.params, cfg.model, cfg.train.seq_len)
+  check_params(restored.params, cfg)
   check_stop()
   n_batches = batches if batches is not None else cfg.train.eval_batches
   try:
@@ -179,10 +177,13 @@ def quantize_eval(run_dir: str | Path, bits: int = 4, *, batches: Optional[int] 
   before = evaluate(restored.params, val)
   check_stop()
   params = restored.params
-  merged = bool(merge and cfg.model.emb_proj)
-  if merged:
-    params, merged_cfg = merge_emb_proj(params, cfg.model)
-    evaluate = make_evaluator(cfg, merged_cfg, step=restored.step)
+  merged = False
+  if merge:
+    model = model_of(cfg)
+    params, deployed = model.for_deployment(params)
+    merged = deployed is not model
+    if merged:
+      evaluate = make_evaluator(cfg, deployed.config, step=restored.step)
   quantized = _jitted_quantize()(params, bits=bits, exclude=tuple(exclude))
   check_stop()
   after = evaluate(quantized, val)

@@ -3,8 +3,8 @@
 Triggers (host side, fed with fetched metrics records at log and eval steps, so every process of
 a multi-host run takes the same decision from the same numbers):
 - a rollback request from skip_nonfinite or skip_spikes (`max_consecutive_skips` skipped steps in
-  a row): the wrappers count requests (`*/rollback_requests`), so a burst of skips that ended
-  between two logged steps is still seen;
+  a row): the wrappers count requests (their metrics' ``rollback`` counter), so a burst of skips
+  that ended between two logged steps is still seen;
 - a parameter that became non-finite;
 - divergence of the train loss: the last `loss_window` logged losses in a row are all non-finite
   or above `loss_explosion_factor` x the best median of `loss_window` logged losses so far. A bump
@@ -29,6 +29,8 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+
+from stablejax.monitor.specs import rollback_request_counts
 
 
 @dataclasses.dataclass
@@ -75,11 +77,6 @@ def backoff_lr_scale(backoff: LRBackoff, step: jax.Array, recovery_steps: Option
   if schedule == "geometric":
     return jnp.exp(optax.linear_schedule(jnp.log(backoff.scale), 0.0, recovery_steps)(count))
   raise ValueError(f"unknown LR recovery schedule {schedule!r}: use 'linear' or 'geometric'")
-
-
-def rollback_request_counts(record: dict) -> dict[str, int]:
-  """The skip wrappers' rollback-request counters in a metrics record."""
-  return {k: int(v) for k, v in record.items() if k.endswith("/rollback_requests")}
 
 
 class Recovery:

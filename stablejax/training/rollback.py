@@ -11,32 +11,54 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from stablejax.monitor.stability_monitor import StabilityMonitor
+from stablejax.training import mesh as mesh_lib
+from stablejax.training import restore_plan
 from stablejax.training.batches import Batches, fetch, kill_if_due, total_skips
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.components import Components
+from stablejax.training.config import Config
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery, RollbackEvent
 from stablejax.training.run_dir import RunDirectory
 from stablejax.training.step import TrainState
+from stablejax.transforms import defence
+from stablejax.transforms.keyed import to_positional
 from stablejax.transforms.metrics import stability_metrics
 
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
 
 
 class Restorer:
-  """Restores the run's state from its checkpoints (``restore_or_init``, ``rollback``)."""
+  """Restores the run's state from its checkpoints (``restore_or_init``, ``rollback``), matching
+  the optimizer state by name (:mod:`stablejax.training.restore_plan`).
 
-  def __init__(self, c: Components, run_dir: RunDirectory, checkpoints: Checkpoints,
-               batches: Batches, recovery: Recovery, monitor: StabilityMonitor, log: RunLogger):
-    self.c, self.run_dir, self.checkpoints, self.batches = c, run_dir, checkpoints, batches
-    self.recovery, self.monitor, self.log = recovery, monitor, log
+  Args:
+    components: ``() -> Components``: the run's current components (the time budget replaces
+      them once it has fixed the step count).
+    recorded: the config the run's checkpoints were written with (the run directory's
+      ``config.json``), or None for a new run: a checkpoint of a version before the optimizer
+      state was keyed is read in its layout.
+    reset_optimizer: start the optimizer's state afresh at resume (``--reset-optimizer``).
+  """
+
+  def __init__(self, components: Callable[[], Components], run_dir: RunDirectory,
+               checkpoints: Checkpoints, batches: Batches, recovery: Recovery,
+               monitor: StabilityMonitor, log: RunLogger, *, recorded: Optional[Config] = None,
+               reset_optimizer: bool = False):
+    self.components, self.run_dir, self.checkpoints = components, run_dir, checkpoints
+    self.batches, self.recovery, self.monitor, self.log = batches, recovery, monitor, log
+    self.recorded, self.reset_optimizer = recorded, reset_optimizer
     self.abandoned_skips = 0  # skips counted on rolled-back branches
+
+  @property
+  def c(self) -> Components:
+    return self.components()
 
   @property
   def recovery_file(self) -> Path:
@@ -45,11 +67,52 @@ class Restorer:
   def state_metrics(self, state: TrainState) -> dict:
     return fetch(stability_metrics(state.opt_state))
 
-  def restore(self, at_most: Optional[int] = None) -> Optional[tuple[TrainState, dict]]:
+  def restore(self, at_most: Optional[int] = None, *, reset_optimizer: bool = False
+              ) -> Optional[tuple[TrainState, dict]]:
+    self._reset = reset_optimizer
     return self.checkpoints.restore(self.c.abstract_state, self.batches.stream, at_most=at_most,
-                                    on_fallback=self._fallback)
+                                    on_fallback=self._fallback, match=self)
+
+  # ------------------------------------------------------------------ matching by name
+
+  def plan(self, stored: Any) -> restore_plan.RestorePlan:
+    return restore_plan.plan(stored, self.c.abstract_state, reset_optimizer=self._reset,
+                             legacy=self._legacy_layout)
+
+  def finish(self, plan: restore_plan.RestorePlan, restored: Any) -> Any:
+    c = self.c
+    state = plan.finish(restored, c.init_optimizer,
+                        lambda: c.init_state(jax.random.PRNGKey(c.cfg.train.seed)))
+    return jax.device_put(state, c.state_sharding) if not plan.complete else state
+
+  def _legacy_layout(self) -> Optional[restore_plan.LegacyLayout]:
+    """The positional optimizer state the recorded config built before states were keyed."""
+    if self.recorded is None or self.c.optimizer is not None:
+      return None
+    from stablejax.training.optim import build_optimizer
+    recorded, c = self.recorded, self.c
+    tx = build_optimizer(recorded)
+    keyed = jax.eval_shape(tx.init, c.abstract_state.params)
+    ctx = defence.DefenceContext(stability=recorded.stability, model=c.model)
+    built = defence.built(recorded.stability, ctx)
+    positions = [d.name for d, _ in built if d.position is not defence.Position.WRAPPER]
+    wrappers = tuple(d.name for d, _ in built if d.position is defence.Position.WRAPPER)
+    by_position = {d.name: d.position for d, _ in built}
+    chain = ([n for n in positions if by_position[n] is defence.Position.GRADIENT]
+             + [defence.OPTIMIZER_KEY]
+             + [n for n in positions if by_position[n] is defence.Position.UPDATE]
+             + [defence.LR_SCALE_KEY]
+             + [n for n in positions if by_position[n] is defence.Position.FINAL])
+    positional = to_positional(keyed, chain, wrappers)
+    shardings = mesh_lib.state_shardings(c.mesh, positional)
+    positional = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                              positional, shardings)
+    return restore_plan.LegacyLayout(positional, tuple(chain), wrappers, recorded.optimizer.name)
 
   def _fallback(self, step: int, reason: str) -> None:
+    if self.run_dir.is_main:  # the damaged step goes there: recorded before it is created
+      self.run_dir.path("damaged_checkpoints")
+      self.run_dir.record_written()
     self.log.console(f"warning: checkpoint {step} is damaged ({reason}); trying the previous one"
                      f" (the damaged one goes to {self.checkpoints.damaged_directory})")
     self.log.record({"step": step, "event": "fallback_checkpoint", "cause": reason})
@@ -67,11 +130,13 @@ class Restorer:
     return state, meta
 
   def _restore_checkpoint_or_init(self) -> tuple[TrainState, dict]:
-    restored = self.restore()
+    restored = self.restore(reset_optimizer=self.reset_optimizer)
     if restored is None:
       stale = self.recovery_file
       if self.run_dir.is_main and stale.exists():  # its checkpoints are gone: another run's
-        stale.replace(self.run_dir.path(RECOVERY_FILE + ".stale"))
+        target = self.run_dir.path(RECOVERY_FILE + ".stale")
+        self.run_dir.record_written()  # recorded before it is there
+        stale.replace(target)
         self.log.console(f"warning: no checkpoint in {self.checkpoints.directory}: starting at step"
                          f" 0 and keeping the old rollback record as {RECOVERY_FILE}.stale")
       return self.c.init_state(jax.random.PRNGKey(self.c.cfg.train.seed)), {}

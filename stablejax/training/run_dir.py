@@ -3,23 +3,43 @@
 ``python -m stablejax train --out DIR`` owns what it writes in DIR and nothing else:
 
 * **One writer.** The trainer holds an exclusive lock on DIR for its whole life
-  (:class:`stablejax.data.folder.FolderLock`, released by the operating system however the process
-  ends); a second trainer on the same DIR stops at once with one line naming the holder.
-* **A record.** ``DIR/run.json`` lists every name the trainer created in DIR (files and folders),
-  and the identity of the data the run trains on. ``--fresh`` removes only recorded names, and
-  only when a recorded folder holds nothing but what the trainer writes there (Orbax step folders,
-  TensorBoard event files, ...). A trainer name (``checkpoints``, ``metrics.jsonl``, ...) that
-  the record does not list, or a folder with anything else in it, is refused with one line naming
-  it: nothing is deleted, appended to or read as a checkpoint. Other files in DIR are never
-  touched. A run directory written before the record existed (stablejax 0.1) is recognised by its
-  ``config.json`` and adopted.
+  (:class:`stablejax.data.folder.FolderLock`: on the folder itself, so a ``.lock`` deleted by
+  hand frees nothing; released by the operating system however the process ends); a second
+  trainer on the same DIR stops at once with one line naming the holder. In a job of several
+  processes, process 0 decides and every process learns its answer, so a refused start is one
+  line and every process exits 2.
+* **A record.** ``DIR/run.json`` lists every name the trainer created in DIR (files and folders,
+  each listed before it is created), the fingerprint of every checkpoint it saved (recorded before
+  the save), the tokenizer and the identity of the data the run trains on, and the settings of its
+  data order. A trainer name (``checkpoints``, ``metrics.jsonl``, ...) that the record does not
+  list, a recorded folder with anything else in it (a file of yours in ``checkpoints/``, a step
+  folder holding more than Orbax writes), or a step in ``checkpoints/`` that the record does not
+  list with that fingerprint (another run's step copied in) is refused with one line naming it:
+  nothing is deleted, appended to or read as a checkpoint. Other files in DIR are never touched.
+* **A run of stablejax 0.1** (no record) is recognised by what only the trainer writes: a
+  ``config.json`` with every section of the trainer's config, and checkpoints in ``checkpoints/``
+  whose metadata is the trainer's (the step and the fingerprint it saves with each). Then its
+  trainer names are adopted; a ``config.json`` alone, or checkpoints of another program, are not.
+* **Inputs are not outputs.** A ``--config`` or data path that lies where the trainer writes
+  (``--config exp/config.json --out exp`` on a folder the trainer has not written) is refused: the
+  user's file stays as it was.
 * **Check before write.** Opening DIR changes nothing; the trainer writes ``config.json`` and the
   record only after the resume checks passed (checkpoint restored, tokenizer and data the ones the
-  run recorded), so a refused resume leaves the run as it was.
+  run recorded), so a refused resume leaves the run as it was. ``--fresh`` deletes nothing until
+  every check of the new start passed (config, data, the model built): then the previous run's
+  names are moved into one folder and deleted, all or nothing (a name that cannot be moved, or a
+  symbolic link among them, is one line and nothing is deleted).
+
+This module holds :class:`RunDirectory`, which opens, locks and closes the folder and keeps the
+record. The names the trainer writes and the record's file are
+:mod:`stablejax.training.run_record`, the checks of what is in the folder
+:mod:`stablejax.training.run_dir_checks`, and ``--fresh``'s removal
+:mod:`stablejax.training.previous_run`.
 
 Example:
   >>> import pathlib, tempfile
-  >>> from stablejax.training.run_dir import RunDirectory, RunDirError
+  >>> from stablejax.training.run_dir import RunDirectory
+  >>> from stablejax.training.run_record import RunDirError
   >>> out = pathlib.Path(tempfile.mkdtemp()) / "run"
   >>> run = RunDirectory.open(out)
   >>> _ = run.path("metrics.jsonl").write_text("")   # created through the record
@@ -36,63 +56,36 @@ Example:
 
 from __future__ import annotations
 
-import errno
 import json
-import re
+import os
 import shutil
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional, Sequence
 
 from stablejax.data.folder import LOCK_NAME, FolderBusy, FolderLock
 from stablejax.training.checkpoint import write_json_atomic
-
-RECORD = "run.json"
-PROGRAM = "stablejax train"
-
-_STEP = re.compile(r"^\d+$")
-_ORBAX_TMP = re.compile(r"^\d+\.orbax-checkpoint-tmp(-\d+)?$")
-_DAMAGED = re.compile(r"^\d+(\.\d+)?$")
-_EVENTS = re.compile(r"^events\.out\.tfevents\.")
-
-# What the trainer writes in a run directory: a file name -> None, a folder name -> what may be
-# inside it. Atomic writes go through ".<name>.tmp" first. The programs that read a run write
-# their own outputs beside (report.png, quantize_eval.json): those are theirs, and the trainer
-# neither checks nor removes them.
-WRITES: dict[str, Optional[Any]] = {
-    "config.json": None,
-    "metrics.jsonl": None,
-    "summary.json": None,
-    "recovery.json": None,
-    "recovery.json.stale": None,
-    "budget_clock.json": None,
-    "checkpoints": (_STEP, _ORBAX_TMP),
-    "damaged_checkpoints": (_DAMAGED,),
-    "budget_probe": (_STEP, _ORBAX_TMP),
-    "tensorboard": (_EVENTS,),
-    "tokenizer": (re.compile(r"^(record|tokenizer)\.json$"),
-                  re.compile(r"^\.(record|tokenizer)\.json\.tmp$")),
-}
+from stablejax.training.environment_errors import environment_error
+from stablejax.training.previous_run import PreviousRun
+from stablejax.training.run_dir_checks import (check_checkpoints, check_inputs, check_names,
+                                               fingerprints_on_disk, present_names,
+                                               recognise_v0_1, step_dirs)
+from stablejax.training.run_record import (PROGRAM, RECORD, TRASH, WRITES, RunDirError,
+                                           read_record, resolved, tmp_name, trainer_folder_of)
 
 
-class RunDirError(Exception):
-  """A run directory the trainer may not use as it is; one line naming the problem and the fix."""
-
-
-def _tmp_name(name: str) -> str:
-  return f".{name}.tmp"
-
-
-def foreign_content(folder: Path, patterns: Iterable[re.Pattern]) -> list[str]:
-  """Entries of ``folder`` that match none of ``patterns`` (what the trainer does not write)."""
-  patterns = tuple(patterns)
-  return sorted(p.name for p in folder.iterdir() if not any(r.match(p.name) for r in patterns))
+def _joined_job() -> bool:
+  """Whether this process is one of several of a JAX job (without starting a backend when not)."""
+  import jax
+  return bool(jax.distributed.is_initialized()) and jax.process_count() > 1
 
 
 class RunDirectory:
-  """An open run directory: locked, its record read, nothing written yet.
+  """An open run directory: locked, its record read and checked, nothing written yet.
 
   Use :meth:`open`; :meth:`path` returns the path of a name the trainer is about to write and
-  records the name; :meth:`record_written` saves the record (process 0 only).
+  records the name; :meth:`record_written` saves the record (process 0 only). With ``fresh``,
+  :meth:`remove_previous` deletes the previous run once the new start's checks passed (the first
+  :meth:`record_written` does it at the latest).
   """
 
   def __init__(self, root: Path, lock: Optional[FolderLock], record: dict, is_main: bool,
@@ -104,25 +97,63 @@ class RunDirectory:
     self.is_main = is_main
     self.recorded: set[str] = set(record.get("written", []))
     self._dirty = False
+    self._previous: Optional[PreviousRun] = None  # --fresh: the names still to remove
 
   # ---------------------------------------------------------------- opening
 
   @classmethod
-  def open(cls, root: Path | str, *, fresh: bool = False, is_main: bool = True) -> "RunDirectory":
-    """Locks ``root`` (created if missing) and checks what is in it; with ``fresh``, removes what
-    the trainer wrote there before. Only process 0 (``is_main``) locks, checks and deletes.
+  def open(cls, root: Path | str, *, fresh: bool = False, is_main: bool = True,
+           inputs: Sequence[tuple[str, Any]] = ()) -> "RunDirectory":
+    """Locks ``root`` (created if missing) and checks what is in it and the run's ``inputs``.
+    Only process 0 (``is_main``) locks and checks; in a job of several processes every process
+    gets its answer. With ``fresh`` the previous run is checked here and removed later
+    (:meth:`remove_previous`).
+
+    Args:
+      root: the run directory.
+      fresh: start over: the previous run's names are to be removed.
+      is_main: whether this is process 0.
+      inputs: what the run reads, as ``(what, path)`` pairs (``("--config", "exp/c.json")``,
+        ``("data.train", "corpus/")``, :func:`~stablejax.training.run_dir_checks.run_inputs`):
+        none may lie where the trainer writes.
 
     Raises:
       RunDirError: ``root`` is a file or cannot be created or written, another process holds
-        it, or it holds trainer names the trainer did not write (named in the message).
+        it, it holds trainer names the trainer did not write or checkpoints it did not save
+        (named in the message), or an input lies where the trainer writes.
     """
     root = Path(root)
+    if _joined_job():  # process 0 decides; the others learn its answer, never wait on a peer gone
+      from stablejax.training import distributed
+      run: Optional[RunDirectory] = None
+      refused: Optional[RunDirError] = None
+      if is_main:
+        try:
+          run = cls._open_main(root, fresh, inputs)
+        except RunDirError as e:
+          refused = e
+      if distributed.agree_any(refused is not None):
+        if refused is not None:
+          refused.agreed = True
+          raise refused
+        raise RunDirError(f"process 0 refused the run directory {root}", quiet=True, agreed=True)
+      if run is not None:
+        return run
     if not is_main:  # reads the record (the resume checks decide alike on every process)
-      return cls(root, None, cls._read_record(root) if (root / RECORD).is_file() else {},
-                 is_main=False)
-    if root.exists() and not root.is_dir():
+      return cls(root, None, {} if fresh or not (root / RECORD).is_file()
+                 else read_record(root), is_main=False)
+    return cls._open_main(root, fresh, inputs)
+
+  @classmethod
+  def _open_main(cls, root: Path, fresh: bool, inputs: Sequence[tuple[str, Any]]
+                 ) -> "RunDirectory":
+    if os.path.lexists(root) and not root.is_dir():
       raise RunDirError(f"--out {root} is a file: pass a folder for the run (it is created if "
                         "missing)")
+    owner = trainer_folder_of(root)
+    if owner is not None and owner[0] != resolved(root):
+      raise RunDirError(f"--out {root} lies in {owner[0] / owner[1]}, which the trainer keeps for "
+                        f"the run in {owner[0]}: choose another --out")
     created = not root.exists()
     try:
       root.mkdir(parents=True, exist_ok=True)
@@ -131,91 +162,60 @@ class RunDirectory:
       raise RunDirError(f"{e} (two trainers on one run directory would interleave its logs and "
                         "checkpoints)") from None
     except OSError as e:
+      if created:
+        _remove_empty(root)
       raise RunDirError(environment_error(e, root, "the run directory")) from None
+    run = cls(root, lock, {}, is_main=True, created=created)
     try:
-      run = cls(root, lock, cls._read_record(root), is_main=True, created=created)
-      run._adopt_v0_1()
+      run._record = read_record(root)
+      run.recorded = set(run._record.get("written", []))
+      run._check(inputs, fresh)
       if fresh:
-        run._remove_recorded()
-      run._check_no_foreign_files()
+        previous = {n for n in (*present_names(root), TRASH) if os.path.lexists(root / n)}
+        run._previous = PreviousRun(root, previous, dict(run._record, written=sorted(run.recorded)))
+        run._record, run.recorded, run._dirty = {"program": PROGRAM}, set(), False
       return run
     except BaseException:
-      lock.release()
+      run.close()
       raise
 
-  @staticmethod
-  def _read_record(root: Path) -> dict:
-    path = root / RECORD
-    if not path.exists():
-      return {}
-    try:
-      record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-      raise RunDirError(f"{path} is unreadable ({e}): it records what the trainer wrote in "
-                        f"{root}; restore it, or move the run's files away and start again"
-                        ) from None
-    if not isinstance(record, dict) or record.get("program") != PROGRAM:
-      raise RunDirError(f"{path} was not written by {PROGRAM}: choose another --out")
-    return record
-
-  def _adopt_v0_1(self) -> None:
-    """A run directory of stablejax 0.1 has no record but a config.json the trainer wrote: its
-    trainer names are the trainer's (checked for foreign content like any recorded folder)."""
-    if self._record or not (self.root / "config.json").is_file():
+  def _check(self, inputs: Sequence[tuple[str, Any]], fresh: bool) -> None:
+    """What is in the folder is this run's (a folder without a record: new, or a run of
+    stablejax 0.1, adopted), and no input lies where the trainer writes."""
+    check_inputs(self.root, self.recorded, inputs)
+    if not self._record:
+      adopted = recognise_v0_1(self.root)
+      if adopted is not None:
+        self._record, self.recorded, self._dirty = adopted, set(adopted["written"]), True
+    check_names(self.root, self.recorded, fresh)
+    if "checkpoints" not in self.recorded:
       return
-    from stablejax.training.config import ConfigError, load_run_file
-    try:
-      load_run_file(self.root / "config.json")
-    except ConfigError:
-      return  # not a trainer's config: its trainer names are foreign
-    self.recorded = {name for name in WRITES if (self.root / name).exists()}
-    self._record = {"program": PROGRAM, "adopted": "a run directory of stablejax 0.1"}
-    self._dirty = True
+    saved = self._record.get("checkpoints")
+    if isinstance(saved, dict):
+      check_checkpoints(self.root, saved)
+    else:  # a record of an earlier release, without fingerprints: adopts the steps there
+      self._record["checkpoints"] = fingerprints_on_disk(self.root)
+      self._dirty = True
 
-  def _present(self) -> list[str]:
-    return [name for name in WRITES if (self.root / name).exists()]
+  # ---------------------------------------------------------------- --fresh
 
-  def _check_no_foreign_files(self) -> None:
-    for name in self._present():
-      if name not in self.recorded:
-        raise RunDirError(
-            f"{self.root / name} was not written by this trainer (no record of it in "
-            f"{self.root / RECORD}): move it away or choose another --out; nothing was changed")
-      self._check_content(name)
+  @property
+  def removing_previous(self) -> bool:
+    """--fresh, and the previous run is still there (:meth:`remove_previous` has not run)."""
+    return self._previous is not None
 
-  def _check_content(self, name: str) -> None:
-    patterns = WRITES[name]
-    path = self.root / name
-    if patterns is None:
-      if path.is_dir():
-        raise RunDirError(f"{path} is a folder where the trainer writes a file: move it away or "
-                          "choose another --out; nothing was changed")
+  def remove_previous(self) -> None:
+    """--fresh, once every check of the new start passed: the previous run's names (all checked
+    when the directory was opened) are moved into one folder, then deleted. A name that cannot
+    be moved puts the others back: nothing is deleted. Process 0; a no-op without ``fresh``."""
+    previous, self._previous = self._previous, None
+    if previous is None or not self.is_main:
       return
-    if not path.is_dir():
-      raise RunDirError(f"{path} is a file where the trainer keeps a folder: move it away or "
-                        "choose another --out; nothing was changed")
-    foreign = foreign_content(path, patterns)
-    if foreign:
-      shown = ", ".join(str(path / f) for f in foreign[:3]) + (" ..." if len(foreign) > 3 else "")
-      raise RunDirError(f"{shown}: not written by this trainer, inside its {name}/ folder: move "
-                        "it away or choose another --out; nothing was changed")
-
-  def _remove_recorded(self) -> None:
-    """--fresh: every recorded name goes, after all of them were checked (all or nothing)."""
-    present = [name for name in self._present()]
-    for name in present:
-      if name not in self.recorded:
-        raise RunDirError(
-            f"--fresh: {self.root / name} was not written by this trainer (no record of it in "
-            f"{self.root / RECORD}), so it is not deleted: move it away or choose another --out")
-      self._check_content(name)
-    for name in present:
-      path = self.root / name
-      shutil.rmtree(path) if path.is_dir() else path.unlink()
-    for name in WRITES:
-      (self.root / _tmp_name(name)).unlink(missing_ok=True)
-    self.recorded = set()
-    self._record = {"program": PROGRAM}
+    previous.move_aside(self._write_record)
+    self.recorded.add(TRASH)  # the previous run's record ends here
+    self._write_record(dict(self._record, written=sorted(self.recorded)))
+    previous.delete()
+    self.recorded.discard(TRASH)
     self._dirty = True
 
   # ---------------------------------------------------------------- writing
@@ -227,6 +227,9 @@ class RunDirectory:
     if name not in self.recorded:
       self.recorded.add(name)
       self._dirty = True
+    if name == "checkpoints" and not isinstance(self._record.get("checkpoints"), dict):
+      self._record["checkpoints"] = {}  # the steps it saves, as it saves them
+      self._dirty = True
     return self.root / name
 
   @property
@@ -235,86 +238,114 @@ class RunDirectory:
     return self._record.get("data")
 
   def set_data_identity(self, identity: dict) -> None:
-    if self._record.get("data") != identity:
-      self._record["data"] = identity
+    self._set("data", identity)
+
+  @property
+  def tokenizer(self) -> Optional[dict]:
+    """The tokenizer this run trained with, as recorded (None: not recorded)."""
+    value = self._record.get("tokenizer")
+    return value if isinstance(value, dict) else None
+
+  def set_tokenizer(self, identity: dict) -> None:
+    self._set("tokenizer", identity)
+
+  @property
+  def data_order(self) -> Optional[dict]:
+    """The settings that fix the order of the batches, as recorded (None: not recorded)."""
+    value = self._record.get("data_order")
+    return value if isinstance(value, dict) else None
+
+  def set_data_order(self, settings: dict) -> None:
+    self._set("data_order", settings)
+
+  def _set(self, key: str, value: Any) -> None:
+    value = json.loads(json.dumps(value))  # as it reads back
+    if self._record.get(key) != value:
+      self._record[key] = value
       self._dirty = True
 
+  def record_checkpoint(self, step: int, fingerprint: Sequence[float]) -> None:
+    """Records the checkpoint about to be saved at ``step`` (its fingerprint) and saves the
+    record, before Orbax writes it: a step on disk is always in the record. Records of steps
+    older than every step on disk (removed by ``checkpoint.keep``) are dropped."""
+    if not self.is_main:
+      return
+    saved = self._record.get("checkpoints")
+    saved = dict(saved) if isinstance(saved, dict) else {}
+    on_disk = [int(p.name) for p in step_dirs(self.root, "checkpoints")]
+    if on_disk:
+      saved = {s: fp for s, fp in saved.items() if int(s) >= min(on_disk)}
+    saved[str(int(step))] = [float(v) for v in fingerprint]
+    self._record["checkpoints"] = json.loads(json.dumps(saved))
+    self._dirty = True
+    self.record_written()
+
   def record_written(self) -> None:
-    """Saves the record atomically (process 0; a no-op when nothing changed)."""
-    if not self.is_main or not self._dirty:
+    """Saves the record atomically (process 0; a no-op when nothing changed). Checks first that
+    the folder is still this process's (:meth:`FolderLock.verify`)."""
+    if not self.is_main:
+      return
+    if self._previous is not None:
+      self.remove_previous()
+    elif TRASH in self.recorded:  # a --fresh killed while deleting: the deletion is finished now
+      shutil.rmtree(self.root / TRASH, ignore_errors=True)
+      if not os.path.lexists(self.root / TRASH):
+        self.recorded.discard(TRASH)
+        self._dirty = True
+    if not self._dirty:
       return
     record = dict(self._record, program=PROGRAM, written=sorted(self.recorded))
-    write_json_atomic(self.root / RECORD, record, indent=2)
+    self._write_record(record)
     self._record, self._dirty = record, False
 
+  def _write_record(self, record: dict) -> None:
+    """Writes ``record`` (with its ``written`` list) as run.json, once the lock is verified."""
+    if self._lock is not None:
+      try:
+        self._lock.verify()
+      except FolderBusy as e:
+        raise RunDirError(str(e)) from None
+    write_json_atomic(self.root / RECORD, dict(record, program=PROGRAM), indent=2)
+
+  # ---------------------------------------------------------------- closing
+
   def close(self) -> None:
-    """Releases the lock (process exit does the same). A folder the trainer created and wrote
-    nothing into (a start that failed early) is removed: no empty --out is left behind."""
+    """Releases the lock (process exit does the same). A folder the trainer created that holds
+    nothing but its bookkeeping (a start that failed early, e.g. on a full disk) is removed: no
+    empty --out is left behind."""
     if self._lock is None:
       return
-    if self.created and not self.recorded:
-      for name in (LOCK_NAME, RECORD):
-        (self.root / name).unlink(missing_ok=True)
-      try:
-        self.root.rmdir()
-      except OSError:
-        pass  # something else appeared in it: it stays
+    if self.created:
+      self._remove_if_unused()
     self._lock.release()
     self._lock = None
+    if self.created:
+      _remove_empty(self.root)
+
+  def _remove_if_unused(self) -> None:
+    bookkeeping = {LOCK_NAME, RECORD, tmp_name(RECORD)}
+    try:
+      entries = os.listdir(self.root)
+    except OSError:
+      return
+    empty_folders = {n for n in entries if n in WRITES and (self.root / n).is_dir()
+                     and not (self.root / n).is_symlink() and not os.listdir(self.root / n)}
+    if set(entries) - bookkeeping - empty_folders:
+      return
+    for name in empty_folders:
+      try:
+        (self.root / name).rmdir()
+      except OSError:
+        pass
+    for name in (RECORD, tmp_name(RECORD)):
+      try:
+        (self.root / name).unlink(missing_ok=True)
+      except OSError:
+        pass
 
 
-def environment_error(e: OSError, path: Path, what: str) -> str:
-  """One line for an error of the environment (disk full, read-only, a file in the way)."""
-  reasons = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
-             errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-             errno.EPERM: "permission denied", errno.ENOTDIR: "a file is in the way",
-             errno.EEXIST: "a file is in the way"}
-  reason = reasons.get(e.errno or 0, e.strerror or str(e))
-  where = e.filename or path
-  fix = {errno.ENOSPC: "free space or choose another --out",
-         errno.EDQUOT: "free space or choose another --out"}.get(e.errno or 0,
-                                                                 "choose another --out")
-  return f"cannot write {what} {where}: {reason}; {fix}"
-
-
-_DISK_FULL = (("No space left on device", "Disk quota exceeded"), (errno.ENOSPC, errno.EDQUOT))
-_READ_ONLY = (("Read-only file system",), (errno.EROFS,))
-
-
-def _chain_has(error: BaseException | str, kind: tuple) -> bool:
-  """Whether ``error`` (a log message, or an exception or anything in its chain) is of ``kind``:
-  its words in a message, or its errno. Orbax and tensorstore wrap the operating system's error
-  in their own (a ValueError "RESOURCE_EXHAUSTED: ... No space left on device")."""
-  phrases, errnos = kind
-  if isinstance(error, str):
-    return any(phrase in error for phrase in phrases)
-  seen: set[int] = set()
-  node: Optional[BaseException] = error
-  while node is not None and id(node) not in seen:
-    seen.add(id(node))
-    if (isinstance(node, OSError) and node.errno in errnos) or _chain_has(str(node), kind):
-      return True
-    node = node.__cause__ or node.__context__
-  return False
-
-
-def is_environment_error(error: BaseException | str) -> bool:
-  """Whether an exception or a log message is a full disk or a read-only file system."""
-  return _chain_has(error, _DISK_FULL) or _chain_has(error, _READ_ONLY)
-
-
-def environment_message(e: BaseException, out: Path) -> Optional[str]:
-  """One line for an error of the environment met while training into ``out`` (disk full,
-  read-only, no permission, device memory), or None for any other error."""
-  if _chain_has(e, _DISK_FULL):
-    return (f"cannot write into the run directory {out}: the disk is full; free space or choose "
-            "another --out (the last complete checkpoint resumes the run)")
-  if _chain_has(e, _READ_ONLY):
-    return (f"cannot write into the run directory {out}: the file system is read-only; choose "
-            "another --out")
-  if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM):
-    return environment_error(e, out, "into the run directory")
-  if "RESOURCE_EXHAUSTED" in str(e) and "memory" in str(e).lower():
-    return ("the device ran out of memory: lower train.batch_size (or raise train.grad_accum), "
-            "model size or train.seq_len, or set model.remat=true")
-  return None
+def _remove_empty(folder: Path) -> None:
+  try:
+    folder.rmdir()
+  except OSError:
+    pass  # something is in it: it stays

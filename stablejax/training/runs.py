@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
-  from stablejax.data.pipeline import DataConfig
+  from stablejax.data.config import DataConfig
   from stablejax.training.config import Config
-  from stablejax.modeling.gpt import ModelConfig
 
 import numpy as np
 
@@ -44,7 +43,7 @@ class RunError(Exception):
 @dataclasses.dataclass
 class RestoredParams:
   """Parameters restored from one checkpoint of a run."""
-  params: dict        # the GPT parameter tree (jax arrays, on the default device)
+  params: dict        # the model's parameter tree (jax arrays, on the default device)
   step: int           # the checkpoint's step
   directory: Path     # the checkpoint directory they came from
 
@@ -94,7 +93,7 @@ def restore_params(run_dir: str | Path,
   Example::
 
     restored = restore_params("runs/small")
-    logits = GPT(cfg.model).apply({"params": restored.params}, tokens)
+    logits = model_of(cfg).logits(restored.params, tokens, restored.step)
   """
   import jax
   import orbax.checkpoint as ocp
@@ -149,20 +148,25 @@ def restore_params(run_dir: str | Path,
                  f"train the run again (python -m stablejax train --fresh)")
 
 
-def check_params(params: Any, model_cfg: ModelConfig, seq_len: int) -> None:
-  """Raises RunError if ``params`` do not fit ``GPT(model_cfg)`` (shapes and names)."""
+def check_params(params: Any, cfg: Config) -> None:
+  """Raises RunError if ``params`` do not fit the model of ``cfg`` (names and shapes)."""
   import jax
   import jax.numpy as jnp
 
-  from stablejax.modeling.gpt import GPT
+  from stablejax.training.config import ConfigError, model_of
+  from stablejax.training.restore_plan import describe_difference, leaf_layout
 
-  tokens = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
-  expected = jax.eval_shape(lambda t: GPT(model_cfg).init(jax.random.PRNGKey(0), t), tokens)
-  shapes = lambda tree: jax.tree_util.tree_map_with_path(  # noqa: E731
-      lambda p, x: tuple(x.shape), tree)
-  if shapes(expected["params"]) != shapes(params):
-    raise RunError("the checkpoint's parameters do not match the model in config.json: "
-                   "was config.json edited after training? restore the original config")
+  try:
+    model = model_of(cfg)
+  except ConfigError as e:
+    raise RunError(str(e)) from None
+  tokens = jax.ShapeDtypeStruct((1, cfg.train.seq_len), jnp.int32)
+  expected = jax.eval_shape(lambda t: model.init(jax.random.PRNGKey(0), t), tokens)
+  shapes = {path: shape for path, (shape, _) in leaf_layout(expected).items()}
+  if shapes != {path: shape for path, (shape, _) in leaf_layout(params).items()}:
+    raise RunError("the checkpoint's parameters do not fit the model in config.json ("
+                   f"{describe_difference(params, expected, 'params')}): was config.json edited "
+                   "after training? restore the original config")
 
 
 TOKENIZER_DIR = "tokenizer"     # in the run directory: what decoding needs
@@ -179,7 +183,9 @@ def tokenizer_record(data_cfg: "DataConfig") -> tuple[dict, Optional[Path]]:
     RunError: the data's tokenizer cannot be read (e.g. a prepared directory's meta.json).
   """
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.data.pipeline import DataError, data_tokenizer, read_prepared
+  from stablejax.data.config import DataError
+  from stablejax.data.prepared import read_prepared
+  from stablejax.data.sources import data_tokenizer
   try:
     tok = data_tokenizer(data_cfg)
   except tokenizer_lib.TokenizerError:  # e.g. tiktoken's files not cached: its name suffices
@@ -253,19 +259,41 @@ def write_tokenizer_record(run_dir: str | Path, data_cfg: "DataConfig") -> None:
   write_json_atomic(directory / TOKENIZER_RECORD, record)
 
 
-def tokenizer_mismatch(run_dir: str | Path, data_cfg: "DataConfig") -> Optional[str]:
-  """Why the data's tokenizer is not the one the run recorded (one line), or None (the same, or
-  nothing recorded yet). A resumed run on data of another tokenizer would train on other ids."""
-  recorded = read_tokenizer_record(run_dir)
+def recorded_tokenizer(checkpoint_meta: dict, run_record: Optional[dict],
+                       run_dir: str | Path) -> tuple[Optional[dict], str]:
+  """The tokenizer a run trained with, and where it is recorded: the metadata of the checkpoint
+  being resumed (every checkpoint carries it), else ``run.json``, else ``tokenizer/record.json``
+  (a run of an earlier release). (None, ...) when none of them names one."""
+  run_dir = Path(run_dir)
+  if isinstance(checkpoint_meta.get("tokenizer"), dict):
+    step = checkpoint_meta.get("step", "?")
+    return checkpoint_meta["tokenizer"], f"checkpoint {step} in {run_dir / 'checkpoints'}"
+  if run_record is not None:
+    return run_record, str(run_dir / "run.json")
+  return read_tokenizer_record(run_dir), str(run_dir / TOKENIZER_DIR / TOKENIZER_RECORD)
+
+
+def resume_tokenizer_problem(checkpoint_meta: dict, run_record: Optional[dict],
+                             run_dir: str | Path, current: dict) -> Optional[str]:
+  """Why a run may not resume from ``checkpoint_meta`` on data whose tokenizer is ``current``
+  (`tokenizer_record`), in one line; None when it may. A run would train on other token ids;
+  ``--data-changed`` changes the data, never the tokenizer. A run whose tokenizer is recorded
+  nowhere (its record files deleted) cannot be checked, so it does not resume.
+
+  Raises:
+    RunError: ``tokenizer/record.json`` is the only record and it cannot be read.
+  """
+  recorded, where = recorded_tokenizer(checkpoint_meta, run_record, run_dir)
   if recorded is None:
-    return None
-  current, _ = tokenizer_record(data_cfg)
+    return (f"the tokenizer this run was trained with is recorded nowhere (not in its checkpoint, "
+            f"{Path(run_dir) / 'run.json'} or {where}), so the data's cannot be checked against "
+            f"it: restore {where}, or pass --fresh to start a new run")
   if _identity(current) == _identity(recorded):
     return None
-  path = Path(run_dir) / TOKENIZER_DIR / TOKENIZER_RECORD
   return (f"the data's tokenizer ({_describe(current)}) is not the one this run was trained "
-          f"with ({_describe(recorded)}, recorded in {path}): point data.train at the run's data, "
-          "or pass --fresh to start a new run")
+          f"with ({_describe(recorded)}, recorded in {where}): point data.train at the run's data, "
+          "or pass --fresh to start a new run (--data-changed allows other data, never another "
+          "tokenizer)")
 
 
 def _from_record(run_dir: Path, record: dict) -> Any:
@@ -316,7 +344,8 @@ def run_tokenizer(cfg: Any, spec: Optional[str] = None,
       from it, an old run's data path does not resolve, or plain ``.bin`` data without ``spec``.
   """
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.data.pipeline import EMBEDDED, DataError, data_tokenizer
+  from stablejax.data.config import EMBEDDED, DataError
+  from stablejax.data.sources import data_tokenizer
   record = read_tokenizer_record(run_dir) if run_dir is not None else None
   if spec:
     try:

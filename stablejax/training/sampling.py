@@ -48,20 +48,25 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
            check_stop: Callable[[], None] = lambda: None) -> dict:
   """Samples ``num_samples`` continuations of ``prompt`` from a run's newest usable checkpoint.
 
-  ``check_stop`` is called between the steps (config, checkpoint, tokenizer, compilation,
-  generation); whatever it raises stops sampling there. A step under way, such as an XLA
-  compilation, always runs to its end: nothing is thrown into it.
+  ``check_stop`` is called between the steps (config, checkpoint, tokenizer, compilation);
+  whatever it raises stops sampling there. A step under way, such as an XLA compilation, always
+  runs to its end: nothing is thrown into it. The first generation compiles the decoder and
+  gives the samples; a second one, already compiled, measures the speed. A stop that comes once
+  the samples exist does not throw them away: the speed is not measured, and the result says
+  ``"stopped": True``.
 
   Returns:
-    ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds"}``
-    where each text is the prompt followed by its continuation.
+    ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds",
+    "stopped"}`` where each text is the prompt followed by its continuation (``seconds`` None
+    when the speed was not measured).
 
   Raises:
     SampleError: missing run, config, checkpoint or tokenizer; bad arguments.
   """
   import jax
 
-  from stablejax.modeling.utils import lambda_warmup
+  from stablejax.modeling.family import MissingCapability
+  from stablejax.training.config import model_of
   from stablejax.training.generate import Generator
 
   check_stop()
@@ -71,7 +76,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   cfg = load_run_config(run_dir)
   check_stop()
   restored = restore_params(run_dir, on_fallback)
-  check_params(restored.params, cfg.model, cfg.train.seq_len)
+  check_params(restored.params, cfg)
   check_stop()
   tok = run_tokenizer(cfg, tokenizer, run_dir)
   if tok.vocab_size > cfg.model.vocab_size:
@@ -80,26 +85,29 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   prompt_ids = tok.encode(prompt) if prompt else list(tok.start_ids)
   if not prompt_ids:
     prompt_ids = list(tok.start_ids)
-  lam = 1.0
-  if cfg.model.bitnet:
-    schedule: Callable[[int], Any] = lambda_warmup(cfg.train.lambda_warmup_steps,
-                                                   cfg.train.lambda_schedule)
-    lam = float(schedule(restored.step))
-  gen = Generator(cfg.model, top_k=top_k, valid_vocab=tok.vocab_size)
-  kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, bitnet_lambda=lam,
+  try:
+    gen = Generator(model_of(cfg), top_k=top_k, valid_vocab=tok.vocab_size)
+  except MissingCapability as e:
+    raise SampleError(str(e)) from None
+  kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, step=restored.step,
                                 num_samples=num_samples)
   check_stop()
   t0 = time.perf_counter()
-  gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # compile
-  t1 = time.perf_counter()
-  check_stop()
-  tokens = gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)
+  tokens = gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs)  # and compile
   jax.block_until_ready(tokens)
-  t2 = time.perf_counter()
-  check_stop()
+  t1 = t2 = time.perf_counter()
+  stopped = False
+  try:
+    check_stop()
+  except BaseException:  # noqa: BLE001 - a stop now keeps the samples, unmeasured
+    stopped = True
+  if not stopped:  # the same samples again (the same seed), compiled: the speed
+    jax.block_until_ready(gen.generate(restored.params, prompt_ids, max_new_tokens, **kwargs))
+    t2 = time.perf_counter()
   texts = [tok.decode(list(prompt_ids) + row.tolist()) if prompt else tok.decode(row.tolist())
            for row in np.asarray(tokens)]
   if prompt:
     texts = [prompt + t[len(tok.decode(prompt_ids)):] for t in texts]
   return {"step": restored.step, "prompt_ids": list(prompt_ids), "samples": texts,
-          "tokens": np.asarray(tokens).tolist(), "seconds": t2 - t1, "compile_seconds": t1 - t0}
+          "tokens": np.asarray(tokens).tolist(), "seconds": None if stopped else t2 - t1,
+          "compile_seconds": t1 - t0, "stopped": stopped}

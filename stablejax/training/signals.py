@@ -35,11 +35,20 @@ class StopSignals:
     self.received: Optional[int] = None
     self.agreed: Optional[int] = None
 
+  def _handler(self, signum: int, frame: Any) -> None:
+    self.received = signum
+
   def install(self) -> None:
-    def handler(signum: int, frame: Any) -> None:
-      self.received = signum
+    """Takes SIGINT, SIGTERM and SIGHUP (a second call does nothing)."""
     for sig in SIGNALS:
-      signal.signal(sig, handler)
+      if signal.getsignal(sig) != self._handler:
+        signal.signal(sig, self._handler)
+
+  def reclaim(self) -> None:
+    """Takes the signals back after joining a multi-process job: XLA's preemption notifier
+    installs its own SIGTERM handler in C, which Python's ``signal.getsignal`` does not see."""
+    for sig in SIGNALS:
+      signal.signal(sig, self._handler)
 
   def check_startup(self, phase: str) -> None:
     """Raises Interrupted when a signal came during start-up (all processes agree on it)."""

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
-from stablejax.modeling.attention import collect_attention_logits
-from stablejax.modeling.gpt import layer_max_logits
+from stablejax.modeling.family import LanguageModel
 from stablejax.modeling.losses import cross_entropy_with_z_loss
 from stablejax.monitor.layers import global_and_layer_norms
 from stablejax.training.config import Config
 from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale, step_arguments
 from stablejax.training.recovery import backoff_lr_scale
+from stablejax.transforms import defence
 from stablejax.transforms.loss_scaling import all_finite
 from stablejax.transforms.metrics import stability_metrics
 
@@ -36,74 +35,74 @@ class TrainState(flax.struct.PyTreeNode):
   lr_backoff: Optional[Any] = None
 
 
-LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, dict[str, Any]]]
+LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, defence.ForwardPass]]
 
 
-def make_loss_fn(model: nn.Module, cfg: Config, max_logits: bool = False) -> LossFn:
-  """`(params, tokens, lambda) -> (loss, aux)`; with `max_logits`, `aux["max_logits"]` holds
-  each attention layer's per-head max pre-softmax logit of this forward pass
-  (`{layer name: [*stack, H]}`, what `stablejax.qk_clip` takes)."""
-  def loss_fn(params: Any, tokens: jax.Array,
-              bitnet_lambda: Any) -> tuple[jax.Array, dict[str, Any]]:
-    kwargs = {"bitnet_lambda": bitnet_lambda} if cfg.model.bitnet else {}
-    if max_logits:
-      logits, sown = model.apply({"params": params}, tokens[:, :-1], attention_logits=True,
-                                 mutable=["intermediates"], **kwargs)
+def make_loss_fn(model: LanguageModel, cfg: Config, needs: frozenset[str] = frozenset()
+                 ) -> LossFn:
+  """``(params, tokens, step) -> (loss, forward)``: the mean cross-entropy plus z-loss of
+  ``tokens`` ``[B, T + 1]`` (inputs ``[:, :-1]``, targets ``[:, 1:]``), and the forward pass
+  (:class:`stablejax.transforms.defence.ForwardPass`: ``loss``, ``cross_entropy``, ``z_loss``,
+  ``logits``, ``targets``, and ``attention_logits`` when ``needs`` has it)."""
+  attention = "attention_logits" in needs
+
+  def loss_fn(params: Any, tokens: jax.Array, step: Any
+              ) -> tuple[jax.Array, defence.ForwardPass]:
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    out: defence.ForwardPass = {"targets": targets}
+    if attention:
+      logits, out["attention_logits"] = model.logits_and_attention(params, inputs, step)
     else:
-      logits = model.apply({"params": params}, tokens[:, :-1], **kwargs)
-    loss, aux = cross_entropy_with_z_loss(logits, tokens[:, 1:],
-                                                    z_loss=cfg.stability.z_loss)
-    out: dict[str, Any] = dict(aux)
-    if max_logits:
-      out["max_logits"] = collect_attention_logits(sown)
+      logits = model.logits(params, inputs, step)
+    loss, aux = cross_entropy_with_z_loss(logits, targets, z_loss=cfg.stability.z_loss)
+    out.update(aux, loss=loss, logits=logits)
     return loss, out
   return loss_fn
 
 
-# The extra `update` arguments the train step can supply, and whether each costs work: a
-# defence asks for them in its declaration (stablejax.transforms.defence.Defence.step_args).
-STEP_ARGS = {
-    "loss": "the step's mean loss (always passed: it is computed anyway)",
-    "max_logits": "each attention layer's per-head max pre-softmax logit of this step's forward "
-                  "pass ({layer name: [*stack, H]}, the max over micro-batches)",
-}
+def step_argument_specs(cfg: Config, model: LanguageModel) -> list[defence.StepArgument]:
+  """The extra ``update`` arguments the configured defences need (``loss`` always), resolved from
+  the registry; a model family that cannot give what one needs is refused here, naming it."""
+  args = [defence.step_argument(name) for name in sorted(step_arguments(cfg) | {"loss"})]
+  for arg in args:
+    if "attention_logits" in arg.needs:
+      asking = [d.name for d in defence.enabled(cfg.stability) if arg.name in d.step_args]
+      model.require("attention logits", f"the step argument {arg.name} (for "
+                    f"{', '.join(f'stability.{n}' for n in asking)})")
+  return args
 
 
-def _check_step_args(needed: frozenset[str]) -> None:
-  unknown = sorted(needed - set(STEP_ARGS))
-  if unknown:
-    raise ValueError(f"a configured defence needs the step argument(s) {', '.join(unknown)}, "
-                     f"which the train step does not compute (it passes {', '.join(STEP_ARGS)})")
-
-
-def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, lam: jax.Array,
-                scale: Optional[jax.Array], want_logits: bool
-                ) -> tuple[Any, jax.Array, jax.Array, Any]:
+def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, step: jax.Array,
+                scale: Optional[jax.Array], args: list[defence.StepArgument]
+                ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
   """Gradients of the mean loss over the micro-batches ``tokens[i]`` (``[grad_accum,
   micro_batch, T + 1]``), one micro-batch live at a time (``lax.scan``); the loss scaled by
   ``scale`` (fp16) before differentiation. Returns (summed grads in float32, summed loss, summed
-  z-loss, per-head max logits over the micro-batches or None)."""
-  def micro_grads(micro: jax.Array) -> tuple[Any, jax.Array, dict[str, Any]]:
-    def scaled(p: Any) -> tuple[jax.Array, tuple[jax.Array, dict[str, Any]]]:
-      loss, aux = loss_fn(p, micro, lam)
-      return (loss * scale if scale is not None else loss), (loss, aux)
-    (_, (loss, aux)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
-    return grads, loss, aux
+  z-loss, the step arguments combined over the micro-batches)."""
+  def micro_grads(micro: jax.Array) -> tuple[Any, jax.Array, defence.ForwardPass]:
+    def scaled(p: Any) -> tuple[jax.Array, tuple[jax.Array, defence.ForwardPass]]:
+      loss, forward = loss_fn(p, micro, step)
+      return (loss * scale if scale is not None else loss), (loss, forward)
+    (_, (loss, forward)), grads = jax.value_and_grad(scaled, has_aux=True)(params)
+    return grads, loss, forward
 
-  def step(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
-    grads, loss, aux = micro_grads(micro)
+  def values(forward: defence.ForwardPass) -> dict[str, Any]:
+    return {arg.name: jax.lax.stop_gradient(arg.compute(forward)) for arg in args}
+
+  def body(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
+    grads, loss, forward = micro_grads(micro)
     total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
-    peaks = jax.tree.map(jnp.maximum, carry[3], aux["max_logits"]) if want_logits else None
-    return (total, carry[1] + loss, carry[2] + aux["z_loss"], peaks), None
+    new = values(forward)
+    combined = {arg.name: arg.combine(carry[3][arg.name], new[arg.name]) for arg in args}
+    return (total, carry[1] + loss, carry[2] + forward["z_loss"], combined), None
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-  no_peaks = None
-  if want_logits:
-    shapes = jax.eval_shape(lambda p, t: loss_fn(p, t, lam)[1]["max_logits"], params, tokens[0])
-    no_peaks = jax.tree.map(lambda s: jnp.full(s.shape, -jnp.inf, jnp.float32), shapes)
-  (grads, loss, z_loss, max_logits), _ = jax.lax.scan(
-      step, (zeros, jnp.float32(0), jnp.float32(0), no_peaks), tokens)
-  return grads, loss, z_loss, max_logits
+  shapes = jax.eval_shape(lambda p, t: values(loss_fn(p, t, step)[1]), params, tokens[0])
+  start = {arg.name: arg.identity(shapes[arg.name]) for arg in args}
+  (grads, loss, z_loss, combined), _ = jax.lax.scan(
+      body, (zeros, jnp.float32(0), jnp.float32(0), start), tokens)
+  n = tokens.shape[0]
+  return grads, loss, z_loss, {arg.name: arg.finish(combined[arg.name], n) for arg in args}
 
 
 def _with_lr_backoff(opt_state: Any, state: "TrainState", cfg: Config) -> Any:
@@ -134,9 +133,8 @@ def metrics_read(cfg: Config, step: jax.Array) -> jax.Array:
   return read | (step == t.steps) if t.steps is not None else read
 
 
-def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs, cfg: Config,
-                    lr_schedule: optax.Schedule,
-                    bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraArgs, cfg: Config,
+                    lr_schedule: optax.Schedule
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """``train_step(state, batch) -> (state, metrics)``: accumulated gradients, fp16 loss scaling,
   the configured faults (``batch["grad_scale"]``), the rollback's LR backoff, the update with the
@@ -145,16 +143,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs,
   The update norms (``update_norm``, ``update_norm/layer_<i>``, a pass over the update) are
   computed on the steps whose metrics the loop reads (:func:`metrics_read`) and are NaN on the
   others; every other metric is computed on every step."""
-  step_args = step_arguments(cfg) | {"loss"}
-  _check_step_args(step_args)
-  want_logits = "max_logits" in step_args  # decided once, from the declarations
-  loss_fn = make_loss_fn(model, cfg, max_logits=want_logits)
+  args = step_argument_specs(cfg, model)  # decided once, from the declarations
+  loss_fn = make_loss_fn(model, cfg, frozenset().union(*(arg.needs for arg in args)))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    lam = bitnet_lambda(state.step) if bitnet_lambda is not None else jnp.float32(1.0)
     scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
-    grads, loss, z_loss, max_logits = _accumulate(loss_fn, state.params, batch["tokens"], lam,
-                                                  scale, want_logits)
+    grads, loss, z_loss, provided = _accumulate(loss_fn, state.params, batch["tokens"],
+                                                state.step, scale, args)
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
@@ -166,9 +161,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs,
     # The schedules count applied updates (a skipped step keeps their count), so the rate this
     # step applies is the schedule at that count, not at state.step (see training/optim.py).
     lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
-    provided = {"loss": loss, "max_logits": max_logits}
-    updates, opt_state = tx.update(grads, opt_state, state.params,
-                                   **{name: provided[name] for name in step_args})
+    updates, opt_state = tx.update(grads, opt_state, state.params, **provided)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
     if loss_scale is not None:
@@ -178,11 +171,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformationExtraArgs,
                                 _not_computed(update_norm_metrics), updates)
     metrics = {"loss": loss, "z_loss": z_loss, "grad_norm": optax.tree.norm(grads), "lr": lr,
                "lr_scale": get_lr_scale(opt_state), "params_finite": all_finite(params),
-               **update_norms, **stability_metrics(opt_state)}
+               **update_norms, **stability_metrics(opt_state),
+               **model.step_metrics(state.step)}
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.loss_scale
-    if bitnet_lambda is not None:
-      metrics["lambda"] = lam
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
                               loss_scale=loss_scale)
     return new_state, metrics
@@ -197,21 +189,19 @@ def _not_computed(fn: Callable[[Any], dict]) -> Callable[[Any], dict]:
   return nans
 
 
-def make_eval_step(model: nn.Module, cfg: Config,
-                   bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+def make_eval_step(model: LanguageModel, cfg: Config
                    ) -> Callable[[Any, jax.Array, jax.Array], jax.Array]:
+  """``(params, tokens, step) -> cross-entropy`` of ``tokens`` ``[B, T + 1]``."""
   loss_fn = make_loss_fn(model, cfg)
 
   def eval_step(params: Any, tokens: jax.Array, step: jax.Array) -> jax.Array:
-    lam = bitnet_lambda(step) if bitnet_lambda is not None else jnp.float32(1.0)
-    _, aux = loss_fn(params, tokens, lam)
-    return aux["cross_entropy"]
+    _, forward = loss_fn(params, tokens, step)
+    return forward["cross_entropy"]
 
   return eval_step
 
 
-def make_logit_telemetry(model: nn.Module, cfg: Config,
-                         bitnet_lambda: Optional[Callable[[jax.Array], jax.Array]] = None
+def make_logit_telemetry(model: LanguageModel, cfg: Config
                          ) -> Callable[[Any, jax.Array, jax.Array], dict[str, jax.Array]]:
   """`(params, tokens, step) -> metrics`: attention-logit growth and output-logit statistics.
 
@@ -220,18 +210,14 @@ def make_logit_telemetry(model: nn.Module, cfg: Config,
   T + 1]`) gives each layer's maximum pre-softmax attention logit (`attn_logit_max/layer_<i>`,
   their maximum `attn_logit_max`, per head with `logging.attention_per_head`) and the output
   logits' maximum and mean and maximum log Z. The loop calls it at log steps, so the train step
-  itself is untouched.
+  itself is untouched. Needs the model family's attention logits.
   """
   lg = cfg.logging
 
   def telemetry(params: Any, tokens: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
     rows = tokens[0, :min(lg.attention_sequences, tokens.shape[1])]
-    kwargs: dict[str, Any] = {}
-    if cfg.model.bitnet:
-      kwargs["bitnet_lambda"] = bitnet_lambda(step) if bitnet_lambda is not None else 1.0
-    logits, sown = model.apply({"params": params}, rows[:, :-1], attention_logits=True,
-                               mutable=["intermediates"], **kwargs)
-    per_head = layer_max_logits(cfg.model, collect_attention_logits(sown))  # [L, H]
+    logits, collected = model.logits_and_attention(params, rows[:, :-1], step)
+    per_head = model.layer_max_logits(collected)  # [L, H]
     log_z = jax.nn.logsumexp(logits, axis=-1)
     out = {"attn_logit_max": jnp.max(per_head), "output_logit_max": jnp.max(logits),
            "output_log_z_mean": jnp.mean(log_z), "output_log_z_max": jnp.max(log_z)}

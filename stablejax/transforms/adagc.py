@@ -273,9 +273,15 @@ class AdaGCConfig:
     defence.check_positive(f"{where}.warmup_steps", self.warmup_steps, allow_zero=True)
 
 
-ADAGC = defence.register(defence.Defence(
+def _unstacked(c: AdaGCConfig, ctx: defence.DefenceContext) -> list[tuple[str, str]]:
+  if ctx.model is None or ctx.model.stacked_layers:
+    return []
+  return [("stability.adagc.per_layer", "model.scan_layers=false (no stacked layers)")]
+
+
+ADAGC = defence.Defence(
     name="adagc", config=AdaGCConfig, position=defence.Position.GRADIENT, order=30,
     build=lambda c, ctx: adagc(beta=c.beta, lambda_rel=c.lambda_rel, lambda_abs=c.lambda_abs,
                                warmup_steps=c.warmup_steps,
                                stacked_names=STACKED_NAMES if c.per_layer else ()),
-    label="AdaGC (adaptive per-tensor gradient clipping)"))
+    ineffective=_unstacked, label="AdaGC (adaptive per-tensor gradient clipping)")

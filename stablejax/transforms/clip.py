@@ -31,7 +31,6 @@ class ClipConfig:
     defence.check_positive(f"{where}.max_norm", self.max_norm)
 
 
-CLIP = defence.register(defence.Defence(
+CLIP = defence.Defence(
     name="clip", config=ClipConfig, position=defence.Position.GRADIENT, order=10,
-    build=lambda c, ctx: optax.clip_by_global_norm(c.max_norm),
-    label="global-norm clip (optax.clip_by_global_norm)"))
+    factory=optax.clip_by_global_norm, label="global-norm clip (optax.clip_by_global_norm)")

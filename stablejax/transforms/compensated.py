@@ -267,7 +267,7 @@ class CompensatedUpdatesConfig:
     if self.method not in METHODS:
       raise ValueError(f"{where}.method={self.method!r} is not known: use \"kahan\" or "
                        "\"stochastic_rounding\"")
-    dtype = getattr(ctx.model, "param_dtype", None)
+    dtype = ctx.model.param_dtype if ctx.model is not None else None
     if self.method == "stochastic_rounding" and dtype == "float16":
       raise ValueError(f"{where}.method=\"stochastic_rounding\" rounds to bfloat16 and "
                        "model.param_dtype is float16: use method \"kahan\"")
@@ -275,13 +275,12 @@ class CompensatedUpdatesConfig:
 
 def _build(c: CompensatedUpdatesConfig, ctx: defence.DefenceContext
            ) -> Optional[optax.GradientTransformation]:
-  dtype = getattr(ctx.model, "param_dtype", None)
-  if ctx.model is not None and dtype not in _LOW_PRECISION_DTYPES:
+  if ctx.model is not None and ctx.model.param_dtype not in _LOW_PRECISION_DTYPES:
     return None  # float32 parameters: nothing to compensate
   return compensated_updates(c.method)
 
 
-COMPENSATED_UPDATES = defence.register(defence.Defence(
+COMPENSATED_UPDATES = defence.Defence(
     name="compensated_updates", config=CompensatedUpdatesConfig,
-    position=defence.Position.FINAL, order=100, build=_build,
-    label="compensated low-precision updates (Kahan summation into bf16 parameters)"))
+    position=defence.Position.FINAL, order=100, build=_build, changes_update_application=True,
+    label="compensated low-precision updates (Kahan summation into bf16 parameters)")

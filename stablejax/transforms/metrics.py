@@ -86,6 +86,8 @@ class MetricsSpec:
   nonfinite: Optional[str] = None
   acted: Optional[str] = None
   update_norm: Optional[str] = None
+  skips: Optional[str] = None
+  rollback: Optional[str] = None
 
   def key(self, name: str) -> str:
     """The full metric key of ``name`` (``"spike_count"`` -> ``"zclip/spike_count"``)."""
@@ -103,7 +105,9 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
                            threshold: Optional[str] = None,
                            nonfinite: Optional[str] = None,
                            acted: Optional[str] = None,
-                           update_norm: Optional[str] = None) -> None:
+                           update_norm: Optional[str] = None,
+                           skips: Optional[str] = None,
+                           rollback: Optional[str] = None) -> None:
   """Registers how to turn a state type into metrics, and how they are monitored.
 
   :func:`stability_metrics` calls ``fn(state)`` for every instance of
@@ -138,6 +142,10 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
       applied to the parameters differs from it (a compensated bf16 update moves each parameter
       by whole steps of its resolution); the monitor's update-norm rule reads it instead of the
       record's ``update_norm``.
+    skips: key of the cumulative count of steps this transform skipped: the trainer sums these
+      for its skipped-step count.
+    rollback: key of the cumulative count of rollback requests (a run of skips too long to wait
+      out): the trainer rolls back when it grows.
 
   Returns:
     None.
@@ -163,7 +171,8 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
   if not callable(fn):
     raise ValueError("fn is not callable: pass state -> dict of scalars.")
   _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, tuple(rates), tuple(series),
-                                      band, grad_norm, threshold, nonfinite, acted, update_norm)
+                                      band, grad_norm, threshold, nonfinite, acted, update_norm,
+                                      skips, rollback)
 
 
 def unregister_state_metrics(state_type: type) -> None:

@@ -74,61 +74,6 @@ class QKClipState(NamedTuple):
   total_clipped: jax.Array
 
 
-def _leaf_name(path: Sequence[Any]) -> str:
-  """``/``-joined keys, indices and attribute names (Equinox modules); the trailing attribute of
-  an NNX ``Variable`` holding its array is dropped (``.../kernel`` holds the Variable)."""
-  names = []
-  for n, entry in enumerate(path):
-    if isinstance(entry, jax.tree_util.GetAttrKey) and n == len(path) - 1 and n > 0 \
-        and entry.name in ("value", "raw_value", "_raw_value"):
-      continue
-    for attr in ("key", "idx", "name"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)))
-        break
-    else:
-      names.append(str(entry))
-  return "/".join(names)
-
-
-def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_head: jax.Array,
-                 layer: str = "") -> jax.Array:
-  """``per_head`` (``[*stack, n]``) laid out to broadcast against a parameter of ``shape``."""
-  ndim = len(shape)
-  axis = param.head_axis % ndim if -ndim <= param.head_axis < ndim else None
-  if axis is None or axis < stack_ndim:
-    raise ValueError(f"qk_clip: {param.path} of layer {layer!r} has shape {shape}; head_axis="
-                     f"{param.head_axis} must name one of its non-stacked axes")
-  n, size = per_head.shape[-1], shape[axis]
-  if tuple(per_head.shape[:-1]) != tuple(shape[:stack_ndim]):
-    raise ValueError(f"qk_clip: max_logits[{layer!r}] has shape {tuple(per_head.shape[:-1])} + "
-                     f"(heads,) but {param.path} stacks {tuple(shape[:stack_ndim])} layers")
-  start, width = param.span if param.span is not None else (0, size)
-  if start < 0 or width < 1 or start + width > size:
-    raise ValueError(f"qk_clip: span {param.span} of {param.path} lies outside its axis "
-                     f"{param.head_axis} of size {size}")
-  if width == n:
-    factor = per_head
-  elif width % n == 0:
-    factor = jnp.repeat(per_head, width // n, axis=-1)     # [H * hd], head-major
-  else:
-    raise ValueError(f"qk_clip: axis {param.head_axis} of {param.path} has size {width}, neither "
-                     f"{n} heads nor a multiple of them")
-  if width != size:  # the other projections of a fused kernel keep a factor of 1
-    ones = jnp.ones(factor.shape[:-1], factor.dtype)[..., None]
-    factor = jnp.concatenate([jnp.repeat(ones, start, axis=-1), factor,
-                              jnp.repeat(ones, size - start - width, axis=-1)], axis=-1)
-  factor = factor.reshape(tuple(shape[:stack_ndim]) + (1,) * (axis - stack_ndim) + (size,)
-                          + (1,) * (ndim - axis - 1))
-  if param.select is not None:
-    sel_axis, index = param.select
-    sel_axis %= ndim
-    hit = np.arange(shape[sel_axis]) == index
-    hit = hit.reshape((1,) * sel_axis + (shape[sel_axis],) + (1,) * (ndim - sel_axis - 1))
-    factor = jnp.where(jnp.asarray(hit), factor, jnp.float32(1.0))
-  return factor
-
-
 def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[int] = None, *,
             num_kv_heads: Optional[int] = None, config: Any = None
             ) -> optax.GradientTransformationExtraArgs:
@@ -216,46 +161,11 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
   def find_layers(params: Any) -> tuple[AttentionLayer, ...]:
     structure = jax.tree.structure(params)
     if structure not in resolved:
-      if layers is None:
-        try:
-          listed: Sequence[AttentionLayer] = find_attention_layers(
-              params, num_heads=num_heads, num_kv_heads=num_kv_heads)
-        except (ValueError, LookupError) as e:
-          raise type(e)(f"qk_clip: {e}") from None
-      elif callable(layers):
-        listed = layers(params)
-      else:
-        listed = layers
-      found = tuple(listed)
-      for layer in found:
-        if not isinstance(layer, AttentionLayer):
-          raise ValueError(f"qk_clip layers must be AttentionLayer objects, got {layer!r}")
-      if not found:
-        raise ValueError("qk_clip found no attention layer in the parameters: pass layers= "
-                         "(a list of stablejax.layout.heads.AttentionLayer)")
-      resolved[structure] = found
+      resolved[structure] = _attention_layers(params, layers, num_heads, num_kv_heads)
     return resolved[structure]
 
-  def check_layers(params: Any) -> None:
-    """Every named parameter exists and its head axis fits the layer's head count."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    shapes = {_leaf_name(path): tuple(np.shape(leaf)) for path, leaf in flat}
-    for layer in find_layers(params):
-      heads = {"query": layer.num_heads, "key": layer.num_kv_heads}
-      for role, params_of in (("query", layer.query), ("key", layer.key)):
-        for param in params_of:
-          if param.path not in shapes:
-            raise ValueError(f"qk_clip: attention layer {layer.name!r} names {param.path!r}, "
-                             f"which is not a parameter (parameters look like "
-                             f"{next(iter(shapes), '')!r})")
-          shape = shapes[param.path]
-          probe = jax.ShapeDtypeStruct(tuple(shape[:layer.stack_ndim]) + (heads[role],),
-                                       jnp.float32)
-          jax.eval_shape(functools.partial(_head_factor, shape, param, layer.stack_ndim,
-                                           layer=layer.name), probe)
-
   def init_fn(params: Any) -> QKClipState:
-    check_layers(params)
+    _check_layers(params, find_layers(params))
     return QKClipState(heads_clipped=jnp.zeros([], jnp.int32),
                        max_logit=jnp.full([], -jnp.inf, jnp.float32),
                        total_clipped=jnp.zeros([], jnp.int32))
@@ -276,51 +186,189 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
     flat_u = jax.tree_util.tree_leaves(updates)
     if len(flat_u) != len(flat_p):
       raise ValueError("qk_clip: updates and params have different tree structures")
-    index = {_leaf_name(path): i for i, (path, _) in enumerate(flat_p)}
-    factors: dict[int, jax.Array] = {}
-    clipped, peaks = [], []
-    tau32 = _common.f32(tau)
-    for layer in found:
-      if layer.name not in max_logits:
-        raise ValueError(f"qk_clip: max_logits has no entry for attention layer {layer.name!r} "
-                         f"(it has {sorted(max_logits)})")
-      logits = _common.f32(max_logits[layer.name])
-      if logits.ndim != layer.stack_ndim + 1 or logits.shape[-1] != layer.num_heads:
-        raise ValueError(f"qk_clip: max_logits[{layer.name!r}] has shape {logits.shape}; expected"
-                         f" {layer.stack_ndim} stacked axes and {layer.num_heads} heads")
-      over = jnp.logical_and(jnp.isfinite(logits), logits > tau32)
-      gamma = jnp.where(over, tau32 / jnp.where(over, logits, 1.0), 1.0)
-      clipped.append(jnp.sum(over, dtype=jnp.int32))
-      peaks.append(jnp.max(logits))
-      if layer.num_kv_heads == layer.num_heads:
-        query_factor = key_factor = jnp.sqrt(gamma)
-      else:  # shared key heads: untouched; the query head takes the whole factor
-        query_factor = gamma
-        key_factor = jnp.ones(gamma.shape[:-1] + (layer.num_kv_heads,), jnp.float32)
-      for params_of, per_head in ((layer.query, query_factor), (layer.key, key_factor)):
-        for param in params_of:
-          if param.path not in index:
-            raise ValueError(f"qk_clip: attention layer {layer.name!r} names {param.path!r}, "
-                             f"which is not a parameter (parameters look like "
-                             f"{next(iter(index), '')!r})")
-          i = index[param.path]
-          f = _head_factor(tuple(np.shape(flat_p[i][1])), param, layer.stack_ndim, per_head,
-                           layer.name)
-          factors[i] = f if i not in factors else factors[i] * f
-    new_u = list(flat_u)
-    for i, f in factors.items():
-      u, p = flat_u[i], flat_p[i][1]
-      new_u[i] = (_common.f32(u) * f + _common.f32(p) * (f - 1.0)).astype(jnp.asarray(u).dtype)
-    heads = jnp.sum(jnp.stack(clipped))
+    params_flat = [p for _, p in flat_p]
+    factors, clipped, peaks = _weight_factors(found, max_logits, _common.f32(tau),
+                                              [_leaf_name(path) for path, _ in flat_p],
+                                              params_flat)
+    new_u = [_rescaled_update(u, p, factors[i]) if i in factors else u
+             for i, (u, p) in enumerate(zip(flat_u, params_flat))]
     assert isinstance(state, QKClipState)
-    room = jnp.iinfo(jnp.int32).max - state.total_clipped  # saturate instead of overflowing
-    new_state = QKClipState(
-        heads_clipped=heads, max_logit=jnp.max(jnp.stack(peaks)),
-        total_clipped=jnp.where(heads > room, jnp.iinfo(jnp.int32).max,
-                                state.total_clipped + heads))
-    return jax.tree_util.tree_unflatten(treedef, new_u), new_state
+    return jax.tree_util.tree_unflatten(treedef, new_u), _next_state(state, clipped, peaks)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# ----------------------------------------------------------------------------- the rule's parts
+
+
+def _leaf_name(path: Sequence[Any]) -> str:
+  """``/``-joined keys, indices and attribute names (Equinox modules); the trailing attribute of
+  an NNX ``Variable`` holding its array is dropped (``.../kernel`` holds the Variable)."""
+  names = []
+  for n, entry in enumerate(path):
+    if isinstance(entry, jax.tree_util.GetAttrKey) and n == len(path) - 1 and n > 0 \
+        and entry.name in ("value", "raw_value", "_raw_value"):
+      continue
+    for attr in ("key", "idx", "name"):
+      if hasattr(entry, attr):
+        names.append(str(getattr(entry, attr)))
+        break
+    else:
+      names.append(str(entry))
+  return "/".join(names)
+
+
+def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_head: jax.Array,
+                 layer: str = "") -> jax.Array:
+  """``per_head`` (``[*stack, n]``) laid out to broadcast against a parameter of ``shape``."""
+  ndim = len(shape)
+  axis = param.head_axis % ndim if -ndim <= param.head_axis < ndim else None
+  if axis is None or axis < stack_ndim:
+    raise ValueError(f"qk_clip: {param.path} of layer {layer!r} has shape {shape}; head_axis="
+                     f"{param.head_axis} must name one of its non-stacked axes")
+  n, size = per_head.shape[-1], shape[axis]
+  if tuple(per_head.shape[:-1]) != tuple(shape[:stack_ndim]):
+    raise ValueError(f"qk_clip: max_logits[{layer!r}] has shape {tuple(per_head.shape[:-1])} + "
+                     f"(heads,) but {param.path} stacks {tuple(shape[:stack_ndim])} layers")
+  start, width = param.span if param.span is not None else (0, size)
+  if start < 0 or width < 1 or start + width > size:
+    raise ValueError(f"qk_clip: span {param.span} of {param.path} lies outside its axis "
+                     f"{param.head_axis} of size {size}")
+  if width == n:
+    factor = per_head
+  elif width % n == 0:
+    factor = jnp.repeat(per_head, width // n, axis=-1)     # [H * hd], head-major
+  else:
+    raise ValueError(f"qk_clip: axis {param.head_axis} of {param.path} has size {width}, neither "
+                     f"{n} heads nor a multiple of them")
+  if width != size:  # the other projections of a fused kernel keep a factor of 1
+    ones = jnp.ones(factor.shape[:-1], factor.dtype)[..., None]
+    factor = jnp.concatenate([jnp.repeat(ones, start, axis=-1), factor,
+                              jnp.repeat(ones, size - start - width, axis=-1)], axis=-1)
+  factor = factor.reshape(tuple(shape[:stack_ndim]) + (1,) * (axis - stack_ndim) + (size,)
+                          + (1,) * (ndim - axis - 1))
+  if param.select is not None:
+    sel_axis, index = param.select
+    sel_axis %= ndim
+    hit = np.arange(shape[sel_axis]) == index
+    hit = hit.reshape((1,) * sel_axis + (shape[sel_axis],) + (1,) * (ndim - sel_axis - 1))
+    factor = jnp.where(jnp.asarray(hit), factor, jnp.float32(1.0))
+  return factor
+
+
+def _attention_layers(params: Any, layers: LayersArg, num_heads: Optional[int],
+                      num_kv_heads: Optional[int]) -> tuple[AttentionLayer, ...]:
+  """The attention layers of ``params``: ``layers`` as given, called on ``params``, or found in
+  them (``layers=None``)."""
+  if layers is None:
+    try:
+      listed: Sequence[AttentionLayer] = find_attention_layers(
+          params, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    except (ValueError, LookupError) as e:
+      raise type(e)(f"qk_clip: {e}") from None
+  elif callable(layers):
+    listed = layers(params)
+  else:
+    listed = layers
+  found = tuple(listed)
+  for layer in found:
+    if not isinstance(layer, AttentionLayer):
+      raise ValueError(f"qk_clip layers must be AttentionLayer objects, got {layer!r}")
+  if not found:
+    raise ValueError("qk_clip found no attention layer in the parameters: pass layers= "
+                     "(a list of stablejax.layout.heads.AttentionLayer)")
+  return found
+
+
+def _check_layers(params: Any, layers: Sequence[AttentionLayer]) -> None:
+  """Every named parameter exists and its head axis fits the layer's head count."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  shapes = {_leaf_name(path): tuple(np.shape(leaf)) for path, leaf in flat}
+  for layer in layers:
+    heads = {"query": layer.num_heads, "key": layer.num_kv_heads}
+    for role, params_of in (("query", layer.query), ("key", layer.key)):
+      for param in params_of:
+        shape = shapes[_param_name(param, layer, shapes)]
+        probe = jax.ShapeDtypeStruct(tuple(shape[:layer.stack_ndim]) + (heads[role],),
+                                     jnp.float32)
+        jax.eval_shape(functools.partial(_head_factor, shape, param, layer.stack_ndim,
+                                         layer=layer.name), probe)
+
+
+def _param_name(param: HeadParam, layer: AttentionLayer, names: Mapping[str, Any]) -> str:
+  """``param``'s path, which must be one of ``names`` (the parameters')."""
+  if param.path not in names:
+    raise ValueError(f"qk_clip: attention layer {layer.name!r} names {param.path!r}, "
+                     f"which is not a parameter (parameters look like "
+                     f"{next(iter(names), '')!r})")
+  return param.path
+
+
+def _layer_logits(layer: AttentionLayer, max_logits: Mapping[str, Any]) -> jax.Array:
+  """The layer's per-head maximum logits of the step, float32 ``[*stack, num_heads]``."""
+  if layer.name not in max_logits:
+    raise ValueError(f"qk_clip: max_logits has no entry for attention layer {layer.name!r} "
+                     f"(it has {sorted(max_logits)})")
+  logits = _common.f32(max_logits[layer.name])
+  if logits.ndim != layer.stack_ndim + 1 or logits.shape[-1] != layer.num_heads:
+    raise ValueError(f"qk_clip: max_logits[{layer.name!r}] has shape {logits.shape}; expected"
+                     f" {layer.stack_ndim} stacked axes and {layer.num_heads} heads")
+  return logits
+
+
+def _query_key_factors(layer: AttentionLayer, logits: jax.Array, tau32: jax.Array
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The factors of the layer's query heads and key heads, and how many query heads exceed
+  ``tau``: ``gamma = tau / S_h`` for a head over ``tau`` (1 for the others, and for a non-finite
+  ``S_h``), split as ``sqrt(gamma)`` between W_q and W_k, or all of it on the query head where
+  key heads are shared."""
+  over = jnp.logical_and(jnp.isfinite(logits), logits > tau32)
+  gamma = jnp.where(over, tau32 / jnp.where(over, logits, 1.0), 1.0)
+  if layer.num_kv_heads == layer.num_heads:
+    query_factor = key_factor = jnp.sqrt(gamma)
+  else:  # shared key heads: untouched; the query head takes the whole factor
+    query_factor = gamma
+    key_factor = jnp.ones(gamma.shape[:-1] + (layer.num_kv_heads,), jnp.float32)
+  return query_factor, key_factor, jnp.sum(over, dtype=jnp.int32)
+
+
+def _weight_factors(layers: Sequence[AttentionLayer], max_logits: Mapping[str, Any],
+                    tau32: jax.Array, names: Sequence[str], params: Sequence[Any]
+                    ) -> tuple[dict[int, jax.Array], list[jax.Array], list[jax.Array]]:
+  """{leaf index: factor} for every query and key parameter of ``layers`` (the leaves named
+  ``names``, with values ``params``), broadcast to its shape; and per layer the heads clipped
+  and the largest logit."""
+  index = {name: i for i, name in enumerate(names)}
+  factors: dict[int, jax.Array] = {}
+  clipped, peaks = [], []
+  for layer in layers:
+    logits = _layer_logits(layer, max_logits)
+    query_factor, key_factor, over = _query_key_factors(layer, logits, tau32)
+    clipped.append(over)
+    peaks.append(jnp.max(logits))
+    for params_of, per_head in ((layer.query, query_factor), (layer.key, key_factor)):
+      for param in params_of:
+        i = index[_param_name(param, layer, index)]
+        f = _head_factor(tuple(np.shape(params[i])), param, layer.stack_ndim, per_head,
+                         layer.name)
+        factors[i] = f if i not in factors else factors[i] * f
+  return factors, clipped, peaks
+
+
+def _rescaled_update(u: Any, p: Any, f: jax.Array) -> jax.Array:
+  """The update that, applied to ``p``, leaves the updated weight multiplied by ``f``:
+  ``(p + u') = (p + u) * f``."""
+  return (_common.f32(u) * f + _common.f32(p) * (f - 1.0)).astype(jnp.asarray(u).dtype)
+
+
+def _next_state(state: QKClipState, clipped: Sequence[jax.Array], peaks: Sequence[jax.Array]
+                ) -> QKClipState:
+  heads = jnp.sum(jnp.stack(clipped))
+  room = jnp.iinfo(jnp.int32).max - state.total_clipped  # saturate instead of overflowing
+  return QKClipState(
+      heads_clipped=heads, max_logit=jnp.max(jnp.stack(peaks)),
+      total_clipped=jnp.where(heads > room, jnp.iinfo(jnp.int32).max,
+                              state.total_clipped + heads))
 
 
 def _qk_clip_metrics(state: QKClipState) -> dict[str, jax.Array]:
@@ -349,14 +397,25 @@ class QKClipConfig:
 
   def validate(self, where: str, ctx: defence.DefenceContext) -> None:
     defence.check_positive(f"{where}.tau", self.tau)
-    if self.enabled and ctx.model is not None and getattr(ctx.model, "qk_norm", False):
+    if not self.enabled or ctx.model is None:
+      return
+    needed_by = f"QK-clip ({where}.enabled=true)"
+    ctx.model.require("attention logits", needed_by)
+    ctx.model.require("attention layout", needed_by)
+    if ctx.model.attention_heads().qk_norm:
       raise ValueError(f"{where}.enabled=true with model.qk_norm=true: QK-norm removes the scale "
                        "of W_q and W_k from the logits, so QK-clip would shrink them every step "
                        f"without lowering a logit; set {where}.enabled=false (QK-norm already "
                        "bounds the logits) or model.qk_norm=false")
 
 
-QK_CLIP = defence.register(defence.Defence(
+def _build(c: QKClipConfig, ctx: defence.DefenceContext) -> optax.GradientTransformationExtraArgs:
+  heads = ctx.model.attention_heads() if ctx.model is not None else None
+  return qk_clip(tau=c.tau, num_heads=heads.num_heads if heads else None,
+                 num_kv_heads=heads.num_kv_heads if heads else None)
+
+
+QK_CLIP = defence.Defence(
     name="qk_clip", config=QKClipConfig, position=defence.Position.FINAL, order=10,
-    build=lambda c, ctx: qk_clip(tau=c.tau, num_heads=getattr(ctx.model, "n_heads", None)),
-    step_args=("max_logits",), label="QK-clip (per-head rescale of W_q, W_k above tau)"))
+    build=_build, step_args=("max_logits",),
+    label="QK-clip (per-head rescale of W_q, W_k above tau)")

@@ -553,12 +553,12 @@ register_state_metrics(
     SkipNonFiniteState, "skip_nonfinite", _skip_metrics,
     rates=(Rate("skip_nonfinite_rate", flag="skipped", counter="total_skips",
                 label="non-finite skips", skip=True),),
-    nonfinite="skipped", acted="skipped")
+    nonfinite="skipped", acted="skipped", skips="total_skips", rollback="rollback_requests")
 register_state_metrics(
     SkipSpikesState, "skip_spikes", _skip_spikes_metrics,
     rates=(Rate("skip_spikes_rate", flag="skipped", counter="total_skips",
                 label="spike skips", skip=True),),
-    grad_norm="grad_norm", acted="skipped")
+    grad_norm="grad_norm", acted="skipped", skips="total_skips", rollback="rollback_requests")
 
 
 # ----------------------------------------------------------------------------- the declarations
@@ -613,15 +613,11 @@ class SkipNonFiniteConfig:
     defence.check_positive(f"{where}.max_consecutive", self.max_consecutive)
 
 
-SKIP_SPIKES = defence.register(defence.Defence(
+SKIP_SPIKES = defence.Defence(
     name="skip_spikes", config=SkipSpikesConfig, position=defence.Position.WRAPPER, order=10,
-    build=lambda c, ctx: lambda inner: skip_spikes(
-        inner, window=c.window, min_history=c.min_history, sigma=c.sigma, factor=c.factor,
-        max_consecutive=c.max_consecutive, statistics=c.statistics),
-    step_args=("loss",), label="spike skip (loss and gradient-norm outliers)"))
+    factory=skip_spikes, step_args=("loss",),
+    label="spike skip (loss and gradient-norm outliers)")
 
-SKIP_NONFINITE = defence.register(defence.Defence(
+SKIP_NONFINITE = defence.Defence(
     name="skip_nonfinite", config=SkipNonFiniteConfig, position=defence.Position.WRAPPER,
-    order=20,
-    build=lambda c, ctx: lambda inner: skip_nonfinite(inner, max_consecutive=c.max_consecutive),
-    label="finite-check skip (NaN/Inf steps)"))
+    order=20, factory=skip_nonfinite, label="finite-check skip (NaN/Inf steps)")

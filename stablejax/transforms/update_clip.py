@@ -482,16 +482,16 @@ class ZClipUpdateNormConfig:
     defence.check_positive(f"{where}.warmup_steps", self.warmup_steps)
 
 
-CLIP_UPDATE_RMS = defence.register(defence.Defence(
-    name="clip_update_rms", config=ClipUpdateRmsConfig, position=defence.Position.UPDATE,
-    order=10,
-    build=lambda c, ctx: clip_update_rms(c.max_rms, learning_rates=ctx.learning_rates),
-    label="update RMS clip (Adafactor, per tensor, before the learning rate)"))
+def _learning_rates(ctx: defence.DefenceContext) -> dict:
+  return {"learning_rates": ctx.learning_rates}
 
-ZCLIP_UPDATE_NORM = defence.register(defence.Defence(
+
+CLIP_UPDATE_RMS = defence.Defence(
+    name="clip_update_rms", config=ClipUpdateRmsConfig, position=defence.Position.UPDATE,
+    order=10, factory=clip_update_rms, context=_learning_rates,
+    label="update RMS clip (Adafactor, per tensor, before the learning rate)")
+
+ZCLIP_UPDATE_NORM = defence.Defence(
     name="zclip_update_norm", config=ZClipUpdateNormConfig, position=defence.Position.UPDATE,
-    order=20,
-    build=lambda c, ctx: zclip_update_norm(alpha=c.alpha, z_thresh=c.z_thresh,
-                                           warmup_steps=c.warmup_steps,
-                                           learning_rates=ctx.learning_rates),
-    label="update-norm ZClip (z-score of the update norm, before the learning rate)"))
+    order=20, factory=zclip_update_norm, context=_learning_rates,
+    label="update-norm ZClip (z-score of the update norm, before the learning rate)")

@@ -340,8 +340,6 @@ class ZClipConfig:
       defence.check_positive(f"{where}.max_grad_norm", self.max_grad_norm)
 
 
-ZCLIP = defence.register(defence.Defence(
+ZCLIP = defence.Defence(
     name="zclip", config=ZClipConfig, position=defence.Position.GRADIENT, order=20,
-    build=lambda c, ctx: zclip(alpha=c.alpha, z_thresh=c.z_thresh, max_grad_norm=c.max_grad_norm,
-                               warmup_steps=c.warmup_steps),
-    label="ZClip (z-score clipping of the global gradient norm)"))
+    factory=zclip, label="ZClip (z-score clipping of the global gradient norm)")

@@ -1,0 +1,325 @@
+"""A Llama/Qwen-style decoder in Flax linen, the trainer's ``model.family="llama"``.
+
+Pre-norm blocks of RMSNorm -> causal self-attention with rotary embeddings and grouped-query
+attention (``n_kv_heads`` key/value heads shared by ``n_heads // n_kv_heads`` query heads each;
+``n_kv_heads == n_heads`` is multi-head attention, 1 is multi-query) -> RMSNorm -> SwiGLU MLP,
+a final RMSNorm and an untied (or tied) head; no biases. ``qk_norm``: RMSNorm over the head
+dimension of queries and keys before the rotation (Qwen3, OLMo 2), on by default because without
+it the attention logits of this project's small models grow at high learning rates (README).
+With ``qk_norm=false``, ``tie_embeddings=false`` and ``rope_theta=10000``, the logits equal
+Hugging Face's ``FlaxLlamaForCausalLM`` for the same weights, to float32 rounding
+(``tests/test_llama.py``).
+
+Parameter layout (``scan_layers=True``; without scan ``blocks`` becomes ``block_0``, ...), the
+names the GPT family uses, so routing, AdaGC's per-layer thresholds and QK-clip read both alike::
+
+  tok_embed/embedding               [V, D]
+  blocks/attn_norm/scale            [L, D]
+  blocks/attn/q_proj/kernel         [L, D, H * hd]
+  blocks/attn/{k,v}_proj/kernel     [L, D, K * hd]
+  blocks/attn/o_proj/kernel         [L, H * hd, D]
+  blocks/attn/{q,k}_norm/scale      [L, hd]          (qk_norm)
+  blocks/mlp_norm/scale             [L, D]
+  blocks/mlp/{gate,up}_proj/kernel  [L, D, F]
+  blocks/mlp/down_proj/kernel       [L, F, D]
+  final_norm/scale                  [D]
+  lm_head/kernel                    [D, V]           (untied only)
+
+References:
+  Touvron et al., `Llama 2 <https://arxiv.org/abs/2307.09288>`_ (arXiv 2307.09288); Ainslie et
+  al., `GQA <https://arxiv.org/abs/2305.13245>`_ (arXiv 2305.13245); Qwen Team, `Qwen3 Technical
+  Report <https://arxiv.org/abs/2505.09388>`_ (arXiv 2505.09388), QK-norm.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from stablejax.modeling.llama import Llama, LlamaConfig
+  >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+  ...                   max_seq_len=16)
+  >>> tokens = jnp.zeros((1, 8), jnp.int32)
+  >>> params = Llama(cfg).init(jax.random.key(0), tokens)["params"]
+  >>> params["blocks"]["attn"]["k_proj"]["kernel"].shape   # [L, D, K * head_dim]
+  (2, 32, 16)
+  >>> Llama(cfg).apply({"params": params}, tokens).shape
+  (1, 8, 64)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from stablejax.modeling.attention import (MAX_LOGIT, causal_attention_with_max_logit,
+                                         collect_attention_logits)
+from stablejax.modeling.family import AttentionHeads, LanguageModel, ModelFamily
+from stablejax.modeling.gpt import _DTYPES, Linear, RMSNorm, _f32_accum_dtype, _Head, _rope
+
+
+@dataclasses.dataclass
+class LlamaConfig:
+  """``model.*`` of ``model.family="llama"``."""
+
+  vocab_size: int = 256
+  d_model: int = 192
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: Optional[int] = None   # key/value heads (GQA); null: n_heads
+  head_dim: Optional[int] = None     # null: d_model // n_heads
+  d_ff: int = 0                      # SwiGLU hidden; 0: multiple of 64 nearest 8/3 * d_model
+  max_seq_len: int = 128
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  qk_norm: bool = True
+  tie_embeddings: bool = False
+  compute_dtype: str = "float32"     # "float32" | "bfloat16" | "float16"
+  param_dtype: str = "float32"
+  init_std: float = 0.02
+  scan_layers: bool = True           # nn.scan over blocks: stacked [L, ...] params
+  remat: bool = False                # rematerialise each block in the backward pass
+
+  @property
+  def kv_heads(self) -> int:
+    return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+  @property
+  def hd(self) -> int:
+    return self.d_model // self.n_heads if self.head_dim is None else self.head_dim
+
+  @property
+  def ff_dim(self) -> int:
+    return self.d_ff or max(64, 64 * int(round(8 * self.d_model / 3 / 64)))
+
+  def validate(self) -> None:
+    """Raises ValueError (one line naming the key and the fix) for an unusable config."""
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model.{name}={value!r} must be a positive integer")
+    if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+      divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
+      raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads="
+                       f"{self.n_heads} (each key/value head serves a group of query heads): use "
+                       f"one of {divisors}")
+    if self.head_dim is None and self.d_model % self.n_heads:
+      raise ValueError(f"model.n_heads={self.n_heads} does not divide model.d_model="
+                       f"{self.d_model}: change one, or set model.head_dim")
+    if self.hd % 2 or self.hd < 2:
+      raise ValueError(f"the head dimension {self.hd} must be even (rotary embeddings rotate "
+                       "pairs): change model.d_model, model.n_heads or model.head_dim")
+    if self.d_ff < 0:
+      raise ValueError(f"model.d_ff={self.d_ff} must be >= 0 (0: automatic)")
+    for name in ("compute_dtype", "param_dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown: use one of "
+                         f"{list(_DTYPES)}")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+      if not getattr(self, name) > 0:
+        raise ValueError(f"model.{name}={getattr(self, name)!r} must be > 0")
+
+
+def _dtypes(cfg: LlamaConfig) -> tuple[Any, Any]:
+  return _DTYPES[cfg.compute_dtype], _DTYPES[cfg.param_dtype]
+
+
+class LlamaAttention(nn.Module):
+  """Causal grouped-query self-attention with rotary embeddings; ``decode`` reads and appends to
+  a KV cache (``"cache"``: ``k``, ``v`` ``[B, max_seq_len, K, hd]`` and ``index``);
+  ``sow_logits`` sows the per-query-head max logit (float32 ``[H]``) as ``max_logit``."""
+
+  config: LlamaConfig
+  decode: bool = False
+  sow_logits: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    b, t, _ = x.shape
+    h, kh, hd = cfg.n_heads, cfg.kv_heads, cfg.hd
+    init = nn.initializers.normal(cfg.init_std)
+    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    lin = dict(compute_dtype=cdt, param_dtype=pdt)
+    q = Linear(h * hd, kernel_init=init, name="q_proj", **lin)(x).reshape(b, t, h, hd)
+    k = Linear(kh * hd, kernel_init=init, name="k_proj", **lin)(x).reshape(b, t, kh, hd)
+    v = Linear(kh * hd, kernel_init=init, name="v_proj", **lin)(x).reshape(b, t, kh, hd)
+    if cfg.qk_norm:
+      q = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="q_norm")(q)
+      k = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="k_norm")(k)
+    adt = _f32_accum_dtype(cdt)
+    if self.decode:
+      y = self._cached(q, k, v, adt)
+    else:
+      q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
+      if self.sow_logits:
+        y, max_logit = causal_attention_with_max_logit(q.astype(adt), k.astype(adt), v.astype(adt))
+        self.sow("intermediates", MAX_LOGIT, max_logit)
+      else:
+        y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt),
+                                         is_causal=True)
+    y = y.astype(cdt).reshape(b, t, h * hd)
+    return Linear(cfg.d_model, kernel_init=out_init, name="o_proj", **lin)(y)
+
+  def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, adt: Any) -> jax.Array:
+    cfg = self.config
+    b, t, _, _ = q.shape
+    shape = (b, cfg.max_seq_len, cfg.kv_heads, cfg.hd)
+    cached_k = self.variable("cache", "k", jnp.zeros, shape, adt)
+    cached_v = self.variable("cache", "v", jnp.zeros, shape, adt)
+    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+    pos = index.value
+    q, k = _rope(q, cfg.rope_theta, pos), _rope(k, cfg.rope_theta, pos)
+    keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(adt), (0, pos, 0, 0))
+    values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(adt), (0, pos, 0, 0))
+    cached_k.value, cached_v.value, index.value = keys, values, pos + t
+    mask = jnp.arange(cfg.max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
+    return jax.nn.dot_product_attention(q.astype(adt), keys, values, mask=mask[None, None])
+
+
+class LlamaMLP(nn.Module):
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    init = nn.initializers.normal(cfg.init_std)
+    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+    lin = dict(compute_dtype=cdt, param_dtype=pdt)
+    gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x)
+    up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x)
+    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cdt)
+    return Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)(hidden)
+
+
+class LlamaBlock(nn.Module):
+  """One block; returns ``(x, residual or None)`` so it can be scanned."""
+
+  config: LlamaConfig
+  collect: bool = False
+  decode: bool = False
+  sow_logits: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Optional[jax.Array]]:
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    attn = LlamaAttention(cfg, decode=self.decode, sow_logits=self.sow_logits, name="attn")
+    x = x + attn(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="attn_norm")(x))
+    x = x + LlamaMLP(cfg, name="mlp")(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="mlp_norm")(x))
+    return x, (x.astype(jnp.float32) if self.collect else None)
+
+
+class Llama(nn.Module):
+  """The decoder; see the module docstring. ``__call__`` takes what :class:`GPT`'s takes
+  (``decode``, ``attention_logits``, ``return_activations``) but ``bitnet_lambda``."""
+
+  config: LlamaConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array, *, return_activations: bool = False,
+               decode: bool = False, attention_logits: bool = False) -> Any:
+    cfg = self.config
+    cdt, pdt = _dtypes(cfg)
+    if tokens.ndim != 2 or tokens.shape[1] > cfg.max_seq_len:
+      raise ValueError(f"tokens must be [batch, seq] with seq <= model.max_seq_len="
+                       f"{cfg.max_seq_len}, got shape {tokens.shape}")
+    if decode and attention_logits:
+      raise ValueError("attention_logits is for training and evaluation calls, not decode")
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt, dtype=cdt, name="tok_embed",
+                     embedding_init=nn.initializers.normal(cfg.init_std))
+    x = embed(tokens.astype(jnp.int32)).astype(cdt)
+    residual: list[Any] = [x.astype(jnp.float32)]
+    block_cls = nn.remat(LlamaBlock, prevent_cse=not cfg.scan_layers) \
+        if cfg.remat and not decode else LlamaBlock
+    block_args: dict[str, Any] = dict(collect=return_activations, decode=decode,
+                                      sow_logits=attention_logits)
+    if cfg.scan_layers:
+      axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
+                              else {"params": 0, "intermediates": 0})
+      scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
+                        in_axes=nn.broadcast, length=cfg.n_layers)
+      x, ys = scanned(cfg, **block_args, name="blocks")(x, None)
+      stream = (jnp.concatenate([residual[0][None], ys], axis=0)  # type: ignore[list-item]
+                if return_activations else None)
+    else:
+      for i in range(cfg.n_layers):
+        x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, None)
+        residual.append(y)
+      stream = jnp.stack(residual, axis=0) if return_activations else None
+    x = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="final_norm")(x)
+    if cfg.tie_embeddings:
+      hdt = _f32_accum_dtype(cdt)
+      logits = jnp.dot(x.astype(hdt), embed.embedding.T.astype(hdt),
+                       preferred_element_type=jnp.float32)
+    else:
+      logits = _Head(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
+    logits = logits.astype(jnp.float32)
+    return (logits, {"residual": stream}) if return_activations else logits
+
+
+def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+  """Training FLOPs per token, 6 N + 12 L (H hd) T (the GPT family's convention, PaLM appendix
+  B): N counts the block linears and the head (the embedding table when tied)."""
+  d, q, kv, f, layers = cfg.d_model, cfg.n_heads * cfg.hd, cfg.kv_heads * cfg.hd, cfg.ff_dim, \
+      cfg.n_layers
+  n = layers * (2 * d * q + 2 * d * kv + 3 * d * f) + d * cfg.vocab_size
+  return float(6 * n + 12 * layers * q * seq_len)
+
+
+class LlamaModel(LanguageModel):
+  """:class:`Llama` as the trainer uses it: every capability."""
+
+  def __init__(self, config: LlamaConfig, run_config: Any = None):
+    super().__init__("llama", config)
+    self.module = Llama(config)
+
+  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+    return self.module.init(rng, tokens)["params"]
+
+  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
+    logits: jax.Array = self.module.apply({"params": params}, tokens)  # type: ignore[assignment]
+    return logits
+
+  def logits_and_attention(self, params: Any, tokens: jax.Array, step: Any
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    logits, sown = self.module.apply({"params": params}, tokens, attention_logits=True,
+                                     mutable=["intermediates"])
+    return logits, collect_attention_logits(sown)
+
+  def attention_heads(self) -> AttentionHeads:
+    return AttentionHeads(self.config.n_heads, self.config.kv_heads, self.config.qk_norm)
+
+  def decode_start(self, params: Any, prompt: jax.Array, step: Any) -> tuple[jax.Array, Any]:
+    logits, variables = self.module.apply({"params": params}, prompt, decode=True,
+                                          mutable=["cache"])
+    return logits, variables["cache"]
+
+  def decode_next(self, params: Any, cache: Any, token: jax.Array, step: Any
+                  ) -> tuple[jax.Array, Any]:
+    logits, variables = self.module.apply({"params": params, "cache": cache}, token, decode=True,
+                                          mutable=["cache"])
+    return logits, variables["cache"]
+
+  def residual_stream(self, params: Any, tokens: jax.Array, step: Any
+                      ) -> tuple[jax.Array, jax.Array]:
+    logits, acts = self.module.apply({"params": params}, tokens, return_activations=True)
+    return logits, acts["residual"]
+
+  def flops_per_token(self, seq_len: int) -> float:
+    return flops_per_token(self.config, seq_len)
+
+  def describe(self) -> str:
+    c = self.config
+    return (f"Llama, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} query heads, "
+            f"{c.kv_heads} key/value heads")
+
+
+FAMILY = ModelFamily(
+    name="llama", config=LlamaConfig,
+    build=lambda section, run_config: LlamaModel(section, run_config),
+    label="Llama/Qwen-style: RMSNorm, SwiGLU, rotary, grouped-query attention, QK-norm on or off, "
+          "tied or untied head (stablejax.modeling.llama)")

@@ -1,0 +1,273 @@
+"""The config's sections: one dataclass per section of a run's JSON config.
+
+``model`` is the model family's section (:func:`model_section_class`: ``model.family`` picks
+it), ``stability`` has a section per registered defence (:func:`stability_config_class`); the
+others are fixed. :func:`to_dict` is the config as ``config.json`` holds it; :func:`model_of`
+the :class:`stablejax.modeling.family.LanguageModel` of its model section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from stablejax.data.config import DataConfig
+from stablejax.modeling import family as family_lib
+from stablejax.transforms import defence
+
+
+class ConfigError(ValueError):
+  """A bad configuration file, key or value; the message names the problem and the fix."""
+
+
+def model_section_class(name: str) -> type:
+  """The ``model`` section's dataclass of the family ``name`` (``family`` first, then its
+  fields).
+
+  Raises:
+    ConfigError: no family of that name is registered.
+  """
+  declaration = family_lib.get(name)
+  if declaration is None:
+    known = ", ".join(f.name for f in family_lib.registered())
+    raise ConfigError(f"model.family={name!r} is not a registered model family: use one of "
+                      f"{known}, or name the module that declares it with --plugin")
+  return family_lib.section_class(declaration)
+
+
+def _default_model() -> Any:
+  return model_section_class(family_lib.DEFAULT_FAMILY)()
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  # With train.time_budget_minutes, the budget fixes the step count unless steps is given next to
+  # it (same config file or dict, or --set): then steps caps it. null: no cap (needs a budget).
+  steps: Optional[int] = 250
+  batch_size: int = 16            # global batch (sequences per optimizer step, all devices)
+  seq_len: int = 128
+  seed: int = 0
+  eval_every: int = 100
+  eval_batches: int = 8
+  log_every: int = 10
+  grad_accum: int = 1             # micro-batches per step; the stability transforms see their mean
+  warmup_steps: int = 30
+  min_lr_ratio: float = 0.1       # cosine decays to learning_rate * min_lr_ratio
+  # for MFU; None: known accelerators, measured on CPU
+  peak_flops_per_device: Optional[float] = None
+  # model.bitnet: quantisation strength ramps 0 -> 1 over these steps
+  lambda_warmup_steps: int = 1000
+  lambda_schedule: str = "linear"  # "linear" or "cosine"
+  time_budget_minutes: Optional[float] = None  # fix the step count to end within this (budget.py)
+  target_val_loss: Optional[float] = None      # summary.json: time_to_target_s, step_to_target
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+  """The defaults are a stable Muon setup: Muon at 0.01 (Moonlight scale), AdamW groups at 3e-3.
+
+  With name="adamw", learning_rate is the AdamW rate of every parameter (set it to about 3e-4 to
+  3e-3: the learning-rate check warns above that) and weight_decay decays the matrices.
+  """
+  name: str = "muon"              # "muon" (outlier-safe Muon + AdamW groups) or "adamw"
+  learning_rate: float = 0.01     # Muon matrices (muon) or every parameter (adamw)
+  # norms, biases, scalars (muon only; null: learning_rate)
+  adam_learning_rate: Optional[float] = 3e-3
+  # token embedding (muon only; null: adam_learning_rate)
+  embedding_learning_rate: Optional[float] = None
+  # output head (muon only; null: adam_learning_rate)
+  head_learning_rate: Optional[float] = None
+  # Muon matrices (muon) or every matrix (adamw); never norms, biases
+  weight_decay: float = 0.0
+  adam_weight_decay: float = 0.0  # AdamW groups' matrices (muon only); never norms, biases
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  momentum: float = 0.95
+  ns_steps: int = 5
+  ns_coeffs: str = "standard"
+  ns_backend: str = "auto"
+  consistent_rms: Optional[float] = 0.2
+  outlier_threshold: float = 5.0
+  outlier_method: Optional[str] = "zscore"
+  ns_method: str = "standard"             # "standard" or "gram" (Gram Newton-Schulz)
+  ns_preconditioning: str = "frobenius"   # "frobenius" or "aol" (Turbo-Muon)
+  per_head: bool = False                  # attention projections orthogonalised per head
+  normuon: bool = False                   # NorMuon's per-neuron normalisation after Muon
+  normuon_b2: float = 0.95
+
+
+@dataclasses.dataclass
+class LossScaleConfig:
+  """``stability.loss_scale``: dynamic loss scaling, fp16 only (``model.compute_dtype``)."""
+
+  init: float = 2.0**10
+  growth_interval: int = 200
+  growth_factor: float = 1.5
+
+
+@dataclasses.dataclass
+class RecoveryConfig:
+  """``stability.recovery``: rollback to the last good checkpoint (stablejax/training/recovery.py).
+
+  A rollback multiplies the learning-rate scale in effect by ``emergency_lr_factor``, which then
+  returns to 1.0 over ``lr_recovery_steps`` (null: never). Divergence: ``loss_window`` logged train
+  losses in a row above ``loss_explosion_factor`` x the best median of ``loss_window`` losses.
+  """
+
+  enabled: bool = True
+  emergency_lr_factor: float = 0.2
+  lr_recovery_steps: Optional[int] = 100
+  lr_recovery_schedule: str = "linear"    # "linear" or "geometric" (log-linear) return to 1.0
+  max_rollbacks: int = 3
+  loss_window: int = 5
+  loss_explosion_factor: float = 3.0
+
+
+def stability_config_class() -> type:
+  """The ``stability`` section's dataclass: ``z_loss``, one section per registered defence
+  (:mod:`stablejax.transforms.defence`, in chain order), ``loss_scale`` and ``recovery``.
+
+  Built from the registry when asked for, so a defence registered at any time (in a test, in a
+  user's module) has its section; the class is reused while the registry is unchanged.
+  """
+  declared = defence.registered()
+  key = tuple((d.name, d.config) for d in declared)
+  cls = _STABILITY_CLASSES.get(key)
+  if cls is None:
+    fields: list[Any] = [("z_loss", float, dataclasses.field(default=1e-4))]
+    fields += [(d.name, d.config, dataclasses.field(default_factory=d.config)) for d in declared]
+    fields += [("loss_scale", LossScaleConfig, dataclasses.field(default_factory=LossScaleConfig)),
+               ("recovery", RecoveryConfig, dataclasses.field(default_factory=RecoveryConfig))]
+    cls = dataclasses.make_dataclass("StabilityConfig", fields)
+    cls.__module__ = __name__
+    cls.__doc__ = ("The ``stability`` section: ``z_loss`` (PaLM's auxiliary loss weight; 0 turns "
+                   "it off), a section per defence (" + ", ".join(d.name for d in declared)
+                   + "), ``loss_scale`` and ``recovery``.")
+    _STABILITY_CLASSES[key] = cls
+  return cls
+
+
+_STABILITY_CLASSES: dict[tuple, type] = {}
+
+
+def _default_stability() -> Any:
+  return stability_config_class()()
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+  every: int = 100
+  keep: int = 3
+  async_save: bool = True
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+  tensorboard: bool = True
+  progress: bool = True
+  histogram_every: int = 100        # per-layer gradient-norm histograms (0 disables)
+  activation_every: int = 100       # residual-stream RMS/max, logit max, kurtosis (0 disables)
+  # At every log step: per-layer max attention logit and output-logit statistics, measured on
+  # the first attention_sequences sequences of the step's batch with the updated parameters.
+  attention_logits: bool = True
+  attention_per_head: bool = False  # also one max logit per head and layer
+  attention_sequences: int = 4
+  grad_norm_high: float = 5.0
+  grad_norm_critical: float = 10.0
+  sample_every: Optional[int] = None  # steps between printed samples; None: at each eval; 0: off
+  sample_prompt: str = ""             # "" starts a new document
+  sample_tokens: int = 64
+
+
+@dataclasses.dataclass
+class MeshConfig:
+  data: int = -1                   # -1: every device not used by fsdp
+  fsdp: int = 1                    # parameters and optimizer state sharded over this axis
+  # Multi-process (multi-host) runs: see stablejax/training/distributed.py and README "Multi-host".
+  # join a job with jax.distributed.initialize() before anything else
+  distributed: bool = False
+  coordinator_address: Optional[str] = None  # HOST:PORT of process 0; else $JAX_COORDINATOR_ADDRESS
+  # else $JAX_NUM_PROCESSES, else the cluster's (SLURM...)
+  num_processes: Optional[int] = None
+  process_id: Optional[int] = None           # else $JAX_PROCESS_ID, else the cluster's
+  local_device_ids: Optional[list[int]] = None  # devices this process uses (None: all it sees)
+  initialization_timeout: int = 300  # seconds to wait for every process to join
+  heartbeat_timeout: int = 100       # seconds without a heartbeat before a process counts as dead
+  shutdown_timeout: int = 300        # seconds an exiting process waits for the others at the end
+
+
+@dataclasses.dataclass
+class FaultsConfig:
+  """Deliberate faults, for testing that a setup survives them.
+
+  Step numbers are 0-based indices of the step about to run: a fault at step s hits the update
+  that metrics.jsonl logs as step s + 1 (records carry the number of completed steps). A step
+  fault strikes again when a rollback replays the step; a batch fault (`*_batch_indices`, 0-based
+  positions in the training data stream) belongs to the data, so a rollback that skips the batch
+  never meets it again.
+  """
+  nan_grad_steps: list[int] = dataclasses.field(default_factory=list)
+  nan_grad_batch_indices: list[int] = dataclasses.field(default_factory=list)
+  garbage_batch_steps: list[int] = dataclasses.field(default_factory=list)
+  garbage_batch_indices: list[int] = dataclasses.field(default_factory=list)
+  garbage_kind: str = "repeat"     # "repeat" (one token repeated) or "random" (random bytes)
+  grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
+  grad_scale_factor: float = 1e4
+  # the batch of the first listed step served again at every listed step (a stuck data loader)
+  repeat_batch_steps: list[int] = dataclasses.field(default_factory=list)
+  kill_at_step: Optional[int] = None        # SIGKILL just before this step runs
+  # SIGKILL while the checkpoint of this step is written
+  kill_during_save_step: Optional[int] = None
+  kill_after_rollback: Optional[int] = None  # SIGKILL once the n-th rollback (1-based) is recorded,
+                                             # before the abandoned branch's checkpoints are deleted
+
+
+@dataclasses.dataclass
+class Config:
+  """A training run's whole configuration: one dataclass per section of the JSON file.
+
+  Build it with `load_config` (a JSON file plus ``section.key=value`` overrides, checked and with
+  one-line errors) rather than by hand; `Run` trains it.
+
+  Example:
+    >>> from stablejax.training.config import Config, load_config
+    >>> cfg = load_config(None, ["model.n_layers=2", "optimizer.name=adamw"])
+    >>> isinstance(cfg, Config), cfg.model.n_layers, cfg.optimizer.name
+    (True, 2, 'adamw')
+    >>> cfg.train.steps == Config().train.steps  # untouched keys keep their defaults
+    True
+  """
+  # Modules declaring defences or model families, imported before the rest is read
+  # (stablejax.training.plugins); recorded, so every later command imports them again.
+  plugins: list[str] = dataclasses.field(default_factory=list)
+  # The family's section (model_section_class): model.family names it, the other keys are its.
+  model: Any = dataclasses.field(default_factory=_default_model)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  # A dataclass built from the registered defences (stability_config_class).
+  stability: Any = dataclasses.field(default_factory=_default_stability)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+  logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
+
+
+def to_dict(cfg: Config) -> dict:
+  """The config as JSON (``config.json``): every section, ``model.family`` first in its own."""
+  out = dataclasses.asdict(cfg)
+  out["model"] = family_lib.section_dict(cfg.model)
+  return out
+
+
+def model_of(cfg: Config) -> family_lib.LanguageModel:
+  """The :class:`stablejax.modeling.family.LanguageModel` of a config's ``model`` section.
+
+  Raises:
+    ConfigError: the family is not registered.
+  """
+  try:
+    return family_lib.build(cfg.model, cfg)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
