@@ -145,16 +145,7 @@ class CompiledStep:
     self.last_metrics = None
 
   def planned_bytes(self) -> int | None:
-    """Device memory the compiled step plans for: arguments + outputs + temporaries - donated
-    (XLA's `memory_analysis`; None where the backend does not report it)."""
-    try:
-      m = self.compiled.memory_analysis()
-    except Exception:  # noqa: BLE001 - a backend without the analysis
-      return None
-    if m is None:
-      return None
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
+    return planned_bytes(self.compiled)
 
   def fork(self) -> "CompiledStep":
     """A second runner of the same compiled step with its own copy of the state (no second
@@ -173,6 +164,19 @@ class CompiledStep:
     dt = (time.perf_counter() - t0) / n
     self.state, self.last_metrics = state, metrics
     return dt
+
+
+def planned_bytes(compiled) -> int | None:
+  """Device memory a compiled function plans for: arguments + outputs + temporaries - donated
+  (XLA's `memory_analysis`; None where the backend does not report it)."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # noqa: BLE001 - a backend without the analysis
+    return None
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
 
 
 # The trainer's config keys the benches set, in one place (the config's layout may change).

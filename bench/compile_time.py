@@ -113,9 +113,12 @@ def build_model(layout: str, layers: int, d_model: int, seq_len: int):
                    f"{model.heads} heads, tied head")
   if layout not in ("unrolled", "scanned"):
     raise SystemExit(f"error: unknown layout {layout!r}; use unrolled, scanned or nanodo")
+  scanned = layout == "scanned"
+  # scan_unroll=1: the scanned layout's rolled loop (one layer's code), as on GPU and TPU; a CPU
+  # run of the trainer unrolls it by default (model.scan_unroll).
   cfg = ModelConfig(vocab_size=256, d_model=d_model, n_layers=layers, n_heads=4,
-                    max_seq_len=seq_len, compute_dtype="float32",
-                    scan_layers=layout == "scanned")
+                    max_seq_len=seq_len, compute_dtype="float32", scan_layers=scanned,
+                    scan_unroll=1 if scanned else None)
   return GPT(cfg), f"GPT {layout}: {layers} layers, d_model {d_model}, 4 heads"
 
 

@@ -19,10 +19,12 @@ Three sections, each timed on the machine's default device, one JSON file and pr
    where it takes fewer FLOPs: 768x3072), with its time over the standard kernel's.
 2. The trainer's train step (`stablejax.training.step`, built by `bench._common.trainer_step`)
    for the packaged `gpt2_small` config on random tokens: the full stability stack (the config's
-   chain around outlier-safe Muon) and `clip_by_global_norm(1.0)` + AdamW, compiled and timed in
-   the same run, interleaved: ms per step, tokens/s, MFU (model FLOPs per token, 6 N + 12 L D T,
-   times tokens/s over the device's peak), compile seconds, the memory XLA plans for the step and
-   the device's peak memory in use.
+   chain around outlier-safe Muon) and `clip_by_global_norm(1.0)` + AdamW, and the minimal
+   nanoGPT-shaped loop of `bench.peer_step` at the same size ("peer": same d_model, layers,
+   heads, batch and compute dtype, remat as configured, cuDNN attention on a CUDA GPU), compiled
+   and timed in the same run, interleaved: ms per step, tokens/s and its ratio to the peer's, MFU
+   (model FLOPs per token, 6 N + 12 L D T, times tokens/s over the device's peak), compile
+   seconds, the memory XLA plans for the step and the device's peak memory in use.
 3. QK-clip and telemetry: the same model without QK-norm (QK-clip acts only there), the full
    stack without QK-clip, with QK-clip at tau 100, and with the loop's attention-logit telemetry
    pass after every `logging.log_every` steps; each variant's ms per step over the plain one.
@@ -232,14 +234,20 @@ def _interleaved_ms(runners: dict[str, Callable[[], float]], rounds: int) -> dic
 
 
 def check_train_step(overrides: list[str], steps: int, rounds: int, peak: float) -> dict:
-  """The gpt2_small step with the full stack and with clip + AdamW, interleaved."""
+  """The gpt2_small step with the full stack and with clip + AdamW, and the minimal loop of
+  `bench.peer_step` at the same size, interleaved."""
+  from bench import peer_step
   from stablejax.modeling.gpt import count_params, model_flops_per_token
   cfg = _common.trainer_config(TRAIN_CONFIG, overrides)
   batch = _common.random_batch(cfg)
-  runs, memory = {}, {}
-  for stack in _common.STACKS:
+  runs: dict[str, Any] = {}
+  memory = {}
+  for stack in (*_common.STACKS, "peer"):
     t0 = time.perf_counter()
-    runs[stack] = _common.trainer_step(cfg, stack, batch)
+    if stack == "peer":
+      runs[stack] = peer_step.peer_for(cfg, count_params(runs["full"].state.params), batch)
+    else:
+      runs[stack] = _common.trainer_step(cfg, stack, batch)
     runs[stack].run(1)  # the first call allocates what the step needs
     memory[stack] = (runs[stack].planned_bytes(), peak_bytes_in_use())
     print(f"  {stack}: compiled in {runs[stack].compile_seconds:.1f} s "
@@ -248,13 +256,17 @@ def check_train_step(overrides: list[str], steps: int, rounds: int, peak: float)
                        rounds)
   tokens = cfg.train.batch_size * cfg.train.seq_len
   flops_per_token = model_flops_per_token(cfg.model, cfg.train.seq_len)
+  peer_flops = peer_step.peer_flops_per_token(cfg, runs["peer"].model.mlp_width)
   rows = []
   for stack, run in runs.items():
     tps = tokens / (ms[stack] / 1e3)
+    flops = peer_flops if stack == "peer" else flops_per_token
     rows.append({"stack": stack, "ms_per_step": ms[stack], "tokens_per_s": tps,
-                 "mfu": flops_per_token * tps / peak, "compile_s": run.compile_seconds,
+                 "model_flops_per_token": flops, "mfu": flops * tps / peak,
+                 "compile_s": run.compile_seconds,
                  "planned_bytes": memory[stack][0], "peak_bytes_in_use": memory[stack][1],
-                 "ratio_to_clip_adamw": ms[stack] / ms["clip_adamw"]})
+                 "ratio_to_clip_adamw": ms[stack] / ms["clip_adamw"],
+                 "tokens_per_s_vs_peer": ms["peer"] / ms[stack]})
   m = cfg.model
   return {"config": TRAIN_CONFIG, "overrides": overrides,
           "params": count_params(runs["full"].state.params),
@@ -321,10 +333,11 @@ def print_tables(result: dict) -> None:
     print(_common.table(
         [(r["stack"], f"{r['ms_per_step']:.1f}", f"{r['tokens_per_s']:,.0f}",
           f"{100 * r['mfu']:.1f}%", f"{r['compile_s']:.1f}", gib(r["planned_bytes"]),
-          gib(r["peak_bytes_in_use"]), f"{r['ratio_to_clip_adamw']:.3f}x")
+          gib(r["peak_bytes_in_use"]), f"{r['ratio_to_clip_adamw']:.3f}x",
+          f"{r['tokens_per_s_vs_peer']:.3f}x")
          for r in train["rows"]],
         ("stack", "ms/step", "tokens/s", "MFU", "compile s", "planned GiB", "peak GiB",
-         "vs clip+AdamW")))
+         "time vs clip+AdamW", "tokens/s vs peer")))
   qk = result.get("qk_clip_telemetry")
   if qk:
     print(f"\nQK-clip (tau {qk['qk_clip_tau']:g}) and telemetry (every {qk['telemetry_every']} "

@@ -553,3 +553,36 @@ def test_compile_time_counts_distinct_loop_kernels():
       jnp.ones((64, 64))).compile()
   fusions, kernels = kernel_counts(mixed)
   assert kernels == 2 and fusions >= 3
+
+
+def test_the_peer_loop_is_sized_to_the_trainer_by_its_parameter_count():
+  # bench.peer_step's arithmetic against the peer model's own parameters, and the MLP width it
+  # picks: the multiple of 64 whose count is nearest the trainer's (the default model: 1,869,888
+  # parameters; 4 x 192 = 768 gives 1,844,928, 832 gives 1,943,232).
+  from bench import peer_step
+  from stablejax.modeling.gpt import GPT, count_params
+  cfg = _common.trainer_config("default")
+  trainer = count_params(jax.eval_shape(lambda: GPT(cfg.model).init(
+      jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"])
+  assert trainer == 1_869_888
+  width = peer_step.peer_mlp_width(cfg, trainer)
+  assert width == 768
+  peer = jax.eval_shape(lambda: peer_step.peer_model(cfg, width).init(
+      jax.random.key(0), jnp.zeros((1, 8), jnp.int32)))["params"]
+  assert count_params(peer) == peer_step.peer_param_count(cfg, width) == 1_844_928
+  # 6 N + 12 L D T with N the blocks' matmuls and the tied head
+  d, layers, t = 192, 4, 128
+  n = layers * (4 * d * d + 2 * d * width) + d * 256
+  assert peer_step.peer_flops_per_token(cfg, width) == 6 * n + 12 * layers * d * t
+
+
+def test_the_profile_groups_op_time_by_pass_and_module_without_the_layer_index():
+  from bench.peer_step import _where
+  assert _where("jit(train_step)/while/body/closed_call/transpose(jvp(GPT))/block_2/mlp/"
+                "jit(silu)/mul", 2) == "backward block/mlp"
+  assert _where("jit(step)/jvp(PeerGPT)/PeerBlock_3/Dense_0/dot_general", 2) == \
+      "forward PeerBlock/Dense_0"
+  assert _where("jit(train_step)/jvp(GPT)/closed_call/blocks/attn/k_norm/mul", 3) == \
+      "forward blocks/attn/k_norm"
+  assert _where("jit(train_step)/dot_general", 2) == "optimizer and metrics: products"
+  assert _where("jit(train_step)/add", 2) == "optimizer and metrics: other"

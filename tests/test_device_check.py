@@ -38,17 +38,22 @@ def test_dry_run_writes_every_section(tmp_path):
     assert r["max_rel_diff"] <= (1e-5 if r["dtype"] == "float32" else 0.05), r
     assert r["kernel_ms"] > 0 and r["reference_ms"] > 0
   train = result["train_step"]
-  assert [r["stack"] for r in train["rows"]] == ["full", "clip_adamw"]
+  assert [r["stack"] for r in train["rows"]] == ["full", "clip_adamw", "peer"]
   tokens = 2 * 16  # --dry: batch 2 x 16 tokens
+  rows = {r["stack"]: r for r in train["rows"]}
   for r in train["rows"]:
     assert r["tokens_per_s"] == pytest.approx(tokens / (r["ms_per_step"] / 1e3), rel=1e-6)
     assert r["mfu"] == pytest.approx(
-        train["model_flops_per_token"] * r["tokens_per_s"] / result["peak_flops"], rel=1e-6)
+        r["model_flops_per_token"] * r["tokens_per_s"] / result["peak_flops"], rel=1e-6)
+    assert r["tokens_per_s_vs_peer"] == pytest.approx(
+        r["tokens_per_s"] / rows["peer"]["tokens_per_s"], rel=1e-6)
     assert r["planned_bytes"] > 0
+  assert rows["full"]["model_flops_per_token"] == train["model_flops_per_token"]
   assert [r["variant"] for r in result["qk_clip_telemetry"]["rows"]] == [
       "plain", "qk_clip", "telemetry"]
   assert result["qk_clip_telemetry"]["rows"][0]["ratio_to_plain"] == 1.0
-  for header in ("Newton-Schulz, Pallas kernel vs XLA reference", "vs clip+AdamW", "vs plain"):
+  for header in ("Newton-Schulz, Pallas kernel vs XLA reference", "vs clip+AdamW", "vs peer",
+                 "vs plain"):
     assert header in proc.stdout
 
 

@@ -124,6 +124,57 @@ def test_scan_and_unscanned_models_agree():
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+def test_an_unrolled_scan_keeps_the_stacked_parameters_and_the_numbers():
+  # scan_unroll changes the compiled loop, not the model: the same [L, ...] parameters give the
+  # same logits and gradients rolled (1 layer per iteration) and unrolled (the CPU's default).
+  rolled = dataclasses.replace(BASE, n_layers=2, scan_layers=True, scan_unroll=1)
+  unrolled = dataclasses.replace(rolled, scan_unroll=None)
+  tokens = _tokens()
+  params = _init(rolled, tokens)
+  assert jax.tree.structure(_init(unrolled, tokens)) == jax.tree.structure(params)
+
+  def loss_and_grads(cfg):
+    def loss(p):
+      return jnp.mean(GPT(cfg).apply({"params": p}, tokens) ** 2)
+    return jax.jit(jax.value_and_grad(loss))(params)
+  (l1, g1), (l2, g2) = loss_and_grads(rolled), loss_and_grads(unrolled)
+  np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), g1, g2)
+
+
+def test_scan_unroll_is_the_config_value_or_the_platform_choice():
+  from stablejax.modeling.gpt import scan_unroll
+  assert scan_unroll(dataclasses.replace(BASE, n_layers=6), "cpu") == 6
+  assert scan_unroll(dataclasses.replace(BASE, n_layers=6), "gpu") == 1
+  assert scan_unroll(dataclasses.replace(BASE, n_layers=6), "tpu") == 1
+  assert scan_unroll(dataclasses.replace(BASE, n_layers=6, scan_unroll=3), "gpu") == 3
+
+
+def test_matmul_over_flattened_rows_is_the_3d_product_and_its_gradient():
+  from stablejax.modeling.gpt import _matmul
+  x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+  w = jax.random.normal(jax.random.key(1), (8, 3))
+  cot = jax.random.normal(jax.random.key(2), (2, 5, 3))
+  y, pull = jax.vjp(_matmul, x, w)
+  np.testing.assert_allclose(y, np.einsum("btk,kn->btn", x, w), rtol=1e-5, atol=1e-6)
+  dx, dw = pull(cot)
+  np.testing.assert_allclose(dx, np.einsum("btn,kn->btk", cot, w), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(dw, np.einsum("btk,btn->kn", x, cot), rtol=1e-5, atol=1e-6)
+
+
+def test_cudnn_attention_that_refuses_the_call_falls_back_to_xla(monkeypatch):
+  # Where cuDNN's fused attention is chosen but refuses the call (here: a CPU, which has no
+  # cuDNN), the XLA implementation's result comes back, with one warning naming why.
+  from stablejax.modeling import attention
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 4, 2, 8), jnp.bfloat16) for i in range(3))
+  expected = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  monkeypatch.setattr(attention, "device_platform", lambda: "cuda")
+  monkeypatch.setattr(attention, "_warned_cudnn", [])
+  with pytest.warns(UserWarning, match="cuDNN attention is not available"):
+    out = attention.causal_attention(q, k, v)
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
 def test_bf16_compute_keeps_params_fp32_and_tracks_fp32_model():
   tokens = _tokens()
   cfg16 = dataclasses.replace(BASE, compute_dtype="bfloat16")
@@ -226,6 +277,7 @@ def test_validate_errors():
       (dict(d_model=36, n_heads=4), "RoPE"),
       (dict(init_std=0.0), "init_std"),
       (dict(d_ff=-1), "d_ff"),
+      (dict(scan_unroll=0), "scan_unroll"),
   ]
   for kw, msg in bad:
     with pytest.raises(ValueError, match=msg) as e:

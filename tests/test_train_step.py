@@ -25,15 +25,20 @@ def stream(run, n):
   return [np.asarray(next(it)["tokens"], np.int32) for _ in range(n)]
 
 
-def steps(run, batches, grad_scales=None):
-  """Runs the Run's jitted train step over host batches; returns the final state and metrics."""
+def steps(run, batches, grad_scales=None, moves=None):
+  """Runs the Run's jitted train step over host batches; returns the final state and metrics
+  (and appends each step's parameter change to ``moves``)."""
   state = run.c.init_state(jax.random.PRNGKey(run.cfg.train.seed))
   history = []
   for i, tokens in enumerate(batches):
     scale = 1.0 if grad_scales is None else grad_scales[i]
+    before = jax.device_get(state.params) if moves is not None else None  # the step donates it
     state, metrics = run.c.train_step(state, {"tokens": run.c.device_tokens(tokens),
                                               "grad_scale": np.float32(scale)})
     history.append(jax.device_get(metrics))
+    if moves is not None:
+      moves.append(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b,
+                                jax.device_get(state.params), before))
   return state, history
 
 
@@ -45,7 +50,8 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
   four = make_run(tmp_path, "accum4", "train.grad_accum=4")
   batches = stream(one, 4)
   assert four.c.device_tokens(batches[0]).shape == (4, 2, 33)  # [accum, micro-batch, T + 1]
-  state1, hist1 = steps(one, batches)
+  moves = []
+  state1, hist1 = steps(one, batches, moves=moves)
   state4, hist4 = steps(four, batches)
   for a, b in zip(hist1, hist4):
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
@@ -56,6 +62,31 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
   assert max(jax.tree.leaves(moved)) > 1e-3  # parameters moved far more than the tolerance
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
                state4.params, state1.params)
+  # The update norm is computed on the steps the loop reads (1, 2, 4 with train.log_every=2) and
+  # is the norm of the parameters' change there; step 3's is not computed (NaN).
+  for step, (record, move) in enumerate(zip(hist1, moves), start=1):
+    if step == 3:
+      assert np.isnan(record["update_norm"]) and np.isnan(record["update_norm/layer_0"])
+    else:
+      applied = np.sqrt(sum(np.sum(np.square(m)) for m in jax.tree.leaves(move)))
+      assert record["update_norm"] == pytest.approx(applied, rel=1e-4)
+
+
+def test_the_step_computes_the_update_norms_on_every_step_the_loop_reads():
+  # train.step.metrics_read against the loop's own rules (actions.Logging.due and
+  # actions.Checkpointing.due, a deferred save included): every step the loop reads is covered.
+  from types import SimpleNamespace
+
+  from stablejax.training import actions
+  from stablejax.training.step import metrics_read
+  cfg = tiny_config("train.log_every=3", "checkpoint.every=7", "train.steps=40")
+  c = SimpleNamespace(cfg=cfg, total_steps=40)
+  read = np.asarray(metrics_read(cfg, np.arange(1, 41)))
+  for deferred in (False, True):
+    loop = [actions.Logging.due(SimpleNamespace(c=c), s) or actions.Checkpointing.due(
+        SimpleNamespace(c=c, deferred=deferred), s) for s in range(1, 41)]
+    assert not any(want and not got for want, got in zip(loop, read))
+  assert not read[1] and read[2] and read[6] and read[39]  # 2 none; 3 a log; 7 a save; 40 last
 
 
 FP16 = ("model.compute_dtype=\"float16\"", "stability.loss_scale.init=1048576",

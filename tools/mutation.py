@@ -158,7 +158,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     CONFIG: ("tests/test_config.py", "tests/test_optim.py", "-k", "config or ineffective"),
     OPTIM: ("tests/test_optim.py", "-m", "not slow"),
     STEP: ("tests/test_train_step.py", "tests/test_optim.py", "-k",
-           "micro_batches or fp16 or logged_lr_is"),
+           "micro_batches or fp16 or logged_lr_is or update_norms"),
     GENERATE: ("tests/test_sample.py", "-k", "not cli and not carries"),
     # The loop's decisions on a bare Run (its trainer runs take minutes each).
     BATCHES: ("tests/test_loop_decisions.py",),
@@ -380,10 +380,11 @@ MUTANTS = [
     _m("S2", SKIPPING, "    ok = _common.all_finite_pairs(updates, inner_updates)\n",
        "    ok = _common.all_finite(updates)\n",
        "skip_nonfinite lets a non-finite inner update through"),
-    _m("S3", SKIPPING, "inner_state = _common.select_tree(skip, inner_old_state, inner_new_state)",
-       "inner_state = inner_new_state", "a skipped step still changes the inner state"),
-    _m("S4", SKIPPING, "lambda u: jnp.where(skip, jnp.zeros_like(u), u), inner_updates)",
-       "lambda u: jnp.where(skip, 0.5 * u, u), inner_updates)",
+    _m("S3", SKIPPING, "    return jax.tree.map(jnp.zeros_like, updates), old\n",
+       "    return jax.tree.map(jnp.zeros_like, updates), new\n",
+       "a skipped step still changes the inner state"),
+    _m("S4", SKIPPING, "    return jax.tree.map(jnp.zeros_like, updates), old\n",
+       "    return jax.tree.map(lambda u: 0.5 * u, updates), old\n",
        "a skipped step still applies updates"),
     _m("S5", SKIPPING, "  total = jnp.where(skip, _common.safe_increment(state.total_skips),",
        "  total = jnp.where(False, _common.safe_increment(state.total_skips),",
@@ -609,8 +610,8 @@ MUTANTS = [
     _m("CM5", COMMON, "  if not ok(value):\n    raise ValueError",
        "  if False:\n    raise ValueError",
        "invalid hyperparameters are accepted"),
-    _m("CM6", COMMON, "  if not values:\n    return jnp.zeros((), STAT_DTYPE)",
-       "  if not values:\n    return jnp.full((), jnp.nan, STAT_DTYPE)",
+    _m("CM6", COMMON, "  if not probes:\n    return jnp.zeros((), STAT_DTYPE)",
+       "  if not probes:\n    return jnp.full((), jnp.nan, STAT_DTYPE)",
        "an empty tree is not finite (a stateless step would always be skipped)"),
 
     # ---------------------------------------------------------------- metrics.py
@@ -1400,6 +1401,11 @@ MUTANTS = [
     _m("TS6", STEP, "    lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)",
        "    lr = lr_schedule(applied_updates(opt_state))",
        "the logged lr leaves out the recovery's backoff"),
+    _m("TS7", STEP, "(step % t.log_every == 0) | (step % cfg.checkpoint.every == 0)",
+       "(step % t.log_every == 0)",
+       "a checkpoint step's update norms are not computed (the save reads its record)"),
+    _m("TS8", STEP, "jnp.full(s.shape, jnp.nan, s.dtype)", "jnp.zeros(s.shape, s.dtype)",
+       "an update norm the step did not compute reads as 0 (a skipped step's value)"),
 
     # ---------------------------------------------------------------- training/generate.py
     _m("GE1", GENERATE, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",

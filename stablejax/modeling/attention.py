@@ -27,7 +27,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Literal, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +139,78 @@ def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax
   grouped = probs.reshape(b, kh, h // kh, t, t)
   out = jnp.einsum("bkgts,bskd->btkgd", grouped, value).reshape(b, t, h, value.shape[-1])
   return out, max_logit
+
+
+# cuDNN's fused (flash) attention takes half-precision inputs only.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_warned_cudnn: list = []
+
+
+def attention_implementation(platform: str, dtype: Any) -> Optional[Literal["cudnn"]]:
+  """The ``implementation=`` :func:`causal_attention` passes to ``jax.nn.dot_product_attention``.
+
+  ``"cudnn"`` (cuDNN's fused attention) on a CUDA GPU for bfloat16 and float16 inputs, the only
+  dtypes it takes; None elsewhere, which is JAX's XLA implementation (the same arithmetic as
+  :func:`causal_attention_with_max_logit`: float32 logits and softmax).
+
+  Args:
+    platform: ``"cuda"``, ``"rocm"``, ``"tpu"`` or ``"cpu"`` (:func:`device_platform`).
+    dtype: the dtype of the queries, keys and values.
+
+  Returns:
+    ``"cudnn"`` or None.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> attention_implementation("cuda", jnp.bfloat16)
+    'cudnn'
+    >>> attention_implementation("cuda", jnp.float32) is None
+    True
+    >>> attention_implementation("cpu", jnp.bfloat16) is None
+    True
+  """
+  if platform == "cuda" and any(jnp.dtype(dtype) == jnp.dtype(d) for d in _CUDNN_DTYPES):
+    return "cudnn"
+  return None
+
+
+def device_platform() -> str:
+  """``"cuda"``, ``"rocm"``, ``"tpu"`` or ``"cpu"``: the platform of the default device (JAX calls
+  both GPU kinds ``"gpu"``)."""
+  dev = jax.devices()[0]
+  if dev.platform != "gpu":
+    return dev.platform
+  version = str(getattr(dev.client, "platform_version", "")).lower()
+  return "rocm" if "rocm" in version else "cuda"
+
+
+def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
+  """Causal ``jax.nn.dot_product_attention`` with the implementation of
+  :func:`attention_implementation` for this device and dtype.
+
+  Where cuDNN refuses the call (a head dimension or sequence length its fused attention does not
+  take, a cuDNN too old), it says why once and the XLA implementation runs instead.
+
+  Args:
+    query: ``[B, T, H, head_dim]``.
+    key: ``[B, T, K, head_dim]`` (``K`` divides ``H``).
+    value: ``[B, T, K, head_dim]``.
+
+  Returns:
+    ``[B, T, H, head_dim]`` in the inputs' dtype.
+  """
+  implementation = attention_implementation(device_platform(), query.dtype)
+  if implementation is not None:
+    try:
+      return jax.nn.dot_product_attention(query, key, value, is_causal=True,
+                                          implementation=implementation)
+    except (NotImplementedError, RuntimeError, ValueError) as e:
+      if not _warned_cudnn:
+        _warned_cudnn.append(True)
+        warnings.warn(f"cuDNN attention is not available for queries {query.shape} "
+                      f"{query.dtype} ({type(e).__name__}: {str(e).splitlines()[0]}); the XLA "
+                      "implementation runs instead", stacklevel=2)
+  return jax.nn.dot_product_attention(query, key, value, is_causal=True)
 
 
 def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:

@@ -15,6 +15,8 @@ Options (``ModelConfig``):
   * ``qk_norm``: RMSNorm over the head dimension of queries and keys.
   * ``tie_embeddings``: logits = h @ embedding.T, no ``lm_head``.
   * ``embed_scale``: embeddings multiplied by sqrt(d_model).
+  * ``scan_unroll``: layers per iteration of the scanned layers' loop (null: all of them on a CPU,
+    one elsewhere; :func:`scan_unroll`). The parameters stay stacked either way.
   * ``bitnet``: every block linear is a BitNet b1.58 quantisation-aware linear mixed with full
     precision by ``bitnet_lambda`` (see ``stablejax.modeling.bitnet``). Embedding, EmbProj and
     head stay full precision.
@@ -57,7 +59,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablejax.modeling.attention import (MAX_LOGIT, causal_attention_with_max_logit,
+from stablejax.modeling.attention import (MAX_LOGIT, causal_attention,
+                                         causal_attention_with_max_logit,
                                          collect_attention_logits)
 from stablejax.modeling.bitnet import bitnet_matmul
 from stablejax.modeling.family import AttentionHeads, LanguageModel, ModelFamily
@@ -86,6 +89,10 @@ class ModelConfig:
   param_dtype: str = "float32"      # "bfloat16" only to reproduce the underflow failure
   init_std: float = 0.02
   scan_layers: bool = True   # nn.scan over blocks: stacked [L, ...] params, fast compile
+  # Layers per iteration of that scan (lax.scan's unroll; the parameters stay stacked). null: the
+  # platform's choice, every layer on a CPU (where the rolled loop cost about a fifth of the
+  # default step, docs/results.md "Peer speed"), 1 on GPU and TPU (one layer's code to compile).
+  scan_unroll: Optional[int] = None
   remat: bool = False        # rematerialise each block in the backward pass
 
   @property
@@ -122,13 +129,53 @@ class ModelConfig:
       value = getattr(self, name)
       if value not in _DTYPES:
         raise ValueError(f"model.{name}={value!r} is unknown: use one of {list(_DTYPES)}")
+    if self.scan_unroll is not None and (not isinstance(self.scan_unroll, int)
+                                         or isinstance(self.scan_unroll, bool)
+                                         or self.scan_unroll < 1):
+      raise ValueError(f"model.scan_unroll={self.scan_unroll!r} must be a positive integer (layers "
+                       f"per loop iteration) or null (the platform's choice)")
     if not self.init_std > 0:
       raise ValueError(f"model.init_std={self.init_std!r} must be > 0 (e.g. 0.02)")
     if not self.rope_theta > 0:
       raise ValueError(f"model.rope_theta={self.rope_theta!r} must be > 0 (e.g. 10000.0)")
 
 
+def scan_unroll(cfg: ModelConfig, platform: str) -> int:
+  """Layers per iteration of the scanned layers' loop on ``platform`` (``jax.default_backend()``).
+
+  ``cfg.scan_unroll`` when set; otherwise every layer on ``"cpu"``, where the rolled loop of
+  layers cost about a fifth of the default model's step (the loop's dynamic slices of the
+  stacked weights and saved activations, and fusions that cannot cross iterations), and 1
+  elsewhere, where the rolled loop compiles one layer's code for all of them. The parameter
+  layout is the same either way (stacked ``[L, ...]``), so a checkpoint moves between platforms.
+
+  Example:
+    >>> cfg = ModelConfig(n_layers=4)
+    >>> scan_unroll(cfg, "cpu"), scan_unroll(cfg, "gpu")
+    (4, 1)
+    >>> scan_unroll(ModelConfig(n_layers=4, scan_unroll=2), "cpu")
+    2
+  """
+  if cfg.scan_unroll is not None:
+    return cfg.scan_unroll
+  return cfg.n_layers if platform == "cpu" else 1
+
+
 # ----------------------------------------------------------------------------- layers
+
+
+def _matmul(x: jax.Array, kernel: jax.Array, **kwargs: Any) -> jax.Array:
+  """``x [..., K] @ kernel [K, N]`` as one 2D product over the flattened leading axes.
+
+  The same products as ``jnp.dot(x, kernel)``, but the weight gradient that autodiff derives is
+  then a 2D product with one contracting axis. From a 3D ``x`` it contracts two (batch and
+  position), which XLA:CPU lowers by writing the whole upstream gradient transposed inside the
+  loop fusion of the elementwise backward; a Flax loop whose ``nn.Dense`` layers see flattened
+  rows instead ran at 1.4x to 1.9x its tokens/s on a 2-core CPU (docs/results.md, "Peer speed").
+  """
+  lead = x.shape[:-1]
+  y = jnp.dot(x.reshape(-1, x.shape[-1]), kernel, **kwargs)
+  return y.reshape(lead + (kernel.shape[-1],))
 
 
 class Linear(nn.Module):
@@ -145,8 +192,9 @@ class Linear(nn.Module):
     if self.bitnet:
       if lam is None:
         raise ValueError("a BitNet Linear needs its quantisation strength lam")
-      return bitnet_matmul(x, kernel, lam, self.compute_dtype)
-    return jnp.dot(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype))
+      y = bitnet_matmul(x.reshape(-1, x.shape[-1]), kernel, lam, self.compute_dtype)
+      return y.reshape(x.shape[:-1] + (self.features,))  # per-token quantisation: rows stay rows
+    return _matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype))
 
 
 class RMSNorm(nn.Module):
@@ -241,8 +289,7 @@ class Attention(nn.Module):
         y, max_logit = causal_attention_with_max_logit(q.astype(adt), k.astype(adt), v.astype(adt))
         self.sow("intermediates", MAX_LOGIT, max_logit)
       else:
-        y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt),
-                                         is_causal=True)
+        y = causal_attention(q.astype(adt), k.astype(adt), v.astype(adt))
     y = y.astype(cdt)
     return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
 
@@ -360,7 +407,10 @@ class GPT(nn.Module):
 
     block_cls = Block
     if cfg.remat and not decode:
-      block_cls = nn.remat(Block, prevent_cse=not cfg.scan_layers)
+      # Inside a rolled scan the loop keeps XLA from merging the recomputation with the forward
+      # pass; unrolled layers need remat's own barrier.
+      rolled = cfg.scan_layers and scan_unroll(cfg, jax.default_backend()) == 1
+      block_cls = nn.remat(Block, prevent_cse=not rolled)
     if decode and attention_logits:
       raise ValueError("attention_logits is for training and evaluation calls, not decode")
     block_args: dict[str, Any] = dict(collect=return_activations, decode=True) if decode else \
@@ -369,7 +419,8 @@ class GPT(nn.Module):
       axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
                               else {"params": 0, "intermediates": 0})
       scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
-                        in_axes=nn.broadcast, length=cfg.n_layers)
+                        in_axes=nn.broadcast, length=cfg.n_layers,
+                        unroll=scan_unroll(cfg, jax.default_backend()))
       x, ys = scanned(cfg, **block_args, name="blocks")(x, lam)
       if return_activations:
         residuals = jnp.concatenate([layer_outputs[0][None], ys], axis=0)
@@ -388,7 +439,7 @@ class GPT(nn.Module):
     x = x.astype(cdt)
     if cfg.tie_embeddings:
       hdt = _f32_accum_dtype(cdt)
-      logits = jnp.dot(x.astype(hdt), embed.embedding.T.astype(hdt),
+      logits = _matmul(x.astype(hdt), embed.embedding.T.astype(hdt),
                        preferred_element_type=jnp.float32)
     else:
       logits = _Head(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
@@ -410,7 +461,7 @@ class _Head(nn.Module):
     kernel = self.param("kernel", nn.initializers.normal(self.init_std),
                         (x.shape[-1], self.vocab_size), self.param_dtype)
     hdt = _f32_accum_dtype(self.compute_dtype)
-    return jnp.dot(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
+    return _matmul(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
 
 
 def layer_max_logits(cfg: ModelConfig, collected: dict) -> jax.Array:

@@ -53,7 +53,7 @@ from stablejax.muon import newton_schulz as _ns
 from stablejax.muon import normuon as _normuon
 from stablejax.muon import routing
 from stablejax.muon import sharding as _sharding
-from stablejax.transforms._common import finite_probe
+from stablejax.transforms._common import finite_probe, probe_total
 from stablejax.transforms._common import sum_of_scalars
 from stablejax.transforms.metrics import Rate, Series, register_state_metrics
 
@@ -559,7 +559,7 @@ def skip_nonfinite_tensors(inner: optax.GradientTransformation
     inner_state = jax.tree.map(keep_old, inner_state, state.inner_state, is_leaf=per_param)
     new_updates = treedef.unflatten([jnp.where(k, u, jnp.zeros_like(u))
                                      for k, u in zip(ok, new_leaves)])
-    skipped = sum_of_scalars([(~k).astype(jnp.float32) for k in ok]).astype(jnp.int32)
+    skipped = probe_total([(~k).astype(jnp.float32) for k in ok]).astype(jnp.int32)
     return new_updates, TensorGuardState(inner_state, skipped)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]

@@ -123,12 +123,26 @@ def update_norm_metrics(updates: Any) -> dict[str, jax.Array]:
   return {"update_norm": total, **{f"update_norm/layer_{i}": n for i, n in layers.items()}}
 
 
+def metrics_read(cfg: Config, step: jax.Array) -> jax.Array:
+  """Whether the loop reads the metrics of the step that brings the count to ``step``: step 1,
+  every ``train.log_every`` steps (`actions.Logging.due`), every ``checkpoint.every`` steps and
+  the last (`actions.Checkpointing.due`: a save reads the step's health; a deferred save waits for
+  a log step)."""
+  t = cfg.train
+  read = (step == 1) | (step % t.log_every == 0) | (step % cfg.checkpoint.every == 0)
+  return read | (step == t.steps) if t.steps is not None else read
+
+
 def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraArgs, cfg: Config,
                     lr_schedule: optax.Schedule
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """``train_step(state, batch) -> (state, metrics)``: accumulated gradients, fp16 loss scaling,
   the configured faults (``batch["grad_scale"]``), the rollback's LR backoff, the update with the
-  extra arguments the defences declared, and the step's metrics (on device)."""
+  extra arguments the defences declared, and the step's metrics (on device).
+
+  The update norms (``update_norm``, ``update_norm/layer_<i>``, a pass over the update) are
+  computed on the steps whose metrics the loop reads (:func:`metrics_read`) and are NaN on the
+  others; every other metric is computed on every step."""
   args = step_argument_specs(cfg, model)  # decided once, from the declarations
   loss_fn = make_loss_fn(model, cfg, frozenset().union(*(arg.needs for arg in args)))
 
@@ -153,9 +167,11 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     if loss_scale is not None:
       loss_scale = loss_scale.adjust(all_finite(grads))
 
+    update_norms = jax.lax.cond(metrics_read(cfg, state.step + 1), update_norm_metrics,
+                                _not_computed(update_norm_metrics), updates)
     metrics = {"loss": loss, "z_loss": z_loss, "grad_norm": optax.tree.norm(grads), "lr": lr,
                "lr_scale": get_lr_scale(opt_state), "params_finite": all_finite(params),
-               **update_norm_metrics(updates), **stability_metrics(opt_state),
+               **update_norms, **stability_metrics(opt_state),
                **model.step_metrics(state.step)}
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.loss_scale
@@ -164,6 +180,13 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     return new_state, metrics
 
   return train_step
+
+
+def _not_computed(fn: Callable[[Any], dict]) -> Callable[[Any], dict]:
+  """``fn``'s float outputs as NaN, without computing them (the other branch of a cond)."""
+  def nans(x: Any) -> dict:
+    return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(fn, x))
+  return nans
 
 
 def make_eval_step(model: LanguageModel, cfg: Config

@@ -84,12 +84,26 @@ def finite_probe(*arrays: Any) -> jax.Array:
     xf = x.astype(STAT_DTYPE)
     zero = xf - xf
     by_shape[x.shape] = zero if x.shape not in by_shape else by_shape[x.shape] + zero
-  return sum_of_scalars([jnp.sum(z) for z in by_shape.values()])
+  return probe_total([jnp.sum(z) for z in by_shape.values()])
+
+
+def probe_total(probes: Sequence[jax.Array]) -> jax.Array:
+  """The sum of values whose sum does not depend on the order of the additions: finiteness
+  probes (0 or NaN, :func:`finite_probe`; NaN when any is) or 0/1 flags (a count).
+
+  So unlike :func:`sum_of_scalars` no sort comes first (a sort is one more kernel to compile);
+  the result is read by scalar code (a decision, a count), never by every leaf, so XLA has no
+  chain of adds to copy into the leaves' kernels.
+  """
+  if not probes:
+    return jnp.zeros((), STAT_DTYPE)
+  stacked = jnp.stack([jnp.asarray(p, STAT_DTYPE) for p in probes])
+  return jnp.sum(stacked) if stacked.shape[0] > 1 else stacked[0]
 
 
 def all_finite(tree: Any) -> jax.Array:
   """Scalar bool: every entry of every leaf of ``tree`` is finite (True if empty)."""
-  return jnp.isfinite(sum_of_scalars([finite_probe(x) for x in jax.tree.leaves(tree)]))
+  return jnp.isfinite(probe_total([finite_probe(x) for x in jax.tree.leaves(tree)]))
 
 
 def all_finite_pairs(tree: Any, other: Any) -> jax.Array:
@@ -98,21 +112,12 @@ def all_finite_pairs(tree: Any, other: Any) -> jax.Array:
   a, b = jax.tree.leaves(tree), jax.tree.leaves(other)
   if jax.tree.structure(tree) != jax.tree.structure(other):  # type: ignore[operator]
     return jnp.logical_and(all_finite(tree), all_finite(other))
-  return jnp.isfinite(sum_of_scalars([finite_probe(x, y) for x, y in zip(a, b)]))
+  return jnp.isfinite(probe_total([finite_probe(x, y) for x, y in zip(a, b)]))
 
 
 def scale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
   """Multiplies ``x`` by a float32 scalar in float32 and casts back to ``x.dtype``."""
   return (jnp.asarray(x, STAT_DTYPE) * scale).astype(jnp.asarray(x).dtype)
-
-
-def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-  """Per-leaf ``jnp.where(pred, a, b)`` keeping the dtype of ``on_false``."""
-  return jax.tree.map(
-      lambda a, b: jnp.where(pred, a, b).astype(jnp.asarray(b).dtype),
-      on_true,
-      on_false,
-  )
 
 
 def safe_increment(count: jax.Array) -> jax.Array:

@@ -13,8 +13,9 @@ on skipping batches around loss spikes.
 A skipped step returns zero updates and keeps the *entire* inner state (Adam
 moments, counts, ZClip/AdaGC statistics, Muon momentum) exactly as it was, so
 a run with a skipped step is identical to the run without that step. The inner
-update is always computed and the result chosen per leaf with ``jnp.where``:
-no Python branch on traced values, no host transfer.
+update is always computed and the result chosen with one ``lax.cond`` (zero
+updates and the old state, or the inner result): no Python branch on traced
+values, no host transfer.
 """
 
 from __future__ import annotations
@@ -148,11 +149,24 @@ def _skip_counters(skip: jax.Array, state: Union[SkipNonFiniteState, SkipSpikesS
 
 def _apply_or_skip(skip: jax.Array, inner_updates: optax.Updates, inner_new_state: optax.OptState,
                    inner_old_state: optax.OptState) -> tuple[optax.Updates, optax.OptState]:
-  """Zero updates and the old inner state if ``skip``; else the inner result."""
-  updates = jax.tree.map(
-      lambda u: jnp.where(skip, jnp.zeros_like(u), u), inner_updates)
-  inner_state = _common.select_tree(skip, inner_old_state, inner_new_state)
-  return updates, inner_state
+  """Zero updates and the old inner state if ``skip``; else the inner result.
+
+  One conditional picks the whole result (as :func:`optax.apply_if_finite` does), not a
+  ``jnp.where`` per leaf: each of those fused with the computation of its leaf into a kernel of
+  its own, which XLA:CPU compiled one by one.
+  """
+  new_state = jax.tree.map(lambda new, old: jnp.asarray(new).astype(jnp.asarray(old).dtype),
+                           inner_new_state, inner_old_state)
+
+  def skipped(updates: optax.Updates, new: optax.OptState, old: optax.OptState
+              ) -> tuple[optax.Updates, optax.OptState]:
+    return jax.tree.map(jnp.zeros_like, updates), old
+
+  def applied(updates: optax.Updates, new: optax.OptState, old: optax.OptState
+              ) -> tuple[optax.Updates, optax.OptState]:
+    return updates, new
+
+  return jax.lax.cond(skip, skipped, applied, inner_updates, new_state, inner_old_state)
 
 
 def _loss_all_finite(loss: jax.typing.ArrayLike) -> jax.Array:
@@ -235,7 +249,7 @@ def skip_nonfinite(
     loss = extra_args.get("loss")
     if loss is not None:
       ok = jnp.logical_and(ok, _loss_all_finite(loss))
-    skip = _common.materialize(jnp.logical_not(ok))
+    skip = jnp.logical_not(ok)
     new_updates, new_inner = _apply_or_skip(
         skip, inner_updates, inner_state, state.inner_state)
     skipped, total, consecutive, rollback, requests = _skip_counters(
@@ -490,7 +504,6 @@ def skip_spikes(
       bad, norm_hist = _spike_check(grad_norm, norm_hist, min_history, sigma, factor,
                                     statistics, log_scale=statistics == "log_norm")
       skip = jnp.logical_or(skip, bad)
-    skip = _common.materialize(skip)
 
     inner_updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args)
