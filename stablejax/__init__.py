@@ -20,10 +20,10 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, 
   from stablejax.transforms.loss_scaling import DynamicLossScale as DynamicLossScale
   from stablejax.transforms.metrics import register_state_metrics as register_state_metrics
   from stablejax.transforms.metrics import stability_metrics as stability_metrics
-  from stablejax.transforms.skipping import SkipNonFiniteState as SkipNonFiniteState
-  from stablejax.transforms.skipping import SkipSpikesState as SkipSpikesState
-  from stablejax.transforms.skipping import skip_nonfinite as skip_nonfinite
-  from stablejax.transforms.skipping import skip_spikes as skip_spikes
+  from stablejax.transforms.finite_skip import SkipNonFiniteState as SkipNonFiniteState
+  from stablejax.transforms.spike_skip import SkipSpikesState as SkipSpikesState
+  from stablejax.transforms.finite_skip import skip_nonfinite as skip_nonfinite
+  from stablejax.transforms.spike_skip import skip_spikes as skip_spikes
   from stablejax.transforms.qk_clip import QKClipState as QKClipState
   from stablejax.transforms.qk_clip import qk_clip as qk_clip
   from stablejax.transforms.zclip import ZClipState as ZClipState
@@ -81,10 +81,10 @@ _EXPORTS = {
     "DynamicLossScale": "stablejax.transforms.loss_scaling",
     "register_state_metrics": "stablejax.transforms.metrics",
     "stability_metrics": "stablejax.transforms.metrics",
-    "SkipNonFiniteState": "stablejax.transforms.skipping",
-    "SkipSpikesState": "stablejax.transforms.skipping",
-    "skip_nonfinite": "stablejax.transforms.skipping",
-    "skip_spikes": "stablejax.transforms.skipping",
+    "SkipNonFiniteState": "stablejax.transforms.finite_skip",
+    "SkipSpikesState": "stablejax.transforms.spike_skip",
+    "skip_nonfinite": "stablejax.transforms.finite_skip",
+    "skip_spikes": "stablejax.transforms.spike_skip",
     "QKClipState": "stablejax.transforms.qk_clip",
     "qk_clip": "stablejax.transforms.qk_clip",
     "ZClipState": "stablejax.transforms.zclip",

@@ -51,6 +51,7 @@ _MOVED = {
 
 
 _DATA = "stablejax.data."
+_TRANSFORMS = "stablejax.transforms."
 # Module that stays -> {name that moved out of it: the module it lives in now}.
 _MOVED_NAMES: dict[str, dict[str, str]] = {
     _DATA + "pipeline": {
@@ -69,6 +70,12 @@ _MOVED_NAMES: dict[str, dict[str, str]] = {
                         _DATA + "inputs"),
         **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), _DATA + "encode"),
         "PARTIAL": _DATA + "out_dir",
+    },
+    _TRANSFORMS + "skipping": {
+        **dict.fromkeys(("SkipNonFiniteState", "skip_nonfinite", "SkipNonFiniteConfig",
+                         "SKIP_NONFINITE"), _TRANSFORMS + "finite_skip"),
+        **dict.fromkeys(("SkipSpikesState", "skip_spikes", "window_stats", "log_sigma_threshold",
+                         "SkipSpikesConfig", "SKIP_SPIKES"), _TRANSFORMS + "spike_skip"),
     },
 }
 

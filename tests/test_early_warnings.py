@@ -155,7 +155,7 @@ def test_log_norm_statistics_match_numpy_and_spare_multiplicative_noise():
 def test_log_norm_threshold_uses_the_population_std_of_the_window():
   # Norms 1, 2, 4, 8: logs k * ln 2 (k = 0..3), mean 1.5 ln 2, population std sqrt(1.25) ln 2, so
   # at sigma 2 the threshold is 2 ** (1.5 + 2 sqrt(1.25)) = 13.3 (16.9 with the sample std).
-  from stablejax.transforms.skipping import log_sigma_threshold
+  from stablejax.transforms.spike_skip import log_sigma_threshold
   history = jnp.array([1.0, 2.0, 4.0, 8.0, 1e6, 1e6], jnp.float32)  # entries past count ignored
   expected = 2.0 ** (1.5 + 2.0 * np.sqrt(1.25))
   np.testing.assert_allclose(float(log_sigma_threshold(history, jnp.array(4), 2.0)), expected,

@@ -57,6 +57,12 @@ MOVED_NAMES = {
         **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), "stablejax.data.encode"),
         "PARTIAL": "stablejax.data.out_dir",
     },
+    "stablejax.transforms.skipping": {
+        **dict.fromkeys(("SkipNonFiniteState", "skip_nonfinite", "SkipNonFiniteConfig",
+                         "SKIP_NONFINITE"), "stablejax.transforms.finite_skip"),
+        **dict.fromkeys(("SkipSpikesState", "skip_spikes", "window_stats", "log_sigma_threshold",
+                         "SkipSpikesConfig", "SKIP_SPIKES"), "stablejax.transforms.spike_skip"),
+    },
 }
 
 

@@ -7,5 +7,6 @@ registered (and listed by the monitor) in it. Their public names are ``stablejax
 """
 
 from stablejax.transforms import clip, zclip, adagc, update_clip, hybrid  # noqa: F401
-from stablejax.transforms import loss_scaling, metrics, qk_clip, skipping  # noqa: F401
+from stablejax.transforms import loss_scaling, metrics, qk_clip  # noqa: F401
+from stablejax.transforms import finite_skip, spike_skip  # noqa: F401
 from stablejax.transforms import compensated  # noqa: F401

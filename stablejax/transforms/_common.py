@@ -7,7 +7,7 @@ values. Statistics are always kept in float32, whatever the gradient dtype.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Sequence, TypeGuard
 
 import jax
 import jax.numpy as jnp
@@ -17,19 +17,19 @@ import optax.tree
 STAT_DTYPE = jnp.float32
 
 
-def f32(x: Any) -> jax.Array:
+def f32(x: jax.typing.ArrayLike) -> jax.Array:
   """Returns ``x`` as a float32 array (hyperparameters, statistics)."""
   return jnp.asarray(x, dtype=STAT_DTYPE)
 
 
-def global_norm_f32(tree: Any) -> jax.Array:
+def global_norm_f32(tree: optax.Updates) -> jax.Array:
   """Global L2 norm of ``tree`` computed in float32 (bf16 grads do not overflow)."""
   leaves = jax.tree.leaves(tree)
   squares = [jnp.sum(jnp.square(jnp.asarray(x, STAT_DTYPE))) for x in leaves]
   return jnp.sqrt(sum_of_scalars(squares))
 
 
-def materialize(x: Any) -> jax.Array:
+def materialize(x: jax.typing.ArrayLike) -> jax.Array:
   """The scalar ``x``, computed once and stored before anything reads it.
 
   A transform's decision (skip this step, clip by this factor) is a chain of scalar operations
@@ -65,7 +65,7 @@ def leaf_norm_f32(x: jax.Array) -> jax.Array:
   return optax.tree.norm(jnp.asarray(x, STAT_DTYPE))
 
 
-def finite_probe(*arrays: Any) -> jax.Array:
+def finite_probe(*arrays: jax.typing.ArrayLike) -> jax.Array:
   """float32 scalar: 0 if every entry of every array is finite, NaN otherwise.
 
   ``x - x`` is 0 for a finite entry and NaN for NaN or +-Inf (XLA keeps floating ``x - x``), so
@@ -79,7 +79,7 @@ def finite_probe(*arrays: Any) -> jax.Array:
   floats = [x for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)]
   if not floats:
     return jnp.zeros((), STAT_DTYPE)
-  by_shape: dict = {}
+  by_shape: dict[tuple[int, ...], jax.Array] = {}
   for x in floats:
     xf = x.astype(STAT_DTYPE)
     zero = xf - xf
@@ -101,12 +101,12 @@ def probe_total(probes: Sequence[jax.Array]) -> jax.Array:
   return jnp.sum(stacked) if stacked.shape[0] > 1 else stacked[0]
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: optax.Updates) -> jax.Array:
   """Scalar bool: every entry of every leaf of ``tree`` is finite (True if empty)."""
   return jnp.isfinite(probe_total([finite_probe(x) for x in jax.tree.leaves(tree)]))
 
 
-def all_finite_pairs(tree: Any, other: Any) -> jax.Array:
+def all_finite_pairs(tree: optax.Updates, other: optax.Updates) -> jax.Array:
   """``all_finite(tree) & all_finite(other)``, one reduction per pair of same-shaped leaves
   when the trees have the same structure (gradients and updates)."""
   a, b = jax.tree.leaves(tree), jax.tree.leaves(other)
@@ -126,12 +126,12 @@ def safe_increment(count: jax.Array) -> jax.Array:
   return jnp.asarray(optax.safe_increment(count))
 
 
-def is_concrete_number(value: Any) -> bool:
-  """True for Python / numpy numbers (not tracers), the values we can validate."""
+def is_concrete_number(value: object) -> TypeGuard[float]:
+  """True for Python / numpy numbers (not tracers, not bools), the values we can validate."""
   return isinstance(value, numbers.Number) and not isinstance(value, bool)
 
 
-def check(name: str, value: Any, ok: Callable[[Any], bool], requirement: str) -> None:
+def check(name: str, value: object, ok: Callable[[float], bool], requirement: str) -> None:
   """Raises ``ValueError`` if a concrete ``value`` fails ``ok(value)``.
 
   Traced values (e.g. from ``optax.inject_hyperparams``) are not checked.
@@ -141,10 +141,3 @@ def check(name: str, value: Any, ok: Callable[[Any], bool], requirement: str) ->
   if not ok(value):
     raise ValueError(f"{name}={value!r} is invalid: {requirement}.")
 
-
-def extra_arg_scalar(extra_args: Mapping[str, Any], name: str) -> jax.Array | None:
-  """Returns ``extra_args[name]`` as a float32 array, or None if absent."""
-  value = extra_args.get(name)
-  if value is None:
-    return None
-  return f32(value)

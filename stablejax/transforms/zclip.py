@@ -31,7 +31,7 @@ of such a step are not repaired: wrap the chain in
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -96,8 +96,8 @@ class ZClipState(NamedTuple):
   clip_count: jax.Array
 
 
-def _validate(alpha: Any, z_thresh: Any, max_grad_norm: Any, eps: Any, warmup_steps: Any,
-              mode: Any, clip_option: Any, clip_factor: Any) -> None:
+def _validate(alpha: float, z_thresh: float, max_grad_norm: Optional[float], eps: float,
+              warmup_steps: int, mode: str, clip_option: str, clip_factor: float) -> None:
   _common.check("alpha", alpha, lambda v: 0.0 < v < 1.0,
                 "use an EMA factor strictly between 0 and 1, e.g. 0.97")
   _common.check("z_thresh", z_thresh, lambda v: v > 0,
@@ -119,6 +119,74 @@ def _validate(alpha: Any, z_thresh: Any, max_grad_norm: Any, eps: Any, warmup_st
     raise ValueError(
         f"clip_option={clip_option!r} is invalid: use one of "
         f"{', '.join(map(repr, _CLIP_OPTIONS))}.")
+
+
+class _Verdict(NamedTuple):
+  """One phase's rule applied to a step's norm: the factor its updates are scaled by, the
+  statistics after it, and the threshold the state reports."""
+
+  scale: jax.Array
+  mean: jax.Array
+  var: jax.Array
+  threshold: jax.Array
+
+
+def _warmup_verdict(g: jax.Array, state: ZClipState, ceiling: Optional[jax.Array]) -> _Verdict:
+  """Warmup: Welford accumulation of the mean and population variance; the fixed clip."""
+  mean, var = state.ema_mean, state.ema_var
+  n_new = (state.count + 1).astype(_common.STAT_DTYPE)
+  warm_mean = mean + (g - mean) / n_new
+  warm_var = var + ((g - mean) * (g - warm_mean) - var) / n_new
+  if ceiling is None:
+    warm_scale = jnp.ones([], _common.STAT_DTYPE)
+    warm_threshold = jnp.array(jnp.inf, _common.STAT_DTYPE)
+  else:
+    warm_scale = jnp.minimum(1.0, ceiling / (g + _NORM_EPS))
+    warm_threshold = ceiling
+  return _Verdict(warm_scale, warm_mean, warm_var, warm_threshold)
+
+
+def _detect_spike(g: jax.Array, mean: jax.Array, std: jax.Array, zt: jax.Array, cf: jax.Array,
+                  eps: jax.Array, mode: str, clip_option: Optional[str]
+                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """(z, spike, clip value, detection level): the z-score / percentile test and the adaptive
+  clip value of a spike."""
+  z = (g - mean) / (std + eps)
+  if mode == "percentile":
+    clip_value = mean + zt * std
+    spike = g > clip_value
+    detect_level = clip_value
+  else:
+    spike = z > zt
+    if clip_option == "adaptive_scaling":
+      clip_value = (mean + zt * std / (z / zt)) * cf
+    else:
+      clip_value = mean
+    detect_level = mean + zt * (std + eps)
+  return z, spike, clip_value, detect_level
+
+
+def _adaptive_verdict(g: jax.Array, state: ZClipState, spike: jax.Array, clip_value: jax.Array,
+                      detect_level: jax.Array, alpha: jax.Array, ceiling: Optional[jax.Array],
+                      skip_update_on_spike: bool) -> _Verdict:
+  """After warmup: clip a spike to its clip value (and every norm to the ceiling); the EMA takes
+  the clip value of a spike (the norm otherwise), mean first, and none of a spike when
+  ``skip_update_on_spike``."""
+  mean, var = state.ema_mean, state.ema_var
+  adaptive = jnp.where(spike, clip_value, g)
+  if ceiling is None:
+    effective = adaptive
+    idle_threshold = detect_level
+  else:
+    effective = jnp.minimum(adaptive, ceiling)
+    idle_threshold = jnp.minimum(detect_level, ceiling)
+  post_scale = jnp.where(g > effective, effective / (g + _NORM_EPS), 1.0)
+  ema_mean = alpha * mean + (1.0 - alpha) * adaptive
+  ema_var = alpha * var + (1.0 - alpha) * jnp.square(adaptive - ema_mean)
+  keep_stats = jnp.logical_and(spike, jnp.asarray(skip_update_on_spike))
+  post_mean = jnp.where(keep_stats, mean, ema_mean)
+  post_var = jnp.where(keep_stats, var, ema_var)
+  return _Verdict(post_scale, post_mean, post_var, jnp.where(spike, effective, idle_threshold))
 
 
 def zclip(
@@ -209,62 +277,26 @@ def zclip(
     g = _common.global_norm_f32(updates)
     finite = jnp.isfinite(g)
     in_warmup = state.count < jnp.asarray(warmup_steps, jnp.int32)
-    mean, var = state.ema_mean, state.ema_var
+    warm = _warmup_verdict(g, state, ceiling)
+    z, spike, clip_value, detect_level = _detect_spike(
+        g, state.ema_mean, jnp.sqrt(state.ema_var), zt, cf, _common.f32(eps), mode, clip_option)
+    after = _adaptive_verdict(g, state, spike, clip_value, detect_level, a, ceiling,
+                              skip_update_on_spike)
 
-    # Warmup: Welford accumulation of mean / population variance; fixed clip.
-    n_new = (state.count + 1).astype(_common.STAT_DTYPE)
-    warm_mean = mean + (g - mean) / n_new
-    warm_var = var + ((g - mean) * (g - warm_mean) - var) / n_new
-    if ceiling is None:
-      warm_scale = jnp.ones([], _common.STAT_DTYPE)
-      warm_threshold = jnp.array(jnp.inf, _common.STAT_DTYPE)
-    else:
-      warm_scale = jnp.minimum(1.0, ceiling / (g + _NORM_EPS))
-      warm_threshold = ceiling
-
-    # After warmup: z-score / percentile detection and adaptive clip value.
-    std = jnp.sqrt(var)
-    z = (g - mean) / (std + _common.f32(eps))
-    if mode == "percentile":
-      clip_value = mean + zt * std
-      spike = g > clip_value
-      detect_level = clip_value
-    else:
-      spike = z > zt
-      if clip_option == "adaptive_scaling":
-        clip_value = (mean + zt * std / (z / zt)) * cf
-      else:
-        clip_value = mean
-      detect_level = mean + zt * (std + _common.f32(eps))
-    adaptive = jnp.where(spike, clip_value, g)
-    if ceiling is None:
-      effective = adaptive
-      idle_threshold = detect_level
-    else:
-      effective = jnp.minimum(adaptive, ceiling)
-      idle_threshold = jnp.minimum(detect_level, ceiling)
-    post_scale = jnp.where(g > effective, effective / (g + _NORM_EPS), 1.0)
-    ema_mean = a * mean + (1.0 - a) * adaptive
-    ema_var = a * var + (1.0 - a) * jnp.square(adaptive - ema_mean)
-    keep_stats = jnp.logical_and(spike, jnp.asarray(skip_update_on_spike))
-    post_mean = jnp.where(keep_stats, mean, ema_mean)
-    post_var = jnp.where(keep_stats, var, ema_var)
-
-    scale = jnp.where(in_warmup, warm_scale, post_scale)
-    new_mean = jnp.where(in_warmup, warm_mean, post_mean)
-    new_var = jnp.where(in_warmup, warm_var, post_var)
+    scale = jnp.where(in_warmup, warm.scale, after.scale)
+    new_mean = jnp.where(in_warmup, warm.mean, after.mean)
+    new_var = jnp.where(in_warmup, warm.var, after.var)
     is_spike = jnp.logical_and(jnp.logical_and(~in_warmup, spike), finite)
     was_clipped = scale < 1.0
-    threshold = jnp.where(
-        in_warmup, warm_threshold, jnp.where(spike, effective, idle_threshold))
+    threshold = jnp.where(in_warmup, warm.threshold, after.threshold)
 
     scale = _common.materialize(scale)  # read by every parameter's update
     updates = jax.tree.map(lambda u: _common.scale_leaf(u, scale), updates)
     new_state = ZClipState(
         count=jnp.where(finite, _common.safe_increment(state.count),
                         state.count),
-        ema_mean=jnp.where(finite, new_mean, mean),
-        ema_var=jnp.where(finite, new_var, var),
+        ema_mean=jnp.where(finite, new_mean, state.ema_mean),
+        ema_var=jnp.where(finite, new_var, state.ema_var),
         grad_norm=g,
         clipped_grad_norm=g * scale,
         z=jnp.where(in_warmup, 0.0, z).astype(_common.STAT_DTYPE),
