@@ -51,6 +51,7 @@ _MOVED = {
 
 
 _DATA = "stablejax.data."
+_LAYOUT = "stablejax.layout."
 # Module that stays -> {name that moved out of it: the module it lives in now}.
 _MOVED_NAMES: dict[str, dict[str, str]] = {
     _DATA + "pipeline": {
@@ -69,6 +70,14 @@ _MOVED_NAMES: dict[str, dict[str, str]] = {
                         _DATA + "inputs"),
         **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), _DATA + "encode"),
         "PARTIAL": _DATA + "out_dir",
+    },
+    _LAYOUT + "analysis": {
+        **dict.fromkeys(("AxisName", "axis_names_of", "OUT_IN"), _LAYOUT + "leaves"),
+        **dict.fromkeys(("HEADS", "HEAD_DIM", "MLP", "STACK", "EXPERT", "FUSED", "FUSED_FEATURES",
+                         "fused_parts_of_name", "PROJECTION_NAMES", "projection_name",
+                         "component_name"), _LAYOUT + "names"),
+        **dict.fromkeys(("MuonDimensionNumbers", "orientations"), _LAYOUT + "orientation"),
+        "Projection": _LAYOUT + "attention",
     },
 }
 
