@@ -1644,9 +1644,12 @@ MUTANTS = [
        "a query/key norm's gain does not give the head size",
        ("tests/test_heads.py", "-k", "trainer_gpt")),
     _m("LT17", LAYOUT, "      return leaf.shape[k.index(MODEL)]", "      break",
-       "the model width is not read from the metadata's model axis"),
+       "the model width is not read from the metadata's model axis",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "embedding_table or lm1b or nnx_logical")),
     _m("LT18", LAYOUT, "  return gains.most_common(1)[0][0] if gains else None", "  return None",
-       "without an embedding table the model width is not read from the norm gains"),
+       "without an embedding table the model width is not read from the norm gains",
+       ("tests/test_routing.py", "-k", "embedding_table")),
     _m("LT19", LAYOUT, "kernels.readings, roles or {}, kernels.orientation)",
        "kernels.readings, {}, kernels.orientation)",
        "the roles find_attention_layers' overrides give are not passed on",
@@ -1654,17 +1657,19 @@ MUTANTS = [
 
     # ---------------------------------------------------------------- layout/attention.py
     _m("AT1", ATTENTION, '    singles[0].role = "query"  # q_einsum next to a fused kv_einsum',
-       "    pass", "Gemma's q_einsum next to a fused kv_einsum is not taken for the query"),
+       "    pass", "an unnamed einsum kernel next to a fused key/value one is not the query",
+       ("tests/test_heads.py", "-k", "gemma or whatever_its_name")),
     _m("AT2", ATTENTION, "    if len(singles) == 3 and len(by_heads) == 1:  # GQA: only the "
        "query has all heads", "    if False:",
-       "grouped-query attention: the query is not told by its larger head count"),
+       "grouped-query attention: the query is not told by its larger head count",
+       ("tests/test_heads.py", "-k", "grouped_query")),
     _m("AT3", ATTENTION, "    j = by_path.get(proj + (name,))", "    j = None",
        "a projection's bias is not found (QK-clip leaves it unscaled)"),
     _m("AT4", ATTENTION, "  return dims.pop() if len(dims) == 1 else None", "  return None",
        "a layer of 2-D kernels does not read its head size from its query/key norm"),
     _m("AT5", ATTENTION, "    out_in = orient[i] == OUT_IN if i < len(orient) else False",
        "    out_in = False", "[out, in] kernels (Equinox) have their heads looked for on the "
-       "input side"),
+       "input side", ("tests/test_heads.py", "-k", "out_in")),
 
     # ---------------------------------------------------------------- training/run_dir_checks.py
     _m("RC1", RUN_DIR_CHECKS, "    if name not in recorded:\n      raise RunDirError(",
