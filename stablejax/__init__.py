@@ -42,7 +42,7 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, 
   from stablejax.muon.describe import describe_routing as describe_routing
   from stablejax.muon.routing import label_params as label_params
   from stablejax.muon.routing import muon_dimension_numbers as muon_dimension_numbers
-  from stablejax.layout.analysis import FusedDimensionNumbers as FusedDimensionNumbers
+  from stablejax.layout.orientation import FusedDimensionNumbers as FusedDimensionNumbers
   from stablejax.modeling.utils import init_new_token_embeddings as init_new_token_embeddings
   from stablejax.modeling.utils import lambda_warmup as lambda_warmup
   from stablejax.modeling.utils import excess_kurtosis as excess_kurtosis
@@ -105,7 +105,7 @@ _EXPORTS = {
     "describe_routing": "stablejax.muon.describe",
     "label_params": "stablejax.muon.routing",
     "muon_dimension_numbers": "stablejax.muon.routing",
-    "FusedDimensionNumbers": "stablejax.layout.analysis",
+    "FusedDimensionNumbers": "stablejax.layout.orientation",
     # --- end muon ---
     # --- model utilities ---
     "init_new_token_embeddings": "stablejax.modeling.utils",

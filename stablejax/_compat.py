@@ -52,6 +52,7 @@ _MOVED = {
 
 _DATA = "stablejax.data."
 _TRANSFORMS = "stablejax.transforms."
+_LAYOUT = "stablejax.layout."
 # Module that stays -> {name that moved out of it: the module it lives in now}.
 _MOVED_NAMES: dict[str, dict[str, str]] = {
     _DATA + "pipeline": {
@@ -76,6 +77,14 @@ _MOVED_NAMES: dict[str, dict[str, str]] = {
                          "SKIP_NONFINITE"), _TRANSFORMS + "finite_skip"),
         **dict.fromkeys(("SkipSpikesState", "skip_spikes", "window_stats", "log_sigma_threshold",
                          "SkipSpikesConfig", "SKIP_SPIKES"), _TRANSFORMS + "spike_skip"),
+    },
+    _LAYOUT + "analysis": {
+        **dict.fromkeys(("AxisName", "axis_names_of", "OUT_IN"), _LAYOUT + "leaves"),
+        **dict.fromkeys(("HEADS", "HEAD_DIM", "MLP", "STACK", "EXPERT", "FUSED", "FUSED_FEATURES",
+                         "fused_parts_of_name", "PROJECTION_NAMES", "projection_name",
+                         "component_name"), _LAYOUT + "names"),
+        **dict.fromkeys(("MuonDimensionNumbers", "orientations"), _LAYOUT + "orientation"),
+        "Projection": _LAYOUT + "attention",
     },
 }
 

@@ -176,6 +176,41 @@ def test_gemma_einsum_fused_and_grouped_query(kv_heads, head_dim):
   _check_heads_mean_heads(apply, nnx.as_pure(state), layers, head_dim)
 
 
+def test_einsum_query_beside_a_fused_key_value_is_the_query_whatever_its_name():
+  # Gemma's grouped-query einsum kernels under names that say nothing: the one [H, D, hd] kernel
+  # beside a fused [2, K, D, hd] key/value kernel is the query.
+  d, h, kv, hd = 16, 4, 2, 8
+  params = {"embed": jnp.zeros((40, d)),
+            "attn": {"a": {"w": jnp.zeros((h, d, hd))}, "b": {"w": jnp.zeros((2, kv, d, hd))},
+                     "c": {"w": jnp.zeros((h, hd, d))}}}
+  assert find_attention_layers(params) == [AttentionLayer(
+      "attn", h, kv, (HeadParam("attn/a/w", -3),), (HeadParam("attn/b/w", -3, (0, 0)),))]
+
+
+def test_grouped_query_the_unnamed_projection_with_every_head_is_the_query():
+  d, h, kv, hd = 16, 4, 2, 8
+  params = {"embed": jnp.zeros((40, d)),
+            "attn": {"x": {"kernel": jnp.zeros((d, h, hd))},
+                     "k": {"kernel": jnp.zeros((d, kv, hd))},
+                     "v": {"kernel": jnp.zeros((d, kv, hd))},
+                     "o": {"kernel": jnp.zeros((h, hd, d))}}}
+  assert find_attention_layers(params) == [AttentionLayer(
+      "attn", h, kv, (HeadParam("attn/x/kernel", -2),), (HeadParam("attn/k/kernel", -2),))]
+
+
+def test_kernels_stored_out_in_have_their_heads_on_the_output_axis():
+  # Every 2-D kernel [out, in], as Hugging Face's Conv1D and Equinox store them: the query's
+  # heads lie along axis -2, its fan-in (the model width) along -1.
+  d, h, kv, hd = 16, 4, 2, 8
+  shapes = {"q_proj": (h * hd, d), "k_proj": (kv * hd, d), "v_proj": (kv * hd, d),
+            "o_proj": (d, h * hd)}
+  params = {"embed": jnp.zeros((40, d)),
+            "attn": {name: {"kernel": jnp.zeros(shape)} for name, shape in shapes.items()}}
+  assert find_attention_layers(params, num_heads=h) == [AttentionLayer(
+      "attn", h, kv, (HeadParam("attn/q_proj/kernel", -2),),
+      (HeadParam("attn/k_proj/kernel", -2),))]
+
+
 def test_overrides_name_the_query_and_key_and_warn_when_unmatched():
   d, h, hd = 16, 2, 8
   proj = {n: {"kernel": jnp.zeros((d, h, hd))} for n in ("a", "b", "c")}

@@ -398,6 +398,20 @@ def test_a_metadata_model_axis_of_the_wrong_size_is_not_trusted():
     assert (routed.layouts[i], routed.sources[i]) == (want, source)
 
 
+def test_without_an_embedding_table_the_model_width_comes_from_metadata_or_norm_gains():
+  # No table gives the model width 16: a boxed kernel's 'embed' axis says it, or the norm gains
+  # do; either way the unnamed [D, H, hd] and [H, hd, D] kernels are read against it.
+  routing = stablejax.muon.routing
+  kernels = {"proj": {"kernel": jnp.ones((16, 2, 8))}, "out": {"kernel": jnp.ones((2, 8, 16))}}
+  boxed = nn.LogicallyPartitioned(jnp.ones((16, 64)), ("embed", "mlp"))
+  for hint in ({"mlp": {"kernel": boxed}}, {"norm": {"scale": jnp.ones(16)}}):
+    routed = routing.plan({**kernels, **hint})
+    got = {leaf.path: (routed.layouts[i], routed.sources[i])
+           for i, leaf in enumerate(routed.leaves)}
+    assert got["proj/kernel"] == (routing.ATTENTION_QKV, "shape")
+    assert got["out/kernel"] == (routing.ATTENTION_OUT, "shape")
+
+
 MDN = optax.contrib.MuonDimensionNumbers
 
 

@@ -88,6 +88,10 @@ HEALTH = "stablejax/monitor/health.py"
 STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
 ROUTING = "stablejax/muon/routing.py"
 LAYOUT = "stablejax/layout/analysis.py"
+LEAVES = "stablejax/layout/leaves.py"
+NAMES = "stablejax/layout/names.py"
+ORIENTATION = "stablejax/layout/orientation.py"
+ATTENTION = "stablejax/layout/attention.py"
 QK_CLIP = "stablejax/transforms/qk_clip.py"
 CLIP = "stablejax/transforms/clip.py"
 SPECS = "stablejax/monitor/specs.py"
@@ -113,6 +117,10 @@ _PREPARE_TESTS = ("tests/test_prepare.py", "-k", "not end_to_end and not stop_si
 _PREPARED_TESTS = ("tests/test_prepare.py", "tests/test_data.py", "-k",
                    "config_takes_vocab or large_vocabulary or uint16_holds or incomplete or "
                    "bin_source or data_errors")
+
+# The routing of the model layouts the tests write (without the learning-rate check's runs).
+_LAYOUT_TESTS = ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+                 "not check_learning_rates and not describe_routing_finds")
 
 # The fast tests of each module's area (a mutant may name its own, smaller selection).
 AREA_TESTS: dict[str, tuple[str, ...]] = {
@@ -171,8 +179,11 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     STABILITY_MONITOR: ("tests/test_monitor.py", "-k", "not movement and not tensorboard"),
     ROUTING: ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
               "not check_learning_rates and not describe_routing_finds"),
-    LAYOUT: ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
-             "not check_learning_rates and not describe_routing_finds"),
+    LAYOUT: _LAYOUT_TESTS,
+    LEAVES: _LAYOUT_TESTS,
+    NAMES: _LAYOUT_TESTS,
+    ORIENTATION: _LAYOUT_TESTS,
+    ATTENTION: ("tests/test_heads.py", "tests/test_per_head.py", "-k", "not hugging_face"),
     QK_CLIP: ("tests/test_qk_clip.py", QK_CLIP),
     CLIP: ("tests/test_optim.py", "tests/test_config.py", "-m", "not slow"),
     UPDATE_CLIP: ("tests/test_update_clip.py", UPDATE_CLIP),
@@ -196,8 +207,8 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
 # Modules of stablejax/ without mutants, and why.
 MODULES_NOT_COVERED = {
     "muon/describe.py, modeling/attention.py, layout/heads.py: find_attention_layers": "not "
-        "yet: its layout analysis is mutated in layout/analysis.py (heads.py's per-head "
-        "layouts are)",
+        "yet: the layout analysis under it is mutated in layout/ (leaves, names, orientation, "
+        "attention, analysis; heads.py's per-head layouts are)",
     "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
@@ -1579,50 +1590,92 @@ MUTANTS = [
        "normuon_b2 is not passed on (no averaging over steps)",
        ("tests/test_normuon.py", "-k", "outlier_safe_muon_normuon")),
 
-    # ---------------------------------------------------------------- layout/analysis.py
-    _m("LT1", LAYOUT, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",
+    # ---------------------------------------------------------------- layout/ (the analysis)
+    _m("LT1", LEAVES, "return _is_variable(x) or _is_box(x) or isinstance(x, optax.MaskedNode)",
        "return _is_variable(x) or isinstance(x, optax.MaskedNode)",
        "a Linen metadata box is not one parameter (boxed and unboxed trees differ)",
        ("tests/test_model_layouts.py", "-k", "lm1b or stacked_on_axis")),
-    _m("LT2", LAYOUT, " or (d_model is not None and leaf.shape[model[0]] != d_model)", "",
+    _m("LT2", ORIENTATION, " or (d_model is not None and leaf.shape[model[0]] != d_model)", "",
        "a metadata model axis whose size disagrees with the model width is trusted",
        ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
         "wrong_size or lm1b or nnx_logical")),
-    _m("LT3", LAYOUT, "if m == rest[-1]:  # [..., D]: the model axis is the output",
+    _m("LT3", ORIENTATION, "if m == rest[-1]:  # [..., D]: the model axis is the output",
        "if m != rest[-1]:", "metadata: the model axis's side of the matrix is swapped",
        ("tests/test_model_layouts.py", "-k", "lm1b or nnx_logical")),
     _m("LT4", LAYOUT, "return max(tables, key=lambda leaf: leaf.shape[0]).shape[1]",
        "return max(tables, key=lambda leaf: leaf.shape[0]).shape[0]",
        "the model width is read as the vocabulary size",
        ("tests/test_model_layouts.py", "-k", "nanodo or gemma")),
-    _m("LT5", LAYOUT, "    for a in (0, 1):", "    for a in (0,):",
+    _m("LT5", ORIENTATION, "    for a in (0, 1):", "    for a in (0,):",
        "layers stacked on axis 1 are not recognised as a stack",
        ("tests/test_model_layouts.py", "-k", "stacked_on_axis")),
-    _m("LT6", LAYOUT,
+    _m("LT6", ORIENTATION,
        "      out.append(OUT_IN if v.get(OUT_IN) and not v.get(\"in_out\") else None)",
        "      out.append(None)",
        "[out, in] storage (Hugging Face's Conv1D) is never read from the model's own kernels",
        ("tests/test_routing.py", "-k", "out_in_storage")),
-    _m("LT7", LAYOUT, "      in_out = (side == \"in\") == (first == d_model)",
+    _m("LT7", ORIENTATION, "      in_out = (side == \"in\") == (first == d_model)",
        "      in_out = (side == \"in\") != (first == d_model)",
        "the storage votes of input and output projections are read the wrong way round",
        ("tests/test_routing.py", "-k", "out_in_storage")),
-    _m("LT8", LAYOUT, "      found.add(tuple(_key_name(k) for k in path) + (\"weight\",))",
+    _m("LT8", LEAVES, "      found.add(tuple(_key_name(k) for k in path) + (\"weight\",))",
        "      pass",
        "eqx.nn.Linear weights are read [in, out]",
        ("tests/test_routing.py", "-k", "equinox")),
-    _m("LT9", LAYOUT, "    parts = (out_width, rest, rest)", "    parts = 3",
+    _m("LT9", ORIENTATION, "    parts = (out_width, rest, rest)", "    parts = 3",
        "a grouped-query fused kernel is cut into three equal parts",
        ("tests/test_routing.py", "-k", "fused_parts")),
-    _m("LT10", LAYOUT, "    return None\n  return FusedDimensionNumbers(red, out, out, parts)",
+    _m("LT10", ORIENTATION, "    return None\n  return FusedDimensionNumbers(red, out, out, parts)",
        "    return None\n  return None",
        "a fused kernel is orthogonalised as one matrix",
        ("tests/test_routing.py", "-k", "fused_parts or out_in_storage")),
-    _m("LT11", LAYOUT,
+    _m("LT11", NAMES,
        "    if k == FUSED and len(leaf.shape) == 2 and leaf.shape[i] not in (2, 3):",
        "    if False:",
        "a 2-D kernel with a 'qkv' axis name is taken for a vector (routed to Adam)",
        ("tests/test_routing.py", "-k", "fused_parts")),
+    _m("LT12", LEAVES, '    for key in ("out_sharding", "sharding_names", "sharding"):',
+       '    for key in ("sharding",):', "an NNX Variable's logical axis names are not read",
+       ("tests/test_model_layouts.py", "-k", "nnx_logical")),
+    _m("LT13", LEAVES, "    masked = isinstance(leaf, optax.MaskedNode)", "    masked = False",
+       "a masked-out parameter is taken for a parameter of shape ()"),
+    _m("LT14", NAMES, '    stripped = _PROJ_AFFIX.sub("", name)', "    stripped = name",
+       "q_proj, wq, c_attn... are not read as the query (only bare names are)",
+       ("tests/test_heads.py", "tests/test_routing.py", "-k", "gpt or fused_parts")),
+    _m("LT15", NAMES, "  return lower[-2] if len(lower) >= 2 and lower[-1] in WEIGHT_NAMES else "
+       "lower[-1]", "  return lower[-1]",
+       "a kernel's module is read as 'kernel' (no side of the model width, no storage vote)",
+       ("tests/test_routing.py", "-k", "out_in_storage")),
+    _m("LT16", NAMES, "  return bool(_QK_NORM.match(name))", "  return False",
+       "a query/key norm's gain does not give the head size",
+       ("tests/test_heads.py", "-k", "trainer_gpt")),
+    _m("LT17", LAYOUT, "      return leaf.shape[k.index(MODEL)]", "      break",
+       "the model width is not read from the metadata's model axis",
+       ("tests/test_routing.py", "tests/test_model_layouts.py", "-k",
+        "embedding_table or lm1b or nnx_logical")),
+    _m("LT18", LAYOUT, "  return gains.most_common(1)[0][0] if gains else None", "  return None",
+       "without an embedding table the model width is not read from the norm gains",
+       ("tests/test_routing.py", "-k", "embedding_table")),
+    _m("LT19", LAYOUT, "kernels.readings, roles or {}, kernels.orientation)",
+       "kernels.readings, {}, kernels.orientation)",
+       "the roles find_attention_layers' overrides give are not passed on",
+       ("tests/test_heads.py", "-k", "overrides")),
+
+    # ---------------------------------------------------------------- layout/attention.py
+    _m("AT1", ATTENTION, '    singles[0].role = "query"  # q_einsum next to a fused kv_einsum',
+       "    pass", "an unnamed einsum kernel next to a fused key/value one is not the query",
+       ("tests/test_heads.py", "-k", "gemma or whatever_its_name")),
+    _m("AT2", ATTENTION, "    if len(singles) == 3 and len(by_heads) == 1:  # GQA: only the "
+       "query has all heads", "    if False:",
+       "grouped-query attention: the query is not told by its larger head count",
+       ("tests/test_heads.py", "-k", "grouped_query")),
+    _m("AT3", ATTENTION, "    j = by_path.get(proj + (name,))", "    j = None",
+       "a projection's bias is not found (QK-clip leaves it unscaled)"),
+    _m("AT4", ATTENTION, "  return dims.pop() if len(dims) == 1 else None", "  return None",
+       "a layer of 2-D kernels does not read its head size from its query/key norm"),
+    _m("AT5", ATTENTION, "    out_in = orient[i] == OUT_IN if i < len(orient) else False",
+       "    out_in = False", "[out, in] kernels (Equinox) have their heads looked for on the "
+       "input side", ("tests/test_heads.py", "-k", "out_in")),
 
     # ---------------------------------------------------------------- training/run_dir_checks.py
     _m("RC1", RUN_DIR_CHECKS, "    if name not in recorded:\n      raise RunDirError(",

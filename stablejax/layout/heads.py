@@ -17,9 +17,14 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence, Union
+
+import optax
 
 from stablejax.layout import analysis as layout
+from stablejax.layout.attention import AttentionGroup, Projection
+from stablejax.layout.leaves import Leaf
+from stablejax.layout.orientation import FusedDimensionNumbers, MatrixDims, MuonDimensionNumbers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +94,8 @@ def _match(pattern: str, path: str) -> bool:
   return fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern.rstrip("/") + "/")
 
 
-def _role_overrides(leaves: list, overrides: Mapping[str, str], strict: bool) -> dict[int, str]:
+def _role_overrides(leaves: Sequence[Leaf], overrides: Mapping[str, str], strict: bool
+                    ) -> dict[int, str]:
   """Leaf index -> role for every kernel a pattern matches; warns about patterns matching none."""
   roles: dict[int, str] = {}
   unmatched = []
@@ -124,7 +130,7 @@ def _head_param(analysis: layout.Analysis, index: int, head_axis: Optional[int],
   return HeadParam(leaf.path, head_axis, select, span)
 
 
-def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, head_dim: int,
+def _bias_param(analysis: layout.Analysis, p: Projection, heads: int, head_dim: int,
                 stack_ndim: int, part: Optional[int]) -> Optional[HeadParam]:
   """The bias of a projection, if its shape is ``[*stack, (F,) H, hd]`` or ``[*stack, H*hd]``."""
   if p.bias is None:
@@ -148,23 +154,23 @@ def _bias_param(analysis: layout.Analysis, p: layout.Projection, heads: int, hea
   return None
 
 
-def _part_width(p: layout.Projection, part: Optional[int]) -> int:
+def _part_width(p: Projection, part: Optional[int]) -> int:
   return p.parts[part] if p.parts is not None and part is not None else p.width
 
 
-def _span(p: layout.Projection, part: Optional[int]) -> Optional[tuple[int, int]]:
+def _span(p: Projection, part: Optional[int]) -> Optional[tuple[int, int]]:
   if p.parts is None or part is None:
     return None
   return (sum(p.parts[:part]), p.parts[part])
 
 
-def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: Optional[int],
+def _layer(analysis: layout.Analysis, group: AttentionGroup, num_heads: Optional[int],
            num_kv_heads: Optional[int] = None) -> AttentionLayer:
   if not group.leading_stack:
     raise ValueError(f"attention layer {group.name!r} is stacked along an axis that is not the "
                      "leading one (nn.scan with variable_axes={'params': 1}); AttentionLayer "
                      "describes leading stacked axes only")
-  parts: dict[str, tuple[layout.Projection, Optional[int]]] = {}
+  parts: dict[str, tuple[Projection, Optional[int]]] = {}
   for p in group.projections:
     if p.role == "qkv" and (p.fused == 3 or (p.parts is not None and len(p.parts) == 3)):
       parts.setdefault("query", (p, 0))
@@ -223,7 +229,7 @@ def _layer(analysis: layout.Analysis, group: layout.AttentionGroup, num_heads: O
   return AttentionLayer(group.name, heads, kv_heads, tuple(query), tuple(key), group.stack_ndim)
 
 
-def heads_of_config(config: Any) -> tuple[int, Optional[int]]:
+def heads_of_config(config: object) -> tuple[int, Optional[int]]:
   """``(num_heads, num_kv_heads)`` of a model config: a Hugging Face ``PretrainedConfig`` (or any
   object or mapping with ``num_attention_heads`` / ``n_head`` / ``num_heads`` and optionally
   ``num_key_value_heads`` / ``num_kv_heads``); ``num_kv_heads`` is None when it does not say.
@@ -233,7 +239,7 @@ def heads_of_config(config: Any) -> tuple[int, Optional[int]]:
     >>> heads_of_config({"num_attention_heads": 8, "num_key_value_heads": 2})
     (8, 2)
   """
-  def get(name: str) -> Any:
+  def get(name: str) -> object:
     if isinstance(config, Mapping):
       return config.get(name)
     return getattr(config, name, None)
@@ -247,7 +253,7 @@ def heads_of_config(config: Any) -> tuple[int, Optional[int]]:
   return heads, kv
 
 
-def resolve_head_counts(num_heads: Optional[int], num_kv_heads: Optional[int], config: Any,
+def resolve_head_counts(num_heads: Optional[int], num_kv_heads: Optional[int], config: object,
                         who: str) -> tuple[Optional[int], Optional[int]]:
   """The head counts given directly or read from ``config`` (they must agree when both are)."""
   for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
@@ -262,10 +268,10 @@ def resolve_head_counts(num_heads: Optional[int], num_kv_heads: Optional[int], c
   return num_heads or heads, num_kv_heads or kv
 
 
-def find_attention_layers(params: Any, num_heads: Optional[int] = None,
+def find_attention_layers(params: optax.Params, num_heads: Optional[int] = None,
                           overrides: Optional[Mapping[str, str]] = None,
                           strict: bool = False, *, num_kv_heads: Optional[int] = None,
-                          config: Any = None) -> list[AttentionLayer]:
+                          config: object = None) -> list[AttentionLayer]:
   """The attention layers of a model: where each layer's query and key heads lie.
 
   Reads the same layout analysis as the Muon routing (:mod:`stablejax.layout.analysis`: Flax
@@ -283,7 +289,7 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
     GPT-Neo), or stored ``[H*hd, D]`` (Equinox's ``MultiheadAttention``, whose
     ``query_proj`` / ``key_proj`` are ``eqx.nn.Linear``), and fused 2-D query/key/value kernels
     (GPT-2's ``c_attn``, ``[3D, D]`` in Hugging Face's Flax ``Conv1D``; see
-    :func:`stablejax.layout.analysis.orientations` for how the storage is read): heads are split
+    :func:`stablejax.layout.orientation.orientations` for how the storage is read): heads are split
     from the output axis, head major; the head count comes from ``num_heads`` (or ``config``) or
     from a query/key norm gain ``[hd]`` (``q_norm/scale``) next to them. Grouped-query key heads
     are the key width over the head size.
@@ -337,17 +343,17 @@ def find_attention_layers(params: Any, num_heads: Optional[int] = None,
 
 # ------------------------------------------------------------------ per-head matrices
 
-def _axes(axes: Any, ndim: int) -> tuple[int, ...]:
+def _axes(axes: Union[int, Sequence[int]], ndim: int) -> tuple[int, ...]:
   """Axes as negative ints (a layout's convention: unchanged by leading stacked axes)."""
   axes = (axes,) if isinstance(axes, int) else tuple(axes)
   return tuple(int(a) % ndim - ndim for a in axes)
 
 
-def _pack(axes: Sequence[int]) -> Any:
+def _pack(axes: Sequence[int]) -> Union[int, tuple[int, ...]]:
   return axes[0] if len(axes) == 1 else tuple(axes)
 
 
-def _head_dim(analysis: layout.Analysis, group: layout.AttentionGroup,
+def _head_dim(analysis: layout.Analysis, group: AttentionGroup,
               num_heads: Optional[int]) -> Optional[int]:
   """The head size of a layer: its heads axis, its query/key norm, or the query width over
   ``num_heads`` (None when none of them says)."""
@@ -364,8 +370,9 @@ def _head_dim(analysis: layout.Analysis, group: layout.AttentionGroup,
   return None
 
 
-def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Any],
-                     num_heads: Optional[int] = None) -> tuple[dict[int, Any], list[str]]:
+def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Optional[MatrixDims]],
+                     num_heads: Optional[int] = None
+                     ) -> tuple[dict[int, MatrixDims], list[str]]:
   """The matrices of every attention projection split per head, for Muon.
 
   Query, key and value projections become one ``[D, hd]`` matrix per head (grouped-query key
@@ -406,7 +413,7 @@ def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Any],
     >>> split[1]  # o_proj: 2 heads of 4 along its input axis
     FusedDimensionNumbers(reduction_axis=-2, output_axis=-1, fused_axis=-2, parts=2)
   """
-  out: dict[int, Any] = {}
+  out: dict[int, MatrixDims] = {}
   unknown: list[str] = []
   for group in analysis.groups:
     hd = _head_dim(analysis, group, num_heads)
@@ -421,7 +428,7 @@ def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Any],
         head = p.head_axis % nd - nd
         red2, out2 = tuple(a for a in red if a != head), tuple(a for a in outs if a != head)
         if red2 and out2 and (red2, out2) != (red, outs):
-          out[p.kernel] = layout.MuonDimensionNumbers(_pack(red2), _pack(out2))
+          out[p.kernel] = MuonDimensionNumbers(_pack(red2), _pack(out2))
         continue
       if p.role is None:
         continue
@@ -432,6 +439,6 @@ def per_head_layouts(analysis: layout.Analysis, layouts: Sequence[Any],
       side = red if p.role == "out" else outs
       if len(side) != 1 or shape[side[0]] % hd:
         continue
-      out[p.kernel] = layout.FusedDimensionNumbers(_pack(red), _pack(outs), side[0],
-                                                   shape[side[0]] // hd)
+      out[p.kernel] = FusedDimensionNumbers(_pack(red), _pack(outs), side[0],
+                                            shape[side[0]] // hd)
   return out, unknown
