@@ -320,7 +320,8 @@ def ms(seconds: float) -> str:
 
 # ----------------------------------------------------------------------------- trainer runs
 #
-# Shared by the benches that run the real trainer (`stablejax.training.loop.Run`) in-process, many
+# Shared by the benches that run the real trainer (`stablejax.training.loop.Trainer`) in-process,
+# many
 # runs in a pool of worker processes that share one persistent XLA compilation cache.
 
 
@@ -362,13 +363,13 @@ def set_lr_factor(opt_state, factor: float):
 
 
 def trainer_run_class():
-  """`Run` with two bench hooks, built lazily so importing this module stays light.
+  """`Trainer` with two bench hooks, built lazily so importing this module stays light.
 
   - `lr_factor`: every learning rate times this factor, applied by a multiplier held in the
     optimizer state instead of through the config: next to the trainer's learning-rate scale
     inside the configured chain (after the update clipping, which is stated before the learning
     rate; before QK-clip and the compensated update, which must see the final update), or after
-    the whole chain of a `tx` given to `Run` (`with_lr_factor`). The
+    the whole chain of a `tx` given to `Trainer` (`with_lr_factor`). The
     update is the same (`lr * factor * u`; weight decay scales with it, as with a larger
     configured rate), but the compiled train step does not depend on the rate, so every rate of a
     grid reuses one compilation from the persistent cache. The trainer's own learning-rate scale
@@ -378,9 +379,9 @@ def trainer_run_class():
     on the run's own validation batches; `init_attn_logit_max`: their maximum attention logit
     (the trainer's telemetry on the first validation batch).
   """
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
-  class BenchRun(Run):
+  class BenchRun(Trainer):
     lr_factor = 1.0
     init_val_loss = None
     init_attn_logit_max = None
@@ -415,12 +416,12 @@ def trainer_run_class():
       super()._banner(step)
       if step == 0 and self.init_val_loss is None:
         batches = [jnp.asarray(b["tokens"])
-                   for b in self.c.data.val_batches(self.cfg.train.eval_batches)]
-        losses = [self.c.eval_step(self.state.params, b, jnp.int32(0)) for b in batches]
+                   for b in self.components.data.val_batches(self.cfg.train.eval_batches)]
+        losses = [self.components.eval_step(self.state.params, b, jnp.int32(0)) for b in batches]
         self.init_val_loss = float(np.mean(jax.device_get(losses)))
         if self.cfg.logging.attention_logits:  # the logits before the first update
           tokens = batches[0][None]  # the telemetry's layout: [grad_accum, micro_batch, T + 1]
-          self.init_attn_logit_max = float(jax.device_get(self.c.logit_telemetry(
+          self.init_attn_logit_max = float(jax.device_get(self.components.logit_telemetry(
               self.state.params, tokens, np.int32(0))["attn_logit_max"]))
 
   return BenchRun

@@ -7,7 +7,7 @@ Usage:
 
 Trains the same model (d_model 128, 4 layers, 4 heads, seq 128, batch 16, float32 on CPU) on the
 embedded corpus with the same seed and data order, twice, through the trainer
-(``stablejax.training.loop.Run``, full stability stack in both):
+(``stablejax.training.loop.Trainer``, full stability stack in both):
 
   adamw        AdamW on every parameter, standard RMSNorm (vector gains)
   outlier_safe outlier-safe Muon (AdamW for embedding, head and gains), Single-Scale RMSNorm and
@@ -99,14 +99,14 @@ def _last_activation_record(run_dir: Path) -> dict:
 def run_setup(name: str, steps: int, seed: int, out_root: Path) -> dict:
   """Trains one setup in-process, then measures it; returns one table row."""
   from stablejax.training.config import config_from_dict
-  from stablejax.training.loop import Run, write_config
+  from stablejax.training.loop import Trainer, write_config
   from stablejax.training.quantized_eval import quantize_eval
 
   cfg = config_from_dict(setup_config(name, steps, seed))
   out = out_root / name
   write_config(cfg, out)  # quantize_eval reads it, as for any train.py run
   t0 = time.time()
-  code = Run(cfg, out, fresh=True).train()
+  code = Trainer(cfg, out, fresh=True).train()
   seconds = time.time() - t0
   summary = json.loads((out / "summary.json").read_text())
   if code != 0:

@@ -7,7 +7,7 @@ Usage:
   python -m bench.scaling --no-multiprocess   # skip the 2-process row
 
 For each N a subprocess runs with ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` and the
-trainer (`stablejax.training.loop.Run`, i.e. train.py) with ``mesh.fsdp=N, mesh.data=1``: the
+trainer (`stablejax.training.loop.Trainer`, i.e. train.py) with ``mesh.fsdp=N, mesh.data=1``: the
 global batch is split over the N devices and every parameter and optimizer-state array is sharded
 over the fsdp axis (its largest axis that N divides; arrays with no such axis stay replicated).
 After training, it sums ``shard.data.nbytes`` over the ``addressable_shards`` that live on each
@@ -58,7 +58,7 @@ def per_device_bytes(tree) -> dict:
 
 def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int = 1) -> None:
   from bench import _common
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
   base = json.loads(DEFAULT_CONFIG.read_text())
   if quick:
@@ -71,7 +71,7 @@ def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int =
       "logging": {"progress": False, "tensorboard": False, "histogram_every": 0,
                   "activation_every": 0}})
   with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-    run = Run(cfg, Path(out), fresh=True)  # joins the job first when procs > 1
+    run = Trainer(cfg, Path(out), fresh=True)  # joins the job first when procs > 1
     code = run.train()
   import jax
   assert (jax.device_count(), jax.process_count()) == (n, procs)
@@ -89,7 +89,7 @@ def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int =
       "n": n, "procs": procs, "exit_code": code, "losses": losses,
       "val_loss": run.evaluation.last_val_loss,
       "tokens_per_sec": tokens_per_sec,
-      "mesh": dict(run.c.mesh.shape), "params_bytes": params, "opt_bytes": opt,
+      "mesh": dict(run.components.mesh.shape), "params_bytes": params, "opt_bytes": opt,
       "global_params_bytes": total_params, "global_opt_bytes": total_opt,
       "optimizer": cfg.optimizer.name}))
 

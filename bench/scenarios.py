@@ -6,7 +6,7 @@ Usage:
   python -m bench.scenarios --jobs 1 --scenarios clean,nan_grads --defences none,stablejax
   python -m bench.scenarios --seeds 0,1,2   # every cell with 3 seeds: mean +/- sd per cell
 
-Every run is a real trainer run (`stablejax.training.loop.Run`: the jitted train step, the data
+Every run is a real trainer run (`stablejax.training.loop.Trainer`: the jitted train step, the data
 pipeline, evaluation, checkpoints, monitoring and recovery) of a small GPT on the embedded corpus
 (`pydoc`), same seed and data order in every cell. Each defence is a trainer config
 (`stability.*` and `optimizer.name`), except `optax.apply_if_finite`, which is no trainer option
@@ -241,7 +241,7 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
             seed: int = 0) -> dict:
   """Runs one cell (one seed) in this process; returns its row and loss curve."""
   from stablejax.training.config import config_from_dict
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
   raw = scenario_config(scenario, defence, steps, garbage_every, seed)
   name = f"{scenario}__{defence}__s{seed}"
@@ -257,7 +257,7 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
     swap = TX_SWAPS.get(defence)
 
     with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-      run = Run(cfg, out, fresh=True, optimizer=swap)
+      run = Trainer(cfg, out, fresh=True, optimizer=swap)
       code = run.train()
     summary = json.loads((out / "summary.json").read_text())
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()

@@ -11,7 +11,7 @@ Usage:
       --variant 'lam2=stablejax:stability.adagc.lambda_rel=2.0'
   python -m bench.stress --replot DIR/results.json   # rebuild the table, CSV, PNGs, markdown
 
-What one cell is: a real `stablejax.training.loop.Run` (jitted train step, data pipeline,
+What one cell is: a real `stablejax.training.loop.Trainer` (jitted train step, data pipeline,
 evaluation, checkpoints, monitor, recovery) of a byte-level GPT on the embedded corpus, one seed
 (model init and data order), one learning rate, one defence. The final validation loss is the
 mean cross-entropy over fixed validation batches (the same for every run).

@@ -8,8 +8,8 @@ Both sides train the same GPT (`stablejax.modeling.gpt.GPT`, same config, same s
 same batches (`stablejax.data.pipeline.build_data`, same seed and order) with the same optimizer
 (`clip_by_global_norm(1.0)` + AdamW with the trainer's warmup-cosine schedule) and the same loss
 (cross-entropy + 1e-4 z-loss), fetching the loss every `train.log_every` steps. The trainer side is
-`stablejax.training.loop.Run(cfg, out, fresh=True).train()`, i.e. `python -m stablejax train`, with
-optimizer.name="adamw" and the stability layers off (so only the trainer's own machinery
+`stablejax.training.loop.Trainer(cfg, out, fresh=True).train()`, i.e. `python -m stablejax train`,
+with optimizer.name="adamw" and the stability layers off (so only the trainer's own machinery
 differs: its step with metrics and fault hooks, sharded batches, the StabilityMonitor, JSONL and
 TensorBoard logging, the progress bookkeeping). Its evaluation and checkpoints are placed outside
 the timed window (eval_every and checkpoint.every = steps); a second trainer row adds the
@@ -44,7 +44,7 @@ import optax
 
 from bench import _common
 from stablejax.data.pipeline import build_data
-from stablejax.training.loop import Run
+from stablejax.training.loop import Trainer
 from stablejax.modeling.gpt import GPT, count_params
 from stablejax.training.optim import lr_schedule
 
@@ -94,9 +94,9 @@ def hand_loop(cfg) -> tuple[float, float]:
 
 
 def trainer_loop(cfg, out: Path) -> tuple[float, float]:
-  """train.py's Run. Returns (tokens/s over the same window from metrics.jsonl, last loss)."""
+  """train.py's Trainer. Returns (tokens/s over the same window from metrics.jsonl, last loss)."""
   with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-    code = Run(cfg, out, fresh=True).train()
+    code = Trainer(cfg, out, fresh=True).train()
   if code != 0:
     raise RuntimeError(f"trainer run exited with code {code}")
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

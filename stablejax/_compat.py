@@ -44,6 +44,8 @@ _MOVED = {
     "stablejax.training.bitnet": _Moved("stablejax.modeling.bitnet", None, None),
     "stablejax.muon.layout": _Moved("stablejax.layout.analysis", None, None),
     "stablejax.muon.heads": _Moved("stablejax.layout.heads", None, None),
+    "stablejax.training.runs": _Moved("stablejax.training.trained_run", None, None),
+    "stablejax.training.generate": _Moved("stablejax.training.decoding", None, None),
     "stablejax.quantize_eval": _Moved("stablejax.training.quantized_eval",
                                       "stablejax.cli.quantize_eval",
                                       "python -m stablejax quantize-eval"),
@@ -53,7 +55,8 @@ _MOVED = {
 _DATA = "stablejax.data."
 _TRANSFORMS = "stablejax.transforms."
 _LAYOUT = "stablejax.layout."
-# Module that stays -> {name that moved out of it: the module it lives in now}.
+# Module that stays -> {name that moved out of it: the module it lives in now, or
+# "module:new_name" for a name that was renamed too}.
 _MOVED_NAMES: dict[str, dict[str, str]] = {
     _DATA + "pipeline": {
         **dict.fromkeys(("PREPARED_META", "PREPARED_FORMAT", "PREPARED_MARKER", "read_prepared",
@@ -86,6 +89,8 @@ _MOVED_NAMES: dict[str, dict[str, str]] = {
         **dict.fromkeys(("MuonDimensionNumbers", "orientations"), _LAYOUT + "orientation"),
         "Projection": _LAYOUT + "attention",
     },
+    "stablejax.training.loop": {"Run": "stablejax.training.loop:Trainer"},
+    "stablejax.training.components": {"build": "stablejax.training.components:build_components"},
 }
 
 
@@ -101,9 +106,13 @@ def moved_name(module: str, name: str) -> object:
   if new is None:
     raise AttributeError(f"module {module!r} has no attribute {name!r}")
   # stacklevel 3: past this function and the module's __getattr__, at the import or the access.
-  warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release: import "
-                f"it from {new} instead", DeprecationWarning, stacklevel=3)
-  return getattr(importlib.import_module(new), name)
+  new_module, _, new_name = new.partition(":")
+  new_name = new_name or name
+  instead = (f"use {new_module}.{new_name}" if new_name != name else
+             f"import it from {new_module}")
+  warnings.warn(f"{module}.{name} is deprecated and will be removed in the next release: "
+                f"{instead} instead", DeprecationWarning, stacklevel=3)
+  return getattr(importlib.import_module(new_module), new_name)
 
 
 class _MovedModuleLoader(importlib.abc.Loader):

@@ -48,7 +48,8 @@ def sets(*overrides: str) -> list[str]:
 
 
 def tiny_config(*overrides: str):
-  """The Config object of a tiny run (for Run(...) in process, or to re-derive expected values)."""
+  """The Config object of a tiny run (for Trainer(...) in process, or to re-derive expected
+  values)."""
   from stablejax.training.config import load_config
   return load_config(ROOT / "stablejax" / "configs" / "default.json", [*TINY, *overrides])
 

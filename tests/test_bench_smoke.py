@@ -431,7 +431,7 @@ def test_lr_factor_multiplier_equals_a_larger_configured_rate(defence):
 def test_bench_run_lr_factor_equals_a_larger_configured_rate_in_the_trainer(tmp_path):
   # The trainer rewrites its own LR scale every step (the recovery's backoff), so the factor must
   # survive a real train step, not only a chain update.
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
   factor = 3.162
   raw, _ = stress.cell_config("preln", "stablejax", seed=0, steps=4, variants={})
   raw = _common.deep_merge(raw, {
@@ -442,9 +442,9 @@ def test_bench_run_lr_factor_equals_a_larger_configured_rate_in_the_trainer(tmp_
   bench = _common.trainer_run_class()(config_from_dict(raw), tmp_path / "factor", fresh=True)
   bench.lr_factor = factor
   assert bench.train() == 0
-  big = Run(config_from_dict(_scaled_rates(raw, factor)), tmp_path / "big", fresh=True)
+  big = Trainer(config_from_dict(_scaled_rates(raw, factor)), tmp_path / "big", fresh=True)
   assert big.train() == 0
-  plain = Run(config_from_dict(raw), tmp_path / "plain", fresh=True)
+  plain = Trainer(config_from_dict(raw), tmp_path / "plain", fresh=True)
   assert plain.train() == 0
   close = jax.tree.map(lambda a, b: np.allclose(a, b, rtol=2e-4, atol=1e-6),
                        bench.state.params, big.state.params)

@@ -314,7 +314,7 @@ def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
   import signal
 
   from stablejax.training.config import load_config
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
   minutes = 2.0  # the check below allows 2% over: 2.4 s of a busy machine's noise
   argv = budget_argv(tmp_path, f"train.time_budget_minutes={minutes}")
@@ -345,11 +345,11 @@ def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
     return run
 
   t0 = time.monotonic()
-  assert stop_at_8(Run(cfg, out, fresh=True)).train() == 130
+  assert stop_at_8(Trainer(cfg, out, fresh=True)).train() == 130
   first = time.monotonic() - t0
   planned = summary(out)["planned_steps"]
   t0 = time.monotonic()
-  assert slower(Run(cfg, out)).train() == 0
+  assert slower(Trainer(cfg, out)).train() == 0
   second = time.monotonic() - t0
   s = summary(out)
   assert s["planned_steps"] == planned and s["segments"] == 2
@@ -367,11 +367,11 @@ def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, 
   # A process other than 0 must neither clear it first (process 0 may already be writing) nor
   # remove it after: here the file "from process 0" must survive a measurement on process 1.
   from stablejax.training import distributed
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
   from helpers import tiny_config
   cfg = tiny_config(*BUDGET_RUN, "train.time_budget_minutes=5", "train.steps=null")
-  run = Run(cfg, tmp_path / "run", fresh=True)
+  run = Trainer(cfg, tmp_path / "run", fresh=True)
   state, _ = run.restorer.restore_or_init()
   probe = tmp_path / "run" / budget_lib.PROBE_DIR
   probe.mkdir()
@@ -379,13 +379,13 @@ def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, 
   barriers = []
   monkeypatch.setattr(distributed, "is_main", lambda: False)
   monkeypatch.setattr(distributed, "barrier", barriers.append)
-  timings = budget_lib.measure(run.c, state, tmp_path / "run")
+  timings = budget_lib.measure(run.components, state, tmp_path / "run")
   assert timings.save_seconds > 0
   assert (probe / "written_by_process_0").read_text() == "shard"
   # Both sides of the save are barriers: clear, then write, then remove.
   assert barriers == ["budget_probe_clear", "budget_probe"]
   monkeypatch.setattr(distributed, "is_main", lambda: True)
-  budget_lib.measure(run.c, state, tmp_path / "run")
+  budget_lib.measure(run.components, state, tmp_path / "run")
   assert not probe.exists()  # process 0 removes it, leftovers included
   run.close()
 

@@ -77,7 +77,7 @@ def _has_example(doc: str) -> bool:
 def test_the_checks_see_what_they_check():
   # The parser against the two kinds of page: currentmodule-relative and full names.
   assert "stablejax.zclip" in ENTRIES["transforms.rst"]
-  assert "stablejax.training.loop.Run" in ENTRIES["trainer.rst"]
+  assert "stablejax.training.loop.Trainer" in ENTRIES["trainer.rst"]
   assert not any(name.startswith(":") for name in LISTED)
 
   class Documented:
@@ -110,7 +110,7 @@ def test_the_checks_see_what_they_check():
 def test_the_trainer_page_lists_the_trainer_pieces():
   # The pieces for training from Python instead of train.py: run, config, optimizer, data,
   # checkpoints.
-  for name in ("stablejax.training.loop.Run", "stablejax.training.config.Config",
+  for name in ("stablejax.training.loop.Trainer", "stablejax.training.config.Config",
                "stablejax.training.optim.build_optimizer", "stablejax.data.pipeline.build_data",
                "stablejax.training.checkpoint.Checkpoints"):
     assert name in ENTRIES["trainer.rst"], f"docs/api/trainer.rst does not list {name}"

@@ -36,9 +36,12 @@ MOVED = {
     "stablejax.training.bitnet": ("stablejax.modeling.bitnet", None),
     "stablejax.muon.layout": ("stablejax.layout.analysis", None),
     "stablejax.muon.heads": ("stablejax.layout.heads", None),
+    "stablejax.training.runs": ("stablejax.training.trained_run", None),
+    "stablejax.training.generate": ("stablejax.training.decoding", None),
 }
 COMMANDS = ("train", "prepare", "sample", "report", "launch", "quantize-eval")
-# Names that moved out of a module that stays: old module -> {name: the module it lives in now}.
+# Names that moved out of a module that stays: old module -> {name: the module it lives in now,
+# or "module:new name" for one renamed too}.
 MOVED_NAMES = {
     "stablejax.data.pipeline": {
         **dict.fromkeys(("PREPARED_META", "PREPARED_FORMAT", "PREPARED_MARKER", "read_prepared",
@@ -71,6 +74,8 @@ MOVED_NAMES = {
         **dict.fromkeys(("MuonDimensionNumbers", "orientations"), "stablejax.layout.orientation"),
         "Projection": "stablejax.layout.attention",
     },
+    "stablejax.training.loop": {"Run": "stablejax.training.loop:Trainer"},
+    "stablejax.training.components": {"build": "stablejax.training.components:build_components"},
 }
 
 
@@ -250,7 +255,7 @@ def test_old_from_imports_work_and_the_warning_points_at_the_importer():
   assert len(deprecations) == 3
   assert all(Path(w.filename).resolve() == Path(__file__).resolve() for w in deprecations)
   from stablejax.data.prepare import prepare as new_prepare
-  from stablejax.training.runs import RunError
+  from stablejax.training.trained_run import RunError
   assert prepare is new_prepare
   assert QuantizeEvalError is RunError and SampleError is RunError
 
@@ -264,9 +269,11 @@ def test_old_names_are_the_new_objects_with_a_warning():
     module = importlib.import_module(old)
     for name, new in names.items():
       assert name not in vars(module), f"{old}.{name} is still defined there"
-      with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} is deprecated.*from {new} "):
+      new_module, _, new_name = new.partition(":")
+      said = rf"use {new_module}\.{new_name} " if new_name else rf"from {new_module} "
+      with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} is deprecated.*{said}"):
         value = getattr(module, name)
-      assert value is getattr(importlib.import_module(new), name)
+      assert value is getattr(importlib.import_module(new_module), new_name or name)
 
 
 def test_an_old_names_warning_points_at_the_importer_and_other_names_stay_missing():

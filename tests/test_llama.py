@@ -54,7 +54,7 @@ def test_logits_equal_hugging_face_llama_for_the_same_weights(scan_layers):
 
 def test_cached_decoding_equals_full_recomputation():
   from stablejax.modeling import family
-  from stablejax.training.generate import Generator, greedy_reference
+  from stablejax.training.decoding import Generator, greedy_reference
   section = family.section_class(family.get("llama"))(
       vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=1, max_seq_len=16)
   model = family.build(section)

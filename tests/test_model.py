@@ -236,9 +236,10 @@ def test_bitnet_lambda_mixes_and_ste_passes_gradients():
   w = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
   full = np.asarray(x @ w)
   quant = np.asarray(bitnet.int8_activation_quant(x) @ bitnet.ternary_weight_quant(w))
-  for lam in (0.0, 0.3, 1.0):
-    got = bitnet.bitnet_matmul(x, w, jnp.float32(lam), jnp.float32)
-    np.testing.assert_allclose(np.asarray(got), (1 - lam) * full + lam * quant, rtol=1e-5,
+  for quantized_fraction in (0.0, 0.3, 1.0):
+    got = bitnet.bitnet_matmul(x, w, jnp.float32(quantized_fraction), jnp.float32)
+    f = quantized_fraction
+    np.testing.assert_allclose(np.asarray(got), (1 - f) * full + f * quant, rtol=1e-5,
                                atol=1e-5)
   # Straight-through: at lam=1 the gradient wrt w is that of the plain matmul with q(x).
   g = jax.grad(lambda w_: bitnet.bitnet_matmul(x, w_, 1.0, jnp.float32).sum())(w)
@@ -254,11 +255,11 @@ def test_bitnet_model_lambda_is_traced_and_changes_output():
   traces = []
 
   @jax.jit
-  def fwd(p, lam):
+  def fwd(p, quantized_fraction):
     traces.append(1)
-    return GPT(cfg).apply({"params": p}, tokens, bitnet_lambda=lam)
+    return GPT(cfg).apply({"params": p}, tokens, bitnet_lambda=quantized_fraction)
 
-  out = [np.asarray(fwd(params, jnp.float32(lam))) for lam in (0.0, 0.5, 1.0)]
+  out = [np.asarray(fwd(params, jnp.float32(f))) for f in (0.0, 0.5, 1.0)]
   assert len(traces) == 1
   plain = _apply(dataclasses.replace(cfg, bitnet=False), params, tokens)
   np.testing.assert_allclose(out[0], np.asarray(plain), atol=1e-5)

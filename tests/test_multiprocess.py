@@ -531,17 +531,18 @@ def _slice_child(out: str) -> None:
   from jax.experimental import multihost_utils
 
   from stablejax.training.config import load_config
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
   cfg = load_config(ROOT / "stablejax" / "configs" / "default.json",
                     [*TINY, *SLICE, "mesh.distributed=true", "mesh.initialization_timeout=300"])
-  run = Run(cfg, Path(out) / "run")
-  it = run.c.data.train_iter()
+  run = Trainer(cfg, Path(out) / "run")
+  it = run.components.data.train_iter()
   local_train = [np.asarray(next(it)["tokens"], np.int32) for _ in range(2)]
-  local_val = [np.asarray(b["tokens"], np.int32) for b in run.c.data.val_batches(2)]
-  global_train = [multihost_utils.process_allgather(run.c.device_tokens(t), tiled=True)
+  local_val = [np.asarray(b["tokens"], np.int32) for b in run.components.data.val_batches(2)]
+  global_train = [multihost_utils.process_allgather(run.components.device_tokens(t), tiled=True)
                   for t in local_train]
-  global_val = [multihost_utils.process_allgather(v, tiled=True) for v in run.c.val_batches()]
+  global_val = [multihost_utils.process_allgather(v, tiled=True)
+                for v in run.components.val_batches()]
   from stablejax.training import distributed
   rank = jax.process_index()
   agreed = [distributed.agree_max(rank + 0.5), distributed.agree_any(rank == 1),

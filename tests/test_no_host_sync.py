@@ -29,7 +29,7 @@ from jax._src import array as jax_array
 
 from stablejax.training import actions
 from stablejax.training.config import config_from_dict
-from stablejax.training.loop import Run
+from stablejax.training.loop import Trainer
 from stablejax.training.rollback import Restorer
 
 TINY = {
@@ -118,15 +118,16 @@ def _trap_catches() -> dict:
   return caught
 
 
-def _step_check(run: Run) -> dict:
-  state = run.c.init_state(jax.random.PRNGKey(0))
+def _step_check(run: Trainer) -> dict:
+  state = run.components.init_state(jax.random.PRNGKey(0))
   batches = [run.batches.next(step) for step in range(6)]  # includes the NaN and garbage steps
-  run.batches.stream, run.batches.consumed = run.c.data.train_iter(), 0  # the loop starts over
+  # the loop starts over
+  run.batches.stream, run.batches.consumed = run.components.data.train_iter(), 0
   history = []
   _local.fetches = 0
   with hot_loop():
     for batch in batches:      # compiles on the first call, under the guard too
-      state, metrics = run.c.train_step(state, batch)
+      state, metrics = run.components.train_step(state, batch)
       history.append(metrics)
   fetches_inside = _local.fetches
   return {"fetches_inside": fetches_inside,
@@ -141,12 +142,12 @@ ALLOWED = {
     actions.Logging: ("write",), actions.Evaluation: ("__call__",),
     actions.Diagnostics: ("__call__",), actions.Checkpointing: ("save",),
     Restorer: ("restore_or_init", "rollback"),
-    Run: ("_banner", "_finish", "_diverged", "_interrupted"),
+    Trainer: ("_banner", "_finish", "_diverged", "_interrupted"),
 }
 
 
-def _loop_check(run: Run) -> dict:
-  """Run.train() with the whole loop guarded; only the actions at their steps may fetch."""
+def _loop_check(run: Trainer) -> dict:
+  """Trainer.train() with the whole loop guarded; only the actions at their steps may fetch."""
   allowed_calls = []
   for cls, names in ALLOWED.items():
     for name in names:
@@ -158,12 +159,12 @@ def _loop_check(run: Run) -> dict:
           return _method(*args, **kwargs)
       setattr(cls, name, wrapped)
   guarded_steps = []
-  step_fn = run.c.train_step
+  step_fn = run.components.train_step
 
   def counted_step(state, batch):
     guarded_steps.append(bool(getattr(_local, "forbid", False)))
     return step_fn(state, batch)
-  run.c = dataclasses.replace(run.c, train_step=counted_step)
+  run.components = dataclasses.replace(run.components, train_step=counted_step)
 
   _local.fetches = 0
   with hot_loop():
@@ -177,7 +178,8 @@ def _child(out: str) -> None:
   """Runs in a subprocess with 2 simulated devices (see `report`)."""
   jax_array.ArrayImpl._value = property(_trapped_value)
   result = {"devices": jax.device_count()}
-  run = Run(config_from_dict(TINY), Path(out) / "run", fresh=True)  # one compile for both checks
+  # one compile for both checks
+  run = Trainer(config_from_dict(TINY), Path(out) / "run", fresh=True)
   for name, check in (("trap", _trap_catches), ("step", lambda: _step_check(run)),
                       ("loop", lambda: _loop_check(run))):
     try:

@@ -14,7 +14,7 @@ from stablejax import merge_emb_proj
 from stablejax.cli.quantize_eval import main
 from stablejax.data.pipeline import build_data
 from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
-from stablejax.training.runs import load_run_config
+from stablejax.training.trained_run import load_run_config
 from stablejax.modeling.gpt import GPT
 from helpers import run_inprocess, summary
 
@@ -77,12 +77,13 @@ def _numpy_rtn(params, bits):
 
 def _params_of_trainer_restore(run_dir, tmp_path):
   """The final parameters, restored by the trainer's Checkpoints class (on a copy of the run)."""
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
   copy = tmp_path / "copy"
   shutil.copytree(run_dir, copy)
-  trainer = Run(load_run_config(copy), copy)
-  state, meta = trainer.checkpoints.restore(trainer.c.abstract_state, trainer.c.data.train_iter())
+  trainer = Trainer(load_run_config(copy), copy)
+  state, meta = trainer.checkpoints.restore(trainer.components.abstract_state,
+                                            trainer.components.data.train_iter())
   trainer.close()
   assert meta["step"] == STEPS
   return state.params

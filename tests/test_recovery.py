@@ -229,12 +229,12 @@ def test_no_usable_checkpoint_exits_2(tmp_path):
 
 
 def stopping_run(cfg, out, fresh, stop_at):
-  """A Run that stops at step `stop_at` as if SIGTERM had arrived just before it."""
+  """A Trainer that stops at step `stop_at` as if SIGTERM had arrived just before it."""
   import signal
 
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
 
-  run = Run(cfg, out, fresh=fresh)
+  run = Trainer(cfg, out, fresh=fresh)
   next_batch = run.batches.next
 
   def stopping(step):
@@ -314,17 +314,17 @@ def _recording_run_class():
   import jax
   import orbax.checkpoint as ocp
 
-  from stablejax.training.loop import Run
+  from stablejax.training.loop import Trainer
   from stablejax.training.optim import get_lr_scale
 
-  class RecordingRun(Run):
-    """A Run that records the batches it feeds, the state at each rollback, and the state
+  class RecordingRun(Trainer):
+    """A Trainer that records the batches it feeds, the state at each rollback, and the state
     before and after the steps in `watch` (indices of the step counter before the step)."""
 
     def __init__(self, *args, watch=(), **kwargs):
       self.fed, self.at_rollback, self.watch, self.watched = [], [], set(watch), {}
       super().__init__(*args, **kwargs)
-      step_fn, to_device, rollback = (self.c.train_step, self.batches.to_device,
+      step_fn, to_device, rollback = (self.components.train_step, self.batches.to_device,
                                       self.restorer.rollback)
 
       def recorded(state, batch):
@@ -353,7 +353,7 @@ def _recording_run_class():
             "batches_consumed": self.batches.consumed})
         return state, restored_step
 
-      self.c = dataclasses.replace(self.c, train_step=recorded)
+      self.components = dataclasses.replace(self.components, train_step=recorded)
       self.batches.to_device = fed
       self.restorer.rollback = recorded_rollback
 

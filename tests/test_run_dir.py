@@ -311,7 +311,7 @@ OLD_COMMAND = [
 
 
 def test_a_run_of_0_1_reads_back_in_the_new_keys():
-  from stablejax.training.runs import load_run_config
+  from stablejax.training.trained_run import load_run_config
   cfg = load_run_config(OLD_RUN)
   s = cfg.stability
   assert (s.qk_clip.enabled, s.qk_clip.tau) == (True, 30.0)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stablejax.training.generate import Generator, greedy_reference, sample_logits
+from stablejax.training.decoding import Generator, greedy_reference, sample_logits
 from stablejax.modeling.gpt import GPT, ModelConfig
 from helpers import gpt_params
 
@@ -153,15 +153,15 @@ def test_generation_past_the_context_window_follows_the_stated_policy(length):
 
 def test_sample_cli_errors(tmp_path, capsys):
   from stablejax.cli import sample as sample_cli
-  from stablejax.training import runs
+  from stablejax.training import trained_run
   assert sample_cli.main([str(tmp_path / "missing")]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "does not exist" in err[0]
   assert sample_cli.main([str(tmp_path), "--top-k", "-1"]) == 2
   (tmp_path / "config.json").write_text('{"data": {"train": "x.bin"}}')
   from stablejax.training.config import load_config
-  with pytest.raises(runs.RunError, match="--tokenizer"):
-    runs.run_tokenizer(load_config(tmp_path / "config.json"))
+  with pytest.raises(trained_run.RunError, match="--tokenizer"):
+    trained_run.run_tokenizer(load_config(tmp_path / "config.json"))
 
 
 @pytest.fixture(scope="module")
@@ -200,8 +200,9 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
   import shutil
 
   from stablejax.cli import sample as sample_cli
+  from stablejax.training import trained_run
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.training import runs, sampling
+  from stablejax.training import sampling
 
   from helpers import run_inprocess
   home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
@@ -247,12 +248,12 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
   assert code == 2 and len(errors) == 1 and "'data'" in errors[0] and "--tokenizer" in errors[0]
   monkeypatch.chdir(home)
   assert cli() == (0, [])  # from where it was started, it still works
-  assert runs.read_tokenizer_record(run) is None
+  assert trained_run.read_tokenizer_record(run) is None
 
   # Resuming the run on data of another tokenizer is refused (it would train on other ids).
   assert run_inprocess(run, "data.train=data", "train.steps=8", "train.warmup_steps=2",
                        "train.eval_every=6", "checkpoint.every=6", fresh=False) == 0
-  assert runs.read_tokenizer_record(run)["sha256"] == original.sha256  # recorded on resume
+  assert trained_run.read_tokenizer_record(run)["sha256"] == original.sha256  # recorded on resume
   capsys.readouterr()
   assert run_inprocess(run, "data.train=corpus.txt", "model.vocab_size=320", "train.steps=10",
                        "train.warmup_steps=2", fresh=False) == 2
@@ -321,7 +322,7 @@ def test_a_stop_once_the_samples_exist_keeps_them(tmp_path, capsys, monkeypatch,
 
   from stablejax.cli import _process
   from stablejax.cli import sample as sample_cli
-  from stablejax.training.generate import Generator
+  from stablejax.training.decoding import Generator
   real = Generator.generate
 
   def generate_then_ctrl_c(self, *args, **kwargs):

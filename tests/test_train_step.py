@@ -1,4 +1,4 @@
-"""The trainer's step as the loop calls it (Run's own jitted step, batch layout and checkpoints),
+"""The trainer's step as the loop calls it (the Trainer's jitted step, batch layout, checkpoints),
 without the loop: gradient accumulation and the fp16 loss-scaling path."""
 
 from __future__ import annotations
@@ -16,25 +16,25 @@ SMALL = ("train.batch_size=8", "train.steps=12", "checkpoint.async_save=false",
 
 
 def make_run(tmp_path, name, *overrides):
-  from stablejax.training.loop import Run
-  return Run(tiny_config(*SMALL, *overrides), tmp_path / name, fresh=True)
+  from stablejax.training.loop import Trainer
+  return Trainer(tiny_config(*SMALL, *overrides), tmp_path / name, fresh=True)
 
 
 def stream(run, n):
-  it = run.c.data.train_iter()
+  it = run.components.data.train_iter()
   return [np.asarray(next(it)["tokens"], np.int32) for _ in range(n)]
 
 
 def steps(run, batches, grad_scales=None, moves=None):
-  """Runs the Run's jitted train step over host batches; returns the final state and metrics
+  """Runs the Trainer's jitted train step over host batches; returns the final state and metrics
   (and appends each step's parameter change to ``moves``)."""
-  state = run.c.init_state(jax.random.PRNGKey(run.cfg.train.seed))
+  state = run.components.init_state(jax.random.PRNGKey(run.cfg.train.seed))
   history = []
   for i, tokens in enumerate(batches):
     scale = 1.0 if grad_scales is None else grad_scales[i]
     before = jax.device_get(state.params) if moves is not None else None  # the step donates it
-    state, metrics = run.c.train_step(state, {"tokens": run.c.device_tokens(tokens),
-                                              "grad_scale": np.float32(scale)})
+    batch = {"tokens": run.components.device_tokens(tokens), "grad_scale": np.float32(scale)}
+    state, metrics = run.components.train_step(state, batch)
     history.append(jax.device_get(metrics))
     if moves is not None:
       moves.append(jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b,
@@ -49,7 +49,8 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
   one = make_run(tmp_path, "accum1")
   four = make_run(tmp_path, "accum4", "train.grad_accum=4")
   batches = stream(one, 4)
-  assert four.c.device_tokens(batches[0]).shape == (4, 2, 33)  # [accum, micro-batch, T + 1]
+  # [accum, micro-batch, T + 1]
+  assert four.components.device_tokens(batches[0]).shape == (4, 2, 33)
   moves = []
   state1, hist1 = steps(one, batches, moves=moves)
   state4, hist4 = steps(four, batches)
@@ -58,7 +59,7 @@ def test_four_micro_batches_equal_one_batch_of_four_times_the_size(tmp_path):
     assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
   assert hist1[-1]["loss"] < hist1[0]["loss"]  # it trained
   moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(),
-                       state4.params, one.c.init_state(jax.random.PRNGKey(0)).params)
+                       state4.params, one.components.init_state(jax.random.PRNGKey(0)).params)
   assert max(jax.tree.leaves(moved)) > 1e-3  # parameters moved far more than the tolerance
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5),
                state4.params, state1.params)
@@ -80,11 +81,13 @@ def test_the_step_computes_the_update_norms_on_every_step_the_loop_reads():
   from stablejax.training import actions
   from stablejax.training.step import metrics_read
   cfg = tiny_config("train.log_every=3", "checkpoint.every=7", "train.steps=40")
-  c = SimpleNamespace(cfg=cfg, total_steps=40)
+  components = SimpleNamespace(cfg=cfg, total_steps=40)
   read = np.asarray(metrics_read(cfg, np.arange(1, 41)))
   for deferred in (False, True):
-    loop = [actions.Logging.due(SimpleNamespace(c=c), s) or actions.Checkpointing.due(
-        SimpleNamespace(c=c, deferred=deferred), s) for s in range(1, 41)]
+    logging = SimpleNamespace(components=components)
+    checkpointing = SimpleNamespace(components=components, deferred=deferred)
+    loop = [actions.Logging.due(logging, s) or actions.Checkpointing.due(checkpointing, s)
+            for s in range(1, 41)]
     assert not any(want and not got for want, got in zip(loop, read))
   assert not read[1] and read[2] and read[6] and read[39]  # 2 none; 3 a log; 7 a save; 40 last
 
@@ -100,12 +103,12 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   run = make_run(tmp_path, "fp16", *FP16)
   batches = stream(run, 12)
   grad_scales = [1.0] * 9 + [float("nan")] + [1.0] * 2
-  state = run.c.init_state(jax.random.PRNGKey(run.cfg.train.seed))
+  state = run.components.init_state(jax.random.PRNGKey(run.cfg.train.seed))
   scale, counter, scales, overflowed = 2.0**20, 0, [], []
   for tokens, g in zip(batches, grad_scales):
     before = jax.device_get(state.params)
-    state, metrics = run.c.train_step(state, {"tokens": run.c.device_tokens(tokens),
-                                              "grad_scale": np.float32(g)})
+    batch = {"tokens": run.components.device_tokens(tokens), "grad_scale": np.float32(g)}
+    state, metrics = run.components.train_step(state, batch)
     m = jax.device_get(metrics)
     overflow = bool(m["skip_nonfinite/skipped"])
     overflowed.append(overflow)
@@ -125,9 +128,10 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   assert np.all(np.isfinite(jax.tree.leaves(jax.device_get(state.params))[0]))
 
   # In the checkpoint, and restored with the rest of the state.
-  run.checkpoints.save(12, state, run.c.data.train_iter(), {"batches_consumed": 12})
+  run.checkpoints.save(12, state, run.components.data.train_iter(), {"batches_consumed": 12})
   run.checkpoints.wait()
-  restored, meta = run.checkpoints.restore(run.c.abstract_state, run.c.data.train_iter())
+  restored, meta = run.checkpoints.restore(run.components.abstract_state,
+                                           run.components.data.train_iter())
   assert meta["step"] == 12
   assert float(restored.loss_scale.loss_scale) == scale
   assert int(restored.loss_scale.counter) == counter
@@ -142,8 +146,8 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
   from stablejax.modeling.gpt import layer_max_logits
   plain = make_run(tmp_path, "plain", "model.qk_norm=false")  # QK-clip needs a model without it
   batch = stream(plain, 1)[0]
-  params0 = plain.c.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
-  _, sown = plain.c.model.module.apply({"params": params0}, batch[:, :-1],
+  params0 = plain.components.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
+  _, sown = plain.components.model.module.apply({"params": params0}, batch[:, :-1],
                                      attention_logits=True, mutable=["intermediates"])
   s = np.asarray(layer_max_logits(plain.cfg.model, stablejax.collect_attention_logits(sown)),
                  np.float64)                                            # [L, H]

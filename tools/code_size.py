@@ -1,10 +1,12 @@
-"""The longest functions and classes of the package, in lines of code.
+"""The longest modules, functions and classes of the package.
 
-    python tools/code_size.py [--top N] [PATH]
+    python tools/code_size.py [--top N] [--check] [PATH]
 
-A line of code is a non-blank line that is not a comment and not part of a docstring (the
-docstrings hold the examples, which the guide of about 80 lines a function and 300 a class does
-not count). Nested functions count in their enclosing function too.
+Modules are measured in lines, functions and classes in lines of code: a line of code is a
+non-blank line that is not a comment and not part of a docstring (the docstrings hold the
+examples, which the limits do not count). Nested functions count in their enclosing function too.
+The limits: a module of at most 600 lines, a function of at most 100 lines of code, a class of at
+most 300 (``--check`` prints what is over them and exits 1; tests/test_layout.py runs it).
 """
 
 from __future__ import annotations
@@ -40,16 +42,39 @@ def sizes(root: Path) -> list[tuple[int, str, str]]:
   return sorted(rows, reverse=True)
 
 
+LIMITS = {"module": 600, "function": 100, "class": 300}
+
+
+def module_sizes(root: Path) -> list[tuple[int, str, str]]:
+  """(lines, "module", path) of every module under root."""
+  return sorted(((len(path.read_text().splitlines()), "module", str(path))
+                 for path in root.rglob("*.py")), reverse=True)
+
+
+def over_limits(root: Path) -> list[str]:
+  """"KIND PATH: N lines (limit L)" for every module, function and class over its limit."""
+  return [f"{kind} {where}: {n} lines (limit {LIMITS[kind]})"
+          for n, kind, where in module_sizes(root) + sizes(root) if n > LIMITS[kind]]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("path", nargs="?", default="stablejax")
   parser.add_argument("--top", type=int, default=5)
+  parser.add_argument("--check", action="store_true", help="exit 1 when anything is over a limit")
   args = parser.parse_args()
-  rows = sizes(Path(args.path))
-  for kind in ("function", "class"):
-    print(f"longest {'classes' if kind == 'class' else 'functions'} (lines of code):")
+  root = Path(args.path)
+  rows = module_sizes(root) + sizes(root)
+  for kind, title in (("module", "modules (lines)"), ("function", "functions (lines of code)"),
+                      ("class", "classes (lines of code)")):
+    print(f"longest {title}, limit {LIMITS[kind]}:")
     for n, _, where in [r for r in rows if r[1] == kind][:args.top]:
       print(f"  {n:4d}  {where}")
+  if args.check:
+    over = over_limits(root)
+    for line in over:
+      print(f"over the limit: {line}")
+    raise SystemExit(1 if over else 0)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,7 @@ BUDGET = "stablejax/training/budget.py"
 CONFIG = "stablejax/training/config/checks.py"
 OPTIM = "stablejax/training/optim.py"
 STEP = "stablejax/training/step.py"
-GENERATE = "stablejax/training/generate.py"
+GENERATE = "stablejax/training/decoding.py"
 LOOP = "stablejax/training/loop.py"
 BATCHES = "stablejax/training/batches.py"
 ACTIONS = "stablejax/training/actions.py"
@@ -1424,7 +1424,7 @@ MUTANTS = [
     _m("TS8", STEP, "jnp.full(s.shape, jnp.nan, s.dtype)", "jnp.zeros(s.shape, s.dtype)",
        "an update norm the step did not compute reads as 0 (a skipped step's value)"),
 
-    # ---------------------------------------------------------------- training/generate.py
+    # ---------------------------------------------------------------- training/decoding.py
     _m("GE1", GENERATE, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",
        "    logits = jnp.where(jnp.arange(vocab) <= valid_vocab, logits, -jnp.inf)",
        "the first padding id of the embedding can be drawn"),
@@ -1752,12 +1752,14 @@ MUTANTS = [
        equivalent="the stream is then at `first`, so the next Batches.next takes the deferred skip "
                   "before it draws a batch, and a checkpoint in between records it in "
                   "pending_skips, which a resume takes the same way"),
-    _m("LO5", ACTIONS, "    if self.c.sampler is None or step >= self.c.total_steps:",
-       "    if self.c.sampler is None or step > self.c.total_steps:",
+    _m("LO5", ACTIONS,
+       "    if self.components.sampler is None or step >= self.components.total_steps:",
+       "    if self.components.sampler is None or step > self.components.total_steps:",
        "the last step samples twice (periodic and final)"),
     _m("AC1", ACTIONS,
-       "    return step % self.c.cfg.train.eval_every == 0 and step < self.c.total_steps",
-       "    return step % self.c.cfg.train.eval_every == 0",
+       "    return step % self.components.cfg.train.eval_every == 0 and step < "
+       "self.components.total_steps",
+       "    return step % self.components.cfg.train.eval_every == 0",
        "the last step is evaluated twice (periodic and final)"),
     _m("AC2", ACTIONS, "        self.deferred and step % cfg.train.log_every == 0)",
        "        self.deferred)",
@@ -1943,8 +1945,8 @@ MUTANTS = [
        tests=("tests/test_early_warnings.py", "-k", "log_norm")),
 
     # ---------------------------------------------------------------- step 1, repeated batches
-    _m("LO8", ACTIONS, "    return step == 1 or step % self.c.cfg.train.log_every == 0",
-       "    return step % self.c.cfg.train.log_every == 0", "step 1 is not logged"),
+    _m("LO8", ACTIONS, "    return step == 1 or step % self.components.cfg.train.log_every == 0",
+       "    return step % self.components.cfg.train.log_every == 0", "step 1 is not logged"),
     _m("LO9", BATCHES,
        "      if self.repeated is None:\n        self.repeated = np.asarray(tokens)",
        "      if True:\n        self.repeated = np.asarray(tokens)",

@@ -175,7 +175,7 @@ def run_refusals() -> tuple[type[BaseException], ...]:
   """What a program that reads a run refuses in one line: an unusable run, an output it may not
   write."""
   from stablejax.training import outputs
-  from stablejax.training.runs import RunError
+  from stablejax.training.trained_run import RunError
   return RunError, outputs.OutputError
 
 

@@ -119,7 +119,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import ConfigError, config_name, config_path, load_config
-  from stablejax.training.loop import Interrupted, Run
+  from stablejax.training.loop import Interrupted, Trainer
   from stablejax.training.environment_errors import environment_message
   from stablejax.training.run_record import RunDirError, recorded_plugins
 
@@ -129,10 +129,10 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     # A resume imports the plugins the run recorded, before the config names their sections.
     plugins = ([] if args.fresh else recorded_plugins(out)) + args.plugin
     cfg = load_config(args.config, args.set, plugins=plugins)
-    return Run(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
+    return Trainer(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
                reset_optimizer=args.reset_optimizer, signals=signals,
                config_file=config_path(args.config)).train()
-  except Interrupted as e:  # a signal while the run was being set up (Run.train reports its own)
+  except Interrupted as e:  # a signal while the run was set up (Trainer.train reports its own)
     if distributed.is_main():
       print(e, flush=True)
     return distributed.leave(130)

@@ -8,12 +8,12 @@ Reference: Ma et al., "The Era of 1-bit LLMs: All Large Language Models are in 1
   maps to 127), rounded, clipped to [-128, 127], rescaled.
 * Both use the straight-through estimator ``x + stop_gradient(q(x) - x)``: the forward pass sees
   the quantised value, the backward pass the identity.
-* The layer output is ``(1 - lam) * x @ w + lam * q(x) @ q(w)``, with ``lam`` a traced scalar,
-  so a warmup schedule can move it every step without recompiling.
+* The layer output is ``(1 - f) * x @ w + f * q(x) @ q(w)``, with ``f`` (``quantized_fraction``)
+  a traced scalar, so a warmup schedule can move it every step without recompiling.
 
 Example::
 
-    y = bitnet_matmul(x, kernel, lam=jnp.float32(0.5), dtype=jnp.bfloat16)
+    y = bitnet_matmul(x, kernel, quantized_fraction=jnp.float32(0.5), dtype=jnp.bfloat16)
 """
 
 from __future__ import annotations
@@ -58,14 +58,15 @@ def _ste(x: jax.Array, q: jax.Array) -> jax.Array:
   return x + jax.lax.stop_gradient(q - x)
 
 
-def bitnet_matmul(x: jax.Array, w: jax.Array, lam: jax.Array, dtype: jax.typing.DTypeLike
-                  ) -> jax.Array:
-  """Mixes a full-precision and a BitNet-quantised matmul: ``(1-lam) x@w + lam q(x)@q(w)``.
+def bitnet_matmul(x: jax.Array, w: jax.Array, quantized_fraction: jax.Array,
+                  dtype: jax.typing.DTypeLike) -> jax.Array:
+  """Mixes a full-precision and a BitNet-quantised matmul: ``(1-f) x@w + f q(x)@q(w)``.
 
   Args:
     x: activations ``[..., in]``.
     w: kernel ``[in, out]`` (the stored parameter, any dtype; never modified).
-    lam: scalar in [0, 1] (may be traced).
+    quantized_fraction: the quantised product's share of the output, a scalar in [0, 1] (may
+      be traced).
     dtype: compute dtype of both matmuls.
 
   Returns:
@@ -75,6 +76,6 @@ def bitnet_matmul(x: jax.Array, w: jax.Array, lam: jax.Array, dtype: jax.typing.
   xq = _ste(x, int8_activation_quant(x)).astype(dtype)
   wq = _ste(w, ternary_weight_quant(w)).astype(dtype)
   quant = jnp.dot(xq, wq)
-  lam = jnp.asarray(lam, jnp.float32)
-  out = (1.0 - lam) * full.astype(jnp.float32) + lam * quant.astype(jnp.float32)
+  f = jnp.asarray(quantized_fraction, jnp.float32)
+  out = (1.0 - f) * full.astype(jnp.float32) + f * quant.astype(jnp.float32)
   return out.astype(dtype)

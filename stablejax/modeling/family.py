@@ -32,11 +32,12 @@ Example:
 
 from __future__ import annotations
 
+import optax
 import dataclasses
 import re
 import types
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, cast
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +46,17 @@ import numpy as np
 from stablejax.transforms._registry import Builtins
 
 DEFAULT_FAMILY = "gpt"
+
+
+# The state a model carries between decoding calls (keys and values so far, the position): a pytree
+# of arrays, whose structure is the model's own.
+DecodingCache = optax.Params
+
+
+def linen_variables(params: optax.Params, **collections: optax.Params) -> dict[str, Any]:
+  """The variables a Flax Linen module's ``apply`` takes: ``params`` and other collections
+  (``cache=...``)."""
+  return {"params": params, **collections}
 
 
 class MissingCapability(ValueError):
@@ -121,11 +133,12 @@ class LanguageModel:
     """Whether the blocks' parameters are stacked along a leading layer axis (``nn.scan``)."""
     return bool(getattr(self.config, "scan_layers", False))
 
-  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
     """The parameters (a pytree of arrays) for token batches shaped like ``tokens``."""
     raise NotImplementedError(f"model family {self.family!r}: its LanguageModel must define init")
 
-  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
+  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+             ) -> jax.Array:
     """Float32 logits ``[B, T, V]`` of int32 ``tokens`` ``[B, T]``."""
     raise NotImplementedError(f"model family {self.family!r}: its LanguageModel must define "
                               "logits")
@@ -134,7 +147,7 @@ class LanguageModel:
     """One line for the trainer's banner (layers, widths)."""
     return f"model family {self.family}"
 
-  def step_metrics(self, step: Any) -> dict[str, jax.Array]:
+  def step_metrics(self, step: jax.typing.ArrayLike) -> dict[str, jax.Array]:
     """Values the train step logs besides its own (BitNet's ``lambda``); traced."""
     return {}
 
@@ -143,14 +156,14 @@ class LanguageModel:
     about those set away from their default)."""
     return []
 
-  def for_deployment(self, params: Any) -> tuple[Any, "LanguageModel"]:
+  def for_deployment(self, params: optax.Params) -> tuple[Any, "LanguageModel"]:
     """The parameters and model as they would be deployed (EmbProj merged, ...): the same by
     default. ``quantize-eval`` quantises these."""
     return params, self
 
   # --------------------------------------------------------------------------- capabilities
 
-  def logits_and_attention(self, params: Any, tokens: jax.Array, step: Any
+  def logits_and_attention(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
                            ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``(logits, {layer name: [*stack, H]})``: each attention layer's per-head max pre-softmax
     logit of this forward pass (:func:`stablejax.collect_attention_logits`'s keys)."""
@@ -160,16 +173,18 @@ class LanguageModel:
     """Query heads, key/value heads and QK-norm (:class:`AttentionHeads`)."""
     raise self.missing("attention layout", "this call")
 
-  def decode_start(self, params: Any, prompt: jax.Array, step: Any) -> tuple[jax.Array, Any]:
+  def decode_start(self, params: optax.Params, prompt: jax.Array, step: jax.typing.ArrayLike
+                   ) -> tuple[jax.Array, DecodingCache]:
     """Processes ``prompt`` ``[B, P]`` into a fresh cache: ``(logits [B, P, V], cache)``."""
     raise self.missing("decoding", "this call")
 
-  def decode_next(self, params: Any, cache: Any, token: jax.Array, step: Any
-                  ) -> tuple[jax.Array, Any]:
+  def decode_next(self, params: optax.Params, cache: DecodingCache, token: jax.Array,
+                  step: jax.typing.ArrayLike
+                  ) -> tuple[jax.Array, DecodingCache]:
     """One more position ``token`` ``[B, 1]`` against ``cache``: ``(logits [B, 1, V], cache)``."""
     raise self.missing("decoding", "this call")
 
-  def residual_stream(self, params: Any, tokens: jax.Array, step: Any
+  def residual_stream(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
                       ) -> tuple[jax.Array, jax.Array]:
     """``(logits, residual)``: the residual stream, float32 ``[L + 1, B, T, D]``, after the
     embedding and after each block."""
@@ -208,7 +223,7 @@ class LanguageModel:
             for name in sorted(collected, key=natural)]
     return jnp.concatenate(rows, axis=0)
 
-  def count_params(self, params: Any) -> int:
+  def count_params(self, params: optax.Params) -> int:
     """Total number of parameter entries."""
     return int(sum(np.prod(np.shape(p)) for p in jax.tree_util.tree_leaves(params)))
 
@@ -226,11 +241,12 @@ class LinenLanguageModel(LanguageModel):
     super().__init__(family, config)
     self.module = module
 
-  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
     return self.module.init(rng, tokens)["params"]
 
-  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
-    return jnp.asarray(self.module.apply({"params": params}, tokens), jnp.float32)
+  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+             ) -> jax.Array:
+    return jnp.asarray(self.module.apply(linen_variables(params), tokens), jnp.float32)
 
 
 class NNXLanguageModel(LanguageModel):
@@ -251,19 +267,19 @@ class NNXLanguageModel(LanguageModel):
     super().__init__(family, config)
     self.make = make
 
-  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
     from flax import nnx
     module = self.make(nnx.Rngs(params=rng, dropout=rng, default=rng))
     params = nnx.split(module, nnx.Param, ...)[1]
     return nnx.to_pure_dict(params)
 
-  def bind(self, params: Any) -> Any:
+  def bind(self, params: optax.Params) -> Any:
     """The module with ``params`` (a pure dict from :meth:`init`) in it."""
     from flax import nnx
     abstract = nnx.eval_shape(lambda: self.make(nnx.Rngs(0)))
     split: tuple[Any, ...] = nnx.split(abstract, nnx.Param, nnx.RngState, ...)
     graphdef, state, rngs, rest = split
-    nnx.replace_by_pure_dict(state, params)
+    nnx.replace_by_pure_dict(state, cast(dict[str, Any], params))  # init's pure dict
     other = jax.tree_util.tree_leaves_with_path(rest)
     if other:
       path, leaf = other[0]
@@ -280,7 +296,8 @@ class NNXLanguageModel(LanguageModel):
       return jnp.zeros(leaf.shape, leaf.dtype)
     return nnx.merge(graphdef, state, jax.tree.map(fixed, rngs))
 
-  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
+  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+             ) -> jax.Array:
     return jnp.asarray(self.bind(params)(tokens), jnp.float32)
 
 

@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import optax
 import dataclasses
 import math
 from typing import Any, Optional
@@ -63,7 +64,8 @@ from stablejax.modeling.attention import (MAX_LOGIT, causal_attention,
                                          causal_attention_with_max_logit,
                                          collect_attention_logits)
 from stablejax.modeling.bitnet import bitnet_matmul
-from stablejax.modeling.family import AttentionHeads, LanguageModel, ModelFamily
+from stablejax.modeling.family import (AttentionHeads, DecodingCache, LanguageModel,
+                                       ModelFamily, linen_variables)
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 _NORMS = ("rmsnorm", "ssnorm")
@@ -179,7 +181,8 @@ def _matmul(x: jax.Array, kernel: jax.Array, **kwargs: Any) -> jax.Array:
 
 
 class Linear(nn.Module):
-  """A bias-free 2D linear layer; optionally BitNet-quantised and mixed by ``lam``."""
+  """A bias-free 2D linear layer; optionally BitNet-quantised, its output mixed by
+  ``quantized_fraction``."""
   features: int
   compute_dtype: Any
   param_dtype: Any
@@ -187,12 +190,12 @@ class Linear(nn.Module):
   bitnet: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, lam: Optional[jax.Array] = None) -> jax.Array:
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array] = None) -> jax.Array:
     kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
     if self.bitnet:
-      if lam is None:
+      if quantized_fraction is None:
         raise ValueError("a BitNet Linear needs its quantisation strength lam")
-      y = bitnet_matmul(x.reshape(-1, x.shape[-1]), kernel, lam, self.compute_dtype)
+      y = bitnet_matmul(x.reshape(-1, x.shape[-1]), kernel, quantized_fraction, self.compute_dtype)
       return y.reshape(x.shape[:-1] + (self.features,))  # per-token quantisation: rows stay rows
     return _matmul(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype))
 
@@ -251,6 +254,36 @@ def _f32_accum_dtype(dtype: Any) -> Any:
   return dtype
 
 
+def kv_cached_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array,
+                        max_seq_len: int, rope_theta: float, dtype: Any) -> jax.Array:
+  """Causal attention of one decoding call over a KV cache held in ``module``'s ``"cache"``
+  collection (``k``, ``v`` ``[B, max_seq_len, K, hd]`` and the next position ``index``).
+
+  Rotates ``q`` and ``k`` to their positions ``index ..``, writes ``k`` and ``v`` there and
+  attends over the cache. ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query
+  attention: each key/value head serves ``H // K`` query heads).
+  """
+  b, t, kv_heads, hd = k.shape
+  shape = (b, max_seq_len, kv_heads, hd)
+  cached_k = module.variable("cache", "k", jnp.zeros, shape, dtype)
+  cached_v = module.variable("cache", "v", jnp.zeros, shape, dtype)
+  index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+  pos = index.value
+  q, k = _rope(q, rope_theta, pos), _rope(k, rope_theta, pos)
+  keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(dtype), (0, pos, 0, 0))
+  values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(dtype), (0, pos, 0, 0))
+  cached_k.value, cached_v.value, index.value = keys, values, pos + t
+  # Query i (position pos + i) sees cache positions <= pos + i; later slots are stale or empty.
+  mask = jnp.arange(max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
+  return jax.nn.dot_product_attention(q.astype(dtype), keys, values, mask=mask[None, None])
+
+
+def swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
+  """``silu(gate) * up`` in float32, returned in ``dtype`` (Shazeer 2020, "GLU Variants Improve
+  Transformer")."""
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
 class Attention(nn.Module):
   """Causal self-attention; with ``decode`` it reads and appends to a KV cache (``"cache"``
   collection: ``k``, ``v`` of shape ``[B, max_seq_len, H, hd]`` and the next position ``index``).
@@ -264,7 +297,7 @@ class Attention(nn.Module):
   sow_logits: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, lam: Optional[jax.Array]) -> Any:
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
     b, t, d = x.shape
@@ -272,16 +305,15 @@ class Attention(nn.Module):
     init = nn.initializers.normal(cfg.init_std)
     out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
     lin = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet)
-    q = Linear(d, kernel_init=init, name="q_proj", **lin)(x, lam).reshape(b, t, h, hd)
-    k = Linear(d, kernel_init=init, name="k_proj", **lin)(x, lam).reshape(b, t, h, hd)
-    v = Linear(d, kernel_init=init, name="v_proj", **lin)(x, lam).reshape(b, t, h, hd)
+    q, k, v = (Linear(d, kernel_init=init, name=f"{part}_proj", **lin)(x, quantized_fraction)
+               .reshape(b, t, h, hd) for part in "qkv")
     if cfg.qk_norm:
       single = cfg.norm == "ssnorm"
       q = RMSNorm(cdt, pdt, single_scale=single, name="q_norm")(q)
       k = RMSNorm(cdt, pdt, single_scale=single, name="k_norm")(k)
     adt = _f32_accum_dtype(cdt)
     if self.decode:
-      y = self._cached_attention(q, k, v, adt)
+      y = kv_cached_attention(self, q, k, v, cfg.max_seq_len, cfg.rope_theta, adt)
     else:
       q = _rope(q, cfg.rope_theta)
       k = _rope(k, cfg.rope_theta)
@@ -291,41 +323,25 @@ class Attention(nn.Module):
       else:
         y = causal_attention(q.astype(adt), k.astype(adt), v.astype(adt))
     y = y.astype(cdt)
-    return Linear(d, kernel_init=out_init, name="o_proj", **lin)(y.reshape(b, t, d), lam)
-
-  def _cached_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, adt: Any) -> jax.Array:
-    """Writes this call's keys/values at positions ``index ..`` and attends over the cache."""
-    cfg = self.config
-    b, t, h, hd = q.shape
-    shape = (b, cfg.max_seq_len, h, hd)
-    cached_k = self.variable("cache", "k", jnp.zeros, shape, adt)
-    cached_v = self.variable("cache", "v", jnp.zeros, shape, adt)
-    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-    pos = index.value
-    q = _rope(q, cfg.rope_theta, pos)
-    k = _rope(k, cfg.rope_theta, pos)
-    keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(adt), (0, pos, 0, 0))
-    values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(adt), (0, pos, 0, 0))
-    cached_k.value, cached_v.value, index.value = keys, values, pos + t
-    # Query i (position pos + i) sees cache positions <= pos + i; later slots are stale or empty.
-    mask = jnp.arange(cfg.max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
-    return jax.nn.dot_product_attention(q.astype(adt), keys, values, mask=mask[None, None])
+    out = Linear(d, kernel_init=out_init, name="o_proj", **lin)
+    return out(y.reshape(b, t, d), quantized_fraction)
 
 
 class MLP(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x: jax.Array, lam: Optional[jax.Array]) -> Any:
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
     init = nn.initializers.normal(cfg.init_std)
     out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
     lin = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet)
-    gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x, lam)
-    up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x, lam)
-    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cdt)
-    return Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)(hidden, lam)
+    gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x, quantized_fraction)
+    up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x, quantized_fraction)
+    hidden = swiglu(gate, up, cdt)
+    down = Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)
+    return down(hidden, quantized_fraction)
 
 
 class Block(nn.Module):
@@ -336,7 +352,7 @@ class Block(nn.Module):
   sow_logits: bool = False
 
   @nn.compact
-  def __call__(self, x: jax.Array, lam: Optional[jax.Array]) -> Any:
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
     single = cfg.norm == "ssnorm"
@@ -345,11 +361,11 @@ class Block(nn.Module):
     attn = Attention(cfg, decode=self.decode, sow_logits=self.sow_logits, name="attn")
     mlp = MLP(cfg, name="mlp")
     if cfg.post_ln:
-      x = attn_norm(x + attn(x, lam))
-      x = mlp_norm(x + mlp(x, lam))
+      x = attn_norm(x + attn(x, quantized_fraction))
+      x = mlp_norm(x + mlp(x, quantized_fraction))
     else:
-      x = x + attn(attn_norm(x), lam)
-      x = x + mlp(mlp_norm(x), lam)
+      x = x + attn(attn_norm(x), quantized_fraction)
+      x = x + mlp(mlp_norm(x), quantized_fraction)
     return x, (x.astype(jnp.float32) if self.collect else None)
 
 
@@ -365,7 +381,7 @@ class GPT(nn.Module):
 
     Args:
       tokens: int32 ``[B, T]`` with ``T <= max_seq_len``.
-      decode: incremental decoding with a KV cache (``stablejax.training.generate``): apply with
+      decode: incremental decoding with a KV cache (``stablejax.training.decoding``): apply with
         ``mutable=["cache"]``; the first call creates the cache and processes a prompt at
         positions ``0 .. T-1``, each later call (with the returned ``"cache"``) continues at the
         next position. Parameters and outputs are those of the normal call.
@@ -391,7 +407,7 @@ class GPT(nn.Module):
       raise ValueError(
           f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}: "
           f"raise model.max_seq_len or shorten train.seq_len")
-    lam = jnp.asarray(1.0 if bitnet_lambda is None else bitnet_lambda, jnp.float32)
+    quantized_fraction = jnp.asarray(1.0 if bitnet_lambda is None else bitnet_lambda, jnp.float32)
 
     embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(
         cfg.init_std), param_dtype=pdt, dtype=cdt, name="tok_embed")
@@ -421,12 +437,12 @@ class GPT(nn.Module):
       scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
                         in_axes=nn.broadcast, length=cfg.n_layers,
                         unroll=scan_unroll(cfg, jax.default_backend()))
-      x, ys = scanned(cfg, **block_args, name="blocks")(x, lam)
+      x, ys = scanned(cfg, **block_args, name="blocks")(x, quantized_fraction)
       if return_activations:
         residuals = jnp.concatenate([layer_outputs[0][None], ys], axis=0)
     else:
       for i in range(cfg.n_layers):
-        x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, lam)
+        x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, quantized_fraction)
         layer_outputs.append(y)
       if return_activations:
         residuals = jnp.stack(layer_outputs, axis=0)
@@ -474,7 +490,7 @@ def layer_max_logits(cfg: ModelConfig, collected: dict) -> jax.Array:
   return jnp.stack([collected[f"block_{i}/attn"] for i in range(cfg.n_layers)])
 
 
-def count_params(params: Any) -> int:
+def count_params(params: optax.Params) -> int:
   """Total number of parameter entries in a pytree."""
   return int(sum(np.prod(np.shape(p)) for p in jax.tree_util.tree_leaves(params)))
 
@@ -515,47 +531,52 @@ class GPTModel(LanguageModel):
   def __init__(self, config: ModelConfig, run_config: Any = None):
     super().__init__("gpt", config)
     self.module = GPT(config)
-    self.lam: Optional[Any] = None
+    self.bitnet_lambda_schedule: Optional[Any] = None
     if config.bitnet:
       from stablejax.modeling.utils import lambda_warmup
       train = getattr(run_config, "train", None)
-      self.lam = (lambda_warmup(train.lambda_warmup_steps, train.lambda_schedule)
-                  if train is not None else (lambda step: jnp.float32(1.0)))
+      self.bitnet_lambda_schedule = (
+          lambda_warmup(train.lambda_warmup_steps, train.lambda_schedule) if train is not None
+          else (lambda step: jnp.float32(1.0)))
 
-  def _kwargs(self, step: Any) -> dict[str, Any]:
-    return {"bitnet_lambda": self.lam(step)} if self.lam is not None else {}
+  def _kwargs(self, step: jax.typing.ArrayLike) -> dict[str, Any]:
+    schedule = self.bitnet_lambda_schedule
+    return {"bitnet_lambda": schedule(step)} if schedule is not None else {}
 
-  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
     return self.module.init(rng, tokens)["params"]
 
-  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
+  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+             ) -> jax.Array:
     logits: jax.Array = self.module.apply(  # type: ignore[assignment]
-        {"params": params}, tokens, **self._kwargs(step))
+        linen_variables(params), tokens, **self._kwargs(step))
     return logits
 
-  def logits_and_attention(self, params: Any, tokens: jax.Array, step: Any
+  def logits_and_attention(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
                            ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logits, sown = self.module.apply({"params": params}, tokens, attention_logits=True,
+    logits, sown = self.module.apply(linen_variables(params), tokens, attention_logits=True,
                                      mutable=["intermediates"], **self._kwargs(step))
     return logits, collect_attention_logits(sown)
 
   def attention_heads(self) -> AttentionHeads:
     return AttentionHeads(self.config.n_heads, self.config.n_heads, self.config.qk_norm)
 
-  def decode_start(self, params: Any, prompt: jax.Array, step: Any) -> tuple[jax.Array, Any]:
-    logits, variables = self.module.apply({"params": params}, prompt, decode=True,
+  def decode_start(self, params: optax.Params, prompt: jax.Array, step: jax.typing.ArrayLike
+                   ) -> tuple[jax.Array, DecodingCache]:
+    logits, variables = self.module.apply(linen_variables(params), prompt, decode=True,
                                           mutable=["cache"], **self._kwargs(step))
     return logits, variables["cache"]
 
-  def decode_next(self, params: Any, cache: Any, token: jax.Array, step: Any
-                  ) -> tuple[jax.Array, Any]:
-    logits, variables = self.module.apply({"params": params, "cache": cache}, token, decode=True,
+  def decode_next(self, params: optax.Params, cache: DecodingCache, token: jax.Array,
+                  step: jax.typing.ArrayLike
+                  ) -> tuple[jax.Array, DecodingCache]:
+    logits, variables = self.module.apply(linen_variables(params, cache=cache), token, decode=True,
                                           mutable=["cache"], **self._kwargs(step))
     return logits, variables["cache"]
 
-  def residual_stream(self, params: Any, tokens: jax.Array, step: Any
+  def residual_stream(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
                       ) -> tuple[jax.Array, jax.Array]:
-    logits, acts = self.module.apply({"params": params}, tokens, return_activations=True,
+    logits, acts = self.module.apply(linen_variables(params), tokens, return_activations=True,
                                      **self._kwargs(step))
     return logits, acts["residual"]
 
@@ -566,8 +587,9 @@ class GPTModel(LanguageModel):
     c = self.config
     return f"GPT, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads"
 
-  def step_metrics(self, step: Any) -> dict[str, jax.Array]:
-    return {"lambda": self.lam(step)} if self.lam is not None else {}
+  def step_metrics(self, step: jax.typing.ArrayLike) -> dict[str, jax.Array]:
+    schedule = self.bitnet_lambda_schedule
+    return {"lambda": schedule(step)} if schedule is not None else {}
 
   def ineffective_keys(self, run_config: Any) -> list[tuple[str, str]]:
     if self.config.bitnet:
@@ -575,13 +597,13 @@ class GPTModel(LanguageModel):
     return [("train.lambda_warmup_steps", "model.bitnet=false"),
             ("train.lambda_schedule", "model.bitnet=false")]
 
-  def for_deployment(self, params: Any) -> tuple[Any, LanguageModel]:
+  def for_deployment(self, params: optax.Params) -> tuple[Any, LanguageModel]:
     if not self.config.emb_proj:
       return params, self
     from stablejax.modeling.utils import merge_emb_proj
     merged, cfg = merge_emb_proj(params, self.config)
     model = GPTModel(cfg)
-    model.lam = self.lam
+    model.bitnet_lambda_schedule = self.bitnet_lambda_schedule
     return merged, model
 
 

@@ -45,6 +45,7 @@ Example:
 
 from __future__ import annotations
 
+import optax
 import dataclasses
 import math
 from typing import Any, Optional
@@ -55,8 +56,10 @@ import jax.numpy as jnp
 
 from stablejax.modeling.attention import (MAX_LOGIT, causal_attention_with_max_logit,
                                          collect_attention_logits)
-from stablejax.modeling.family import AttentionHeads, LanguageModel, ModelFamily
-from stablejax.modeling.gpt import _DTYPES, Linear, RMSNorm, _f32_accum_dtype, _Head, _rope
+from stablejax.modeling.family import (AttentionHeads, DecodingCache, LanguageModel,
+                                       ModelFamily, linen_variables)
+from stablejax.modeling.gpt import (_DTYPES, Linear, RMSNorm, _f32_accum_dtype, _Head, _rope,
+                                   kv_cached_attention, swiglu)
 
 
 @dataclasses.dataclass
@@ -151,7 +154,7 @@ class LlamaAttention(nn.Module):
       k = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="k_norm")(k)
     adt = _f32_accum_dtype(cdt)
     if self.decode:
-      y = self._cached(q, k, v, adt)
+      y = kv_cached_attention(self, q, k, v, cfg.max_seq_len, cfg.rope_theta, adt)
     else:
       q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
       if self.sow_logits:
@@ -162,21 +165,6 @@ class LlamaAttention(nn.Module):
                                          is_causal=True)
     y = y.astype(cdt).reshape(b, t, h * hd)
     return Linear(cfg.d_model, kernel_init=out_init, name="o_proj", **lin)(y)
-
-  def _cached(self, q: jax.Array, k: jax.Array, v: jax.Array, adt: Any) -> jax.Array:
-    cfg = self.config
-    b, t, _, _ = q.shape
-    shape = (b, cfg.max_seq_len, cfg.kv_heads, cfg.hd)
-    cached_k = self.variable("cache", "k", jnp.zeros, shape, adt)
-    cached_v = self.variable("cache", "v", jnp.zeros, shape, adt)
-    index = self.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
-    pos = index.value
-    q, k = _rope(q, cfg.rope_theta, pos), _rope(k, cfg.rope_theta, pos)
-    keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(adt), (0, pos, 0, 0))
-    values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(adt), (0, pos, 0, 0))
-    cached_k.value, cached_v.value, index.value = keys, values, pos + t
-    mask = jnp.arange(cfg.max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
-    return jax.nn.dot_product_attention(q.astype(adt), keys, values, mask=mask[None, None])
 
 
 class LlamaMLP(nn.Module):
@@ -191,7 +179,7 @@ class LlamaMLP(nn.Module):
     lin = dict(compute_dtype=cdt, param_dtype=pdt)
     gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x)
     up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x)
-    hidden = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(cdt)
+    hidden = swiglu(gate, up, cdt)
     return Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)(hidden)
 
 
@@ -277,36 +265,39 @@ class LlamaModel(LanguageModel):
     super().__init__("llama", config)
     self.module = Llama(config)
 
-  def init(self, rng: jax.Array, tokens: jax.Array) -> Any:
+  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
     return self.module.init(rng, tokens)["params"]
 
-  def logits(self, params: Any, tokens: jax.Array, step: Any) -> jax.Array:
-    logits: jax.Array = self.module.apply({"params": params}, tokens)  # type: ignore[assignment]
+  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+             ) -> jax.Array:
+    logits: jax.Array = self.module.apply(linen_variables(params), tokens)  # type: ignore[assignment]
     return logits
 
-  def logits_and_attention(self, params: Any, tokens: jax.Array, step: Any
+  def logits_and_attention(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
                            ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logits, sown = self.module.apply({"params": params}, tokens, attention_logits=True,
+    logits, sown = self.module.apply(linen_variables(params), tokens, attention_logits=True,
                                      mutable=["intermediates"])
     return logits, collect_attention_logits(sown)
 
   def attention_heads(self) -> AttentionHeads:
     return AttentionHeads(self.config.n_heads, self.config.kv_heads, self.config.qk_norm)
 
-  def decode_start(self, params: Any, prompt: jax.Array, step: Any) -> tuple[jax.Array, Any]:
-    logits, variables = self.module.apply({"params": params}, prompt, decode=True,
+  def decode_start(self, params: optax.Params, prompt: jax.Array, step: jax.typing.ArrayLike
+                   ) -> tuple[jax.Array, DecodingCache]:
+    logits, variables = self.module.apply(linen_variables(params), prompt, decode=True,
                                           mutable=["cache"])
     return logits, variables["cache"]
 
-  def decode_next(self, params: Any, cache: Any, token: jax.Array, step: Any
-                  ) -> tuple[jax.Array, Any]:
-    logits, variables = self.module.apply({"params": params, "cache": cache}, token, decode=True,
+  def decode_next(self, params: optax.Params, cache: DecodingCache, token: jax.Array,
+                  step: jax.typing.ArrayLike
+                  ) -> tuple[jax.Array, DecodingCache]:
+    logits, variables = self.module.apply(linen_variables(params, cache=cache), token, decode=True,
                                           mutable=["cache"])
     return logits, variables["cache"]
 
-  def residual_stream(self, params: Any, tokens: jax.Array, step: Any
+  def residual_stream(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
                       ) -> tuple[jax.Array, jax.Array]:
-    logits, acts = self.module.apply({"params": params}, tokens, return_activations=True)
+    logits, acts = self.module.apply(linen_variables(params), tokens, return_activations=True)
     return logits, acts["residual"]
 
   def flops_per_token(self, seq_len: int) -> float:

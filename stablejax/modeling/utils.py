@@ -25,7 +25,7 @@ import numpy as np
 import optax
 
 
-def _unwrap(params: Any) -> tuple[Any, Callable[[Any], Any]]:
+def _unwrap(params: optax.Params) -> tuple[Any, Callable[[Any], Any]]:
   """Returns (inner params, rewrap function) for trees given with or without a "params" key."""
   if isinstance(params, dict) and "tok_embed" not in params and "params" in params:
     outer = params
@@ -33,7 +33,7 @@ def _unwrap(params: Any) -> tuple[Any, Callable[[Any], Any]]:
   return params, lambda inner: inner
 
 
-def init_new_token_embeddings(params: Any, token_ids: Sequence[int] | np.ndarray) -> Any:
+def init_new_token_embeddings(params: optax.Params, token_ids: Sequence[int] | np.ndarray) -> Any:
   """Sets the embeddings of new tokens to the mean embedding of the rest of the vocabulary.
 
   The input embedding rows ``tok_embed/embedding[token_ids]`` and, for an untied model, the output
@@ -184,7 +184,7 @@ def _layer_excess_kurtosis(x: jax.Array) -> jax.Array:
   return jnp.maximum(kurt - 3.0, 0.0)
 
 
-def merge_emb_proj(params: Any, cfg: Any) -> tuple[Any, Any]:
+def merge_emb_proj(params: optax.Params, cfg: Any) -> tuple[Any, Any]:
   """Folds the EmbProj projections into the embedding table and the output head.
 
   The model computes ``x0 = s * E[t] @ P_in`` (``s`` = sqrt(D) with ``embed_scale``, else 1) and
@@ -244,7 +244,8 @@ def _path_str(path: Sequence[Any]) -> str:
   return "/".join(parts)
 
 
-def quantize_weights_rtn(params: Any, bits: int = 4, *, exclude: Sequence[str] = ()) -> Any:
+def quantize_weights_rtn(params: optax.Params, bits: int = 4, *, exclude: Sequence[str] = ()
+                         ) -> optax.Params:
   """Per-channel symmetric round-to-nearest weight quantisation (returns dequantised weights).
 
   Every leaf with ``ndim >= 2`` is quantised per output channel: for kernels ``[..., in, out]``

@@ -3,8 +3,9 @@ global and per-layer norms of an update (the train step's ``update_norm`` metric
 
 from __future__ import annotations
 
+import optax
 import re
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from stablejax.monitor.movement import path_str
 from stablejax.transforms.stacked import STACKED_NAMES, stacked_component
 
 
-def per_layer_grad_norms(grads: Any, stacked_names: Iterable[str] = STACKED_NAMES
+def per_layer_grad_norms(grads: optax.Updates, stacked_names: Iterable[str] = STACKED_NAMES
                          ) -> dict[str, jax.Array]:
   """L2 norm of every gradient leaf, per layer slice for scan-stacked parameters.
 
@@ -80,7 +81,7 @@ def _layer_of(parts: list[str], stacked_names: Iterable[str]) -> Optional[int]:
   return None
 
 
-def global_and_layer_norms(tree: Any, stacked_names: Iterable[str] = STACKED_NAMES
+def global_and_layer_norms(tree: optax.Params, stacked_names: Iterable[str] = STACKED_NAMES
                            ) -> tuple[jax.Array, dict[int, jax.Array]]:
   """The float32 global L2 norm of ``tree`` and the norm of each layer's part of it.
 

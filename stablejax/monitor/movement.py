@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import optax
 import math
 import re
 from typing import Any, Callable, Iterable, Mapping, Optional, Union
@@ -56,7 +57,7 @@ def default_group(path: str) -> str:
   return "other"
 
 
-def _leaf_groups(params: Any, labels: Union[None, Any, Callable[[str], str]]
+def _leaf_groups(params: optax.Params, labels: Union[None, Any, Callable[[str], str]]
                  ) -> list[tuple[str, str, Any]]:
   """[(path_str, group, leaf)] for the array leaves of ``params``."""
   leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -70,7 +71,7 @@ def _leaf_groups(params: Any, labels: Union[None, Any, Callable[[str], str]]
   return [(path_str(p), g, leaf) for (p, leaf), g in zip(leaves_with_path, groups)]
 
 
-def param_movement(prev_params: Any, params: Any,
+def param_movement(prev_params: optax.Params, params: optax.Params,
                    labels: Union[None, Any, Callable[[str], str]] = None
                    ) -> dict[str, dict[str, jax.Array]]:
   """How far each parameter group moved, and whether its updates are resolvable.
@@ -157,7 +158,7 @@ def param_movement(prev_params: Any, params: Any,
   return out
 
 
-def param_dtypes(params: Any, labels: Union[None, Any, Callable[[str], str]] = None
+def param_dtypes(params: optax.Params, labels: Union[None, Any, Callable[[str], str]] = None
                  ) -> dict[str, str]:
   """``{group: dtype name}`` of the parameters (lowest precision in a mixed group).
 

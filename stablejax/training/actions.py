@@ -41,10 +41,10 @@ class Logging:
   logged too so that the monitor sees a run from its first update: a learning rate high enough
   to break a model breaks it within the first log interval."""
 
-  def __init__(self, c: Components, log: RunLogger, monitor: StabilityMonitor,
+  def __init__(self, components: Components, log: RunLogger, monitor: StabilityMonitor,
                recovery: Recovery, agree: Agree, progress: Any,
                abandoned_skips: Callable[[], int]):
-    self.c, self.log, self.monitor, self.recovery = c, log, monitor, recovery
+    self.components, self.log, self.monitor, self.recovery = components, log, monitor, recovery
     self.agree, self.progress, self.abandoned_skips = agree, progress, abandoned_skips
     self.pending: Optional[tuple[int, Any]] = None
     self.initial: Any = None            # the initial parameters' telemetry, until written
@@ -54,32 +54,35 @@ class Logging:
     self.t_interval, self.tokens_interval = time.time(), 0
 
   def due(self, step: int) -> bool:
-    return step == 1 or step % self.c.cfg.train.log_every == 0
+    return step == 1 or step % self.components.cfg.train.log_every == 0
 
   def stepped(self) -> None:
     """Counts one step's tokens for the throughput."""
-    self.tokens_interval += self.c.cfg.train.batch_size * self.c.cfg.train.seq_len
+    self.tokens_interval += self.components.cfg.train.batch_size * self.components.cfg.train.seq_len
 
   def baseline(self, state: TrainState, tokens: jax.Array) -> None:
     """Dispatches the attention telemetry of the initial parameters (before the first update of a
     fresh start); the monitor gets it with step 1's record, as the base of its growth."""
-    if self.c.telemetry:
-      self.initial = self.c.logit_telemetry(state.params, tokens, np.int32(0))
+    if self.components.telemetry:
+      self.initial = self.components.logit_telemetry(state.params, tokens, np.int32(0))
 
   def hold(self, step: int, metrics: dict, state: TrainState, tokens: jax.Array) -> None:
-    """Keeps ``step``'s device metrics (and dispatches its telemetry) for :meth:`flush`."""
-    if self.c.telemetry:
-      metrics = {**metrics, **self.c.logit_telemetry(state.params, tokens, np.int32(step))}
+    """Keeps ``step``'s device metrics (and dispatches its telemetry) for :meth:`write_held`."""
+    if self.components.telemetry:
+      metrics = {**metrics, **self.components.logit_telemetry(state.params, tokens, np.int32(step))}
     self.pending = (step, metrics)
 
-  def flush(self) -> Optional[str]:
-    """Writes the held record, if any; returns a rollback cause or None."""
+  def write_held(self) -> Optional[str]:
+    """Writes the held record, if any; returns the rollback cause the recovery finds in it (agreed
+    by all processes) or None."""
     if self.pending is None:
       return None
     (step, metrics), self.pending = self.pending, None
     return self.write(step, metrics)
 
   def write(self, step: int, device_metrics: Any) -> Optional[str]:
+    """Writes ``step``'s record (console, metrics.jsonl, TensorBoard); returns the rollback cause
+    the recovery finds in it or None."""
     record = {"step": step, **fetch(device_metrics)}
     now = time.time()
     if self.tokens_interval:
@@ -99,7 +102,7 @@ class Logging:
                               skipped=total_skips(record) + self.abandoned_skips(),
                               refresh=False)
     self.last_record = record
-    enabled = self.c.cfg.stability.recovery.enabled
+    enabled = self.components.cfg.stability.recovery.enabled
     return self.agree(self.recovery.check_train(record) if enabled else None)
 
 
@@ -107,18 +110,19 @@ class Evaluation:
   """Every ``train.eval_every`` steps (not at the last, which has the final eval): the validation
   loss on the fixed batches, the target-loss record, and the recovery's check of it."""
 
-  def __init__(self, c: Components, val_batches: list[jax.Array], log: RunLogger,
+  def __init__(self, components: Components, val_batches: list[jax.Array], log: RunLogger,
                recovery: Recovery, budget: Budget, agree: Agree,
                sample: Callable[[int, Any], None]):
-    self.c, self.val_batches, self.log, self.recovery = c, val_batches, log, recovery
+    self.components, self.val_batches = components, val_batches
+    self.log, self.recovery = log, recovery
     self.budget, self.agree, self.sample = budget, agree, sample
     self.last_val_loss: Optional[float] = None
 
   def due(self, step: int) -> bool:
-    return step % self.c.cfg.train.eval_every == 0 and step < self.c.total_steps
+    return step % self.components.cfg.train.eval_every == 0 and step < self.components.total_steps
 
   def __call__(self, step: int, state: TrainState, final: bool = False) -> Optional[str]:
-    losses = [self.c.eval_step(state.params, b, np.int32(step)) for b in self.val_batches]
+    losses = [self.components.eval_step(state.params, b, np.int32(step)) for b in self.val_batches]
     val_loss = float(np.mean(jax.device_get(losses)))
     self.last_val_loss = val_loss
     record = {"step": step, "val_loss": val_loss}
@@ -127,9 +131,9 @@ class Evaluation:
     if self.budget.check_target(step, val_loss):
       self.log.console(f"step {step}: val_loss below the target {self.budget.target} after "
                        f"{self.budget.time_to_target:.0f} s")
-    if final and self.c.sampler is not None:
+    if final and self.components.sampler is not None:
       self.sample(step, state)
-    if final or not self.c.cfg.stability.recovery.enabled:
+    if final or not self.components.cfg.stability.recovery.enabled:
       return None
     return self.agree(self.recovery.check_val(val_loss))
 
@@ -138,18 +142,18 @@ class Sampling:
   """``logging.sample_every``: a sample at the steps it names (None: at each eval), printed and
   sent to TensorBoard; the final eval samples too."""
 
-  def __init__(self, c: Components, log: RunLogger):
-    self.c, self.log = c, log
+  def __init__(self, components: Components, log: RunLogger):
+    self.components, self.log = components, log
 
   def due(self, step: int) -> bool:
-    every = self.c.cfg.logging.sample_every
-    if self.c.sampler is None or step >= self.c.total_steps:
+    every = self.components.cfg.logging.sample_every
+    if self.components.sampler is None or step >= self.components.total_steps:
       return False
-    return step % (self.c.cfg.train.eval_every if every is None else every) == 0
+    return step % (self.components.cfg.train.eval_every if every is None else every) == 0
 
   def __call__(self, step: int, state: TrainState) -> None:
-    assert self.c.sampler is not None
-    text = self.c.sampler(state.params, step)
+    assert self.components.sampler is not None
+    text = self.components.sampler(state.params, step)
     self.log.console(f"step {step}: sample {json.dumps(text, ensure_ascii=False)}")
     self.log.text("samples", f"```\n{text}\n```", step)
 
@@ -158,27 +162,28 @@ class Diagnostics:
   """Activation statistics with the parameter-movement check (``logging.activation_every``) and
   per-layer gradient norms (``logging.histogram_every``) on a fixed validation batch."""
 
-  def __init__(self, c: Components, batch: Optional[jax.Array], log: RunLogger):
-    self.c, self.batch, self.log = c, batch, log
+  def __init__(self, components: Components, batch: Optional[jax.Array], log: RunLogger):
+    self.components, self.batch, self.log = components, batch, log
     self.previous_params: Any = None
     self.last_kurtosis: Optional[float] = None
 
   def due(self, step: int) -> bool:
-    lg = self.c.cfg.logging
+    lg = self.components.cfg.logging
     return self.batch is not None and any(
         n and step % n == 0 for n in (lg.activation_every, lg.histogram_every))
 
   def __call__(self, step: int, state: TrainState) -> None:
-    lg = self.c.cfg.logging
+    lg = self.components.cfg.logging
     assert self.batch is not None, "due() is False without a validation batch"
     record: dict[str, Any] = {"step": step}
     if lg.activation_every and step % lg.activation_every == 0:
-      if self.c.activation_statistics:  # the model family offers its residual stream
-        record.update(fetch(self.c.activation_stats(state.params, self.batch, np.int32(step))))
+      if self.components.activation_statistics:  # the model family offers its residual stream
+        stats = self.components.activation_stats(state.params, self.batch, np.int32(step))
+        record.update(fetch(stats))
         self.last_kurtosis = record["excess_kurtosis"]
       record.update(self._movement(step, state))
     if lg.histogram_every and step % lg.histogram_every == 0:
-      norms = fetch(self.c.grad_norms(state.params, self.batch))
+      norms = fetch(self.components.grad_norms(state.params, self.batch))
       self.log.histogram("grads/layer_norms", list(norms.values()), step)
       for name, value in norms.items():
         record[f"grad_norm/{name}"] = value
@@ -189,7 +194,7 @@ class Diagnostics:
     previous, self.previous_params = self.previous_params, jax.tree.map(jnp.copy, state.params)
     if previous is None:
       return {}
-    movement = jax.device_get(self.c.param_movement(previous, state.params))
+    movement = jax.device_get(self.components.param_movement(previous, state.params))
     # Compensated low-precision updates (stablejax.compensated_updates) keep what rounds away, so
     # an update below the parameters' resolution is not lost: only a group that does not move
     # at all is stuck then.
@@ -205,15 +210,16 @@ class Checkpointing:
   """``checkpoint.every`` steps and the last: a save, unless the latest loss is elevated (then
   deferred to the next log step, so only a healthy state becomes a rollback target)."""
 
-  def __init__(self, c: Components, checkpoints: Checkpoints, batches: Batches,
+  def __init__(self, components: Components, checkpoints: Checkpoints, batches: Batches,
                meta: Callable[[], dict], recovery: Recovery, log: RunLogger):
-    self.c, self.checkpoints, self.batches, self.meta = c, checkpoints, batches, meta
+    self.components, self.checkpoints = components, checkpoints
+    self.batches, self.meta = batches, meta
     self.recovery, self.log = recovery, log
     self.deferred = False
 
   def due(self, step: int) -> bool:
-    cfg = self.c.cfg
-    return step % cfg.checkpoint.every == 0 or step == self.c.total_steps or (
+    cfg = self.components.cfg
+    return step % cfg.checkpoint.every == 0 or step == self.components.total_steps or (
         self.deferred and step % cfg.train.log_every == 0)
 
   def __call__(self, step: int, state: TrainState) -> None:
@@ -228,7 +234,7 @@ class Checkpointing:
     on_disk = set(self.checkpoints.all_steps())
     meta = {"step": step, **self.batches.state_dict(step, on_disk), **self.meta(), "good": True}
     self.checkpoints.save(step, state, self.batches.stream, meta)
-    kill_if_due(self.c.cfg.faults, step, "save")
+    kill_if_due(self.components.cfg.faults, step, "save")
 
 
 class TimeBudget:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional
 
 import jax
 import numpy as np
 
 from stablejax.monitor.specs import total_skips  # noqa: F401 (the loop's import of it)
 from stablejax.training.config import FaultsConfig
+
+if TYPE_CHECKING:
+  import optax
 
 
 class Batches:
@@ -131,7 +134,7 @@ def kill_if_due(faults: FaultsConfig, n: int, when: str) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def fetch(tree: Any) -> dict:
+def fetch(tree: optax.Params) -> dict:
   """A dict of device scalars as Python numbers (one transfer)."""
   return {k: np.asarray(v).item() for k, v in jax.device_get(tree).items()}
 

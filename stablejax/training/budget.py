@@ -31,14 +31,18 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from stablejax.training import distributed
-from stablejax.training.config import Config, ConfigError
+from stablejax.training.config import Config, ConfigError, TrainConfig
+
+if TYPE_CHECKING:  # components.py imports this module
+  from stablejax.training.components import Components
+  from stablejax.training.step import TrainState
 
 SAFETY = 0.95          # plan for this fraction of the remaining budget
 TIMED_STEPS = 5        # steps timed after the compiling one; the slowest counts
@@ -84,9 +88,9 @@ def _timed(fn: Callable[..., Any], *args: Any) -> float:
 PROBE_DIR = "budget_probe"  # scratch checkpoint directory of the measured save, in the run dir
 
 
-def measure(c: Any, state: Any, out_dir: Path,
+def measure(components: Components, state: TrainState, out_dir: Path,
             check: Callable[[str], None] = lambda phase: None) -> Timings:
-  """Times the compiled step, an eval, a sample and a save of the run's components ``c`` (a
+  """Times the compiled step, an eval, a sample and a save of the run's ``components`` (a
   :class:`stablejax.training.components.Components`) without changing the run.
 
   Steps run on a copy of ``state`` with batches from a fresh data iterator; the save goes to a
@@ -101,13 +105,13 @@ def measure(c: Any, state: Any, out_dir: Path,
   from stablejax.training.checkpoint import Checkpoints
 
   state = jax.tree.map(jnp.copy, state)
-  batches = c.data.train_iter()
+  batches = components.data.train_iter()
 
-  def one_step(state: Any) -> Any:
+  def one_step(state: TrainState) -> TrainState:
     tokens = next(batches)["tokens"]
-    batch = {"tokens": c.device_tokens(np.asarray(tokens, np.int32)),
+    batch = {"tokens": components.device_tokens(np.asarray(tokens, np.int32)),
              "grad_scale": jnp.float32(1.0)}
-    state, metrics = c.train_step(state, batch)
+    state, metrics = components.train_step(state, batch)
     jax.block_until_ready(metrics)
     return state
 
@@ -123,16 +127,16 @@ def measure(c: Any, state: Any, out_dir: Path,
     times.append(time.perf_counter() - t0)
 
   params = state.params
-  val = c.val_batches()
-  evaluate = lambda: [c.eval_step(params, b, jnp.int32(0)) for b in val]  # noqa: E731
+  val = components.val_batches()
+  evaluate = lambda: [components.eval_step(params, b, jnp.int32(0)) for b in val]  # noqa: E731
   eval_compile = _timed(evaluate)  # compiles; the run compiles its eval step again
   eval_seconds = _timed(evaluate)
   compile_seconds += max(0.0, eval_compile - eval_seconds)
   sample_seconds = 0.0
-  if c.sampler is not None:
-    c.sampler(params, 0)  # compiles
+  if components.sampler is not None:
+    components.sampler(params, 0)  # compiles
     t0 = time.perf_counter()
-    c.sampler(params, 0)
+    components.sampler(params, 0)
     sample_seconds = time.perf_counter() - t0
   check(phase)
 
@@ -140,10 +144,10 @@ def measure(c: Any, state: Any, out_dir: Path,
   if distributed.is_main():
     shutil.rmtree(scratch, ignore_errors=True)
   distributed.barrier("budget_probe_clear")  # cleared before any process writes into it
-  probe = Checkpoints(scratch, keep=1, async_save=c.cfg.checkpoint.async_save)
+  probe = Checkpoints(scratch, keep=1, async_save=components.cfg.checkpoint.async_save)
   try:
     t0 = time.perf_counter()
-    probe.save(0, state, c.data.train_iter(), {"probe": True})
+    probe.save(0, state, components.data.train_iter(), {"probe": True})
     probe.wait()
     save_seconds = time.perf_counter() - t0
   finally:
@@ -153,10 +157,10 @@ def measure(c: Any, state: Any, out_dir: Path,
       shutil.rmtree(scratch, ignore_errors=True)
   check(phase)
   diagnostics_seconds = 0.0
-  if _diagnostics_every(c.cfg) and val:
+  if _diagnostics_every(components.cfg) and val:
     tokens = val[0]
-    diagnose = lambda: (c.activation_stats(params, tokens, jnp.int32(0)),  # noqa: E731
-                        c.grad_norms(params, tokens))
+    diagnose = lambda: (components.activation_stats(params, tokens, jnp.int32(0)),  # noqa: E731
+                        components.grad_norms(params, tokens))
     first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
     diagnostics_seconds = _timed(diagnose)
     compile_seconds += max(0.0, first - diagnostics_seconds)
@@ -171,7 +175,7 @@ def _diagnostics_every(cfg: Config) -> int:
   return min(every) if every else 0
 
 
-def _sample_every(cfg: Any) -> int:
+def _sample_every(cfg: Config) -> int:
   """Steps between printed samples (logging.sample_every; None: every eval; 0 when off)."""
   every = cfg.logging.sample_every
   return cfg.train.eval_every if every is None else every
@@ -194,7 +198,7 @@ class Budget:
   runs out (``out_of_time``).
   """
 
-  def __init__(self, train_cfg: Any, t_start: float, clock_file: Optional[Path] = None):
+  def __init__(self, train_cfg: TrainConfig, t_start: float, clock_file: Optional[Path] = None):
     self.budget_minutes = train_cfg.time_budget_minutes
     self.max_steps: Optional[int] = train_cfg.steps  # None: the budget alone fixes the count
     self.target = train_cfg.target_val_loss
@@ -215,6 +219,11 @@ class Budget:
   @property
   def active(self) -> bool:
     return self.budget_minutes is not None
+
+  @property
+  def budget_seconds(self) -> float:
+    """The budget in seconds (infinite without one)."""
+    return math.inf if self.budget_minutes is None else self.budget_minutes * 60.0
 
   def elapsed(self) -> float:
     return self.prior_seconds + time.time() - self.t_start
@@ -290,7 +299,7 @@ class Budget:
       stop.set()
       thread.join(timeout=30)
 
-  def plan(self, c: Any, state: Any, out_dir: Path,
+  def plan(self, components: Components, state: TrainState, out_dir: Path,
            check: Callable[[str], None] = lambda phase: None) -> Optional[int]:
     """The total step count (measured now, or the one a checkpoint stored); None without budget.
 
@@ -301,15 +310,16 @@ class Budget:
       return None
     if self.steps is not None:
       if self.timings is None:  # a checkpoint of a version that did not store them: re-measure
-        self.timings = measure(c, state, out_dir, check)
+        self.timings = measure(components, state, out_dir, check)
       return self.steps
-    cfg = c.cfg
-    self.timings = measure(c, state, out_dir, check)
-    fits = plan_total_steps(self.budget_minutes * 60.0, self.elapsed(), self.timings,
+    cfg = components.cfg
+    self.timings = measure(components, state, out_dir, check)
+    fits = plan_total_steps(self.budget_seconds, self.elapsed(), self.timings,
                             eval_every=cfg.train.eval_every,
                             checkpoint_every=cfg.checkpoint.every, max_steps=None,
                             diagnostics_every=_diagnostics_every(cfg),
-                            sample_every=_sample_every(cfg) if c.sampler is not None else 0)
+                            sample_every=(_sample_every(cfg) if components.sampler is not None
+                                          else 0))
     # Every process measured its own timings: all take the smallest count, or they would part.
     fits = -int(distributed.agree_max(np.array(-fits)))
     steps = fits if self.max_steps is None else min(self.max_steps, fits)
@@ -335,7 +345,7 @@ class Budget:
     t = self.timings
     step = max(t.step_seconds, recent_step_seconds or 0.0)
     return (self.elapsed() + step + t.eval_seconds + t.sample_seconds + t.save_seconds
-            > self.budget_minutes * 60.0)
+            > self.budget_seconds)
 
   def describe_length(self, steps: int) -> str:
     """What fixed the step count, for the banner."""
@@ -364,12 +374,12 @@ class Budget:
     self.time_to_target, self.step_to_target = self.elapsed(), int(step)
     return True
 
-  def summary(self) -> dict:
+  def summary(self) -> dict[str, Any]:
     elapsed = self.elapsed()
-    out = {"time_budget_minutes": self.budget_minutes, "planned_steps": self.steps,
+    out: dict[str, Any] = {"time_budget_minutes": self.budget_minutes, "planned_steps": self.steps,
            "steps_fixed_by": self.fixed_by,
            "stopped_early_at": self.stopped_at, "segments": self.segments,
-           "within_time_budget": (elapsed <= self.budget_minutes * 60.0) if self.active else None,
+           "within_time_budget": (elapsed <= self.budget_seconds) if self.active else None,
            "target_val_loss": self.target, "time_to_target_s": self.time_to_target,
            "step_to_target": self.step_to_target}
     if self.timings is not None:

@@ -21,7 +21,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, Sequence
 
 import grain
 import jax
@@ -32,6 +32,9 @@ import orbax.checkpoint as ocp
 
 from stablejax.training import distributed, restore_plan
 from stablejax.training.restore_plan import StateMismatch
+
+if TYPE_CHECKING:
+  import optax
 
 
 class CheckpointError(RuntimeError):
@@ -159,7 +162,7 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
   return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _fingerprint(tree: Any) -> jax.Array:
+def _fingerprint(tree: optax.Params) -> jax.Array:
   """Three float32 numbers summarising every floating leaf: the sum and the sum of squares of
   its finite entries, and the number of entries that are not finite.
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from stablejax import _compat
 from stablejax.data.pipeline import Data
 from stablejax.data.sources import data_tokenizer
 from stablejax.modeling.family import CAPABILITIES, LanguageModel
@@ -26,7 +27,7 @@ from stablejax.monitor.layers import per_layer_grad_norms
 from stablejax.monitor.movement import param_movement
 from stablejax.training import mesh as mesh_lib
 from stablejax.training.config import Config, model_of
-from stablejax.training.generate import EvalSampler
+from stablejax.training.decoding import EvalSampler
 from stablejax.training.optim import Schedules, build_optimizer, main_optimizer, set_lr_scale
 from stablejax.training.recovery import LRBackoff
 from stablejax.training.step import (TrainState, make_eval_step, make_logit_telemetry,
@@ -90,7 +91,8 @@ class Components:
   def total_steps(self) -> int:
     """train.steps, or the time budget's count once it is planned (a provisional one before)."""
     steps = self.cfg.train.steps
-    assert steps is not None  # build() lays the schedule over a provisional count until then
+    # build_components() lays the schedule over a provisional count until then
+    assert steps is not None
     return steps
 
   def device_tokens(self, tokens: np.ndarray) -> jax.Array:
@@ -106,7 +108,8 @@ class Components:
             for b in self.data.val_batches(self.cfg.train.eval_batches)]
 
 
-def build(cfg: Config, data: Data, *, tx: Optional[optax.GradientTransformationExtraArgs] = None,
+def build_components(cfg: Config, data: Data, *,
+                     tx: Optional[optax.GradientTransformationExtraArgs] = None,
           optimizer: Optional[OptimizerFactory] = None,
           warn: Callable[[str], None] = lambda line: None) -> Components:
   """Builds and jits everything a run needs from ``cfg`` (``train.steps`` must be set).
@@ -152,13 +155,13 @@ def build(cfg: Config, data: Data, *, tx: Optional[optax.GradientTransformationE
   batch_sharding = {"tokens": tokens_sharding, "grad_scale": replicated}
   step_fn = _under_mesh(mesh, make_train_step(model, chain, cfg, schedules.main))
 
-  def activation_stats(params: Any, tokens: jax.Array, step: jax.Array) -> dict:
+  def activation_stats(params: optax.Params, tokens: jax.Array, step: jax.Array) -> dict:
     logits, residual = model.residual_stream(params, tokens[:, :-1], step)
     return {"act_rms": jnp.sqrt(jnp.mean(jnp.square(residual))),
             "act_max": jnp.max(jnp.abs(residual)), "logit_max": jnp.max(jnp.abs(logits)),
             "excess_kurtosis": excess_kurtosis(residual[1:])}
 
-  def grad_norms(params: Any, tokens: jax.Array) -> dict:
+  def grad_norms(params: optax.Params, tokens: jax.Array) -> dict:
     def loss_fn(p: Any) -> jax.Array:
       logits = model.logits(p, tokens[:, :-1], jnp.int32(0))
       return cross_entropy_with_z_loss(logits, tokens[:, 1:])[0]
@@ -196,13 +199,15 @@ def _warn_missing(cfg: Config, model: LanguageModel, warn: Callable[[str], None]
            f"({CAPABILITIES[capability][1]}): {key} has no effect")
 
 
-def with_steps(c: Components, steps: int, tx: Optional[optax.GradientTransformationExtraArgs]
+def with_steps(components: Components, steps: int,
+               tx: Optional[optax.GradientTransformationExtraArgs]
                ) -> Components:
   """The components for a run of ``steps`` steps (the time budget's count): the schedules are laid
   over it, so the optimizer and the compiled functions are built again (``tx``: the caller's
   whole chain, kept as it is)."""
-  cfg = dataclasses.replace(c.cfg, train=dataclasses.replace(c.cfg.train, steps=steps))
-  return build(cfg, c.data, tx=tx, optimizer=c.optimizer)
+  train = dataclasses.replace(components.cfg.train, steps=steps)
+  cfg = dataclasses.replace(components.cfg, train=train)
+  return build_components(cfg, components.data, tx=tx, optimizer=components.optimizer)
 
 
 def _sampler(cfg: Config, model: LanguageModel, warn: Callable[[str], None]
@@ -265,3 +270,8 @@ def peak_flops_per_device(cfg: Config) -> float:
     if name.lower() in kind.lower():
       return flops
   return measured_peak_flops()
+
+
+def __getattr__(name: str) -> object:
+  """``build``, the old name of :func:`build_components`, kept for one release."""
+  return _compat.moved_name(__name__, name)

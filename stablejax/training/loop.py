@@ -9,7 +9,7 @@ What is built once is :class:`stablejax.training.components.Components`; what ha
 many steps is in :mod:`stablejax.training.actions`; restoring and rolling back is
 :mod:`stablejax.training.rollback`; the run directory's ownership and lock are
 :mod:`stablejax.training.run_dir`; the banner and the summary are
-:mod:`stablejax.training.run_summary`. :meth:`Run._train_from` is the step loop.
+:mod:`stablejax.training.run_summary`. :meth:`Trainer._train_from` is the step loop.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from stablejax.data.identity import data_identity, identity_difference
 from stablejax.data.pipeline import build_data
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
-from stablejax.training import actions, components, distributed, run_summary, runs
+from stablejax import _compat
+from stablejax.training import actions, distributed, run_summary, trained_run
+from stablejax.training.components import OptimizerFactory, build_components, with_steps
 from stablejax.training.batches import Batches, kill_if_due
 from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
@@ -43,11 +45,14 @@ from stablejax.training.signals import Interrupted, StopSignals
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 
-__all__ = ["EXIT_DIVERGED", "EXIT_INTERRUPTED", "EXIT_OK", "Interrupted", "RECOVERY_FILE", "Run"]
+__all__ = [
+    "EXIT_DIVERGED", "EXIT_INTERRUPTED", "EXIT_OK", "Interrupted", "RECOVERY_FILE", "Trainer",
+]
 
 
-class Run:
-  """One training run in ``out_dir``; ``Run(cfg, out_dir, fresh).train()`` returns the exit code.
+class Trainer:
+  """One training run in ``out_dir``; ``Trainer(cfg, out_dir, fresh).train()`` returns the exit
+  code.
 
   ``out_dir`` receives the checkpoints, ``config.json``, ``metrics.jsonl``, ``summary.json`` and
   the TensorBoard logs, and ``run.json``, the record of what the run wrote there; a checkpoint
@@ -73,7 +78,7 @@ class Run:
   Example:
     >>> import contextlib, io, json, pathlib, tempfile
     >>> from stablejax.training.config import load_config
-    >>> from stablejax.training.loop import Run
+    >>> from stablejax.training.loop import Trainer
     >>> cfg = load_config(None, [
     ...     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=16",
     ...     "train.seq_len=16", "train.batch_size=4", "train.steps=4", "train.warmup_steps=1",
@@ -81,14 +86,14 @@ class Run:
     ...     "logging.sample_every=0", "logging.progress=false", "checkpoint.every=4"])
     >>> out = pathlib.Path(tempfile.mkdtemp())
     >>> with contextlib.redirect_stdout(io.StringIO()):
-    ...   code = Run(cfg, out).train()
+    ...   code = Trainer(cfg, out).train()
     >>> code, json.loads((out / "summary.json").read_text())["steps"]
     (0, 4)
   """
 
   def __init__(self, cfg: Config, out_dir: Path | str, fresh: bool = False,
                tx: Optional[optax.GradientTransformationExtraArgs] = None,
-               optimizer: Optional[components.OptimizerFactory] = None,
+               optimizer: Optional[OptimizerFactory] = None,
                data_changed: bool = False, reset_optimizer: bool = False,
                signals: Optional[StopSignals] = None, config_file: Optional[Path] = None):
     self.t_start = time.time()
@@ -114,7 +119,7 @@ class Run:
       raise
 
   def _build(self, cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
-             optimizer: Optional[components.OptimizerFactory], data_changed: bool,
+             optimizer: Optional[OptimizerFactory], data_changed: bool,
              reset_optimizer: bool) -> None:
     self.custom_tx, self.data_changed = tx, data_changed
     self.recorded = None if self.fresh else self._recorded_config()
@@ -132,7 +137,7 @@ class Run:
       # The time budget fixes the count (Budget.plan) after timing the compiled step, which does
       # not depend on it: until then the schedule is laid over a provisional count.
       cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, steps=t.warmup_steps + 1))
-    self.c = components.build(cfg, data, tx=tx, optimizer=optimizer, warn=self.log.console)
+    self.components = build_components(cfg, data, tx=tx, optimizer=optimizer, warn=self.log.console)
     self.recovery = Recovery(cfg.stability)
     self.monitor = StabilityMonitor(thresholds=HealthThresholds(
         high=cfg.logging.grad_norm_high, critical=cfg.logging.grad_norm_critical))
@@ -143,8 +148,8 @@ class Run:
     self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
                                    record_step=self.run_dir.record_checkpoint)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
-                           lambda tokens: self.c.device_tokens(tokens))
-    self.restorer = Restorer(lambda: self.c, self.run_dir, self.checkpoints, self.batches,
+                           lambda tokens: self.components.device_tokens(tokens))
+    self.restorer = Restorer(lambda: self.components, self.run_dir, self.checkpoints, self.batches,
                              self.recovery, self.monitor, self.log, recorded=self.recorded,
                              reset_optimizer=reset_optimizer)
 
@@ -161,7 +166,7 @@ class Run:
 
   @property
   def cfg(self) -> Config:
-    return self.c.cfg
+    return self.components.cfg
 
   @property
   def out_dir(self) -> Path:
@@ -214,7 +219,7 @@ class Run:
     self.budget.start_heartbeat()  # up to its last beat: the probe, the compilations
     self._apply_budget()
     step = int(meta.get("step", 0))
-    self.checkpointing = actions.Checkpointing(self.c, self.checkpoints, self.batches,
+    self.checkpointing = actions.Checkpointing(self.components, self.checkpoints, self.batches,
                                                self._meta, self.recovery, self.log)
     if step == 0 and not self.checkpoints.all_steps():
       self.checkpointing.save(0, self.state)  # the initial state is a rollback target
@@ -223,14 +228,14 @@ class Run:
     for line in notes:
       self.log.console(line)
       self.log.record({"step": step, "event": "resumed", "cause": line})
-    self.val_batches = self.c.val_batches()
+    self.val_batches = self.components.val_batches()
     if self.budget.active and self.val_batches:
       # Compile the eval (and sample) now, at start-up: the budget's margin for the final eval
       # holds their compiled times, and a resumed segment has not compiled them yet.
-      jax.block_until_ready(self.c.eval_step(self.state.params, self.val_batches[0],
+      jax.block_until_ready(self.components.eval_step(self.state.params, self.val_batches[0],
                                              np.int32(step)))
-      if self.c.sampler is not None:
-        self.c.sampler(self.state.params, step)
+      if self.components.sampler is not None:
+        self.components.sampler(self.state.params, step)
       self.signals.check_startup("compiling the evaluation")
     return step
 
@@ -238,10 +243,11 @@ class Run:
     """A resumed run (``meta``: its checkpoint's) must train on its tokenizer, whatever the
     data, and on its data unless told the data changed; another data order is said."""
     try:
-      self.tokenizer = runs.tokenizer_record(self.cfg.data)[0]
-      problem = runs.resume_tokenizer_problem(meta, self.run_dir.tokenizer, self.run_dir.root,
+      self.tokenizer = trained_run.tokenizer_record(self.cfg.data)[0]
+      problem = trained_run.resume_tokenizer_problem(meta, self.run_dir.tokenizer,
+                                                     self.run_dir.root,
                                               self.tokenizer) if meta else None
-    except runs.RunError as e:
+    except trained_run.RunError as e:
       raise ConfigError(str(e)) from None
     if problem:
       raise ConfigError(problem)
@@ -285,8 +291,8 @@ class Run:
       self.run_dir.set_data_order(data_order(self.cfg))
       self.run_dir.record_written()
       try:
-        runs.write_tokenizer_record(self.run_dir.root, self.cfg.data)
-      except runs.RunError as e:
+        trained_run.write_tokenizer_record(self.run_dir.root, self.cfg.data)
+      except trained_run.RunError as e:
         raise ConfigError(str(e)) from None
       write_json_atomic(self.run_dir.root / "config.json", to_dict(self.cfg), indent=2)
     self.log.open()
@@ -294,22 +300,24 @@ class Run:
 
   def _apply_budget(self) -> None:
     """train.time_budget_minutes: fix the step count and lay the schedule over it (budget.py)."""
-    steps = self.budget.plan(self.c, self.state, self.run_dir.root,
+    steps = self.budget.plan(self.components, self.state, self.run_dir.root,
                              self.signals.check_startup)
     if steps is None:
       return
     if self.custom_tx is not None:
-      self.log.console("warning: train.time_budget_minutes with Run(tx=...): the step count is "
+      self.log.console("warning: train.time_budget_minutes with Trainer(tx=...): the step count is "
                        "fixed, but the schedules inside that tx are the caller's")
-    if steps != self.c.total_steps:
-      self.c = components.with_steps(self.c, steps, self.custom_tx)  # the restorer reads self.c
+    if steps != self.components.total_steps:
+      # the restorer reads self.components
+      self.components = with_steps(self.components, steps, self.custom_tx)
     self.log.console(self.budget.describe())
 
   # ------------------------------------------------------------------ the step loop
 
   def _train_from(self, step: int) -> int:
-    c, total = self.c, self.c.total_steps
-    bar = tqdm(total=total, initial=step, disable=not (self.is_main and c.cfg.logging.progress),
+    components, total = self.components, self.components.total_steps
+    show_progress = self.is_main and components.cfg.logging.progress
+    bar = tqdm(total=total, initial=step, disable=not show_progress,
                dynamic_ncols=True, desc="train")
     logging, evaluation, sampling, diagnostics, checkpointing, budget = self._actions(bar)
     budget.start(step)  # the steps since this one are timed at the next check
@@ -322,20 +330,20 @@ class Run:
       if self.signals.requested():
         exit_code = self._interrupted(step)
         break
-      kill_if_due(c.cfg.faults, step, "step")
+      kill_if_due(components.cfg.faults, step, "step")
       batch = self.batches.next(step)
       if step == 0:  # the logits before the first update: the base of the monitor's growth
         logging.baseline(self.state, batch["tokens"])
-      self.state, metrics = c.train_step(self.state, batch)
+      self.state, metrics = components.train_step(self.state, batch)
       step += 1
       logging.stepped()
       bar.update(1)
-      cause = logging.flush()  # step - 1's metrics, read after this step was dispatched
+      cause = logging.write_held()  # step - 1's metrics, read after this step was dispatched
       save_now = checkpointing.due(step)
       if logging.due(step) or save_now:
         logging.hold(step, metrics, self.state, batch["tokens"])
       if save_now and cause is None:
-        cause = logging.flush()  # a checkpoint needs this step's health now
+        cause = logging.write_held()  # a checkpoint needs this step's health now
       if cause is None and evaluation.due(step):
         cause = evaluation(step, self.state)
       for action in (sampling, diagnostics):
@@ -349,7 +357,7 @@ class Run:
           budget.stop(step, total, None if save_now else self._save_if_healthy)
           break
       if cause is not None:
-        if not (c.cfg.stability.recovery.enabled and self.recovery.budget_left):
+        if not (components.cfg.stability.recovery.enabled and self.recovery.budget_left):
           exit_code = self._diverged(step, cause)
           break
         self.state, step = self.restorer.rollback(step, cause, logging.last_record)
@@ -363,13 +371,14 @@ class Run:
 
   def _actions(self, bar: Any) -> tuple:
     """The periodic actions over the final components (after the time budget's plan)."""
-    c, agree = self.c, self.signals.agree
-    self.logging = actions.Logging(c, self.log, self.monitor, self.recovery, agree, bar,
+    components, agree = self.components, self.signals.agree
+    self.logging = actions.Logging(components, self.log, self.monitor, self.recovery, agree, bar,
                                    lambda: self.restorer.abandoned_skips)
-    self.sampling = actions.Sampling(c, self.log)
-    self.evaluation = actions.Evaluation(c, self.val_batches, self.log, self.recovery,
+    self.sampling = actions.Sampling(components, self.log)
+    self.evaluation = actions.Evaluation(components, self.val_batches, self.log, self.recovery,
                                          self.budget, agree, self.sampling)
-    self.diagnostics = actions.Diagnostics(c, self.val_batches[0] if self.val_batches else None,
+    first_val_batch = self.val_batches[0] if self.val_batches else None
+    self.diagnostics = actions.Diagnostics(components, first_val_batch,
                                            self.log)
     self.time_budget = actions.TimeBudget(self.budget, self.log, distributed.agree_any)
     return (self.logging, self.evaluation, self.sampling, self.diagnostics,
@@ -398,7 +407,8 @@ class Run:
 
   def _banner(self, step: int) -> None:
     if self.is_main:
-      for line in run_summary.banner(self.c, self.state.params, self.budget, self.run_dir.root,
+      for line in run_summary.banner(self.components, self.state.params, self.budget,
+                                     self.run_dir.root,
                                      step):
         self.log.console(line)
 
@@ -406,7 +416,7 @@ class Run:
     self.checkpoints.close()
     self.budget.tick(force=True)
     summary = run_summary.summary(
-        self.c, step=step, exit_code=exit_code, wall=time.time() - self.t_start,
+        self.components, step=step, exit_code=exit_code, wall=time.time() - self.t_start,
         logging=self.logging, evaluation=self.evaluation, diagnostics=self.diagnostics,
         recovery=self.recovery, monitor=self.monitor, budget=self.budget,
         abandoned_skips=self.restorer.abandoned_skips)
@@ -418,3 +428,8 @@ class Run:
         for line in run_summary.done(summary, self.run_dir.root, self.monitor):
           self.log.console(line)
     return exit_code
+
+
+def __getattr__(name: str) -> object:
+  """``Run``, the old name of :class:`Trainer`, kept for one release."""
+  return _compat.moved_name(__name__, name)

@@ -104,7 +104,7 @@ def learning_rate_warnings(cfg: Config) -> list[str]:
       head_lr=rates["head"], consistent_rms=cfg.optimizer.consistent_rms)
 
 
-def decay_mask(params: Any) -> Any:
+def decay_mask(params: optax.Params) -> Any:
   """True for the leaves weight decay may touch: all but norm gains, biases and scalars."""
   return jax.tree.map(lambda label: label != "adam", label_params(params))
 
@@ -162,7 +162,7 @@ def parameter_learning_rates(cfg: Config, schedules: Optional[Schedules] = None
   before the learning rate divide by it (`DefenceContext.learning_rates`)."""
   by_group = (schedules or Schedules.of(cfg)).by_group
 
-  def rates(params: Any) -> Any:
+  def rates(params: optax.Params) -> Any:
     if cfg.optimizer.name == "adamw":
       return jax.tree.map(lambda _: by_group["adamw"], params)
     return jax.tree.map(lambda label: by_group[label], label_params(params))
@@ -226,7 +226,7 @@ def _is_lr_scale_state(node: Any) -> bool:
   return isinstance(node, _INJECT_STATES) and "step_size" in node.hyperparams
 
 
-def _lr_scale_states(opt_state: Any) -> list:
+def _lr_scale_states(opt_state: optax.OptState) -> list:
   nodes = jax.tree.leaves(opt_state, is_leaf=_is_lr_scale_state)
   found = [node for node in nodes if _is_lr_scale_state(node)]
   if len(found) != 1:
@@ -234,7 +234,7 @@ def _lr_scale_states(opt_state: Any) -> list:
   return found
 
 
-def _map_lr_scale(opt_state: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
+def _map_lr_scale(opt_state: optax.OptState, fn: Callable[[jax.Array], jax.Array]) -> Any:
   def visit(node: Any) -> Any:
     if _is_lr_scale_state(node):
       hyper = dict(node.hyperparams, step_size=fn(node.hyperparams["step_size"]))
@@ -243,11 +243,11 @@ def _map_lr_scale(opt_state: Any, fn: Callable[[jax.Array], jax.Array]) -> Any:
   return jax.tree.map(visit, opt_state, is_leaf=_is_lr_scale_state)
 
 
-def get_lr_scale(opt_state: Any) -> jax.Array:
+def get_lr_scale(opt_state: optax.OptState) -> jax.Array:
   return _lr_scale_states(opt_state)[0].hyperparams["step_size"]
 
 
-def applied_updates(opt_state: Any) -> jax.Array:
+def applied_updates(opt_state: optax.OptState) -> jax.Array:
   """Updates applied so far (skipped steps excluded): the count the learning-rate schedules see.
 
   Read from the `lr_scale` state, which sits inside the skip wrappers like the schedules.
@@ -255,5 +255,5 @@ def applied_updates(opt_state: Any) -> jax.Array:
   return _lr_scale_states(opt_state)[0].count
 
 
-def set_lr_scale(opt_state: Any, value: float | jax.Array) -> Any:
+def set_lr_scale(opt_state: optax.OptState, value: float | jax.Array) -> Any:
   return _map_lr_scale(opt_state, lambda x: jnp.asarray(value, x.dtype))

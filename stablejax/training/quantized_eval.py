@@ -40,6 +40,7 @@ to the current directory), so run this from where the run was started.
 
 from __future__ import annotations
 
+import optax
 import contextlib
 import dataclasses
 import functools
@@ -51,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from stablejax.training.runs import RunError, check_params, load_run_config, restore_params
+from stablejax.training.trained_run import RunError, check_params, load_run_config, restore_params
 
 if TYPE_CHECKING:
   from stablejax.training.config import Config
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 RESULT_FILE = "quantize_eval.json"
 
 
-QuantizeEvalError = RunError  # one error type for an unusable run (stablejax.training.runs)
+QuantizeEvalError = RunError  # one error type for an unusable run (stablejax.training.trained_run)
 
 
 def make_evaluator(cfg: Config, model_cfg: Any = None, step: int = 0
@@ -87,7 +88,7 @@ def make_evaluator(cfg: Config, model_cfg: Any = None, step: int = 0
   run_cfg = dataclasses.replace(cfg, model=model_cfg)
   eval_step = _jitted_eval_step(json.dumps(to_dict(run_cfg), sort_keys=True))
 
-  def evaluate(params: Any, batches: Sequence[Any]) -> float:
+  def evaluate(params: optax.Params, batches: Sequence[Any]) -> float:
     losses = [eval_step(params, jnp.asarray(b), jnp.int32(step)) for b in batches]
     return float(np.mean(jax.device_get(losses)))
 

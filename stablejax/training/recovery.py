@@ -24,13 +24,14 @@ import collections
 import dataclasses
 import math
 import statistics
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from stablejax.monitor.specs import rollback_request_counts
+from stablejax.training.config import StabilitySections
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ def backoff_lr_scale(backoff: LRBackoff, step: jax.Array, recovery_steps: Option
 class Recovery:
   """Watches logged values, says when training must roll back and to which checkpoint."""
 
-  def __init__(self, stability: Any):
+  def __init__(self, stability: StabilitySections):
     """``stability``: the config's ``stability`` section (its ``recovery`` settings, and the skip
     wrappers' ``max_consecutive`` for the messages)."""
     self.stability = stability

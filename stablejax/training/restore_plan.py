@@ -23,6 +23,7 @@ the same way (:class:`LegacyLayout`). What the restore did is one line at start
 
 from __future__ import annotations
 
+import optax
 import dataclasses
 from typing import Any, Callable, Optional
 
@@ -43,7 +44,7 @@ def path_names(path: tuple) -> tuple[str, ...]:
   return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def leaf_layout(tree: Any) -> dict[tuple[str, ...], tuple]:
+def leaf_layout(tree: optax.Params) -> dict[tuple[str, ...], tuple]:
   """``{path: (shape, dtype)}`` of the array leaves of a state, an abstract state or Orbax's
   metadata of one."""
   out = {}
@@ -147,7 +148,7 @@ class RestorePlan:
     return state
 
 
-def continue_counts(opt_state: Any, applied: jax.Array) -> Any:
+def continue_counts(opt_state: optax.OptState, applied: jax.Array) -> Any:
   """``opt_state`` with every scalar int ``count`` leaf (optax's schedule, Adam's and Muon's
   step counters) set to ``applied``: a fresh optimizer continues the learning-rate schedule
   where the run is. Its moments start at zero without bias correction then, so its first

@@ -39,26 +39,28 @@ class Restorer:
   the optimizer state by name (:mod:`stablejax.training.restore_plan`).
 
   Args:
-    components: ``() -> Components``: the run's current components (the time budget replaces
-      them once it has fixed the step count).
+    current_components: ``() -> Components``: the run's current components (the time budget
+      replaces them once it has fixed the step count).
     recorded: the config the run's checkpoints were written with (the run directory's
       ``config.json``), or None for a new run: a checkpoint of a version before the optimizer
       state was keyed is read in its layout.
     reset_optimizer: start the optimizer's state afresh at resume (``--reset-optimizer``).
   """
 
-  def __init__(self, components: Callable[[], Components], run_dir: RunDirectory,
+  def __init__(self, current_components: Callable[[], Components], run_dir: RunDirectory,
                checkpoints: Checkpoints, batches: Batches, recovery: Recovery,
                monitor: StabilityMonitor, log: RunLogger, *, recorded: Optional[Config] = None,
                reset_optimizer: bool = False):
-    self.components, self.run_dir, self.checkpoints = components, run_dir, checkpoints
+    self.current_components, self.run_dir = current_components, run_dir
+    self.checkpoints = checkpoints
     self.batches, self.recovery, self.monitor, self.log = batches, recovery, monitor, log
     self.recorded, self.reset_optimizer = recorded, reset_optimizer
     self.abandoned_skips = 0  # skips counted on rolled-back branches
 
   @property
-  def c(self) -> Components:
-    return self.components()
+  def components(self) -> Components:
+    """The trainer's components now (the time budget may rebuild them after the restorer)."""
+    return self.current_components()
 
   @property
   def recovery_file(self) -> Path:
@@ -70,30 +72,32 @@ class Restorer:
   def restore(self, at_most: Optional[int] = None, *, reset_optimizer: bool = False
               ) -> Optional[tuple[TrainState, dict]]:
     self._reset = reset_optimizer
-    return self.checkpoints.restore(self.c.abstract_state, self.batches.stream, at_most=at_most,
+    return self.checkpoints.restore(self.components.abstract_state, self.batches.stream,
+                                    at_most=at_most,
                                     on_fallback=self._fallback, match=self)
 
   # ------------------------------------------------------------------ matching by name
 
   def plan(self, stored: Any) -> restore_plan.RestorePlan:
-    return restore_plan.plan(stored, self.c.abstract_state, reset_optimizer=self._reset,
+    return restore_plan.plan(stored, self.components.abstract_state, reset_optimizer=self._reset,
                              legacy=self._legacy_layout)
 
   def finish(self, plan: restore_plan.RestorePlan, restored: Any) -> Any:
-    c = self.c
-    state = plan.finish(restored, c.init_optimizer,
-                        lambda: c.init_state(jax.random.PRNGKey(c.cfg.train.seed)))
-    return jax.device_put(state, c.state_sharding) if not plan.complete else state
+    components = self.components
+    state = plan.finish(restored, components.init_optimizer,
+                        lambda: components.init_state(
+                            jax.random.PRNGKey(components.cfg.train.seed)))
+    return jax.device_put(state, components.state_sharding) if not plan.complete else state
 
   def _legacy_layout(self) -> Optional[restore_plan.LegacyLayout]:
     """The positional optimizer state the recorded config built before states were keyed."""
-    if self.recorded is None or self.c.optimizer is not None:
+    if self.recorded is None or self.components.optimizer is not None:
       return None
     from stablejax.training.optim import build_optimizer
-    recorded, c = self.recorded, self.c
+    recorded, components = self.recorded, self.components
     tx = build_optimizer(recorded)
-    keyed = jax.eval_shape(tx.init, c.abstract_state.params)
-    ctx = defence.DefenceContext(stability=recorded.stability, model=c.model)
+    keyed = jax.eval_shape(tx.init, components.abstract_state.params)
+    ctx = defence.DefenceContext(stability=recorded.stability, model=components.model)
     built = defence.built(recorded.stability, ctx)
     positions = [d.name for d, _ in built if d.position is not defence.Position.WRAPPER]
     wrappers = tuple(d.name for d, _ in built if d.position is defence.Position.WRAPPER)
@@ -104,7 +108,7 @@ class Restorer:
              + [defence.LR_SCALE_KEY]
              + [n for n in positions if by_position[n] is defence.Position.FINAL])
     positional = to_positional(keyed, chain, wrappers)
-    shardings = mesh_lib.state_shardings(c.mesh, positional)
+    shardings = mesh_lib.state_shardings(components.mesh, positional)
     positional = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                               positional, shardings)
     return restore_plan.LegacyLayout(positional, tuple(chain), wrappers, recorded.optimizer.name)
@@ -139,7 +143,7 @@ class Restorer:
         stale.replace(target)
         self.log.console(f"warning: no checkpoint in {self.checkpoints.directory}: starting at step"
                          f" 0 and keeping the old rollback record as {RECOVERY_FILE}.stale")
-      return self.c.init_state(jax.random.PRNGKey(self.c.cfg.train.seed)), {}
+      return self.components.init_state(jax.random.PRNGKey(self.components.cfg.train.seed)), {}
     state, meta = restored
     decision = read_json(self.recovery_file)
     saved_events = len(meta.get("recovery", {}).get("events", []))
@@ -159,7 +163,8 @@ class Restorer:
     self.batches.schedule_skip(*event.skipped_batches)
     self.log.console(f"re-applying rollback {len(decision['recovery']['events'])} "
                      f"({event.describe()}) recorded in {RECOVERY_FILE}")
-    state = self.c.set_lr_backoff(state, jnp.float32(event.lr_scale), jnp.int32(meta["step"]))
+    state = self.components.set_lr_backoff(state, jnp.float32(event.lr_scale),
+                                           jnp.int32(meta["step"]))
     meta = {**meta, "batches_consumed": self.batches.consumed,
             "pending_skips": [list(r) for r in self.batches.pending],
             "abandoned_skips": decision["abandoned_skips"], "recovery": decision["recovery"],
@@ -192,9 +197,9 @@ class Restorer:
     first_skipped = self.batches.consumed if target_position is None else target_position
     self.batches.schedule_skip(first_skipped, failed_at)
     # The LR that failed, backed off; it returns to 1.0 over stability.recovery.lr_recovery_steps.
-    r = self.c.cfg.stability.recovery
+    r = self.components.cfg.stability.recovery
     lr_scale = float(record.get("lr_scale", 1.0)) * r.emergency_lr_factor
-    state = self.c.set_lr_backoff(state, jnp.float32(lr_scale), jnp.int32(restored_step))
+    state = self.components.set_lr_backoff(state, jnp.float32(lr_scale), jnp.int32(restored_step))
     event = RollbackEvent(step=step, cause=cause, restored_step=restored_step, lr_scale=lr_scale,
                           skipped_batches=(first_skipped, failed_at))
     self.recovery.record(event, restored_metrics)
@@ -210,7 +215,7 @@ class Restorer:
     self.log.record({"step": step, "event": "rollback", **dataclasses.asdict(event)},
                     {"recovery/rollbacks": self.recovery.rollbacks, "recovery/lr_scale": lr_scale})
     self.log.text("recovery/events", event.describe(), step)
-    kill_if_due(self.c.cfg.faults, self.recovery.rollbacks, "rollback")
+    kill_if_due(self.components.cfg.faults, self.recovery.rollbacks, "rollback")
     self.checkpoints.delete_after(restored_step)  # the abandoned branch
     return state, restored_step
 
@@ -224,7 +229,7 @@ class Restorer:
     self.log.record({"step": step, "event": "diverged", "cause": cause})
     lines = [f"error: training diverged at step {step}: {cause}",
              f"recovery budget used: {self.recovery.rollbacks} of "
-             f"{self.c.cfg.stability.recovery.max_rollbacks} rollbacks"]
+             f"{self.components.cfg.stability.recovery.max_rollbacks} rollbacks"]
     lines += [f"  rollback {i + 1}: {e.describe()}" for i, e in enumerate(self.recovery.events)]
     lines.append("try: a lower optimizer.learning_rate, a longer train.warmup_steps, or check the "
                  f"data (see {self.run_dir.root / 'metrics.jsonl'})")

@@ -1,5 +1,5 @@
 """What a run says of itself: the banner at its start, ``summary.json`` and the last lines at its
-end (:class:`stablejax.training.loop.Run` prints and writes them, on process 0).
+end (:class:`stablejax.training.loop.Trainer` prints and writes them, on process 0).
 
 The banner names the model (parameters, family, dtypes), the devices and mesh, the data, the
 optimizer with its peak learning rates and step count, the output folder, Muon's routing when
@@ -11,10 +11,11 @@ budget's figures and the peak memory.
 
 from __future__ import annotations
 
+import optax
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 
@@ -33,38 +34,39 @@ if TYPE_CHECKING:
   from stablejax.training.recovery import Recovery
 
 
-def banner(c: Components, params: Any, budget: Budget, out_dir: Path, step: int) -> list[str]:
+def banner(components: Components, params: optax.Params, budget: Budget, out_dir: Path,
+           step: int) -> list[str]:
   """The lines a run starts with (resuming at ``step`` when it is not 0)."""
-  cfg, model = c.cfg, c.model
+  cfg, model = components.cfg, components.model
   lines = [
       f"stablejax {_version()}: {model.count_params(params) / 1e6:.2f}M "
       f"parameters ({model.describe()}), params {model.param_dtype}, compute "
       f"{model.compute_dtype}",
       f"devices: {jax.device_count()} x {jax.devices()[0].device_kind} "
-      f"({jax.process_count()} process(es)); mesh {dict(c.mesh.shape)}",
-      f"data: {json.dumps(c.data.stats, default=str)}",
+      f"({jax.process_count()} process(es)); mesh {dict(components.mesh.shape)}",
+      f"data: {json.dumps(components.data.stats, default=str)}",
       f"optimizer: {cfg.optimizer.name}, peak learning rates {learning_rates(cfg)}, "
-      f"{c.total_steps} steps ({budget.describe_length(c.total_steps)}), warmup "
+      f"{components.total_steps} steps ({budget.describe_length(components.total_steps)}), warmup "
       f"{cfg.train.warmup_steps}",
       f"output: {out_dir}" + (f" (resuming at step {step})" if step else ""),
   ]
-  try:  # the configured chain or Run(tx=...): any chain holding an outlier_safe_muon
-    lines.append(describe_routing(params, c.tx))
+  try:  # the configured chain or Trainer(tx=...): any chain holding an outlier_safe_muon
+    lines.append(describe_routing(params, components.tx))
   except NoOutlierSafeMuonError:
     pass
   return lines + [f"warning: {w}" for w in learning_rate_warnings(cfg) + ineffective_keys(cfg)]
 
 
-def summary(c: Components, *, step: int, exit_code: int, wall: float, logging: Logging,
+def summary(components: Components, *, step: int, exit_code: int, wall: float, logging: Logging,
             evaluation: Evaluation, diagnostics: Diagnostics, recovery: Recovery,
             monitor: StabilityMonitor, budget: Budget, abandoned_skips: int) -> dict:
   """``summary.json``: the run's outcome at ``step`` after ``wall`` seconds of this segment
   (``abandoned_skips``: the skipped steps of the segments that rollbacks undid)."""
   record = logging.last_record
   tokens_per_sec = logging.tokens_per_sec
-  model = c.model
-  flops = model.flops_per_token(c.cfg.train.seq_len) if model.supports("FLOPs") else None
-  peak = peak_flops_per_device(c.cfg) * jax.device_count()
+  model = components.model
+  flops = model.flops_per_token(components.cfg.train.seq_len) if model.supports("FLOPs") else None
+  peak = peak_flops_per_device(components.cfg) * jax.device_count()
   return {
       "final_val_loss": evaluation.last_val_loss,
       "final_train_loss": record.get("loss"),

@@ -11,7 +11,7 @@ usable checkpoint (the trainer's fingerprint rule; a damaged newest step falls b
 previous one with a warning), encodes the prompt with the run's tokenizer (the one the trainer
 recorded in ``RUN_DIR/tokenizer/``, with a copy of a Hugging Face ``tokenizer.json``; a missing
 or changed copy is an error naming ``--tokenizer``; plain ``.bin`` data needs ``--tokenizer``),
-generates with the jitted KV-cache decoder of ``stablejax.training.generate`` and prints the prompt
+generates with the jitted KV-cache decoder of ``stablejax.training.decoding`` and prints the prompt
 and its continuation. An empty prompt starts a new document (the end-of-text token; a blank line
 for byte-level text). The same seed gives the same text. ``--temperature 0`` is greedy.
 
@@ -35,10 +35,10 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from stablejax.training.runs import (RunError, check_params, load_run_config, restore_params,
+from stablejax.training.trained_run import (RunError, check_params, load_run_config, restore_params,
                                      run_tokenizer)
 
-SampleError = RunError  # one error type for an unusable run (stablejax.training.runs)
+SampleError = RunError  # one error type for an unusable run (stablejax.training.trained_run)
 
 
 def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
@@ -67,7 +67,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
 
   from stablejax.modeling.family import MissingCapability
   from stablejax.training.config import model_of
-  from stablejax.training.generate import Generator
+  from stablejax.training.decoding import Generator
 
   check_stop()
   if max_new_tokens < 0 or num_samples < 1 or top_k < 0 or not temperature >= 0:

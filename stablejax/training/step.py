@@ -28,8 +28,8 @@ from stablejax.transforms.metrics import stability_metrics
 
 class TrainState(flax.struct.PyTreeNode):
   step: jax.Array                  # int32 optimizer steps taken (applied or skipped)
-  params: Any                      # float32 unless model.param_dtype says otherwise
-  opt_state: Any
+  params: optax.Params                      # float32 unless model.param_dtype says otherwise
+  opt_state: optax.OptState
   loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
   # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
   lr_backoff: Optional[Any] = None
@@ -46,7 +46,7 @@ def make_loss_fn(model: LanguageModel, cfg: Config, needs: frozenset[str] = froz
   ``logits``, ``targets``, and ``attention_logits`` when ``needs`` has it)."""
   attention = "attention_logits" in needs
 
-  def loss_fn(params: Any, tokens: jax.Array, step: Any
+  def loss_fn(params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
               ) -> tuple[jax.Array, defence.ForwardPass]:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     out: defence.ForwardPass = {"targets": targets}
@@ -72,7 +72,7 @@ def step_argument_specs(cfg: Config, model: LanguageModel) -> list[defence.StepA
   return args
 
 
-def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, step: jax.Array,
+def _accumulate(loss_fn: LossFn, params: optax.Params, tokens: jax.Array, step: jax.Array,
                 scale: Optional[jax.Array], args: list[defence.StepArgument]
                 ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
   """Gradients of the mean loss over the micro-batches ``tokens[i]`` (``[grad_accum,
@@ -105,7 +105,7 @@ def _accumulate(loss_fn: LossFn, params: Any, tokens: jax.Array, step: jax.Array
   return grads, loss, z_loss, {arg.name: arg.finish(combined[arg.name], n) for arg in args}
 
 
-def _with_lr_backoff(opt_state: Any, state: "TrainState", cfg: Config) -> Any:
+def _with_lr_backoff(opt_state: optax.OptState, state: "TrainState", cfg: Config) -> Any:
   """The optimizer state with the LR scale of a rollback's backoff at this step (on its way back
   to 1.0 over ``stability.recovery.lr_recovery_steps``); unchanged without a backoff."""
   if state.lr_backoff is None:
@@ -115,7 +115,7 @@ def _with_lr_backoff(opt_state: Any, state: "TrainState", cfg: Config) -> Any:
                                                   r.lr_recovery_steps, r.lr_recovery_schedule))
 
 
-def update_norm_metrics(updates: Any) -> dict[str, jax.Array]:
+def update_norm_metrics(updates: optax.Updates) -> dict[str, jax.Array]:
   """``update_norm`` (the global L2 norm of the applied update, float32; 0 on a skipped step) and
   ``update_norm/layer_<i>`` per layer (`stablejax.monitor.layers.global_and_layer_norms`): the
   monitor's update-norm indicator reads them with the logged ``lr``."""
@@ -194,7 +194,7 @@ def make_eval_step(model: LanguageModel, cfg: Config
   """``(params, tokens, step) -> cross-entropy`` of ``tokens`` ``[B, T + 1]``."""
   loss_fn = make_loss_fn(model, cfg)
 
-  def eval_step(params: Any, tokens: jax.Array, step: jax.Array) -> jax.Array:
+  def eval_step(params: optax.Params, tokens: jax.Array, step: jax.Array) -> jax.Array:
     _, forward = loss_fn(params, tokens, step)
     return forward["cross_entropy"]
 
@@ -214,7 +214,7 @@ def make_logit_telemetry(model: LanguageModel, cfg: Config
   """
   lg = cfg.logging
 
-  def telemetry(params: Any, tokens: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
+  def telemetry(params: optax.Params, tokens: jax.Array, step: jax.Array) -> dict[str, jax.Array]:
     rows = tokens[0, :min(lg.attention_sequences, tokens.shape[1])]
     logits, collected = model.logits_and_attention(params, rows[:, :-1], step)
     per_head = model.layer_max_logits(collected)  # [L, H]

@@ -17,7 +17,7 @@ import optax
 State = TypeVar("State")
 
 
-def apply_gradients(state: State, *, grads: Any, **extra_args: Any) -> State:
+def apply_gradients(state: State, *, grads: optax.Updates, **extra_args: Any) -> State:
   """``state.apply_gradients(grads=grads)`` that also hands ``extra_args`` to ``tx.update``.
 
   ``state`` is a ``flax.training.train_state.TrainState`` (or any dataclass with ``step``,

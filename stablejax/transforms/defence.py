@@ -273,7 +273,7 @@ def validate(stability: Any, ctx: DefenceContext) -> None:
       check(f"stability.{d.name}", ctx)
 
 
-def in_state(opt_state: Any) -> tuple[Defence, ...]:
+def in_state(opt_state: optax.OptState) -> tuple[Defence, ...]:
   """The registered defences whose state a keyed optimizer state holds (:func:`build_chain`'s),
   in chain order; () for any other state."""
   if not isinstance(opt_state, dict):

@@ -18,7 +18,7 @@ of a run then only adds its key, one switched off only removes its own (after Le
 from __future__ import annotations
 
 import collections
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import optax
 
@@ -37,10 +37,11 @@ def nest(name: str, tx: Any) -> optax.GradientTransformationExtraArgs:
   """
   tx = optax.with_extra_args_support(tx)
 
-  def init(params: Any) -> dict:
+  def init(params: optax.Params) -> dict:
     return {name: tx.init(params)}
 
-  def update(updates: Any, state: dict, params: Any = None, **extra: Any) -> tuple[Any, dict]:
+  def update(updates: optax.Updates, state: dict, params: Optional[optax.Params] = None,
+             **extra: Any) -> tuple[optax.Updates, dict]:
     updates, inner = tx.update(updates, state[name], params, **extra)
     return updates, {name: inner}
 
@@ -102,18 +103,18 @@ def keyed_chain(entries: Sequence[tuple[str, Any]],
       nested = keyed[name]._replace(inner_state=nested)
     return nested
 
-  def init(params: Any) -> KeyedState:
+  def init(params: optax.Params) -> KeyedState:
     return to_keys(tx.init(params))
 
-  def update(updates: Any, state: KeyedState, params: Any = None,
-             **extra: Any) -> tuple[Any, KeyedState]:
+  def update(updates: optax.Updates, state: KeyedState, params: Optional[optax.Params] = None,
+             **extra: Any) -> tuple[optax.Updates, KeyedState]:
     updates, nested = tx.update(updates, to_nested(state), params, **extra)
     return updates, to_keys(nested)
 
   return optax.GradientTransformationExtraArgs(init, update)  # type: ignore[arg-type]
 
 
-def is_keyed(opt_state: Any) -> bool:
+def is_keyed(opt_state: optax.OptState) -> bool:
   """Whether ``opt_state`` is the trainer's keyed state (a dict with an ``"optimizer"`` entry)."""
   return isinstance(opt_state, dict) and isinstance(opt_state.get(OPTIMIZER_KEY), dict)
 

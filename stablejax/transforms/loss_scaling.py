@@ -12,6 +12,7 @@ not need loss scaling.
 
 from __future__ import annotations
 
+import optax
 from typing import Any, Sequence
 
 import jax
@@ -167,7 +168,7 @@ class DynamicLossScale:
     loss = jnp.asarray(loss)
     return (loss.astype(jnp.float32) * self.loss_scale).astype(loss.dtype)
 
-  def unscale(self, grads: Any) -> Any:
+  def unscale(self, grads: optax.Updates) -> Any:
     """Divides every gradient by the current scale.
 
     The division is done in float32 and cast back, so each leaf keeps its
@@ -222,7 +223,7 @@ class DynamicLossScale:
                          counter.astype(jnp.int32))
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: optax.Params) -> jax.Array:
   """Scalar bool: every entry of every leaf of ``tree`` is finite.
 
   Args:

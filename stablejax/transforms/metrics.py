@@ -12,6 +12,7 @@ types with :func:`register_state_metrics`.
 
 from __future__ import annotations
 
+import optax
 import dataclasses
 from typing import Any, Callable, Dict, Optional, Sequence
 
@@ -217,7 +218,7 @@ def _walk(node: Any, out: list[tuple[Any, MetricsSpec]]) -> None:
         _walk(field, out)
 
 
-def stability_metrics(opt_state: Any) -> dict[str, jax.Array]:
+def stability_metrics(opt_state: optax.OptState) -> dict[str, jax.Array]:
   """Flat dict of scalar stability metrics from any optimizer state.
 
   Finds every registered state (ZClip, AdaGC, skip wrappers, and whatever

@@ -158,13 +158,13 @@ def qk_clip(tau: float = 100.0, layers: LayersArg = None, num_heads: Optional[in
                      "function params -> list of AttentionLayer, or None")
   resolved: dict[Any, tuple[AttentionLayer, ...]] = {}
 
-  def find_layers(params: Any) -> tuple[AttentionLayer, ...]:
+  def find_layers(params: optax.Params) -> tuple[AttentionLayer, ...]:
     structure = jax.tree.structure(params)
     if structure not in resolved:
       resolved[structure] = _attention_layers(params, layers, num_heads, num_kv_heads)
     return resolved[structure]
 
-  def init_fn(params: Any) -> QKClipState:
+  def init_fn(params: optax.Params) -> QKClipState:
     _check_layers(params, find_layers(params))
     return QKClipState(heads_clipped=jnp.zeros([], jnp.int32),
                        max_logit=jnp.full([], -jnp.inf, jnp.float32),
@@ -256,7 +256,7 @@ def _head_factor(shape: tuple[int, ...], param: HeadParam, stack_ndim: int, per_
   return factor
 
 
-def _attention_layers(params: Any, layers: LayersArg, num_heads: Optional[int],
+def _attention_layers(params: optax.Params, layers: LayersArg, num_heads: Optional[int],
                       num_kv_heads: Optional[int]) -> tuple[AttentionLayer, ...]:
   """The attention layers of ``params``: ``layers`` as given, called on ``params``, or found in
   them (``layers=None``)."""
@@ -280,7 +280,7 @@ def _attention_layers(params: Any, layers: LayersArg, num_heads: Optional[int],
   return found
 
 
-def _check_layers(params: Any, layers: Sequence[AttentionLayer]) -> None:
+def _check_layers(params: optax.Params, layers: Sequence[AttentionLayer]) -> None:
   """Every named parameter exists and its head axis fits the layer's head count."""
   flat = jax.tree_util.tree_flatten_with_path(params)[0]
   shapes = {_leaf_name(path): tuple(np.shape(leaf)) for path, leaf in flat}

@@ -80,7 +80,7 @@ def _check_rate_args(learning_rate: Optional[Rate_], learning_rates: RatesArg) -
                   "use the non-negative rate the incoming updates were multiplied by")
 
 
-def _leaf_rates(updates: Any, count: jax.Array, learning_rate: Optional[Rate_],
+def _leaf_rates(updates: optax.Updates, count: jax.Array, learning_rate: Optional[Rate_],
                 learning_rates: RatesArg) -> list[Optional[jax.Array]]:
   """The rate of each leaf of ``updates`` at ``count`` (float32, >= 0), or None for no rate."""
   leaves, treedef = jax.tree.flatten(updates)

@@ -17,7 +17,8 @@ Example:
 from stablejax.training.config.sections import (CheckpointConfig, Config, ConfigError,
                                                 FaultsConfig, LoggingConfig, LossScaleConfig,
                                                 MeshConfig, OptimizerConfig, RecoveryConfig,
-                                                TrainConfig, model_of, model_section_class,
+                                                StabilitySections, TrainConfig, model_of,
+                                                model_section_class,
                                                 stability_config_class, to_dict)
 from stablejax.training.config.legacy import is_v0_1, translate_v0_1
 from stablejax.training.config.checks import changed_keys, ineffective_keys, validate
@@ -27,7 +28,8 @@ from stablejax.training.config.loading import (apply_overrides, config_from_dict
 
 __all__ = [
     "CheckpointConfig", "Config", "ConfigError", "FaultsConfig", "LoggingConfig",
-    "LossScaleConfig", "MeshConfig", "OptimizerConfig", "RecoveryConfig", "TrainConfig",
+    "LossScaleConfig", "MeshConfig", "OptimizerConfig", "RecoveryConfig", "StabilitySections",
+    "TrainConfig",
     "apply_overrides", "changed_keys", "config_from_dict", "config_name", "config_path",
     "flat_keys", "ineffective_keys", "is_v0_1", "load_config", "load_plugins", "load_run_file",
     "model_of", "model_section_class", "packaged_configs", "recorded_plugins",

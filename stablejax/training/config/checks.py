@@ -7,12 +7,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stablejax.muon import newton_schulz as _ns
 from stablejax.training.config.sections import (Config, ConfigError, MeshConfig, OptimizerConfig,
                                                 model_of, to_dict)
 from stablejax.transforms import defence
+
+if TYPE_CHECKING:
+  import optax
 
 
 def changed_keys(before: Config, after: Config) -> list[str]:
@@ -27,7 +30,7 @@ def changed_keys(before: Config, after: Config) -> list[str]:
     ['model.qk_norm true -> false', 'optimizer.learning_rate 0.01 -> 0.005',
      'stability.qk_clip.enabled false -> true']
   """
-  def leaves(tree: Any, prefix: str = "") -> dict[str, Any]:
+  def leaves(tree: optax.Params, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
       out: dict[str, Any] = {}
       for key, value in tree.items():

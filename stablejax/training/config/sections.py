@@ -9,7 +9,7 @@ the :class:`stablejax.modeling.family.LanguageModel` of its model section.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from stablejax.data.config import DataConfig
 from stablejax.modeling import family as family_lib
@@ -124,7 +124,23 @@ class RecoveryConfig:
   loss_explosion_factor: float = 3.0
 
 
-def stability_config_class() -> type:
+class StabilitySections:
+  """What every ``stability`` section has: ``z_loss``, ``loss_scale`` and ``recovery``, and one
+  section per registered defence (found by name, typed by the defence's ``config``).
+
+  The section's dataclass is built from the registry (`stability_config_class`) with this class as
+  its base, so a defence registered by a plugin has its section too.
+  """
+  z_loss: float
+  loss_scale: LossScaleConfig
+  recovery: RecoveryConfig
+
+  if TYPE_CHECKING:
+    def __getattr__(self, name: str) -> Any:  # a registered defence's section
+      ...
+
+
+def stability_config_class() -> type[StabilitySections]:
   """The ``stability`` section's dataclass: ``z_loss``, one section per registered defence
   (:mod:`stablejax.transforms.defence`, in chain order), ``loss_scale`` and ``recovery``.
 
@@ -139,7 +155,7 @@ def stability_config_class() -> type:
     fields += [(d.name, d.config, dataclasses.field(default_factory=d.config)) for d in declared]
     fields += [("loss_scale", LossScaleConfig, dataclasses.field(default_factory=LossScaleConfig)),
                ("recovery", RecoveryConfig, dataclasses.field(default_factory=RecoveryConfig))]
-    cls = dataclasses.make_dataclass("StabilityConfig", fields)
+    cls = dataclasses.make_dataclass("StabilityConfig", fields, bases=(StabilitySections,))
     cls.__module__ = __name__
     cls.__doc__ = ("The ``stability`` section: ``z_loss`` (PaLM's auxiliary loss weight; 0 turns "
                    "it off), a section per defence (" + ", ".join(d.name for d in declared)
@@ -148,10 +164,10 @@ def stability_config_class() -> type:
   return cls
 
 
-_STABILITY_CLASSES: dict[tuple, type] = {}
+_STABILITY_CLASSES: dict[tuple, type[StabilitySections]] = {}
 
 
-def _default_stability() -> Any:
+def _default_stability() -> StabilitySections:
   return stability_config_class()()
 
 
@@ -228,7 +244,7 @@ class Config:
   """A training run's whole configuration: one dataclass per section of the JSON file.
 
   Build it with `load_config` (a JSON file plus ``section.key=value`` overrides, checked and with
-  one-line errors) rather than by hand; `Run` trains it.
+  one-line errors) rather than by hand; `Trainer` trains it.
 
   Example:
     >>> from stablejax.training.config import Config, load_config
@@ -246,7 +262,7 @@ class Config:
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
   optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
   # A dataclass built from the registered defences (stability_config_class).
-  stability: Any = dataclasses.field(default_factory=_default_stability)
+  stability: StabilitySections = dataclasses.field(default_factory=_default_stability)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)

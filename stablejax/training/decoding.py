@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import optax
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
@@ -72,7 +73,7 @@ class Generator:
     self.valid_vocab = int(valid_vocab or self.model.vocab_size)
     self._segment = _segment_fn(self.model, self.top_k, self.valid_vocab)
 
-  def generate(self, params: Any, prompt_ids: Sequence[int], n_new: int, *,
+  def generate(self, params: optax.Params, prompt_ids: Sequence[int], n_new: int, *,
                temperature: float = 0.8, seed: int = 0, step: int = 0,
                num_samples: int = 1) -> np.ndarray:
     """``n_new`` tokens after ``prompt_ids`` (a non-empty list), ``[num_samples, n_new]`` int32.
@@ -107,7 +108,7 @@ class Generator:
 def _segment_fn(model: LanguageModel, top_k: int, valid_vocab: int) -> Callable[..., Any]:
   """The jitted segment for one model."""
 
-  def segment(params: Any, prompt: jax.Array, rng: jax.Array, temperature: jax.Array,
+  def segment(params: optax.Params, prompt: jax.Array, rng: jax.Array, temperature: jax.Array,
               step: jax.Array, n_new: int) -> jax.Array:
     """Prefill ``prompt`` [B, P] into a fresh cache, then draw ``n_new`` tokens."""
     logits, cache = model.decode_start(params, prompt, step)
@@ -127,7 +128,7 @@ def _segment_fn(model: LanguageModel, top_k: int, valid_vocab: int) -> Callable[
   return jax.jit(segment, static_argnames=("n_new",))
 
 
-def greedy_reference(model: Any, params: Any, prompt_ids: Sequence[int], n_new: int,
+def greedy_reference(model: Any, params: optax.Params, prompt_ids: Sequence[int], n_new: int,
                      valid_vocab: Optional[int] = None) -> tuple[list[int], list[np.ndarray]]:
   """Greedy decoding by full recomputation (no cache), for tests: (tokens, last-position logits).
 
@@ -160,7 +161,7 @@ class EvalSampler:
     self.n_tokens, self.seed, self.temperature = n_tokens, seed, temperature
     self.gen = Generator(model, top_k=top_k, valid_vocab=tok.vocab_size)
 
-  def __call__(self, params: Any, step: int) -> str:
+  def __call__(self, params: optax.Params, step: int) -> str:
     ids = self.gen.generate(params, self.prompt_ids, self.n_tokens, temperature=self.temperature,
                             seed=self.seed, step=step)[0]
     return self.prompt + self.tok.decode(ids.tolist())

@@ -18,6 +18,7 @@ switch to another tokenizer.
 
 from __future__ import annotations
 
+import optax
 import dataclasses
 import hashlib
 import json
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 if TYPE_CHECKING:
   from stablejax.data.config import DataConfig
+  from stablejax.data.tokenizer import Tokenizer
   from stablejax.training.config import Config
 
 import numpy as np
@@ -148,7 +150,7 @@ def restore_params(run_dir: str | Path,
                  f"train the run again (python -m stablejax train --fresh)")
 
 
-def check_params(params: Any, cfg: Config) -> None:
+def check_params(params: optax.Params, cfg: Config) -> None:
   """Raises RunError if ``params`` do not fit the model of ``cfg`` (names and shapes)."""
   import jax
   import jax.numpy as jnp
@@ -331,8 +333,8 @@ def _from_record(run_dir: Path, record: dict) -> Any:
   return tok
 
 
-def run_tokenizer(cfg: Any, spec: Optional[str] = None,
-                  run_dir: Optional[str | Path] = None) -> Any:
+def run_tokenizer(cfg: Config, spec: Optional[str] = None,
+                  run_dir: Optional[str | Path] = None) -> Tokenizer:
   """The tokenizer to decode a run with, with its ``start_ids`` (the prompt of an empty sample).
 
   In order: ``spec`` (``--tokenizer``), which must be the one the run recorded if it recorded
