@@ -151,11 +151,11 @@ def test_scan_unroll_is_the_config_value_or_the_platform_choice():
 
 
 def test_matmul_over_flattened_rows_is_the_3d_product_and_its_gradient():
-  from stablejax.modeling.gpt import _matmul
+  from stablejax.modeling.layers import matmul_2d
   x = jax.random.normal(jax.random.key(0), (2, 5, 8))
   w = jax.random.normal(jax.random.key(1), (8, 3))
   cot = jax.random.normal(jax.random.key(2), (2, 5, 3))
-  y, pull = jax.vjp(_matmul, x, w)
+  y, pull = jax.vjp(matmul_2d, x, w)
   np.testing.assert_allclose(y, np.einsum("btk,kn->btn", x, w), rtol=1e-5, atol=1e-6)
   dx, dw = pull(cot)
   np.testing.assert_allclose(dx, np.einsum("btn,kn->btk", cot, w), rtol=1e-5, atol=1e-6)

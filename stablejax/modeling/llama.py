@@ -58,8 +58,8 @@ from stablejax.modeling.attention import (MAX_LOGIT, causal_attention_with_max_l
                                          collect_attention_logits)
 from stablejax.modeling.family import (AttentionHeads, DecodingCache, LanguageModel,
                                        ModelFamily, linen_variables)
-from stablejax.modeling.gpt import (_DTYPES, Linear, RMSNorm, _f32_accum_dtype, _Head, _rope,
-                                   kv_cached_attention, swiglu)
+from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, f32_accum_dtype,
+                                       kv_cached_attention, rope, swiglu)
 
 
 @dataclasses.dataclass
@@ -116,16 +116,16 @@ class LlamaConfig:
     if self.d_ff < 0:
       raise ValueError(f"model.d_ff={self.d_ff} must be >= 0 (0: automatic)")
     for name in ("compute_dtype", "param_dtype"):
-      if getattr(self, name) not in _DTYPES:
+      if getattr(self, name) not in DTYPES:
         raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown: use one of "
-                         f"{list(_DTYPES)}")
+                         f"{list(DTYPES)}")
     for name in ("rope_theta", "norm_eps", "init_std"):
       if not getattr(self, name) > 0:
         raise ValueError(f"model.{name}={getattr(self, name)!r} must be > 0")
 
 
 def _dtypes(cfg: LlamaConfig) -> tuple[Any, Any]:
-  return _DTYPES[cfg.compute_dtype], _DTYPES[cfg.param_dtype]
+  return DTYPES[cfg.compute_dtype], DTYPES[cfg.param_dtype]
 
 
 class LlamaAttention(nn.Module):
@@ -152,11 +152,11 @@ class LlamaAttention(nn.Module):
     if cfg.qk_norm:
       q = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="q_norm")(q)
       k = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="k_norm")(k)
-    adt = _f32_accum_dtype(cdt)
+    adt = f32_accum_dtype(cdt)
     if self.decode:
       y = kv_cached_attention(self, q, k, v, cfg.max_seq_len, cfg.rope_theta, adt)
     else:
-      q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
+      q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
       if self.sow_logits:
         y, max_logit = causal_attention_with_max_logit(q.astype(adt), k.astype(adt), v.astype(adt))
         self.sow("intermediates", MAX_LOGIT, max_logit)
@@ -240,11 +240,11 @@ class Llama(nn.Module):
       stream = jnp.stack(residual, axis=0) if return_activations else None
     x = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="final_norm")(x)
     if cfg.tie_embeddings:
-      hdt = _f32_accum_dtype(cdt)
+      hdt = f32_accum_dtype(cdt)
       logits = jnp.dot(x.astype(hdt), embed.embedding.T.astype(hdt),
                        preferred_element_type=jnp.float32)
     else:
-      logits = _Head(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
+      logits = LMHead(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
     logits = logits.astype(jnp.float32)
     return (logits, {"residual": stream}) if return_activations else logits
 

@@ -1,0 +1,149 @@
+"""The layers the built-in model families share: a bias-free linear layer (optionally BitNet),
+RMSNorm, rotary embeddings, KV-cached attention, SwiGLU and the output head.
+
+Flax Linen modules and functions of arrays; :mod:`stablejax.modeling.gpt` and
+:mod:`stablejax.modeling.llama` build their blocks from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from stablejax.modeling.bitnet import bitnet_matmul
+
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def matmul_2d(x: jax.Array, kernel: jax.Array, **kwargs: Any) -> jax.Array:
+  """``x [..., K] @ kernel [K, N]`` as one 2D product over the flattened leading axes.
+
+  The same products as ``jnp.dot(x, kernel)``, but the weight gradient that autodiff derives is
+  then a 2D product with one contracting axis. From a 3D ``x`` it contracts two (batch and
+  position), which XLA:CPU lowers by writing the whole upstream gradient transposed inside the
+  loop fusion of the elementwise backward; a Flax loop whose ``nn.Dense`` layers see flattened
+  rows instead ran at 1.4x to 1.9x its tokens/s on a 2-core CPU (docs/results.md, "Peer speed").
+  """
+  lead = x.shape[:-1]
+  y = jnp.dot(x.reshape(-1, x.shape[-1]), kernel, **kwargs)
+  return y.reshape(lead + (kernel.shape[-1],))
+
+
+class Linear(nn.Module):
+  """A bias-free 2D linear layer; optionally BitNet-quantised, its output mixed by
+  ``quantized_fraction``."""
+  features: int
+  compute_dtype: Any
+  param_dtype: Any
+  kernel_init: Any
+  bitnet: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array] = None) -> jax.Array:
+    kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), self.param_dtype)
+    if self.bitnet:
+      if quantized_fraction is None:
+        raise ValueError("a BitNet Linear needs its quantized_fraction")
+      y = bitnet_matmul(x.reshape(-1, x.shape[-1]), kernel, quantized_fraction, self.compute_dtype)
+      return y.reshape(x.shape[:-1] + (self.features,))  # per-token quantisation: rows stay rows
+    return matmul_2d(x.astype(self.compute_dtype), kernel.astype(self.compute_dtype))
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm with a vector gain (``single_scale=False``) or one scalar gain (SSNorm)."""
+  compute_dtype: Any
+  param_dtype: Any
+  single_scale: bool = False
+  eps: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    shape = () if self.single_scale else (x.shape[-1],)
+    scale = self.param("scale", nn.initializers.ones, shape, self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return (y * scale.astype(jnp.float32)).astype(self.compute_dtype)
+
+
+def rope(x: jax.Array, theta: float, offset: Optional[jax.Array] = None) -> jax.Array:
+  """Rotary position embedding (rotate-half form) on ``[B, T, H, hd]``; computed in float32.
+
+  ``offset`` (a traced int32, decoding only) shifts the positions to ``offset .. offset + T - 1``;
+  without it the angles are numpy constants, as in training.
+  """
+  t, hd = x.shape[1], x.shape[-1]
+  inv_freq = 1.0 / (theta ** (np.arange(0, hd, 2, dtype=np.float32) / hd))
+  if offset is None:
+    angles = np.arange(t, dtype=np.float32)[:, None] * inv_freq[None, :]      # [T, hd/2]
+    cos = jnp.asarray(np.cos(angles))[None, :, None, :]
+    sin = jnp.asarray(np.sin(angles))[None, :, None, :]
+  else:
+    positions = (offset + jnp.arange(t, dtype=jnp.int32)).astype(jnp.float32)
+    traced_angles = positions[:, None] * jnp.asarray(inv_freq)[None, :]
+    cos = jnp.cos(traced_angles)[None, :, None, :]
+    sin = jnp.sin(traced_angles)[None, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., : hd // 2], x32[..., hd // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def f32_accum_dtype(dtype: Any) -> Any:
+  """Input dtype for dots that accumulate in float32.
+
+  XLA:CPU has no float16 x float16 -> float32 dot, so on CPU float16 inputs are upcast (fp16
+  compute is meant for GPUs; on CPU it only exists for tests).
+  """
+  if dtype == jnp.float16 and jax.default_backend() == "cpu":
+    return jnp.float32
+  return dtype
+
+
+def kv_cached_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array,
+                        max_seq_len: int, rope_theta: float, dtype: Any) -> jax.Array:
+  """Causal attention of one decoding call over a KV cache held in ``module``'s ``"cache"``
+  collection (``k``, ``v`` ``[B, max_seq_len, K, hd]`` and the next position ``index``).
+
+  Rotates ``q`` and ``k`` to their positions ``index ..``, writes ``k`` and ``v`` there and
+  attends over the cache. ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query
+  attention: each key/value head serves ``H // K`` query heads).
+  """
+  b, t, kv_heads, hd = k.shape
+  shape = (b, max_seq_len, kv_heads, hd)
+  cached_k = module.variable("cache", "k", jnp.zeros, shape, dtype)
+  cached_v = module.variable("cache", "v", jnp.zeros, shape, dtype)
+  index = module.variable("cache", "index", lambda: jnp.zeros((), jnp.int32))
+  pos = index.value
+  q, k = rope(q, rope_theta, pos), rope(k, rope_theta, pos)
+  keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(dtype), (0, pos, 0, 0))
+  values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(dtype), (0, pos, 0, 0))
+  cached_k.value, cached_v.value, index.value = keys, values, pos + t
+  # Query i (position pos + i) sees cache positions <= pos + i; later slots are stale or empty.
+  mask = jnp.arange(max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
+  return jax.nn.dot_product_attention(q.astype(dtype), keys, values, mask=mask[None, None])
+
+
+def swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
+  """``silu(gate) * up`` in float32, returned in ``dtype`` (Shazeer 2020, "GLU Variants Improve
+  Transformer")."""
+  return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
+
+
+class LMHead(nn.Module):
+  """Output head: kernel ``[D, vocab]`` under ``lm_head/kernel``; float32 logits."""
+  vocab_size: int
+  compute_dtype: Any
+  param_dtype: Any
+  init_std: float
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", nn.initializers.normal(self.init_std),
+                        (x.shape[-1], self.vocab_size), self.param_dtype)
+    hdt = f32_accum_dtype(self.compute_dtype)
+    return matmul_2d(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
