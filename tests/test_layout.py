@@ -57,6 +57,22 @@ MOVED_NAMES = {
         **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), "stablejax.data.encode"),
         "PARTIAL": "stablejax.data.out_dir",
     },
+    "stablejax.muon.muon": {
+        **dict.fromkeys(("OUTLIER_METHODS", "IQR_EXACT_MAX", "clamp_outliers"),
+                        "stablejax.muon.outliers"),
+        **dict.fromkeys(("DEFAULT_NS_STEPS", "OutlierSafeMuonState", "ns_health", "shape_scale",
+                         "scale_by_outlier_safe_muon"), "stablejax.muon.direction"),
+        **dict.fromkeys(("TensorGuardState", "skip_nonfinite_tensors"),
+                        "stablejax.transforms.nonfinite_tensors"),
+    },
+    "stablejax.muon.routing": {
+        **dict.fromkeys(("GROUPS", "pure", "default_labels", "label_params"),
+                        "stablejax.muon.labels"),
+        **dict.fromkeys(("MuonDimensionNumbers", "DIMENSION_TYPES", "LAST_TWO_AXES",
+                         "ATTENTION_QKV", "check_dims", "matrix_shape", "to_matrices",
+                         "split_fused", "part_shapes"), "stablejax.muon.matrices"),
+        **dict.fromkeys(("Note", "warn_notes"), "stablejax.muon.notes"),
+    },
 }
 
 

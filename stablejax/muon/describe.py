@@ -20,6 +20,8 @@ import numpy as np
 
 from stablejax.muon import lr_check
 from stablejax.muon import routing
+from stablejax.muon.labels import GROUPS
+from stablejax.muon.matrices import layout_name
 from stablejax.muon.muon import outlier_safe_muon
 
 
@@ -103,12 +105,12 @@ def _rates_for_display(info: routing.RoutingInfo, tx: Any) -> dict:
 
 def _table(p: routing.RoutingPlan, rates: dict) -> str:
   rows = []
-  totals = {g: [0, 0] for g in routing.GROUPS}
+  totals = {g: [0, 0] for g in GROUPS}
   sources = p.sources or [None] * len(p.leaves)
   for leaf, label, dims, source in zip(p.leaves, p.labels, p.layouts, sources):
     if leaf.masked:
       continue
-    matrix = routing._layout_name(dims, leaf.shape) if label == "muon" else "-"
+    matrix = layout_name(dims, leaf.shape) if label == "muon" else "-"
     read = routing.LAYOUT_SOURCES[source] if label == "muon" else "-"
     rows.append((leaf.path, str(leaf.shape), label, matrix, read, rates.get(label, "-")))
     totals[label][0] += 1
@@ -119,7 +121,7 @@ def _table(p: routing.RoutingPlan, rates: dict) -> str:
   lines = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))]
   lines += [fmt.format(*r).rstrip() for r in rows]
   lines.append("")
-  for g in routing.GROUPS:
+  for g in GROUPS:
     n_tensors, n_params = totals[g]
     if n_tensors:
       plural = "s" if n_tensors > 1 else ""

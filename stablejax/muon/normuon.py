@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from stablejax.muon import matrices
 from stablejax.muon import routing
 
 
@@ -48,7 +49,7 @@ class NorMuonState(NamedTuple):
 def neuron_count(shape: tuple, dims: Any) -> int:
   """Output neurons of the matrices ``dims`` cuts out of a ``shape`` leaf (the length of its
   entry of :attr:`NorMuonState.nu`)."""
-  return sum(math.prod(batch) * fan_out for batch, _, fan_out in routing.part_shapes(dims, shape))
+  return sum(math.prod(batch) * fan_out for batch, _, fan_out in matrices.part_shapes(dims, shape))
 
 
 def normalise(o: jax.Array, nu: jax.Array, b2: Any, eps: float) -> tuple[jax.Array, jax.Array]:
@@ -81,10 +82,10 @@ def with_layouts(b2: Any, eps: float, layouts: Callable[[Any], list]
     leaves, treedef = jax.tree.flatten(updates)
     new_leaves, new_nu = [], []
     for u, nu, dims in zip(leaves, treedef.flatten_up_to(state.nu), layouts(updates)):
-      pieces, join = routing.split_fused(u, dims)
+      pieces, join = matrices.split_fused(u, dims)
       outs, nus, offset = [], [], 0
       for piece, piece_dims in pieces:
-        x, back = routing.to_matrices(piece, piece_dims)
+        x, back = matrices.to_matrices(piece, piece_dims)
         k = math.prod(x.shape[:-2]) * x.shape[-1]
         o, v = normalise(x, nu[offset:offset + k].reshape(x.shape[:-2] + x.shape[-1:]), b2, eps)
         outs.append(back(o))
@@ -103,7 +104,7 @@ def scale_by_normuon(b2: float = 0.95, eps: float = 1e-8,
 
   Chain it after the Muon direction; :func:`stablejax.outlier_safe_muon` does so with
   ``normuon=True``. Each matrix (as ``weight_dimension_numbers`` cuts the leaf, exactly as
-  :func:`stablejax.muon.muon.scale_by_outlier_safe_muon` takes them) has each output neuron's
+  :func:`stablejax.muon.direction.scale_by_outlier_safe_muon` takes them) has each output neuron's
   entries divided by the root of the EMA of their mean square, then its Frobenius norm restored
   (see the module docstring for the formula and where it departs from the paper's step size).
 

@@ -49,12 +49,6 @@ def _explicit_spec(x: Any) -> Any:
   return sharding.spec if used & explicit else None
 
 
-def explicit_mesh_active() -> bool:
-  """Whether a mesh with explicit axes is set for the code being traced."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and any(kind == AxisType.Explicit for kind in mesh.axis_types)
-
-
 def gather(x: Any) -> tuple[Any, Callable[[Any], Any]]:
   """``x`` replicated on every device, and the function that gives a result ``x``'s sharding."""
   spec = _explicit_spec(x)
