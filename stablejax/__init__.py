@@ -38,6 +38,8 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, 
   from stablejax.muon.muon import GroupUpdateRmsState as GroupUpdateRmsState
   from stablejax.muon.direction import OutlierSafeMuonState as OutlierSafeMuonState
   from stablejax.muon.muon import outlier_safe_muon as outlier_safe_muon
+  from stablejax.muon.outliers import clamp_outlier_entries as clamp_outlier_entries
+  from stablejax.muon.outliers import OutlierClampState as OutlierClampState
   from stablejax.muon.newton_schulz import newton_schulz as newton_schulz
   from stablejax.muon.describe import describe_routing as describe_routing
   from stablejax.muon.labels import label_params as label_params
@@ -101,6 +103,8 @@ _EXPORTS = {
     "GroupUpdateRmsState": "stablejax.muon.muon",
     "OutlierSafeMuonState": "stablejax.muon.direction",
     "outlier_safe_muon": "stablejax.muon.muon",
+    "clamp_outlier_entries": "stablejax.muon.outliers",
+    "OutlierClampState": "stablejax.muon.outliers",
     "newton_schulz": "stablejax.muon.newton_schulz",
     "describe_routing": "stablejax.muon.describe",
     "label_params": "stablejax.muon.labels",

@@ -154,6 +154,34 @@ def test_iqr_on_large_matrix_uses_subsample_and_still_clamps():
   np.testing.assert_allclose(float(clamped[50, 60]), hi_exact, rtol=0.1)
 
 
+def test_outlier_clamp_transform_clamps_each_matrix_in_any_chain():
+  # A stacked [2, 16, 24] kernel (two matrices), a plain matrix and a vector, each matrix with
+  # planted outliers; re-derived in numpy per matrix (z-score with the population std).
+  g = {"stack": np.array(_normal(1, (2, 16, 24))), "w": np.array(_normal(2, (16, 16))),
+       "b": np.array(_normal(3, (16,)))}
+  g["stack"][0, 3, 4], g["stack"][1, 7, 8], g["w"][2, 2], g["b"][0] = 50.0, -80.0, 30.0, 1e3
+  tx = optax.chain(stablejax.clamp_outlier_entries(threshold=3.0), optax.scale(-1.0))
+  updates, state = jax.jit(tx.update)(jax.tree.map(jnp.asarray, g), tx.init(g))
+  want, n = {}, 0
+  for k in ("stack", "w"):
+    mats = g[k].reshape((-1,) + g[k].shape[-2:])
+    out = []
+    for m in mats:
+      lo, hi = m.mean() - 3.0 * m.std(), m.mean() + 3.0 * m.std()
+      out.append(np.clip(m, lo, hi))
+      n += int(np.sum(out[-1] != m))
+    want[k] = -np.stack(out).reshape(g[k].shape)
+  for k in ("stack", "w"):
+    np.testing.assert_allclose(updates[k], want[k], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(updates["b"], -g["b"])  # a vector passes through
+  assert n >= 3 and int(state[0].outlier_count) == n
+  np.testing.assert_allclose(float(state[0].outlier_rate), n / (2 * 16 * 24 + 16 * 16))
+  assert stablejax.stability_metrics(state)["outlier_clamp/outlier_count"] == n
+  # The same rule as the Muon branch's clamp of its NS input.
+  clamped, count = outliers_mod.clamp_outliers(jnp.asarray(g["w"]), "zscore", 3.0)
+  np.testing.assert_array_equal(-clamped, updates["w"])
+
+
 def test_zero_spread_matrix_is_not_clamped():
   x = jnp.zeros((32, 32)).at[0, 0].set(1.0)  # IQR is zero: no clamping instead of zeroing
   out, n = outliers_mod.clamp_outliers(x, "iqr", 5.0)
