@@ -33,6 +33,7 @@ from stablejax.layout.analysis import param_leaves, path_to_str
 from stablejax.muon import newton_schulz as _ns
 from stablejax.muon import routing
 from stablejax.muon import sharding as _sharding
+from stablejax.muon.matrices import Dims
 from stablejax.muon.matrices import split_fused as _split_fused
 from stablejax.muon.matrices import to_matrices as _to_matrices
 from stablejax.muon.outliers import OUTLIER_METHODS
@@ -63,8 +64,8 @@ class OutlierSafeMuonState(NamedTuple):
     fallback_rate: float32 fraction of Muon matrices that used the fallback this step (NS
       unhealthy for any reason, including non-finite momentum).
     nonfinite_count: int32 total number of tensors (of every group of
-      :func:`stablejax.outlier_safe_muon`, which sets it) skipped because their gradient, new state or
-      update was not finite.
+      :func:`stablejax.outlier_safe_muon`, which sets it) skipped because their gradient, new
+      state or update was not finite.
     nonfinite_rate: float32 fraction of all tensors skipped that way this step.
 
   A scan-stacked ``[L, in, out]`` parameter counts as ``L`` matrices.
@@ -132,7 +133,8 @@ def ns_health(out: jax.Array, mom: jax.Array, eps: float = 0.0, mom_norm: Option
   return finite & in_range & mom_finite, mom_finite, mom_fro
 
 
-def shape_scale(fan_in: int, fan_out: int, consistent_rms: Any) -> Any:
+def shape_scale(fan_in: int, fan_out: int, consistent_rms: Optional[float | jax.Array]
+                ) -> float | jax.Array:
   """Muon update scale for a ``[fan_in, fan_out]`` matrix.
 
   ``consistent_rms * sqrt(max(fan_in, fan_out))`` (Moonlight, arXiv 2502.16982) or, when
@@ -145,7 +147,7 @@ def shape_scale(fan_in: int, fan_out: int, consistent_rms: Any) -> Any:
 
 
 
-def _static_int(value: Any, name: str) -> int:
+def _static_int(value: object, name: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise ValueError(f"{name} must be a Python int, got {value!r} (under optax.inject_hyperparams "
                      f"pass static_args=({name!r},))")
@@ -162,11 +164,12 @@ def _concrete(value: Any) -> Optional[float]:
 
 def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
                                ns_steps: Optional[int] = None,
-                               ns_coeffs: Any = "standard", consistent_rms: Optional[float] = 0.2,
+                               ns_coeffs: _ns.CoeffsSpec = "standard",
+                               consistent_rms: Optional[float] = 0.2,
                                outlier_threshold: float = 5.0,
                                outlier_method: Optional[str] = "zscore",
                                ns_backend: str = "auto", eps: float = 1e-8,
-                               weight_dimension_numbers: Any = None
+                               weight_dimension_numbers: routing.DimensionNumbersOrFn = None
                                ) -> optax.GradientTransformation:
   """The Muon direction for matrices: momentum, outlier clamp, NS, health check, shape scale.
 
@@ -208,60 +211,27 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
     >>> tx = optax.chain(scale_by_outlier_safe_muon(), optax.scale(-1e-3))
     >>> state = tx.init({"w": jnp.ones((8, 16))})
   """
-  def layouts_of(tree: Any) -> list:
+  def layouts_of(tree: optax.Params) -> list[Dims]:
     return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
 
   return muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms,
                          outlier_threshold, outlier_method, ns_backend, eps, layouts_of)
 
 
-def muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_coeffs: Any,
-                    consistent_rms: Any, outlier_threshold: Any, outlier_method: Optional[str],
-                    ns_backend: str, eps: float, layouts: Any, ns_method: str = "standard",
-                    ns_preconditioning: str = "frobenius") -> optax.GradientTransformation:
+def muon_direction(momentum: float | jax.Array, nesterov: bool, ns_steps: Optional[int],
+                   ns_coeffs: _ns.CoeffsSpec, consistent_rms: Optional[float | jax.Array],
+                   outlier_threshold: float | jax.Array, outlier_method: Optional[str],
+                   ns_backend: str, eps: float, layouts: Callable[[optax.Params], list[Dims]],
+                   ns_method: str = "standard", ns_preconditioning: str = "frobenius"
+                   ) -> optax.GradientTransformation:
   """:func:`scale_by_outlier_safe_muon` with the layouts given as ``tree -> [dims per leaf]``."""
   ns_steps = validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
   _ns.resolve_iteration(ns_coeffs, ns_steps, ns_method, ns_preconditioning)  # validates early
 
-  def init_fn(params: Any) -> OutlierSafeMuonState:
-    leaves, _ = param_leaves(params)
-    for leaf in leaves:
-      if not leaf.masked and len(leaf.shape) < 2:
-        raise ValueError(f"Muon needs matrices but {leaf.path} has shape {leaf.shape}; label it "
-                         "'adam' in param_labels")
+  def init_fn(params: optax.Params) -> OutlierSafeMuonState:
+    _check_matrices(params)
     layouts(params)  # validates the dimension numbers
-    zero_f = jnp.zeros((), jnp.float32)
-    zero_i = jnp.zeros((), jnp.int32)
-    return OutlierSafeMuonState(
-        count=zero_i, mu=optax.tree.zeros_like(params), outlier_count=zero_i,
-        instability_count=zero_i, fallback_count=zero_i, outlier_rate=zero_f,
-        ns_instability_rate=zero_f, fallback_rate=zero_f, nonfinite_count=zero_i,
-        nonfinite_rate=zero_f)
-
-  def bias_corrections(count_inc: jax.Array) -> Callable[[Any], tuple[jax.Array, ...]]:
-    """``dtype -> (beta, 1 - beta^(t+1), 1 - beta^t)``, computed once per dtype per update
-    (the same scalars serve every leaf: traced once, not once per leaf)."""
-    cache: dict = {}
-
-    def corrections(dtype: Any) -> tuple[jax.Array, ...]:
-      if dtype not in cache:
-        beta = jnp.asarray(momentum, dtype)
-        corr_next = 1 - beta ** (count_inc + 1).astype(dtype)
-        corr_now = 1 - beta ** count_inc.astype(dtype)
-        cache[dtype] = (beta, corr_next, corr_now)
-      return cache[dtype]
-    return corrections
-
-  def momentum_input(g: jax.Array, m: jax.Array,
-                     corrections: Callable[[Any], tuple[jax.Array, ...]]
-                     ) -> tuple[jax.Array, jax.Array]:
-    m = (momentum * m + (1 - momentum) * g).astype(m.dtype)
-    beta, corr_next, corr_now = corrections(m.dtype)
-    if nesterov:
-      m_hat = beta * (m / corr_next) + (1 - beta) * (g / corr_now)
-    else:
-      m_hat = m / corr_now
-    return m, m_hat
+    return _zero_state(params)
 
   def orthogonalise(x: jax.Array) -> tuple[jax.Array, ...]:
     """Clamp, NS, health check and scale of a stack ``[n, fan_in, fan_out]`` of matrices."""
@@ -270,36 +240,21 @@ def muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_co
     o = _ns.newton_schulz_given_norm(x, norm, ns_steps, ns_coeffs, eps, ns_backend, ns_method,
                                      ns_preconditioning)
     healthy, mom_finite, norm = ns_health(o, x, eps, norm)
-    xf = x.astype(jnp.float32)
-    fallback = jnp.where(mom_finite[..., None, None], xf / (norm[..., None, None] + eps),
-                         0.0).astype(o.dtype)
-    o = jnp.where(healthy[..., None, None], o, fallback)
+    o = jnp.where(healthy[..., None, None], o, _fallback(x, mom_finite, norm, eps, o.dtype))
     o = o * shape_scale(o.shape[-2], o.shape[-1], consistent_rms)
     return o, n_out, ~healthy & mom_finite, ~healthy  # per matrix
 
-  def update_fn(updates: Any, state: OutlierSafeMuonState,
-                params: Any = None) -> tuple[Any, OutlierSafeMuonState]:
+  def update_fn(updates: optax.Updates, state: OutlierSafeMuonState,
+                params: Optional[optax.Params] = None
+                ) -> tuple[optax.Updates, OutlierSafeMuonState]:
     del params
     count_inc = jnp.asarray(optax.safe_increment(state.count))
-    treedef: Any  # jaxlib ships no type stub for PyTreeDef: its methods are unknown to mypy
-    g_leaves, treedef = jax.tree.flatten(updates)
-    try:
-      m_leaves = treedef.flatten_up_to(state.mu)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          "outlier_safe_muon: the Muon parameters of this update differ from the ones its state "
-          "was initialised with; pass update() the same parameter tree (same paths and shapes) "
-          f"as init() ({e})") from None
-    for path_g, m in zip(jax.tree_util.tree_flatten_with_path(updates)[0], m_leaves):
-      if jnp.shape(path_g[1]) != jnp.shape(m):
-        raise ValueError(f"outlier_safe_muon: {path_to_str(path_g[0])} has shape "
-                         f"{jnp.shape(path_g[1])} in the update but {jnp.shape(m)} in the state")
-    dims = layouts(updates)
-    corrections = bias_corrections(count_inc)
+    g_leaves, m_leaves, treedef = _leaves_with_momentum(updates, state.mu)
+    corrections = _bias_corrections(momentum, count_inc)
     new_mu, new_leaves, per_matrix = [], [], []
     n_entries = n_mats = 0
-    for g, m, d in zip(g_leaves, m_leaves, dims):
-      m, m_hat = momentum_input(g, m, corrections)
+    for g, m, d in zip(g_leaves, m_leaves, layouts(updates)):
+      m, m_hat = _momentum_input(g, m, momentum, nesterov, corrections)
       new_mu.append(m)
       # NS needs whole matrices: a sharded leaf is gathered once here (not once per iteration).
       m_hat, restore = _sharding.gather(m_hat)
@@ -313,28 +268,113 @@ def muon_direction(momentum: Any, nesterov: bool, ns_steps: Optional[int], ns_co
         n_entries += x.size
         n_mats += math.prod(x.shape[:-2])
       new_leaves.append(restore(join(outs)))
-    # Counts over every matrix, each one reduction (see stablejax.transforms._common).
-    n_out, n_unstable, n_fallback = (_total([c[k] for c in per_matrix]).astype(jnp.int32)
-                                     for k in range(3))
-    n_entries, n_mats = max(1, n_entries), max(1, n_mats)
-    return treedef.unflatten(new_leaves), OutlierSafeMuonState(
-        count=count_inc,
-        mu=treedef.unflatten(new_mu),
-        outlier_count=_saturating_add(state.outlier_count, n_out),
-        instability_count=_saturating_add(state.instability_count, n_unstable),
-        fallback_count=_saturating_add(state.fallback_count, n_fallback),
-        outlier_rate=n_out.astype(jnp.float32) / n_entries,
-        ns_instability_rate=n_unstable.astype(jnp.float32) / n_mats,
-        fallback_rate=n_fallback.astype(jnp.float32) / n_mats,
-        nonfinite_count=state.nonfinite_count,
-        nonfinite_rate=state.nonfinite_rate,
-    )
+    new_state = _counted(state, count_inc, treedef.unflatten(new_mu), per_matrix, n_entries,
+                         n_mats)
+    return treedef.unflatten(new_leaves), new_state
 
   return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-def validate_muon_args(momentum: Any, ns_steps: Any, outlier_threshold: Any,
-                        outlier_method: Any, ns_backend: Any) -> int:
+def _check_matrices(params: optax.Params) -> None:
+  for leaf in param_leaves(params)[0]:
+    if not leaf.masked and len(leaf.shape) < 2:
+      raise ValueError(f"Muon needs matrices but {leaf.path} has shape {leaf.shape}; label it "
+                       "'adam' in param_labels")
+
+
+def _zero_state(params: optax.Params) -> OutlierSafeMuonState:
+  zero_f = jnp.zeros((), jnp.float32)
+  zero_i = jnp.zeros((), jnp.int32)
+  return OutlierSafeMuonState(
+      count=zero_i, mu=optax.tree.zeros_like(params), outlier_count=zero_i,
+      instability_count=zero_i, fallback_count=zero_i, outlier_rate=zero_f,
+      ns_instability_rate=zero_f, fallback_rate=zero_f, nonfinite_count=zero_i,
+      nonfinite_rate=zero_f)
+
+
+def _leaves_with_momentum(updates: optax.Updates, mu: optax.Updates
+                          ) -> tuple[list[jax.Array], list[jax.Array], Any]:
+  """The leaves of ``updates``, their momentum buffers, and the treedef; a clear error when the
+  update's parameters are not the ones the state was initialised with."""
+  treedef: Any  # jaxlib ships no type stub for PyTreeDef: its methods are unknown to mypy
+  g_leaves, treedef = jax.tree.flatten(updates)
+  try:
+    m_leaves = treedef.flatten_up_to(mu)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "outlier_safe_muon: the Muon parameters of this update differ from the ones its state "
+        "was initialised with; pass update() the same parameter tree (same paths and shapes) "
+        f"as init() ({e})") from None
+  for path_g, m in zip(jax.tree_util.tree_flatten_with_path(updates)[0], m_leaves):
+    if jnp.shape(path_g[1]) != jnp.shape(m):
+      raise ValueError(f"outlier_safe_muon: {path_to_str(path_g[0])} has shape "
+                       f"{jnp.shape(path_g[1])} in the update but {jnp.shape(m)} in the state")
+  return g_leaves, m_leaves, treedef
+
+
+Corrections = Callable[[Any], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def _bias_corrections(momentum: float | jax.Array, count_inc: jax.Array) -> Corrections:
+  """``dtype -> (beta, 1 - beta^(t+1), 1 - beta^t)``, computed once per dtype per update
+  (the same scalars serve every leaf: traced once, not once per leaf)."""
+  per_dtype: dict = {}  # lives for one update
+
+  def corrections(dtype: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    if dtype not in per_dtype:
+      beta = jnp.asarray(momentum, dtype)
+      corr_next = 1 - beta ** (count_inc + 1).astype(dtype)
+      corr_now = 1 - beta ** count_inc.astype(dtype)
+      per_dtype[dtype] = (beta, corr_next, corr_now)
+    return per_dtype[dtype]
+  return corrections
+
+
+def _momentum_input(g: jax.Array, m: jax.Array, momentum: float | jax.Array, nesterov: bool,
+                    corrections: Corrections) -> tuple[jax.Array, jax.Array]:
+  """The new momentum, and the (Nesterov) bias-corrected input of NS, as optax's scale_by_muon."""
+  m = (momentum * m + (1 - momentum) * g).astype(m.dtype)
+  beta, corr_next, corr_now = corrections(m.dtype)
+  if nesterov:
+    m_hat = beta * (m / corr_next) + (1 - beta) * (g / corr_now)
+  else:
+    m_hat = m / corr_now
+  return m, m_hat
+
+
+def _fallback(x: jax.Array, mom_finite: jax.Array, norm: jax.Array, eps: float,
+              dtype: Any) -> jax.Array:
+  """The emergency fallback: the Frobenius-normalised momentum, zero where it is not finite."""
+  xf = x.astype(jnp.float32)
+  return jnp.where(mom_finite[..., None, None], xf / (norm[..., None, None] + eps),
+                   0.0).astype(dtype)
+
+
+def _counted(state: OutlierSafeMuonState, count_inc: jax.Array, mu: optax.Updates,
+             per_matrix: list[list[jax.Array]], n_entries: int, n_mats: int
+             ) -> OutlierSafeMuonState:
+  """The new state: the step's clamped entries, unstable and fallen-back matrices added."""
+  # Counts over every matrix, each one reduction (see stablejax.transforms._common).
+  n_out, n_unstable, n_fallback = (_total([c[k] for c in per_matrix]).astype(jnp.int32)
+                                   for k in range(3))
+  n_entries, n_mats = max(1, n_entries), max(1, n_mats)
+  return OutlierSafeMuonState(
+      count=count_inc,
+      mu=mu,
+      outlier_count=_saturating_add(state.outlier_count, n_out),
+      instability_count=_saturating_add(state.instability_count, n_unstable),
+      fallback_count=_saturating_add(state.fallback_count, n_fallback),
+      outlier_rate=n_out.astype(jnp.float32) / n_entries,
+      ns_instability_rate=n_unstable.astype(jnp.float32) / n_mats,
+      fallback_rate=n_fallback.astype(jnp.float32) / n_mats,
+      nonfinite_count=state.nonfinite_count,
+      nonfinite_rate=state.nonfinite_rate,
+  )
+
+
+def validate_muon_args(momentum: float | jax.Array, ns_steps: Optional[int],
+                       outlier_threshold: float | jax.Array, outlier_method: Optional[str],
+                       ns_backend: str) -> int:
   """Validates the arguments that are concrete (traced ones come from inject_hyperparams)."""
   m = _concrete(momentum)
   if m is not None and not 0.0 <= m < 1.0:

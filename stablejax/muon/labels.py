@@ -41,7 +41,7 @@ def pure(tree: optax.Params) -> optax.Params:
   return jax.tree.map(layout.value_of, tree, is_leaf=layout.is_param_leaf)
 
 
-def broadcast(prefix_tree: Any, tree: optax.Params, is_value: Callable[[Any], bool],
+def broadcast(prefix_tree: optax.Params, tree: optax.Params, is_value: Callable[[Any], bool],
               what: str) -> list:
   """Expands a prefix tree of values (leaves matching ``is_value``) to one value per parameter."""
   """Expands a prefix tree of values (leaves matching ``is_value``) to one value per parameter."""
@@ -162,7 +162,7 @@ def _match(pattern: str, path: str) -> bool:
   return fnmatch.fnmatchcase(path, pattern) or path.startswith(pattern.rstrip("/") + "/")
 
 
-def is_overrides(x: Any) -> bool:
+def is_overrides(x: object) -> bool:
   return (isinstance(x, Mapping) and len(x) > 0
           and all(isinstance(k, str) and isinstance(v, str) for k, v in x.items()))
 
@@ -212,8 +212,8 @@ def default_labels(leaves: Sequence[Leaf], overrides: Optional[Mapping[str, str]
 
 
 
-def label_params(params: Any, overrides: Optional[Mapping[str, str]] = None,
-                 strict: bool = False) -> Any:
+def label_params(params: optax.Params, overrides: Optional[Mapping[str, str]] = None,
+                 strict: bool = False) -> optax.Params:
   """Default routing: a pytree of group labels with the structure of ``params``.
 
   Rules, first match wins (see :mod:`stablejax.muon.routing` and :mod:`stablejax.layout.analysis`):

@@ -36,7 +36,7 @@ def normalize_axes(dims: MuonDimensionNumbers, ndim: int) -> tuple[tuple, tuple]
   return norm(dims.reduction_axis), norm(dims.output_axis)
 
 
-def check_dims(dims: Any, shape: Sequence[int], path: str) -> None:
+def check_dims(dims: object, shape: Sequence[int], path: str) -> None:
   """Raises a clear error when ``dims`` does not describe a matrix of a ``shape`` leaf."""
   if not isinstance(dims, DIMENSION_TYPES):
     raise ValueError(f"weight_dimension_numbers for {path} must be an "
@@ -69,7 +69,7 @@ def matrix_shape(dims: MuonDimensionNumbers, shape: Sequence[int]) -> tuple[tupl
 
 
 
-def to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
+def to_matrices(x: jax.Array, dims: Dims) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
   """``x`` as ``[*batch, fan_in, fan_out]`` per ``dims``, and the function that undoes it."""
   red, out = normalize_axes(dims, x.ndim)
   batch = [a for a in range(x.ndim) if a not in red and a not in out]
@@ -87,7 +87,8 @@ def to_matrices(x: jax.Array, dims: Any) -> tuple[jax.Array, Callable[[jax.Array
   return (x if identity else jnp.transpose(x, perm)).reshape(shape), back
 
 
-def split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Array]]:
+def split_fused(x: jax.Array, dims: Dims
+                ) -> tuple[list[tuple[jax.Array, Dims]], Callable[[list[jax.Array]], jax.Array]]:
   """The matrices of a leaf as ``[(piece, dims)]`` and the function that joins their results.
 
   Plain dimension numbers: the leaf itself. A :class:`stablejax.FusedDimensionNumbers` kernel:
@@ -113,7 +114,7 @@ def split_fused(x: jax.Array, dims: Any) -> tuple[list, Callable[[list], jax.Arr
   return [(p, plain) for p in pieces], lambda outs: jnp.concatenate(outs, axis=axis)
 
 
-def part_shapes(dims: Any, shape: Sequence[int]) -> list[tuple[tuple, int, int]]:
+def part_shapes(dims: Dims, shape: Sequence[int]) -> list[tuple[tuple, int, int]]:
   """``(batch_shape, fan_in, fan_out)`` of each matrix part of a ``shape`` leaf: one entry for
   plain dimension numbers, one per part of a fused kernel."""
   if not isinstance(dims, FusedDimensionNumbers):

@@ -36,14 +36,14 @@ The "outlier-safe" layer adds, per Muon matrix and per step, all on device:
 from __future__ import annotations
 
 import numbers
-from typing import Any, NamedTuple, Optional
+from typing import Any, Hashable, NamedTuple, Optional, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from stablejax import _compat
-from stablejax.layout.analysis import param_leaves, structure_key
+from stablejax.layout.analysis import param_leaves
 from stablejax.muon import newton_schulz as _ns
 from stablejax.muon import normuon as _normuon
 from stablejax.muon import routing
@@ -85,14 +85,14 @@ class GroupUpdateRmsState(NamedTuple):
     >>> round(float(state.adam), 6), float(state.embedding)
     (0.001, 0.0)
   """
-  inner_state: Any
+  inner_state: optax.OptState
   muon: jax.Array
   adam: jax.Array
   embedding: jax.Array
   head: jax.Array
 
 
-def _group_rms(updates: Any, labels: list) -> dict:
+def _group_rms(updates: optax.Updates, labels: list[str]) -> dict[str, jax.Array]:
   squares: dict = {g: [] for g in GROUPS}
   counts = {g: 0 for g in GROUPS}
   for u, label in zip(jax.tree.leaves(updates), labels):
@@ -102,11 +102,11 @@ def _group_rms(updates: Any, labels: list) -> dict:
   return {g: jnp.sqrt(sum_of_scalars(squares[g]) / max(counts[g], 1)) for g in GROUPS}
 
 
-def _is_zero(value: Any) -> bool:
+def _is_zero(value: object) -> bool:
   return isinstance(value, numbers.Number) and value == 0
 
 
-def _check_same_parameters(updates: Any, params: Any) -> None:
+def _check_same_parameters(updates: optax.Updates, params: optax.Params) -> None:
   got, _ = param_leaves(updates)
   want, _ = param_leaves(params)
   for u, p in zip(got, want):
@@ -117,6 +117,100 @@ def _check_same_parameters(updates: Any, params: Any) -> None:
   if len(got) != len(want):
     raise ValueError(f"outlier_safe_muon.update: {len(got)} updates for {len(want)} params; pass "
                      "updates and params with the same structure as the params given to init")
+
+
+def _check_label_values(param_labels: routing.LabelsOrFn) -> None:
+  """A mapping or a label tree names known groups only (a callable is checked at init)."""
+  if isinstance(param_labels, dict) or not (param_labels is None or callable(param_labels)):
+    bad = sorted({str(lab) for lab in jax.tree.leaves(param_labels) if lab not in GROUPS})
+    if bad:
+      raise ValueError(f"param_labels contains unknown group(s) {bad}; use labels from "
+                       f"{GROUPS}")
+
+
+def _group_learning_rates(learning_rate: optax.ScalarOrSchedule,
+                          adam: Optional[optax.ScalarOrSchedule],
+                          embedding: Optional[optax.ScalarOrSchedule],
+                          head: Optional[optax.ScalarOrSchedule],
+                          consistent_rms: Optional[float]
+                          ) -> tuple[dict[str, optax.ScalarOrSchedule], dict[str, str]]:
+  """Each group's learning rate, and the name of the argument it came from (the defaults of
+  :func:`outlier_safe_muon`: the AdamW rate is Muon's with Moonlight's scale, the embedding and
+  head rates are the AdamW rate)."""
+  sources = {"muon": "learning_rate", "adam": "adam_learning_rate",
+             "embedding": "embedding_learning_rate", "head": "head_learning_rate"}
+  if adam is None:
+    if consistent_rms is None:
+      raise ValueError("adam_learning_rate is required when consistent_rms=None (Muon's width "
+                       "scaling uses rates ~0.02, too large for AdamW); pass e.g. 3e-4")
+    adam = learning_rate
+    sources["adam"] = "learning_rate"
+  if embedding is None:
+    embedding = adam
+    sources["embedding"] = sources["adam"]
+  if head is None:
+    head = adam
+    sources["head"] = sources["adam"]
+  rates = {"muon": learning_rate, "adam": adam, "embedding": embedding, "head": head}
+  return rates, sources
+
+
+def _momentum_tree(group_state: optax.OptState) -> optax.Params:
+  """The per-parameter momentum of one group's state: the params' structure, with
+  ``optax.MaskedNode`` where a parameter is not the group's."""
+  def holds_momentum(x: object) -> bool:
+    return isinstance(x, (_OutlierSafeMuonState, optax.ScaleByAdamState))
+  return next(x for x in jax.tree.leaves(group_state, is_leaf=holds_momentum)
+              if holds_momentum(x)).mu
+
+
+def recorded_labels(partition_state: optax.OptState, tree: optax.Params) -> optax.Params:
+  """The group of every parameter of ``tree``, as the state of :func:`outlier_safe_muon` records
+  it: the group whose masked state holds the parameter (``optax.MaskedNode`` where none does,
+  as for the parameters an enclosing ``optax.masked`` leaves out).
+
+  Raises:
+    ValueError: ``tree`` has other parameters than the state was initialised with.
+  """
+  leaves, treedef = param_leaves(tree)
+  labels: list = [optax.MaskedNode()] * len(leaves)
+  inner_states = cast(optax.transforms.PartitionState, partition_state).inner_states
+  for group, group_state in inner_states.items():
+    try:
+      held = treedef.flatten_up_to(_momentum_tree(group_state))
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "outlier_safe_muon: the parameters of this update differ from the ones its state "
+          "was initialised with; pass update() the same parameter tree (same paths and shapes) "
+          f"as init() ({e})") from None
+    for i, x in enumerate(held):
+      if not isinstance(x, optax.MaskedNode):
+        labels[i] = group
+  return treedef.unflatten(labels)
+
+
+def _partition(groups: dict[Hashable, optax.GradientTransformation],
+               labels: optax.Params) -> optax.GradientTransformationExtraArgs:
+  """``optax.partition`` of ``groups`` by the label tree ``labels``; given as a function, since
+  optax calls a callable label tree (an Equinox module is one)."""
+  return optax.partition(groups, lambda _: labels)
+
+
+def _count_skipped_tensors(inner_state: optax.OptState, n_tensors: int) -> optax.OptState:
+  """The Muon counters with every group's tensors skipped as non-finite at this step."""
+  def is_guard(x: object) -> bool:
+    return isinstance(x, _TensorGuardState)
+  guards = [s for s in jax.tree.leaves(inner_state, is_leaf=is_guard) if is_guard(s)]
+  skipped = sum((s.skipped for s in guards), jnp.zeros((), jnp.int32))
+
+  def count(node: object) -> object:
+    if not isinstance(node, _OutlierSafeMuonState):
+      return node
+    return node._replace(nonfinite_count=_saturating_add(node.nonfinite_count, skipped),
+                         nonfinite_rate=skipped.astype(jnp.float32) / max(1, n_tensors))
+
+  return jax.tree.map(count, inner_state,
+                      is_leaf=lambda x: isinstance(x, _OutlierSafeMuonState))
 
 
 def outlier_safe_muon(
@@ -158,6 +252,13 @@ def outlier_safe_muon(
   wrapped (Linen params, ``FrozenDict``, ``nnx.State`` with ``Variable``s at ``init`` and pure
   arrays at ``update`` as ``nnx.Optimizer`` does); an update tree with other parameters than
   ``init`` saw is a clear error.
+
+  Nothing is kept outside the optimizer state, as in optax: ``init`` routes the tree it is
+  given (reading Flax metadata where ``nnx.Optimizer`` still passes it) and its state records
+  each parameter's group (the group whose masked state holds it), which ``update`` reads back;
+  Muon's matrix layouts are read from the tree ``update`` is given (a layout that only
+  metadata decides warns at ``init``: pass ``weight_dimension_numbers``). The routing arguments
+  travel with the transform, where :func:`stablejax.describe_routing` finds them in any chain.
 
   Muon branch, per matrix: Nesterov momentum, outlier clamp of the NS input, Newton-Schulz,
   health check with emergency fallback, scale by ``consistent_rms * sqrt(max(fan_in, fan_out))``
@@ -266,113 +367,74 @@ def outlier_safe_muon(
   """
   ns_steps = _validate_muon_args(momentum, ns_steps, outlier_threshold, outlier_method, ns_backend)
   _ns.resolve_iteration(ns_coeffs, ns_steps, ns_method, ns_preconditioning)  # validates early
-  heads = routing.per_head_of(per_head, num_heads)
   if not isinstance(normuon, bool):
     raise ValueError(f"normuon must be True or False, got {normuon!r}")
-  rate_sources = {"muon": "learning_rate", "adam": "adam_learning_rate",
-                  "embedding": "embedding_learning_rate", "head": "head_learning_rate"}
-  if adam_learning_rate is None:
-    if consistent_rms is None:
-      raise ValueError("adam_learning_rate is required when consistent_rms=None (Muon's width "
-                       "scaling uses rates ~0.02, too large for AdamW); pass e.g. 3e-4")
-    adam_learning_rate = learning_rate
-    rate_sources["adam"] = "learning_rate"
-  if embedding_learning_rate is None:
-    embedding_learning_rate = adam_learning_rate
-    rate_sources["embedding"] = rate_sources["adam"]
-  if head_learning_rate is None:
-    head_learning_rate = adam_learning_rate
-    rate_sources["head"] = rate_sources["adam"]
-  if isinstance(param_labels, dict) or not (param_labels is None or callable(param_labels)):
-    bad = sorted({str(lab) for lab in jax.tree.leaves(param_labels) if lab not in GROUPS})
-    if bad:  # validates the label values early
-      raise ValueError(f"param_labels contains unknown group(s) {bad}; use labels from "
-                       f"{GROUPS}")
+  _check_label_values(param_labels)
+  rates, rate_sources = _group_learning_rates(learning_rate, adam_learning_rate,
+                                              embedding_learning_rate, head_learning_rate,
+                                              consistent_rms)
+  # What decides the routing, besides the tree: describe_routing finds it in any chain.
+  info = routing.RoutingInfo(param_labels, weight_dimension_numbers, rates, rate_sources,
+                             routing.per_head_of(per_head, num_heads))
 
-  # The routing of a parameter tree is decided once, at its first init (where nnx.Optimizer
-  # passes Variables that still carry their metadata), and reused for every tree with the same
-  # paths and shapes: update's pure arrays and the Muon branch's masked view of them.
-  plans: dict = {}
-  warned: set = set()
+  def groups(muon_layouts: list[routing.Dims]
+             ) -> dict[Hashable, optax.GradientTransformation]:
+    """The four groups' transforms, each guarded per tensor; the Muon branch orthogonalises
+    ``muon_layouts``, one per Muon leaf in order."""
+    def layouts_of(tree: optax.Params) -> list[routing.Dims]:
+      del tree  # the Muon branch sees its masked view of the params: its layouts are given
+      return muon_layouts
+    muon_parts = [
+        _muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms,
+                        outlier_threshold, outlier_method, ns_backend, 1e-8, layouts_of,
+                        ns_method, ns_preconditioning),
+    ]
+    if normuon:
+      muon_parts.append(_normuon.with_layouts(normuon_b2, 1e-8, layouts_of))
+    if not _is_zero(weight_decay):
+      muon_parts.append(optax.add_decayed_weights(weight_decay))
+    muon_parts.append(optax.scale_by_learning_rate(learning_rate))
 
-  def plan(tree: Any) -> routing.RoutingPlan:
-    key = structure_key(param_leaves(tree)[0])
-    found = plans.get(key)
-    if found is None:
-      found = routing.plan(tree, param_labels, weight_dimension_numbers, strict_overrides,
-                           heads)
-      plans[key] = found
-      plans.setdefault(found.muon_only_key(), found)
-    return found
+    def adamw(lr: optax.ScalarOrSchedule, decay: float) -> optax.GradientTransformation:
+      return optax.adamw(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=decay)
 
-  def labels_fn(tree: Any) -> Any:
-    return plan(tree).label_tree()
+    # "adam" holds exactly norm gains, biases and scalars: never decayed, whatever their rank.
+    transforms = {
+        "muon": optax.chain(*muon_parts),
+        "adam": optax.adam(rates["adam"], b1=adam_b1, b2=adam_b2, eps=adam_eps),
+        "embedding": adamw(rates["embedding"], adam_weight_decay),
+        "head": adamw(rates["head"], adam_weight_decay),
+    }
+    return {g: _skip_nonfinite_tensors(t) for g, t in transforms.items()}
 
-  def muon_layouts(tree: Any) -> list:
-    found = plans.get(structure_key(param_leaves(tree)[0]))
-    if found is None:  # a tree the router never saw: route it as it is
-      return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers, heads)
-              if d is not None]
-    return found.muon_layouts()
-
-  muon_parts = [
-      _muon_direction(momentum, nesterov, ns_steps, ns_coeffs, consistent_rms, outlier_threshold,
-                      outlier_method, ns_backend, 1e-8, muon_layouts, ns_method,
-                      ns_preconditioning),
-  ]
-  if normuon:
-    muon_parts.append(_normuon.with_layouts(normuon_b2, 1e-8, muon_layouts))
-  if not _is_zero(weight_decay):
-    muon_parts.append(optax.add_decayed_weights(weight_decay))
-  muon_parts.append(optax.scale_by_learning_rate(learning_rate))
-
-  def adamw(lr: Any, weight_decay: Any) -> optax.GradientTransformation:
-    return optax.adamw(lr, b1=adam_b1, b2=adam_b2, eps=adam_eps, weight_decay=weight_decay)
-
-  # "adam" holds exactly norm gains, biases and scalars: never decayed, whatever their rank.
-  transforms = {
-      "muon": optax.chain(*muon_parts),
-      "adam": optax.adam(adam_learning_rate, b1=adam_b1, b2=adam_b2, eps=adam_eps),
-      "embedding": adamw(embedding_learning_rate, adam_weight_decay),
-      "head": adamw(head_learning_rate, adam_weight_decay),
-  }
-  partition = optax.partition({g: _skip_nonfinite_tensors(t) for g, t in transforms.items()},
-                              labels_fn)
-  info = routing.RoutingInfo(
-      param_labels=param_labels, weight_dimension_numbers=weight_dimension_numbers,
-      learning_rates={"muon": learning_rate, "adam": adam_learning_rate,
-                      "embedding": embedding_learning_rate, "head": head_learning_rate},
-      rate_sources=rate_sources, per_head=heads)
-
-  def init_fn(params: Any) -> GroupUpdateRmsState:
-    found = plan(params)
-    if id(found) not in warned and not routing.capturing():  # once; describe_routing repeats them
-      warned.add(id(found))
-      warn_notes(found.notes, "outlier_safe_muon")
-    routing.record_init(info, params)
+  def init_fn(params: optax.Params) -> GroupUpdateRmsState:
+    # Routed here, where nnx.Optimizer passes Variables that still carry their metadata; the
+    # state records each parameter's group (its group's masked state holds it), so update
+    # reads the groups back from the state, whatever wrapping its pure arrays come in.
+    found = routing.plan(params, info.param_labels, info.weight_dimension_numbers,
+                         strict_overrides, info.per_head)
+    notes = found.notes + routing.metadata_layout_notes(
+        params, found, info.weight_dimension_numbers, info.per_head)
+    # Issued from one place, so Python's warning registry shows each once however often init is
+    # traced (eval_shape, jit, a rollback); describe_routing's silenced trace does not count.
+    warn_notes(notes, "outlier_safe_muon", stacklevel=1)
+    partition = _partition(groups(found.muon_layouts()), found.label_tree())
     zero = jnp.zeros((), jnp.float32)
     return GroupUpdateRmsState(partition.init(params), zero, zero, zero, zero)
 
-  def update_fn(updates: Any, state: GroupUpdateRmsState, params: Any = None,
-                **extra_args: Any) -> tuple[Any, GroupUpdateRmsState]:
+  def update_fn(updates: optax.Updates, state: GroupUpdateRmsState,
+                params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, GroupUpdateRmsState]:
     if params is not None:
       _check_same_parameters(updates, params)
+    labels = recorded_labels(state.inner_state, updates)
+    layouts = routing.muon_layouts(updates, labels, info.weight_dimension_numbers,
+                                   info.per_head)
+    partition = _partition(groups(layouts), labels)
     new_updates, inner_state = partition.update(updates, state.inner_state, params, **extra_args)
-    labels = plan(new_updates).unmasked_labels()
-    rms = _group_rms(new_updates, labels)
-    guards = [s for s in jax.tree.leaves(inner_state, is_leaf=lambda x: isinstance(
-        x, _TensorGuardState)) if isinstance(s, _TensorGuardState)]
-    skipped = sum((s.skipped for s in guards), jnp.zeros((), jnp.int32))
-
-    def count_skips(node: Any) -> Any:  # every group's skipped tensors, with the Muon counters
-      if not isinstance(node, _OutlierSafeMuonState):
-        return node
-      return node._replace(nonfinite_count=_saturating_add(node.nonfinite_count, skipped),
-                           nonfinite_rate=skipped.astype(jnp.float32) / max(1, len(labels)))
-
-    inner_state = jax.tree.map(count_skips, inner_state,
-                               is_leaf=lambda x: isinstance(x, _OutlierSafeMuonState))
-    return new_updates, GroupUpdateRmsState(inner_state, **rms)
+    label_list = jax.tree.leaves(labels)
+    inner_state = _count_skipped_tensors(inner_state, len(label_list))
+    return new_updates, GroupUpdateRmsState(inner_state, **_group_rms(new_updates, label_list))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 

@@ -22,9 +22,9 @@ wins.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
+import jax
 import optax
 
 from stablejax import _compat
@@ -37,6 +37,7 @@ from stablejax.muon.labels import GROUPS as _GROUPS
 from stablejax.muon.labels import apply_overrides
 from stablejax.muon.matrices import DIMENSION_TYPES as _DIMENSION_TYPES
 from stablejax.muon.matrices import LAST_TWO_AXES as _LAST_TWO_AXES
+from stablejax.muon.matrices import Dims
 from stablejax.muon.matrices import MuonDimensionNumbers as _MDN
 from stablejax.muon.matrices import check_dims as _check_dims
 from stablejax.muon import notes as _notes
@@ -69,7 +70,7 @@ class PerHead(NamedTuple):
   num_heads: Optional[int] = None
 
 
-def per_head_of(per_head: Any, num_heads: Any) -> Optional[PerHead]:
+def per_head_of(per_head: object, num_heads: object) -> Optional[PerHead]:
   """Validates ``per_head`` / ``num_heads`` arguments: a :class:`PerHead`, or None."""
   if not isinstance(per_head, bool):
     raise ValueError(f"per_head must be True or False, got {per_head!r}")
@@ -79,7 +80,8 @@ def per_head_of(per_head: Any, num_heads: Any) -> Optional[PerHead]:
   return PerHead(num_heads) if per_head else None
 
 
-def _given_layouts(tree: Any, weight_dimension_numbers: Any, n: int) -> list:
+def _given_layouts(tree: optax.Params, weight_dimension_numbers: DimensionNumbersOrFn,
+                   n: int) -> list:
   if weight_dimension_numbers is None:
     return [None] * n
   wdn = weight_dimension_numbers
@@ -89,7 +91,8 @@ def _given_layouts(tree: Any, weight_dimension_numbers: Any, n: int) -> list:
                     "weight_dimension_numbers")
 
 
-def _layouts(tree: Any, leaves: Sequence[Leaf], a: layout.Analysis, weight_dimension_numbers: Any,
+def _layouts(tree: optax.Params, leaves: Sequence[Leaf], a: layout.Analysis,
+             weight_dimension_numbers: DimensionNumbersOrFn,
              muon: Sequence[bool], per_head: Optional[PerHead] = None) -> tuple[list, list]:
   """One layout and its source per leaf (None for leaves that are not Muon's)."""
   given = _given_layouts(tree, weight_dimension_numbers, len(leaves))
@@ -123,7 +126,7 @@ def _layouts(tree: Any, leaves: Sequence[Leaf], a: layout.Analysis, weight_dimen
   return layouts, sources
 
 
-def matrix_layouts(tree: Any, weight_dimension_numbers: Any = None,
+def matrix_layouts(tree: optax.Params, weight_dimension_numbers: DimensionNumbersOrFn = None,
                    per_head: Optional[PerHead] = None) -> list:
   """One ``MuonDimensionNumbers`` per parameter of ``tree`` (None for masked-out leaves).
 
@@ -148,7 +151,7 @@ class RoutingPlan(NamedTuple):
   notes: list
   sources: list = []
 
-  def label_tree(self) -> Any:
+  def label_tree(self) -> optax.Params:
     """The labels as a tree: the params' structure with each parameter replaced by its group.
 
     Masked-out leaves (``optax.MaskedNode``, when an ``optax.masked`` wraps the transform) stay
@@ -166,14 +169,9 @@ class RoutingPlan(NamedTuple):
     return [d for leaf, label, d in zip(self.leaves, self.labels, self.layouts)
             if label == "muon" and not leaf.masked]
 
-  def muon_only_key(self) -> tuple:
-    """The structure key of the params with every non-Muon leaf masked out, as
-    ``optax.partition`` hands them to the Muon branch."""
-    return tuple((leaf.names, leaf.shape, False) if label == "muon" and not leaf.masked
-                 else (leaf.names, (), True) for leaf, label in zip(self.leaves, self.labels))
 
-
-def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: Any = None,
+def plan(tree: optax.Params, param_labels: LabelsOrFn = None,
+         weight_dimension_numbers: DimensionNumbersOrFn = None,
          strict: bool = False, per_head: Optional[PerHead] = None) -> RoutingPlan:
   """Routes every parameter of ``tree``: group, Muon matrix layout, and notes on unsure rules.
 
@@ -220,9 +218,54 @@ def plan(tree: Any, param_labels: LabelsOrFn = None, weight_dimension_numbers: A
 
 
 
-def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] = None,
+def muon_layouts(tree: optax.Params, labels: optax.Params,
+                 weight_dimension_numbers: DimensionNumbersOrFn = None,
+                 per_head: Optional[PerHead] = None) -> list[Dims]:
+  """The layout of every Muon leaf of ``tree``, in order, with the groups ``labels`` gives (a
+  label tree of ``tree``'s parameters, ``optax.MaskedNode`` for those left out): the layouts
+  :func:`plan` gives ``tree`` with those groups."""
+  leaves, _ = param_leaves(tree)
+  muon = [label == "muon" for label in _label_list(labels, len(leaves))]
+  layouts, _ = _layouts(tree, leaves, layout.analyse(leaves), weight_dimension_numbers, muon,
+                        per_head)
+  return [d for leaf, is_muon, d in zip(leaves, muon, layouts) if is_muon and not leaf.masked]
+
+
+def _label_list(labels: optax.Params, n: int) -> list[Optional[str]]:
+  """One label per parameter (None for a masked one) of a label tree from ``label_tree``."""
+  out = [None if isinstance(x, optax.MaskedNode) else x
+         for x in jax.tree.leaves(labels, is_leaf=lambda x: isinstance(x, optax.MaskedNode))]
+  if len(out) != n:
+    raise ValueError(f"{n} parameters but {len(out)} labels")
+  return out
+
+
+def metadata_layout_notes(tree: optax.Params, routed: RoutingPlan,
+                          weight_dimension_numbers: DimensionNumbersOrFn = None,
+                          per_head: Optional[PerHead] = None) -> list[_Note]:
+  """A warning for the Muon leaves of ``tree`` whose layout its Flax metadata decides and its
+  shapes alone would not: ``update`` reads layouts from the tree it is given, and
+  ``nnx.Optimizer`` (or a Linen state unboxed for the step) gives it the arrays without their
+  metadata."""
+  if all(leaf.axes is None for leaf in routed.leaves):
+    return []
+  labels = routed.label_tree()
+  bare = muon_layouts(_labels.pure(tree), labels, weight_dimension_numbers, per_head)
+  if bare == routed.muon_layouts():
+    return []
+  muon = [leaf for leaf, label in zip(routed.leaves, routed.labels) if label == "muon"]
+  differ = [leaf.path for leaf, a, b in zip(muon, routed.muon_layouts(), bare) if a != b]
+  return [_Note("warning", f"the Muon layouts of {', '.join(differ[:3])}"
+                           f"{' and more' if len(differ) > 3 else ''} come from their Flax "
+                           "metadata, which the arrays update() gets may not carry (nnx.Optimizer "
+                           "passes pure arrays); pass them explicitly: weight_dimension_numbers="
+                           "stablejax.muon_dimension_numbers(params)")]
+
+
+def muon_dimension_numbers(params: optax.Params, overrides: Optional[Mapping[str, Dims]] = None,
                            param_labels: LabelsOrFn = None, strict: bool = False, *,
-                           per_head: bool = False, num_heads: Optional[int] = None) -> Any:
+                           per_head: bool = False, num_heads: Optional[int] = None
+                           ) -> optax.Params:
   """The matrix layout of every Muon parameter, as ``optax.contrib.MuonDimensionNumbers``.
 
   The tree :func:`stablejax.outlier_safe_muon` uses by default: the layouts read from Flax
@@ -260,7 +303,7 @@ def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] =
   _warn_notes([n for n in p.notes if n.text.startswith("per_head")], "muon_dimension_numbers")
   layouts = list(p.layouts)
   if overrides:
-    def check(pattern: str, dims: Any) -> None:
+    def check(pattern: str, dims: object) -> None:
       if not isinstance(dims, _DIMENSION_TYPES):
         raise ValueError(f"overrides maps {pattern!r} to {dims!r}; use "
                          "optax.contrib.MuonDimensionNumbers(reduction_axis=..., output_axis=...) "
@@ -285,36 +328,12 @@ def muon_dimension_numbers(params: Any, overrides: Optional[Mapping[str, Any]] =
 
 class RoutingInfo(NamedTuple):
   """What :func:`stablejax.outlier_safe_muon` was built with, for :func:`describe_routing`."""
-  param_labels: Any
-  weight_dimension_numbers: Any
+  param_labels: LabelsOrFn
+  weight_dimension_numbers: DimensionNumbersOrFn
   learning_rates: dict      # group -> float, schedule or (under inject_hyperparams) tracer
   rate_sources: dict        # group -> name of the argument the rate came from
   per_head: Optional[PerHead] = None
 
-
-
-_CAPTURES: list = []
-
-
-def record_init(info: RoutingInfo, params: Any) -> None:
-  """Called by outlier_safe_muon's ``init``: lets :func:`describe_routing` find it in any chain."""
-  if _CAPTURES:
-    _CAPTURES[-1].append((info, params))
-
-
-def capturing() -> bool:
-  """Whether :func:`describe_routing` is tracing an ``init`` (it prints the notes itself)."""
-  return bool(_CAPTURES)
-
-
-@contextlib.contextmanager
-def _capture() -> Any:
-  found: list = []
-  _CAPTURES.append(found)
-  try:
-    yield found
-  finally:
-    _CAPTURES.pop()
 
 
 def __getattr__(name: str) -> object:  # names that moved to the modules of their idea

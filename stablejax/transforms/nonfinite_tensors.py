@@ -8,7 +8,7 @@ without that wrapper. :func:`stablejax.outlier_safe_muon` guards each of its gro
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +24,7 @@ class TensorGuardState(NamedTuple):
     inner_state: the wrapped transform's state.
     skipped: int32 number of tensors skipped at the last step.
   """
-  inner_state: Any
+  inner_state: optax.OptState
   skipped: jax.Array
 
 
@@ -51,11 +51,12 @@ def skip_nonfinite_tensors(inner: optax.GradientTransformation
   """
   inner = optax.with_extra_args_support(inner)
 
-  def init_fn(params: Any) -> TensorGuardState:
+  def init_fn(params: optax.Params) -> TensorGuardState:
     return TensorGuardState(inner.init(params), jnp.zeros((), jnp.int32))
 
-  def update_fn(updates: Any, state: TensorGuardState, params: Any = None,
-                **extra_args: Any) -> tuple[Any, TensorGuardState]:
+  def update_fn(updates: optax.Updates, state: TensorGuardState,
+                params: Optional[optax.Params] = None,
+                **extra_args: Any) -> tuple[optax.Updates, TensorGuardState]:
     treedef: Any  # jaxlib ships no type stub for PyTreeDef: its methods are unknown to mypy
     leaves, treedef = jax.tree.flatten(updates)
     if not leaves:
