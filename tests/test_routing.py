@@ -482,3 +482,22 @@ def test_a_leaf_that_is_not_a_muon_matrix_is_refused_and_given_layouts_are_repor
   routed = stablejax.muon.routing.plan(params, weight_dimension_numbers={"w": MDN(1, 0), "b": None})
   assert [leaf.path for leaf in routed.leaves] == ["b", "w"]
   assert routed.layouts == [None, MDN(1, 0)] and routed.sources == [None, "given"]
+
+
+def test_a_layout_only_metadata_decides_warns_at_init_with_the_fix():
+  # Without an embedding table the shapes do not say which axis of [8, 2, 4] is the model
+  # width; the logical names do. update() reads layouts from the arrays it gets (nnx.Optimizer
+  # passes them without their metadata), so init says how to pin them.
+  boxed = {"proj": {"kernel": nn.LogicallyPartitioned(jnp.ones((8, 2, 4)),
+                                                      ("embed", "heads", "kv"))}}
+  routed = stablejax.muon.routing.plan(boxed)
+  assert routed.layouts == [stablejax.muon.matrices.ATTENTION_QKV]
+  tx = stablejax.outlier_safe_muon(0.02)
+  with pytest.warns(UserWarning, match=r"layouts of proj/kernel come from their Flax metadata.*"
+                                       r"weight_dimension_numbers=stablejax.muon_dimension_numb"):
+    tx.init(boxed)
+  pinned = stablejax.outlier_safe_muon(
+      0.02, weight_dimension_numbers=stablejax.muon_dimension_numbers(boxed))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pinned.init(boxed)
