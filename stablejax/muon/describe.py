@@ -213,8 +213,7 @@ def describe_routing(params: optax.Params,
     info, injected = infos[k] if k < len(infos) else (None, False)
     tree = _seen_params(params, muon_state)
     if info is None:  # a wrapper that hides its transform: the groups the state records
-      labels = recorded_labels(muon_state.inner_state, tree)
-      p = routing.plan(tree, lambda _, labels=labels: labels)  # a label tree may be callable
+      p = routing.plan(tree, functools.partial(_recorded, muon_state))
       rates: dict[str, str] = {}
     else:
       p = routing.plan(tree, info.param_labels, info.weight_dimension_numbers,
@@ -227,6 +226,12 @@ def describe_routing(params: optax.Params,
 
 def _is_muon_state(x: object) -> bool:
   return isinstance(x, GroupUpdateRmsState)
+
+
+def _recorded(muon_state: GroupUpdateRmsState, tree: optax.Params) -> optax.Params:
+  """The groups ``muon_state`` records, as ``param_labels`` (a function: a label tree of an
+  Equinox module is callable itself)."""
+  return recorded_labels(muon_state.inner_state, tree)
 
 
 def _seen_params(params: optax.Params, muon_state: GroupUpdateRmsState) -> optax.Params:
