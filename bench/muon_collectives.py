@@ -53,7 +53,7 @@ import stablejax  # noqa: E402
 from bench import _common  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from stablejax.muon import routing  # noqa: E402
+from stablejax.muon import matrices, routing  # noqa: E402
 from stablejax.training import mesh as mesh_lib  # noqa: E402
 from stablejax.training.config import MeshConfig  # noqa: E402
 from stablejax.modeling.gpt import GPT, ModelConfig  # noqa: E402
@@ -104,7 +104,7 @@ def main() -> int:
   muon = [(leaf.shape, dims) for leaf, label, dims in
           zip(routed.leaves, routed.labels, routed.layouts) if label == "muon"]
   sharded = [shape for shape, _ in muon if mesh_lib.fsdp_spec(shape, a.devices) != P()]
-  n_matrices = sum(math.prod(routing.matrix_shape(dims, shape)[0]) for shape, dims in muon)
+  n_matrices = sum(math.prod(matrices.matrix_shape(dims, shape)[0]) for shape, dims in muon)
   dims = stablejax.muon_dimension_numbers(params)
   print(f"mesh (data 1, fsdp {a.devices}); GPT {a.layers} layers"
         f"{' (scanned)' if a.scan else ''}, d_model {a.d_model}: {len(muon)} Muon tensors "

@@ -36,11 +36,13 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, 
   from stablejax.transforms.compensated import compensated_updates as compensated_updates
   from stablejax.muon.lr_check import check_learning_rates as check_learning_rates
   from stablejax.muon.muon import GroupUpdateRmsState as GroupUpdateRmsState
-  from stablejax.muon.muon import OutlierSafeMuonState as OutlierSafeMuonState
+  from stablejax.muon.direction import OutlierSafeMuonState as OutlierSafeMuonState
   from stablejax.muon.muon import outlier_safe_muon as outlier_safe_muon
+  from stablejax.muon.outliers import clamp_outlier_entries as clamp_outlier_entries
+  from stablejax.muon.outliers import OutlierClampState as OutlierClampState
   from stablejax.muon.newton_schulz import newton_schulz as newton_schulz
   from stablejax.muon.describe import describe_routing as describe_routing
-  from stablejax.muon.routing import label_params as label_params
+  from stablejax.muon.labels import label_params as label_params
   from stablejax.muon.routing import muon_dimension_numbers as muon_dimension_numbers
   from stablejax.layout.orientation import FusedDimensionNumbers as FusedDimensionNumbers
   from stablejax.modeling.utils import init_new_token_embeddings as init_new_token_embeddings
@@ -99,11 +101,13 @@ _EXPORTS = {
     # --- muon ---
     "check_learning_rates": "stablejax.muon.lr_check",
     "GroupUpdateRmsState": "stablejax.muon.muon",
-    "OutlierSafeMuonState": "stablejax.muon.muon",
+    "OutlierSafeMuonState": "stablejax.muon.direction",
     "outlier_safe_muon": "stablejax.muon.muon",
+    "clamp_outlier_entries": "stablejax.muon.outliers",
+    "OutlierClampState": "stablejax.muon.outliers",
     "newton_schulz": "stablejax.muon.newton_schulz",
     "describe_routing": "stablejax.muon.describe",
-    "label_params": "stablejax.muon.routing",
+    "label_params": "stablejax.muon.labels",
     "muon_dimension_numbers": "stablejax.muon.routing",
     "FusedDimensionNumbers": "stablejax.layout.orientation",
     # --- end muon ---

@@ -55,6 +55,7 @@ _MOVED = {
 _DATA = "stablejax.data."
 _TRANSFORMS = "stablejax.transforms."
 _LAYOUT = "stablejax.layout."
+_MUON = "stablejax.muon."
 # Module that stays -> {name that moved out of it: the module it lives in now, or
 # "module:new_name" for a name that was renamed too}.
 _MOVED_NAMES: dict[str, dict[str, str]] = {
@@ -67,6 +68,20 @@ _MOVED_NAMES: dict[str, dict[str, str]] = {
         **dict.fromkeys(("IDENTITY_FORMAT", "HASH_LIMIT", "data_identity",
                          "identity_difference"), _DATA + "identity"),
         "garbage_batch": "stablejax.training.batches",
+    },
+    _MUON + "muon": {
+        **dict.fromkeys(("OUTLIER_METHODS", "IQR_EXACT_MAX", "clamp_outliers"), _MUON + "outliers"),
+        **dict.fromkeys(("DEFAULT_NS_STEPS", "OutlierSafeMuonState", "ns_health", "shape_scale",
+                         "scale_by_outlier_safe_muon"), _MUON + "direction"),
+        **dict.fromkeys(("TensorGuardState", "skip_nonfinite_tensors"),
+                        "stablejax.transforms.nonfinite_tensors"),
+    },
+    _MUON + "routing": {
+        **dict.fromkeys(("GROUPS", "pure", "default_labels", "label_params"), _MUON + "labels"),
+        **dict.fromkeys(("MuonDimensionNumbers", "DIMENSION_TYPES", "LAST_TWO_AXES",
+                         "ATTENTION_QKV", "check_dims", "matrix_shape", "to_matrices",
+                         "split_fused", "part_shapes"), _MUON + "matrices"),
+        **dict.fromkeys(("Note", "warn_notes"), _MUON + "notes"),
     },
     _DATA + "prepare": {
         "TEXT_FIELD": _DATA + "config",

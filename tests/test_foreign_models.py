@@ -51,7 +51,7 @@ def _expected_layout(path: str):
   names = path.split("/")
   if names[-2] in ("query", "key", "value"):
     return QKV
-  return OUT if names[-2] == "out" and len(names) > 2 else stablejax.muon.routing.LAST_TWO_AXES
+  return OUT if names[-2] == "out" and len(names) > 2 else stablejax.muon.matrices.LAST_TWO_AXES
 
 
 LINEN = {"untied": {}, "tied": {"tied": True}, "scan": {"scan": True},

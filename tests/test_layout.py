@@ -76,6 +76,22 @@ MOVED_NAMES = {
     },
     "stablejax.training.loop": {"Run": "stablejax.training.loop:Trainer"},
     "stablejax.training.components": {"build": "stablejax.training.components:build_components"},
+    "stablejax.muon.muon": {
+        **dict.fromkeys(("OUTLIER_METHODS", "IQR_EXACT_MAX", "clamp_outliers"),
+                        "stablejax.muon.outliers"),
+        **dict.fromkeys(("DEFAULT_NS_STEPS", "OutlierSafeMuonState", "ns_health", "shape_scale",
+                         "scale_by_outlier_safe_muon"), "stablejax.muon.direction"),
+        **dict.fromkeys(("TensorGuardState", "skip_nonfinite_tensors"),
+                        "stablejax.transforms.nonfinite_tensors"),
+    },
+    "stablejax.muon.routing": {
+        **dict.fromkeys(("GROUPS", "pure", "default_labels", "label_params"),
+                        "stablejax.muon.labels"),
+        **dict.fromkeys(("MuonDimensionNumbers", "DIMENSION_TYPES", "LAST_TWO_AXES",
+                         "ATTENTION_QKV", "check_dims", "matrix_shape", "to_matrices",
+                         "split_fused", "part_shapes"), "stablejax.muon.matrices"),
+        **dict.fromkeys(("Note", "warn_notes"), "stablejax.muon.notes"),
+    },
 }
 
 

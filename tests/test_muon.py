@@ -11,7 +11,8 @@ import optax
 import pytest
 
 import stablejax
-from stablejax.muon import muon as muon_mod
+from stablejax.muon import direction as direction_mod
+from stablejax.muon import outliers as outliers_mod
 from stablejax.muon import newton_schulz as ns_mod
 
 STANDARD = (3.4445, -4.7750, 2.0315)
@@ -146,16 +147,44 @@ def test_planted_outlier_is_clamped_and_counted(method):
 def test_iqr_on_large_matrix_uses_subsample_and_still_clamps():
   g = np.array(_normal(4, (96, 128)))  # 12288 entries > IQR_EXACT_MAX: strided subsample
   g[50, 60] = 1e5
-  clamped, n = muon_mod.clamp_outliers(jnp.asarray(g), "iqr", 5.0)
+  clamped, n = outliers_mod.clamp_outliers(jnp.asarray(g), "iqr", 5.0)
   q1, q3 = np.quantile(g, [0.25, 0.75])
   hi_exact = q3 + 2.5 * (q3 - q1)
   assert 1 <= int(n) <= 3  # the outlier, plus at most a tail entry or two of a Gaussian
   np.testing.assert_allclose(float(clamped[50, 60]), hi_exact, rtol=0.1)
 
 
+def test_outlier_clamp_transform_clamps_each_matrix_in_any_chain():
+  # A stacked [2, 16, 24] kernel (two matrices), a plain matrix and a vector, each matrix with
+  # planted outliers; re-derived in numpy per matrix (z-score with the population std).
+  g = {"stack": np.array(_normal(1, (2, 16, 24))), "w": np.array(_normal(2, (16, 16))),
+       "b": np.array(_normal(3, (16,)))}
+  g["stack"][0, 3, 4], g["stack"][1, 7, 8], g["w"][2, 2], g["b"][0] = 50.0, -80.0, 30.0, 1e3
+  tx = optax.chain(stablejax.clamp_outlier_entries(threshold=3.0), optax.scale(-1.0))
+  updates, state = jax.jit(tx.update)(jax.tree.map(jnp.asarray, g), tx.init(g))
+  want, n = {}, 0
+  for k in ("stack", "w"):
+    mats = g[k].reshape((-1,) + g[k].shape[-2:])
+    out = []
+    for m in mats:
+      lo, hi = m.mean() - 3.0 * m.std(), m.mean() + 3.0 * m.std()
+      out.append(np.clip(m, lo, hi))
+      n += int(np.sum(out[-1] != m))
+    want[k] = -np.stack(out).reshape(g[k].shape)
+  for k in ("stack", "w"):
+    np.testing.assert_allclose(updates[k], want[k], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(updates["b"], -g["b"])  # a vector passes through
+  assert n >= 3 and int(state[0].outlier_count) == n
+  np.testing.assert_allclose(float(state[0].outlier_rate), n / (2 * 16 * 24 + 16 * 16))
+  assert stablejax.stability_metrics(state)["outlier_clamp/outlier_count"] == n
+  # The same rule as the Muon branch's clamp of its NS input.
+  clamped, count = outliers_mod.clamp_outliers(jnp.asarray(g["w"]), "zscore", 3.0)
+  np.testing.assert_array_equal(-clamped, updates["w"])
+
+
 def test_zero_spread_matrix_is_not_clamped():
   x = jnp.zeros((32, 32)).at[0, 0].set(1.0)  # IQR is zero: no clamping instead of zeroing
-  out, n = muon_mod.clamp_outliers(x, "iqr", 5.0)
+  out, n = outliers_mod.clamp_outliers(x, "iqr", 5.0)
   assert int(n) == 0 and np.array_equal(out, x)
 
 
@@ -281,7 +310,7 @@ def test_clamp_count_matches_numpy_below_and_above_2_24_entries(shape):
   for i in range(flat.shape[0]):
     flat[i, 0, : i + 2] = 1e3
     flat[i, -1, -1] = -1e3
-  clamped, n = muon_mod.clamp_outliers(jnp.asarray(x), "zscore", 5.0)
+  clamped, n = outliers_mod.clamp_outliers(jnp.asarray(x), "zscore", 5.0)
   m = flat.astype(np.float64)
   mean = m.mean(axis=(-2, -1), keepdims=True)
   std = m.std(axis=(-2, -1), keepdims=True)
@@ -295,13 +324,13 @@ def test_negative_outlier_is_clamped_to_the_lower_boundary() -> None:
   g = np.array(_normal(5, (32, 32)), np.float64)
   g[2, 3] = -1e3
   g[20, 9] = 1e3
-  out, n = muon_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "zscore", 5.0)
+  out, n = outliers_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "zscore", 5.0)
   lo, hi = g.mean() - 5 * g.std(), g.mean() + 5 * g.std()
   assert lo < -1 and hi > 1
   np.testing.assert_allclose(float(out[2, 3]), lo, rtol=1e-4)
   np.testing.assert_allclose(float(out[20, 9]), hi, rtol=1e-4)
   assert int(n) == 2
-  out, n = muon_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "iqr", 5.0)
+  out, n = outliers_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "iqr", 5.0)
   q1, q3 = np.quantile(g, [0.25, 0.75])
   np.testing.assert_allclose(float(out[2, 3]), q1 - 2.5 * (q3 - q1), rtol=1e-4)
   assert int(n) == 2
@@ -315,10 +344,10 @@ def test_health_check_rejects_outputs_outside_its_documented_bounds() -> None:
   direction = _normal(7, (16, 16))
   direction = direction / jnp.linalg.norm(direction)
   for fro, healthy in [(0.9 * low, False), (1.1 * low, True), (7.9, True), (8.1, False)]:
-    got, mom_finite, _ = muon_mod.ns_health(direction * fro, mom, 1e-8)
+    got, mom_finite, _ = direction_mod.ns_health(direction * fro, mom, 1e-8)
     assert bool(got) == healthy, fro
     assert bool(mom_finite)
-  got, mom_finite, _ = muon_mod.ns_health(direction, mom.at[0, 0].set(jnp.nan), 1e-8)
+  got, mom_finite, _ = direction_mod.ns_health(direction, mom.at[0, 0].set(jnp.nan), 1e-8)
   assert not bool(got) and not bool(mom_finite)
 
 
@@ -327,7 +356,7 @@ def test_nonfinite_momentum_falls_back_to_a_zero_update() -> None:
   # itself is non-finite" (here the Muon direction alone, without the per-tensor guard).
   g = np.array(_normal(11, (16, 16)))
   g[4, 4] = np.nan
-  tx = muon_mod.scale_by_outlier_safe_muon(ns_backend="xla")
+  tx = direction_mod.scale_by_outlier_safe_muon(ns_backend="xla")
   updates: Any
   state: Any
   updates, state = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros((16, 16))}))
@@ -355,7 +384,7 @@ def test_counters_saturate_at_int32_max() -> None:
   int32_max = 2**31 - 1
   g = np.array(_normal(3, (16, 16)))
   g[1, 1] = 1e4
-  tx = muon_mod.scale_by_outlier_safe_muon(ns_backend="xla")
+  tx = direction_mod.scale_by_outlier_safe_muon(ns_backend="xla")
   state: Any = tx.init({"w": jnp.zeros((16, 16))})
   state = state._replace(outlier_count=jnp.int32(int32_max - 1))
   _, state = tx.update({"w": jnp.asarray(g)}, state)
@@ -393,10 +422,10 @@ def test_health_check_bounds_hold_for_ns_of_any_spectrum():
     for scale in (1.0, 1e-9, 1e-12):
       x = m * scale
       out = ns_mod.newton_schulz(x, eps=1e-8, backend="xla")
-      healthy, _, _ = muon_mod.ns_health(out, x, 1e-8)
+      healthy, _, _ = direction_mod.ns_health(out, x, 1e-8)
       assert bool(healthy), (rank, s_min, scale)
   zero = jnp.zeros((8, 8))
-  assert bool(muon_mod.ns_health(ns_mod.newton_schulz(zero), zero, 1e-8)[0])
+  assert bool(direction_mod.ns_health(ns_mod.newton_schulz(zero), zero, 1e-8)[0])
 
 
 @pytest.mark.filterwarnings("ignore:outlier_safe_muon")  # "attn" is an unrecognised 3-axis leaf

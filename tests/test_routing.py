@@ -119,7 +119,7 @@ def test_describe_routing_table_with_transform():
   assert "schedule (start 0, peak 0.02)" in row
   # Summary: tensor and parameter counts per group.
   n_leaves = len(jax.tree.leaves(params))
-  groups = stablejax.muon.routing.GROUPS
+  groups = stablejax.muon.labels.GROUPS
   summary = {line.split(":")[0]: line for line in lines if line.split(":")[0] in groups}
   assert sum(int(v.split(": ")[1].split()[0]) for v in summary.values()) == n_leaves
   assert "muon: 3 tensors" in summary["muon"] and summary["muon"].endswith("peak 0.02)")
@@ -148,7 +148,7 @@ def test_describe_routing_with_labels_or_callable_or_default():
 def _rates(table):
   """group -> learning-rate text, from the summary lines."""
   return {line.split(":")[0]: line.split("learning rate ")[1] for line in table.splitlines()
-          if line.split(":")[0] in stablejax.muon.routing.GROUPS}
+          if line.split(":")[0] in stablejax.muon.labels.GROUPS}
 
 
 def test_describe_routing_finds_outlier_safe_muon_in_any_chain():
@@ -214,10 +214,11 @@ def test_overrides_mapping():
   tx = stablejax.outlier_safe_muon(2e-3, param_labels={"params/emb_proj_out": "head",
                                                        "params/gqa/*": "adam"})
   with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
+    warnings.simplefilter("default")  # Python's default: a warning once where it is issued
     state = tx.init(params)
-    tx.init(params)  # the same model again: no second warning
-    tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    jax.eval_shape(tx.init, params)  # traced again (as the trainer does): no second warning
+    tx.init(params)
+    tx.update(jax.tree.map(jnp.ones_like, params), state, params)  # update never warns
   assert [str(w.message).count("'params/gqa/*'") for w in caught] == [1]
   strict = stablejax.outlier_safe_muon(2e-3, param_labels={"params/gqa/*": "adam"},
                                        strict_overrides=True)
@@ -377,7 +378,7 @@ def test_logical_axis_names_decide_before_shapes_and_names():
       "table": "embedding", "blocks": {"w": "adam"}, "proj": {"kernel": "muon"},
       "out": {"kernel": "head"}}
   # The same arrays without metadata: shapes and names only.
-  assert stablejax.label_params(stablejax.muon.routing.pure(tree)) == {
+  assert stablejax.label_params(stablejax.muon.labels.pure(tree)) == {
       "table": "muon", "blocks": {"w": "muon"}, "proj": {"kernel": "muon"},
       "out": {"kernel": "muon"}}
 
@@ -387,9 +388,9 @@ def test_a_metadata_model_axis_of_the_wrong_size_is_not_trusted():
   # metadata, so its layout is not taken from it (the last two axes, with a warning, instead).
   def boxed(shape, names):
     return nn.LogicallyPartitioned(jnp.ones(shape), names)
-  routing = stablejax.muon.routing
-  for width, want, source in ((8, routing.ATTENTION_QKV, "metadata"),
-                              (16, routing.LAST_TWO_AXES, None)):
+  routing, matrices = stablejax.muon.routing, stablejax.muon.matrices
+  for width, want, source in ((8, matrices.ATTENTION_QKV, "metadata"),
+                              (16, matrices.LAST_TWO_AXES, None)):
     tree = {"embed": boxed((32, 8), ("vocab", "embed")),
             "proj": {"kernel": boxed((width, 2, 4), ("embed", "heads", "kv"))}}
     routed = routing.plan(tree)
@@ -484,3 +485,33 @@ def test_fused_parts_from_names_shapes_and_metadata():
   assert dims["attn"]["qkv"]["kernel"].part_sizes((d, 20)) == (12, 4, 4)
   with pytest.raises(ValueError, match="attn/qkv/kernel: .*does not split into 3 equal parts"):
     stablejax.muon_dimension_numbers(odd, overrides={"attn/qkv/kernel": FDN(-2, -1, -1, 3)})
+
+
+def test_a_leaf_that_is_not_a_muon_matrix_is_refused_and_given_layouts_are_reported():
+  params = {"w": jnp.zeros((4, 6)), "b": jnp.zeros(4)}
+  with pytest.raises(ValueError, match=r"Muon needs matrices but b has shape \(4,\)"):
+    stablejax.muon_dimension_numbers(params, param_labels={"b": "muon"})
+  with pytest.raises(ValueError, match="gives dimension numbers to b, which is routed to 'adam'"):
+    stablejax.muon_dimension_numbers(params, overrides={"b": MDN(0, 0)})
+  routed = stablejax.muon.routing.plan(params, weight_dimension_numbers={"w": MDN(1, 0), "b": None})
+  assert [leaf.path for leaf in routed.leaves] == ["b", "w"]
+  assert routed.layouts == [None, MDN(1, 0)] and routed.sources == [None, "given"]
+
+
+def test_a_layout_only_metadata_decides_warns_at_init_with_the_fix():
+  # Without an embedding table the shapes do not say which axis of [8, 2, 4] is the model
+  # width; the logical names do. update() reads layouts from the arrays it gets (nnx.Optimizer
+  # passes them without their metadata), so init says how to pin them.
+  boxed = {"proj": {"kernel": nn.LogicallyPartitioned(jnp.ones((8, 2, 4)),
+                                                      ("embed", "heads", "kv"))}}
+  routed = stablejax.muon.routing.plan(boxed)
+  assert routed.layouts == [stablejax.muon.matrices.ATTENTION_QKV]
+  tx = stablejax.outlier_safe_muon(0.02)
+  with pytest.warns(UserWarning, match=r"layouts of proj/kernel come from their Flax metadata.*"
+                                       r"weight_dimension_numbers=stablejax.muon_dimension_numb"):
+    tx.init(boxed)
+  pinned = stablejax.outlier_safe_muon(
+      0.02, weight_dimension_numbers=stablejax.muon_dimension_numbers(boxed))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pinned.init(boxed)

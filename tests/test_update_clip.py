@@ -182,7 +182,7 @@ def test_bad_arguments_are_one_line_errors(kwargs, match):
 
 
 def test_the_trainer_divides_by_the_rate_of_each_parameter_group():
-  from stablejax.muon.routing import label_params
+  from stablejax.muon.labels import label_params
   from stablejax.training.config import load_config
   from stablejax.training.optim import learning_rates, lr_schedule, parameter_learning_rates
   cfg = load_config(None, ["train.steps=50", "train.warmup_steps=5",

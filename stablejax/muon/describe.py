@@ -1,8 +1,14 @@
 """Printing the routing in effect: :func:`describe_routing`.
 
-Kept apart from :mod:`stablejax.muon.routing` because it must find an ``outlier_safe_muon`` inside
-any chain (it traces ``tx.init`` and reads what :func:`stablejax.muon.routing.record_init`
-captured, and the closures of ``optax.inject_hyperparams``), so it imports
+No global or hidden state: the routing of a transform is read from what the transform itself
+holds. ``jax.eval_shape(tx.init, params)`` gives the optimizer state, whose
+:class:`~stablejax.GroupUpdateRmsState` nodes say how many ``outlier_safe_muon`` the chain holds
+and which parameters each one sees (an enclosing ``optax.masked`` leaves some out); the
+arguments that decide each one's routing and learning rates
+(:class:`~stablejax.muon.routing.RoutingInfo`) are read from the transform (the closures of
+``optax.chain`` and of any wrapper hold the transforms they wrap, as optax builds them); under
+``optax.inject_hyperparams`` the wrapper holds the arguments it was given, and the transform is
+built again from them. Kept apart from :mod:`stablejax.muon.routing` because it imports
 :mod:`stablejax.muon.muon`, which itself imports the routing: this module sits on top of both.
 """
 
@@ -13,14 +19,18 @@ import inspect
 import math
 import types
 import warnings
-from typing import Any
+from typing import Any, Optional, cast
 
 import jax
 import numpy as np
+import optax
 
 from stablejax.muon import lr_check
 from stablejax.muon import routing
-from stablejax.muon.muon import outlier_safe_muon
+from stablejax.muon.labels import GROUPS
+from stablejax.muon.matrices import layout_name
+from stablejax.layout.analysis import param_leaves
+from stablejax.muon.muon import GroupUpdateRmsState, outlier_safe_muon, recorded_labels
 
 
 class NoOutlierSafeMuonError(ValueError):
@@ -42,39 +52,73 @@ def _closure_env(fn: Any) -> dict:
   return env
 
 
-def _injected_hyperparams(tx: Any) -> dict:
-  """Arguments given to ``optax.inject_hyperparams(outlier_safe_muon)(...)`` inside ``tx``.
+# Each wrapper (a transform, its init's closure) is two levels: room for a trainer's chain of
+# wrapped, keyed and injected transforms; the walk skips what it has seen, so cycles end.
+_MAX_DEPTH = 64
 
-  Under ``inject_hyperparams`` the rates reach outlier_safe_muon as traced arrays; the values the
-  user gave (floats or schedules) are only in the wrapper's closure, read here for display.
-  """
-  seen, stack = set(), [(tx, 0)]
+
+def _reachable(tx: object) -> list[object]:
+  """Everything ``tx`` holds, depth first in the order it holds it (a chain's transforms in
+  order): closures, bound methods, partials, containers and object attributes."""
+  seen: set = set()
+  out: list = []
+  stack: list = [(tx, 0)]
   while stack:
     obj, depth = stack.pop()
-    if id(obj) in seen or depth > 12 or isinstance(obj, (str, bytes, int, float, type,
+    if id(obj) in seen or depth > _MAX_DEPTH or isinstance(obj, (str, bytes, int, float, type,
                                                           types.ModuleType)):
       continue
     seen.add(id(obj))
+    out.append(obj)
+    children: list = []
     if isinstance(obj, types.MethodType):
-      stack += [(obj.__func__, depth + 1), (obj.__self__, depth + 1)]
+      children = [obj.__func__, obj.__self__]
     elif isinstance(obj, types.FunctionType):
-      env = _closure_env(obj)
-      factory = env.get("inner_factory")
-      if factory is not None and inspect.unwrap(factory) is outlier_safe_muon \
-          and "numeric_hps" in env:
-        given = dict(env["numeric_hps"])
-        given.update({k: getattr(v, "schedule_fn", v) for k, v in env.get("sched_hps", {}).items()})
-        return given
-      stack += [(v, depth + 1) for v in env.values()]
+      children = list(_closure_env(obj).values())
     elif isinstance(obj, functools.partial):
-      stack += [(obj.func, depth + 1)] + [(a, depth + 1) for a in obj.args]
+      children = [obj.func, *obj.args, *obj.keywords.values()]
     elif isinstance(obj, (tuple, list)):
-      stack += [(v, depth + 1) for v in obj]
+      children = list(obj)
     elif isinstance(obj, dict):
-      stack += [(v, depth + 1) for v in obj.values()]
+      children = list(obj.values())
     elif hasattr(obj, "__dict__"):
-      stack += [(v, depth + 1) for v in vars(obj).values()]
-  return {}
+      children = list(vars(obj).values())
+    stack += [(c, depth + 1) for c in reversed(children)]
+  return out
+
+
+def _injected(fn: object) -> Optional[dict]:
+  """The closure of ``fn`` if it is the ``init`` or ``update`` of
+  ``optax.inject_hyperparams(outlier_safe_muon)(...)``: it holds the arguments that wrapper was
+  given (``other_hps``, ``numeric_hps``, ``sched_hps``)."""
+  env = _closure_env(fn)
+  factory = env.get("inner_factory")
+  if factory is None or inspect.unwrap(factory) is not outlier_safe_muon \
+      or "numeric_hps" not in env:
+    return None
+  return env
+
+
+def routing_infos(tx: optax.GradientTransformation) -> list[tuple[routing.RoutingInfo, bool]]:
+  """The routing arguments of every ``outlier_safe_muon`` in ``tx``, in chain order, each with
+  whether ``optax.inject_hyperparams`` injects its hyperparameters."""
+  found: list = []
+  wrappers: set = set()  # an injecting wrapper's init and update share their arguments
+  for obj in _reachable(tx):
+    if isinstance(obj, routing.RoutingInfo):
+      found.append((obj, False))
+      continue
+    env = _injected(obj) if isinstance(obj, types.FunctionType) else None
+    if env is None or id(env["numeric_hps"]) in wrappers:
+      continue
+    wrappers.add(id(env["numeric_hps"]))
+    given = dict(env.get("other_hps", {}), **env["numeric_hps"])
+    given.update({k: getattr(v, "schedule_fn", v) for k, v in env.get("sched_hps", {}).items()})
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")
+      rebuilt = outlier_safe_muon(**given)
+    found += [(info, True) for info, _ in routing_infos(rebuilt)]
+  return found
 
 
 def _format_lr(lr: Any) -> str:
@@ -86,29 +130,19 @@ def _format_lr(lr: Any) -> str:
   return f"{float(np.asarray(lr)):.3g}"
 
 
-def _rates_for_display(info: routing.RoutingInfo, tx: Any) -> dict:
-  rates = {}
-  injected = None
-  for group, lr in info.learning_rates.items():
-    if isinstance(lr, jax.core.Tracer):
-      if injected is None:
-        injected = _injected_hyperparams(tx)
-      source = info.rate_sources.get(group)
-      rates[group] = (f"{_format_lr(injected[source])} (injected)" if source in injected
-                      else "injected by inject_hyperparams")
-    else:
-      rates[group] = _format_lr(lr)
-  return rates
+def _rates_for_display(info: routing.RoutingInfo, injected: bool) -> dict[str, str]:
+  suffix = " (injected)" if injected else ""
+  return {group: _format_lr(lr) + suffix for group, lr in info.learning_rates.items()}
 
 
 def _table(p: routing.RoutingPlan, rates: dict) -> str:
   rows = []
-  totals = {g: [0, 0] for g in routing.GROUPS}
+  totals = {g: [0, 0] for g in GROUPS}
   sources = p.sources or [None] * len(p.leaves)
   for leaf, label, dims, source in zip(p.leaves, p.labels, p.layouts, sources):
     if leaf.masked:
       continue
-    matrix = routing._layout_name(dims, leaf.shape) if label == "muon" else "-"
+    matrix = layout_name(dims, leaf.shape) if label == "muon" else "-"
     read = routing.LAYOUT_SOURCES[source] if label == "muon" else "-"
     rows.append((leaf.path, str(leaf.shape), label, matrix, read, rates.get(label, "-")))
     totals[label][0] += 1
@@ -119,7 +153,7 @@ def _table(p: routing.RoutingPlan, rates: dict) -> str:
   lines = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))]
   lines += [fmt.format(*r).rstrip() for r in rows]
   lines.append("")
-  for g in routing.GROUPS:
+  for g in GROUPS:
     n_tensors, n_params = totals[g]
     if n_tensors:
       plural = "s" if n_tensors > 1 else ""
@@ -130,7 +164,9 @@ def _table(p: routing.RoutingPlan, rates: dict) -> str:
   return "\n".join(lines)
 
 
-def describe_routing(params: Any, tx_or_labels: routing.LabelsOrFn = None) -> str:
+def describe_routing(params: optax.Params,
+                     tx_or_labels: routing.LabelsOrFn | optax.GradientTransformation = None
+                     ) -> str:
   """The routing in effect as a printable table: path, shape, group, Muon matrix, learning rate.
 
   Args:
@@ -161,19 +197,51 @@ def describe_routing(params: Any, tx_or_labels: routing.LabelsOrFn = None) -> st
     >>> print(stablejax.describe_routing(params, tx))  # doctest: +SKIP
   """
   if not _is_transform(tx_or_labels):
-    return _table(routing.plan(params, tx_or_labels), {})
+    return _table(routing.plan(params, cast(routing.LabelsOrFn, tx_or_labels)), {})
   tx: Any = tx_or_labels
-  with routing._capture() as found, warnings.catch_warnings():
+  with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # the notes below repeat init's warnings
-    jax.eval_shape(tx.init, params)
-  if not found:
+    state = jax.eval_shape(tx.init, params)
+  held = [s for s in jax.tree.leaves(state, is_leaf=_is_muon_state) if _is_muon_state(s)]
+  if not held:
     raise NoOutlierSafeMuonError(
         "describe_routing: this transform contains no stablejax.outlier_safe_muon; pass its "
         "param_labels (a {pattern: group} mapping, a label tree or a callable) instead")
+  infos = routing_infos(tx)
   tables = []
-  for k, (info, tree) in enumerate(found):
-    p = routing.plan(tree, info.param_labels, info.weight_dimension_numbers,
-                     per_head=info.per_head)
-    title = f"outlier_safe_muon #{k + 1} of {len(found)}\n" if len(found) > 1 else ""
-    tables.append(title + _table(p, _rates_for_display(info, tx)))
+  for k, muon_state in enumerate(held):
+    info, injected = infos[k] if k < len(infos) else (None, False)
+    tree = _seen_params(params, muon_state)
+    if info is None:  # a wrapper that hides its transform: the groups the state records
+      p = routing.plan(tree, functools.partial(_recorded, muon_state))
+      rates: dict[str, str] = {}
+    else:
+      p = routing.plan(tree, info.param_labels, info.weight_dimension_numbers,
+                       per_head=info.per_head)
+      rates = _rates_for_display(info, injected)
+    title = f"outlier_safe_muon #{k + 1} of {len(held)}\n" if len(held) > 1 else ""
+    tables.append(title + _table(p, rates))
   return "\n\n".join(tables)
+
+
+def _is_muon_state(x: object) -> bool:
+  return isinstance(x, GroupUpdateRmsState)
+
+
+def _recorded(muon_state: GroupUpdateRmsState, tree: optax.Params) -> optax.Params:
+  """The groups ``muon_state`` records, as ``param_labels`` (a function: a label tree of an
+  Equinox module is callable itself)."""
+  return recorded_labels(muon_state.inner_state, tree)
+
+
+def _seen_params(params: optax.Params, muon_state: GroupUpdateRmsState) -> optax.Params:
+  """``params`` as the ``outlier_safe_muon`` of ``muon_state`` sees them: ``optax.MaskedNode``
+  for those an enclosing ``optax.masked`` leaves out (no group of its state holds them)."""
+  try:
+    labels = recorded_labels(muon_state.inner_state, params)
+  except ValueError:  # a wrapper that gives it another tree: shown as the user gave it
+    return params
+  leaves, values, treedef = param_leaves(params, with_values=True)
+  flat = jax.tree.leaves(labels, is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+  return treedef.unflatten([v if isinstance(label, str) else optax.MaskedNode()
+                            for v, label in zip(values, flat)])

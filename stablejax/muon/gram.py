@@ -41,10 +41,11 @@ of ``X``; only the rounding differs.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 # fused(lhs, rhs, addend, *, alpha, beta, trans_rhs) = alpha * addend + beta * lhs @ op(rhs),
 # accumulated in float32 and rounded to lhs.dtype: the XLA form below, or the Pallas kernel.
@@ -68,7 +69,7 @@ def xla_matmul(lhs: jax.Array, rhs: jax.Array, addend: Optional[jax.Array], *, a
   return out.astype(lhs.dtype)
 
 
-def default_restarts(steps: int, dtype: Any = jnp.float32) -> tuple[int, ...]:
+def default_restarts(steps: int, dtype: DTypeLike = jnp.float32) -> tuple[int, ...]:
   """The steps before which the iteration restarts: for a 16-bit (or narrower) ``dtype`` 2, 5,
   8, ... below ``steps``; none for float32 and wider (see the module docstring)."""
   if jnp.dtype(dtype).itemsize > 2:
@@ -81,7 +82,7 @@ def _symmetrise(r: jax.Array) -> jax.Array:
   return (0.5 * (rf + jnp.swapaxes(rf, -1, -2))).astype(r.dtype)
 
 
-def check_restarts(restarts: Any, steps: int) -> tuple[int, ...]:
+def check_restarts(restarts: Iterable[int], steps: int) -> tuple[int, ...]:
   """``restarts`` as a sorted tuple of step indices in ``1 .. steps - 1``, or a clear error."""
   try:
     found = tuple(sorted({int(i) for i in restarts}))

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 MUON_MIN_LR = 1e-3
 ADAM_MAX_LR = 3e-3
@@ -28,7 +29,7 @@ _MUON_NAMES = ("muon", "outlier_safe_muon")
 _ADAM_NAMES = ("adam", "adamw")
 
 
-def schedule_values(schedule: Any) -> np.ndarray:
+def schedule_values(schedule: optax.Schedule) -> np.ndarray:
   """Values of an optax schedule at every step up to 4096 and geometrically up to 1e7."""
   try:
     values = np.asarray(schedule(jnp.asarray(_PROBES, jnp.int32)), np.float64)
@@ -36,7 +37,7 @@ def schedule_values(schedule: Any) -> np.ndarray:
       return values
   except (TypeError, ValueError):  # a schedule that does not take an array of steps
     pass
-  return np.array([float(schedule(int(step))) for step in _PROBES[::16]])
+  return np.array([float(np.asarray(schedule(int(step)))) for step in _PROBES[::16]])
 
 
 def _peak(lr: Any) -> Optional[float]:
@@ -54,9 +55,13 @@ def _muon_suggestion(consistent_rms: Optional[float]) -> str:
   return f"Muon with consistent_rms={consistent_rms} usually runs at about 2e-3 to 1e-2"
 
 
-def check_learning_rates(optimizer: Optional[str] = None, learning_rate: Any = None, *,
-                         muon_lr: Any = None, adam_lr: Any = None, embedding_lr: Any = None,
-                         head_lr: Any = None, consistent_rms: Optional[float] = 0.2,
+def check_learning_rates(optimizer: Optional[str] = None,
+                         learning_rate: Optional[optax.ScalarOrSchedule] = None, *,
+                         muon_lr: Optional[optax.ScalarOrSchedule] = None,
+                         adam_lr: Optional[optax.ScalarOrSchedule] = None,
+                         embedding_lr: Optional[optax.ScalarOrSchedule] = None,
+                         head_lr: Optional[optax.ScalarOrSchedule] = None,
+                         consistent_rms: Optional[float] = 0.2,
                          warn: bool = False) -> list[str]:
   """Warnings for learning rates that look set for the other optimizer.
 

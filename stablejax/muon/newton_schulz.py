@@ -56,10 +56,11 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from stablejax.muon import _pallas_ns
 from stablejax.muon import gram as _gram
@@ -231,7 +232,7 @@ class Iteration(NamedTuple):
 def resolve_iteration(coeffs: CoeffsSpec, steps: int, method: str = "standard",
                       preconditioning: str = "frobenius",
                       gram_restarts: Optional[Sequence[int]] = None,
-                      dtype: Any = jnp.float32) -> tuple[Iteration, float]:
+                      dtype: DTypeLike = jnp.float32) -> tuple[Iteration, float]:
   """Validates the arguments of :func:`newton_schulz`: ``(Iteration, norm_factor)``; the Gram
   restarts default to those of ``dtype`` (the compute dtype, the input's)."""
   per_step, norm_factor = resolve_coeffs(coeffs, steps, from_end=preconditioning == "aol")

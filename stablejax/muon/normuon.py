@@ -25,13 +25,15 @@ projection of a fused kernel, each head with ``per_head``, each layer of a scan-
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from stablejax.muon import matrices
 from stablejax.muon import routing
+from stablejax.muon.matrices import Dims
 
 
 class NorMuonState(NamedTuple):
@@ -45,13 +47,14 @@ class NorMuonState(NamedTuple):
   nu: optax.Updates
 
 
-def neuron_count(shape: tuple, dims: Any) -> int:
+def neuron_count(shape: tuple[int, ...], dims: Dims) -> int:
   """Output neurons of the matrices ``dims`` cuts out of a ``shape`` leaf (the length of its
   entry of :attr:`NorMuonState.nu`)."""
-  return sum(math.prod(batch) * fan_out for batch, _, fan_out in routing.part_shapes(dims, shape))
+  return sum(math.prod(batch) * fan_out for batch, _, fan_out in matrices.part_shapes(dims, shape))
 
 
-def normalise(o: jax.Array, nu: jax.Array, b2: Any, eps: float) -> tuple[jax.Array, jax.Array]:
+def normalise(o: jax.Array, nu: jax.Array, b2: float | jax.Array, eps: float
+              ) -> tuple[jax.Array, jax.Array]:
   """One NorMuon step on matrices ``o`` ``[..., fan_in, fan_out]`` with statistics ``nu``
   ``[..., fan_out]``; returns the normalised ``o`` (its dtype) and the new ``nu`` (float32)."""
   of = o.astype(jnp.float32)
@@ -62,29 +65,29 @@ def normalise(o: jax.Array, nu: jax.Array, b2: Any, eps: float) -> tuple[jax.Arr
   return (scaled * (norm / jnp.maximum(new_norm, 1e-8))).astype(o.dtype), nu
 
 
-def with_layouts(b2: Any, eps: float, layouts: Callable[[Any], list]
+def with_layouts(b2: float | jax.Array, eps: float, layouts: Callable[[optax.Params], list[Dims]]
                  ) -> optax.GradientTransformation:
   """:func:`scale_by_normuon` with the layouts given as ``tree -> [dims per leaf]`` (what
   :func:`stablejax.outlier_safe_muon` chains, with its routing's layouts)."""
 
-  def init_fn(params: Any) -> NorMuonState:
+  def init_fn(params: optax.Params) -> NorMuonState:
     treedef: Any
     leaves, treedef = jax.tree.flatten(params)
     nu = [jnp.zeros((neuron_count(jnp.shape(p), d),), jnp.float32)
           for p, d in zip(leaves, layouts(params))]
     return NorMuonState(treedef.unflatten(nu))
 
-  def update_fn(updates: Any, state: NorMuonState,
-                params: Any = None) -> tuple[Any, NorMuonState]:
+  def update_fn(updates: optax.Updates, state: NorMuonState,
+                params: Optional[optax.Params] = None) -> tuple[optax.Updates, NorMuonState]:
     del params
     treedef: Any
     leaves, treedef = jax.tree.flatten(updates)
     new_leaves, new_nu = [], []
     for u, nu, dims in zip(leaves, treedef.flatten_up_to(state.nu), layouts(updates)):
-      pieces, join = routing.split_fused(u, dims)
+      pieces, join = matrices.split_fused(u, dims)
       outs, nus, offset = [], [], 0
       for piece, piece_dims in pieces:
-        x, back = routing.to_matrices(piece, piece_dims)
+        x, back = matrices.to_matrices(piece, piece_dims)
         k = math.prod(x.shape[:-2]) * x.shape[-1]
         o, v = normalise(x, nu[offset:offset + k].reshape(x.shape[:-2] + x.shape[-1:]), b2, eps)
         outs.append(back(o))
@@ -98,12 +101,13 @@ def with_layouts(b2: Any, eps: float, layouts: Callable[[Any], list]
 
 
 def scale_by_normuon(b2: float = 0.95, eps: float = 1e-8,
-                     weight_dimension_numbers: Any = None) -> optax.GradientTransformation:
+                     weight_dimension_numbers: routing.DimensionNumbersOrFn = None
+                     ) -> optax.GradientTransformation:
   """NorMuon's per-neuron normalisation of an orthogonalised update (arXiv 2510.05491).
 
   Chain it after the Muon direction; :func:`stablejax.outlier_safe_muon` does so with
   ``normuon=True``. Each matrix (as ``weight_dimension_numbers`` cuts the leaf, exactly as
-  :func:`stablejax.muon.muon.scale_by_outlier_safe_muon` takes them) has each output neuron's
+  :func:`stablejax.muon.direction.scale_by_outlier_safe_muon` takes them) has each output neuron's
   entries divided by the root of the EMA of their mean square, then its Frobenius norm restored
   (see the module docstring for the formula and where it departs from the paper's step size).
 
@@ -135,7 +139,7 @@ def scale_by_normuon(b2: float = 0.95, eps: float = 1e-8,
     >>> bool(jnp.isclose(jnp.linalg.norm(updates["w"]), jnp.linalg.norm(o["w"])))
     True
   """
-  def layouts_of(tree: Any) -> list:
+  def layouts_of(tree: optax.Params) -> list[Dims]:
     return [d for d in routing.matrix_layouts(tree, weight_dimension_numbers) if d is not None]
 
   return with_layouts(b2, eps, layouts_of)

@@ -49,13 +49,7 @@ def _explicit_spec(x: Any) -> Any:
   return sharding.spec if used & explicit else None
 
 
-def explicit_mesh_active() -> bool:
-  """Whether a mesh with explicit axes is set for the code being traced."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return not mesh.empty and any(kind == AxisType.Explicit for kind in mesh.axis_types)
-
-
-def gather(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+def gather(x: jax.Array) -> tuple[jax.Array, Callable[[jax.Array], jax.Array]]:
   """``x`` replicated on every device, and the function that gives a result ``x``'s sharding."""
   spec = _explicit_spec(x)
   if spec is not None:
@@ -67,7 +61,7 @@ def gather(x: Any) -> tuple[Any, Callable[[Any], Any]]:
   return x, _identity
 
 
-def replicated(x: Any) -> Any:
+def replicated(x: jax.Array) -> jax.Array:
   """Keeps ``x`` whole on every device under an auto mesh context (the partitioner would
   otherwise be free to split a stack of matrices and gather it again in every iteration)."""
   mesh = jax.sharding.get_abstract_mesh()

@@ -43,7 +43,7 @@ import optax
 
 from stablejax.muon.lr_check import check_learning_rates
 from stablejax.muon.muon import outlier_safe_muon
-from stablejax.muon.routing import label_params
+from stablejax.muon.labels import label_params
 from stablejax.training.config import Config, model_of
 from stablejax.transforms import defence
 

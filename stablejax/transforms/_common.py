@@ -15,6 +15,7 @@ import optax
 import optax.tree
 
 STAT_DTYPE = jnp.float32
+_INT32_MAX = jnp.iinfo(jnp.int32).max
 
 
 def f32(x: jax.typing.ArrayLike) -> jax.Array:
@@ -124,6 +125,12 @@ def safe_increment(count: jax.Array) -> jax.Array:
   """int32 counter + 1 that saturates instead of overflowing (optax's)."""
   # optax annotates its result as ArrayLike; it is always an Array (asarray does not copy it).
   return jnp.asarray(optax.safe_increment(count))
+
+
+def saturating_add(total: jax.Array, inc: jax.Array) -> jax.Array:
+  """int32 ``total + inc`` that saturates at int32 max instead of wrapping around."""
+  inc = inc.astype(jnp.int32)
+  return jnp.where(total > _INT32_MAX - inc, _INT32_MAX, total + inc).astype(jnp.int32)
 
 
 def is_concrete_number(value: object) -> TypeGuard[float]:
