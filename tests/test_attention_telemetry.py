@@ -14,7 +14,8 @@ from flax import nnx
 
 import stablejax
 from stablejax.layout.heads import AttentionLayer, HeadParam, find_attention_layers
-from stablejax.modeling.gpt import GPT, ModelConfig, _rope, layer_max_logits
+from stablejax.modeling.gpt import GPT, ModelConfig, layer_max_logits
+from stablejax.modeling.layers import rope
 
 
 def _np_max_logit(q, k, causal=True, mask=None):
@@ -81,8 +82,8 @@ def test_gpt_sows_the_max_of_the_logits_its_softmax_uses(scan):
     q, k = attn["q_proj"]["__call__"][0], attn["k_proj"]["__call__"][0]
     if scan:
       q, k = q[i], k[i]
-    q = _rope(q.reshape(2, 12, 4, 8), cfg.rope_theta)
-    k = _rope(k.reshape(2, 12, 4, 8), cfg.rope_theta)
+    q = rope(q.reshape(2, 12, 4, 8), cfg.rope_theta)
+    k = rope(k.reshape(2, 12, 4, 8), cfg.rope_theta)
     np.testing.assert_allclose(got[i], _np_max_logit(q, k), rtol=1e-5)
 
 

@@ -114,6 +114,14 @@ class OutlierClampState(NamedTuple):
   Attributes:
     outlier_count: int32 total number of entries clamped (saturates at int32 max).
     outlier_rate: float32 fraction of the matrix entries clamped at the last step.
+
+  Example:
+    >>> import jax.numpy as jnp, stablejax
+    >>> grads = {"w": jnp.ones((8, 8)).at[0, 0].set(1e4)}
+    >>> tx = stablejax.clamp_outlier_entries(threshold=5.0)
+    >>> _, state = tx.update(grads, tx.init(grads))
+    >>> int(state.outlier_count), round(float(state.outlier_rate), 4)  # 1 of 64 entries
+    (1, 0.0156)
   """
   outlier_count: jax.Array
   outlier_rate: jax.Array
