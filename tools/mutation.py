@@ -83,7 +83,7 @@ BUDGET = "stablejax/training/budget.py"
 CONFIG = "stablejax/training/config/checks.py"
 OPTIM = "stablejax/training/optim.py"
 STEP = "stablejax/training/step.py"
-GENERATE = "stablejax/training/decoding.py"
+DECODING = "stablejax/training/decoding.py"
 LOOP = "stablejax/training/loop.py"
 BATCHES = "stablejax/training/batches.py"
 ACTIONS = "stablejax/training/actions.py"
@@ -181,7 +181,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     OPTIM: ("tests/test_optim.py", "-m", "not slow"),
     STEP: ("tests/test_train_step.py", "tests/test_optim.py", "-k",
            "micro_batches or fp16 or logged_lr_is or update_norms"),
-    GENERATE: ("tests/test_sample.py", "-k", "not cli and not carries"),
+    DECODING: ("tests/test_sample.py", "-k", "not cli and not carries"),
     # The loop's decisions on a bare Run (its trainer runs take minutes each).
     BATCHES: ("tests/test_loop_decisions.py",),
     ACTIONS: ("tests/test_loop_decisions.py",),
@@ -1459,23 +1459,23 @@ MUTANTS = [
        "an update norm the step did not compute reads as 0 (a skipped step's value)"),
 
     # ---------------------------------------------------------------- training/decoding.py
-    _m("GE1", GENERATE, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",
+    _m("GE1", DECODING, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",
        "    logits = jnp.where(jnp.arange(vocab) <= valid_vocab, logits, -jnp.inf)",
        "the first padding id of the embedding can be drawn"),
-    _m("GE2", GENERATE, "    logits = jnp.where(logits < kth, -jnp.inf, logits)",
+    _m("GE2", DECODING, "    logits = jnp.where(logits < kth, -jnp.inf, logits)",
        "    logits = jnp.where(logits <= kth, -jnp.inf, logits)",
        "top_k keeps k - 1 ids"),
-    _m("GE3", GENERATE, "      n = min(remaining, window - context.shape[1] + 1)",
+    _m("GE3", DECODING, "      n = min(remaining, window - context.shape[1] + 1)",
        "      n = min(remaining, window - context.shape[1])",
        "the last token of a window is not drawn from all W cached positions"),
-    _m("GE4", GENERATE,
+    _m("GE4", DECODING,
        "      context = np.concatenate([context, new], axis=1)[:, -(window // 2):]",
        "      context = np.concatenate([context, new], axis=1)[:, -(window // 4):]",
        "past the window, a quarter of the window is prefilled instead of half"),
-    _m("GE5", GENERATE, "    context = np.asarray(list(prompt_ids)[-window:], np.int32)",
+    _m("GE5", DECODING, "    context = np.asarray(list(prompt_ids)[-window:], np.int32)",
        "    context = np.asarray(list(prompt_ids)[:window], np.int32)",
        "a long prompt keeps its first W tokens instead of its last"),
-    _m("GE6", GENERATE, "  drawn = jax.random.categorical(rng, logits / jnp.maximum(temperature, "
+    _m("GE6", DECODING, "  drawn = jax.random.categorical(rng, logits / jnp.maximum(temperature, "
        "1e-6), axis=-1)", "  drawn = jax.random.categorical(rng, logits, axis=-1)",
        "the temperature is ignored"),
 
