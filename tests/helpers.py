@@ -163,9 +163,19 @@ def run_python(*args, timeout: float = 120, cwd: Path = ROOT, env=None,
 
 def load_example(name: str):
   """The script ``examples/NAME.py`` as a module (imported by path, not through sys.path)."""
+  return load_script("examples", name)
+
+
+def load_tool(name: str):
+  """The script ``tools/NAME.py`` as a module (imported by path, not through sys.path)."""
+  return load_script("tools", name)
+
+
+def load_script(folder: str, name: str):
+  """``FOLDER/NAME.py`` of the repository as a module named ``FOLDER_NAME``."""
   import importlib.util
-  path = ROOT / "examples" / f"{name}.py"
-  spec = importlib.util.spec_from_file_location(f"examples_{name}", path)
+  path = ROOT / folder / f"{name}.py"
+  spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
   assert spec is not None and spec.loader is not None, path
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses and pickling look a module up by its name

@@ -1,18 +1,16 @@
 """tools/code_size.py's limits hold for the package: no module over 600 lines, no function over
 100 lines of code, no class over 300; and the tool counts what it says it counts."""
 
-import importlib.util
 import textwrap
 from pathlib import Path
+
+from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("code_size", ROOT / "tools" / "code_size.py")
-  code_size = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(code_size)
-  return code_size
+  return load_tool("code_size")
 
 
 def test_nothing_in_the_package_is_over_its_limit():

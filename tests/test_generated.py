@@ -1,18 +1,16 @@
 """The files read off the code (tools/generate.py) are up to date: the packaged default config and
 the docs' tables of defences, model families and monitor rates."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("generate", ROOT / "tools" / "generate.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_tool("generate")
 
 
 def test_every_generated_file_is_what_the_code_says():

@@ -1,18 +1,16 @@
 """tools/mutation.py (run by hand, not here): its mutants still apply to the current source, and
 every selection it runs names tests that exist."""
 
-import importlib.util
 from pathlib import Path
+
+from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOL = ROOT / "tools" / "mutation.py"
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location("mutation", TOOL)
-  mutation = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mutation)
-  return mutation
+  return load_tool("mutation")
 
 
 def test_every_mutant_applies_once_to_the_current_source():
