@@ -6,7 +6,6 @@ from pathlib import Path
 from helpers import load_tool
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOL = ROOT / "tools" / "mutation.py"
 
 
 def _tool():
