@@ -409,7 +409,7 @@ def test_without_an_embedding_table_the_model_width_comes_from_metadata_or_norm_
     routed = routing.plan({**kernels, **hint})
     got = {leaf.path: (routed.layouts[i], routed.sources[i])
            for i, leaf in enumerate(routed.leaves)}
-    assert got["proj/kernel"] == (routing.ATTENTION_QKV, "shape")
+    assert got["proj/kernel"] == (stablejax.muon.matrices.ATTENTION_QKV, "shape")
     attention_out = MDN(reduction_axis=(-3, -2), output_axis=-1)
     assert got["out/kernel"] == (attention_out, "shape")
 

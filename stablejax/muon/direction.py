@@ -207,7 +207,7 @@ def scale_by_outlier_safe_muon(momentum: float = 0.95, nesterov: bool = True,
 
   Example:
     >>> import jax.numpy as jnp, optax
-    >>> from stablejax.muon.muon import scale_by_outlier_safe_muon
+    >>> from stablejax.muon.direction import scale_by_outlier_safe_muon
     >>> tx = optax.chain(scale_by_outlier_safe_muon(), optax.scale(-1e-3))
     >>> state = tx.init({"w": jnp.ones((8, 16))})
   """
