@@ -6,6 +6,7 @@ Usage:
   python -m bench.compile_time --breakdown     # also the chain's parts, to see what costs
   python -m bench.compile_time --layouts nanodo  # one of unrolled, scanned, nanodo
   python -m bench.compile_time --kernels       # also the compiled step's XLA:CPU kernel counts
+  python -m bench.compile_time --profile       # also where the compile goes (XLA's own phases)
 
 One jitted train step (loss, grads, optimizer update, apply) of a model with each optimizer. The
 models: the trainer's GPT (`stablejax.modeling.gpt.GPT`, float32 compute, `--layers` layers,
@@ -26,18 +27,28 @@ seconds and as CPU seconds of this process (all its threads; less disturbed by o
 on a shared machine), the median over rounds run interleaved (A, B, A, B...), so load from
 other processes hits both alike. Step time is the median over rounds of the mean of `--steps`
 calls of each compiled step, also interleaved, after a warm-up. Ratios are chain / optax.
+
+`--profile` adds, once per optimizer (first round), where the compile goes: CPU seconds of
+tracing the step, the equations of its jaxpr (sub-jaxprs counted in; the model's are the same
+for both optimizers, so the difference is the optimizer's), and wall seconds of XLA's own
+compile phases from `jax.profiler` (the whole `PjRtCpuClient::Compile`, the HLO passes before
+and after layout assignment, copy insertion, LLVM code generation of the loop kernels, which
+runs on several threads, and thunk emission).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import re
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 import flax.linen as nn
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import optax
 
@@ -193,6 +204,53 @@ def kernel_counts(compiled) -> tuple[int, int]:
   return fusions, len(kernels)
 
 
+# XLA:CPU's compile phases as jax.profiler names them (some with the module's name after them,
+# "HLO passes ... (jit_step)"; where both names occur, one event holds the other: the larger).
+XLA_PHASES = ("PjRtCpuClient::Compile", "HLO passes through layout assignment",
+              "HLO passes after layout assignment", "copy-insertion", "Codegen",
+              "ThunkEmitter::EmitEntryComputation")
+
+
+def count_equations(jaxpr) -> int:
+  """Equations of a jaxpr, those of its sub-jaxprs (jit, cond branches, custom rules) counted
+  in place of the call that holds them."""
+  total = 0
+  for eqn in jaxpr.eqns:
+    subs = list(jax_core.jaxprs_in_params(eqn.params))
+    total += sum(count_equations(sub) for sub in subs) if subs else 1
+  return total
+
+
+def compile_profile(model, tx, takes_loss, args) -> dict[str, float]:
+  """Trace CPU seconds, jaxpr equations and XLA's compile phases (wall seconds) of one step."""
+  jitted = jax.jit(make_step(model, tx, takes_loss), donate_argnums=(0, 1))
+  cpu = time.process_time()
+  traced = jitted.trace(*args)
+  out = {"trace CPU s": time.process_time() - cpu,
+         "equations": float(count_equations(traced.jaxpr.jaxpr))}
+  lowered = traced.lower()
+  with tempfile.TemporaryDirectory() as folder:
+    jax.profiler.start_trace(folder)
+    lowered.compile()
+    jax.profiler.stop_trace()
+    dumps = sorted(Path(folder).rglob("*.xplane.pb"))
+    if not dumps:
+      raise SystemExit("error: jax.profiler wrote no trace; --profile needs the profiler")
+    seconds: collections.Counter = collections.Counter()
+    for plane in jax.profiler.ProfileData.from_file(str(dumps[-1])).planes:
+      for line in plane.lines:
+        for event in line.events:
+          seconds[event.name] += event.duration_ns / 1e9
+  return {**out, **phase_seconds(seconds)}
+
+
+def phase_seconds(seconds: dict[str, float]) -> dict[str, float]:
+  """Seconds of each of ``XLA_PHASES`` from the profiler's seconds per event name."""
+  return {phase: max((v for k, v in seconds.items()
+                      if re.fullmatch(re.escape(phase) + r"( \(jit_\w+\))?", k)), default=0.0)
+          for phase in XLA_PHASES}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--layers", type=int, default=12)
@@ -205,6 +263,8 @@ def main(argv=None) -> int:
   p.add_argument("--breakdown", action="store_true")
   p.add_argument("--kernels", action="store_true",
                  help="also the compiled step's fusions and distinct LLVM loop kernels")
+  p.add_argument("--profile", action="store_true",
+                 help="also trace time, jaxpr equations and XLA's compile phases")
   p.add_argument("--quick", action="store_true")
   a = p.parse_args(argv)
   if a.quick:
@@ -212,7 +272,7 @@ def main(argv=None) -> int:
   _common.print_machine()
   print(f"vocab 256, batch {a.batch} x {a.seq_len} tokens, float32; {a.rounds} interleaved "
         f"rounds, {a.steps} steps each")
-  rows = []
+  rows, profile_rows = [], []
   for layout in a.layouts.split(","):
     model, description = build_model(layout, a.layers, a.d_model, a.seq_len)
     print(description)
@@ -231,6 +291,10 @@ def main(argv=None) -> int:
         compile_cpu[name].append(cpu)
         if a.kernels and name not in kernels:
           kernels[name] = kernel_counts(compiled)
+        if a.profile and len(compile_s[name]) == 1:
+          phases = compile_profile(model, tx, takes_loss, (params, state, tokens))
+          profile_rows.append((layout, name) + tuple(
+              f"{v:.0f}" if k == "equations" else f"{v:.2f}" for k, v in phases.items()))
         p_, s_ = jax.tree.map(jnp.copy, (params, state))
         p_, s_, loss = compiled(p_, s_, tokens)  # warm-up
         loss.block_until_ready()
@@ -250,6 +314,11 @@ def main(argv=None) -> int:
   print(_common.table(rows, ("model", "optimizer", "compile s", "ratio", "compile CPU s",
                              "ratio", "step ms", "step ratio")
                       + (("fusions", "loop kernels") if a.kernels else ())))
+  if profile_rows:
+    print("\nwhere the compile goes (one compile each; XLA phases in wall seconds):")
+    print(_common.table(profile_rows, ("model", "optimizer", "trace CPU s", "equations",
+                                       "XLA compile", "passes to layout", "passes after layout",
+                                       "copy insertion", "codegen", "thunk emission")))
   return 0
 
 

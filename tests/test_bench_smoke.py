@@ -555,6 +555,18 @@ def test_compile_time_counts_distinct_loop_kernels():
   assert kernels == 2 and fusions >= 3
 
 
+def test_compile_time_counts_equations_inside_calls_and_reads_xla_phases():
+  from bench.compile_time import XLA_PHASES, count_equations, phase_seconds
+  # gt, then jnp.where's jit (convert, broadcast, select_n: counted in its place), reduce_sum
+  jaxpr = jax.make_jaxpr(lambda x: jnp.where(x > 0, x, 0).sum())(jnp.ones(3)).jaxpr
+  assert count_equations(jaxpr) == 5
+  # a phase named with and without the module's name: the outer (larger) event; absent: 0
+  got = phase_seconds({"Codegen": 1.5, "HLO passes after layout assignment (jit_step)": 2.0,
+                       "HLO passes after layout assignment": 0.5, "copy-insertion x": 9.0})
+  assert got["Codegen"] == 1.5 and got["HLO passes after layout assignment"] == 2.0
+  assert got["copy-insertion"] == 0.0 and set(got) == set(XLA_PHASES)
+
+
 def test_the_peer_loop_is_sized_to_the_trainer_by_its_parameter_count():
   # bench.peer_step's arithmetic against the peer model's own parameters, and the MLP width it
   # picks: the multiple of 64 whose count is nearest the trainer's (the default model: 1,869,888
