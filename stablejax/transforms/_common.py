@@ -57,8 +57,9 @@ def sum_of_scalars(values: Sequence[jax.Array]) -> jax.Array:
   """
   if not values:
     return jnp.zeros((), STAT_DTYPE)
-  stacked = jnp.stack([jnp.asarray(v, STAT_DTYPE) for v in values])
-  return jnp.sum(jnp.sort(stacked)) if stacked.shape[0] > 1 else stacked[0]
+  if len(values) == 1:  # nothing to add: no stack to trace and compile
+    return jnp.asarray(values[0], STAT_DTYPE)
+  return jnp.sum(jnp.sort(jnp.stack([jnp.asarray(v, STAT_DTYPE) for v in values])))
 
 
 def leaf_norm_f32(x: jax.Array) -> jax.Array:
@@ -98,8 +99,9 @@ def probe_total(probes: Sequence[jax.Array]) -> jax.Array:
   """
   if not probes:
     return jnp.zeros((), STAT_DTYPE)
-  stacked = jnp.stack([jnp.asarray(p, STAT_DTYPE) for p in probes])
-  return jnp.sum(stacked) if stacked.shape[0] > 1 else stacked[0]
+  if len(probes) == 1:  # a tensor's own probe (one shape): no stack to trace and compile
+    return jnp.asarray(probes[0], STAT_DTYPE)
+  return jnp.sum(jnp.stack([jnp.asarray(p, STAT_DTYPE) for p in probes]))
 
 
 def all_finite(tree: optax.Updates) -> jax.Array:
