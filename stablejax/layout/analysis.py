@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 from stablejax import _compat
 from stablejax.layout.attention import AttentionGroup, Kinds, attention_groups
 from stablejax.layout.leaves import Leaf, is_param_leaf, param_leaves, path_to_str  # noqa: F401
-from stablejax.layout.leaves import structure_key, value_of  # noqa: F401 (the routing's)
+from stablejax.layout.leaves import value_of  # noqa: F401 (the routing's)
 from stablejax.layout.names import AMBIGUOUS_HEAD, BATCH_KINDS, MODEL, NORM, VOCAB  # noqa: F401
 from stablejax.layout.names import (axis_kinds, is_embedding_name, is_norm_name, is_positional,
                                     is_strong_head, is_vector_name)  # noqa: F401

@@ -20,8 +20,6 @@ from jax.tree_util import PyTreeDef
 
 # An axis name: a name, None, or a tuple of names (one array axis over several mesh axes).
 AxisName = Union[str, None, tuple[str, ...]]
-# Every parameter's path, shape and whether it is masked out (see structure_key).
-StructureKey = tuple[tuple[tuple[str, ...], tuple[int, ...], bool], ...]
 # Leaf.storage of a weight its module type stores [out, in] (y = W x), not Flax's [in, out].
 OUT_IN = "out_in"
 
@@ -171,8 +169,3 @@ def param_leaves(tree: optax.Params, with_values: bool = False
   if with_values:
     return leaves, [leaf for _, leaf in flat], treedef
   return leaves, treedef
-
-
-def structure_key(leaves: Sequence[Leaf]) -> StructureKey:
-  """What a routing decision depends on besides metadata: every parameter's path and shape."""
-  return tuple((leaf.names, leaf.shape, leaf.masked) for leaf in leaves)
