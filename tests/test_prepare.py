@@ -742,7 +742,7 @@ def test_an_end_of_text_token_that_text_can_produce_is_refused(tmp_path, capsys)
 
 @pytest.mark.parametrize("case", ["out_is_file", "truncated_gz", "not_gzip", "empty_separator",
                                   "val_fraction_0", "truncated_gz_bpe", "truncated_jsonl_gz",
-                                  "out_inside_input"])
+                                  "out_inside_input", "out_inside_a_run"])
 def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
   import gzip
   text = "<|endoftext|>".join(DOCS * 300).encode()
@@ -756,6 +756,10 @@ def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
   (tmp_path / "corpus").mkdir()
   (tmp_path / "corpus" / "a.txt").write_text("<|endoftext|>".join(DOCS))
   out = tmp_path / "out"
+  # A run folder of the trainer (its record): its checkpoints folder is the run's alone.
+  from stablejax.training.run_record import PROGRAM, RECORD
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / RECORD).write_text(json.dumps({"program": PROGRAM, "written": []}))
   args, needle = {
       "out_is_file": ([tmp_path / "a.txt", "--out", tmp_path / "file"], "is a file"),
       "truncated_gz": ([tmp_path / "cut.txt.gz", "--out", out], "not a complete gzip file"),
@@ -770,6 +774,8 @@ def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
                          "validation split"),
       "out_inside_input": ([tmp_path / "corpus", "--out", tmp_path / "corpus" / "prepared"],
                            "inside the input folder"),
+      "out_inside_a_run": ([tmp_path / "a.txt", "--out", tmp_path / "run" / "checkpoints" / "d"],
+                           "inside the checkpoints of the training run"),
   }[case]
   # defaults first: an option the case gives again wins
   code, _, err = run_main(capsys, "--tokenizer", "bytes", "--val-fraction", "0.2", *args)
@@ -778,6 +784,7 @@ def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
   leftovers = [p for p in tmp_path.rglob("*") if p.name in ("meta.json", "meta.json.partial")
                or p.suffix in (".bin", ".partial")]
   assert leftovers == []
+  assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["run.json"]
 
 
 def test_filters_drop_beyond_their_bounds_not_at_them():
