@@ -90,8 +90,15 @@ def _prepare(args: argparse.Namespace) -> int:
   _process.check()
   # Imported once the signals are handled: a Ctrl-C while NumPy and Grain load is a clean exit
   # 130 too.
-  from stablejax.data.prepare import Options, prepare
+  from stablejax.data.prepare import Options, PrepareError, prepare
+  from stablejax.training.run_record import trainer_folder_of
   _process.check()
+  # A folder a training run owns is the trainer's alone (its rule, read from its record): files
+  # written there would be foreign content to the run's next resume.
+  owner = trainer_folder_of(args.out)
+  if owner is not None:
+    raise PrepareError(f"--out {str(args.out)!r} is inside the {owner[1]} of the training run in "
+                       f"{str(owner[0])!r}, which only the trainer writes: put --out outside it")
   _process.started()
   opts = Options(text_field=args.text_field, separator=args.separator, hf_split=args.hf_split,
                  val_fraction=args.val_fraction, filter_max_repeat=args.filter_max_repeat,

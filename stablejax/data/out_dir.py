@@ -171,16 +171,11 @@ def _sync_folder(folder: Path) -> None:
 
 
 def check_paths(inputs: Sequence[str], out: Path, tokenizer_path: Optional[Path]) -> None:
-  """--out must not be a file, lie inside an input folder or a folder a training run owns, or
-  hold an input or the tokenizer under a name this tool writes."""
+  """--out must not be a file, lie inside an input folder, or hold an input or the tokenizer
+  under a name this tool writes."""
   if out.exists() and not out.is_dir():
     raise PrepareError(f"--out {str(out)!r} is a file, not a directory: give a directory path "
                        f"(it is created when missing)")
-  from stablejax.training.run_record import trainer_folder_of  # the trainer's rule, not a copy
-  owner = trainer_folder_of(out)
-  if owner is not None:
-    raise PrepareError(f"--out {str(out)!r} is inside the {owner[1]} of the training run in "
-                       f"{str(owner[0])!r}, which only the trainer writes: put --out outside it")
   where = out.resolve()
   own_names = {*SPLIT_FILES, TOKENIZER_FILE, PREPARED_META, PREPARED_MARKER}
   for entry in inputs:
