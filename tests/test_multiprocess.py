@@ -138,7 +138,11 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   try:
     _wait_for_step(out, 4, [first], timeout=600)
     first.send_signal(signal.SIGTERM)
-    first.wait(timeout=300)
+    try:
+      first.wait(timeout=300)
+    except subprocess.TimeoutExpired:  # fail with what the processes said, before tmp_path goes
+      pytest.fail("the launcher did not exit within 300 s of SIGTERM:\n"
+                  + "\n".join(log.read_text()[-4000:] for log in logs))
   finally:
     _kill_all([first])
   stdout, stderr = logs[0].read_text(), logs[1].read_text()
