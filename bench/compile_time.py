@@ -230,9 +230,8 @@ def compile_profile(model, tx, takes_loss, args) -> dict[str, float]:
          "equations": float(count_equations(traced.jaxpr.jaxpr))}
   lowered = traced.lower()
   with tempfile.TemporaryDirectory() as folder:
-    jax.profiler.start_trace(folder)
-    lowered.compile()
-    jax.profiler.stop_trace()
+    with jax.profiler.trace(folder):
+      lowered.compile()
     dumps = sorted(Path(folder).rglob("*.xplane.pb"))
     if not dumps:
       raise SystemExit("error: jax.profiler wrote no trace; --profile needs the profiler")
