@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -205,6 +206,91 @@ def test_sighup_through_the_launcher_saves_and_exits_130(tmp_path):
   assert line.endswith("checkpoint saved; run the same command to resume")
   stopped = int(line.split("SIGHUP at step ")[1].split(":")[0])
   assert _checkpoint_steps(out) == [0, stopped] and stopped >= 2
+
+
+# ----------------------------------------------------------------------------- collectives
+
+# The bodies of a compiled module's conditionals and loops, and what they call, read from its
+# text: how many collectives run inside control flow.
+_CONTROL_FLOW = textwrap.dedent("""
+    import json, re, sys
+    import jax, jax.numpy as jnp, numpy as np
+    sys.path.insert(0, sys.argv[1])
+    from helpers import tiny_config
+    from stablejax.data.pipeline import build_data
+    from stablejax.training import mesh as mesh_lib, step as step_lib
+    from stablejax.training.components import build_components
+
+    COLLECTIVE = re.compile(r" (all-reduce|all-gather|collective-permute|reduce-scatter|"
+                            r"all-to-all)(-start)?\\(")
+    CALLED = re.compile(r"(?:branch_computations=\\{|calls=|to_apply=|body=|condition=)"
+                        r"([^}\\s]+(?:, %[\\w.\\-]+)*)")
+    NAME = re.compile(r"%[\\w.\\-]+")
+
+    def in_control_flow(hlo):
+        bodies = {}
+        for block in re.split(r"\\n(?=(?:ENTRY )?%[\\w.\\-]+ \\()", hlo):
+            name = re.match(r"(?:ENTRY )?(%[\\w.\\-]+) ", block)
+            if name:
+                bodies[name.group(1)] = block
+        def count(name, seen):
+            body = bodies.get(name, "")
+            called = {c for group in CALLED.findall(body) for c in NAME.findall(group)}
+            return len(COLLECTIVE.findall(body)) + sum(count(c, seen | {c}) for c in called - seen)
+        text = "\\n".join(bodies.values())
+        conditionals = re.findall(r"conditional\\(.*?branch_computations=\\{([^}]*)\\}", text)
+        branches = [b for group in conditionals for b in NAME.findall(group)]
+        loops = re.findall(r" while\\(.*?body=(%[\\w.\\-]+)", text)
+        return {"conditionals": len(branches) // 2, "loops": len(loops),
+                "collectives": sum(count(b, {b}) for b in branches + loops)}
+
+    def step_hlo(*overrides):
+        cfg = tiny_config("mesh.data=2", "mesh.fsdp=2", *overrides)
+        data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size,
+                          seed=0)
+        c = build_components(cfg, data)
+        accum = cfg.train.grad_accum
+        batch = {"tokens": jax.ShapeDtypeStruct(
+                     (accum, cfg.train.batch_size // accum, cfg.train.seq_len + 1), jnp.int32,
+                     sharding=c.tokens_sharding),
+                 "grad_scale": jax.ShapeDtypeStruct((), jnp.float32,
+                                                    sharding=mesh_lib.replicated(c.mesh))}
+        return c.train_step.lower(c.abstract_state, batch).compile().as_text()
+
+    # The reading itself: a conditional with a psum in each branch, a loop with one in its body
+    # (shard_maps over the 4 devices).
+    mesh = jax.make_mesh((4,), ("d",))
+    x = jax.device_put(jnp.ones(4), jax.NamedSharding(mesh, jax.P("d")))
+    def probe(fn):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=jax.P("d"), out_specs=jax.P("d")))
+        return in_control_flow(f.lower(x).compile().as_text())
+    out = {"ordered": step_lib.control_flow_collectives_ordered(),
+           "probe_cond": probe(lambda v: jax.lax.cond(v[0] > 0, lambda u: jax.lax.psum(u, "d"),
+                                                      lambda u: jax.lax.psum(-u, "d"), v)),
+           "probe_loop": probe(lambda v: jax.lax.fori_loop(
+               0, v[0].astype(jnp.int32), lambda i, u: u + jax.lax.psum(u, "d"), v)),
+           "step": in_control_flow(step_hlo()),
+           "accumulating_step": in_control_flow(step_hlo("train.grad_accum=2"))}
+    print(json.dumps(out))
+""")
+
+
+def test_no_collective_inside_control_flow_of_the_cpu_train_step():
+  """On XLA:CPU a collective inside a conditional or a loop can run out of order with the step's
+  others; across processes that deadlocked a 2 x 2 job (step.control_flow_collectives_ordered).
+  The train step compiled for the tests' 2 x 2 mesh, with and without gradient accumulation,
+  keeps its conditionals (the skip wrappers') and loops free of collectives."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4), JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-c", _CONTROL_FLOW, str(Path(__file__).parent)],
+                        capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  # The reading sees collectives in control flow where there are some.
+  assert out["probe_cond"] == {"conditionals": 1, "loops": 0, "collectives": 2}, out
+  assert out["probe_loop"]["loops"] == 1 and out["probe_loop"]["collectives"] == 1, out
+  assert out["ordered"] is False
+  for step in (out["step"], out["accumulating_step"]):
+    assert step["conditionals"] >= 2 and step["collectives"] == 0, out
 
 
 # ----------------------------------------------------------------------------- joining

@@ -73,12 +73,13 @@ def step_argument_specs(cfg: Config, model: LanguageModel) -> list[defence.StepA
 
 
 def _accumulate(loss_fn: LossFn, params: optax.Params, tokens: jax.Array, step: jax.Array,
-                scale: Optional[jax.Array], args: list[defence.StepArgument]
+                scale: Optional[jax.Array], args: list[defence.StepArgument], unroll: bool = False
                 ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
   """Gradients of the mean loss over the micro-batches ``tokens[i]`` (``[grad_accum,
-  micro_batch, T + 1]``), one micro-batch live at a time (``lax.scan``); the loss scaled by
-  ``scale`` (fp16) before differentiation. Returns (summed grads in float32, summed loss, summed
-  z-loss, the step arguments combined over the micro-batches)."""
+  micro_batch, T + 1]``), one micro-batch live at a time (``lax.scan``, as straight-line code
+  when ``unroll``); the loss scaled by ``scale`` (fp16) before differentiation. Returns (summed
+  grads in float32, summed loss, summed z-loss, the step arguments combined over the
+  micro-batches)."""
   def micro_grads(micro: jax.Array) -> tuple[Any, jax.Array, defence.ForwardPass]:
     def scaled(p: Any) -> tuple[jax.Array, tuple[jax.Array, defence.ForwardPass]]:
       loss, forward = loss_fn(p, micro, step)
@@ -100,7 +101,7 @@ def _accumulate(loss_fn: LossFn, params: optax.Params, tokens: jax.Array, step: 
   shapes = jax.eval_shape(lambda p, t: values(loss_fn(p, t, step)[1]), params, tokens[0])
   start = {arg.name: arg.identity(shapes[arg.name]) for arg in args}
   (grads, loss, z_loss, combined), _ = jax.lax.scan(
-      body, (zeros, jnp.float32(0), jnp.float32(0), start), tokens)
+      body, (zeros, jnp.float32(0), jnp.float32(0), start), tokens, unroll=unroll)
   n = tokens.shape[0]
   return grads, loss, z_loss, {arg.name: arg.finish(combined[arg.name], n) for arg in args}
 
@@ -142,14 +143,18 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
 
   The update norms (``update_norm``, ``update_norm/layer_<i>``, a pass over the update) are
   computed on the steps whose metrics the loop reads (:func:`metrics_read`) and are NaN on the
-  others; every other metric is computed on every step."""
+  others; every other metric is computed on every step. On XLA:CPU with several devices the
+  norms are computed on every step and masked, and the micro-batch loop is unrolled, since a
+  collective in control flow can run out of order there
+  (:func:`control_flow_collectives_ordered`)."""
   args = step_argument_specs(cfg, model)  # decided once, from the declarations
   loss_fn = make_loss_fn(model, cfg, frozenset().union(*(arg.needs for arg in args)))
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
+    ordered = control_flow_collectives_ordered()
     grads, loss, z_loss, provided = _accumulate(loss_fn, state.params, batch["tokens"],
-                                                state.step, scale, args)
+                                                state.step, scale, args, unroll=not ordered)
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
@@ -167,8 +172,13 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     if loss_scale is not None:
       loss_scale = loss_scale.adjust(all_finite(grads))
 
-    update_norms = jax.lax.cond(metrics_read(cfg, state.step + 1), update_norm_metrics,
-                                _not_computed(update_norm_metrics), updates)
+    read = metrics_read(cfg, state.step + 1)
+    if ordered:
+      update_norms = jax.lax.cond(read, update_norm_metrics, _not_computed(update_norm_metrics),
+                                  updates)
+    else:  # the same values, computed on every step (see control_flow_collectives_ordered)
+      update_norms = jax.tree.map(lambda v: jnp.where(read, v, jnp.nan),
+                                  update_norm_metrics(updates))
     metrics = {"loss": loss, "z_loss": z_loss, "grad_norm": optax.tree.norm(grads), "lr": lr,
                "lr_scale": get_lr_scale(opt_state), "params_finite": all_finite(params),
                **update_norms, **stability_metrics(opt_state),
@@ -180,6 +190,23 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     return new_state, metrics
 
   return train_step
+
+
+def control_flow_collectives_ordered() -> bool:
+  """Whether a collective inside a conditional or a loop keeps its place among the step's
+  collectives.
+
+  Not on XLA:CPU with more than one device. Its thunk runtime orders the collectives of a program
+  only by when each *starts*; a conditional or a while loop starts its body and counts as
+  started, so a collective in the body can still be running when a later collective starts, and
+  the two can meet the other devices in the other order. Across processes (gloo) that deadlocks:
+  a job of two processes with two devices each hung at a log step, one process in the update
+  norms' all-reduce (then inside a conditional), the other already in the next program's
+  all-gather. GPU and TPU run collectives in stream order. Where this is False the train step
+  puts no collective in control flow: the update norms are computed on every step and masked,
+  and the micro-batch loop is unrolled (tests/test_multiprocess.py checks the compiled step).
+  """
+  return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
 
 
 def _not_computed(fn: Callable[[Any], dict]) -> Callable[[Any], dict]:
