@@ -27,6 +27,7 @@ from helpers import (ROOT, TINY, TRAIN, read_metrics, run_inprocess, run_subproc
                      slow, train_losses, xla_flags_with_devices)
 
 HEARTBEAT = 10  # mesh.heartbeat_timeout of the multi-process runs: a lost peer is noticed within it
+STAGE_TIMEOUT = 300  # each start of a job, here about 40 s (two compilations per process)
 RUN = ["train.steps=30", "train.eval_every=10", "checkpoint.every=10", "train.log_every=2",
        "logging.histogram_every=0", "logging.activation_every=10", "logging.tensorboard=false",
        "mesh.data=2", "mesh.fsdp=2"]
@@ -89,7 +90,7 @@ def _assert_same_run(got: Path, want: Path) -> None:
 def reference(tmp_path_factory):
   """One process with four simulated devices: what the two-process runs must reproduce."""
   out = tmp_path_factory.mktemp("one_process")
-  result = run_subprocess(out, *RUN, fresh=True, devices=4, timeout=600)
+  result = run_subprocess(out, *RUN, fresh=True, devices=4, timeout=STAGE_TIMEOUT)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "mesh {'data': 2, 'fsdp': 2}" in result.stdout
   return out
@@ -127,6 +128,7 @@ def _own_lines(text: str, rank: int) -> list[str]:
 
 
 @slow
+@pytest.mark.timeout(5 * STAGE_TIMEOUT)  # the reference and three stages, each within its own
 def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   """Launcher + SIGTERM, then env-var launch + one process killed, then a relaunch to the end."""
   out = tmp_path / "run"
@@ -137,12 +139,12 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   first = subprocess.Popen(launch + ["--fresh"], cwd=ROOT, stdout=open(logs[0], "w"),
                            stderr=open(logs[1], "w"))
   try:
-    _wait_for_step(out, 4, [first], timeout=600)
+    _wait_for_step(out, 4, [first], timeout=STAGE_TIMEOUT)
     first.send_signal(signal.SIGTERM)
     try:
-      first.wait(timeout=300)
+      first.wait(timeout=STAGE_TIMEOUT)
     except subprocess.TimeoutExpired:  # fail with what the processes said, before tmp_path goes
-      pytest.fail("the launcher did not exit within 300 s of SIGTERM:\n"
+      pytest.fail(f"the launcher did not exit within {STAGE_TIMEOUT} s of SIGTERM:\n"
                   + "\n".join(log.read_text()[-4000:] for log in logs))
   finally:
     _kill_all([first])
@@ -162,7 +164,7 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   procs = [_start_env_process(r, port, out, logs[r]) for r in range(2)]
   try:
     kill_after = max(12, stopped + 2)  # past the checkpoint of step 10
-    _wait_for_step(out, kill_after, procs, timeout=600)
+    _wait_for_step(out, kill_after, procs, timeout=STAGE_TIMEOUT)
     procs[1].kill()
     killed_at = time.monotonic()
     survivor = procs[0].wait(timeout=HEARTBEAT + 60)
@@ -177,9 +179,18 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   assert last_checkpoint >= 10
 
   # 3. The same launcher command again: resumes from the last complete checkpoint, finishes.
-  second = subprocess.run(launch, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert second.returncode == 0, second.stderr[-3000:]
-  assert f"resuming at step {last_checkpoint}" in second.stdout, second.stdout[-3000:]
+  logs = [tmp_path / "launch3.out", tmp_path / "launch3.err"]
+  second = subprocess.Popen(launch, cwd=ROOT, stdout=open(logs[0], "w"), stderr=open(logs[1], "w"))
+  try:
+    second.wait(timeout=STAGE_TIMEOUT)
+  except subprocess.TimeoutExpired:  # fail with what the processes said, before tmp_path goes
+    pytest.fail(f"the relaunch did not finish within {STAGE_TIMEOUT} s:\n"
+                + "\n".join(log.read_text()[-4000:] for log in logs))
+  finally:
+    _kill_all([second])
+  stdout, stderr = logs[0].read_text(), logs[1].read_text()
+  assert second.returncode == 0, stderr[-3000:]
+  assert f"resuming at step {last_checkpoint}" in stdout, stdout[-3000:]
   _assert_same_run(out, reference)
   summary = json.loads((out / "summary.json").read_text())
   assert summary["steps"] == 30 and summary["exit_code"] == 0 and summary["rollbacks"] == 0
