@@ -200,11 +200,12 @@ def control_flow_collectives_ordered() -> bool:
   only by when each *starts*; a conditional or a while loop starts its body and counts as
   started, so a collective in the body can still be running when a later collective starts, and
   the two can meet the other devices in the other order. Across processes (gloo) that deadlocks:
-  a job of two processes with two devices each hung at a log step, one process in the update
-  norms' all-reduce (then inside a conditional), the other already in the next program's
-  all-gather. GPU and TPU run collectives in stream order. Where this is False the train step
-  puts no collective in control flow: the update norms are computed on every step and masked,
-  and the micro-batch loop is unrolled (tests/test_multiprocess.py checks the compiled step).
+  a job of two processes with two devices each, whose step had the update norms' all-reduce
+  inside a conditional, hung at a log step with one process's devices in all-reduces and the
+  other's already in the next program's all-gather. GPU and TPU run collectives in stream order.
+  Where this is False the train step puts no collective in control flow: the update norms are
+  computed on every step and masked, and the micro-batch loop is unrolled
+  (tests/test_multiprocess.py checks the compiled step).
   """
   return not (jax.default_backend() == "cpu" and jax.device_count() > 1)
 
