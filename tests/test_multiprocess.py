@@ -121,6 +121,17 @@ def _checkpoint_steps(out: Path) -> list[int]:
   return sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
 
 
+def _wait_or_fail(proc: subprocess.Popen, logs: list[Path], what: str) -> tuple[str, str]:
+  """Waits up to STAGE_TIMEOUT for `proc`; returns its (stdout, stderr) logs, or fails the test
+  with them (read before tmp_path goes)."""
+  try:
+    proc.wait(timeout=STAGE_TIMEOUT)
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"{what} within {STAGE_TIMEOUT} s:\n"
+                + "\n".join(log.read_text()[-4000:] for log in logs))
+  return logs[0].read_text(), logs[1].read_text()
+
+
 def _own_lines(text: str, rank: int) -> list[str]:
   """Lines a process printed through the launcher, without gloo's own connection messages."""
   return [line for line in text.splitlines()
@@ -141,14 +152,9 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   try:
     _wait_for_step(out, 4, [first], timeout=STAGE_TIMEOUT)
     first.send_signal(signal.SIGTERM)
-    try:
-      first.wait(timeout=STAGE_TIMEOUT)
-    except subprocess.TimeoutExpired:  # fail with what the processes said, before tmp_path goes
-      pytest.fail(f"the launcher did not exit within {STAGE_TIMEOUT} s of SIGTERM:\n"
-                  + "\n".join(log.read_text()[-4000:] for log in logs))
+    stdout, stderr = _wait_or_fail(first, logs, "the launcher did not exit after SIGTERM")
   finally:
     _kill_all([first])
-  stdout, stderr = logs[0].read_text(), logs[1].read_text()
   assert first.returncode == 130, stderr[-3000:]
   assert "2 process(es)" in stdout and "mesh {'data': 2, 'fsdp': 2}" in stdout
   saved = [line for line in stdout.splitlines() if "SIGTERM at step" in line]
@@ -182,13 +188,9 @@ def test_sigterm_kill_and_relaunch_resume_like_one_process(reference, tmp_path):
   logs = [tmp_path / "launch3.out", tmp_path / "launch3.err"]
   second = subprocess.Popen(launch, cwd=ROOT, stdout=open(logs[0], "w"), stderr=open(logs[1], "w"))
   try:
-    second.wait(timeout=STAGE_TIMEOUT)
-  except subprocess.TimeoutExpired:  # fail with what the processes said, before tmp_path goes
-    pytest.fail(f"the relaunch did not finish within {STAGE_TIMEOUT} s:\n"
-                + "\n".join(log.read_text()[-4000:] for log in logs))
+    stdout, stderr = _wait_or_fail(second, logs, "the relaunch did not finish")
   finally:
     _kill_all([second])
-  stdout, stderr = logs[0].read_text(), logs[1].read_text()
   assert second.returncode == 0, stderr[-3000:]
   assert f"resuming at step {last_checkpoint}" in stdout, stdout[-3000:]
   _assert_same_run(out, reference)
