@@ -38,7 +38,8 @@ def _normal(shape, seed=0):
 
 
 def _flax_params():
-  return _Tiny().init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  # Jitted: eagerly, each initialiser compiles on its own (most of a routing test's CPU time).
+  return jax.jit(_Tiny().init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
 
 
 def test_default_rule_on_flax_model():
@@ -218,7 +219,7 @@ def test_overrides_mapping():
     state = tx.init(params)
     jax.eval_shape(tx.init, params)  # traced again (as the trainer does): no second warning
     tx.init(params)
-    tx.update(jax.tree.map(jnp.ones_like, params), state, params)  # update never warns
+    jax.jit(tx.update)(jax.tree.map(jnp.ones_like, params), state, params)  # never warns
   assert [str(w.message).count("'params/gqa/*'") for w in caught] == [1]
   strict = stablejax.outlier_safe_muon(2e-3, param_labels={"params/gqa/*": "adam"},
                                        strict_overrides=True)
@@ -288,7 +289,7 @@ def test_adam_group_is_never_weight_decayed():
                               "mlp": {"kernel": "muon", "bias": "adam"}}
   tx = stablejax.outlier_safe_muon(2e-3, adam_learning_rate=1e-3, adam_weight_decay=0.5)
   grads = jax.tree.map(lambda p: _normal(p.shape, seed=p.size), params)
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)  # one compile, not one per op
   no_decay = optax.adam(1e-3, b1=0.9, b2=0.95, eps=1e-8)
   decay = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.5)
   for path in [("blocks", "attn_norm", "scale"), ("blocks", "mlp", "bias"),
