@@ -141,13 +141,19 @@ def test_learning_rate_far_too_high_rolls_back(tmp_path):
   assert seen["lr_scale"] == pytest.approx(event["lr_scale"])
   assert float(seen["backoff"].scale) == pytest.approx(event["lr_scale"])
   assert int(seen["backoff"].start) == 0
-  # skipped: the batches read before the trigger are not fed again
+  # replayed first, from the same checkpoint on the same batches: the divergence came back
+  (replay,) = [r for r in records if r.get("event") == "replay"]
+  assert replay["verdict"] == "reproduced" and replay["restored_step"] == 0
+  assert event["cause"] == replay["cause"] and replay["again_cause"].startswith("train loss")
+  # skipped: the batches read before the trigger are not fed again (after the replay's)
   read_before = event["step"]
   assert event["skipped_batches"] == [0, read_before]
   stream = data_stream(cfg, read_before + cfg.train.steps)
-  assert len(run.fed) == len(stream)
-  for got, want in zip(run.fed, stream):
-    np.testing.assert_array_equal(got, want)
+  want = stream[:read_before] + stream[:replay["replayed_steps"]] + stream[read_before:]
+  assert 0 < replay["replayed_steps"] <= read_before
+  assert len(run.fed) == len(want)
+  for got, expected in zip(run.fed, want):
+    np.testing.assert_array_equal(got, expected)
   # logged lr after the rollback: the optax schedule times the backoff returning to 1.0
   n = cfg.stability.recovery.lr_recovery_steps
   after = [r for r in records[records.index(event):] if "lr" in r and "event" not in r]
@@ -340,9 +346,9 @@ def _recording_run_class():
         self.fed.append(np.array(tokens))
         return to_device(tokens)
 
-      def recorded_rollback(step, cause, record):
+      def recorded_rollback(step, cause, record, **how):
         self.before_rollback(step)
-        state, restored_step = rollback(step, cause, record)
+        state, restored_step = rollback(step, cause, record, **how)
         saved = ocp.StandardCheckpointer().restore(
             self.out_dir / "checkpoints" / str(restored_step) / "state")
         self.at_rollback.append({
@@ -400,15 +406,20 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
   jax.tree.map(np.testing.assert_array_equal, seen["params"], seen["saved_params"])
   assert seen["lr_scale"] == pytest.approx(0.2)  # in the optimizer state at once
   assert float(seen["backoff"].scale) == pytest.approx(0.2) and int(seen["backoff"].start) == 10
-  # fed: batches 0..16 (16 replaced by garbage), then after the rollback 17.. (10..16 skipped)
+  # fed: batches 0..16 (16 replaced by garbage), the replay's from checkpoint 10 (the same
+  # batches again, until its own trigger), then after the rollback 17.. (10..16 skipped)
   from stablejax.training.batches import garbage_batch
   stream = data_stream(cfg, 17 + 30)
   garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
-  want = stream[:16] + [garbage] + stream[17:47]
-  assert len(run.fed) == len(want) == 17 + 30
+  (replay,) = [r for r in read_metrics(out) if r.get("event") == "replay"]
+  assert replay["verdict"] == "reproduced" and replay["restored_step"] == 10
+  replayed = [garbage if p == 16 else stream[p] for p in range(10, 10 + replay["replayed_steps"])]
+  assert replay["replayed_steps"] >= 4  # through the NaN batches 13..15
+  want = stream[:16] + [garbage] + replayed + stream[17:47]
+  assert len(run.fed) == len(want) == 17 + len(replayed) + 30
   for got, expected in zip(run.fed, want):
     np.testing.assert_array_equal(got, expected)
-  assert not any(np.array_equal(got, garbage) for got in run.fed[17:])
+  assert not any(np.array_equal(got, garbage) for got in run.fed[17 + len(replayed):])
   assert summary(out)["skipped_steps"] == 3 and summary(out)["rollbacks"] == 1
   # The LR scale returns to 1.0 linearly over lr_recovery_steps; the logged lr includes it.
   n = cfg.stability.recovery.lr_recovery_steps
@@ -527,8 +538,11 @@ def test_rollback_past_a_damaged_target_replays_the_good_batches(tmp_path):
   assert (out / "damaged_checkpoints" / "10" / "state").is_dir()
   stream = data_stream(cfg, 17 + 30)
   garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
-  # fed: 0..15, garbage 16; after the rollback to step 0: 0..9 again, then 17..46
-  want = stream[:16] + [garbage] + stream[:10] + stream[17:47]
+  # fed: 0..15, garbage 16; the replay from checkpoint 10 (still intact then); after the
+  # rollback to step 0: 0..9 again, then 17..46
+  (replay,) = [r for r in read_metrics(out) if r.get("event") == "replay"]
+  replayed = [garbage if p == 16 else stream[p] for p in range(10, 10 + replay["replayed_steps"])]
+  want = stream[:16] + [garbage] + replayed + stream[:10] + stream[17:47]
   assert len(run.fed) == len(want)
   for got, expected in zip(run.fed, want):
     np.testing.assert_array_equal(got, expected)

@@ -175,7 +175,7 @@ def test_a_rollback_starts_the_loss_window_afresh():
 @pytest.mark.parametrize("schedule", ["linear", "geometric"])
 def test_backoff_scale_matches_its_formula(schedule):
   steps = np.array([30, 31, 55, 80, 129, 130, 131, 500])
-  backoff = LRBackoff(scale=jnp.float32(0.2), start=jnp.int32(30))
+  backoff = LRBackoff(scale=jnp.float32(0.2), start=jnp.int32(30), steps=jnp.int32(-1))
   got = jax.jit(jax.vmap(lambda s: backoff_lr_scale(backoff, s, 100, schedule)))(jnp.asarray(steps))
   frac = np.clip((steps - 30) / 100.0, 0.0, 1.0)
   if schedule == "linear":

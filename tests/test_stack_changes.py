@@ -102,7 +102,7 @@ def test_a_restore_plan_matches_entries_by_name():
                              "skip_spikes": {"history": shape(32)}, "lr_scale": {"s": shape()}})
   p = plan(saved, current)
   assert (p.fresh, p.dropped, p.changed) == (["qk_clip"], ["zclip"], ["skip_spikes"])
-  assert sorted(p.target.opt_state) == ["lr_scale", "optimizer"]
+  assert sorted(p.target["opt_state"]) == ["lr_scale", "optimizer"]
   assert p.describe() == ("resumed with qk_clip on: new state; zclip off: its state dropped; "
                           "skip_spikes: its state's layout changed (its settings), started afresh")
   other = current.replace(opt_state={**current.opt_state, "optimizer": {"adamw": {"m": shape(4)}}})
@@ -110,7 +110,7 @@ def test_a_restore_plan_matches_entries_by_name():
                                           "--reset-optimizer"):
     plan(saved, other)
   reset = plan(saved, other, reset_optimizer=True)
-  assert reset.optimizer_reset == "muon -> adamw" and "optimizer" not in reset.target.opt_state
+  assert reset.optimizer_reset == "muon -> adamw" and "optimizer" not in reset.target["opt_state"]
   with pytest.raises(StateMismatch, match=r"params/w is \(4,\) float32 in the checkpoint and "
                                           r"\(5,\) float32 in this run"):
     plan(saved, current.replace(params={"w": shape(5)}))
@@ -142,7 +142,7 @@ def test_a_reset_optimizer_continues_the_learning_rate_schedule():
                          "lr_scale": abstract.opt_state["lr_scale"]}}
   p = plan(saved, abstract, reset_optimizer=True)
   applied = scale.init(params)._replace(count=jnp.int32(7))
-  restored = State(step=jnp.int32(9), params=params, opt_state={"lr_scale": applied})
+  restored = {"step": jnp.int32(9), "params": params, "opt_state": {"lr_scale": applied}}
   state = p.finish(restored, fresh, lambda: None)
   counts = [int(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
       state.opt_state["optimizer"]) if getattr(path[-1], "name", None) == "count"]

@@ -82,6 +82,13 @@ def stability_table() -> str:
                "dynamic loss scale"])
   rows.append(["`stability.recovery`", "yes" if stability.recovery.enabled else "no",
                _keys(stability.recovery), "[automatic recovery](recovery.md)"])
+  rows.append(["`stability.determinism`", "yes" if stability.determinism.check_every else "no",
+               _keys(stability.determinism, ()),
+               "[determinism check](recovery.md#determinism-check) (0: off)"])
+  rows.append(["`stability.replicas`", "several devices", _keys(stability.replicas, ()),
+               "[replica fingerprints](recovery.md#replica-fingerprints) (0: off)"])
+  rows.append(["`stability.watchdog`", "yes" if stability.watchdog.enabled else "no",
+               _keys(stability.watchdog), "[progress watchdog](recovery.md#progress-watchdog)"])
   return (f"The chain, in this order: `{shape}`.\n\n"
           + _table(["section", "on", "keys (defaults)", "what"], rows))
 

@@ -36,8 +36,10 @@ def cross_entropy_with_z_loss(
   Returns:
     ``(loss, aux)`` where ``loss`` is the float32 scalar mean of
     ``cross_entropy + z_loss_term`` and ``aux`` is
-    ``{"cross_entropy": mean cross-entropy, "z_loss": mean z-loss term}``
-    (``loss == aux["cross_entropy"] + aux["z_loss"]``).
+    ``{"cross_entropy": mean cross-entropy, "z_loss": mean z-loss term,
+    "token_loss": cross_entropy + z_loss_term at each position}``
+    (``loss == aux["cross_entropy"] + aux["z_loss"]``; ``token_loss`` has the labels' shape and
+    is unweighted: a trainer reads which rows went non-finite from it).
 
   References:
     Chowdhery et al., `PaLM: Scaling Language Modeling with Pathways
@@ -81,4 +83,4 @@ def cross_entropy_with_z_loss(
 
   ce = _mean(cross_entropy)
   zl = _mean(z_term)
-  return ce + zl, {"cross_entropy": ce, "z_loss": zl}
+  return ce + zl, {"cross_entropy": ce, "z_loss": zl, "token_loss": cross_entropy + z_term}

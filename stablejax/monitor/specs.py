@@ -73,6 +73,12 @@ def total_skips(record: Mapping) -> int:
   return sum(int(record[key]) for key in counter_keys(record, "skips"))
 
 
+def skip_flag_keys(record: Mapping) -> list[str]:
+  """The keys of ``record`` that flag a skipped step (each skip rate's ``flag``)."""
+  return [spec.key(rate.flag) for spec, rate in rates()
+          if rate.skip and rate.flag and spec.key(rate.flag) in record]
+
+
 def rollback_request_counts(record: Mapping) -> dict[str, int]:
   """The rollback-request counters (``rollback``) of a metrics record, by key."""
   return {key: int(record[key]) for key in counter_keys(record, "rollback")}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from stablejax.monitor.movement import movement_record, movement_warnings, param_dtypes
+from stablejax.monitor.specs import skip_flag_keys
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax.monitor.tensorboard import tensorboard_scalars
 from stablejax.training.batches import Batches, fetch, kill_if_due, total_skips
@@ -32,6 +33,7 @@ from stablejax.training.step import TrainState
 from stablejax.transforms import defence
 
 Agree = Callable[[Optional[str]], Optional[str]]
+Reject = Callable[[list[tuple[int, int]], str], None]  # ([(position, step index)], cause)
 
 
 class Logging:
@@ -43,10 +45,16 @@ class Logging:
 
   def __init__(self, components: Components, log: RunLogger, monitor: StabilityMonitor,
                recovery: Recovery, agree: Agree, progress: Any,
-               abandoned_skips: Callable[[], int]):
+               abandoned_skips: Callable[[], int], reject: Reject = lambda batches, cause: None,
+               extras: tuple[Callable[[], dict], ...] = ()):
     self.components, self.log, self.monitor, self.recovery = components, log, monitor, recovery
     self.agree, self.progress, self.abandoned_skips = agree, progress, abandoned_skips
+    self.reject, self.extras = reject, extras
+    self.seconds_per_step = float("nan")  # of the latest interval between two records
+    self.intervals = 0                     # intervals measured since the start
     self.pending: Optional[tuple[int, Any]] = None
+    # (step index, batch position, skip flags on device) of the steps not read yet
+    self.skip_flags: list[tuple[int, int, dict]] = []
     self.initial: Any = None            # the initial parameters' telemetry, until written
     self.initial_record: dict = {}      # ... and after
     self.last_record: dict = {}
@@ -56,9 +64,25 @@ class Logging:
   def due(self, step: int) -> bool:
     return step == 1 or step % self.components.cfg.train.log_every == 0
 
-  def stepped(self) -> None:
-    """Counts one step's tokens for the throughput."""
+  def stepped(self, index: int = -1, position: int = -1, metrics: Optional[dict] = None) -> None:
+    """Counts one step's tokens for the throughput, and keeps the skip wrappers' flags of step
+    ``index`` (batch ``position``): read with the next record, never on their own."""
     self.tokens_interval += self.components.cfg.train.batch_size * self.components.cfg.train.seq_len
+    if metrics is not None:
+      flags = {key: metrics[key] for key in skip_flag_keys(metrics)}
+      if flags:
+        self.skip_flags.append((index, position, flags))
+
+  def skipped_until(self, step: int) -> list[tuple[int, int, list[str]]]:
+    """The kept steps before ``step`` (a step index) that a skip wrapper skipped, as (step index,
+    batch position, the wrappers); the steps from ``step`` on stay kept (still running)."""
+    due = [entry for entry in self.skip_flags if entry[0] < step]
+    self.skip_flags = [entry for entry in self.skip_flags if entry[0] >= step]
+    if not due:
+      return []
+    values = jax.device_get([flags for _, _, flags in due])
+    return [(index, position, names) for (index, position, _), flags in zip(due, values)
+            if (names := [key.split("/")[0] for key, flag in flags.items() if bool(flag)])]
 
   def baseline(self, state: TrainState, tokens: jax.Array) -> None:
     """Dispatches the attention telemetry of the initial parameters (before the first update of a
@@ -84,9 +108,22 @@ class Logging:
     """Writes ``step``'s record (console, metrics.jsonl, TensorBoard); returns the rollback cause
     the recovery finds in it or None."""
     record = {"step": step, **fetch(device_metrics)}
-    now = time.time()
+    for index, position, names in self.skipped_until(step):
+      self.reject([(position, index)], f"{' and '.join(names)} skipped step {index + 1}")
+    for extra in self.extras:
+      record.update(extra())
+    self.publish(record)
+    enabled = self.components.cfg.stability.recovery.enabled
+    return self.agree(self.recovery.check_train(record) if enabled else None)
+
+  def publish(self, record: dict) -> None:
+    """Writes a fetched record: the monitor's warnings, metrics.jsonl, TensorBoard, the bar."""
+    step, now = record["step"], time.time()
     if self.tokens_interval:
       self.tokens_per_sec = self.tokens_interval / max(now - self.t_interval, 1e-9)
+      t = self.components.cfg.train
+      self.seconds_per_step = t.batch_size * t.seq_len / max(self.tokens_per_sec, 1e-9)
+      self.intervals += 1
     self.t_interval, self.tokens_interval = now, 0
     record["tokens_per_sec"] = self.tokens_per_sec
     if self.initial is not None:
@@ -102,8 +139,6 @@ class Logging:
                               skipped=total_skips(record) + self.abandoned_skips(),
                               refresh=False)
     self.last_record = record
-    enabled = self.components.cfg.stability.recovery.enabled
-    return self.agree(self.recovery.check_train(record) if enabled else None)
 
 
 class Evaluation:
@@ -211,10 +246,12 @@ class Checkpointing:
   deferred to the next log step, so only a healthy state becomes a rollback target)."""
 
   def __init__(self, components: Components, checkpoints: Checkpoints, batches: Batches,
-               meta: Callable[[], dict], recovery: Recovery, log: RunLogger):
+               meta: Callable[[], dict], recovery: Recovery, log: RunLogger,
+               verify: Callable[[int, TrainState], None] = lambda step, state: None):
     self.components, self.checkpoints = components, checkpoints
     self.batches, self.meta = batches, meta
     self.recovery, self.log = recovery, log
+    self.verify = verify  # raises when the state must not be saved (replicas that differ)
     self.deferred = False
 
   def due(self, step: int) -> bool:
@@ -231,10 +268,66 @@ class Checkpointing:
       self.save(step, state)
 
   def save(self, step: int, state: TrainState) -> None:
+    self.verify(step, state)
     on_disk = set(self.checkpoints.all_steps())
     meta = {"step": step, **self.batches.state_dict(step, on_disk), **self.meta(), "good": True}
     self.checkpoints.save(step, state, self.batches.stream, meta)
     kill_if_due(self.components.cfg.faults, step, "save")
+
+
+class DeterminismCheck:
+  """``stability.determinism.check_every``: before every N-th step, its forward and backward run
+  twice more (two executions of one compiled program, on the step's own inputs); the largest
+  difference of loss and of gradient norm between the two is recorded with the next logged
+  record (``determinism/*``) and said once when it is not zero: a nondeterministic kernel, or a
+  device that computes differently from one execution to the next. Zero on XLA:CPU."""
+
+  def __init__(self, components: Components, batches: Batches, log: RunLogger):
+    self.components, self.batches, self.log = components, batches, log
+    self.pending: list[tuple[int, list[dict]]] = []
+    self.checks, self.max_loss_diff, self.max_grad_norm_diff = 0, 0.0, 0.0
+    self.said = False
+
+  def due(self, step: int) -> bool:
+    every = self.components.cfg.stability.determinism.check_every
+    return bool(every) and step % every == 0
+
+  def __call__(self, step: int, state: TrainState, batch: dict) -> None:
+    """Runs the check on ``step``'s inputs (before the step, which donates the state)."""
+    position = self.batches.positions[step]
+    runs = []
+    for _ in range(2):  # each execution draws its own fault factor (faults.nondeterministic_*)
+      scale = self.batches.grad_scale(step, position, first_execution=False)
+      runs.append(self.components.gradient_check(
+          state.params, {**batch, "grad_scale": np.float32(scale)}, np.int32(step)))
+    self.pending.append((step, runs))
+
+  def record(self) -> dict:
+    """The checks since the last record, read now (with a logged record)."""
+    if not self.pending and not self.checks:
+      return {}
+    pending, self.pending = self.pending, []
+    for step, (a, b) in zip([s for s, _ in pending], jax.device_get([r for _, r in pending])):
+      diffs = {key: _difference(float(a[key]), float(b[key])) for key in ("loss", "grad_norm")}
+      self.checks += 1
+      self.max_loss_diff = max(self.max_loss_diff, diffs["loss"])
+      self.max_grad_norm_diff = max(self.max_grad_norm_diff, diffs["grad_norm"])
+      if (diffs["loss"] or diffs["grad_norm"]) and not self.said:
+        self.said = True
+        line = (f"step {step + 1}: two executions of the same step differ (loss by "
+                f"{diffs['loss']:.3g}, gradient norm by {diffs['grad_norm']:.3g}): a "
+                "nondeterministic kernel or a flaky device; replays may not reproduce exactly")
+        self.log.console(f"warning: {line}")
+        self.log.record({"step": step + 1, "event": "nondeterminism", "cause": line, **diffs})
+    return {"determinism/checks": self.checks, "determinism/max_loss_diff": self.max_loss_diff,
+            "determinism/max_grad_norm_diff": self.max_grad_norm_diff}
+
+
+def _difference(a: float, b: float) -> float:
+  """|a - b|, 0 when both are the same non-finite value, inf when only one is finite."""
+  if a == b or (np.isnan(a) and np.isnan(b)):
+    return 0.0
+  return abs(a - b) if np.isfinite(a) and np.isfinite(b) else float("inf")
 
 
 class TimeBudget:

@@ -3,16 +3,20 @@
 Position ``i`` is the ``i``-th batch read from the stream since the run started (what a
 checkpoint stores as ``batches_consumed``). A rollback skips the batches read since its target
 checkpoint: at once when the stream is already there, else when the replay of good batches
-reaches them (``pending``). The configured faults (``faults.*``, :class:`FaultsConfig`) change the
-batch a step gets: a step fault strikes whatever data the step reads, a batch fault the data at
-its position, so a rollback that skips the batch never meets it again.
+reaches them (``pending``). Positions rejected too often (``blocked``,
+:mod:`stablejax.training.rejected`) are read and dropped, never trained on. The configured faults
+(``faults.*``, :class:`FaultsConfig`) change the batch a step gets: a step fault strikes whatever
+data the step reads, a batch fault the data at its position, so a rollback that skips the batch
+never meets it again; a transient fault strikes a step's first execution in this process only
+(a replay or a rollback runs it clean), as a flaky device does.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 import jax
 import numpy as np
@@ -44,6 +48,11 @@ class Batches:
     self.pending: list[tuple[int, int]] = []           # skips [first, last) the replay has not met
     self.checkpoint_positions: dict[int, int] = {}     # checkpoint step -> its position
     self.repeated: Optional[np.ndarray] = None         # faults.repeat_batch_steps' batch
+    self.blocked: set[int] = set()                     # positions never trained on
+    self.dropped: list[tuple[int, int]] = []           # (position, step) of blocked ones dropped
+    self.positions: dict[int, int] = {}                # step -> position of its batch (recent)
+    self.last_step = -1                                # steps above it run for the first time
+    self.noise = np.random.default_rng()               # faults.nondeterministic_steps' draws
 
   def load(self, meta: dict) -> None:
     """The position, the deferred skips and the positions of older checkpoints, as a restored
@@ -66,12 +75,20 @@ class Batches:
   def next(self, step: int) -> dict:
     """The batch of ``step`` (0-based index of the step about to run), on device."""
     f = self.faults
-    while self.pending and self.consumed >= self.pending[0][0]:
-      _, last = self.pending.pop(0)  # a rollback's skip, deferred until the replay got here
-      self.skip(last - self.consumed)
+    while True:
+      while self.pending and self.consumed >= self.pending[0][0]:
+        _, last = self.pending.pop(0)  # a rollback's skip, deferred until the replay got here
+        self.skip(last - self.consumed)
+      if self.consumed not in self.blocked:
+        break
+      self.dropped.append((self.consumed, step))
+      self.skip(1)
     index = self.consumed
     tokens = next(self.stream)["tokens"]
     self.consumed += 1
+    self.positions[step] = index
+    self.positions.pop(step - 100_000, None)  # a long run keeps only recent steps
+    first_execution, self.last_step = step > self.last_step, max(self.last_step, step)
     if step in f.garbage_batch_steps or index in f.garbage_batch_indices:
       seed = step if step in f.garbage_batch_steps else index
       tokens = garbage_batch(f.garbage_kind, tokens.shape[0], tokens.shape[1] - 1,
@@ -80,13 +97,22 @@ class Batches:
       if self.repeated is None:
         self.repeated = np.asarray(tokens)
       tokens = self.repeated
-    grad_scale = 1.0
-    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:
-      grad_scale = float("nan")
-    elif step in f.grad_scale_steps:
-      grad_scale = f.grad_scale_factor
     return {"tokens": self.to_device(np.asarray(tokens, np.int32)),
-            "grad_scale": np.float32(grad_scale)}
+            "grad_scale": np.float32(self.grad_scale(step, index, first_execution))}
+
+  def grad_scale(self, step: int, index: int, first_execution: bool) -> float:
+    """The factor the configured faults put on the gradient of ``step`` (batch ``index``): 1.0
+    without a fault. Each call is one execution (the nondeterministic fault draws anew)."""
+    f = self.faults
+    scale = 1.0
+    if (step in f.nan_grad_steps or index in f.nan_grad_batch_indices
+        or (first_execution and step in f.transient_nan_steps)):
+      scale = float("nan")
+    elif step in f.grad_scale_steps or (first_execution and step in f.transient_grad_scale_steps):
+      scale = f.grad_scale_factor
+    if step in f.nondeterministic_steps:
+      scale *= 1.0 + f.nondeterminism * float(self.noise.standard_normal())
+    return scale
 
   def schedule_skip(self, first: int, last: int) -> None:
     """Skips positions ``[first, last)``: now when the stream is at ``first`` or past it, else
@@ -124,6 +150,26 @@ def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, see
   if kind == "random":
     return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
   raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
+
+
+def hang_if_due(faults: FaultsConfig, step: int) -> None:
+  """Blocks this thread for good just before ``faults.hang_at_step`` (a hung host)."""
+  if faults.hang_at_step is not None and step == faults.hang_at_step:
+    threading.Event().wait()
+
+
+def hang_in_pipeline(dataset: Any, faults: FaultsConfig) -> Any:
+  """``dataset`` (a Grain ``MapDataset`` of batches), blocking for good when the pipeline reads
+  position ``faults.hang_at_batch`` (a stuck input pipeline: the trainer waits in ``next``)."""
+  position = faults.hang_at_batch
+  if position is None:
+    return dataset
+
+  def read(index: int, batch: Any) -> Any:
+    if index == position:
+      threading.Event().wait()
+    return batch
+  return dataset.map_with_index(read)
 
 
 def kill_if_due(faults: FaultsConfig, n: int, when: str) -> None:

@@ -15,6 +15,7 @@ of another model config) stops with `CheckpointError` and leaves every checkpoin
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -183,27 +184,31 @@ def _fingerprint(tree: optax.Params) -> jax.Array:
 fingerprint = jax.jit(_fingerprint)
 
 
-def state_parts(state: Any) -> dict[str, Any]:
+def state_parts(state: Any, whole: frozenset[str] = frozenset()) -> dict[str, Any]:
   """The parts of a state that are fingerprinted one by one: each field of a dataclass state
-  (the train state), each entry of a field that is a dict (``opt_state/zclip``,
-  ``params/blocks``), so that a restore of some entries, by name, can be checked on its own.
-  Any other state is one part."""
-  if not dataclasses.is_dataclass(state):
+  (the train state, or the dict of its fields that a restore by name reads), each entry of a
+  field that is a dict (``opt_state/zclip``, ``params/blocks``), so that a restore of some
+  entries, by name, can be checked on its own. Any other state is one part. A field named in
+  ``whole`` is one part even when it reads back as a dict (a NamedTuple field read by name)."""
+  if dataclasses.is_dataclass(state):
+    fields = [(f.name, getattr(state, f.name)) for f in dataclasses.fields(state)]
+  elif isinstance(state, dict) and "params" in state:
+    fields = list(state.items())
+  else:
     return {"state": state}
   parts = {}
-  for f in dataclasses.fields(state):
-    value = getattr(state, f.name)
-    if isinstance(value, dict):
-      parts.update({f"{f.name}/{key}": entry for key, entry in value.items()})
+  for name, value in fields:
+    if isinstance(value, dict) and name not in whole:
+      parts.update({f"{name}/{key}": entry for key, entry in value.items()})
     else:
-      parts[f.name] = value
+      parts[name] = value
   return parts
 
 
-@jax.jit
-def part_fingerprints(state: Any) -> dict[str, jax.Array]:
+@functools.partial(jax.jit, static_argnums=1)
+def part_fingerprints(state: Any, whole: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
   """:func:`fingerprint` of each of :func:`state_parts` (their sum is the state's)."""
-  return {name: _fingerprint(part) for name, part in state_parts(state).items()}
+  return {name: _fingerprint(part) for name, part in state_parts(state, whole).items()}
 
 
 def fingerprint_matches(expected: Any, actual: Any) -> bool:
@@ -375,7 +380,7 @@ class Checkpoints:
       whole = [sum(float(part[i]) for part in saved.values()) for i in range(3)]
       if not fingerprint_matches(meta.get("fingerprint", []), whole):
         raise CheckpointDamaged("its fingerprints do not agree with each other")
-      actual = part_fingerprints(state)
+      actual = part_fingerprints(state, frozenset(name for name in saved if "/" not in name))
       for name, value in actual.items():
         if name in skip:
           continue

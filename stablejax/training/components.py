@@ -30,8 +30,8 @@ from stablejax.training.config import Config, model_of
 from stablejax.training.decoding import EvalSampler
 from stablejax.training.optim import Schedules, build_optimizer, main_optimizer, set_lr_scale
 from stablejax.training.recovery import LRBackoff
-from stablejax.training.step import (TrainState, make_eval_step, make_logit_telemetry,
-                                     make_train_step)
+from stablejax.training.step import (TrainState, make_eval_step, make_gradient_check,
+                                     make_logit_telemetry, make_train_step)
 from stablejax.transforms.loss_scaling import DynamicLossScale
 
 # `optimizer(cfg, main)`: the chain around the configured main optimizer (Muon or AdamW). The
@@ -63,11 +63,13 @@ class Components:
                                         # defences)
   train_step: Callable[[TrainState, dict], tuple[TrainState, dict]]
   eval_step: Callable[[Any, jax.Array, Any], jax.Array]
-  set_lr_backoff: Callable[[TrainState, jax.Array, jax.Array], TrainState]
+  # (state, scale, start, steps) -> state with that LRBackoff (steps -1: the recovery's return)
+  set_lr_backoff: Callable[[TrainState, jax.Array, jax.Array, jax.Array], TrainState]
   logit_telemetry: Callable[[Any, jax.Array, Any], dict]
   activation_stats: Callable[[Any, jax.Array, Any], dict]
   grad_norms: Callable[[Any, jax.Array], dict]
   param_movement: Callable[[Any, Any], Any]
+  gradient_check: Callable[[Any, dict, Any], dict]  # stability.determinism's two executions
   optimizer: Optional[OptimizerFactory]  # the caller's chain factory (None: the configured one)
 
   @property
@@ -144,11 +146,16 @@ def build_components(cfg: Config, data: Data, *,
       s = cfg.stability.loss_scale
       loss_scale = DynamicLossScale.create(initial_scale=s.init, growth_interval=s.growth_interval,
                                            growth_factor=s.growth_factor)
+    r = cfg.stability.recovery
+    device_faults = (jnp.zeros((mesh.size,), jnp.int32) if r.enabled and r.replay else None)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=chain.init(params),
-                      loss_scale=loss_scale, lr_backoff=LRBackoff.none())
+                      loss_scale=loss_scale, lr_backoff=LRBackoff.none(),
+                      device_faults=device_faults)
 
   abstract = jax.eval_shape(init_state, jax.random.PRNGKey(t.seed))
   state_sharding = mesh_lib.state_shardings(mesh, abstract)
+  if abstract.device_faults is not None:  # one count per device, on that device
+    state_sharding = state_sharding.replace(device_faults=mesh_lib.batch_sharding(mesh))
   replicated = mesh_lib.replicated(mesh)
   tokens_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
@@ -186,6 +193,9 @@ def build_components(cfg: Config, data: Data, *,
       activation_stats=jax.jit(activation_stats, out_shardings=replicated),
       grad_norms=jax.jit(grad_norms, out_shardings=replicated),
       param_movement=jax.jit(param_movement, out_shardings=replicated),
+      gradient_check=jax.jit(_under_mesh(mesh, make_gradient_check(model, cfg)),
+                             in_shardings=(state_sharding.params, batch_sharding, replicated),
+                             out_shardings=replicated),
       optimizer=optimizer)
 
 
@@ -240,9 +250,10 @@ def _under_mesh(mesh: jax.sharding.Mesh, fn: Callable[..., Any]) -> Callable[...
   return traced
 
 
-def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array) -> TrainState:
+def _with_lr_backoff(state: TrainState, scale: jax.Array, start: jax.Array, steps: jax.Array
+                     ) -> TrainState:
   """`state` with a new LR backoff and the optimizer's LR scale set to its starting value."""
-  return state.replace(lr_backoff=LRBackoff(scale=scale, start=start),
+  return state.replace(lr_backoff=LRBackoff(scale=scale, start=start, steps=steps),
                        opt_state=set_lr_scale(state.opt_state, scale))
 
 

@@ -2,12 +2,17 @@
 summarise.
 
 Exit codes: 0 done, 2 bad config/data/checkpoints/run directory (raised as errors and reported
-by ``python -m stablejax train``), 3 diverged beyond the recovery budget, 130 interrupted
-(SIGINT/SIGTERM/SIGHUP; a checkpoint was saved).
+by ``python -m stablejax train``), 3 diverged beyond the recovery budget, 16 transient faults on
+one device (hardware suspect; a checkpoint was saved: restart elsewhere), 17 replicas of the
+parameters differ (silent data corruption; nothing saved since the last check), 18 hung (the
+watchdog wrote every thread's stack), 130 interrupted (SIGINT/SIGTERM/SIGHUP; a checkpoint was
+saved, unless the run was stuck past ``stability.watchdog.grace_seconds``).
 
 What is built once is :class:`stablejax.training.components.Components`; what happens every so
 many steps is in :mod:`stablejax.training.actions`; restoring and rolling back is
-:mod:`stablejax.training.rollback`; the run directory's ownership and lock are
+:mod:`stablejax.training.rollback`; what a failure is answered with (replay, then go on or roll
+back) is :mod:`stablejax.training.healing`; the watchdog is :mod:`stablejax.training.watchdog`;
+the run directory's ownership and lock are
 :mod:`stablejax.training.run_dir`; the banner and the summary are
 :mod:`stablejax.training.run_summary`. :meth:`Trainer._train_from` is the step loop.
 """
@@ -24,29 +29,36 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from stablejax.data.identity import data_identity, identity_difference
+from stablejax.data.identity import data_identity
 from stablejax.data.pipeline import build_data
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax import _compat
-from stablejax.training import actions, distributed, run_summary, trained_run
+from stablejax.training import actions, distributed, resume, run_summary
 from stablejax.training.components import OptimizerFactory, build_components, with_steps
-from stablejax.training.batches import Batches, kill_if_due
+from stablejax.training.batches import Batches, hang_if_due, hang_in_pipeline, kill_if_due
 from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
-from stablejax.training.config import Config, ConfigError, changed_keys, load_run_file, to_dict
-from stablejax.training.data_order import data_order, order_difference
+from stablejax.training.config import Config, ConfigError, load_run_file
+from stablejax.training.data_order import data_order
+from stablejax.training.healing import EXIT_TRANSIENT, Healing
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery
+from stablejax.training.rejected import RejectedBatches
+from stablejax.training.replay import Replayer
+from stablejax.training.replicas import (EXIT_REPLICAS_DIFFER, ReplicaCheck, ReplicasDiffer,
+                                        corrupt_copy)
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
 from stablejax.training.run_dir import RunDirectory
 from stablejax.training.run_dir_checks import run_inputs
 from stablejax.training.signals import Interrupted, StopSignals
+from stablejax.training.watchdog import EXIT_HUNG, Watchdog
 
 EXIT_OK, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 3, 130
 
 __all__ = [
-    "EXIT_DIVERGED", "EXIT_INTERRUPTED", "EXIT_OK", "Interrupted", "RECOVERY_FILE", "Trainer",
+    "EXIT_DIVERGED", "EXIT_HUNG", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_REPLICAS_DIFFER",
+    "EXIT_TRANSIENT", "Interrupted", "RECOVERY_FILE", "Trainer",
 ]
 
 
@@ -147,8 +159,14 @@ class Trainer:
     self.run_dir.record_written()  # before Orbax creates the folder
     self.checkpoints = Checkpoints(checkpoint_dir, cfg.checkpoint.keep, cfg.checkpoint.async_save,
                                    record_step=self.run_dir.record_checkpoint)
+    data.train_dataset = hang_in_pipeline(data.train_dataset, cfg.faults)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
                            lambda tokens: self.components.device_tokens(tokens))
+    r = cfg.stability.recovery
+    self.rejected = RejectedBatches(self.run_dir, r.reject_after if r.enabled else 0,
+                                    {**data_order(cfg), "data": data_identity(cfg.data)})
+    self.watchdog = Watchdog(cfg.stability.watchdog, cfg.train.log_every, self.run_dir.root,
+                             self.log.record, lambda: self.signals.received is not None)
     self.restorer = Restorer(lambda: self.components, self.run_dir, self.checkpoints, self.batches,
                              self.recovery, self.monitor, self.log, recorded=self.recorded,
                              reset_optimizer=reset_optimizer)
@@ -176,6 +194,7 @@ class Trainer:
 
   def train(self) -> int:
     """Trains to the end, a stop signal, or divergence; returns the exit code."""
+    self.watchdog.start()
     try:
       try:
         step = self._start()
@@ -195,8 +214,8 @@ class Trainer:
     the run, the logs are closed and the lock released (:meth:`train` does it when it returns).
     Each part is closed even when another fails; the first failure is raised unless ``quiet``."""
     errors = []
-    for close in (self.budget.stop_heartbeat, self.checkpoints.close, self.log.close,
-                  self.run_dir.close):
+    for close in (self.watchdog.stop, self.budget.stop_heartbeat, self.checkpoints.close,
+                  self.log.close, self.run_dir.close):
       try:
         close()
       except Exception as e:  # noqa: BLE001 - every part gets its chance to close
@@ -210,17 +229,26 @@ class Trainer:
     to continue from. Raises Interrupted when a signal came in the meantime."""
     self.state, meta = self.restorer.restore_or_init()
     resuming = bool(meta)
-    self._check_resume(meta)
-    notes = self._changes(meta) if resuming else []
+    self.tokenizer = resume.check_resume(self.cfg, self.run_dir, meta, self.data_changed,
+                                         self.log.console)
+    notes = resume.changes(self.recorded, self.cfg, meta) if resuming else []
     self._record_start()
+    notes += [line] if (line := self.rejected.load()) else []
+    self.batches.blocked = self.rejected.blocked
+    if resuming:
+      self.state = self.restorer.rewarm(self.state, int(meta["step"]))
     self.signals.check_startup("restoring the checkpoint" if resuming else "initialising the model")
     self.budget.load_state_dict(meta, owns_clock=CLOCK_FILE in self.run_dir.recorded)
     self.budget.tick(force=True)  # a start killed from here on still counts in the budget
     self.budget.start_heartbeat()  # up to its last beat: the probe, the compilations
     self._apply_budget()
     step = int(meta.get("step", 0))
-    self.checkpointing = actions.Checkpointing(self.components, self.checkpoints, self.batches,
-                                               self._meta, self.recovery, self.log)
+    components = self.components
+    self.replicas = ReplicaCheck(components.mesh, components.state_sharding.params)
+    checked = self.replicas.active and components.cfg.stability.replicas.check_every
+    self.checkpointing = actions.Checkpointing(
+        components, self.checkpoints, self.batches, self._meta, self.recovery, self.log,
+        verify=lambda step, state: self.replicas.verify(step, state.params) if checked else None)
     if step == 0 and not self.checkpoints.all_steps():
       self.checkpointing.save(0, self.state)  # the initial state is a rollback target
       self.signals.check_startup("saving step 0")
@@ -239,62 +267,12 @@ class Trainer:
       self.signals.check_startup("compiling the evaluation")
     return step
 
-  def _check_resume(self, meta: dict) -> None:
-    """A resumed run (``meta``: its checkpoint's) must train on its tokenizer, whatever the
-    data, and on its data unless told the data changed; another data order is said."""
-    try:
-      self.tokenizer = trained_run.tokenizer_record(self.cfg.data)[0]
-      problem = trained_run.resume_tokenizer_problem(meta, self.run_dir.tokenizer,
-                                                     self.run_dir.root,
-                                              self.tokenizer) if meta else None
-    except trained_run.RunError as e:
-      raise ConfigError(str(e)) from None
-    if problem:
-      raise ConfigError(problem)
-    if not meta:
-      return
-    order = self.run_dir.data_order
-    if order is not None and order != data_order(self.cfg):
-      self.log.console(f"warning: {order_difference(order, data_order(self.cfg))} since the last "
-                       "start of this run: the batches from here on come in another order than "
-                       "the run's own (the data is the same)")
-    recorded, current = self.run_dir.data_identity, data_identity(self.cfg.data)
-    difference = identity_difference(recorded, current) if recorded is not None else None
-    if difference and not self.data_changed:
-      raise ConfigError(
-          f"the data is not the data this run trained on ({difference}; recorded in "
-          f"{self.run_dir.root / 'run.json'}): point data.train at the run's data, pass --fresh "
-          "to start over, or --data-changed to resume on the new data on purpose (its "
-          "validation set and order change)")
-
-  def _changes(self, meta: dict) -> list[str]:
-    """What changed since the run's last start, one line each: the settings, and what the
-    restore did with the optimizer state (a defence switched on or off, ...)."""
-    lines = []
-    if self.recorded is not None:
-      changed = [line for line in changed_keys(self.recorded, self.cfg)
-                 if not (line.startswith("train.steps ") and self.cfg.train.time_budget_minutes)]
-      if changed:
-        lines.append("changed since the last start: " + "; ".join(changed))
-    if meta.get("changes"):
-      lines.append(str(meta["changes"]))
-    return lines
-
   def _record_start(self) -> None:
-    """The checks passed: the run's config, tokenizer and data identity, and its log files."""
+    """The checks passed: the run's records, then its log files."""
     if self.is_main:
-      for name in ("tokenizer", CLOCK_FILE, PROBE_DIR, "config.json", "metrics.jsonl",
-                   "tensorboard"):
-        self.run_dir.path(name)
-      self.run_dir.set_data_identity(data_identity(self.cfg.data))
-      self.run_dir.set_tokenizer(self.tokenizer)
-      self.run_dir.set_data_order(data_order(self.cfg))
-      self.run_dir.record_written()
-      try:
-        trained_run.write_tokenizer_record(self.run_dir.root, self.cfg.data)
-      except trained_run.RunError as e:
-        raise ConfigError(str(e)) from None
-      write_json_atomic(self.run_dir.root / "config.json", to_dict(self.cfg), indent=2)
+      resume.record_start(self.run_dir, self.cfg, self.tokenizer,
+                          ("tokenizer", CLOCK_FILE, PROBE_DIR, "config.json", "metrics.jsonl",
+                           "tensorboard", "hang_stacks"))
     self.log.open()
     self.run_dir.record_written()
 
@@ -319,24 +297,48 @@ class Trainer:
     show_progress = self.is_main and components.cfg.logging.progress
     bar = tqdm(total=total, initial=step, disable=not show_progress,
                dynamic_ncols=True, desc="train")
-    logging, evaluation, sampling, diagnostics, checkpointing, budget = self._actions(bar)
-    budget.start(step)  # the steps since this one are timed at the next check
+    self._actions(bar)
+    self.time_budget.start(step)  # the steps since this one are timed at the next check
+    try:
+      step, exit_code = self._loop(step, bar)
+    except ReplicasDiffer as e:  # raised before anything was saved: the last checkpoint is good
+      self.log.console(f"error: {e} (exit code {EXIT_REPLICAS_DIFFER})")
+      self.log.record({"step": self.watchdog.step, "event": "replicas_differ", "cause": str(e)})
+      step, exit_code = self.watchdog.step, EXIT_REPLICAS_DIFFER
+    bar.close()
+    if exit_code == EXIT_OK:
+      self.evaluation(step, self.state, final=True)
+    return self._finish(step, exit_code)
+
+  def _loop(self, step: int, bar: Any) -> tuple[int, int]:
+    """The steps from ``step``; returns the step reached and the exit code."""
+    components, total = self.components, self.components.total_steps
+    logging, checkpointing, budget = self.logging, self.checkpointing, self.time_budget
+    faults = components.cfg.faults
     limit, exit_code = total, EXIT_OK
     if step < total and budget.out_of_time():  # earlier segments used up the budget
       budget.stop(step, total, None if step in self.checkpoints.all_steps() else
                   self._save_if_healthy)
       limit = step
     while step < limit:
+      self.watchdog.beat(step)
       if self.signals.requested():
-        exit_code = self._interrupted(step)
-        break
-      kill_if_due(components.cfg.faults, step, "step")
+        return step, self._interrupted(step)
+      kill_if_due(faults, step, "step")
+      hang_if_due(faults, step)
+      if faults.corrupt_replica_step == step:
+        device = faults.corrupt_replica_device
+        self.state = self.state.replace(params=corrupt_copy(
+            self.state.params, jax.device_count() - 1 if device is None else device))
       batch = self.batches.next(step)
+      self.healing.note_dropped()
+      if self.determinism.due(step):
+        self.determinism(step, self.state, batch)
       if step == 0:  # the logits before the first update: the base of the monitor's growth
         logging.baseline(self.state, batch["tokens"])
       self.state, metrics = components.train_step(self.state, batch)
       step += 1
-      logging.stepped()
+      logging.stepped(step - 1, self.batches.positions[step - 1], metrics)
       bar.update(1)
       cause = logging.write_held()  # step - 1's metrics, read after this step was dispatched
       save_now = checkpointing.due(step)
@@ -344,36 +346,54 @@ class Trainer:
         logging.hold(step, metrics, self.state, batch["tokens"])
       if save_now and cause is None:
         cause = logging.write_held()  # a checkpoint needs this step's health now
-      if cause is None and evaluation.due(step):
-        cause = evaluation(step, self.state)
-      for action in (sampling, diagnostics):
-        if cause is None and action.due(step):
-          action(step, self.state)
-      if cause is None and save_now:
-        checkpointing(step, self.state)
+      if cause is None:
+        cause = self._periodic(step, save_now)
       if logging.due(step):
         self.budget.tick()
+        if logging.intervals > 1:  # the first interval of a start holds the compilation
+          self.watchdog.measured(logging.seconds_per_step)
         if cause is None and step < total and budget.out_of_time(step):
           budget.stop(step, total, None if save_now else self._save_if_healthy)
           break
-      if cause is not None:
-        if not (components.cfg.stability.recovery.enabled and self.recovery.budget_left):
-          exit_code = self._diverged(step, cause)
-          break
-        self.state, step = self.restorer.rollback(step, cause, logging.last_record)
+      if cause is not None:  # replay, then go on, roll back or stop (healing.py)
+        healed = self.healing.answer(self.state, step, cause, logging.last_record,
+                                     save=checkpointing.save)
+        if healed.exit_code is not None:
+          return healed.step, healed.exit_code
+        assert healed.state is not None, "a run that goes on has a state"
+        self.state, step = healed.state, healed.step
         bar.reset(total=total)
         bar.update(step)
-        logging.pending, checkpointing.deferred = None, False
-    bar.close()
-    if exit_code == EXIT_OK:
-      evaluation(step, self.state, final=True)
-    return self._finish(step, exit_code)
+        logging.pending, logging.skip_flags = None, []
+        checkpointing.deferred = healed.replayed_checkpoint_due
+    return step, exit_code
 
-  def _actions(self, bar: Any) -> tuple:
-    """The periodic actions over the final components (after the time budget's plan)."""
+  def _periodic(self, step: int, save_now: bool) -> Optional[str]:
+    """The evaluation, samples, diagnostics, replica check and checkpoint due at ``step``;
+    returns the evaluation's rollback cause, if any."""
+    if self.evaluation.due(step):
+      cause = self.evaluation(step, self.state)
+      if cause is not None:
+        return cause
+    for action in (self.sampling, self.diagnostics):
+      if action.due(step):
+        action(step, self.state)
+    every = self.components.cfg.stability.replicas.check_every
+    if every and step % every == 0 and not save_now:  # a save checks them itself
+      self.replicas.verify(step, self.state.params)
+    if save_now:
+      self.checkpointing(step, self.state)
+    return None
+
+  def _actions(self, bar: Any) -> None:
+    """The periodic actions over the final components (after the time budget's plan), and the
+    healing that answers a failure."""
     components, agree = self.components, self.signals.agree
+    self.determinism = actions.DeterminismCheck(components, self.batches, self.log)
     self.logging = actions.Logging(components, self.log, self.monitor, self.recovery, agree, bar,
-                                   lambda: self.restorer.abandoned_skips)
+                                   lambda: self.restorer.abandoned_skips,
+                                   reject=lambda batches, why: self.healing.reject(batches, why),
+                                   extras=(self.determinism.record,))
     self.sampling = actions.Sampling(components, self.log)
     self.evaluation = actions.Evaluation(components, self.val_batches, self.log, self.recovery,
                                          self.budget, agree, self.sampling)
@@ -381,8 +401,10 @@ class Trainer:
     self.diagnostics = actions.Diagnostics(components, first_val_batch,
                                            self.log)
     self.time_budget = actions.TimeBudget(self.budget, self.log, distributed.agree_any)
-    return (self.logging, self.evaluation, self.sampling, self.diagnostics,
-            self.checkpointing, self.time_budget)
+    replayer = Replayer(lambda: self.components, self.restorer, self.batches, self.recovery,
+                        beat=self.watchdog.beat)
+    self.healing = Healing(self.restorer, replayer, self.recovery, self.rejected, self.batches,
+                           self.log, self.logging.publish, self.checkpointing.due)
 
   def _meta(self) -> dict:
     return {**self.restorer.meta(), **self.budget.state_dict(), "tokenizer": self.tokenizer}
@@ -399,11 +421,6 @@ class Trainer:
     self.log.console(f"{self.signals.name} at step {step}: checkpoint saved; run the same command"
                      " to resume")
     return EXIT_INTERRUPTED
-
-  def _diverged(self, step: int, cause: str) -> int:
-    for line in self.restorer.diverged(step, cause):
-      self.log.console(line)
-    return EXIT_DIVERGED
 
   def _banner(self, step: int) -> None:
     if self.is_main:

@@ -41,43 +41,68 @@ class RollbackEvent:
   restored_step: int = -1
   lr_scale: float = 1.0  # LR scale right after the rollback (it then returns to 1.0)
   skipped_batches: tuple[int, int] = (0, 0)  # [first, last) data batch indices skipped
+  reproduced: Optional[bool] = None  # a replay reproduced the failure (None: not replayed)
 
   def describe(self) -> str:
     a, b = self.skipped_batches
-    return (f"step {self.step}: {self.cause}; restored step {self.restored_step}, "
+    replayed = " (reproduced by its replay)" if self.reproduced else ""
+    return (f"step {self.step}: {self.cause}{replayed}; restored step {self.restored_step}, "
             f"lr scale {self.lr_scale:.3g}, skipped data batches {a}..{b - 1}")
 
 
+@dataclasses.dataclass
+class TransientEvent:
+  """A failure that a replay of its window did not reproduce (a device fault, not the data's)."""
+  step: int            # step at which the trigger was seen
+  cause: str
+  restored_step: int
+  device: str          # the suspect: "process 0 (host), device cpu:0", or what is known
+
+  def describe(self) -> str:
+    return (f"step {self.step}: {self.cause}; replayed from step {self.restored_step}: not "
+            f"reproduced ({self.device})")
+
+
 class LRBackoff(NamedTuple):
-  """The learning-rate backoff of the latest rollback, kept in the train state (so in checkpoints).
+  """The learning-rate backoff of the latest rollback, or a re-warmup, kept in the train state (so
+  in checkpoints).
 
   Attributes:
-    scale: float32 LR scale right after the rollback (1.0: no backoff).
+    scale: float32 LR scale right after the rollback (1.0: no backoff; 0.0: a re-warmup).
     start: int32 step the return to 1.0 starts from (the restored step).
+    steps: int32 length of a return of its own, linear (a re-warmup); -1: the recovery's
+      ``lr_recovery_steps`` and ``lr_recovery_schedule``.
   """
   scale: jax.Array
   start: jax.Array
+  steps: jax.Array
 
   @classmethod
   def none(cls) -> "LRBackoff":
-    return cls(scale=jnp.ones((), jnp.float32), start=jnp.zeros((), jnp.int32))
+    return cls(scale=jnp.ones((), jnp.float32), start=jnp.zeros((), jnp.int32),
+               steps=jnp.full((), -1, jnp.int32))
 
 
 def backoff_lr_scale(backoff: LRBackoff, step: jax.Array, recovery_steps: Optional[int],
                      schedule: str = "linear") -> jax.Array:
-  """LR scale at `step`: `backoff.scale` at `backoff.start`, back to 1.0 after `recovery_steps`.
+  """LR scale at `step`: `backoff.scale` at `backoff.start`, back to 1.0 after `recovery_steps`
+  (or, for a backoff with ``steps >= 0``, linearly over its own ``steps``).
 
   "linear" interpolates the scale, "geometric" its logarithm (equal ratios per step, so most of
   the way back is made late). `recovery_steps=None` keeps the backed-off scale for good.
   """
-  if recovery_steps is None:
-    return backoff.scale
   count = step - backoff.start
-  if schedule == "linear":
-    return jnp.asarray(optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count))
-  if schedule == "geometric":
-    return jnp.exp(optax.linear_schedule(jnp.log(backoff.scale), 0.0, recovery_steps)(count))
-  raise ValueError(f"unknown LR recovery schedule {schedule!r}: use 'linear' or 'geometric'")
+  own_fraction = jnp.clip(count / jnp.maximum(backoff.steps, 1), 0.0, 1.0)
+  own = backoff.scale + (1.0 - backoff.scale) * own_fraction
+  if recovery_steps is None:
+    configured = backoff.scale
+  elif schedule == "linear":
+    configured = jnp.asarray(optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count))
+  elif schedule == "geometric":
+    configured = jnp.exp(optax.linear_schedule(jnp.log(backoff.scale), 0.0, recovery_steps)(count))
+  else:
+    raise ValueError(f"unknown LR recovery schedule {schedule!r}: use 'linear' or 'geometric'")
+  return jnp.where(backoff.steps >= 0, own, configured).astype(jnp.float32)
 
 
 class Recovery:
@@ -94,6 +119,7 @@ class Recovery:
     self.elevated_run = 0        # logged train losses in a row above the line (or non-finite)
     self.acknowledged: dict[str, int] = {}  # rollback requests already in the current state
     self.events: list[RollbackEvent] = []
+    self.transients: list[TransientEvent] = []
 
   @property
   def rollbacks(self) -> int:
@@ -159,15 +185,34 @@ class Recovery:
 
   def record(self, event: RollbackEvent, restored_metrics: dict) -> None:
     self.events.append(event)
+    self.restart_window(restored_metrics)
+
+  def restart_window(self, restored_metrics: dict) -> None:
+    """Starts watching again from a restored state (a rollback's, a replay's): its rollback
+    requests are handled, and the loss window described the trajectory left behind."""
     self.acknowledge(restored_metrics)
-    self.recent.clear()  # the window described the abandoned trajectory
+    self.recent.clear()
     self.elevated_run = 0
+
+  def record_transient(self, event: TransientEvent) -> Optional[str]:
+    """Records a transient failure; returns why the run should stop (``max_transients`` on one
+    device within ``transient_window`` steps), else None."""
+    self.transients.append(event)
+    recent = [e for e in self.transients if e.device == event.device
+              and e.step > event.step - self.cfg.transient_window]
+    if len(recent) < self.cfg.max_transients:
+      return None
+    return (f"{len(recent)} transient failures on {event.device} within "
+            f"{self.cfg.transient_window} steps (stability.recovery.max_transients="
+            f"{self.cfg.max_transients}): the hardware is suspect")
 
   def state_dict(self) -> dict:
     return {"best_loss_median": self.best_loss_median,
-            "events": [dataclasses.asdict(e) for e in self.events]}
+            "events": [dataclasses.asdict(e) for e in self.events],
+            "transients": [dataclasses.asdict(e) for e in self.transients]}
 
   def load_state_dict(self, d: dict) -> None:
     self.best_loss_median = float(d.get("best_loss_median", math.inf))
     self.events = [RollbackEvent(**{**e, "skipped_batches": tuple(e["skipped_batches"])})
                    for e in d.get("events", [])]
+    self.transients = [TransientEvent(**e) for e in d.get("transients", [])]

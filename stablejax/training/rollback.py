@@ -22,7 +22,7 @@ from stablejax.training import restore_plan
 from stablejax.training.batches import Batches, fetch, kill_if_due, total_skips
 from stablejax.training.checkpoint import CheckpointError, Checkpoints, read_json, write_json_atomic
 from stablejax.training.components import Components
-from stablejax.training.config import Config
+from stablejax.training.config import Config, changed_keys
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery, RollbackEvent
 from stablejax.training.run_dir import RunDirectory
@@ -80,7 +80,7 @@ class Restorer:
 
   def plan(self, stored: Any) -> restore_plan.RestorePlan:
     return restore_plan.plan(stored, self.components.abstract_state, reset_optimizer=self._reset,
-                             legacy=self._legacy_layout)
+                             legacy=self._legacy_layout, explain=self._model_changes)
 
   def finish(self, plan: restore_plan.RestorePlan, restored: Any) -> Any:
     components = self.components
@@ -88,6 +88,17 @@ class Restorer:
                         lambda: components.init_state(
                             jax.random.PRNGKey(components.cfg.train.seed)))
     return jax.device_put(state, components.state_sharding) if not plan.complete else state
+
+  def _model_changes(self) -> str:
+    """The model settings changed since the run's last start, or the fix without them."""
+    if self.recorded is None:
+      return "resume with the model settings the run was started with, or pass --fresh"
+    changed = [line for line in changed_keys(self.recorded, self.components.cfg)
+               if line.startswith("model.")]
+    if not changed:
+      return "resume with the model settings the run was started with, or pass --fresh"
+    return ("changed since the last start: " + "; ".join(changed) + ": a resume may only add "
+            "parameters; set the model back, or pass --fresh to start over")
 
   def _legacy_layout(self) -> Optional[restore_plan.LegacyLayout]:
     """The positional optimizer state the recorded config built before states were keyed."""
@@ -164,21 +175,27 @@ class Restorer:
     self.log.console(f"re-applying rollback {len(decision['recovery']['events'])} "
                      f"({event.describe()}) recorded in {RECOVERY_FILE}")
     state = self.components.set_lr_backoff(state, jnp.float32(event.lr_scale),
-                                           jnp.int32(meta["step"]))
+                                           jnp.int32(meta["step"]), jnp.int32(-1))
     meta = {**meta, "batches_consumed": self.batches.consumed,
             "pending_skips": [list(r) for r in self.batches.pending],
             "abandoned_skips": decision["abandoned_skips"], "recovery": decision["recovery"],
             "monitor": decision["monitor"]}
     return state, meta
 
-  def rollback(self, step: int, cause: str, record: dict) -> tuple[TrainState, int]:
+  def rollback(self, step: int, cause: str, record: dict, *, failed_at: Optional[int] = None,
+               skip_from: Optional[int] = None, reproduced: Optional[bool] = None
+               ) -> tuple[TrainState, int]:
     """Restores a good checkpoint with a lower LR and skips the data that led here; returns the
     restored state and its step.
 
-    The decision is written to recovery.json as soon as the restore succeeded and before the
-    abandoned branch's checkpoints are deleted: a crash from here on cannot undo it.
+    ``failed_at``: the data position the failure was seen at (default: the stream's now);
+    ``skip_from``: where the skip starts (default: the target checkpoint's position; a replay
+    that restored past a damaged target passes that target's); ``reproduced``: a replay
+    reproduced the failure (recorded in the event). The decision is written to recovery.json as
+    soon as the restore succeeded and before the abandoned branch's checkpoints are deleted: a
+    crash from here on cannot undo it.
     """
-    failed_at = self.batches.consumed
+    failed_at = self.batches.consumed if failed_at is None else failed_at
     self.checkpoints.wait()
     target = self.recovery.rollback_target(self.checkpoints.all_steps())
     restored = self.restore(at_most=target) if target is not None else None
@@ -192,16 +209,19 @@ class Restorer:
     # The data to skip is what was read since the target checkpoint. When the target was damaged
     # and an older one restored, the batches between the two were good: they are replayed, and
     # the skip waits until the stream reaches the target's position.
-    target_position = self.batches.checkpoint_positions.get(target) if target is not None else None
+    target_position = skip_from
+    if target_position is None and target is not None:
+      target_position = self.batches.checkpoint_positions.get(target)
     self.batches.load(meta)
     first_skipped = self.batches.consumed if target_position is None else target_position
     self.batches.schedule_skip(first_skipped, failed_at)
     # The LR that failed, backed off; it returns to 1.0 over stability.recovery.lr_recovery_steps.
     r = self.components.cfg.stability.recovery
     lr_scale = float(record.get("lr_scale", 1.0)) * r.emergency_lr_factor
-    state = self.components.set_lr_backoff(state, jnp.float32(lr_scale), jnp.int32(restored_step))
+    state = self.components.set_lr_backoff(state, jnp.float32(lr_scale), jnp.int32(restored_step),
+                                           jnp.int32(-1))
     event = RollbackEvent(step=step, cause=cause, restored_step=restored_step, lr_scale=lr_scale,
-                          skipped_batches=(first_skipped, failed_at))
+                          skipped_batches=(first_skipped, failed_at), reproduced=reproduced)
     self.recovery.record(event, restored_metrics)
     self.monitor.record_rollback(step, cause)
     if self.run_dir.is_main:
@@ -218,6 +238,42 @@ class Restorer:
     kill_if_due(self.components.cfg.faults, self.recovery.rollbacks, "rollback")
     self.checkpoints.delete_after(restored_step)  # the abandoned branch
     return state, restored_step
+
+  def branch_start(self, state: TrainState, step: int) -> TrainState:
+    """``state``, restored from checkpoint ``step``, as the run's current branch started from
+    it: the latest rollback's backoff and data skip when it restored that checkpoint, else the
+    re-warmup a start applied there (a replay repeats the branch exactly)."""
+    if self.recovery.events and self.recovery.events[-1].restored_step == step:
+      event = self.recovery.events[-1]
+      self.batches.schedule_skip(*event.skipped_batches)
+      return self.components.set_lr_backoff(state, jnp.float32(event.lr_scale), jnp.int32(step),
+                                            jnp.int32(-1))
+    applied = self.run_dir.rewarmup
+    if applied is not None and applied["step"] == step:
+      return self.components.set_lr_backoff(state, jnp.float32(0.0), jnp.int32(step),
+                                            jnp.int32(applied["steps"]))
+    return state
+
+  def rewarm(self, state: TrainState, step: int) -> TrainState:
+    """``train.rewarmup_steps=N`` at a resume: the learning rate ramps from 0 back to the
+    schedule over N steps from ``step`` (the restored step). Applied when the setting changed
+    since the run's last start, and again when the restored checkpoint is the one the ramp was
+    applied to (a start killed before the next checkpoint); the same command again does not
+    ramp again. Recorded in run.json and, with the state, in every later checkpoint."""
+    steps = self.components.cfg.train.rewarmup_steps
+    before = self.recorded.train.rewarmup_steps if self.recorded is not None else 0
+    applied = self.run_dir.rewarmup
+    again = applied is not None and applied == {"step": step, "steps": steps}
+    if not steps or (steps == before and not again):
+      return state
+    if self.run_dir.is_main:
+      self.run_dir.set_rewarmup({"step": step, "steps": steps})
+    line = (f"re-warming the learning rate from 0 back to the schedule over {steps} steps from "
+            f"step {step} (train.rewarmup_steps)")
+    self.log.console(line)
+    self.log.record({"step": step, "event": "rewarmup", "steps": steps, "cause": line})
+    return self.components.set_lr_backoff(state, jnp.float32(0.0), jnp.int32(step),
+                                          jnp.int32(steps))
 
   def meta(self) -> dict:
     """What a checkpoint stores of the recovery and the monitor."""

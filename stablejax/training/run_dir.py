@@ -258,6 +258,15 @@ class RunDirectory:
   def set_data_order(self, settings: dict) -> None:
     self._set("data_order", settings)
 
+  @property
+  def rewarmup(self) -> Optional[dict]:
+    """The latest re-warmup a start applied, ``{"step": S, "steps": N}`` (None: none)."""
+    value = self._record.get("rewarmup")
+    return value if isinstance(value, dict) else None
+
+  def set_rewarmup(self, rewarmup: dict) -> None:
+    self._set("rewarmup", rewarmup)
+
   def _set(self, key: str, value: Any) -> None:
     value = json.loads(json.dumps(value))  # as it reads back
     if self._record.get(key) != value:

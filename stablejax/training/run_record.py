@@ -54,6 +54,8 @@ WRITES: dict[str, Optional[Any]] = {
     "summary.json": None,
     "recovery.json": None,
     "recovery.json.stale": None,
+    "rejected_batches.json": None,
+    "hang_stacks": (re.compile(r"^process_\d+\.txt$"),),
     "budget_clock.json": None,
     "checkpoints": (_STEP, _ORBAX_TMP),
     "damaged_checkpoints": (_DAMAGED,),

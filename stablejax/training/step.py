@@ -31,8 +31,11 @@ class TrainState(flax.struct.PyTreeNode):
   params: optax.Params                      # float32 unless model.param_dtype says otherwise
   opt_state: optax.OptState
   loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
-  # recovery.LRBackoff of the latest rollback (None: LR scale untouched)
+  # recovery.LRBackoff of the latest rollback or re-warmup (None: LR scale untouched)
   lr_backoff: Optional[Any] = None
+  # int32 [devices], sharded like the batch rows: on each device, the steps whose loss on that
+  # device's rows was non-finite (read when a failure is replayed, to name the device; None: off)
+  device_faults: Optional[jax.Array] = None
 
 
 LossFn = Callable[[Any, jax.Array, Any], tuple[jax.Array, defence.ForwardPass]]
@@ -74,12 +77,12 @@ def step_argument_specs(cfg: Config, model: LanguageModel) -> list[defence.StepA
 
 def _accumulate(loss_fn: LossFn, params: optax.Params, tokens: jax.Array, step: jax.Array,
                 scale: Optional[jax.Array], args: list[defence.StepArgument], unroll: bool = False
-                ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any]]:
+                ) -> tuple[Any, jax.Array, jax.Array, dict[str, Any], jax.Array]:
   """Gradients of the mean loss over the micro-batches ``tokens[i]`` (``[grad_accum,
   micro_batch, T + 1]``), one micro-batch live at a time (``lax.scan``, as straight-line code
   when ``unroll``); the loss scaled by ``scale`` (fp16) before differentiation. Returns (summed
   grads in float32, summed loss, summed z-loss, the step arguments combined over the
-  micro-batches)."""
+  micro-batches, bool ``[micro_batch]``: rows whose loss was non-finite in any micro-batch)."""
   def micro_grads(micro: jax.Array) -> tuple[Any, jax.Array, defence.ForwardPass]:
     def scaled(p: Any) -> tuple[jax.Array, tuple[jax.Array, defence.ForwardPass]]:
       loss, forward = loss_fn(p, micro, step)
@@ -95,15 +98,18 @@ def _accumulate(loss_fn: LossFn, params: optax.Params, tokens: jax.Array, step: 
     total = jax.tree.map(lambda a, g: a + g.astype(a.dtype), carry[0], grads)
     new = values(forward)
     combined = {arg.name: arg.combine(carry[3][arg.name], new[arg.name]) for arg in args}
-    return (total, carry[1] + loss, carry[2] + forward["z_loss"], combined), None
+    bad_rows = carry[4] | jnp.any(~jnp.isfinite(forward["token_loss"]), axis=-1)
+    return (total, carry[1] + loss, carry[2] + forward["z_loss"], combined, bad_rows), None
 
   zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
   shapes = jax.eval_shape(lambda p, t: values(loss_fn(p, t, step)[1]), params, tokens[0])
   start = {arg.name: arg.identity(shapes[arg.name]) for arg in args}
-  (grads, loss, z_loss, combined), _ = jax.lax.scan(
-      body, (zeros, jnp.float32(0), jnp.float32(0), start), tokens, unroll=unroll)
+  no_rows = jnp.zeros(tokens.shape[1], bool)
+  (grads, loss, z_loss, combined, bad_rows), _ = jax.lax.scan(
+      body, (zeros, jnp.float32(0), jnp.float32(0), start, no_rows), tokens, unroll=unroll)
   n = tokens.shape[0]
-  return grads, loss, z_loss, {arg.name: arg.finish(combined[arg.name], n) for arg in args}
+  provided = {arg.name: arg.finish(combined[arg.name], n) for arg in args}
+  return grads, loss, z_loss, provided, bad_rows
 
 
 def _with_lr_backoff(opt_state: optax.OptState, state: "TrainState", cfg: Config) -> Any:
@@ -124,11 +130,11 @@ def update_norm_metrics(updates: optax.Updates) -> dict[str, jax.Array]:
   return {"update_norm": total, **{f"update_norm/layer_{i}": n for i, n in layers.items()}}
 
 
-def metrics_read(cfg: Config, step: jax.Array) -> jax.Array:
+def metrics_read(cfg: Config, step: Any) -> Any:
   """Whether the loop reads the metrics of the step that brings the count to ``step``: step 1,
   every ``train.log_every`` steps (`actions.Logging.due`), every ``checkpoint.every`` steps and
   the last (`actions.Checkpointing.due`: a save reads the step's health; a deferred save waits for
-  a log step)."""
+  a log step). ``step`` is a traced int32 in the step, or a Python int on the host."""
   t = cfg.train
   read = (step == 1) | (step % t.log_every == 0) | (step % cfg.checkpoint.every == 0)
   return read | (step == t.steps) if t.steps is not None else read
@@ -153,8 +159,8 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     scale = state.loss_scale.loss_scale if state.loss_scale is not None else None
     ordered = control_flow_collectives_ordered()
-    grads, loss, z_loss, provided = _accumulate(loss_fn, state.params, batch["tokens"],
-                                                state.step, scale, args, unroll=not ordered)
+    grads, loss, z_loss, provided, bad_rows = _accumulate(
+        loss_fn, state.params, batch["tokens"], state.step, scale, args, unroll=not ordered)
     n = batch["tokens"].shape[0]
     loss, z_loss = loss / n, z_loss / n
     grads = jax.tree.map(lambda g, p: (g / n).astype(p.dtype), grads, state.params)
@@ -186,10 +192,22 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     if loss_scale is not None:
       metrics["loss_scale"] = loss_scale.loss_scale
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                              loss_scale=loss_scale)
+                              loss_scale=loss_scale,
+                              device_faults=count_device_faults(state.device_faults, bad_rows))
     return new_state, metrics
 
   return train_step
+
+
+def count_device_faults(counts: Optional[jax.Array], bad_rows: jax.Array
+                        ) -> Optional[jax.Array]:
+  """``counts`` (int32 ``[devices]``, sharded like the rows) plus one on each device whose rows
+  (``bad_rows``, bool ``[rows]``, that device's block of rows) had a non-finite loss. Each device
+  counts its own rows: nothing crosses devices."""
+  if counts is None:
+    return None
+  per_device = jnp.any(bad_rows.reshape(counts.shape[0], -1), axis=1)
+  return counts + per_device.astype(counts.dtype)
 
 
 def control_flow_collectives_ordered() -> bool:
@@ -215,6 +233,24 @@ def _not_computed(fn: Callable[[Any], dict]) -> Callable[[Any], dict]:
   def nans(x: Any) -> dict:
     return jax.tree.map(lambda s: jnp.full(s.shape, jnp.nan, s.dtype), jax.eval_shape(fn, x))
   return nans
+
+
+def make_gradient_check(model: LanguageModel, cfg: Config
+                        ) -> Callable[[Any, dict, jax.Array], dict[str, jax.Array]]:
+  """``(params, batch, step) -> {"loss", "grad_norm"}``: the train step's forward and backward
+  (accumulated over the micro-batches, the batch's fault factor applied), without the update.
+  ``stability.determinism`` runs it twice on the same inputs: two executions of one program that
+  should agree bit for bit."""
+  loss_fn = make_loss_fn(model, cfg)
+
+  def check(params: optax.Params, batch: dict, step: jax.Array) -> dict[str, jax.Array]:
+    grads, loss, _, _, _ = _accumulate(loss_fn, params, batch["tokens"], step, None, [],
+                                       unroll=not control_flow_collectives_ordered())
+    n = batch["tokens"].shape[0]
+    grads = jax.tree.map(lambda g: g / n * batch["grad_scale"].astype(g.dtype), grads)
+    return {"loss": loss / n, "grad_norm": optax.tree.norm(grads)}
+
+  return check
 
 
 def make_eval_step(model: LanguageModel, cfg: Config

@@ -136,11 +136,26 @@ def _validate_stability(cfg: Config) -> None:
   if not r.loss_explosion_factor > 1:
     raise ConfigError(f"stability.recovery.loss_explosion_factor={r.loss_explosion_factor} must be"
                       " > 1 (a multiple of the best loss)")
+  _positive("stability.recovery.max_transients", r.max_transients)
+  _positive("stability.recovery.transient_window", r.transient_window)
+  _positive("stability.recovery.reject_after", r.reject_after, allow_zero=True)
+  _validate_run_checks(s)
   _positive("stability.loss_scale.init", s.loss_scale.init)
   _positive("stability.loss_scale.growth_interval", s.loss_scale.growth_interval)
   if not s.loss_scale.growth_factor > 1:
     raise ConfigError(f"stability.loss_scale.growth_factor={s.loss_scale.growth_factor} must be"
                       " > 1")
+
+
+def _validate_run_checks(s: Any) -> None:
+  """``stability.determinism``, ``stability.replicas`` and ``stability.watchdog``."""
+  _positive("stability.determinism.check_every", s.determinism.check_every, allow_zero=True)
+  _positive("stability.replicas.check_every", s.replicas.check_every, allow_zero=True)
+  w = s.watchdog
+  if w.timeout_seconds is not None:
+    _positive("stability.watchdog.timeout_seconds", w.timeout_seconds)
+  for name in ("factor", "floor_seconds", "startup_seconds", "grace_seconds"):
+    _positive(f"stability.watchdog.{name}", getattr(w, name))
 
 
 def _validate_logging_checkpoint_faults(cfg: Config) -> None:
@@ -151,10 +166,17 @@ def _validate_logging_checkpoint_faults(cfg: Config) -> None:
   _positive("checkpoint.every", cfg.checkpoint.every)
   _positive("checkpoint.keep", cfg.checkpoint.keep)
   for name in ("nan_grad_steps", "nan_grad_batch_indices", "garbage_batch_steps",
-               "garbage_batch_indices", "grad_scale_steps", "repeat_batch_steps"):
+               "garbage_batch_indices", "grad_scale_steps", "repeat_batch_steps",
+               "transient_nan_steps", "transient_grad_scale_steps", "nondeterministic_steps"):
     if any(i < 0 for i in getattr(cfg.faults, name)):
       raise ConfigError(f"faults.{name}={getattr(cfg.faults, name)} has a negative entry: use "
                         "0-based indices")
+  f = cfg.faults
+  for name in ("corrupt_replica_step", "corrupt_replica_device", "hang_at_step", "hang_at_batch"):
+    if getattr(f, name) is not None:
+      _positive(f"faults.{name}", getattr(f, name), allow_zero=True)
+  _positive("faults.nondeterminism", f.nondeterminism, allow_zero=True)
+  _positive("train.rewarmup_steps", cfg.train.rewarmup_steps, allow_zero=True)
   if cfg.faults.garbage_kind not in ("repeat", "random"):
     raise ConfigError(f"faults.garbage_kind={cfg.faults.garbage_kind!r} is not known: use "
                       "\"repeat\" or \"random\"")
@@ -199,15 +221,31 @@ _INEFFECTIVE_RULES = (
      'model.compute_dtype other than "float16" (loss scaling is for fp16 only)'),
     (("stability.recovery.emergency_lr_factor", "stability.recovery.max_rollbacks",
       "stability.recovery.loss_window", "stability.recovery.loss_explosion_factor",
-      "stability.recovery.lr_recovery_steps", "stability.recovery.lr_recovery_schedule"),
+      "stability.recovery.lr_recovery_steps", "stability.recovery.lr_recovery_schedule",
+      "stability.recovery.replay", "stability.recovery.max_transients",
+      "stability.recovery.transient_window", "stability.recovery.reject_after"),
      lambda c: not c.stability.recovery.enabled, "stability.recovery.enabled=false"),
+    (("stability.recovery.max_transients", "stability.recovery.transient_window"),
+     lambda c: not c.stability.recovery.replay, "stability.recovery.replay=false"),
+    (("stability.watchdog.timeout_seconds", "stability.watchdog.factor",
+      "stability.watchdog.floor_seconds", "stability.watchdog.startup_seconds",
+      "stability.watchdog.grace_seconds"),
+     lambda c: not c.stability.watchdog.enabled, "stability.watchdog.enabled=false"),
+    (("stability.watchdog.factor", "stability.watchdog.floor_seconds"),
+     lambda c: c.stability.watchdog.timeout_seconds is not None,
+     "stability.watchdog.timeout_seconds set (a fixed timeout)"),
+    (("faults.nondeterminism",), lambda c: not c.faults.nondeterministic_steps,
+     "faults.nondeterministic_steps empty"),
+    (("faults.corrupt_replica_device",), lambda c: c.faults.corrupt_replica_step is None,
+     "faults.corrupt_replica_step=null"),
     (("logging.attention_per_head", "logging.attention_sequences"),
      lambda c: not c.logging.attention_logits, "logging.attention_logits=false"),
     (("faults.garbage_kind",),
      lambda c: not (c.faults.garbage_batch_steps or c.faults.garbage_batch_indices),
      "faults.garbage_batch_steps and faults.garbage_batch_indices empty"),
-    (("faults.grad_scale_factor",), lambda c: not c.faults.grad_scale_steps,
-     "faults.grad_scale_steps empty"),
+    (("faults.grad_scale_factor",),
+     lambda c: not (c.faults.grad_scale_steps or c.faults.transient_grad_scale_steps),
+     "faults.grad_scale_steps and faults.transient_grad_scale_steps empty"),
 )
 
 

@@ -60,6 +60,9 @@ class TrainConfig:
   lambda_schedule: str = "linear"  # "linear" or "cosine"
   time_budget_minutes: Optional[float] = None  # fix the step count to end within this (budget.py)
   target_val_loss: Optional[float] = None      # summary.json: time_to_target_s, step_to_target
+  # A resume that changes this to N > 0 ramps the learning rate from 0 back to the schedule over N
+  # steps (recorded with the run; the same command again does not ramp again). 0: no ramp.
+  rewarmup_steps: int = 0
 
 
 @dataclasses.dataclass
@@ -122,6 +125,54 @@ class RecoveryConfig:
   max_rollbacks: int = 3
   loss_window: int = 5
   loss_explosion_factor: float = 3.0
+  # Before rolling back, replay the failing window from the rollback's checkpoint with the same
+  # batches and rate: a failure that does not come back was transient (no backoff, no skipped data).
+  replay: bool = True
+  # max_transients transient failures on one device within transient_window steps: the run saves
+  # and exits with code 16 (the hardware is suspect).
+  max_transients: int = 3
+  transient_window: int = 1000
+  # A batch rejected this many times (a reproduced rollback's window, a skipped step) is skipped
+  # from then on without training on it (0: never).
+  reject_after: int = 2
+
+
+@dataclasses.dataclass
+class DeterminismConfig:
+  """``stability.determinism``: every ``check_every`` steps the step's forward and backward run
+  twice more, as two executions, and the largest difference of loss and gradient norm between
+  them is recorded (a nondeterministic kernel, a flaky device). 0: off."""
+
+  check_every: int = 0
+
+
+@dataclasses.dataclass
+class ReplicasConfig:
+  """``stability.replicas``: with parameters replicated on several devices (data parallelism,
+  several processes), every ``check_every`` steps and before every checkpoint each device's copy
+  is fingerprinted and the copies compared; copies that differ stop the run (exit code 17) before
+  anything is saved. 0: never."""
+
+  check_every: int = 100
+
+
+@dataclasses.dataclass
+class WatchdogConfig:
+  """``stability.watchdog``: a run in which no step finishes within the timeout writes every
+  thread's stack to ``hang_stacks/`` and exits with code 18; a stop signal the run cannot act on
+  within ``grace_seconds`` ends it the same way (exit code 130).
+
+  The timeout is ``timeout_seconds``, or (null) ``factor`` x the measured time of a logging
+  interval (``train.log_every`` steps), at least ``floor_seconds``; until the first interval is
+  measured it is ``startup_seconds``. A compilation in progress never counts as a hang.
+  """
+
+  enabled: bool = True
+  timeout_seconds: Optional[float] = None
+  factor: float = 20.0
+  floor_seconds: float = 180.0
+  startup_seconds: float = 1800.0
+  grace_seconds: float = 60.0
 
 
 class StabilitySections:
@@ -134,6 +185,9 @@ class StabilitySections:
   z_loss: float
   loss_scale: LossScaleConfig
   recovery: RecoveryConfig
+  determinism: DeterminismConfig
+  replicas: ReplicasConfig
+  watchdog: WatchdogConfig
 
   if TYPE_CHECKING:
     def __getattr__(self, name: str) -> Any:  # a registered defence's section
@@ -154,12 +208,17 @@ def stability_config_class() -> type[StabilitySections]:
     fields: list[Any] = [("z_loss", float, dataclasses.field(default=1e-4))]
     fields += [(d.name, d.config, dataclasses.field(default_factory=d.config)) for d in declared]
     fields += [("loss_scale", LossScaleConfig, dataclasses.field(default_factory=LossScaleConfig)),
-               ("recovery", RecoveryConfig, dataclasses.field(default_factory=RecoveryConfig))]
+               ("recovery", RecoveryConfig, dataclasses.field(default_factory=RecoveryConfig)),
+               ("determinism", DeterminismConfig,
+                dataclasses.field(default_factory=DeterminismConfig)),
+               ("replicas", ReplicasConfig, dataclasses.field(default_factory=ReplicasConfig)),
+               ("watchdog", WatchdogConfig, dataclasses.field(default_factory=WatchdogConfig))]
     cls = dataclasses.make_dataclass("StabilityConfig", fields, bases=(StabilitySections,))
     cls.__module__ = __name__
     cls.__doc__ = ("The ``stability`` section: ``z_loss`` (PaLM's auxiliary loss weight; 0 turns "
                    "it off), a section per defence (" + ", ".join(d.name for d in declared)
-                   + "), ``loss_scale`` and ``recovery``.")
+                   + "), ``loss_scale``, ``recovery`` and the run's checks (``determinism``, "
+                   "``replicas``, ``watchdog``).")
     _STABILITY_CLASSES[key] = cls
   return cls
 
@@ -237,6 +296,23 @@ class FaultsConfig:
   kill_during_save_step: Optional[int] = None
   kill_after_rollback: Optional[int] = None  # SIGKILL once the n-th rollback (1-based) is recorded,
                                              # before the abandoned branch's checkpoints are deleted
+  # What a flaky device gives: a NaN gradient, or one scaled by grad_scale_factor, on the *first*
+  # execution of these steps only (a replay or a rollback runs them clean).
+  transient_nan_steps: list[int] = dataclasses.field(default_factory=list)
+  transient_grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
+  # Every execution of these steps (and of the determinism check's runs of them) scales the
+  # gradient by 1 + nondeterminism x a fresh standard normal draw.
+  nondeterministic_steps: list[int] = dataclasses.field(default_factory=list)
+  nondeterminism: float = 1e-3
+  # Before this step, one device's copy of the parameters is changed (the first float entry of the
+  # first parameter, by one part in a thousand) on corrupt_replica_device (a global device index;
+  # null: the last device).
+  corrupt_replica_step: Optional[int] = None
+  corrupt_replica_device: Optional[int] = None
+  # Block forever: on the host just before this step, or inside the data pipeline when it reads
+  # this batch position (0-based).
+  hang_at_step: Optional[int] = None
+  hang_at_batch: Optional[int] = None
 
 
 @dataclasses.dataclass
