@@ -23,9 +23,16 @@ unless ``--data-changed``; another tokenizer always), and writes ``config.json``
 resume checks passed. Every name it writes in ``--out`` is listed in docs/trainer.md, "The run
 directory".
 
+``--rewarmup-steps N`` with a resume that changes the model (``--set model.qk_norm=true``: the new
+tensors are initialised, every other one restored) ramps the learning rate back up over N steps.
+
 Exit codes: 0 done; 2 bad command line, config, data, checkpoints or run directory, or an error
-of the environment (disk full, read-only folder); 3 diverged beyond the recovery budget; 130
-interrupted (SIGINT, SIGTERM or SIGHUP: a checkpoint was saved, or none was needed yet).
+of the environment (disk full, read-only folder); 3 diverged beyond the recovery budget; 16
+transient faults on one device (the hardware is suspect: a checkpoint was saved, resume on other
+hardware); 17 the replicas of the parameters differ (silent data corruption; nothing was saved
+since the last check); 18 hung (no progress within the watchdog's timeout; every thread's stack
+is in hang_stacks/); 130 interrupted (SIGINT, SIGTERM or SIGHUP: a checkpoint was saved, or none
+was needed yet, or the run was stuck and stopped after stability.watchdog.grace_seconds).
 """
 
 from __future__ import annotations
@@ -68,6 +75,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help="resume with the optimizer's state started afresh (keeping the "
                            "parameters, step, data position and monitor): to switch between "
                            "muon and adamw")
+  parser.add_argument("--rewarmup-steps", type=int, default=None, metavar="N",
+                      help="at this resume, ramp the learning rate from 0 back to the schedule "
+                           "over N steps (the config key train.rewarmup_steps; recorded, so the "
+                           "same command again does not ramp again)")
   parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                       help="import a module that declares defences or model families (a module "
                            "name or a .py path), repeatable; recorded in config.json, so a resume, "
@@ -128,7 +139,10 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     signals.check_startup("importing")
     # A resume imports the plugins the run recorded, before the config names their sections.
     plugins = ([] if args.fresh else recorded_plugins(out)) + args.plugin
-    cfg = load_config(args.config, args.set, plugins=plugins)
+    overrides = list(args.set)
+    if args.rewarmup_steps is not None:
+      overrides.append(f"train.rewarmup_steps={args.rewarmup_steps}")
+    cfg = load_config(args.config, overrides, plugins=plugins)
     return Trainer(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
                reset_optimizer=args.reset_optimizer, signals=signals,
                config_file=config_path(args.config)).train()

@@ -107,6 +107,10 @@ def _break_rewinds(steps: Sequence[int],
   return xs, ys
 
 
+# Events that end a run for a fault of the hardware or of the run itself, not of its training.
+STOP_EVENTS = ("watchdog", "replicas_differ", "transient_exit")
+
+
 def _is_train(r: dict) -> bool:
   return "event" not in r and "val_loss" not in r
 
@@ -122,8 +126,10 @@ def analyse(records: Sequence[dict], window: int = 100) -> dict[str, Any]:
     A dict with ``train`` / ``eval`` / ``events`` record lists, per-train-record
     ``score`` and ``rates`` series (replayed), ``monitor_warnings``
     (``[(step, line)]``), ``skip_steps`` (steps flagged skipped in train
-    records or by ``skip`` events), ``rollbacks`` (``[(step, cause)]``) and the
-    monitor ``summary``.
+    records or by ``skip`` events), ``rollbacks`` (``[(step, cause)]``),
+    ``replays`` (``[(step, verdict, device, cause)]``: the trainer's replays of a failing
+    window), ``rewarmups`` (``[(step, steps)]``), ``stops`` (``[(step, event, cause)]``: the
+    watchdog, replicas that differ, too many transient faults) and the monitor ``summary``.
   """
   train = [r for r in records if _is_train(r)]
   evals = [r for r in records if "val_loss" in r and "event" not in r]
@@ -147,10 +153,17 @@ def analyse(records: Sequence[dict], window: int = 100) -> dict[str, Any]:
   for r in events:
     if r.get("event") == "skip":
       skip_steps.add(r["step"])
+  def of(kind: str) -> list[dict]:
+    return [r for r in events if r.get("event") == kind]
   return {
       "train": train,
       "eval": evals,
       "events": events,
+      "replays": [(r["step"], str(r.get("verdict")), str(r.get("device") or ""),
+                   str(r.get("cause", ""))) for r in of("replay")],
+      "rewarmups": [(r["step"], r.get("steps")) for r in of("rewarmup")],
+      "stops": [(r["step"], r["event"], str(r.get("cause", ""))) for r in events
+                if r.get("event") in STOP_EVENTS],
       "score": scores,
       "rates": rates,
       "monitor_warnings": warnings,
@@ -189,10 +202,21 @@ def plot_report(analysis: dict[str, Any], out_path: Path, title: str = "") -> Pa
 
 
 def _mark_events(ax: Any, analysis: dict[str, Any], label: bool) -> None:
-  """Rollbacks (dashed red) and skipped steps (orange) as vertical lines."""
+  """Rollbacks (dashed red), transient faults a replay cleared (dotted green), re-warmups
+  (dash-dot purple), stops (black) and skipped steps (orange) as vertical lines."""
   for i, (s, _) in enumerate(analysis["rollbacks"]):
     ax.axvline(s, color="tab:red", lw=1.2, ls="--", alpha=0.8,
                label="rollback" if label and i == 0 else None)
+  transients = [s for s, verdict, _, _ in analysis.get("replays", []) if verdict == "transient"]
+  for i, s in enumerate(transients):
+    ax.axvline(s, color="tab:green", lw=1.2, ls=":", alpha=0.9,
+               label="transient fault (replayed)" if label and i == 0 else None)
+  for i, (s, _) in enumerate(analysis.get("rewarmups", [])):
+    ax.axvline(s, color="tab:purple", lw=1.2, ls="-.", alpha=0.8,
+               label="re-warmup" if label and i == 0 else None)
+  for i, (s, _, _) in enumerate(analysis.get("stops", [])):
+    ax.axvline(s, color="black", lw=1.2, alpha=0.8,
+               label="stopped (watchdog, replicas, transients)" if label and i == 0 else None)
   for i, s in enumerate(analysis["skip_steps"]):
     ax.axvline(s, color="tab:orange", lw=0.8, alpha=0.35,
                label="skipped step" if label and i == 0 else None)
@@ -412,6 +436,7 @@ def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int 
   out.append(f"rollbacks: {len(rbs)}")
   for s, cause in rbs[:max_lines]:
     out.append(f"  step {s}: {cause}")
+  out += _diagnosis_lines(analysis, max_lines)
   for kind in ("fallback_checkpoint",):
     n = [r for r in events if r.get("event") == kind]
     if n:
@@ -444,6 +469,35 @@ def format_summary(analysis: dict[str, Any], bad_lines: int = 0, max_lines: int 
   for line in summ.get("advice") or []:
     out.append(f"advice: {line}")
   return "\n".join(out)
+
+
+def _diagnosis_lines(analysis: dict[str, Any], max_lines: int) -> list[str]:
+  """The replays (transient or reproduced), rejected batches, re-warmups, the determinism check
+  and the stops of the watchdog, the replica check and the transient faults."""
+  out = []
+  replays, events = analysis.get("replays", []), analysis["events"]
+  if replays:
+    transient = sum(verdict == "transient" for _, verdict, _, _ in replays)
+    out.append(f"replays: {len(replays)} ({transient} transient: not reproduced, went on; "
+               f"{len(replays) - transient} reproduced: rolled back)")
+    for step, verdict, device, cause in replays[:max_lines]:
+      out.append(f"  step {step}: {verdict}" + (f" ({device})" if device else "") + f": {cause}")
+  blocked = sorted({p for r in events if r.get("event") == "batch_blocked"
+                    for p in r.get("positions", [])})
+  dropped = [r["step"] for r in events if r.get("event") == "rejected_batch_dropped"]
+  if blocked or dropped:
+    out.append(f"rejected batches never trained on again: positions {_list(blocked, max_lines)};"
+               f" dropped from the stream at steps {_list(dropped, max_lines)}")
+  for step, steps in analysis.get("rewarmups", []):
+    out.append(f"re-warmup: the learning rate ramped from 0 over {steps} steps from step {step}")
+  last = next((r for r in reversed(analysis["train"]) if "determinism/checks" in r), None)
+  if last is not None:
+    out.append(f"determinism checks: {int(last['determinism/checks'])}, largest difference of "
+               f"two executions: loss {_fmt(_num(last.get('determinism/max_loss_diff')))}, "
+               f"gradient norm {_fmt(_num(last.get('determinism/max_grad_norm_diff')))}")
+  for step, kind, cause in analysis.get("stops", []):
+    out.append(f"stopped at step {step} ({kind}): {cause}")
+  return out
 
 
 def _list(items: Sequence[Any], limit: int) -> str:

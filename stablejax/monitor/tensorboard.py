@@ -27,6 +27,7 @@ _TOP_LEVEL_TAGS = {
     "output_log_z_max": "output_logits/log_z_max",
 }
 _LOSS_SCALE_PREFIX = "loss_scale/"  # the fp16 loss scale's keys, logged by the train step
+_DETERMINISM_PREFIX = "determinism/"  # the trainer's determinism check (stability.determinism)
 
 
 def tensorboard_scalars(record: Mapping[str, Any],
@@ -45,8 +46,9 @@ def tensorboard_scalars(record: Mapping[str, Any],
   ``attention/max_logit`` and ``attention/max_logit/layer_<i>[/head_<h>]`` for the
   attention-logit telemetry; ``output_logits/{max,log_z_mean,log_z_max}``;
   ``stability/qk_clip/...`` for QK-clip's metrics;
-  ``stability/rate/<name>`` for each monitor rate; ``events/<event>`` = 1
-  for event records; ``other/<key>`` for any other numeric key. Booleans
+  ``stability/rate/<name>`` for each monitor rate; ``stability/determinism/...`` for the
+  trainer's determinism check; ``events/<event>`` = 1 for event records (a replay's also
+  ``events/replay/<verdict>``); ``other/<key>`` for any other numeric key. Booleans
   become 0/1, strings (other than ``health``) and ``step`` are dropped, as
   are non-numeric values. Non-finite values are kept (the caller decides).
 
@@ -65,9 +67,11 @@ def tensorboard_scalars(record: Mapping[str, Any],
     {'train/loss': 2.5, 'train/lr': 0.001, 'stability/zclip/grad_norm': 0.7, 'health/level': 0.0}
   """
   out: dict[str, float] = {}
-  stability_prefixes = specs.prefixes() + (_LOSS_SCALE_PREFIX,)
+  stability_prefixes = specs.prefixes() + (_LOSS_SCALE_PREFIX, _DETERMINISM_PREFIX)
   if "event" in record:
     out[f"events/{record['event']}"] = 1.0
+    if isinstance(record.get("verdict"), str):
+      out[f"events/{record['event']}/{record['verdict']}"] = 1.0
   for key, value in record.items():
     if key in ("step", "event", "cause"):
       continue

@@ -52,6 +52,7 @@ class Batches:
     self.dropped: list[tuple[int, int]] = []           # (position, step) of blocked ones dropped
     self.positions: dict[int, int] = {}                # step -> position of its batch (recent)
     self.last_step = -1                                # steps above it run for the first time
+    self.first_execution = False                       # of the step last served
     self.noise = np.random.default_rng()               # faults.nondeterministic_steps' draws
 
   def load(self, meta: dict) -> None:
@@ -89,6 +90,7 @@ class Batches:
     self.positions[step] = index
     self.positions.pop(step - 100_000, None)  # a long run keeps only recent steps
     first_execution, self.last_step = step > self.last_step, max(self.last_step, step)
+    self.first_execution = first_execution
     if step in f.garbage_batch_steps or index in f.garbage_batch_indices:
       seed = step if step in f.garbage_batch_steps else index
       tokens = garbage_batch(f.garbage_kind, tokens.shape[0], tokens.shape[1] - 1,
@@ -105,8 +107,9 @@ class Batches:
     without a fault. Each call is one execution (the nondeterministic fault draws anew)."""
     f = self.faults
     scale = 1.0
+    device_fault = f.transient_device is not None  # then the NaN comes from that device's copy
     if (step in f.nan_grad_steps or index in f.nan_grad_batch_indices
-        or (first_execution and step in f.transient_nan_steps)):
+        or (first_execution and step in f.transient_nan_steps and not device_fault)):
       scale = float("nan")
     elif step in f.grad_scale_steps or (first_execution and step in f.transient_grad_scale_steps):
       scale = f.grad_scale_factor
@@ -150,6 +153,21 @@ def garbage_batch(kind: str, batch_size: int, seq_len: int, vocab_size: int, see
   if kind == "random":
     return {"tokens": rng.integers(0, vocab_size, size=shape, dtype=np.int64).astype(np.int32)}
   raise ValueError(f"garbage kind {kind!r} is unknown: use 'repeat' or 'random'")
+
+
+def state_faults(state: Any, faults: FaultsConfig, step: int, first_execution: bool) -> Any:
+  """``state`` with the configured faults of the parameters at ``step``: one device's copy
+  changed (``faults.corrupt_replica_step``, a replica that diverged silently) or turned NaN on
+  the step's first execution (``faults.transient_device``, a flaky device)."""
+  from stablejax.training.replicas import corrupt_copy
+  last = jax.device_count() - 1
+  if faults.corrupt_replica_step == step:
+    device = last if faults.corrupt_replica_device is None else faults.corrupt_replica_device
+    state = state.replace(params=corrupt_copy(state.params, device))
+  if (faults.transient_device is not None and first_execution
+      and step in faults.transient_nan_steps):
+    state = state.replace(params=corrupt_copy(state.params, faults.transient_device, nan=True))
+  return state
 
 
 def hang_if_due(faults: FaultsConfig, step: int) -> None:

@@ -75,7 +75,8 @@ class Healing:
               f"{self.rejected.threshold} times: never trained on again")
       self.log.console(f"warning: {line}")
       self.log.record({"step": max(s for _, s in batches) + 1, "event": "batch_blocked",
-                       "positions": blocked, "cause": line})
+                       "positions": blocked, "cause": line},
+                      {"recovery/blocked_batches": len(self.rejected.blocked)})
 
   def answer(self, state: TrainState, step: int, cause: str, record: dict,
              save: Callable[[int, TrainState], None]) -> Healed:
@@ -166,5 +167,6 @@ class Healing:
     transients = sum(r["verdict"] == "transient" for r in self.replays)
     self.log.record(event, {"recovery/replays": len(self.replays),
                             "recovery/transients": transients,
-                            "recovery/replay_seconds": replay.seconds})
+                            "recovery/replay_seconds": replay.seconds,
+                            f"events/replay/{replay.verdict}": 1.0})
     self.log.text("recovery/events", line, replay.step)

@@ -12,6 +12,8 @@ import numpy as np
 import numpy.typing as npt
 from tqdm import tqdm
 
+from stablejax.monitor.tensorboard import tensorboard_scalars
+
 
 def _plain(value: Any) -> Any:
   """JSON-safe Python scalar (NaN/Inf become strings JSON can carry, as json.dumps does)."""
@@ -51,8 +53,12 @@ class RunLogger:
       self.record(record, tb_scalars)
 
   def record(self, record: dict, tb_scalars: Optional[dict] = None) -> None:
+    """Appends ``record`` to metrics.jsonl and ``tb_scalars`` to TensorBoard (an event record
+    without them: its :func:`tensorboard_scalars`, ``events/<event>`` among them)."""
     if not self.enabled:
       return
+    if tb_scalars is None and "event" in record:
+      tb_scalars = tensorboard_scalars(record)
     if self._jsonl is None:
       self._early.append((record, tb_scalars))
       return

@@ -36,7 +36,8 @@ from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax import _compat
 from stablejax.training import actions, distributed, resume, run_summary
 from stablejax.training.components import OptimizerFactory, build_components, with_steps
-from stablejax.training.batches import Batches, hang_if_due, hang_in_pipeline, kill_if_due
+from stablejax.training.batches import (Batches, hang_if_due, hang_in_pipeline, kill_if_due,
+                                       state_faults)
 from stablejax.training.budget import CLOCK_FILE, PROBE_DIR, Budget
 from stablejax.training.checkpoint import Checkpoints, write_json_atomic
 from stablejax.training.config import Config, ConfigError, load_run_file
@@ -46,8 +47,7 @@ from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery
 from stablejax.training.rejected import RejectedBatches
 from stablejax.training.replay import Replayer
-from stablejax.training.replicas import (EXIT_REPLICAS_DIFFER, ReplicaCheck, ReplicasDiffer,
-                                        corrupt_copy)
+from stablejax.training.replicas import EXIT_REPLICAS_DIFFER, ReplicaCheck, ReplicasDiffer
 from stablejax.training.rollback import RECOVERY_FILE, Restorer
 from stablejax.training.run_dir import RunDirectory
 from stablejax.training.run_dir_checks import run_inputs
@@ -303,8 +303,8 @@ class Trainer:
       step, exit_code = self._loop(step, bar)
     except ReplicasDiffer as e:  # raised before anything was saved: the last checkpoint is good
       self.log.console(f"error: {e} (exit code {EXIT_REPLICAS_DIFFER})")
-      self.log.record({"step": self.watchdog.step, "event": "replicas_differ", "cause": str(e)})
-      step, exit_code = self.watchdog.step, EXIT_REPLICAS_DIFFER
+      self.log.record({"step": e.step, "event": "replicas_differ", "cause": str(e)})
+      step, exit_code = e.step, EXIT_REPLICAS_DIFFER
     bar.close()
     if exit_code == EXIT_OK:
       self.evaluation(step, self.state, final=True)
@@ -326,11 +326,8 @@ class Trainer:
         return step, self._interrupted(step)
       kill_if_due(faults, step, "step")
       hang_if_due(faults, step)
-      if faults.corrupt_replica_step == step:
-        device = faults.corrupt_replica_device
-        self.state = self.state.replace(params=corrupt_copy(
-            self.state.params, jax.device_count() - 1 if device is None else device))
       batch = self.batches.next(step)
+      self.state = state_faults(self.state, faults, step, self.batches.first_execution)
       self.healing.note_dropped()
       if self.determinism.due(step):
         self.determinism(step, self.state, batch)

@@ -30,7 +30,12 @@ EXIT_REPLICAS_DIFFER = 17
 
 class ReplicasDiffer(Exception):
   """Copies of the parameters that should be equal are not; the run stops before saving
-  (exit code 17). The message names the parameters, devices and processes."""
+  (exit code 17). The message names the parameters, devices and processes; ``step`` is the
+  step count at the check."""
+
+  def __init__(self, message: str, step: int):
+    super().__init__(message)
+    self.step = step
 
 
 def _block_fingerprint(x: jax.Array) -> jax.Array:
@@ -96,7 +101,8 @@ class ReplicaCheck:
     if lines:
       raise ReplicasDiffer(f"step {step}: the copies of the parameters differ between devices: "
                            + "; ".join(lines) + ": a device or its memory corrupted its copy "
-                           "(silent data corruption); nothing was saved since the last check")
+                           "(silent data corruption); nothing was saved since the last check",
+                           step)
 
   def _fingerprints(self) -> Callable[[Any], jax.Array]:
     if self._program is None:
@@ -140,10 +146,11 @@ class ReplicaCheck:
     return lines
 
 
-def corrupt_copy(params: Any, device_index: int) -> Any:
+def corrupt_copy(params: Any, device_index: int, nan: bool = False) -> Any:
   """``params`` with one device's copy of the first floating-point parameter changed (its first
-  entry scaled by 1.001): a replica that silently diverged, for fault injection. Only the process
-  holding that device changes anything; nothing crosses devices."""
+  entry scaled by 1.001, or ``nan``: every entry NaN): a replica that silently diverged, or a
+  device that computes garbage, for fault injection. Only the process holding that device
+  changes anything; nothing crosses devices."""
   leaves, treedef = jax.tree_util.tree_flatten(params)
   target = next(i for i, leaf in enumerate(leaves) if jnp.issubdtype(leaf.dtype, jnp.floating))
   leaf = leaves[target]
@@ -153,7 +160,8 @@ def corrupt_copy(params: Any, device_index: int) -> Any:
     data = shard.data
     if shard.device == device:
       flat = jnp.ravel(data)
-      data = jax.device_put(flat.at[0].set(flat[0] * 1.001 + 1e-3).reshape(data.shape), device)
+      flat = jnp.full_like(flat, jnp.nan) if nan else flat.at[0].set(flat[0] * 1.001 + 1e-3)
+      data = jax.device_put(flat.reshape(data.shape), device)
     shards.append(data)
   leaves[target] = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
   return jax.tree_util.tree_unflatten(treedef, leaves)

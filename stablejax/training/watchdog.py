@@ -147,7 +147,7 @@ class Watchdog:
   def _poll(self) -> float:
     if self.poll is not None:
       return self.poll
-    return min(5.0, max(0.2, self.timeout() / 20))
+    return min(5.0, max(0.2, self.timeout() / 20), max(0.2, self.cfg.grace_seconds / 4))
 
   def _fire(self, code: int, why: str) -> None:
     path = (self.run_root / "hang_stacks" / f"process_{jax.process_index()}.txt"

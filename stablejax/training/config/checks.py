@@ -172,7 +172,8 @@ def _validate_logging_checkpoint_faults(cfg: Config) -> None:
       raise ConfigError(f"faults.{name}={getattr(cfg.faults, name)} has a negative entry: use "
                         "0-based indices")
   f = cfg.faults
-  for name in ("corrupt_replica_step", "corrupt_replica_device", "hang_at_step", "hang_at_batch"):
+  for name in ("corrupt_replica_step", "corrupt_replica_device", "hang_at_step", "hang_at_batch",
+               "transient_device"):
     if getattr(f, name) is not None:
       _positive(f"faults.{name}", getattr(f, name), allow_zero=True)
   _positive("faults.nondeterminism", f.nondeterminism, allow_zero=True)
@@ -238,6 +239,8 @@ _INEFFECTIVE_RULES = (
      "faults.nondeterministic_steps empty"),
     (("faults.corrupt_replica_device",), lambda c: c.faults.corrupt_replica_step is None,
      "faults.corrupt_replica_step=null"),
+    (("faults.transient_device",), lambda c: not c.faults.transient_nan_steps,
+     "faults.transient_nan_steps empty"),
     (("logging.attention_per_head", "logging.attention_sequences"),
      lambda c: not c.logging.attention_logits, "logging.attention_logits=false"),
     (("faults.garbage_kind",),

@@ -297,9 +297,12 @@ class FaultsConfig:
   kill_after_rollback: Optional[int] = None  # SIGKILL once the n-th rollback (1-based) is recorded,
                                              # before the abandoned branch's checkpoints are deleted
   # What a flaky device gives: a NaN gradient, or one scaled by grad_scale_factor, on the *first*
-  # execution of these steps only (a replay or a rollback runs them clean).
+  # execution of these steps only (a replay or a rollback runs them clean). With transient_device
+  # (a global device index), the NaN comes from that device instead: its copy of the parameters
+  # turns NaN, so its rows' loss does (the others' copies and the data are fine).
   transient_nan_steps: list[int] = dataclasses.field(default_factory=list)
   transient_grad_scale_steps: list[int] = dataclasses.field(default_factory=list)
+  transient_device: Optional[int] = None
   # Every execution of these steps (and of the determinism check's runs of them) scales the
   # gradient by 1 + nondeterminism x a fresh standard normal draw.
   nondeterministic_steps: list[int] = dataclasses.field(default_factory=list)
