@@ -101,11 +101,15 @@ def _report(args: argparse.Namespace) -> int:
 
 def _import_plugins(run_dir: Path) -> None:
   """The run's plugins, so that the rates of their defences are read (a warning line when one
-  cannot be imported: the report is drawn without them)."""
+  cannot be imported: the report is drawn without them; one whose declarations the registries
+  refuse is refused: its rates would be read as another module's)."""
+  from stablejax.monitor.report import ReportError
   from stablejax.training import plugins
   from stablejax.training.run_record import recorded_plugins
   try:
     plugins.load(recorded_plugins(run_dir), str(run_dir / "config.json"))
+  except plugins.DeclarationRefused as e:
+    raise ReportError(str(e)) from None
   except plugins.PluginError as e:
     print(f"warning: {e}; its defences' rates are not reported", file=sys.stderr)
 

@@ -25,10 +25,17 @@ from typing import Iterable
 
 from stablejax.modeling import family
 from stablejax.transforms import defence
+from stablejax.transforms._registry import DeclarationError
 
 
 class PluginError(ValueError):
   """A plugin that cannot be imported; the message names it, where it was listed, and the fix."""
+
+
+class DeclarationRefused(PluginError):
+  """A plugin whose declarations a registry refuses (a name another module declares, a section
+  without ``enabled`` or a default, ...): the plugin, where it was listed, and the registry's
+  line."""
 
 
 _LOADED: dict[str, types.ModuleType] = {}
@@ -54,7 +61,8 @@ def load(names: Iterable[str], where: str = "--plugin") -> list[types.ModuleType
 
   Raises:
     PluginError: a plugin is not a string, is missing, or fails to import (one line naming it
-      and the error).
+      and the error); `DeclarationRefused` when it imports but a registry refuses what it
+      declares.
   """
   modules = []
   for name in names:
@@ -65,8 +73,11 @@ def load(names: Iterable[str], where: str = "--plugin") -> list[types.ModuleType
     if module is None:
       module = _import(key, where)
       _LOADED[key] = module
-    defence.register_module(module)
-    family.register_module(module)
+    try:
+      defence.register_module(module, key)
+      family.register_module(module, key)
+    except DeclarationError as e:
+      raise DeclarationRefused(f"plugin {key!r} (from {where}): {e}") from None
     modules.append(module)
   return modules
 
