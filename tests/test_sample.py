@@ -343,3 +343,18 @@ def test_a_stop_once_the_samples_exist_keeps_them(tmp_path, capsys, monkeypatch,
   saved = json.loads(out.read_text())
   assert saved["program"] == "stablejax sample" and captured.out == saved["samples"][0] + "\n"
   assert saved["samples"][0].startswith("Document 1") and len(saved["tokens"][0]) == 6
+
+
+@pytest.mark.parametrize("args,line", [
+    (["run", "--out", ""], "argument --out: the path is empty"),
+    (["run", "--out", "loop/samples.json"], "argument --out: loop/samples.json leads through a "
+                                            "loop of symbolic links"),
+    (["s" * 300], "argument run_dir: the name ssss"),
+])
+def test_an_unusable_path_is_one_line(args, line, tmp_path, monkeypatch, capsys):
+  from stablejax.cli import sample as sample_cli
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  assert sample_cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err

@@ -29,8 +29,9 @@ def parser() -> argparse.ArgumentParser:
       prog="python -m stablejax report",
       description="Plot and summarise a stablejax run's metrics.jsonl. SIGINT, SIGTERM or SIGHUP "
                   "stops it with exit code 130.")
-  p.add_argument("run_dir", help="run directory containing metrics.jsonl")
-  p.add_argument("--out", default=None,
+  p.add_argument("run_dir", type=_process.path_argument,
+                 help="run directory containing metrics.jsonl")
+  p.add_argument("--out", default=None, type=_process.path_argument,
                  help="PNG path (default RUN_DIR/report.png); never one of the run's own files")
   p.add_argument("--force", action="store_true",
                  help="replace a file at --out that the report did not write")
@@ -71,7 +72,7 @@ def _report(args: argparse.Namespace) -> int:
   _process.check()
   run_dir = Path(args.run_dir)
   _import_plugins(run_dir)
-  given = Path(args.out) if args.out else run_dir / REPORT_FILE
+  given = Path(args.out) if args.out is not None else run_dir / REPORT_FILE
   inputs = [*outputs.run_data(run_dir), run_dir / METRICS_FILE]
   check = functools.partial(
       outputs.check_output, given, program="report", force=args.force, inputs=inputs,

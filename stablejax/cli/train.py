@@ -54,7 +54,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help="a packaged config's name (default, gpt2_small, ...) or a JSON file")
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value (JSON-parsed), repeatable")
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", default=None, type=_process.path_argument,
                       help="run directory (default runs/<config name>); a checkpoint there "
                            "resumes")
   parser.add_argument("--fresh", action="store_true",
@@ -123,7 +123,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.training.environment_errors import environment_message
   from stablejax.training.run_record import RunDirError, recorded_plugins
 
-  out = Path(args.out or Path("runs") / config_name(args.config))
+  out = Path(args.out if args.out is not None else Path("runs") / config_name(args.config))
   try:
     signals.check_startup("importing")
     # A resume imports the plugins the run recorded, before the config names their sections.

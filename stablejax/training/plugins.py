@@ -23,6 +23,7 @@ import types
 from pathlib import Path
 from typing import Iterable
 
+from stablejax.data.paths import PathError, checked_path
 from stablejax.modeling import family
 from stablejax.transforms import defence
 from stablejax.transforms._registry import DeclarationError
@@ -68,6 +69,11 @@ def load(names: Iterable[str], where: str = "--plugin") -> list[types.ModuleType
   for name in names:
     if not isinstance(name, str) or not name.strip():
       raise PluginError(f"plugins: {name!r} (from {where}) is not a module name or .py path")
+    if name.strip().endswith(".py"):
+      try:
+        checked_path(name.strip())
+      except PathError as e:
+        raise PluginError(f"plugin {name.strip()!r} (from {where}): {e}") from None
     key = normalise(name)
     module = _LOADED.get(key)
     if module is None:

@@ -9,6 +9,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
+from stablejax.data.config import DataError, source_entries
 from stablejax.muon import newton_schulz as _ns
 from stablejax.training.config.sections import (Config, ConfigError, MeshConfig, OptimizerConfig,
                                                 model_of, to_dict)
@@ -58,6 +59,7 @@ def validate(cfg: Config) -> None:
   checked against its range first (:func:`check_numbers`), so no later check meets a NaN or an
   integer beyond what the trainer computes with."""
   check_numbers(cfg)
+  _validate_data(cfg)
   _validate_train(cfg)
   _validate_optimizer(cfg.optimizer)
   _validate_stability(cfg)
@@ -177,6 +179,15 @@ def _numbers(node: Any, prefix: str) -> Iterator[tuple[str, str, float, bool]]:
     for i, item in enumerate(value if isinstance(value, list) else [value]):
       if isinstance(item, (int, float)) and not isinstance(item, bool):
         yield key, f"{key}[{i}]" if isinstance(value, list) else key, item, is_float
+
+
+def _validate_data(cfg: Config) -> None:
+  """The sources are paths a program can use (:func:`stablejax.data.config.source_entries`)."""
+  try:
+    source_entries(cfg.data.train, "train")
+    source_entries(cfg.data.val, "val")
+  except DataError as e:
+    raise ConfigError(str(e)) from None
 
 
 def _validate_train(cfg: Config) -> None:
