@@ -268,3 +268,25 @@ def test_a_refused_declaration_is_one_line_in_every_program(case, tmp_path, caps
     assert code == 2 and len(err) == 1, (program, err)
     assert err[0].startswith("error: ") and f"plugin {plugin!r}" in err[0] and problem in err[0]
   assert not (tmp_path / "new").exists()
+
+
+def test_a_plugin_that_exits_at_import_is_one_line(tmp_path, capsys):
+  from stablejax.cli import train
+  plugin = tmp_path / "exits_at_import.py"
+  plugin.write_text("import sys\nsys.exit(0)\n")
+  assert train.main(["--plugin", str(plugin), "--out", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "called sys.exit(0) while it was imported" in err[0], err
+
+
+def test_a_recorded_plugin_is_named_as_the_runs(tmp_path, capsys):
+  from stablejax.cli import train
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"plugins": ["no_such_recorded_plugin"]}))
+  (run / "run.json").write_text(json.dumps({"program": "stablejax train",
+                                            "written": ["config.json"]}))
+  assert train.main(["--out", str(run)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "plugin 'no_such_recorded_plugin'" in err[0], err
+  assert f"(from {run / 'config.json'})" in err[0] and "--plugin" not in err[0]

@@ -118,7 +118,8 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.data.config import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
-  from stablejax.training.config import ConfigError, config_name, config_path, load_config
+  from stablejax.training.config import (ConfigError, config_name, config_path, load_config,
+                                         load_plugins)
   from stablejax.training.loop import Interrupted, Trainer
   from stablejax.training.environment_errors import environment_message
   from stablejax.training.run_record import RunDirError, recorded_plugins
@@ -126,9 +127,11 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   out = Path(args.out if args.out is not None else Path("runs") / config_name(args.config))
   try:
     signals.check_startup("importing")
-    # A resume imports the plugins the run recorded, before the config names their sections.
-    plugins = ([] if args.fresh else recorded_plugins(out)) + args.plugin
-    cfg = load_config(args.config, args.set, plugins=plugins)
+    # A resume imports the plugins the run recorded, before the config names their sections
+    # (and a plugin that fails is named as the record's, not the command line's).
+    recorded = [] if args.fresh else recorded_plugins(out)
+    load_plugins(recorded, str(out / "config.json"))
+    cfg = load_config(args.config, args.set, plugins=recorded + args.plugin)
     return Trainer(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
                reset_optimizer=args.reset_optimizer, signals=signals,
                config_file=config_path(args.config)).train()

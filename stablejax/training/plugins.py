@@ -104,6 +104,11 @@ def _import(name: str, where: str) -> types.ModuleType:
     if cwd not in sys.path:  # the console script does not put it there; python -m does
       sys.path.append(cwd)
     return importlib.import_module(name)
+  except SystemExit as e:  # it would end the program there, silently, with the plugin's code
+    raise PluginError(
+        f"plugin {name!r} (from {where}) called sys.exit({e.code!r}) while it was imported: "
+        "remove the call from its top level (or put it under if __name__ == \"__main__\":)"
+    ) from None
   except Exception as e:  # noqa: BLE001 - any failure of the user's module is its one line
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     raise PluginError(
