@@ -712,3 +712,17 @@ def test_the_trainer_never_takes_an_empty_out_for_the_current_folder(tmp_path, m
   with pytest.raises(RunDirError, match="--out: the path is empty"):
     RunDirectory.open("")
   assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_recorded_config_is_said_not_passed_over(tmp_path, capsys):
+  import types
+
+  from stablejax.training.loop import Trainer
+  (tmp_path / "config.json").write_text('{"train": {"steps": 4')  # cut short
+  run_dir = types.SimpleNamespace(root=tmp_path, recorded={"config.json"})
+  recorded = Trainer._recorded_config(types.SimpleNamespace(run_dir=run_dir, is_main=True))
+  assert recorded is None  # (only a keyed checkpoint resumes then)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("warning: the config of the run's last start "
+                                             "cannot be read"), err
+  assert "not valid JSON" in err[0] and "what changed since then is not listed" in err[0]
