@@ -358,3 +358,21 @@ def test_an_unusable_path_is_one_line(args, line, tmp_path, monkeypatch, capsys)
   assert sample_cli.main(args) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+
+
+def test_orbaxs_unreadable_checkpoint_metadata_is_one_warning_line(tmp_path, capsys, caplog):
+  """Orbax reads a checkpoint's _CHECKPOINT_METADATA, logs through absl that it cannot, and goes
+  on without it: the programs that read checkpoints say so in one line, once per file."""
+  from orbax.checkpoint._src.metadata.checkpoint import metadata_store
+
+  from stablejax.cli import _process
+  _process.quiet_orbax_leftovers()  # (every program reading checkpoints does)
+  garbage = tmp_path / "4" / "_CHECKPOINT_METADATA"
+  garbage.parent.mkdir()
+  garbage.write_text("garbage\n")
+  store = metadata_store(enable_write=False)  # as CheckpointManager reads one
+  assert store.read(garbage) is None and store.read(garbage) is None  # read twice
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"warning: {garbage} (Orbax's metadata of the checkpoint: when it was saved) "
+                 "cannot be read; the checkpoint is read without it"]
+  assert not [r for r in caplog.records if r.name == "absl"]
