@@ -165,3 +165,128 @@ def test_a_declaration_is_checked_when_it_is_registered(declared):
                                      position=defence.Position.UPDATE,
                                      factory=declared.scale_updates))
   assert defence.get("both_missing") is None and defence.get("no_switch") is None
+
+
+# ----------------------------------------------------------------------------- refused declarations
+
+
+DEFENCE_PLUGIN = '''
+import dataclasses
+import optax
+from stablejax.transforms import defence
+
+
+@dataclasses.dataclass
+class Section:
+  {fields}
+
+
+DECLARED = defence.Defence(name={name!r}, config=Section, position=defence.Position.UPDATE,
+                           factory=optax.scale)
+'''
+
+FAMILY_PLUGIN = '''
+import dataclasses
+from stablejax.modeling.family import ModelFamily
+
+
+@dataclasses.dataclass
+class Section:
+  vocab_size: int = 256
+  {fields}
+
+
+DECLARED = ModelFamily(name={name!r}, config=Section, build=lambda section, run: None)
+'''
+
+ENABLED = "enabled: bool = False\n  step_size: float = 0.5"
+
+
+def _plugin(folder: Path, stem: str, template: str, name: str, fields: str) -> str:
+  path = folder / f"{stem}.py"
+  path.write_text(template.format(name=name, fields=fields))
+  return str(path)
+
+
+def test_a_name_declared_twice_is_refused_naming_both_modules(tmp_path):
+  from stablejax.modeling import family
+  from stablejax.training.config import ConfigError, load_config
+  from stablejax.transforms import defence
+  first = _plugin(tmp_path, "first_decl", DEFENCE_PLUGIN, "declared_twice", ENABLED)
+  second = _plugin(tmp_path, "second_decl", DEFENCE_PLUGIN, "declared_twice", ENABLED)
+  try:
+    with pytest.raises(ConfigError) as e:
+      load_config(None, [], plugins=[first, second])
+    assert f"defence 'declared_twice' is declared twice, by {first} and by {second}" in str(
+        e.value)
+    assert defence.get("declared_twice").config.__module__ == "stablejax_plugin_first_decl"
+  finally:
+    defence.unregister("declared_twice")
+  # Named like a built-in, with the config leaving its keys out: refused; the built-in stays.
+  builtins = defence.get("zclip"), family.get("gpt")
+  zclip = _plugin(tmp_path, "own_zclip", DEFENCE_PLUGIN, "zclip", ENABLED)
+  with pytest.raises(ConfigError, match="defence 'zclip' is declared twice, by "
+                                        f"stablejax.transforms.zclip and by {zclip}"):
+    load_config(None, [], plugins=[zclip])
+  gpt = _plugin(tmp_path, "own_gpt", FAMILY_PLUGIN, "gpt", "max_seq_len: int = 64")
+  with pytest.raises(ConfigError, match="model family 'gpt' is declared twice, by "
+                                        f"stablejax.modeling.gpt and by {gpt}"):
+    load_config(None, [], plugins=[gpt])
+  assert (defence.get("zclip"), family.get("gpt")) == builtins
+
+
+# What the registries refuse, whichever program imports the plugin.
+REFUSED = {
+    "named like a built-in": (DEFENCE_PLUGIN, "zclip", ENABLED, "declared twice"),
+    "no enabled": (DEFENCE_PLUGIN, "no_switch_decl", "step_size: float = 0.5",
+                   "has no 'enabled' field"),
+    "a reserved name": (DEFENCE_PLUGIN, "optimizer", ENABLED, "must be an identifier other than"),
+    "no max_seq_len": (FAMILY_PLUGIN, "no_max_len", "d_model: int = 8",
+                       "must have the fields vocab_size and max_seq_len"),
+    "a field without a default": (DEFENCE_PLUGIN, "bare_field",
+                                  "step_size: float\n  enabled: bool = False",
+                                  "has no default for step_size"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_refused_declaration_is_one_line_in_every_program(case, tmp_path, capsys):
+  from stablejax.cli import quantize_eval, report, sample, train
+  template, name, fields, problem = REFUSED[case]
+  plugin = _plugin(tmp_path, f"refused_{name}", template, name, fields)
+  run = tmp_path / "run"  # a run that recorded the plugin, as far as the programs read it
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"plugins": [plugin]}))
+  (run / "run.json").write_text(json.dumps({"program": "stablejax train",
+                                            "written": ["config.json"]}))
+  programs = {"train": (train.main, ["--plugin", plugin, "--out", str(tmp_path / "new")]),
+              "sample": (sample.main, [str(run)]), "report": (report.main, [str(run)]),
+              "quantize-eval": (quantize_eval.main, [str(run)])}
+  for program, (main, argv) in programs.items():
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, (program, err)
+    assert err[0].startswith("error: ") and f"plugin {plugin!r}" in err[0] and problem in err[0]
+  assert not (tmp_path / "new").exists()
+
+
+def test_a_plugin_that_exits_at_import_is_one_line(tmp_path, capsys):
+  from stablejax.cli import train
+  plugin = tmp_path / "exits_at_import.py"
+  plugin.write_text("import sys\nsys.exit(0)\n")
+  assert train.main(["--plugin", str(plugin), "--out", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "called sys.exit(0) while it was imported" in err[0], err
+
+
+def test_a_recorded_plugin_is_named_as_the_runs(tmp_path, capsys):
+  from stablejax.cli import train
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.json").write_text(json.dumps({"plugins": ["no_such_recorded_plugin"]}))
+  (run / "run.json").write_text(json.dumps({"program": "stablejax train",
+                                            "written": ["config.json"]}))
+  assert train.main(["--out", str(run)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "plugin 'no_such_recorded_plugin'" in err[0], err
+  assert f"(from {run / 'config.json'})" in err[0] and "--plugin" not in err[0]

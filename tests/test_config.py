@@ -37,6 +37,32 @@ EDGES = [
      "stability.clip.max_norm=0.0 must be > 0"),
     (["mesh.distributed=true", "mesh.process_id=0"], ["mesh.process_id=0"],
      "mesh.process_id is set but mesh.distributed=false"),
+    # Numbers with a range of their own (config/checks.py KEY_BOUNDS), NaN and zero included.
+    (["optimizer.b2=0.999"], ["optimizer.b2=2"], "optimizer.b2=2.0 must be below 1 "),
+    (["optimizer.b1=0.0"], ["optimizer.b1=NaN"],
+     "optimizer.b1=nan is not a finite number: give one in \\[0, 1\\) "),
+    (["optimizer.eps=1e-30"], ["optimizer.eps=0"], "optimizer.eps=0.0 must be above 0 "),
+    (["optimizer.eps=1e-30"], ["optimizer.eps=NaN"], "optimizer.eps=nan is not a finite number"),
+    (["optimizer.ns_steps=1"], ["optimizer.ns_steps=0"],
+     "optimizer.ns_steps=0 must be at least 1 "),
+    (["optimizer.ns_steps=100"], ["optimizer.ns_steps=101"],
+     "optimizer.ns_steps=101 must be at most 100 \\(Newton-Schulz iterations"),
+    (["train.seed=4294967295"], ["train.seed=4294967296"],
+     "train.seed=4294967296 must be at most 4294967295 \\(the initialisation"),
+    # Every other integer is a 32-bit one (the step counters), every other float finite.
+    (["train.steps=2147483647"], ["train.steps=2147483648"],
+     "train.steps=2147483648 must be at most 2147483647 \\(the trainer counts"),
+    (["faults.nan_grad_steps=[2147483647]"], ["faults.nan_grad_steps=[1, 2147483648]"],
+     "faults.nan_grad_steps\\[1\\]=2147483648 must be at most 2147483647"),
+    (["stability.zclip.z_thresh=1e30"], ["stability.zclip.z_thresh=Infinity"],
+     "stability.zclip.z_thresh=inf is not a finite number"),
+    # A size whose state would not fit: the skip window's histories.
+    (["stability.skip_spikes.window=100000"], ["stability.skip_spikes.window=100001"],
+     "stability.skip_spikes.window=100001 must be at most 100000 \\(steps of losses"),
+    # A size is positive before it is even.
+    (["model.family=\"llama\"", "model.head_dim=2"], ["model.family=\"llama\"",
+                                                       "model.head_dim=-4"],
+     "model.head_dim=-4 must be a positive integer"),
 ]
 
 
@@ -130,3 +156,18 @@ def test_a_wrong_type_names_the_expected_json_types() -> None:
   with pytest.raises(ConfigError, match=r"logging.sample_every=1.5 has the wrong type: expected "
                                         r"an integer or null"):
     _load("logging.sample_every=1.5")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.seed=99999999999999999999", "train.seed=99999999999999999999 must be at most "
+                                        "4294967295"),
+    ("train.steps=99999999999999999999", "train.steps=99999999999999999999 must be at most "
+                                         "2147483647"),
+    ("optimizer.learning_rate=1" + "0" * 400, "is beyond every floating-point number"),
+    ("optimizer.learning_rate=1e400", "optimizer.learning_rate=inf is not a finite number"),
+    ("model.d_model=1" + "0" * 5000, "cannot be read: Exceeds the limit"),
+])
+def test_numbers_beyond_64_bits_or_every_float_are_one_line(override: str, message: str) -> None:
+  with pytest.raises(ConfigError, match=message) as e:
+    _load(override)
+  assert "\n" not in str(e.value) and len(str(e.value)) < 300

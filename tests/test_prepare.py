@@ -1112,3 +1112,25 @@ def test_a_one_document_corpus_is_told_to_split_it_not_to_raise_val_fraction(tmp
                           "bytes")
   assert code == 2 and "one document" in err and "--separator" in err, err
   assert "raise --val-fraction" not in err
+
+
+@pytest.mark.parametrize("args,line", [
+    (["corpus.txt", "--out", ""], "argument --out: the path is empty"),
+    (["corpus.txt", "--out", "loop"], "argument --out: loop leads through a loop of symbolic "
+                                      "links"),
+    (["corpus.txt", "--out", "p" * 300], "argument --out: the name pppp"),
+    (["q" * 300, "--out", "data"], "argument INPUT: the name qqqq"),
+])
+def test_an_unusable_path_is_one_line_and_nothing_is_written(args, line, tmp_path, monkeypatch,
+                                                             capsys):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "corpus.txt").write_text("<|endoftext|>".join(DOCS))
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  code, _, err = run_main(capsys, *args, "--tokenizer", "bytes", "--val-fraction", "0.2")
+  lines = err.strip().splitlines()
+  assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {line}"), err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "loop"]
+  # The library's prepare takes no empty --out for the current folder either.
+  with pytest.raises(prep.PrepareError, match="--out: the path is empty"):
+    prep.prepare(["corpus.txt"], "", "bytes", opts=prep.Options(val_fraction=0.2))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt", "loop"]

@@ -204,3 +204,17 @@ def test_what_it_writes(run, tmp_path, capsys):
   result = json.loads((tmp_path / "q.json").read_text())
   assert result["program"] == "stablejax quantize-eval" and result["checkpoint_step"] == STEPS
   assert main([str(copy), "--out", str(tmp_path / "q.json")]) == 0  # its own file: replaced
+
+
+@pytest.mark.parametrize("args,line", [
+    (["run", "--out", ""], "argument --out: the path is empty"),
+    (["run", "--out", "loop/result.json"], "argument --out: loop/result.json leads through a "
+                                           "loop of symbolic links"),
+    (["q" * 300], "argument run_dir: the name qqqq"),
+])
+def test_an_unusable_path_is_one_line(args, line, tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  assert main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err

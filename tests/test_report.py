@@ -357,3 +357,20 @@ def test_report_out_never_replaces_a_device_or_another_runs_records(tmp_path, ca
     assert report_cli.main([str(run), "--out", str(other / target), "--force"]) == 2
     assert "the run's own" in _one_error(capsys)
   assert _snapshot(other) == before
+
+
+@pytest.mark.parametrize("args,line", [
+    (["run", "--out", ""], "argument --out: the path is empty"),
+    (["run", "--out", "loop/report.png"], "argument --out: loop/report.png leads through a loop "
+                                          "of symbolic links"),
+    (["r" * 300], "argument run_dir: the name rrrr"),
+])
+def test_an_unusable_path_is_one_line_and_nothing_is_written(args, line, tmp_path, monkeypatch,
+                                                             capsys):
+  monkeypatch.chdir(tmp_path)
+  _run_with_records(tmp_path / "run")
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  before = _snapshot(tmp_path / "run")
+  assert report_cli.main(args) == 2
+  assert _one_error(capsys).startswith(f"error: {line}")
+  assert _snapshot(tmp_path / "run") == before  # (an empty --out was RUN/report.png)

@@ -672,3 +672,57 @@ def test_a_record_of_the_previous_release_adopts_its_checkpoints(clean_run, tmp_
   shutil.copytree(out / "checkpoints" / "30", out / "checkpoints" / "50")
   with pytest.raises(RunDirError, match="checkpoints/50 is not a checkpoint this run saved"):
     RunDirectory.open(out)
+
+
+# ----------------------------------------------------------------------------- unusable paths
+
+
+# (arguments of train, what its one line says): each path checked before anything is read or
+# written (tests/test_prepare.py, test_sample.py, test_report.py and test_quantize_eval.py check
+# the other programs' paths).
+UNUSABLE_PATHS = [
+    (["--out", ""], "argument --out: the path is empty"),
+    (["--out", "loop/run"], "argument --out: loop/run leads through a loop of symbolic links"),
+    (["--out", "r" * 300], "argument --out: the name rrrr"),
+    (["--set", 'data.train="loop/corpus.txt"', "--out", "run"],
+     "data.train: loop/corpus.txt leads through a loop of symbolic links"),
+    (["--plugin", "loop/mine.py", "--out", "run"],
+     "plugin 'loop/mine.py' (from --plugin): loop/mine.py leads through a loop"),
+]
+
+
+@pytest.mark.parametrize("args,line", UNUSABLE_PATHS)
+def test_an_unusable_path_is_one_line_and_nothing_is_written(args, line, tmp_path, monkeypatch,
+                                                             capsys):
+  from stablejax.cli.train import main
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  try:  # a tiny run of a few steps (what an unchecked "" would have started, in runs/<config>)
+    code = main(sets("train.steps=5") + args)
+  except SystemExit as e:  # the parser's refusals exit as argparse's do
+    code = e.code
+  assert code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["loop"]
+
+
+def test_the_trainer_never_takes_an_empty_out_for_the_current_folder(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(RunDirError, match="--out: the path is empty"):
+    RunDirectory.open("")
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_recorded_config_is_said_not_passed_over(tmp_path, capsys):
+  import types
+
+  from stablejax.training.loop import Trainer
+  (tmp_path / "config.json").write_text('{"train": {"steps": 4')  # cut short
+  run_dir = types.SimpleNamespace(root=tmp_path, recorded={"config.json"})
+  recorded = Trainer._recorded_config(types.SimpleNamespace(run_dir=run_dir, is_main=True))
+  assert recorded is None  # (only a keyed checkpoint resumes then)
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("warning: the config of the run's last start "
+                                             "cannot be read"), err
+  assert "not valid JSON" in err[0] and "what changed since then is not listed" in err[0]

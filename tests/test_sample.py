@@ -343,3 +343,36 @@ def test_a_stop_once_the_samples_exist_keeps_them(tmp_path, capsys, monkeypatch,
   saved = json.loads(out.read_text())
   assert saved["program"] == "stablejax sample" and captured.out == saved["samples"][0] + "\n"
   assert saved["samples"][0].startswith("Document 1") and len(saved["tokens"][0]) == 6
+
+
+@pytest.mark.parametrize("args,line", [
+    (["run", "--out", ""], "argument --out: the path is empty"),
+    (["run", "--out", "loop/samples.json"], "argument --out: loop/samples.json leads through a "
+                                            "loop of symbolic links"),
+    (["s" * 300], "argument run_dir: the name ssss"),
+])
+def test_an_unusable_path_is_one_line(args, line, tmp_path, monkeypatch, capsys):
+  from stablejax.cli import sample as sample_cli
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  assert sample_cli.main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+
+
+def test_orbaxs_unreadable_checkpoint_metadata_is_one_warning_line(tmp_path, capsys, caplog):
+  """Orbax reads a checkpoint's _CHECKPOINT_METADATA, logs through absl that it cannot, and goes
+  on without it: the programs that read checkpoints say so in one line, once per file."""
+  from orbax.checkpoint._src.metadata.checkpoint import metadata_store
+
+  from stablejax.cli import _process
+  _process.quiet_orbax_leftovers()  # (every program reading checkpoints does)
+  garbage = tmp_path / "4" / "_CHECKPOINT_METADATA"
+  garbage.parent.mkdir()
+  garbage.write_text("garbage\n")
+  store = metadata_store(enable_write=False)  # as CheckpointManager reads one
+  assert store.read(garbage) is None and store.read(garbage) is None  # read twice
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"warning: {garbage} (Orbax's metadata of the checkpoint: when it was saved) "
+                 "cannot be read; the checkpoint is read without it"]
+  assert not [r for r in caplog.records if r.name == "absl"]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import logging
 import os
 import signal
 import sys
@@ -128,6 +129,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
   def error(self, message: str) -> NoReturn:
     raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def path_argument(text: str) -> str:
+  """The ``type=`` of every path argument of the programs: the path as given, once
+  :func:`stablejax.data.paths.checked_path` let it through (an empty path, a loop of symbolic
+  links, a name too long: the parser's one line, exit 2, before anything is read or written)."""
+  from stablejax.data.paths import PathError, checked_path
+  try:
+    checked_path(text)
+  except PathError as e:
+    raise argparse.ArgumentTypeError(str(e)) from None
+  return text
 
 
 def run(argv: Optional[Sequence[str]], parse: Callable[[Optional[Sequence[str]]], Any],
@@ -288,9 +301,37 @@ def _is_orbax_leftover(unraisable: Any) -> bool:
   return code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
+class _CheckpointMetadataNote(logging.Filter):
+  """Orbax's log records (through absl) of a checkpoint's metadata file it cannot read
+  (``_CHECKPOINT_METADATA``: when it was saved, which Orbax then does without) become one warning
+  line per file, instead of an ``ERROR:absl`` record that prints the file's content over several
+  lines. The checkpoint's own files are read and checked as before."""
+
+  # orbax/checkpoint/_src/metadata/checkpoint.py, MetadataStore.read
+  PREFIXES = ("Failed to json parse Metadata file", "Failed to read Metadata file")
+
+  def __init__(self) -> None:
+    super().__init__()
+    self.noted: set[str] = set()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not (isinstance(record.msg, str) and record.msg.startswith(self.PREFIXES)):
+      return True
+    path = str(record.args[0]) if isinstance(record.args, tuple) and record.args else "?"
+    if path not in self.noted:
+      self.noted.add(path)
+      print(f"warning: {path} (Orbax's metadata of the checkpoint: when it was saved) cannot be "
+            "read; the checkpoint is read without it", file=sys.stderr, flush=True)
+    return False
+
+
 def quiet_orbax_leftovers() -> None:
   """Drops the reports `_is_orbax_leftover` names; every other unraisable exception is reported
-  as before (by the hook that was installed)."""
+  as before (by the hook that was installed). Orbax's records of an unreadable
+  ``_CHECKPOINT_METADATA`` become one line (`_CheckpointMetadataNote`)."""
+  absl = logging.getLogger("absl")
+  if not any(isinstance(f, _CheckpointMetadataNote) for f in absl.filters):
+    absl.addFilter(_CheckpointMetadataNote())
   previous = sys.unraisablehook
   if getattr(previous, "drops_orbax_leftovers", False):
     return

@@ -27,10 +27,10 @@ DESCRIPTION = ("Prepare a corpus for the trainer: documents -> tokens -> train.b
 
 def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(prog=PROG, description=DESCRIPTION)
-  p.add_argument("inputs", nargs="+", metavar="INPUT",
+  p.add_argument("inputs", nargs="+", metavar="INPUT", type=_process.path_argument,
                  help="text/.jsonl/.json/.parquet files or folders, pydoc, or hf:NAME[:CONFIG]; "
                       "each at most once")
-  p.add_argument("--out", required=True,
+  p.add_argument("--out", required=True, type=_process.path_argument,
                  help="output directory (created when missing; only the files prepare writes "
                       "there are touched)")
   p.add_argument("--tokenizer", required=True, help=tokenizer_lib.KINDS_HELP)

@@ -35,7 +35,8 @@ def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(
       prog=PROG, description="Validation loss of a trained run before and after round-to-nearest "
       "weight quantisation. SIGINT, SIGTERM or SIGHUP stops it with exit code 130.")
-  p.add_argument("run_dir", help="a training run's output directory (train --out)")
+  p.add_argument("run_dir", type=_process.path_argument,
+                 help="a training run's output directory (train --out)")
   p.add_argument("--bits", type=int, default=4, help="weight bits, 2..8 (default 4)")
   p.add_argument("--batches", type=int, default=None,
                  help="validation batches (default: the run's train.eval_batches)")
@@ -43,7 +44,7 @@ def parser() -> argparse.ArgumentParser:
                  help="keep parameters whose path contains any of these in full precision")
   p.add_argument("--no-merge", action="store_true",
                  help="quantise an EmbProj model without merging the projections first")
-  p.add_argument("--out", default=None, metavar="FILE",
+  p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
                  help="where to write the result (default RUN_DIR/quantize_eval.json); never one "
                       "of the run's files")
   p.add_argument("--force", action="store_true",
@@ -64,7 +65,7 @@ def _evaluate(args: argparse.Namespace) -> int:
   from stablejax.training import outputs
   from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
   run_dir = Path(args.run_dir)
-  given = Path(args.out) if args.out else run_dir / RESULT_FILE
+  given = Path(args.out) if args.out is not None else run_dir / RESULT_FILE
   check = functools.partial(
       outputs.check_output, given, program="quantize-eval", force=args.force, ours=_ours,
       protected=outputs.run_records(run_dir), inputs=outputs.run_data(run_dir))

@@ -29,8 +29,9 @@ def parser() -> argparse.ArgumentParser:
       prog="python -m stablejax report",
       description="Plot and summarise a stablejax run's metrics.jsonl. SIGINT, SIGTERM or SIGHUP "
                   "stops it with exit code 130.")
-  p.add_argument("run_dir", help="run directory containing metrics.jsonl")
-  p.add_argument("--out", default=None,
+  p.add_argument("run_dir", type=_process.path_argument,
+                 help="run directory containing metrics.jsonl")
+  p.add_argument("--out", default=None, type=_process.path_argument,
                  help="PNG path (default RUN_DIR/report.png); never one of the run's own files")
   p.add_argument("--force", action="store_true",
                  help="replace a file at --out that the report did not write")
@@ -71,7 +72,7 @@ def _report(args: argparse.Namespace) -> int:
   _process.check()
   run_dir = Path(args.run_dir)
   _import_plugins(run_dir)
-  given = Path(args.out) if args.out else run_dir / REPORT_FILE
+  given = Path(args.out) if args.out is not None else run_dir / REPORT_FILE
   inputs = [*outputs.run_data(run_dir), run_dir / METRICS_FILE]
   check = functools.partial(
       outputs.check_output, given, program="report", force=args.force, inputs=inputs,
@@ -101,11 +102,15 @@ def _report(args: argparse.Namespace) -> int:
 
 def _import_plugins(run_dir: Path) -> None:
   """The run's plugins, so that the rates of their defences are read (a warning line when one
-  cannot be imported: the report is drawn without them)."""
+  cannot be imported: the report is drawn without them; one whose declarations the registries
+  refuse is refused: its rates would be read as another module's)."""
+  from stablejax.monitor.report import ReportError
   from stablejax.training import plugins
   from stablejax.training.run_record import recorded_plugins
   try:
     plugins.load(recorded_plugins(run_dir), str(run_dir / "config.json"))
+  except plugins.DeclarationRefused as e:
+    raise ReportError(str(e)) from None
   except plugins.PluginError as e:
     print(f"warning: {e}; its defences' rates are not reported", file=sys.stderr)
 

@@ -40,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(
       prog=PROG, description="Sample text from a trained run's newest usable checkpoint. SIGINT, "
       "SIGTERM or SIGHUP stops it with exit code 130.")
-  p.add_argument("run_dir", help="a training run's output directory (train --out)")
+  p.add_argument("run_dir", type=_process.path_argument,
+                 help="a training run's output directory (train --out)")
   p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
   p.add_argument("--max-new-tokens", type=int, default=200,
                  help="tokens to generate after the prompt (default 200)")
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tokenizer", default=None,
                  help="the run's tokenizer when it has no usable record (bytes, gpt2 or a "
                       "tokenizer.json); it must match a recorded one")
-  p.add_argument("--out", default=None, metavar="FILE",
+  p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
                  help="also write the samples to FILE as JSON (never one of the run's files)")
   p.add_argument("--force", action="store_true",
                  help="replace a file at --out that sample did not write")
@@ -79,7 +80,7 @@ def _sample(args: argparse.Namespace) -> int:
       ours=lambda p: outputs.json_program(p) == PROGRAM_NAME,
       protected=outputs.run_records(Path(args.run_dir)),
       inputs=outputs.run_data(Path(args.run_dir)))
-  out = check() if args.out else None  # before the work: a bad --out fails at once
+  out = check() if args.out is not None else None  # before the work: a bad --out fails at once
   result = sample(args.run_dir, args.prompt, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
                   num_samples=args.num_samples, tokenizer=args.tokenizer,
@@ -94,7 +95,7 @@ def _sample(args: argparse.Namespace) -> int:
                          program="sample")
   for i, text in enumerate(result["samples"]):
     print(text + (SEPARATOR if i < len(result["samples"]) - 1 else ""))
-  written = f", and written to {args.out}" if args.out else ""
+  written = f", and written to {args.out}" if out is not None else ""
   if result["stopped"]:
     print(f"interrupted by {_process.signal_name(_process.received())}: the samples were done "
           f"and are printed above{written}; their speed was not measured", file=sys.stderr)

@@ -61,7 +61,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help="a packaged config's name (default, gpt2_small, ...) or a JSON file")
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value (JSON-parsed), repeatable")
-  parser.add_argument("--out", default=None,
+  parser.add_argument("--out", default=None, type=_process.path_argument,
                       help="run directory (default runs/<config name>); a checkpoint there "
                            "resumes")
   parser.add_argument("--fresh", action="store_true",
@@ -129,20 +129,23 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   from stablejax.data.config import DataError
   from stablejax.training import distributed
   from stablejax.training.checkpoint import CheckpointError
-  from stablejax.training.config import ConfigError, config_name, config_path, load_config
+  from stablejax.training.config import (ConfigError, config_name, config_path, load_config,
+                                         load_plugins)
   from stablejax.training.loop import Interrupted, Trainer
   from stablejax.training.environment_errors import environment_message
   from stablejax.training.run_record import RunDirError, recorded_plugins
 
-  out = Path(args.out or Path("runs") / config_name(args.config))
+  out = Path(args.out if args.out is not None else Path("runs") / config_name(args.config))
   try:
     signals.check_startup("importing")
-    # A resume imports the plugins the run recorded, before the config names their sections.
-    plugins = ([] if args.fresh else recorded_plugins(out)) + args.plugin
+    # A resume imports the plugins the run recorded, before the config names their sections
+    # (and a plugin that fails is named as the record's, not the command line's).
+    recorded = [] if args.fresh else recorded_plugins(out)
+    load_plugins(recorded, str(out / "config.json"))
     overrides = list(args.set)
     if args.rewarmup_steps is not None:
       overrides.append(f"train.rewarmup_steps={args.rewarmup_steps}")
-    cfg = load_config(args.config, overrides, plugins=plugins)
+    cfg = load_config(args.config, overrides, plugins=recorded + args.plugin)
     return Trainer(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
                reset_optimizer=args.reset_optimizer, signals=signals,
                config_file=config_path(args.config)).train()

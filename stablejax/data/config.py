@@ -12,6 +12,7 @@ import os
 from typing import Optional, Sequence, Union
 
 from stablejax.data import tokenizer as tokenizer_lib
+from stablejax.data.paths import PathError, checked_path
 
 # The embedded corpus (Python's documentation topics): a source of the trainer and an INPUT of
 # prepare, needing no download.
@@ -59,7 +60,9 @@ def source_entries(value: Union[str, os.PathLike, Sequence[Union[str, os.PathLik
   """The sources ``data.<key>`` names, as a list of strings ([] for None).
 
   Raises:
-    DataError: an empty list, or an entry that is not a string or path.
+    DataError: an empty list, an entry that is not a string or path, or a path no program can
+      use (:func:`stablejax.data.paths.checked_path`: empty, a loop of symbolic links, a name
+      too long).
   """
   if value is None:
     return []
@@ -69,6 +72,11 @@ def source_entries(value: Union[str, os.PathLike, Sequence[Union[str, os.PathLik
   for item in items:
     if not isinstance(item, (str, os.PathLike)):
       raise DataError(f"data.{key} entry {item!r} is not a string: give a path or \"pydoc\"")
+    if item != EMBEDDED:
+      try:
+        checked_path(item, f"data.{key}")
+      except PathError as e:
+        raise DataError(str(e)) from None
   return [os.fspath(i) for i in items]
 
 

@@ -104,6 +104,7 @@ from stablejax.data.config import SEPARATOR, Options, PrepareError
 from stablejax.data.encode import document_batches, encode_batch
 from stablejax.data.folder import FolderBusy, FolderLock
 from stablejax.data.inputs import check_distinct, describe_input, iter_documents
+from stablejax.data.paths import PathError, checked_path
 from stablejax.data.prepared import (PREPARED_MARKER, PREPARED_META, SPLIT_FILES, TOKENIZER_FILE,
                                      TokenFile, corpus_meta, dtype_for, source_record,
                                      write_error, write_json, writing)
@@ -198,9 +199,12 @@ def prepare(inputs: Sequence[str], out: str | os.PathLike, tokenizer: str, *,
       raise PrepareError(f"--weights {weights} has a non-positive entry: give positive numbers")
   if opts.text_field == "":
     raise PrepareError("--text-field is empty: name the field that holds the text")
+  try:
+    out = checked_path(out, "--out").expanduser()
+  except PathError as e:
+    raise PrepareError(str(e)) from None
   check_distinct(inputs)
   bpe_size, given_tok = checked_tokenizer(tokenizer, eot_token)
-  out = Path(out).expanduser()
   # The tokenizer file this prepare reads: kept in place when it is --out's own tokenizer.json.
   tok_path = given_tok.path.resolve() if isinstance(given_tok, tokenizer_lib.HFTokenizer) else None
   out_dir.check_paths(inputs, out, tok_path)

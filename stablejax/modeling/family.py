@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablejax.transforms._registry import Builtins
+from stablejax.transforms._registry import Builtins, DeclarationError, Registry, section_fields
 
 DEFAULT_FAMILY = "gpt"
 
@@ -323,56 +323,71 @@ class ModelFamily:
   label: str = ""
 
 
-_REGISTRY: dict[str, ModelFamily] = {}
+def register(declaration: ModelFamily, origin: Optional[str] = None) -> ModelFamily:
+  """Registers a model family; returns it. The same declaration registered again changes
+  nothing; another one under a registered name is refused (``unregister`` the first to replace
+  it).
 
-
-def register(declaration: ModelFamily) -> ModelFamily:
-  """Registers a model family (again under the same name: replaces it); returns it.
+  Args:
+    declaration: the family.
+    origin: the module that declares it, for the messages (default: its config's module).
 
   Raises:
-    ValueError: the name is not an identifier, or the section lacks ``vocab_size`` or
-      ``max_seq_len`` or has a field ``family``.
+    DeclarationError: (a ``ValueError``) the name is declared already by another module or is
+      not an identifier, or the section is not a dataclass with a default for every field,
+      lacks ``vocab_size`` or ``max_seq_len`` or has a field ``family``.
   """
   if not declaration.name.isidentifier():
-    raise ValueError(f"model family name {declaration.name!r} must be an identifier (it is the "
-                     "value of model.family)")
-  fields = {f.name for f in dataclasses.fields(declaration.config)}
+    raise DeclarationError(f"model family name {declaration.name!r} must be an identifier (it "
+                           "is the value of model.family)")
+  fields = section_fields(declaration.config, f"model family {declaration.name!r}")
   missing = [name for name in ("vocab_size", "max_seq_len") if name not in fields]
   if missing or "family" in fields:
-    raise ValueError(f"the config of model family {declaration.name!r} must have the fields "
-                     "vocab_size and max_seq_len (the trainer checks its data and sequences "
-                     "against them) and no field 'family' (the trainer adds it)")
-  _REGISTRY[declaration.name] = declaration
+    raise DeclarationError(f"the config of model family {declaration.name!r} must have the "
+                           "fields vocab_size and max_seq_len (the trainer checks its data and "
+                           "sequences against them) and no field 'family' (the trainer adds it)")
+  _REGISTRY.add(declaration.name, declaration,
+                origin or str(getattr(declaration.config, "__module__", "?")))
   return declaration
 
 
-def register_module(module: types.ModuleType) -> list[ModelFamily]:
-  """Registers every :class:`ModelFamily` defined at the top level of ``module``; returns them."""
-  return [register(value) for value in vars(module).values() if isinstance(value, ModelFamily)]
+def register_module(module: types.ModuleType, origin: Optional[str] = None
+                    ) -> list[ModelFamily]:
+  """Registers every :class:`ModelFamily` defined at the top level of ``module``; returns them.
+
+  Args:
+    module: the module.
+    origin: how the messages name it (default: its name; a plugin: as it was given).
+
+  Raises:
+    DeclarationError: a declaration :func:`register` refuses.
+  """
+  origin = origin or module.__name__
+  return [register(value, origin) for value in vars(module).values()
+          if isinstance(value, ModelFamily)]
 
 
 # The declarations of stablejax/modeling/'s modules, registered when first asked for.
 _BUILTINS = Builtins(__name__.rsplit(".", 1)[0], Path(__file__).resolve().parent,
                      lambda module: register_module(module), skip=("family",))
 _load_builtins = _BUILTINS.load
+_REGISTRY: Registry[ModelFamily] = Registry("model family", "the value of model.family",
+                                            _load_builtins)
 
 
 def registered() -> tuple[ModelFamily, ...]:
   """Every registered family, by name."""
-  _load_builtins()
   return tuple(sorted(_REGISTRY.values(), key=lambda f: f.name))
 
 
 def get(name: str) -> Optional[ModelFamily]:
   """The family registered under ``name``, or None."""
-  _load_builtins()
   return _REGISTRY.get(name)
 
 
 def unregister(name: str) -> None:
   """Forgets a family (a no-op for an unknown name)."""
-  _load_builtins()
-  _REGISTRY.pop(name, None)
+  _REGISTRY.remove(name)
 
 
 _SECTION_CLASSES: dict[tuple, type] = {}

@@ -98,11 +98,16 @@ class LlamaConfig:
 
   def validate(self) -> None:
     """Raises ValueError (one line naming the key and the fix) for an unusable config."""
-    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+    # Sizes first (the optional ones when set), so the checks of their relations meet none
+    # that is zero or negative.
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len", "n_kv_heads",
+                 "head_dim"):
       value = getattr(self, name)
+      if value is None and name in ("n_kv_heads", "head_dim"):
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"model.{name}={value!r} must be a positive integer")
-    if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+    if self.n_kv_heads is not None and self.n_heads % self.n_kv_heads:
       divisors = [k for k in range(1, self.n_heads + 1) if self.n_heads % k == 0]
       raise ValueError(f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads="
                        f"{self.n_heads} (each key/value head serves a group of query heads): use "

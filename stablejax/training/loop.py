@@ -173,13 +173,18 @@ class Trainer:
 
   def _recorded_config(self) -> Optional[Config]:
     """The config of the run's previous start (its ``config.json``), or None: a new run, or one
-    whose recorded config this version cannot read (then only a keyed checkpoint resumes)."""
+    whose recorded config this version cannot read (then only a keyed checkpoint resumes, and a
+    warning says that what changed since the last start cannot be listed)."""
     path = self.run_dir.root / "config.json"
     if "config.json" not in self.run_dir.recorded or not path.is_file():
       return None
     try:
       return load_run_file(path)
-    except ConfigError:
+    except ConfigError as e:
+      if self.is_main:  # (before the run's logger exists)
+        import sys
+        print(f"warning: the config of the run's last start cannot be read ({e}): what changed "
+              "since then is not listed", file=sys.stderr, flush=True)
       return None
 
   @property

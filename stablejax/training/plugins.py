@@ -23,12 +23,20 @@ import types
 from pathlib import Path
 from typing import Iterable
 
+from stablejax.data.paths import PathError, checked_path
 from stablejax.modeling import family
 from stablejax.transforms import defence
+from stablejax.transforms._registry import DeclarationError
 
 
 class PluginError(ValueError):
   """A plugin that cannot be imported; the message names it, where it was listed, and the fix."""
+
+
+class DeclarationRefused(PluginError):
+  """A plugin whose declarations a registry refuses (a name another module declares, a section
+  without ``enabled`` or a default, ...): the plugin, where it was listed, and the registry's
+  line."""
 
 
 _LOADED: dict[str, types.ModuleType] = {}
@@ -54,19 +62,28 @@ def load(names: Iterable[str], where: str = "--plugin") -> list[types.ModuleType
 
   Raises:
     PluginError: a plugin is not a string, is missing, or fails to import (one line naming it
-      and the error).
+      and the error); `DeclarationRefused` when it imports but a registry refuses what it
+      declares.
   """
   modules = []
   for name in names:
     if not isinstance(name, str) or not name.strip():
       raise PluginError(f"plugins: {name!r} (from {where}) is not a module name or .py path")
+    if name.strip().endswith(".py"):
+      try:
+        checked_path(name.strip())
+      except PathError as e:
+        raise PluginError(f"plugin {name.strip()!r} (from {where}): {e}") from None
     key = normalise(name)
     module = _LOADED.get(key)
     if module is None:
       module = _import(key, where)
       _LOADED[key] = module
-    defence.register_module(module)
-    family.register_module(module)
+    try:
+      defence.register_module(module, key)
+      family.register_module(module, key)
+    except DeclarationError as e:
+      raise DeclarationRefused(f"plugin {key!r} (from {where}): {e}") from None
     modules.append(module)
   return modules
 
@@ -87,6 +104,11 @@ def _import(name: str, where: str) -> types.ModuleType:
     if cwd not in sys.path:  # the console script does not put it there; python -m does
       sys.path.append(cwd)
     return importlib.import_module(name)
+  except SystemExit as e:  # it would end the program there, silently, with the plugin's code
+    raise PluginError(
+        f"plugin {name!r} (from {where}) called sys.exit({e.code!r}) while it was imported: "
+        "remove the call from its top level (or put it under if __name__ == \"__main__\":)"
+    ) from None
   except Exception as e:  # noqa: BLE001 - any failure of the user's module is its one line
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     raise PluginError(

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from stablejax.data.folder import LOCK_NAME, FolderBusy, FolderLock
+from stablejax.data.paths import PathError, checked_path
 from stablejax.training.checkpoint import write_json_atomic
 from stablejax.training.environment_errors import environment_error
 from stablejax.training.previous_run import PreviousRun
@@ -118,11 +119,16 @@ class RunDirectory:
         none may lie where the trainer writes.
 
     Raises:
-      RunDirError: ``root`` is a file or cannot be created or written, another process holds
-        it, it holds trainer names the trainer did not write or checkpoints it did not save
-        (named in the message), or an input lies where the trainer writes.
+      RunDirError: ``root`` is no usable path (empty, a loop of symbolic links, a name too long:
+        :func:`stablejax.data.paths.checked_path`), is a file or cannot be created or written,
+        another process holds it, it holds trainer names the trainer did not write or
+        checkpoints it did not save (named in the message), or an input lies where the trainer
+        writes.
     """
-    root = Path(root)
+    try:
+      root = checked_path(root, "--out")
+    except PathError as e:  # alike on every process: each refuses it before any collective
+      raise RunDirError(str(e)) from None
     if _joined_job():  # process 0 decides; the others learn its answer, never wait on a peer gone
       from stablejax.training import distributed
       run: Optional[RunDirectory] = None

@@ -66,7 +66,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stablejax.transforms._registry import Builtins
+from stablejax.transforms._registry import (Builtins, DeclarationError, Registry,
+                                            section_fields)
 from stablejax.transforms.keyed import OPTIMIZER_KEY, keyed_chain, nest
 
 Transform = Union[optax.GradientTransformation, optax.GradientTransformationExtraArgs]
@@ -193,41 +194,56 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
 # ----------------------------------------------------------------------------- the registry
 
 
-_REGISTRY: dict[str, Defence] = {}
+def register(declaration: Defence, origin: Optional[str] = None) -> Defence:
+  """Registers a defence; returns it. The same declaration registered again changes nothing;
+  another one under a registered name is refused (``unregister`` the first to replace it).
 
-
-def register(declaration: Defence) -> Defence:
-  """Registers a defence (again under the same name: replaces it); returns it.
+  Args:
+    declaration: the defence.
+    origin: the module that declares it, for the messages (default: its config's module).
 
   Raises:
-    ValueError: the name is not an identifier or is reserved, the section has no ``enabled``
-      field, or the declaration has neither ``factory`` nor ``build`` (or both).
+    DeclarationError: (a ``ValueError``) the name is declared already by another module, is not
+      an identifier or is reserved, the section is not a dataclass with a default for every
+      field and an ``enabled`` field, or the declaration has neither ``factory`` nor ``build``
+      (or both).
   """
+  owner = f"defence {declaration.name!r}"
   if not declaration.name.isidentifier() or declaration.name in RESERVED_NAMES:
-    raise ValueError(f"defence name {declaration.name!r} must be an identifier other than "
-                     f"{', '.join(RESERVED_NAMES)} (it is a config section, stability.<name>, "
-                     "and the key of its state)")
-  fields = {f.name for f in dataclasses.fields(declaration.config)}
-  if "enabled" not in fields:
-    raise ValueError(f"the config of defence {declaration.name!r} has no 'enabled' field; add "
-                     "`enabled: bool = False` (or True for a default-on defence)")
+    raise DeclarationError(f"defence name {declaration.name!r} must be an identifier other than "
+                           f"{', '.join(RESERVED_NAMES)} (it is a config section, "
+                           "stability.<name>, and the key of its state)")
+  if "enabled" not in section_fields(declaration.config, owner):
+    raise DeclarationError(f"the config of {owner} has no 'enabled' field; add "
+                           "`enabled: bool = False` (or True for a default-on defence)")
   if (declaration.factory is None) == (declaration.build is None):
-    raise ValueError(f"defence {declaration.name!r} needs exactly one of factory= (called with "
-                     "its section's fields) and build= (section, ctx) -> transform")
-  _REGISTRY[declaration.name] = declaration
+    raise DeclarationError(f"{owner} needs exactly one of factory= (called with its section's "
+                           "fields) and build= (section, ctx) -> transform")
+  _REGISTRY.add(declaration.name, declaration,
+                origin or str(getattr(declaration.config, "__module__", "?")))
   return declaration
 
 
-def register_module(module: types.ModuleType) -> list[Defence]:
+def register_module(module: types.ModuleType, origin: Optional[str] = None) -> list[Defence]:
   """Registers every :class:`Defence` (and :class:`StepArgument`) defined at the top level of
   ``module``; returns the defences. The built-in modules and the trainer's plugins are
-  registered this way."""
+  registered this way.
+
+  Args:
+    module: the module.
+    origin: how the messages name it (default: its name; a plugin: as it was given).
+
+  Raises:
+    DeclarationError: a declaration :func:`register` refuses.
+  """
+  _load_builtins()  # first: a declaration of the user's is the second of its name, not the first
+  origin = origin or module.__name__
   found = []
   for value in vars(module).values():
     if isinstance(value, Defence):
-      found.append(register(value))
+      found.append(register(value, origin))
     elif isinstance(value, StepArgument):
-      register_step_argument(value)
+      register_step_argument(value, origin)
   return found
 
 
@@ -235,23 +251,22 @@ def register_module(module: types.ModuleType) -> list[Defence]:
 _BUILTINS = Builtins(__name__.rsplit(".", 1)[0], Path(__file__).resolve().parent,
                      lambda module: register_module(module))
 _load_builtins = _BUILTINS.load
+_REGISTRY: Registry[Defence] = Registry(
+    "defence", "its config section, stability.<name>, and the key of its state", _load_builtins)
 
 
 def unregister(name: str) -> None:
   """Forgets a defence (a no-op for an unknown name)."""
-  _load_builtins()
-  _REGISTRY.pop(name, None)
+  _REGISTRY.remove(name)
 
 
 def registered() -> tuple[Defence, ...]:
   """Every registered defence, in chain order: by position, then order, then name."""
-  _load_builtins()
   return tuple(sorted(_REGISTRY.values(), key=lambda d: (d.position, d.order, d.name)))
 
 
 def get(name: str) -> Optional[Defence]:
   """The defence registered under ``name``, or None."""
-  _load_builtins()
   return _REGISTRY.get(name)
 
 
@@ -334,18 +349,28 @@ class StepArgument:
 
 
 _REDUCTIONS = ("mean", "sum", "max", "min")
-_STEP_ARGUMENTS: dict[str, StepArgument] = {}
+# Registered at this module's import (the built-in ones below), so it does not load the
+# built-in modules itself: register_module and step_argument do.
+_STEP_ARGUMENTS: Registry[StepArgument] = Registry(
+    "step argument", "the keyword the train step passes to update", load_builtins=None)
 
 
-def register_step_argument(argument: StepArgument) -> StepArgument:
-  """Registers an extra step argument (again under the same name: replaces it); returns it."""
+def register_step_argument(argument: StepArgument, origin: Optional[str] = None) -> StepArgument:
+  """Registers an extra step argument; returns it. The same declaration registered again changes
+  nothing; another one under a registered name is refused.
+
+  Raises:
+    DeclarationError: (a ``ValueError``) the name is declared already by another module or is
+      not an identifier, or ``reduce`` is not known.
+  """
   if not argument.name.isidentifier():
-    raise ValueError(f"step argument name {argument.name!r} must be an identifier (a keyword "
-                     "of update)")
+    raise DeclarationError(f"step argument name {argument.name!r} must be an identifier (a "
+                           "keyword of update)")
   if argument.reduce not in _REDUCTIONS:
-    raise ValueError(f"step argument {argument.name!r}: reduce={argument.reduce!r} is not one "
-                     f"of {', '.join(_REDUCTIONS)}")
-  _STEP_ARGUMENTS[argument.name] = argument
+    raise DeclarationError(f"step argument {argument.name!r}: reduce={argument.reduce!r} is not "
+                           f"one of {', '.join(_REDUCTIONS)}")
+  _STEP_ARGUMENTS.add(argument.name, argument,
+                      origin or getattr(argument.compute, "__module__", None) or "?")
   return argument
 
 
@@ -356,10 +381,11 @@ def step_argument(name: str) -> StepArgument:
     ValueError: none is registered under that name (the message lists the registered ones).
   """
   _load_builtins()
-  if name not in _STEP_ARGUMENTS:
+  argument = _STEP_ARGUMENTS.get(name)
+  if argument is None:
     raise ValueError(f"no step argument {name!r} is registered (the train step computes "
-                     f"{', '.join(sorted(_STEP_ARGUMENTS))}): register a StepArgument for it")
-  return _STEP_ARGUMENTS[name]
+                     f"{', '.join(_STEP_ARGUMENTS.names())}): register a StepArgument for it")
+  return argument
 
 
 LOSS = register_step_argument(StepArgument(

@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
+from stablejax.data.config import DataError, source_entries
 from stablejax.muon import newton_schulz as _ns
 from stablejax.training.config.sections import (Config, ConfigError, MeshConfig, OptimizerConfig,
                                                 model_of, to_dict)
@@ -54,7 +55,11 @@ def _positive(name: str, value: float, allow_zero: bool = False) -> None:
 
 
 def validate(cfg: Config) -> None:
-  """Cross-field checks; each failure names the key and what to set instead."""
+  """Cross-field checks; each failure names the key and what to set instead. Every number is
+  checked against its range first (:func:`check_numbers`), so no later check meets a NaN or an
+  integer beyond what the trainer computes with."""
+  check_numbers(cfg)
+  _validate_data(cfg)
   _validate_train(cfg)
   _validate_optimizer(cfg.optimizer)
   _validate_stability(cfg)
@@ -65,6 +70,123 @@ def validate(cfg: Config) -> None:
     if check is not None:
       check()
   except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+class Bounds(NamedTuple):
+  """The values a numeric setting may take: from ``low`` to ``high``, either end open, and why
+  (for the message)."""
+
+  low: float
+  high: float
+  low_open: bool = False
+  high_open: bool = False
+  why: str = ""
+
+  def describe(self) -> str:
+    """The range in words: ``in [0, 1)``, ``above 0``."""
+    if self.high == math.inf:
+      return f"{'above' if self.low_open else 'at least'} {self.low}"
+    return (f"in {'(' if self.low_open else '['}{self.low}, {self.high}"
+            f"{')' if self.high_open else ']'}")
+
+  def problem(self, value: float) -> Optional[str]:
+    """What is wrong with ``value`` ("must be at most 5"), or None when it lies within."""
+    if isinstance(value, float) and not math.isfinite(value):
+      return f"is not a finite number: give one {self.describe()}"
+    if value > self.high or (self.high_open and value == self.high):
+      return f"must be {'below' if self.high_open else 'at most'} {self.high}"
+    if value < self.low or (self.low_open and value == self.low):
+      return f"must be {'above' if self.low_open else 'at least'} {self.low}"
+    return None
+
+
+# An integer setting becomes a 32-bit integer of the trainer (its step counters, shapes, indices),
+# or is compared with one: beyond these it would wrap, or fail inside a compiled step.
+INT32 = Bounds(-2**31, 2**31 - 1, why="the trainer counts steps, sizes and indices in 32-bit "
+                                      "integers")
+# Newton-Schulz iterations are unrolled into the compiled step: Muon's 5 (or Polar Express's 8)
+# compile in seconds, a million took twelve minutes and 18 GB to compile.
+MAX_NS_STEPS = 100
+
+# Settings whose meaning bounds them beyond their type. Every other integer is an INT32 and every
+# other float finite; the checks below add what depends on other keys.
+KEY_BOUNDS = {
+    "train.seed": Bounds(0, 2**32 - 1, why="the initialisation and the data order take a 32-bit "
+                                           "seed: another one repeats the run of one in range"),
+    "optimizer.b1": Bounds(0, 1, high_open=True, why="the AdamW groups' first-moment decay"),
+    "optimizer.b2": Bounds(0, 1, high_open=True, why="the AdamW groups' second-moment decay"),
+    "optimizer.eps": Bounds(0, math.inf, low_open=True,
+                            why="AdamW's term added to the root of the second moment"),
+    "optimizer.momentum": Bounds(0, 1, high_open=True, why="Muon's momentum decay"),
+    "optimizer.ns_steps": Bounds(1, MAX_NS_STEPS,
+                                 why="Newton-Schulz iterations of each Muon update, unrolled into "
+                                     "the compiled step; Muon uses 5"),
+}
+
+
+def check_numbers(cfg: Any) -> None:
+  """Every number of ``cfg`` (every section, a model family's and each defence's included)
+  within its range: a float finite, an integer a 32-bit integer (`INT32`), unless `KEY_BOUNDS`
+  says otherwise; before anything is built from them.
+
+  Raises:
+    ConfigError: the first number out of its range, one line naming the key and the range.
+
+  Example:
+    >>> from stablejax.training.config import Config, ConfigError
+    >>> from stablejax.training.config.checks import check_numbers
+    >>> cfg = Config()
+    >>> cfg.optimizer.b2 = 2.0
+    >>> try:
+    ...   check_numbers(cfg)
+    ... except ConfigError as e:
+    ...   print(e)
+    optimizer.b2=2.0 must be below 1 (the AdamW groups' second-moment decay)
+  """
+  for key, shown, value, is_float in _numbers(cfg, ""):
+    bounds = KEY_BOUNDS.get(key)
+    if bounds is None and is_float:
+      if not _finite(value):
+        raise ConfigError(f"{shown}={value} is not a finite number: give one")
+      continue
+    bounds = bounds or INT32
+    problem = bounds.problem(value)
+    if problem is not None:
+      raise ConfigError(f"{shown}={value} {problem} ({bounds.why})")
+
+
+def _finite(value: float) -> bool:
+  try:
+    return math.isfinite(value)
+  except OverflowError:  # an integer beyond every float
+    return False
+
+
+def _numbers(node: Any, prefix: str) -> Iterator[tuple[str, str, float, bool]]:
+  """``(key, key as shown, value, of a float field)`` of every number under a config dataclass
+  (a list's entries shown with their index). A float field may hold an integer (a config built
+  in Python): its annotation, not the value, says which range applies."""
+  for f in dataclasses.fields(node):
+    value = getattr(node, f.name)
+    key = f"{prefix}.{f.name}" if prefix else f.name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+      yield from _numbers(value, key)
+    is_float = "float" in str(f.type)  # float, Optional[float], list[float], as text or a type
+    for i, item in enumerate(value if isinstance(value, list) else [value]):
+      if isinstance(item, (int, float)) and not isinstance(item, bool):
+        yield key, f"{key}[{i}]" if isinstance(value, list) else key, item, is_float
+
+
+def _validate_data(cfg: Config) -> None:
+  """The sources are paths a program can use (:func:`stablejax.data.config.source_entries`)."""
+  try:
+    source_entries(cfg.data.train, "train")
+    source_entries(cfg.data.val, "val")
+  except DataError as e:
     raise ConfigError(str(e)) from None
 
 

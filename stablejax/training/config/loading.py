@@ -58,7 +58,11 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
   if tp is float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected a number")
-    return float(value)
+    try:
+      return float(value)
+    except OverflowError:  # an integer beyond every float
+      raise ConfigError(f"{key}={str(value)[:20]}... ({len(str(value))} digits) is beyond every "
+                        "floating-point number: give a finite one") from None
   if tp is int:
     if isinstance(value, bool) or not isinstance(value, int):
       raise ConfigError(f"{key}={json.dumps(value)} has the wrong type: expected an integer")
@@ -199,6 +203,9 @@ def _maybe_json(text: str) -> Any:
     return json.loads(text)
   except json.JSONDecodeError:
     return text
+  except ValueError as e:  # a number of more digits than Python reads (sys.get_int_max_str_digits)
+    raise ConfigError(f"--set value {text[:20]}... ({len(text)} characters) cannot be read: "
+                      f"{str(e).split(':')[0]}") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -347,15 +354,18 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = (),
   if path is not None:
     path = config_path(path)
     try:
-      raw = _check_sections(json.loads(path.read_text()), path)
+      raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
       raise ConfigError(f"config file {path} is not valid JSON (line {e.lineno}: {e.msg})") \
           from None
     except UnicodeDecodeError as e:
       raise ConfigError(f"config file {path} is not UTF-8 text ({e.reason} at byte {e.start}): "
                         "pass a JSON file") from None
+    except ValueError as e:  # a number of more digits than Python reads
+      raise ConfigError(f"config file {path} cannot be read: {str(e).split(':')[0]}") from None
     except OSError as e:
       raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    raw = _check_sections(raw, path)
   return _with_overrides(raw, overrides, plugins, str(path) if path else "the config")
 
 
