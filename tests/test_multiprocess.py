@@ -713,3 +713,33 @@ def test_processes_read_disjoint_rows_that_form_the_single_process_batch(tmp_pat
 
 if __name__ == "__main__":
   _slice_child(sys.argv[1])
+
+
+# ----------------------------------------------------------------------------- replicas
+
+
+@slow
+def test_two_processes_stop_before_saving_when_one_replica_is_corrupted(tmp_path):
+  """Process 1's copy of the parameters changed before step 12 (silent data corruption): the
+  replica check at step 16 names it, both processes exit 17, and no checkpoint after step 10 is
+  written."""
+  out = tmp_path / "run"
+  cmd = [sys.executable, "-m", "stablejax", "launch", "--nproc", "2", "--devices-per-proc", "1",
+         "--grace", "30", "--", str(TRAIN),
+         *sets("train.steps=40", "checkpoint.every=10", "logging.tensorboard=false",
+               "faults.corrupt_replica_step=12", "faults.corrupt_replica_device=1",
+               "stability.replicas.check_every=4", *DISTRIBUTED), "--out", str(out)]
+  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    stdout, stderr = proc.communicate(timeout=STAGE_TIMEOUT)
+  finally:
+    _kill_all([proc])
+  assert proc.returncode == 17, stderr[-3000:]
+  (line,) = [line for line in _own_lines(stderr, 0) if "copies of the parameters" in line]
+  assert "step 16:" in line and line.endswith("(exit code 17)"), line
+  assert "process 0 (device cpu:" in line and "process 1 (device cpu:" in line  # two copies
+  assert "killing" not in stderr  # both ended by themselves, with code 17 (the launcher's)
+  assert _checkpoint_steps(out) == [0, 10]
+  (event,) = [r for r in read_metrics(out) if r.get("event") == "replicas_differ"]
+  assert event["step"] == 16

@@ -448,6 +448,10 @@ def test_kill_right_after_rollback_resumes_with_its_skip_lr_and_count(rollback_r
   assert [e["restored_step"] for e in decision["recovery"]["events"]] == [10]
   steps = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
   assert steps == [0, 10]  # killed before the next checkpoint: only recovery.json knows
+  # ... and rejected_batches.json: the NaN batches were skipped by the run and by its replay
+  rejected = json.loads((out / "rejected_batches.json").read_text())["batches"]
+  assert sorted(p for p, events in rejected.items() if sum(e["counts"] for e in events) == 2) \
+      == ["13", "14", "15"]
 
   # A transient read error on resume: exit 2, one line, nothing on disk changed (but the killed
   # run's lock file, which the resume took over and gave up: a lock is removed as it is released).
@@ -470,6 +474,8 @@ def test_kill_right_after_rollback_resumes_with_its_skip_lr_and_count(rollback_r
   second = run_subprocess(out, *NAN_BATCHES)
   assert second.returncode == 0, second.stderr[-3000:]
   assert "re-applying rollback 1" in second.stdout
+  assert ("skipping 3 batches rejected 2 times or more (positions 13, 14, 15; "
+          "rejected_batches.json): never trained on again") in second.stdout
   s = summary(out)
   assert s["rollbacks"] == 1 and s["skipped_steps"] == 3
   # Same losses and LR scales as the run that was never killed: same skip, same backoff.

@@ -148,3 +148,135 @@ def test_a_reset_optimizer_continues_the_learning_rate_schedule():
       state.opt_state["optimizer"]) if getattr(path[-1], "name", None) == "count"]
   assert counts == [7, 7]  # Adam's and the schedule's
   assert int(state.opt_state["lr_scale"].count) == 7 and int(state.step) == 9
+
+
+@slow
+def test_a_reset_is_applied_only_to_another_optimizers_checkpoint(clean_run, tmp_path, capsys):
+  # The clean run (Muon, checkpoints 20, 30, 40), its newest checkpoint damaged. Switched to AdamW
+  # with --reset-optimizer: the damage is proven although the stack changed (the fall-back to 30);
+  # NaN batches right after it trigger a replay and a rollback to checkpoint 30, Muon's, which the
+  # reset allows too; the same command again restores AdamW's checkpoint as it is.
+  import shutil
+
+  from stablejax.cli.train import main
+  from helpers import sets
+  out = tmp_path / "switch"
+  shutil.copytree(clean_run, out)
+  for f in (out / "checkpoints" / "40" / "state").rglob("*"):
+    if f.is_file() and f.parent.name == "d":
+      f.write_bytes(b"\0" * f.stat().st_size)
+  argv = sets("train.steps=50", "optimizer.name=adamw", "optimizer.learning_rate=0.001",
+              "faults.nan_grad_batch_indices=[33, 34, 35]",
+              "stability.skip_nonfinite.max_consecutive=3") + ["--out", str(out),
+                                                              "--reset-optimizer"]
+  capsys.readouterr()
+  assert main(argv) == 0
+  captured = capsys.readouterr()
+  assert "warning: checkpoint 40 is damaged" in captured.err
+  assert captured.out.count("optimizer muon -> adamw: its state started afresh") == 1
+  (rollback,) = [r for r in read_metrics(out) if r.get("event") == "rollback"]
+  assert rollback["restored_step"] == 30 and rollback["reproduced"] is True
+  assert main(argv) == 0  # at its end: restores checkpoint 50 (AdamW's) and resets nothing
+  assert "started afresh" not in capsys.readouterr().out
+
+
+def test_a_reset_needs_another_optimizer_and_is_the_runs_once_made():
+  import flax.struct
+  from stablejax.training.restore_plan import StateMismatch, plan
+
+  class State(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: dict
+    opt_state: dict
+
+  def shape(*s):
+    return jax.ShapeDtypeStruct(s, jnp.float32)
+
+  def saved(name):
+    return {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": {"w": shape(4)},
+            "opt_state": {"optimizer": {name: {"m": shape(4)}}, "lr_scale": {"s": shape()}}}
+  adamw = State(step=jax.ShapeDtypeStruct((), jnp.int32), params={"w": shape(4)},
+                opt_state={"optimizer": {"adamw": {"m": shape(4)}}, "lr_scale": {"s": shape()}})
+  # the same optimizer: restored as it is, whatever the flag
+  same = plan(saved("adamw"), adamw, reset_optimizer=True)
+  assert same.optimizer_reset is None and "optimizer" in same.target["opt_state"]
+  # another optimizer: the flag, or a switch an earlier start made (recorded), allows the reset
+  with pytest.raises(StateMismatch, match="pass --reset-optimizer"):
+    plan(saved("muon"), adamw)
+  assert plan(saved("muon"), adamw, switched=True).optimizer_reset == "muon -> adamw"
+  # a recorded switch allows a change of optimizer, not another layout of the same one
+  other = adamw.replace(opt_state={**adamw.opt_state, "optimizer": {"adamw": {"m": shape(5)}}})
+  with pytest.raises(StateMismatch, match="another layout"):
+    plan(saved("adamw"), other, switched=True)
+
+
+def test_a_chain_of_the_runs_own_is_named_and_reset_on_request():
+  # A run trained through Trainer(cfg, out, tx=...) holds an optimizer state that is not keyed
+  # by defence: the command line names that (not only an earlier stablejax's layout), and
+  # --reset-optimizer starts the configured chain afresh, its counts at the steps taken.
+  import flax.struct
+  import optax
+  from stablejax.training.restore_plan import StateMismatch, plan
+
+  class State(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: dict
+    opt_state: dict
+
+  params = {"w": jnp.ones(3)}
+  own = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  stored = jax.eval_shape(lambda: {"step": jnp.int32(0), "params": params,
+                                   "opt_state": own.init(params)})
+  adamw = optax.adamw(optax.linear_schedule(0.0, 1e-3, 100))
+  scale = optax.inject_hyperparams(optax.scale)(step_size=1.0)
+
+  def fresh(p):
+    return {"optimizer": {"adamw": adamw.init(p)}, "lr_scale": scale.init(p)}
+  abstract = jax.eval_shape(lambda: State(step=jnp.int32(0), params=params,
+                                          opt_state=fresh(params)))
+  with pytest.raises(StateMismatch, match=r"Trainer\(cfg, out, tx=\.\.\.\).*--reset-optimizer"):
+    plan(stored, abstract)
+  p = plan(stored, abstract, reset_optimizer=True)
+  assert p.describe() == ("resumed with optimizer of the run's own chain -> this run's: its state "
+                          "started afresh (--reset-optimizer), continuing the learning-rate "
+                          "schedule")
+  assert sorted(p.target) == ["params", "step"]  # nothing of the optimizer is read
+  state = p.finish({"step": jnp.int32(12), "params": params}, fresh, lambda: None)
+  counts = [int(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+            if getattr(path[-1], "name", None) == "count"]
+  assert counts == [12, 12, 12]  # Adam's, the schedule's and the LR scale's
+
+
+def test_a_checkpoint_with_a_loss_scale_resumes_without_one(tmp_path):
+  # fp16 switched off at a resume: the checkpoint's loss scale is not read (Orbax raised a
+  # TypeError when the state it was asked to fill had None there).
+  import flax.struct
+  import grain
+  from stablejax.training.checkpoint import Checkpoints
+  from stablejax.training.restore_plan import plan
+
+  class State(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: dict
+    opt_state: dict
+    loss_scale: object = None
+
+  class Match:
+    def plan(self, stored):
+      return plan(stored, abstract)
+
+    def finish(self, p, restored):
+      return p.finish(restored, lambda params: {}, lambda: None)
+
+  opt_state = {"optimizer": {"adamw": {"m": jnp.ones(3)}}}
+  with_scale = State(step=jnp.int32(7), params={"w": jnp.arange(3.0)}, opt_state=opt_state,
+                     loss_scale={"scale": jnp.float32(1024.0)})
+  abstract = jax.eval_shape(lambda: State(step=jnp.int32(0), params={"w": jnp.zeros(3)},
+                                          opt_state=opt_state))
+  data = iter(grain.MapDataset.range(10).batch(2).to_iter_dataset())
+  checkpoints = Checkpoints(tmp_path / "ckpt", keep=2, async_save=False)
+  checkpoints.save(7, with_scale, data, {})
+  state, meta = checkpoints.restore(abstract, data, match=Match())
+  checkpoints.close()
+  assert int(state.step) == 7 and state.loss_scale is None and meta["step"] == 7
+  assert state.params["w"].tolist() == [0.0, 1.0, 2.0]

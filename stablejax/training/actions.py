@@ -108,8 +108,9 @@ class Logging:
     """Writes ``step``'s record (console, metrics.jsonl, TensorBoard); returns the rollback cause
     the recovery finds in it or None."""
     record = {"step": step, **fetch(device_metrics)}
-    for index, position, names in self.skipped_until(step):
-      self.reject([(position, index)], f"{' and '.join(names)} skipped step {index + 1}")
+    skipped = self.skipped_until(step)
+    if skipped:
+      self.reject([(position, index) for index, position, _ in skipped], skip_cause(skipped))
     for extra in self.extras:
       record.update(extra())
     self.publish(record)
@@ -321,6 +322,13 @@ class DeterminismCheck:
         self.log.record({"step": step + 1, "event": "nondeterminism", "cause": line, **diffs})
     return {"determinism/checks": self.checks, "determinism/max_loss_diff": self.max_loss_diff,
             "determinism/max_grad_norm_diff": self.max_grad_norm_diff}
+
+
+def skip_cause(skipped: list[tuple[int, int, list[str]]]) -> str:
+  """``skip_nonfinite skipped steps 13, 14`` for (step index, position, wrappers) entries."""
+  names = sorted({name for _, _, wrappers in skipped for name in wrappers})
+  steps = ", ".join(str(index + 1) for index, _, _ in skipped)
+  return f"{' and '.join(names)} skipped step{'s' if len(skipped) > 1 else ''} {steps}"
 
 
 def _difference(a: float, b: float) -> float:

@@ -394,11 +394,15 @@ class Checkpoints:
 
   def _stored_tree(self, step: int) -> Any:
     """The checkpoint's state as Orbax's metadata tree (shapes and dtypes, no arrays), or None
-    when it cannot be read (the restore itself then says what is wrong)."""
+    when it cannot be read (the restore itself then says what is wrong). Metadata that cannot
+    be read because the files are damaged raises that error: it is the proof, whatever this
+    run would have read of the checkpoint (a changed stack reads only a part of it)."""
     try:
       stored = ocp.PyTreeCheckpointHandler().metadata(self.directory / str(step) / "state")
       return getattr(stored, "tree", stored)
-    except Exception:  # noqa: BLE001 - unreadable metadata: the restore reports the cause
+    except Exception as e:  # noqa: BLE001 - unreadable metadata: damaged, or the restore says
+      if damage_evidence(e):
+        raise
       return None
 
   def _missing_evidence(self, step: int) -> Optional[str]:

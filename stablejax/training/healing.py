@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+from stablejax.training.actions import skip_cause
 from stablejax.training.batches import Batches
 from stablejax.training.logger import RunLogger
 from stablejax.training.recovery import Recovery, TransientEvent
@@ -118,9 +119,9 @@ class Healing:
     if self.recovery.cfg.replay:
       replay = self.replayer.replay(state, step, cause, record)
       self._report(replay)
-      for index, position, names in replay.skipped:
-        self.reject([(position, index)], f"{' and '.join(names)} skipped step {index + 1} "
-                                         "(replay)")
+      if replay.skipped:
+        self.reject([(position, index) for index, position, _ in replay.skipped],
+                    skip_cause(replay.skipped) + " (replay)")
       if replay.transient:
         return self._transient(replay)
     else:

@@ -108,6 +108,7 @@ class RestorePlan:
   legacy: Optional[LegacyLayout] = None        # read positionally, then keyed
   fresh_fields: list[str] = dataclasses.field(default_factory=list)  # e.g. loss_scale
   new_params: list[str] = dataclasses.field(default_factory=list)    # model surgery: initialised
+  whole_optimizer_reset: bool = False  # a chain of the run's own: no defence's state is read
 
   @property
   def complete(self) -> bool:
@@ -141,6 +142,8 @@ class RestorePlan:
     if self.optimizer_reset:
       parts.append(f"optimizer {self.optimizer_reset}: its state started afresh "
                    "(--reset-optimizer), continuing the learning-rate schedule")
+    if self.whole_optimizer_reset:  # every defence's state is the configured chain's, new
+      parts = [p for p in parts if not p.endswith(" on: new state")]
     return "resumed with " + "; ".join(parts) if parts else None
 
   def finish(self, restored: Any, fresh: Callable[[Any], Any], init: Callable[[], Any]) -> Any:
@@ -180,8 +183,12 @@ class RestorePlan:
     opt_state = _assemble(self.abstract.opt_state, restored.get("opt_state"), ("opt_state",),
                           read, (lambda: initial_opt) if opt_missing else None)
     if self.optimizer_reset is not None and defence.LR_SCALE_KEY in opt_state:
-      applied = opt_state[defence.LR_SCALE_KEY].count
-      opt_state[defence.OPTIMIZER_KEY] = continue_counts(opt_state[defence.OPTIMIZER_KEY], applied)
+      # the updates applied so far: the kept LR scale's count, else (nothing kept) the step
+      applied = (opt_state[defence.LR_SCALE_KEY].count
+                 if defence.LR_SCALE_KEY in self.saved_keys else restored["step"])
+      opt_state = {key: continue_counts(value, applied)
+                   if key == defence.OPTIMIZER_KEY or self.whole_optimizer_reset else value
+                   for key, value in opt_state.items()}
     fields = {f.name: _assemble(getattr(self.abstract, f.name), restored.get(f.name), (f.name,),
                                 read, from_init(f.name))
               for f in dataclasses.fields(self.abstract) if f.name not in ("params", "opt_state")}
@@ -253,7 +260,7 @@ def _subset(saved: dict, current: dict) -> bool:
   return all(path in current and current[path] == layout for path, layout in saved.items())
 
 
-def plan(stored: Any, abstract: Any, *, reset_optimizer: bool = False,
+def plan(stored: Any, abstract: Any, *, reset_optimizer: bool = False, switched: bool = False,
          legacy: Optional[Callable[[], Optional[LegacyLayout]]] = None,
          explain: Callable[[], str] = lambda: "") -> RestorePlan:
   """Matches a checkpoint's state (``stored``: Orbax's metadata tree) with this run's abstract
@@ -263,7 +270,11 @@ def plan(stored: Any, abstract: Any, *, reset_optimizer: bool = False,
     stored: the checkpoint's state metadata (nested dicts of array metadata).
     abstract: this run's abstract train state (``ShapeDtypeStruct`` leaves with shardings).
     reset_optimizer: a change of optimizer is allowed: its state starts afresh
-      (``--reset-optimizer``). The same optimizer with the same layout is always restored.
+      (``--reset-optimizer``). The same optimizer with the same layout is always restored: a
+      reset applies only to a checkpoint whose optimizer state is not the configured one's.
+    switched: the run already switched to this optimizer at an earlier start (its recorded
+      config has these optimizer settings): a checkpoint of the other optimizer (from before
+      the switch) is reset without ``reset_optimizer``.
     legacy: ``() -> LegacyLayout`` of the run's recorded config, for a checkpoint written before
       states were keyed (None, or returning None: such a checkpoint is refused).
     explain: ``() -> text`` naming the settings that changed the model's parameters (appended to
@@ -285,9 +296,13 @@ def plan(stored: Any, abstract: Any, *, reset_optimizer: bool = False,
     return RestorePlan(target=abstract)
   saved_params, current_params = leaf_layout(stored["params"]), leaf_layout(abstract.params)
   if not _subset(saved_params, current_params):
+    path = next(p for p in sorted(saved_params) if current_params.get(p) != saved_params[p])
+    name, (shape, dtype) = "/".join(("params",) + path), saved_params[path]
+    what = (f"{name} {shape} is in the checkpoint only" if path not in current_params else
+            f"{name} is {shape} {dtype} in the checkpoint and {current_params[path][0]} "
+            f"{current_params[path][1]} in this run")
     why = explain()
-    raise StateMismatch(f"its parameters do not fit this run's model: "
-                        f"{describe_difference(stored['params'], abstract.params, 'params')}"
+    raise StateMismatch(f"its parameters do not fit this run's model: {what}"
                         + (f" ({why})" if why else ""))
   result = RestorePlan(target=None, abstract=abstract)
   result.new_params = ["/".join(p) for p in sorted(set(current_params) - set(saved_params))]
@@ -318,11 +333,18 @@ def plan(stored: Any, abstract: Any, *, reset_optimizer: bool = False,
   else:
     layout = legacy() if legacy is not None else None
     if layout is None or leaf_layout(layout.positional) != leaf_layout(saved_opt):
+      if reset_optimizer:  # nothing of it is read: the configured chain starts afresh
+        result.optimizer_reset = "of the run's own chain -> this run's"
+        result.whole_optimizer_reset = True
+        return _finish_plan(result, stored, abstract, current)
       raise StateMismatch(
-          "its optimizer state is in the positional layout of an earlier stablejax, which the "
-          "run's config.json does not reproduce (" + describe_difference(
+          "its optimizer state is not keyed by defence: a chain given through the Python API "
+          "(Trainer(cfg, out, tx=...)), or the positional layout of an earlier stablejax, which "
+          "the run's config.json does not reproduce (" + describe_difference(
               saved_opt, layout.positional if layout else {}, "opt_state")
-          + "): resume with the config the run was started with")
+          + "): resume it with that chain or with the config the run was started with, or pass "
+          "--reset-optimizer to start the configured optimizer afresh (the parameters, step, "
+          "data position and monitor are kept)")
     result.legacy = layout
     keyed = layout.to_keyed(layout.positional)
     layouts = {key: leaf_layout(value) for key, value in keyed.items()}
@@ -334,7 +356,7 @@ def plan(stored: Any, abstract: Any, *, reset_optimizer: bool = False,
       saved_optimizer == now_optimizer
       or (bool(result.new_params) and _subset(saved_optimizer, now_optimizer)))
   if not same_optimizer:
-    if not reset_optimizer:
+    if not (reset_optimizer or (switched and saved_name != current_name)):
       what = (f"{saved_name}'s and this run's optimizer is {current_name}"
               if saved_name != current_name else
               f"{saved_name}'s with another layout (" + describe_difference(

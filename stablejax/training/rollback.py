@@ -44,7 +44,11 @@ class Restorer:
     recorded: the config the run's checkpoints were written with (the run directory's
       ``config.json``), or None for a new run: a checkpoint of a version before the optimizer
       state was keyed is read in its layout.
-    reset_optimizer: start the optimizer's state afresh at resume (``--reset-optimizer``).
+    reset_optimizer: a checkpoint whose optimizer state is another optimizer's may be restored
+      with the configured optimizer's state started afresh (``--reset-optimizer``). Allowed
+      without it too when the run's recorded config already has this optimizer: an earlier
+      start switched with the flag, and this restore meets a checkpoint from before the switch
+      (a rollback, a fall-back past a damaged checkpoint).
   """
 
   def __init__(self, current_components: Callable[[], Components], run_dir: RunDirectory,
@@ -69,9 +73,14 @@ class Restorer:
   def state_metrics(self, state: TrainState) -> dict:
     return fetch(stability_metrics(state.opt_state))
 
-  def restore(self, at_most: Optional[int] = None, *, reset_optimizer: bool = False
-              ) -> Optional[tuple[TrainState, dict]]:
-    self._reset = reset_optimizer
+  @property
+  def switched(self) -> bool:
+    """Whether the run's recorded config has this start's optimizer settings: a checkpoint of
+    another optimizer is then from before a switch an earlier start made (with the flag)."""
+    recorded = self.recorded.optimizer if self.recorded is not None else None
+    return recorded == self.components.cfg.optimizer
+
+  def restore(self, at_most: Optional[int] = None) -> Optional[tuple[TrainState, dict]]:
     return self.checkpoints.restore(self.components.abstract_state, self.batches.stream,
                                     at_most=at_most,
                                     on_fallback=self._fallback, match=self)
@@ -79,7 +88,8 @@ class Restorer:
   # ------------------------------------------------------------------ matching by name
 
   def plan(self, stored: Any) -> restore_plan.RestorePlan:
-    return restore_plan.plan(stored, self.components.abstract_state, reset_optimizer=self._reset,
+    return restore_plan.plan(stored, self.components.abstract_state,
+                             reset_optimizer=self.reset_optimizer, switched=self.switched,
                              legacy=self._legacy_layout, explain=self._model_changes)
 
   def finish(self, plan: restore_plan.RestorePlan, restored: Any) -> Any:
@@ -145,7 +155,7 @@ class Restorer:
     return state, meta
 
   def _restore_checkpoint_or_init(self) -> tuple[TrainState, dict]:
-    restored = self.restore(reset_optimizer=self.reset_optimizer)
+    restored = self.restore()
     if restored is None:
       stale = self.recovery_file
       if self.run_dir.is_main and stale.exists():  # its checkpoints are gone: another run's
