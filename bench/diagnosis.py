@@ -15,7 +15,9 @@ Usage:
   batch_nan        NaN gradients from three batches in a row (the data); expected: reproduced,
                    a rollback, the batches rejected
   step_spike       the gradient x 1e8 at two steps in a row, on every execution (a fault of the
-                   step itself, not of the device); expected: reproduced, a rollback
+                   step itself, not of the device); expected: reproduced, rollbacks (the steps
+                   fail again after each, so the run ends with exit code 3 once the recovery
+                   budget is spent: every replay on the way must say reproduced)
 
 and prints one row per run: the verdicts of its replays, its rollbacks, its final validation
 loss against the clean run's, the steps and seconds the replays cost, and whether the verdict is
@@ -89,15 +91,16 @@ def sweep() -> int:
         run = _run(Path(tmp) / f"{kind}_{step}", TINY + faults(step))
         replays = [r for r in run["records"] if r.get("event") == "replay"]
         verdicts = [r["verdict"] for r in replays]
-        loss = run["summary"]["final_val_loss"]
-        ok = bool(verdicts) and all(v == expected for v in verdicts)
+        loss = run["summary"]["final_val_loss"]  # None: stopped (a step fault that comes back
+        ok = bool(verdicts) and all(v == expected for v in verdicts)  # ends in exit code 3)
         if expected == "transient":
           ok = ok and loss == clean and run["summary"]["rollbacks"] == 0
         else:
           ok = ok and run["summary"]["rollbacks"] >= 1
         right += ok
         rows.append([kind, step, expected, ",".join(verdicts) or "-", run["summary"]["rollbacks"],
-                     f"{loss:.6f}", f"{loss - clean:+.2e}",
+                     f"{loss:.6f}" if loss is not None else f"- (exit {run['code']})",
+                     f"{loss - clean:+.2e}" if loss is not None else "-",
                      sum(r["replayed_steps"] for r in replays),
                      f"{sum(r['replay_seconds'] for r in replays):.2f}", "yes" if ok else "NO"])
   print(f"clean run: final val loss {clean:.6f}")

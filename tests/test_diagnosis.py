@@ -195,8 +195,8 @@ def test_the_default_timeout_ends_a_hang_of_the_default_model_within_five_minute
   assert dog.timeout() == cfg.stability.watchdog.startup_seconds  # before the first interval
   dog.measured(0.4)  # the default model's step on this machine is about that
   assert dog.timeout() == 180.0 and dog._poll() == 5.0  # at most 185 s from the last beat
-  dog.measured(2.0)  # a slower interval since: 20 x 10 steps x 2 s
-  assert dog.timeout() == 400.0
+  dog.measured(2.5)  # a slower interval since (a loaded machine): 10 x 10 steps x 2.5 s
+  assert dog.timeout() == 250.0
   assert Watchdog(WatchdogConfig(timeout_seconds=30), 10, None, lambda e: None,
                   lambda: False).timeout() == 1800.0  # a fixed timeout starts after the start
 

@@ -169,7 +169,7 @@ class WatchdogConfig:
 
   enabled: bool = True
   timeout_seconds: Optional[float] = None
-  factor: float = 20.0
+  factor: float = 10.0
   floor_seconds: float = 180.0
   startup_seconds: float = 1800.0
   grace_seconds: float = 60.0
