@@ -341,3 +341,20 @@ def quiet_orbax_leftovers() -> None:
       previous(unraisable)
   hook.drops_orbax_leftovers = True  # type: ignore[attr-defined]
   sys.unraisablehook = hook
+
+
+def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
+  """``--no-compilation-cache``: every program that compiles takes it
+  (:mod:`stablejax.training.compilation_cache`)."""
+  parser.add_argument("--no-compilation-cache", action="store_true",
+                      help="compile everything anew, without the persistent compilation cache "
+                           "(default: on, in the user's cache folder or $STABLEJAX_COMPILATION_"
+                           "CACHE)")
+
+
+def use_compilation_cache(args: argparse.Namespace, setting: Optional[str] = None) -> None:
+  """Turns the persistent compilation cache on (or off, by ``--no-compilation-cache``) before
+  the program compiles anything; a problem with its folder is one warning line."""
+  from stablejax.training import compilation_cache
+  compilation_cache.enable(setting, disabled=getattr(args, "no_compilation_cache", False),
+                           say=lambda line: print(line, file=sys.stderr))

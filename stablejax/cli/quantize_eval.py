@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
                  help="where to write the result (default RUN_DIR/quantize_eval.json); never one "
                       "of the run's files")
+  _process.add_compilation_cache_flag(p)
   p.add_argument("--force", action="store_true",
                  help="replace a file at --out that quantize-eval did not write")
   return p
@@ -61,6 +62,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
   _process.check()
+  _process.use_compilation_cache(args)
   # Imported once the signals are handled (JAX).
   from stablejax.training import outputs
   from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval

@@ -57,6 +57,7 @@ def parser() -> argparse.ArgumentParser:
                       "tokenizer.json); it must match a recorded one")
   p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
                  help="also write the samples to FILE as JSON (never one of the run's files)")
+  _process.add_compilation_cache_flag(p)
   p.add_argument("--force", action="store_true",
                  help="replace a file at --out that sample did not write")
   return p
@@ -71,6 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _sample(args: argparse.Namespace) -> int:
   _process.check()
+  _process.use_compilation_cache(args)
   # Imported once the signals are handled, like everything JAX does from here on: a signal only
   # takes effect at the next safe point, never inside an import or a compilation.
   from stablejax.training import outputs

@@ -79,6 +79,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                       help="at this resume, ramp the learning rate from 0 back to the schedule "
                            "over N steps (the config key train.rewarmup_steps; recorded, so the "
                            "same command again does not ramp again)")
+  parser.add_argument("--no-compilation-cache", action="store_true",
+                      help="compile everything anew, without the persistent compilation cache "
+                           "(default: on, in the user's cache folder, $STABLEJAX_COMPILATION_CACHE"
+                           " or train.compilation_cache)")
   parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                       help="import a module that declares defences or model families (a module "
                            "name or a .py path), repeatable; recorded in config.json, so a resume, "
@@ -146,6 +150,9 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     if args.rewarmup_steps is not None:
       overrides.append(f"train.rewarmup_steps={args.rewarmup_steps}")
     cfg = load_config(args.config, overrides, plugins=recorded + args.plugin)
+    from stablejax.training import compilation_cache
+    compilation_cache.enable(cfg.train.compilation_cache, disabled=args.no_compilation_cache,
+                             say=lambda line: print(line, file=sys.stderr))
     return Trainer(cfg, out, fresh=args.fresh, data_changed=args.data_changed,
                reset_optimizer=args.reset_optimizer, signals=signals,
                config_file=config_path(args.config)).train()

@@ -23,6 +23,7 @@ from stablejax.monitor.movement import movement_record, movement_warnings, param
 from stablejax.monitor.specs import skip_flag_keys
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax.monitor.tensorboard import tensorboard_scalars
+from stablejax.training import compilation_cache
 from stablejax.training.batches import Batches, fetch, kill_if_due, total_skips
 from stablejax.training.budget import Budget
 from stablejax.training.checkpoint import Checkpoints
@@ -135,6 +136,8 @@ class Logging:
       self.log.record({"step": step, "event": "warning", "cause": line})
     record["stability_score"] = self.monitor.score()
     record["health"] = self.monitor.level
+    if self.intervals == 1 and (cached := compilation_cache.summary()):  # the start's first
+      self.log.console(f"step {step}: {cached}")
     self.log.record(record, tensorboard_scalars(record, rates=self.monitor.rates()))
     self.progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{self.tokens_per_sec:,.0f}",
                               skipped=total_skips(record) + self.abandoned_skips(),

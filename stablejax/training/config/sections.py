@@ -63,6 +63,9 @@ class TrainConfig:
   # A resume that changes this to N > 0 ramps the learning rate from 0 back to the schedule over N
   # steps (recorded with the run; the same command again does not ramp again). 0: no ramp.
   rewarmup_steps: int = 0
+  # The persistent compilation cache's folder; "off"; null: $STABLEJAX_COMPILATION_CACHE or the
+  # user's cache folder (stablejax/training/compilation_cache.py).
+  compilation_cache: Optional[str] = None
 
 
 @dataclasses.dataclass
