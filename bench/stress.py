@@ -164,6 +164,12 @@ for _tau in (100, 30):
 for _name, _opt in (("perhead", {"per_head": True}), ("normuon", {"normuon": True}),
                     ("perhead_normuon", {"per_head": True, "normuon": True})):
   DEFENCES[f"stablejax_muon_{_name}"] = ({"optimizer": {**_MUON_OPT, **_opt}}, None)
+# The stacks with Hyperball (Wen et al., Dec 2025; stablejax.hyperball): the Muon routing's
+# matrices kept at their initial norm and moved by the normalised step at the optimizer's rate
+# (AdamH, MuonH), the rest as in the stack (--hyperball).
+_HYPERBALL = {"hyperball": {"enabled": True}}
+DEFENCES["stablejax_hyperball"] = ({"stability": _HYPERBALL}, None)
+DEFENCES["stablejax_muon_hyperball"] = ({"optimizer": _MUON_OPT, "stability": _HYPERBALL}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "skip_spikes", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -242,6 +248,17 @@ MUON_METHODS = {"models": ("long",), "defences": ("stablejax_muon", "stablejax_m
                                                   "stablejax_muon_normuon",
                                                   "stablejax_muon_perhead_normuon"),
                 "lr_factors": (1.0, 10.0), "seeds": SEEDS}
+# --hyperball: the learning-rate goal over seeds (README, "Measured"): AdamW and Muon, each with
+# clip 1.0, the default stack and the stack + Hyperball, on the long-horizon model without QK-norm
+# and with it, LONG_FACTORS, 3 seeds. The cells the earlier long-horizon sweeps ran (same model,
+# defence, rate and seed; 800 steps) are taken from their files (`reuse`); AdamW's cells run
+# first, so an interrupted sweep has the comparison the goal is about.
+HYPERBALL = {"models": ("long", "long_qk"),
+             "defences": ("clip1", "stablejax", "stablejax_hyperball", "muon_clip1",
+                          "stablejax_muon", "stablejax_muon_hyperball"),
+             "seeds": SEEDS,
+             "reuse": tuple(str(RESULTS / f"{n}.jsonl") for n in (
+                 "stress_long_runs", "stress_long_new_runs", "stress_long_muon_runs"))}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
          "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
 
@@ -373,7 +390,8 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
   name = f"{model}__{defence}__x{factor:g}__s{seed}"
   out = Path(workdir) / name
   result = {"model": model, "defence": defence, "lr_factor": factor,
-            "lr": main_lr(raw) * factor, "seed": seed, "status": "crashed", "val_loss": None,
+            "lr": main_lr(raw) * factor, "seed": seed, "steps": raw["train"]["steps"],
+            "status": "crashed", "val_loss": None,
             "init_loss": None, "diverged": True, "spikes": None, "skipped": None,
             "rollbacks": None, "warnings": None, "zclip_clip_rate": None,
             "adagc_clip_frac": None, "adagc_norm_ratio": None, "wall_s": None, "ms_step": None,
@@ -1084,6 +1102,31 @@ def append_run(path: Path, result: dict) -> None:
     os.fsync(f.fileno())
 
 
+def reusable_runs(paths: list[Path], cells: list[tuple], steps: int) -> dict[tuple, dict]:
+  """The runs of earlier JSON-lines files (`--reuse`) that are cells of this sweep: same model,
+  defence, rate factor and seed, and the same run length (a run that recorded its `steps`
+  must match; one from before runs recorded it counts for the models that fix their own
+  length, the long-horizon ones, and otherwise when its last logged step is the length). A
+  later file's run of a cell wins."""
+  wanted = set(cells)
+  found: dict[tuple, dict] = {}
+  for path in paths:
+    for r in read_runs(path):
+      key = _key(r)
+      if key not in wanted:
+        continue
+      length = model_steps(r["model"], steps)
+      if "steps" in r:
+        same = r["steps"] == length
+      elif "steps" in MODELS[r["model"]].get("train", {}):
+        same = True
+      else:
+        same = bool(r.get("curve")) and r["curve"][-1][0] == length
+      if same:
+        found[key] = r
+  return found
+
+
 def read_runs(path: Path) -> list[dict]:
   """The runs of a JSON-lines file written by append_run (a later line of a run wins; a
   truncated line is skipped)."""
@@ -1152,12 +1195,20 @@ def main(argv=None) -> int:
   p.add_argument("--muon-methods", action="store_true",
                  help="today's Muon stack against per-head Muon, NorMuon and both (MUON_METHODS: "
                  "the long-horizon model, 1x and 10x, 3 seeds)")
+  p.add_argument("--hyperball", action="store_true",
+                 help="AdamW and Muon with clip 1.0, the stack and the stack + Hyperball on the "
+                 "long-horizon models without and with QK-norm, 3 seeds (HYPERBALL; the cells of "
+                 "the earlier long sweeps are reused from their files unless --reuse says else)")
   p.add_argument("--short-plan", action="store_true",
                  help="the short-horizon rows planned and not run in the first sweep "
                  "(SHORT_PLAN: QK-norm, no warmup, fp16)")
   p.add_argument("--results", default=None, metavar="RUNS_JSONL",
                  help="append each finished run to this JSON-lines file and skip the runs it "
                  "already holds (resume an interrupted sweep); also accepted by --replot")
+  p.add_argument("--reuse", default=None, metavar="RUNS_JSONL[,RUNS_JSONL...]",
+                 help="take the cells these earlier JSON-lines files hold (same model, defence, "
+                 "rate factor, seed and run length) instead of running them again; they are "
+                 "reported with this sweep's runs but not copied into --results")
   p.add_argument("--diagnose", action="store_true",
                  help="the DIAGNOSIS variants of the stacks (+ the baselines) at 1x and 10x, "
                  "3 seeds")
@@ -1182,6 +1233,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   name = args.name or ("stress_diagnosis" if args.diagnose else "stress_long" if args.long
                        else "stress_long_muon" if args.muon_methods
+                       else "stress_long_hyperball" if args.hyperball
                        else "stress_short" if args.short_plan else "stress")
 
   if args.replot:
@@ -1221,13 +1273,14 @@ def main(argv=None) -> int:
     p.error(str(e))
 
   preset = (QUICK if args.quick else DIAGNOSE if args.diagnose else MUON_METHODS
-            if args.muon_methods else {})
+            if args.muon_methods else HYPERBALL if args.hyperball else {})
+  long_grid = args.long or args.hyperball  # LONG_FACTORS per optimizer unless --lr-factors
   plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
   default_models = LONG_MODELS if args.long else preset.get("models", plan)
   models = args.models.split(",") if args.models else list(default_models)
   factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
-             else None if args.long else list(preset.get("lr_factors", LR_FACTORS)))
+             else None if long_grid else list(preset.get("lr_factors", LR_FACTORS)))
   seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds
            else list(preset.get("seeds", SEEDS)))
   if args.defences:
@@ -1251,6 +1304,8 @@ def main(argv=None) -> int:
            for f in (factors or LONG_FACTORS[_family(d)]) for s in seeds]
   if args.long and not (args.models or args.defences or args.lr_factors or args.seeds):
     cells = long_cells()
+  if args.hyperball:
+    cells.sort(key=lambda c: _family(c[1]) == "muon")  # AdamW's first, else in order
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
 
   machine = _common.machine_lines()
@@ -1285,13 +1340,19 @@ def main(argv=None) -> int:
     done = {_key(r): r for r in read_runs(runs_file)}
     results = {c: done[c] for c in cells if c in done}
     print(f"resuming: {len(results)} of {len(cells)} runs already in {runs_file}", flush=True)
+  reuse = args.reuse.split(",") if args.reuse else list(preset.get("reuse", ()))
+  if reuse:
+    reused = reusable_runs([Path(x) for x in reuse],
+                           [c for c in cells if c not in results], steps)
+    results.update(reused)
+    print(f"reusing: {len(reused)} of {len(cells)} runs from {', '.join(reuse)}", flush=True)
   todo = [c for c in cells if c not in results]
   ctx = multiprocessing.get_context("spawn")
   with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                    initializer=_common.use_compilation_cache,
                                    initargs=(cache_dir,)) as pool:
     jobs = {pool.submit(run_one, m, d, f, s, steps, variants, workdir): (m, d, f, s)
-            for m, d, f, s in (todo if args.long else _jobs(todo))}
+            for m, d, f, s in (todo if long_grid else _jobs(todo))}
     for job in futures.as_completed(jobs):
       r = job.result()
       results[jobs[job]] = r
@@ -1314,9 +1375,12 @@ def main(argv=None) -> int:
   if cache_dir:
     shutil.rmtree(cache_dir, ignore_errors=True)
   walls = [r["wall_s"] for r in ordered if r["wall_s"]]
-  timing = (f"{len(cells)} runs in {total:.0f}s wall ({args.jobs} in parallel; per run median "
+  ran = len(todo)
+  timing = (f"{ran} runs in {total:.0f}s wall ({args.jobs} in parallel; per run median "
             f"{statistics.median(walls):.0f}s incl. start-up and compilation, load average at the"
-            f" end {os.getloadavg()[0]:.1f})") if walls else f"{len(cells)} runs in {total:.0f}s"
+            f" end {os.getloadavg()[0]:.1f})") if walls else f"{ran} runs in {total:.0f}s"
+  if len(cells) > ran:
+    timing += f"; {len(cells) - ran} more taken from earlier files"
   header = {"machine": machine, "setting": setting, "timing": timing, "command": command}
   raw_path = Path(workdir) / "results.json"
   raw_path.write_text(json.dumps({"header": header, "results": ordered}))
