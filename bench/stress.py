@@ -495,9 +495,11 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
       mean = {f: statistics.fmean(loss[f]) for f in fs}
       sd = {f: statistics.stdev(loss[f]) if len(loss[f]) > 1 else 0.0 for f in fs}
       best_f = min(fs, key=lambda f: mean[f])
-      per_seed = []
-      for i in range(min(len(loss[f]) for f in fs)):
-        per_seed.append(lr_sensitivity([loss[f][i] for f in fs]))
+      # Per seed (a seed run at every rate of the grid): its own curve's sensitivity.
+      whole = [s for s in seeds if all((model, defence, f, s) in by for f in fs)]
+      by_seed = {s: lr_sensitivity([clamped_loss(by[(model, defence, f, s)]) for f in fs])
+                 for s in whole}
+      per_seed = list(by_seed.values())
       runs = [r for f in fs for r in cells[f]]
       rows.append({
           "model": model, "defence": defence, "factors": fs, "mean": mean, "sd": sd,
@@ -506,6 +508,7 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
           "best_sd": sd[best_f],
           "sensitivity": lr_sensitivity([mean[f] for f in fs]),
           "sensitivity_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+          "sensitivity_by_seed": by_seed,
           "runs": len(runs), "diverged": sum(r["diverged"] for r in runs),
           "rollbacks": sum(r["rollbacks"] or 0 for r in runs),
           "runs_rolled_back": sum(1 for r in runs if r["rollbacks"]),
@@ -535,6 +538,13 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
     row["sensitivity_ratio"] = (row["sensitivity"] / base["sensitivity"]
                                 if base["sensitivity"] > 0 and row["factors"] == base["factors"]
                                 else None)
+    # Its standard error: of the paired per-seed ratios (same seed: same initialisation and
+    # data order), sd / sqrt(seeds); None with fewer than two seeds in both.
+    pairs = [row["sensitivity_by_seed"][s] / base["sensitivity_by_seed"][s]
+             for s in row["sensitivity_by_seed"] if base["sensitivity_by_seed"].get(s, 0) > 0]
+    row["sensitivity_ratio_se"] = (statistics.stdev(pairs) / math.sqrt(len(pairs))
+                                   if row["sensitivity_ratio"] is not None and len(pairs) > 1
+                                   else None)
     # Rollbacks in runs whose baseline twin (same model, rate, seed) did not diverge.
     by_cell = {(r["lr_factor"], r["seed"]): r for r in results
                if r["model"] == row["model"] and r["defence"] == base_name}
@@ -638,7 +648,8 @@ def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     out.append([
         r["model"], r["defence"], f"{r['best_lr']:.3g} ({r['best_factor']:g}x)",
         _pm(r["best_mean"], r["best_sd"]), _pm(r["sensitivity"], r["sensitivity_sd"]),
-        "-" if ratio is None else f"{ratio:.2f}x",
+        "-" if ratio is None else f"{ratio:.2f}x" + (
+            "" if r.get("sensitivity_ratio_se") is None else f" ± {r['sensitivity_ratio_se']:.2f}"),
         "-" if gap is None else f"{gap:+.3f} ({r['base_se']:.3f})",
         "-" if share is None else f"{100 * share:.0f}% ({r['top_factor']:g}x)",
         f"{r['diverged']}/{r['runs']}",
@@ -679,8 +690,8 @@ def plot_curves(results: list[dict], rows: list[dict], path: Path, title: str) -
                   color=colors[row["defence"]], marker="o", ms=3, lw=1, capsize=2,
                   ls="--" if _family(row["defence"]) == "muon" else "-",
                   label=f"{row['defence']} (sens. {row['sensitivity']:.2f})")
-    for row in rows:  # the same model with QK-norm, the architectural reference
-      if row["model"] != QK_TWIN.get(model):
+    for row in rows:  # the same model with QK-norm and its baselines, the reference
+      if row["model"] != QK_TWIN.get(model) or row["defence"] not in ("clip1", "muon_clip1"):
         continue
       fs = row["factors"]
       lrs = [row["best_lr"] / row["best_factor"] * f for f in fs]
@@ -1009,7 +1020,9 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         "Command: `" + header["command"] + "`", "", *[f"- {x}" for x in lines], "",
         "Per defence (loss = final validation loss, min(loss, loss at init); mean ± sd over "
         "seeds; LR sensitivity ± sd of the per-seed values; 'vs baseline' = sensitivity / the "
-        "baseline's (clip1 for AdamW, muon_clip1 for Muon); gap = this defence minus the "
+        "baseline's (clip1 for AdamW, muon_clip1 for Muon) ± the standard error of the per-seed "
+        "ratios (each seed's curve against the baseline's of the same seed); gap = this defence "
+        "minus the "
         "baseline at the baseline's best rate, (SE) = the baseline's standard error there; "
         "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge; monitor "
         "warnings = warning lines the trainer printed (for the long-horizon runs: under the "
@@ -1258,6 +1271,22 @@ def main(argv=None) -> int:
           f"python -m bench.stress --muon-methods --results "
           f"bench/results/stress_long_muon_runs.jsonl (long), and the same with --models "
           f"long_qk --defences stablejax_muon,stablejax_muon_normuon --lr-factors 1,10")
+    if args.hyperball:  # the preset's cells of the merged files
+      grid = {(m, d, f, s_) for m in HYPERBALL["models"] for d in HYPERBALL["defences"]
+              for f in LONG_FACTORS[_family(d)] for s_ in HYPERBALL["seeds"]}
+      results = [r for r in results if _key(r) in grid]
+      if header["setting"] == "" or " | " in header["setting"]:
+        b = BASE
+        header["setting"] = (
+            f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+            f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, no warmup, "
+            f"data pydoc; the model without QK-norm (long) and with it (long_qk); base LR AdamW "
+            f"{ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}), factors "
+            + "; ".join(f"{k} {', '.join(f'{f:g}' for f in v)}" for k, v in LONG_FACTORS.items())
+            + "; seeds 0, 1, 2; the Hyperball step at the optimizer's rate of each matrix; "
+            "command of the runs: python -m bench.stress --hyperball --results "
+            "bench/results/stress_long_hyperball_runs.jsonl (cells of the earlier long sweeps "
+            "reused from their files)")
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
