@@ -164,6 +164,12 @@ for _tau in (100, 30):
 for _name, _opt in (("perhead", {"per_head": True}), ("normuon", {"normuon": True}),
                     ("perhead_normuon", {"per_head": True, "normuon": True})):
   DEFENCES[f"stablejax_muon_{_name}"] = ({"optimizer": {**_MUON_OPT, **_opt}}, None)
+# The stacks with Hyperball (Wen et al., Dec 2025; stablejax.hyperball): the Muon routing's
+# matrices kept at their initial norm and moved by the normalised step at the optimizer's rate
+# (AdamH, MuonH), the rest as in the stack (--hyperball).
+_HYPERBALL = {"hyperball": {"enabled": True}}
+DEFENCES["stablejax_hyperball"] = ({"stability": _HYPERBALL}, None)
+DEFENCES["stablejax_muon_hyperball"] = ({"optimizer": _MUON_OPT, "stability": _HYPERBALL}, None)
 ADAMW_DEFENCES = ("none", "clip1", "apply_if_finite", "zclip", "adagc", "skip_spikes", "stablejax",
                   "stablejax_adagc")
 MUON_DEFENCES = ("muon_clip1", "stablejax_muon")
@@ -242,6 +248,17 @@ MUON_METHODS = {"models": ("long",), "defences": ("stablejax_muon", "stablejax_m
                                                   "stablejax_muon_normuon",
                                                   "stablejax_muon_perhead_normuon"),
                 "lr_factors": (1.0, 10.0), "seeds": SEEDS}
+# --hyperball: the learning-rate goal over seeds (README, "Measured"): AdamW and Muon, each with
+# clip 1.0, the default stack and the stack + Hyperball, on the long-horizon model without QK-norm
+# and with it, LONG_FACTORS, 3 seeds. The cells the earlier long-horizon sweeps ran (same model,
+# defence, rate and seed; 800 steps) are taken from their files (`reuse`); AdamW's cells run
+# first, so an interrupted sweep has the comparison the goal is about.
+HYPERBALL = {"models": ("long", "long_qk"),
+             "defences": ("clip1", "stablejax", "stablejax_hyperball", "muon_clip1",
+                          "stablejax_muon", "stablejax_muon_hyperball"),
+             "seeds": SEEDS,
+             "reuse": tuple(str(RESULTS / f"{n}.jsonl") for n in (
+                 "stress_long_runs", "stress_long_new_runs", "stress_long_muon_runs"))}
 QUICK = {"models": ("preln",), "defences": ("clip1", "stablejax", "stablejax_muon"),
          "lr_factors": (1.0, 10.0, 31.62), "seeds": (0,), "steps": 100}
 
@@ -373,7 +390,8 @@ def run_one(model: str, defence: str, factor: float, seed: int, steps: int,
   name = f"{model}__{defence}__x{factor:g}__s{seed}"
   out = Path(workdir) / name
   result = {"model": model, "defence": defence, "lr_factor": factor,
-            "lr": main_lr(raw) * factor, "seed": seed, "status": "crashed", "val_loss": None,
+            "lr": main_lr(raw) * factor, "seed": seed, "steps": raw["train"]["steps"],
+            "status": "crashed", "val_loss": None,
             "init_loss": None, "diverged": True, "spikes": None, "skipped": None,
             "rollbacks": None, "warnings": None, "zclip_clip_rate": None,
             "adagc_clip_frac": None, "adagc_norm_ratio": None, "wall_s": None, "ms_step": None,
@@ -477,9 +495,11 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
       mean = {f: statistics.fmean(loss[f]) for f in fs}
       sd = {f: statistics.stdev(loss[f]) if len(loss[f]) > 1 else 0.0 for f in fs}
       best_f = min(fs, key=lambda f: mean[f])
-      per_seed = []
-      for i in range(min(len(loss[f]) for f in fs)):
-        per_seed.append(lr_sensitivity([loss[f][i] for f in fs]))
+      # Per seed (a seed run at every rate of the grid): its own curve's sensitivity.
+      whole = [s for s in seeds if all((model, defence, f, s) in by for f in fs)]
+      by_seed = {s: lr_sensitivity([clamped_loss(by[(model, defence, f, s)]) for f in fs])
+                 for s in whole}
+      per_seed = list(by_seed.values())
       runs = [r for f in fs for r in cells[f]]
       rows.append({
           "model": model, "defence": defence, "factors": fs, "mean": mean, "sd": sd,
@@ -488,6 +508,7 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
           "best_sd": sd[best_f],
           "sensitivity": lr_sensitivity([mean[f] for f in fs]),
           "sensitivity_sd": statistics.stdev(per_seed) if len(per_seed) > 1 else 0.0,
+          "sensitivity_by_seed": by_seed,
           "runs": len(runs), "diverged": sum(r["diverged"] for r in runs),
           "rollbacks": sum(r["rollbacks"] or 0 for r in runs),
           "runs_rolled_back": sum(1 for r in runs if r["rollbacks"]),
@@ -517,6 +538,13 @@ def summarize(results: list[dict], models, defences, factors, seeds) -> list[dic
     row["sensitivity_ratio"] = (row["sensitivity"] / base["sensitivity"]
                                 if base["sensitivity"] > 0 and row["factors"] == base["factors"]
                                 else None)
+    # Its standard error: of the paired per-seed ratios (same seed: same initialisation and
+    # data order), sd / sqrt(seeds); None with fewer than two seeds in both.
+    pairs = [row["sensitivity_by_seed"][s] / base["sensitivity_by_seed"][s]
+             for s in row["sensitivity_by_seed"] if base["sensitivity_by_seed"].get(s, 0) > 0]
+    row["sensitivity_ratio_se"] = (statistics.stdev(pairs) / math.sqrt(len(pairs))
+                                   if row["sensitivity_ratio"] is not None and len(pairs) > 1
+                                   else None)
     # Rollbacks in runs whose baseline twin (same model, rate, seed) did not diverge.
     by_cell = {(r["lr_factor"], r["seed"]): r for r in results
                if r["model"] == row["model"] and r["defence"] == base_name}
@@ -620,7 +648,8 @@ def summary_rows(rows: list[dict]) -> tuple[list[str], list[list]]:
     out.append([
         r["model"], r["defence"], f"{r['best_lr']:.3g} ({r['best_factor']:g}x)",
         _pm(r["best_mean"], r["best_sd"]), _pm(r["sensitivity"], r["sensitivity_sd"]),
-        "-" if ratio is None else f"{ratio:.2f}x",
+        "-" if ratio is None else f"{ratio:.2f}x" + (
+            "" if r.get("sensitivity_ratio_se") is None else f" ± {r['sensitivity_ratio_se']:.2f}"),
         "-" if gap is None else f"{gap:+.3f} ({r['base_se']:.3f})",
         "-" if share is None else f"{100 * share:.0f}% ({r['top_factor']:g}x)",
         f"{r['diverged']}/{r['runs']}",
@@ -661,8 +690,8 @@ def plot_curves(results: list[dict], rows: list[dict], path: Path, title: str) -
                   color=colors[row["defence"]], marker="o", ms=3, lw=1, capsize=2,
                   ls="--" if _family(row["defence"]) == "muon" else "-",
                   label=f"{row['defence']} (sens. {row['sensitivity']:.2f})")
-    for row in rows:  # the same model with QK-norm, the architectural reference
-      if row["model"] != QK_TWIN.get(model):
+    for row in rows:  # the same model with QK-norm and its baselines, the reference
+      if row["model"] != QK_TWIN.get(model) or row["defence"] not in ("clip1", "muon_clip1"):
         continue
       fs = row["factors"]
       lrs = [row["best_lr"] / row["best_factor"] * f for f in fs]
@@ -991,7 +1020,9 @@ def report(results: list[dict], header: dict, out_dir: Path | None, name: str) -
         "Command: `" + header["command"] + "`", "", *[f"- {x}" for x in lines], "",
         "Per defence (loss = final validation loss, min(loss, loss at init); mean ± sd over "
         "seeds; LR sensitivity ± sd of the per-seed values; 'vs baseline' = sensitivity / the "
-        "baseline's (clip1 for AdamW, muon_clip1 for Muon); gap = this defence minus the "
+        "baseline's (clip1 for AdamW, muon_clip1 for Muon) ± the standard error of the per-seed "
+        "ratios (each seed's curve against the baseline's of the same seed); gap = this defence "
+        "minus the "
         "baseline at the baseline's best rate, (SE) = the baseline's standard error there; "
         "rollbacks (false) = rollbacks in runs whose baseline twin did not diverge; monitor "
         "warnings = warning lines the trainer printed (for the long-horizon runs: under the "
@@ -1084,6 +1115,31 @@ def append_run(path: Path, result: dict) -> None:
     os.fsync(f.fileno())
 
 
+def reusable_runs(paths: list[Path], cells: list[tuple], steps: int) -> dict[tuple, dict]:
+  """The runs of earlier JSON-lines files (`--reuse`) that are cells of this sweep: same model,
+  defence, rate factor and seed, and the same run length (a run that recorded its `steps`
+  must match; one from before runs recorded it counts for the models that fix their own
+  length, the long-horizon ones, and otherwise when its last logged step is the length). A
+  later file's run of a cell wins."""
+  wanted = set(cells)
+  found: dict[tuple, dict] = {}
+  for path in paths:
+    for r in read_runs(path):
+      key = _key(r)
+      if key not in wanted:
+        continue
+      length = model_steps(r["model"], steps)
+      if "steps" in r:
+        same = r["steps"] == length
+      elif "steps" in MODELS[r["model"]].get("train", {}):
+        same = True
+      else:
+        same = bool(r.get("curve")) and r["curve"][-1][0] == length
+      if same:
+        found[key] = r
+  return found
+
+
 def read_runs(path: Path) -> list[dict]:
   """The runs of a JSON-lines file written by append_run (a later line of a run wins; a
   truncated line is skipped)."""
@@ -1152,12 +1208,20 @@ def main(argv=None) -> int:
   p.add_argument("--muon-methods", action="store_true",
                  help="today's Muon stack against per-head Muon, NorMuon and both (MUON_METHODS: "
                  "the long-horizon model, 1x and 10x, 3 seeds)")
+  p.add_argument("--hyperball", action="store_true",
+                 help="AdamW and Muon with clip 1.0, the stack and the stack + Hyperball on the "
+                 "long-horizon models without and with QK-norm, 3 seeds (HYPERBALL; the cells of "
+                 "the earlier long sweeps are reused from their files unless --reuse says else)")
   p.add_argument("--short-plan", action="store_true",
                  help="the short-horizon rows planned and not run in the first sweep "
                  "(SHORT_PLAN: QK-norm, no warmup, fp16)")
   p.add_argument("--results", default=None, metavar="RUNS_JSONL",
                  help="append each finished run to this JSON-lines file and skip the runs it "
                  "already holds (resume an interrupted sweep); also accepted by --replot")
+  p.add_argument("--reuse", default=None, metavar="RUNS_JSONL[,RUNS_JSONL...]",
+                 help="take the cells these earlier JSON-lines files hold (same model, defence, "
+                 "rate factor, seed and run length) instead of running them again; they are "
+                 "reported with this sweep's runs but not copied into --results")
   p.add_argument("--diagnose", action="store_true",
                  help="the DIAGNOSIS variants of the stacks (+ the baselines) at 1x and 10x, "
                  "3 seeds")
@@ -1182,6 +1246,7 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   name = args.name or ("stress_diagnosis" if args.diagnose else "stress_long" if args.long
                        else "stress_long_muon" if args.muon_methods
+                       else "stress_long_hyperball" if args.hyperball
                        else "stress_short" if args.short_plan else "stress")
 
   if args.replot:
@@ -1206,6 +1271,22 @@ def main(argv=None) -> int:
           f"python -m bench.stress --muon-methods --results "
           f"bench/results/stress_long_muon_runs.jsonl (long), and the same with --models "
           f"long_qk --defences stablejax_muon,stablejax_muon_normuon --lr-factors 1,10")
+    if args.hyperball:  # the preset's cells of the merged files
+      grid = {(m, d, f, s_) for m in HYPERBALL["models"] for d in HYPERBALL["defences"]
+              for f in LONG_FACTORS[_family(d)] for s_ in HYPERBALL["seeds"]}
+      results = [r for r in results if _key(r) in grid]
+      if header["setting"] == "" or " | " in header["setting"]:
+        b = BASE
+        header["setting"] = (
+            f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+            f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, no warmup, "
+            f"data pydoc; the model without QK-norm (long) and with it (long_qk); base LR AdamW "
+            f"{ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}), factors "
+            + "; ".join(f"{k} {', '.join(f'{f:g}' for f in v)}" for k, v in LONG_FACTORS.items())
+            + "; seeds 0, 1, 2; the Hyperball step at the optimizer's rate of each matrix; "
+            "command of the runs: python -m bench.stress --hyperball --results "
+            "bench/results/stress_long_hyperball_runs.jsonl (cells of the earlier long sweeps "
+            "reused from their files)")
     report(results, header, Path(args.out) if args.out else RESULTS, name)
     return 0
 
@@ -1221,13 +1302,14 @@ def main(argv=None) -> int:
     p.error(str(e))
 
   preset = (QUICK if args.quick else DIAGNOSE if args.diagnose else MUON_METHODS
-            if args.muon_methods else {})
+            if args.muon_methods else HYPERBALL if args.hyperball else {})
+  long_grid = args.long or args.hyperball  # LONG_FACTORS per optimizer unless --lr-factors
   plan = LONG_PLAN if args.long else SHORT_PLAN if args.short_plan else PLAN
   steps = args.steps or preset.get("steps", STEPS)
   default_models = LONG_MODELS if args.long else preset.get("models", plan)
   models = args.models.split(",") if args.models else list(default_models)
   factors = ([float(x) for x in args.lr_factors.split(",")] if args.lr_factors
-             else None if args.long else list(preset.get("lr_factors", LR_FACTORS)))
+             else None if long_grid else list(preset.get("lr_factors", LR_FACTORS)))
   seeds = ([int(x) for x in args.seeds.split(",")] if args.seeds
            else list(preset.get("seeds", SEEDS)))
   if args.defences:
@@ -1251,6 +1333,8 @@ def main(argv=None) -> int:
            for f in (factors or LONG_FACTORS[_family(d)]) for s in seeds]
   if args.long and not (args.models or args.defences or args.lr_factors or args.seeds):
     cells = long_cells()
+  if args.hyperball:
+    cells.sort(key=lambda c: _family(c[1]) == "muon")  # AdamW's first, else in order
   out_dir = Path(args.out) if args.out else (None if args.quick else RESULTS)
 
   machine = _common.machine_lines()
@@ -1285,13 +1369,19 @@ def main(argv=None) -> int:
     done = {_key(r): r for r in read_runs(runs_file)}
     results = {c: done[c] for c in cells if c in done}
     print(f"resuming: {len(results)} of {len(cells)} runs already in {runs_file}", flush=True)
+  reuse = args.reuse.split(",") if args.reuse else list(preset.get("reuse", ()))
+  if reuse:
+    reused = reusable_runs([Path(x) for x in reuse],
+                           [c for c in cells if c not in results], steps)
+    results.update(reused)
+    print(f"reusing: {len(reused)} of {len(cells)} runs from {', '.join(reuse)}", flush=True)
   todo = [c for c in cells if c not in results]
   ctx = multiprocessing.get_context("spawn")
   with futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                    initializer=_common.use_compilation_cache,
                                    initargs=(cache_dir,)) as pool:
     jobs = {pool.submit(run_one, m, d, f, s, steps, variants, workdir): (m, d, f, s)
-            for m, d, f, s in (todo if args.long else _jobs(todo))}
+            for m, d, f, s in (todo if long_grid else _jobs(todo))}
     for job in futures.as_completed(jobs):
       r = job.result()
       results[jobs[job]] = r
@@ -1314,9 +1404,12 @@ def main(argv=None) -> int:
   if cache_dir:
     shutil.rmtree(cache_dir, ignore_errors=True)
   walls = [r["wall_s"] for r in ordered if r["wall_s"]]
-  timing = (f"{len(cells)} runs in {total:.0f}s wall ({args.jobs} in parallel; per run median "
+  ran = len(todo)
+  timing = (f"{ran} runs in {total:.0f}s wall ({args.jobs} in parallel; per run median "
             f"{statistics.median(walls):.0f}s incl. start-up and compilation, load average at the"
-            f" end {os.getloadavg()[0]:.1f})") if walls else f"{len(cells)} runs in {total:.0f}s"
+            f" end {os.getloadavg()[0]:.1f})") if walls else f"{ran} runs in {total:.0f}s"
+  if len(cells) > ran:
+    timing += f"; {len(cells) - ran} more taken from earlier files"
   header = {"machine": machine, "setting": setting, "timing": timing, "command": command}
   raw_path = Path(workdir) / "results.json"
   raw_path.write_text(json.dumps({"header": header, "results": ordered}))

@@ -34,6 +34,8 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, 
   from stablejax.transforms.update_clip import zclip_update_norm as zclip_update_norm
   from stablejax.transforms.compensated import CompensatedUpdatesState as CompensatedUpdatesState
   from stablejax.transforms.compensated import compensated_updates as compensated_updates
+  from stablejax.transforms.hyperball import HyperballState as HyperballState
+  from stablejax.transforms.hyperball import hyperball as hyperball
   from stablejax.muon.lr_check import check_learning_rates as check_learning_rates
   from stablejax.muon.muon import GroupUpdateRmsState as GroupUpdateRmsState
   from stablejax.muon.direction import OutlierSafeMuonState as OutlierSafeMuonState
@@ -97,6 +99,8 @@ _EXPORTS = {
     "zclip_update_norm": "stablejax.transforms.update_clip",
     "CompensatedUpdatesState": "stablejax.transforms.compensated",
     "compensated_updates": "stablejax.transforms.compensated",
+    "HyperballState": "stablejax.transforms.hyperball",
+    "hyperball": "stablejax.transforms.hyperball",
     # --- end transforms ---
     # --- muon ---
     "check_learning_rates": "stablejax.muon.lr_check",

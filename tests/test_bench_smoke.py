@@ -68,6 +68,8 @@ EXPECTED.update({
                                _STACK[1] | {"ClipUpdateRmsState"}),
     "stablejax+update_rms": (_STACK[0] | {"ClipUpdateRmsState"},
                              _STACK[1] | {"ZClipUpdateNormState"}),
+    # the stack with Hyperball: its state next to the stack's (bench/stress.py --hyperball)
+    "stablejax_hyperball": (_STACK[0] | {"HyperballState"}, _STACK[1]),
     # with bf16 parameters (below): the stack compensates unless told not to
     "stablejax_uncompensated": (_STACK[0], _STACK[1] | {"CompensatedUpdatesState"}),
     "stablejax+stochastic_rounding": (_STACK[0] | {"CompensatedUpdatesState"}, _STACK[1]),
@@ -313,6 +315,28 @@ def test_runs_file_survives_a_sweep_killed_mid_write(tmp_path):
   assert len(path.read_text().splitlines()) == 4
 
 
+def test_reused_runs_are_the_cells_of_the_same_length(tmp_path):
+  # --reuse takes a cell of an earlier file only at the run length of this sweep: a recorded
+  # `steps`, or for runs from before it was recorded, the model's own length (long-horizon
+  # models) or the last logged step; a later file's run of a cell wins.
+  old, new = tmp_path / "old.jsonl", tmp_path / "new.jsonl"
+  short = {**_cell("clip1", 1.0, 0, 2.5), "curve": [[100, 2.6]]}        # preln at 100 steps
+  other = {**_cell("clip1", 10.0, 0, 2.0), "curve": [[200, 2.1]]}       # preln at 200 steps
+  long = {**_cell("clip1", 1.0, 0, 1.5), "model": "long", "curve": [[10, 3.0]]}  # cut short
+  recorded = {**_cell("clip1", 1.0, 1, 2.4), "steps": 200}
+  for r in (short, other, long, recorded):
+    stress.append_run(old, r)
+  stress.append_run(new, {**long, "val_loss": 1.4})
+  cells = [("preln", "clip1", 1.0, 0), ("preln", "clip1", 10.0, 0), ("long", "clip1", 1.0, 0),
+           ("preln", "clip1", 1.0, 1), ("preln", "stablejax", 1.0, 0)]
+  found = stress.reusable_runs([old, new], cells, steps=100)
+  assert set(found) == {("preln", "clip1", 1.0, 0), ("long", "clip1", 1.0, 0)}
+  assert found[("long", "clip1", 1.0, 0)]["val_loss"] == 1.4
+  found = stress.reusable_runs([old], cells, steps=200)
+  assert set(found) == {("preln", "clip1", 10.0, 0), ("long", "clip1", 1.0, 0),
+                        ("preln", "clip1", 1.0, 1)}
+
+
 def _stress_tx(defence, variants=None):
   raw, kind = stress.cell_config("preln", defence, seed=0, steps=100, variants=variants or {})
   cfg = config_from_dict(raw)
@@ -347,6 +371,8 @@ def test_each_stress_defence_builds_the_chain_it_names(defence):
         present = present | {"NorMuonState"}
       else:
         absent = absent | {"NorMuonState"}
+      if "hyperball" in defence:
+        present = present | {"HyperballState"}
     if defence in BF16_DEFENCES:  # the sweep's models keep float32 parameters: nothing to do
       present, absent = present - {"CompensatedUpdatesState"}, absent | {
           "CompensatedUpdatesState"}

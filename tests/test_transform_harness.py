@@ -450,10 +450,13 @@ def _declared() -> list:
   """The trainer's declared defences whose update needs nothing from a model (``loss`` at most)
   and returns updates in the gradients' dtype: the registry, so a new defence is covered here
   with no edit of this file. (A defence that changes how updates are applied, the compensated
-  update, returns float32 differences of bf16 parameters; tests/test_compensated.py.)"""
+  update, returns float32 differences of bf16 parameters; tests/test_compensated.py. One with a
+  half before the learning-rate scale is whole only in the trainer's chain, around the
+  optimizer whose matrices and rates it reads: Hyperball, tests/test_hyperball.py.)"""
   from stablejax.transforms import defence
   return [d for d in defence.registered()
-          if set(d.step_args) <= {"loss"} and not d.changes_update_application]
+          if set(d.step_args) <= {"loss"} and not d.changes_update_application
+          and d.before_scale is None]
 
 
 def _declared_tx(d):

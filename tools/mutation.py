@@ -105,6 +105,7 @@ DEFENCE = "stablejax/transforms/defence.py"
 RESTORE_PLAN = "stablejax/training/restore_plan.py"
 UPDATE_CLIP = "stablejax/transforms/update_clip.py"
 COMPENSATED = "stablejax/transforms/compensated.py"
+HYPERBALL = "stablejax/transforms/hyperball.py"
 UPDATE_NORM = "stablejax/monitor/update_norm.py"
 GRAM = "stablejax/muon/gram.py"
 NORMUON = "stablejax/muon/normuon.py"
@@ -204,6 +205,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     CLIP: ("tests/test_optim.py", "tests/test_config.py", "-m", "not slow"),
     UPDATE_CLIP: ("tests/test_update_clip.py", UPDATE_CLIP),
     COMPENSATED: ("tests/test_compensated.py", COMPENSATED),
+    HYPERBALL: ("tests/test_hyperball.py", HYPERBALL),
     SPECS: ("tests/test_loop_decisions.py", "tests/test_recovery_policy.py", SPECS),
     DEFENCE: ("tests/test_optim.py", "tests/test_adding_a_defence.py", DEFENCE, "-m", "not slow"),
     RESTORE_PLAN: ("tests/test_stack_changes.py", "tests/test_recovery_policy.py", RESTORE_PLAN,
@@ -1962,6 +1964,35 @@ MUTANTS = [
        "  if ctx.model is not None and ctx.model.param_dtype in _LOW_PRECISION_DTYPES:",
        "the trainer compensates float32 parameters and not bfloat16 ones"),
 
+    # ---------------------------------------------------------------- transforms/hyperball.py
+    _m("HB1", HYPERBALL,
+       "  scale = jnp.where(new_sq > 0, r * jax.lax.rsqrt(jnp.where(new_sq > 0, new_sq, 1.0)), "
+       "0.0)", "  scale = jnp.ones_like(new_sq)",
+       "the moved matrix is not projected back to the sphere of its initial norm"),
+    _m("HB2", HYPERBALL, "    c = rate * r\n", "    c = rate\n",
+       "the step after a learning-rate scale is not relative to ||W0||"),
+    _m("HB3", HYPERBALL,
+       "  reduce = tuple(lead + a for a in layout.axes if a != layout.fused)",
+       "  reduce = tuple(range(lead, x.ndim))",
+       "the matrices of a scan-stacked leaf (and the parts of a fused one) share one norm"),
+    _m("HB4", HYPERBALL, "  if layout.fused is None:\n    return sums",
+       "  if True:\n    return sums",
+       "each column of a fused kernel is kept at its own norm, not each part"),
+    _m("HB5", HYPERBALL, "        count=_common.safe_increment(state.count), norms=state.norms,",
+       "        count=state.count, norms=state.norms,",
+       "the learning-rate schedule is always read at count 0"),
+    _m("HB6", HYPERBALL, "    if decay:\n", "    if False:\n",
+       "weight decay on the Hyperball matrices is accepted"),
+    _m("HB7", HYPERBALL,
+       "    before_scale=lambda c, ctx: normalize_matrix_updates(_matrices(ctx)),",
+       "    before_scale=None,",
+       "the trainer's Hyperball step takes the update's own size (the optimizer's rate times the "
+       "direction's norm) instead of the rate"),
+    _m("DF6", DEFENCE, "    update_scale = stateless_prefix(before, update_scale)",
+       "    update_scale = update_scale",
+       "a defence's half before the learning-rate scale is left out of the chain",
+       tests=("tests/test_hyperball.py", "-k", "trainer")),
+
     # ---------------------------------------------------------- declarations and their counters
     _m("SP3", SPECS,
        r'pattern = re.compile(rf"{re.escape(spec.prefix)}(_\d+)?/{re.escape(name)}")',
@@ -2014,8 +2045,8 @@ MUTANTS = [
        "      if self.repeated is None:\n        self.repeated = np.asarray(tokens)",
        "      if True:\n        self.repeated = np.asarray(tokens)",
        "faults.repeat_batch_steps serves fresh batches"),
-    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg, schedules))",
-       "learning_rates=None)",
+    _m("OP9", OPTIM, "learning_rates=parameter_learning_rates(cfg, schedules),",
+       "learning_rates=None,",
        "the trainer's update clips do not divide out the optimizer's learning rates",
        tests=("tests/test_update_clip.py", "-k", "trainer")),
     # The gradient health level's history (monitor/health.py's GradientHealth) is read through

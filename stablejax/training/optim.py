@@ -44,6 +44,7 @@ import optax
 from stablejax.muon.lr_check import check_learning_rates
 from stablejax.muon.muon import outlier_safe_muon
 from stablejax.muon.labels import label_params
+from stablejax.muon.routing import muon_dimension_numbers
 from stablejax.training.config import Config, model_of
 from stablejax.transforms import defence
 
@@ -209,9 +210,11 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
 
 def defence_context(cfg: Config, schedules: Optional[Schedules] = None
                     ) -> defence.DefenceContext:
-  """What the defences' builders read: the stability section, the model, the learning rates."""
+  """What the defences' builders read: the stability section, the model, the learning rates,
+  the matrices (the Muon routing's, whichever optimizer runs) and the optimizer section."""
   return defence.DefenceContext(stability=cfg.stability, model=model_of(cfg),
-                                learning_rates=parameter_learning_rates(cfg, schedules))
+                                learning_rates=parameter_learning_rates(cfg, schedules),
+                                matrices=muon_dimension_numbers, optimizer=cfg.optimizer)
 
 
 def step_arguments(cfg: Config) -> frozenset[str]:

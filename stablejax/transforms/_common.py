@@ -7,7 +7,7 @@ values. Statistics are always kept in float32, whatever the gradient dtype.
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Sequence, TypeGuard
+from typing import Any, Callable, Optional, Sequence, TypeGuard, Union
 
 import jax
 import jax.numpy as jnp
@@ -150,3 +150,45 @@ def check(name: str, value: object, ok: Callable[[float], bool], requirement: st
   if not ok(value):
     raise ValueError(f"{name}={value!r} is invalid: {requirement}.")
 
+
+# ----------------------------------------------------------------------------- learning rates
+
+
+LearningRate = Union[float, jax.Array, Callable[[jax.Array], Any]]
+"""A learning rate: a number, or an optax schedule (count -> rate)."""
+LearningRates = Union[Any, Callable[[Any], Any], None]
+"""Per-parameter learning rates: a pytree of :data:`LearningRate` with the structure of the
+parameters, or a function ``params -> such a pytree``."""
+
+
+def check_rate_args(learning_rate: Optional[LearningRate], learning_rates: LearningRates) -> None:
+  """Raises ``ValueError`` when both are given, or ``learning_rate`` is a negative number."""
+  if learning_rate is not None and learning_rates is not None:
+    raise ValueError("learning_rate and learning_rates are both set: give one rate for every "
+                     "parameter (learning_rate) or one per parameter (learning_rates), not both.")
+  if learning_rate is not None and not callable(learning_rate):
+    check("learning_rate", learning_rate, lambda v: v >= 0,
+          "use the non-negative rate the incoming updates were multiplied by")
+
+
+def leaf_rates(updates: optax.Updates, count: jax.Array, learning_rate: Optional[LearningRate],
+               learning_rates: LearningRates) -> list[Optional[jax.Array]]:
+  """The rate of each leaf of ``updates`` at ``count`` (float32, >= 0), or None for no rate."""
+  leaves, treedef = jax.tree.flatten(updates)
+
+  def value(rate: LearningRate) -> jax.Array:
+    return jnp.abs(f32(rate(count) if callable(rate) else rate))
+
+  if learning_rate is not None:
+    shared = value(learning_rate)
+    return [shared] * len(leaves)
+  if learning_rates is not None:
+    tree = learning_rates(updates) if callable(learning_rates) else learning_rates
+    try:
+      per_leaf = treedef.flatten_up_to(tree)  # type: ignore[attr-defined]
+    except (ValueError, TypeError) as e:
+      raise ValueError("learning_rates does not match the updates: give a pytree with the "
+                       "structure of the parameters (or a function params -> such a pytree) "
+                       f"({e})") from None
+    return [value(r) for r in per_leaf]
+  return [None] * len(leaves)

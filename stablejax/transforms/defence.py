@@ -60,7 +60,7 @@ import dataclasses
 import enum
 import types
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -113,11 +113,19 @@ class DefenceContext:
       trainer's optimizer carries its schedules inside it (``optax.adamw(schedule)``, Muon's
       per-group rates), so a defence stated before the learning rate divides by these. None: the
       update reaching ``UPDATE`` carries no learning rate (an optimizer given as a direction).
+    matrices: the optimizer's matrices, ``params -> pytree`` of each hidden matrix's dimension
+      numbers (None for embeddings, the head, norms, biases): the Muon routing's
+      (:func:`stablejax.muon_dimension_numbers`), whichever optimizer runs. None outside the
+      trainer.
+    optimizer: the ``optimizer`` section of the trainer's config (its weight decay, its name),
+      or None.
   """
 
   stability: Any
   model: Any = None
   learning_rates: Optional[Callable[[Any], Any]] = None
+  matrices: Optional[Callable[[Any], Any]] = None
+  optimizer: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +159,11 @@ class Defence:
     ineffective: ``(section, ctx) -> [(key, reason), ...]``: keys of its section (full dotted
       names) that are set but have no effect in this setting, besides "every key of a disabled
       defence", which the trainer checks itself. The trainer warns about each at start.
+    before_scale: ``(section, ctx) -> transform`` without state (``optax.EmptyState``), run on
+      the update just before the learning-rate scale, for a defence at ``FINAL`` whose rule
+      starts before that scale: Hyperball normalises each matrix's update there, so that the
+      scale (the recovery's backoff) multiplies the step it then takes. It has no entry in the
+      optimizer state (it runs inside the scale's entry).
   """
 
   name: str
@@ -164,6 +177,7 @@ class Defence:
   label: str = ""
   changes_update_application: bool = False
   ineffective: Optional[Callable[[Any, DefenceContext], Iterable[tuple[str, str]]]] = None
+  before_scale: Optional[Callable[[Any, DefenceContext], Any]] = None
 
   def section(self, stability: Any) -> Any:
     """This defence's section of a ``stability`` config."""
@@ -205,8 +219,8 @@ def register(declaration: Defence, origin: Optional[str] = None) -> Defence:
   Raises:
     DeclarationError: (a ``ValueError``) the name is declared already by another module, is not
       an identifier or is reserved, the section is not a dataclass with a default for every
-      field and an ``enabled`` field, or the declaration has neither ``factory`` nor ``build``
-      (or both).
+      field and an ``enabled`` field, the declaration has neither ``factory`` nor ``build`` (or
+      both), or it has a ``before_scale`` half with a position other than ``FINAL``.
   """
   owner = f"defence {declaration.name!r}"
   if not declaration.name.isidentifier() or declaration.name in RESERVED_NAMES:
@@ -216,6 +230,9 @@ def register(declaration: Defence, origin: Optional[str] = None) -> Defence:
   if "enabled" not in section_fields(declaration.config, owner):
     raise DeclarationError(f"the config of {owner} has no 'enabled' field; add "
                            "`enabled: bool = False` (or True for a default-on defence)")
+  if declaration.before_scale is not None and declaration.position is not Position.FINAL:
+    raise DeclarationError(f"{owner} has a before_scale half, so its own transform goes after "
+                           "the learning-rate scale: position=Position.FINAL")
   if (declaration.factory is None) == (declaration.build is None):
     raise DeclarationError(f"{owner} needs exactly one of factory= (called with its section's "
                            "fields) and build= (section, ctx) -> transform")
@@ -437,8 +454,54 @@ def build_chain(stability: Any, optimizer: Transform, *, optimizer_name: str = "
   def at(position: Position) -> list[tuple[str, Any]]:
     return [(d.name, t) for d, t in made if d.position is position]
 
+  before = [d.before_scale(d.section(stability), ctx) for d, _ in made
+            if d.before_scale is not None]
+  final = at(Position.FINAL)
+  if before and update_scale is not None:
+    update_scale = stateless_prefix(before, update_scale)
+  elif before:  # nothing scales in between: first in the FINAL position (register() checks
+    # that a defence with a before_scale half is there)
+    final[0] = (final[0][0], stateless_prefix(before, final[0][1]))
   entries = [*at(Position.GRADIENT), (OPTIMIZER_KEY, nest(optimizer_name, optimizer)),
              *at(Position.UPDATE),
              *([(LR_SCALE_KEY, update_scale)] if update_scale is not None else []),
-             *at(Position.FINAL)]
+             *final]
   return keyed_chain(entries, at(Position.WRAPPER))
+
+
+def stateless_prefix(prefix: Sequence[Transform], tx: Transform
+                     ) -> optax.GradientTransformationExtraArgs:
+  """``tx`` after the transforms of ``prefix``, which hold no state: the result's state is
+  ``tx``'s alone, so adding or removing a prefix leaves the state's layout as it was.
+
+  Raises:
+    ValueError: (at ``init``) a transform of ``prefix`` has state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> tx = stateless_prefix([optax.scale(2.0)], optax.trace(decay=0.5))
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> type(state).__name__  # the trace's own state: the scale by 2 holds none
+    'TraceState'
+    >>> updates, state = tx.update({"w": jnp.ones(2)}, state)
+    >>> updates["w"].tolist(), state.trace["w"].tolist()
+    ([2.0, 2.0], [2.0, 2.0])
+  """
+  prefix = [optax.with_extra_args_support(t) for t in prefix]
+  inner = optax.with_extra_args_support(tx)
+
+  def init(params: optax.Params) -> optax.OptState:
+    for t in prefix:
+      if jax.tree.leaves(t.init(params)):
+        raise ValueError("stateless_prefix: a transform before the learning-rate scale holds "
+                         "state; give it an entry of its own (Position.UPDATE)")
+    return inner.init(params)
+
+  def update(updates: optax.Updates, state: optax.OptState,
+             params: Optional[optax.Params] = None, **extra: Any
+             ) -> tuple[optax.Updates, optax.OptState]:
+    for t in prefix:
+      updates, _ = t.update(updates, optax.EmptyState(), params, **extra)
+    return inner.update(updates, state, params, **extra)
+
+  return optax.GradientTransformationExtraArgs(init, update)

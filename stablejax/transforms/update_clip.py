@@ -53,7 +53,7 @@ never enters the statistics.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -64,43 +64,13 @@ from stablejax.transforms import defence
 from stablejax.transforms.metrics import Rate, Series, register_state_metrics
 from stablejax.transforms.stacked import STACKED_NAMES, is_stacked
 
-Rate_ = Union[float, jax.Array, Callable[[jax.Array], Any]]
+Rate_ = _common.LearningRate
 """A learning rate: a number, or an optax schedule (count -> rate)."""
-RatesArg = Union[Any, Callable[[Any], Any], None]
+RatesArg = _common.LearningRates
 """Per-parameter learning rates: a pytree of :data:`Rate_` with the structure of the parameters,
 or a function ``params -> such a pytree``."""
-
-
-def _check_rate_args(learning_rate: Optional[Rate_], learning_rates: RatesArg) -> None:
-  if learning_rate is not None and learning_rates is not None:
-    raise ValueError("learning_rate and learning_rates are both set: give one rate for every "
-                     "parameter (learning_rate) or one per parameter (learning_rates), not both.")
-  if learning_rate is not None and not callable(learning_rate):
-    _common.check("learning_rate", learning_rate, lambda v: v >= 0,
-                  "use the non-negative rate the incoming updates were multiplied by")
-
-
-def _leaf_rates(updates: optax.Updates, count: jax.Array, learning_rate: Optional[Rate_],
-                learning_rates: RatesArg) -> list[Optional[jax.Array]]:
-  """The rate of each leaf of ``updates`` at ``count`` (float32, >= 0), or None for no rate."""
-  leaves, treedef = jax.tree.flatten(updates)
-
-  def value(rate: Rate_) -> jax.Array:
-    return jnp.abs(_common.f32(rate(count) if callable(rate) else rate))
-
-  if learning_rate is not None:
-    shared = value(learning_rate)
-    return [shared] * len(leaves)
-  if learning_rates is not None:
-    tree = learning_rates(updates) if callable(learning_rates) else learning_rates
-    try:
-      per_leaf = treedef.flatten_up_to(tree)  # type: ignore[attr-defined]
-    except (ValueError, TypeError) as e:
-      raise ValueError("learning_rates does not match the updates: give a pytree with the "
-                       "structure of the parameters (or a function params -> such a pytree) "
-                       f"({e})") from None
-    return [value(r) for r in per_leaf]
-  return [None] * len(leaves)
+_check_rate_args = _common.check_rate_args
+_leaf_rates = _common.leaf_rates
 
 
 def _before_rate(x: jax.Array, rate: Optional[jax.Array]) -> jax.Array:

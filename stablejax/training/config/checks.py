@@ -241,7 +241,8 @@ def _validate_stability(cfg: Config) -> None:
   s = cfg.stability
   _positive("stability.z_loss", s.z_loss, allow_zero=True)
   try:
-    defence.validate(s, defence.DefenceContext(stability=s, model=model_of(cfg)))
+    defence.validate(s, defence.DefenceContext(stability=s, model=model_of(cfg),
+                                               optimizer=cfg.optimizer))
   except ValueError as e:
     raise ConfigError(str(e)) from None
   r = s.recovery
