@@ -18,8 +18,8 @@ Per round and model, with a new empty compilation cache folder (`STABLEJAX_COMPI
 Rounds interleave the models and the variants, so load from other processes hits all alike.
 Printed: the median seconds of each, warm / cold and resume / cold (target: at most 0.4), and
 resume / no cache (what the cache saves a resume). gpt2_small runs at a reduced batch (2 x 256
-tokens) so that one step is seconds on a CPU; the compilation, which the cache saves, does not
-depend on the batch much.
+tokens), on the embedded corpus, so that one step is seconds on a CPU; the compilation, which
+the cache saves, does not depend on the batch much.
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ COMMON = ["logging.progress=false", "train.steps=1000", "checkpoint.every=1000",
 MODELS = {
     "default": ("default", []),
     "gpt2_small": ("gpt2_small", ["train.batch_size=2", "train.seq_len=256",
-                                  "model.max_seq_len=256", "train.grad_accum=1"]),
+                                  "model.max_seq_len=256", "train.grad_accum=1",
+                                  'data.train="pydoc"', "data.val=null", "train.eval_batches=1",
+                                  "train.warmup_steps=10"]),
 }
 
 
