@@ -121,14 +121,14 @@ def plain_adamw_chain(cfg: Config, max_grad_norm: float | None = 1.0):
 class CompiledStep:
   """The trainer's `train_step` for one optimizer, jitted (with donation) and compiled.
 
-  Uses `stablejax.training.step.make_train_step` and the config's model family, i.e. exactly
+  Uses `stablejax.training.loop.step.make_train_step` and the config's model family, i.e. exactly
   the step `train.py` runs, on one device.
   """
 
   def __init__(self, cfg: Config, tx, batch: dict, seed: int = 0):
     from stablejax.training.config import model_of
     from stablejax.training.optim import lr_schedule
-    from stablejax.training.step import TrainState, make_train_step
+    from stablejax.training.loop.step import TrainState, make_train_step
     self.cfg, self.tx = cfg, tx
     model = model_of(cfg)
 
@@ -229,7 +229,7 @@ def random_batch(cfg: Config, seed: int = 0) -> dict:
 def logit_telemetry(cfg: Config):
   """The loop's attention-logit telemetry pass for ``cfg``, jitted: ``(params, tokens, step)``."""
   from stablejax.training.config import model_of
-  from stablejax.training.step import make_logit_telemetry
+  from stablejax.training.loop.step import make_logit_telemetry
   return jax.jit(make_logit_telemetry(model_of(cfg), cfg))
 
 
@@ -379,7 +379,7 @@ def trainer_run_class():
     on the run's own validation batches; `init_attn_logit_max`: their maximum attention logit
     (the trainer's telemetry on the first validation batch).
   """
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   class BenchRun(Trainer):
     lr_factor = 1.0

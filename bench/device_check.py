@@ -17,7 +17,7 @@ Three sections, each timed on the machine's default device, one JSON file and pr
    kernel's custom call (a kernel that silently fell back to XLA would pass every other check).
    Then the same for Gram Newton-Schulz (`method="gram"`) at the shapes where it runs (those
    where it takes fewer FLOPs: 768x3072), with its time over the standard kernel's.
-2. The trainer's train step (`stablejax.training.step`, built by `bench._common.trainer_step`)
+2. The trainer's train step (`stablejax.training.loop.step`, built by `bench._common.trainer_step`)
    for the packaged `gpt2_small` config on random tokens: the full stability stack (the config's
    chain around outlier-safe Muon) and `clip_by_global_norm(1.0)` + AdamW, and the minimal
    nanoGPT-shaped loop of `bench.peer_step` at the same size ("peer": same d_model, layers,
@@ -115,7 +115,7 @@ def peak_flops(override_tflops: float | None) -> tuple[float, str]:
 
 
 def _measured_matmul_flops() -> float:
-  from stablejax.training.components import measured_peak_flops  # the trainer's own measure
+  from stablejax.training.loop.components import measured_peak_flops  # the trainer's own measure
   return measured_peak_flops()
 
 

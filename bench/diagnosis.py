@@ -72,7 +72,7 @@ def _run(out: Path, overrides: list[str]) -> dict:
   import io
   import json
   from stablejax.training.config import load_config
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
   cfg = load_config(ROOT / "stablejax" / "configs" / "default.json", overrides)
   with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     code = Trainer(cfg, out, fresh=True).train()

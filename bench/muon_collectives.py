@@ -5,8 +5,8 @@ Usage:
   python -m bench.muon_collectives --devices 8 --layers 4 --d-model 256
 
 The trainer shards every parameter and optimizer-state leaf over the ``fsdp`` axis along its
-largest divisible axis (`stablejax.training.mesh.fsdp_spec`) and traces its step under its mesh.
-This compiles the optimizer update alone (gradients, state and params sharded that way, the
+largest divisible axis (`stablejax.training.launch.mesh.fsdp_spec`) and traces its step under its
+mesh. This compiles the optimizer update alone (gradients, state and params sharded that way, the
 same shardings out) for the trainer's GPT and counts the collective operations in the
 optimized HLO (`compiled.as_text()`), per kind, for:
 
@@ -54,7 +54,7 @@ from bench import _common  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from stablejax.muon import matrices, routing  # noqa: E402
-from stablejax.training import mesh as mesh_lib  # noqa: E402
+from stablejax.training.launch import mesh as mesh_lib  # noqa: E402
 from stablejax.training.config import MeshConfig  # noqa: E402
 from stablejax.modeling.gpt import GPT, ModelConfig  # noqa: E402
 

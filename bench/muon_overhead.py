@@ -4,8 +4,8 @@ Usage:
   python -m bench.muon_overhead      # the default config's model, 12 interleaved rounds
   python -m bench.muon_overhead --quick   # a smaller model, 6 rounds
 
-Four trainer train steps (`stablejax.training.step.make_train_step`, jitted with donation) on the
-same GPT, batch and compiled shapes, timed interleaved in one process:
+Four trainer train steps (`stablejax.training.loop.step.make_train_step`, jitted with donation) on
+the same GPT, batch and compiled shapes, timed interleaved in one process:
 
   adamw             AdamW alone (optimizer.name="adamw", every stability layer off)
   muon              stablejax.outlier_safe_muon alone (optimizer.name="muon": Muon for the

@@ -17,8 +17,8 @@ and reports for each: final val loss; ``excess_kurtosis`` from summary.json (mea
 the excess kurtosis of the residual stream on a fixed validation batch, measured at the last step);
 ``act_max / act_rms`` of the residual stream from the same measurement; and the val loss after
 per-channel round-to-nearest weight quantisation to 4 and 3 bits
-(``stablejax.training.quantized_eval``; EmbProj merged first) with its increase. The table is
-printed and written to ``bench/results/outlier_experiment.csv`` (``--quick`` writes a CSV only
+(``stablejax.training.trained.quantized_eval``; EmbProj merged first) with its increase. The table
+is printed and written to ``bench/results/outlier_experiment.csv`` (``--quick`` writes a CSV only
 when given ``--csv``, so a smoke test never replaces the recorded result).
 
 One seed on a ~1M-parameter model trained for minutes is a small sample: the paper's effect is
@@ -99,8 +99,8 @@ def _last_activation_record(run_dir: Path) -> dict:
 def run_setup(name: str, steps: int, seed: int, out_root: Path) -> dict:
   """Trains one setup in-process, then measures it; returns one table row."""
   from stablejax.training.config import config_from_dict
-  from stablejax.training.loop import Trainer, write_config
-  from stablejax.training.quantized_eval import quantize_eval
+  from stablejax.training.loop.trainer import Trainer, write_config
+  from stablejax.training.trained.quantized_eval import quantize_eval
 
   cfg = config_from_dict(setup_config(name, steps, seed))
   out = out_root / name

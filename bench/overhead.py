@@ -4,8 +4,9 @@ Usage:
   python -m bench.overhead            # stablejax/configs/default.json model, 15 interleaved rounds
   python -m bench.overhead --quick    # a smaller model, 8 rounds, no per-component breakdown
 
-Both sides run the trainer's own jitted `train_step` (`stablejax.training.step.make_train_step`,
-donated state) on the same GPT, the same batch of the embedded corpus and the same compiled
+Both sides run the trainer's own jitted `train_step`
+(`stablejax.training.loop.step.make_train_step`, donated state) on the same GPT, the same batch of
+the embedded corpus and the same compiled
 shapes, in one process:
 
   baseline  optax.chain(clip_by_global_norm(1.0), adamw)

@@ -4,7 +4,7 @@
 
 Both generate greedily from a 16-token prompt with the same randomly initialised model (speed does
 not depend on training) and must produce the same tokens. The KV-cache path is
-``stablejax.training.decoding.Generator`` (one jitted prefill + ``lax.scan`` of one-position
+``stablejax.training.trained.decoding.Generator`` (one jitted prefill + ``lax.scan`` of one-position
 steps); the reference recomputes the whole context window for every new token inside one jitted
 ``lax.fori_loop`` (no host round trips either), as a decoder without a cache would. Timed
 interleaved after compilation; medians printed.
@@ -23,7 +23,7 @@ import numpy as np
 
 from bench._common import interleaved, print_machine
 from stablejax.training.config import load_config
-from stablejax.training.decoding import Generator
+from stablejax.training.trained.decoding import Generator
 from stablejax.modeling.gpt import GPT, count_params
 
 

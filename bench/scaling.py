@@ -58,7 +58,7 @@ def per_device_bytes(tree) -> dict:
 
 def child(n: int, steps: int, quick: bool, out: str, procs: int = 1, data: int = 1) -> None:
   from bench import _common
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   base = json.loads(DEFAULT_CONFIG.read_text())
   if quick:

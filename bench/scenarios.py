@@ -241,7 +241,7 @@ def run_one(scenario: str, defence: str, steps: int, garbage_every: int, workdir
             seed: int = 0) -> dict:
   """Runs one cell (one seed) in this process; returns its row and loss curve."""
   from stablejax.training.config import config_from_dict
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   raw = scenario_config(scenario, defence, steps, garbage_every, seed)
   name = f"{scenario}__{defence}__s{seed}"

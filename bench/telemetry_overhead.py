@@ -4,7 +4,7 @@ Usage:
   python -m bench.telemetry_overhead   # the default config's model and stack, 12 rounds
   python -m bench.telemetry_overhead --quick    # a smaller model, 6 rounds
 
-Three variants of the trainer's own jitted `train_step` (`stablejax.training.step`), same model
+Three variants of the trainer's own jitted `train_step` (`stablejax.training.loop.step`), same model
 (the default config's, without QK-norm so that QK-clip can run), same batch of the embedded
 corpus, same optimizer (the default stack of stablejax/configs/default.json),
 called in turn (A, B, C, A, B, C, ...) in one process; each call runs one log interval
@@ -37,7 +37,7 @@ from bench import _common
 from stablejax.modeling.gpt import count_params
 from stablejax.training.config import model_of
 from stablejax.training.optim import build_optimizer
-from stablejax.training.step import make_logit_telemetry
+from stablejax.training.loop.step import make_logit_telemetry
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -44,7 +44,7 @@ import optax
 
 from bench import _common
 from stablejax.data.pipeline import build_data
-from stablejax.training.loop import Trainer
+from stablejax.training.loop.trainer import Trainer
 from stablejax.modeling.gpt import GPT, count_params
 from stablejax.training.optim import lr_schedule
 

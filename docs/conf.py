@@ -73,7 +73,7 @@ def setup(app):
   app.connect("env-before-read-docs", _check_every_public_name_has_a_page)
 
 # The trainer and data reference (api/trainer.rst) documents modules of the package layout with
-# stablejax/data/ (stablejax.data.pipeline, stablejax.training.trained_run, ...). On a tree without
+# stablejax/data/ (stablejax.data.pipeline, stablejax.training.trained.run, ...). On a tree without
 # that package the page is left out of the build, and its toctree entry with it.
 if importlib.util.find_spec("stablejax.data") is None:
   exclude_patterns.append("api/trainer.rst")

@@ -70,7 +70,7 @@ if _TYPE_CHECKING:  # what static checkers and IDEs see: the names of _EXPORTS, 
   from stablejax.monitor import stability_score as stability_score
   from stablejax.monitor import tensorboard_scalars as tensorboard_scalars
   from stablejax.monitor import UpdateNormThresholds as UpdateNormThresholds
-  from stablejax.training.train_state import apply_gradients as apply_gradients
+  from stablejax.training.loop.train_state import apply_gradients as apply_gradients
   # <!-- end generated: public-names -->
 
 # The public names, each once: where it comes from, grouped as docs/api groups them. The lazy
@@ -143,11 +143,11 @@ _EXPORTS = {
     "UpdateNormThresholds": "stablejax.monitor",
     # --- end monitoring ---
     # --- training loops ---
-    "apply_gradients": "stablejax.training.train_state",
+    "apply_gradients": "stablejax.training.loop.train_state",
     # --- end training loops ---
 }
 # Subpackages that loading the public names binds on the package (`stablejax.muon` ...).
-_SUBPACKAGES = ("layout", "modeling", "monitor", "muon", "training", "transforms")
+_SUBPACKAGES = ("data", "layout", "modeling", "monitor", "muon", "training", "transforms")
 # Names of this loader, which dir() leaves out so that it lists what the package offers.
 _LOADER_NAMES = {"_importlib", "_TYPE_CHECKING", "_Any", "_EXPORTS", "_SUBPACKAGES",
                  "_LOADER_NAMES", "_load_public_names", "__getattr__", "__dir__"}
@@ -171,6 +171,3 @@ def __getattr__(name: str) -> _Any:
 def __dir__() -> list[str]:
   return sorted((set(globals()) - _LOADER_NAMES) | set(_EXPORTS) | set(_SUBPACKAGES))
 
-
-# Old module paths keep working for one release (stablejax/_compat.py).
-from stablejax import _compat  # noqa: E402,F401

@@ -75,7 +75,7 @@ def xla_flags_with_devices(n: int) -> str:
   """This session's XLA_FLAGS (conftest's optimisation level included) with N simulated CPU
   devices: a subprocess that replaced them would compile differently from the tests' own
   process."""
-  from stablejax.training.launch import with_device_count
+  from stablejax.training.launch.launcher import with_device_count
   return with_device_count(os.environ.get("XLA_FLAGS", ""), n)
 
 

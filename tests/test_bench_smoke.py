@@ -457,7 +457,7 @@ def test_lr_factor_multiplier_equals_a_larger_configured_rate(defence):
 def test_bench_run_lr_factor_equals_a_larger_configured_rate_in_the_trainer(tmp_path):
   # The trainer rewrites its own LR scale every step (the recovery's backoff), so the factor must
   # survive a real train step, not only a chain update.
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
   factor = 3.162
   raw, _ = stress.cell_config("preln", "stablejax", seed=0, steps=4, variants={})
   raw = _common.deep_merge(raw, {

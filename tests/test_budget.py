@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from stablejax.training import budget as budget_lib
-from stablejax.training.budget import Budget, Timings, plan_total_steps
+from stablejax.training.loop import budget as budget_lib
+from stablejax.training.loop.budget import Budget, Timings, plan_total_steps
 
 from helpers import ROOT, read_metrics, slow, summary
 
@@ -315,7 +315,7 @@ def test_budget_holds_across_an_interrupted_and_slower_resumed_run(tmp_path):
   import signal
 
   from stablejax.training.config import load_config
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   minutes = 2.0  # the check below allows 2% over: 2.4 s of a busy machine's noise
   argv = budget_argv(tmp_path, f"train.time_budget_minutes={minutes}")
@@ -367,8 +367,8 @@ def test_only_process_0_clears_and_removes_the_shared_probe_directory(tmp_path, 
   # In a multi-process run every process writes its shards of the probe save into one folder.
   # A process other than 0 must neither clear it first (process 0 may already be writing) nor
   # remove it after: here the file "from process 0" must survive a measurement on process 1.
-  from stablejax.training import distributed
-  from stablejax.training.loop import Trainer
+  from stablejax.training.launch import distributed
+  from stablejax.training.loop.trainer import Trainer
 
   from helpers import tiny_config
   cfg = tiny_config(*BUDGET_RUN, "train.time_budget_minutes=5", "train.steps=null")

@@ -15,7 +15,7 @@ from helpers import ROOT
 PROGRAM = textwrap.dedent("""
     import sys, warnings
     import jax, jax.numpy as jnp
-    from stablejax.training import compilation_cache
+    from stablejax.training.launch import compilation_cache
     folder = compilation_cache.enable(sys.argv[1], say=lambda line: print(line, file=sys.stderr))
     f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum() * 3.0)
     x = jax.device_put(__import__("numpy").arange(64.0).reshape(8, 8) / 64)  # no other program
@@ -34,7 +34,7 @@ def _run(folder) -> subprocess.CompletedProcess:
 
 def test_the_folder_comes_from_the_flag_the_setting_the_environment_or_the_platform(
     monkeypatch, tmp_path):
-  from stablejax.training import compilation_cache as cc
+  from stablejax.training.launch import compilation_cache as cc
   monkeypatch.delenv(cc.ENV, raising=False)
   monkeypatch.delenv(cc.JAX_ENV, raising=False)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))

@@ -27,8 +27,8 @@ BURST = "stability.skip_nonfinite.max_consecutive=3"
 
 
 def test_rejected_batches_block_a_position_skipped_twice_not_a_rollback_window(tmp_path):
-  from stablejax.training.rejected import REJECTED_FILE, RejectedBatches
-  from stablejax.training.run_dir import RunDirectory
+  from stablejax.training.recovery.rejected import REJECTED_FILE, RejectedBatches
+  from stablejax.training.run_folder.folder import RunDirectory
   run_dir = RunDirectory.open(tmp_path / "run")
   order = {"train.seed": 0}
   rejected = RejectedBatches(run_dir, threshold=2, order=order)
@@ -53,7 +53,7 @@ def test_rejected_batches_block_a_position_skipped_twice_not_a_rollback_window(t
 
 
 def test_batches_drop_blocked_positions_and_transient_faults_strike_once():
-  from stablejax.training.batches import Batches
+  from stablejax.training.loop.batches import Batches
   from stablejax.training.config import FaultsConfig
 
   def stream(start):
@@ -76,7 +76,7 @@ def test_batches_drop_blocked_positions_and_transient_faults_strike_once():
 
 def test_a_rewarmup_ramps_linearly_from_zero_whatever_the_recovery_schedule():
   import jax.numpy as jnp
-  from stablejax.training.recovery import LRBackoff, backoff_lr_scale
+  from stablejax.training.recovery.policy import LRBackoff, backoff_lr_scale
   ramp = LRBackoff(scale=jnp.float32(0.0), start=jnp.int32(20), steps=jnp.int32(10))
   steps = np.array([20, 21, 25, 29, 30, 31, 100])
   for schedule in ("linear", "geometric"):
@@ -88,7 +88,7 @@ def test_a_resume_may_add_parameters_and_not_remove_or_reshape_them():
   import flax.struct
   import jax
   import jax.numpy as jnp
-  from stablejax.training.restore_plan import StateMismatch, plan
+  from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
   class State(flax.struct.PyTreeNode):
     step: jax.Array
@@ -136,7 +136,7 @@ def test_a_resume_may_add_parameters_and_not_remove_or_reshape_them():
 
 def _watchdog(tmp_path, fired, **settings):
   from stablejax.training.config import WatchdogConfig
-  from stablejax.training.watchdog import Watchdog
+  from stablejax.training.recovery.watchdog import Watchdog
   events = []
   dog = Watchdog(WatchdogConfig(**settings), log_every=10, run_root=tmp_path,
                  record=events.append, signal_received=lambda: bool(fired.get("signal")),
@@ -189,7 +189,7 @@ def test_a_stop_signal_the_run_cannot_act_on_ends_it_after_the_grace_period(tmp_
 
 def test_the_default_timeout_ends_a_hang_of_the_default_model_within_five_minutes():
   from stablejax.training.config import WatchdogConfig, load_config
-  from stablejax.training.watchdog import Watchdog
+  from stablejax.training.recovery.watchdog import Watchdog
   cfg = load_config(None, [])
   dog = Watchdog(cfg.stability.watchdog, cfg.train.log_every, None, lambda e: None, lambda: False)
   assert dog.timeout() == cfg.stability.watchdog.startup_seconds  # before the first interval

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from stablejax.training import distributed
+from stablejax.training.launch import distributed
 from stablejax.training.config import ConfigError, MeshConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,7 +71,7 @@ def test_single_process_agreement_returns_the_local_value():
 
 _JOB = textwrap.dedent("""
     import numpy as np
-    from stablejax.training import distributed
+    from stablejax.training.launch import distributed
     from stablejax.training.config import MeshConfig
     distributed.initialize(MeshConfig(distributed=True, initialization_timeout=60,
                                       heartbeat_timeout=10, shutdown_timeout=30))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from stablejax.training import launch as launch_lib
+from stablejax.training.launch import launcher as launch_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

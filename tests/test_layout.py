@@ -8,7 +8,6 @@ import json
 import importlib
 import subprocess
 import sys
-import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -21,80 +20,7 @@ from helpers import run_python
 PACKAGE = Path(stablejax.__file__).resolve().parent
 ROOT = PACKAGE.parent
 
-# The layout decision: old path -> (what an import of it returns, what `python -m` of it runs).
-MOVED = {
-    "stablejax.losses": ("stablejax.modeling.losses", None),
-    "stablejax.model_utils": ("stablejax.modeling.utils", None),
-    "stablejax.tokenizer": ("stablejax.data.tokenizer", None),
-    "stablejax.training.data": ("stablejax.data.pipeline", None),
-    "stablejax.prepare": ("stablejax.data.prepare", "prepare"),
-    "stablejax.sample": ("stablejax.training.sampling", "sample"),
-    "stablejax.report": ("stablejax.monitor.report", "report"),
-    "stablejax.launch": ("stablejax.training.launch", "launch"),
-    "stablejax.quantize_eval": ("stablejax.training.quantized_eval", "quantize-eval"),
-    "stablejax.training.model": ("stablejax.modeling.gpt", None),
-    "stablejax.training.bitnet": ("stablejax.modeling.bitnet", None),
-    "stablejax.muon.layout": ("stablejax.layout.analysis", None),
-    "stablejax.muon.heads": ("stablejax.layout.heads", None),
-    "stablejax.training.runs": ("stablejax.training.trained_run", None),
-    "stablejax.training.generate": ("stablejax.training.decoding", None),
-}
 COMMANDS = ("train", "prepare", "sample", "report", "launch", "quantize-eval")
-# Names that moved out of a module that stays: old module -> {name: the module it lives in now,
-# or "module:new name" for one renamed too}.
-MOVED_NAMES = {
-    "stablejax.data.pipeline": {
-        **dict.fromkeys(("PREPARED_META", "PREPARED_FORMAT", "PREPARED_MARKER", "read_prepared",
-                         "prepared_vocab_size", "scan_tokens", "prepared_file"),
-                        "stablejax.data.prepared"),
-        **dict.fromkeys(("TEXT_SUFFIXES", "TEXT_DOC_BYTES", "BIN_DOC_TOKENS", "data_tokenizer"),
-                        "stablejax.data.sources"),
-        **dict.fromkeys(("IDENTITY_FORMAT", "HASH_LIMIT", "data_identity", "identity_difference"),
-                        "stablejax.data.identity"),
-        "garbage_batch": "stablejax.training.batches",
-    },
-    "stablejax.data.prepare": {
-        "TEXT_FIELD": "stablejax.data.config",
-        **dict.fromkeys(("JSON_SUFFIXES", "PARQUET_SUFFIXES", "TEXT_SUFFIXES", "input_files"),
-                        "stablejax.data.inputs"),
-        **dict.fromkeys(("BATCH_BYTES", "BATCH_DOCS", "is_val"), "stablejax.data.encode"),
-        "PARTIAL": "stablejax.data.out_dir",
-    },
-    "stablejax.transforms.skipping": {
-        **dict.fromkeys(("SkipNonFiniteState", "skip_nonfinite", "SkipNonFiniteConfig",
-                         "SKIP_NONFINITE"), "stablejax.transforms.finite_skip"),
-        **dict.fromkeys(("SkipSpikesState", "skip_spikes", "window_stats", "log_sigma_threshold",
-                         "SkipSpikesConfig", "SKIP_SPIKES"), "stablejax.transforms.spike_skip"),
-    },
-    "stablejax.layout.analysis": {
-        **dict.fromkeys(("AxisName", "axis_names_of", "OUT_IN"), "stablejax.layout.leaves"),
-        **dict.fromkeys(("HEADS", "HEAD_DIM", "MLP", "STACK", "EXPERT", "FUSED", "FUSED_FEATURES",
-                         "fused_parts_of_name", "PROJECTION_NAMES", "projection_name",
-                         "component_name"), "stablejax.layout.names"),
-        **dict.fromkeys(("MuonDimensionNumbers", "orientations"), "stablejax.layout.orientation"),
-        "Projection": "stablejax.layout.attention",
-    },
-    "stablejax.training.loop": {"Run": "stablejax.training.loop:Trainer"},
-    "stablejax.training.components": {"build": "stablejax.training.components:build_components"},
-    "stablejax.muon.muon": {
-        **dict.fromkeys(("OUTLIER_METHODS", "IQR_EXACT_MAX", "clamp_outliers"),
-                        "stablejax.muon.outliers"),
-        **dict.fromkeys(("DEFAULT_NS_STEPS", "OutlierSafeMuonState", "ns_health", "shape_scale",
-                         "scale_by_outlier_safe_muon"), "stablejax.muon.direction"),
-        **dict.fromkeys(("TensorGuardState", "skip_nonfinite_tensors"),
-                        "stablejax.transforms.nonfinite_tensors"),
-    },
-    "stablejax.muon.routing": {
-        **dict.fromkeys(("GROUPS", "pure", "default_labels", "label_params"),
-                        "stablejax.muon.labels"),
-        **dict.fromkeys(("MuonDimensionNumbers", "DIMENSION_TYPES", "LAST_TWO_AXES",
-                         "ATTENTION_QKV", "check_dims", "matrix_shape", "to_matrices",
-                         "split_fused", "part_shapes"), "stablejax.muon.matrices"),
-        **dict.fromkeys(("Note", "warn_notes"), "stablejax.muon.notes"),
-    },
-}
-
-
 # ----------------------------------------------------------------------------- import graph
 
 
@@ -191,7 +117,7 @@ def test_no_import_circle():
 
 # The floors of the package: a module imports from its own folder or from a lower floor, never
 # from a higher one (docs/development.md, Layout). "" is the package's front file.
-FLOORS = {"_compat": -1, "layout": 0, "transforms": 1, "data": 1, "muon": 2, "modeling": 2,
+FLOORS = {"layout": 0, "transforms": 1, "data": 1, "muon": 2, "modeling": 2,
           "monitor": 3, "training": 4, "cli": 5, "__main__": 6, "": 6}
 
 
@@ -207,8 +133,8 @@ def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_floor_check_sees_an_import_that_goes_up():
   graph = {"stablejax.transforms.zclip": {"stablejax.muon.muon", "stablejax.layout.heads"},
-           "stablejax.training.loop": {"stablejax"}}
-  assert _upward_imports(graph) == ["stablejax.training.loop -> stablejax",
+           "stablejax.training.loop.trainer": {"stablejax"}}
+  assert _upward_imports(graph) == ["stablejax.training.loop.trainer -> stablejax",
                                     "stablejax.transforms.zclip -> stablejax.muon.muon"]
 
 
@@ -220,7 +146,7 @@ def test_no_module_imports_from_a_higher_floor():
 
 def test_package_root_holds_only_the_api_modules_and_folders():
   files = {p.name for p in PACKAGE.iterdir() if p.is_file()}
-  assert files == {"__init__.py", "__main__.py", "_compat.py", "py.typed"}
+  assert files == {"__init__.py", "__main__.py", "py.typed"}
   folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
   assert folders == {"cli", "configs", "data", "layout", "modeling", "monitor", "muon", "training",
                      "transforms"}
@@ -229,101 +155,26 @@ def test_package_root_holds_only_the_api_modules_and_folders():
       "default.json", "gpt2_small.json", "openwebtext_stable.json", "openwebtext_stable_cpu.json"]
 
 
-# ----------------------------------------------------------------------------- old paths
+# ----------------------------------------------------------------------------- rooms
 
 
-def _forget(name: str) -> None:
-  """Makes the next import of ``name`` go through the import system again."""
-  sys.modules.pop(name, None)
-  parent, _, child = name.rpartition(".")
-  parent_module = importlib.import_module(parent)
-  if hasattr(parent_module, child):
-    delattr(parent_module, child)
+def test_no_level_of_the_trainer_holds_more_than_twelve_modules():
+  """The trainer by idea, each folder a room a newcomer can name (its config, the loop, the
+  recovery, the run folder, launching, a finished run), not thirty modules on one level."""
+  training = PACKAGE / "training"
+  for folder in [training, *[p for p in training.rglob("*") if p.is_dir()]]:
+    modules = [m for m in folder.glob("*.py") if m.name != "__init__.py"]
+    assert len(modules) <= 12, (folder, len(modules))
+  rooms = {p.name for p in (PACKAGE / "training").iterdir()
+           if p.is_dir() and p.name != "__pycache__"}
+  assert rooms == {"config", "launch", "loop", "recovery", "run_folder", "trained"}
 
 
-def test_every_moved_module_has_an_old_path():
-  assert set(stablejax._compat._MOVED) == set(MOVED)
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_import_path_is_the_new_module_with_a_warning(old):
-  new = MOVED[old][0]
-  _forget(old)
-  with pytest.warns(DeprecationWarning, match=rf"{old} is deprecated.*import {new}"):
-    module = importlib.import_module(old)
-  assert module is importlib.import_module(new)
-  assert module.__name__ == new and module.__spec__.name == new  # the new module is untouched
-  parent, _, child = old.rpartition(".")
-  assert getattr(sys.modules[parent], child) is module
-  assert sys.modules[old] is module
-
-
-def test_old_from_imports_work_and_the_warning_points_at_the_importer():
-  for old in ("stablejax.prepare", "stablejax.quantize_eval", "stablejax.sample"):
-    _forget(old)
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    from stablejax.prepare import Options, PrepareError, prepare  # noqa: F401
-    from stablejax.quantize_eval import (QuantizeEvalError, load_run_config,  # noqa: F401
-                                         quantize_eval)
-    from stablejax.sample import SampleError, run_tokenizer, sample  # noqa: F401
-  deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-  assert len(deprecations) == 3
-  assert all(Path(w.filename).resolve() == Path(__file__).resolve() for w in deprecations)
-  from stablejax.data.prepare import prepare as new_prepare
-  from stablejax.training.trained_run import RunError
-  assert prepare is new_prepare
-  assert QuantizeEvalError is RunError and SampleError is RunError
-
-
-def test_every_moved_name_has_an_old_path():
-  assert stablejax._compat._MOVED_NAMES == MOVED_NAMES
-
-
-def test_old_names_are_the_new_objects_with_a_warning():
-  for old, names in MOVED_NAMES.items():
-    module = importlib.import_module(old)
-    for name, new in names.items():
-      assert name not in vars(module), f"{old}.{name} is still defined there"
-      new_module, _, new_name = new.partition(":")
-      said = rf"use {new_module}\.{new_name} " if new_name else rf"from {new_module} "
-      with pytest.warns(DeprecationWarning, match=rf"{old}\.{name} is deprecated.*{said}"):
-        value = getattr(module, name)
-      assert value is getattr(importlib.import_module(new_module), new_name or name)
-
-
-def test_an_old_names_warning_points_at_the_importer_and_other_names_stay_missing():
-  with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    from stablejax.data.pipeline import garbage_batch  # noqa: F401
-    from stablejax.data.prepare import is_val  # noqa: F401
-  deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-  assert len(deprecations) == 2
-  assert all(Path(w.filename).resolve() == Path(__file__).resolve() for w in deprecations)
-  with pytest.raises(ImportError, match="no_such_name"):
-    from stablejax.data.pipeline import no_such_name  # noqa: F401
-  with pytest.raises(AttributeError, match="has no attribute '_max_run'"):
-    stablejax.data.pipeline._max_run  # noqa: B018 (private names get no old path)
-
-
-@pytest.mark.parametrize("old", [o for o in sorted(MOVED) if MOVED[o][1]])
-def test_old_program_path_runs_the_new_program_with_a_warning(old):
-  command = MOVED[old][1]
-  proc = run_python("-m", old, "--help")
-  assert proc.returncode == 0, proc.stderr
-  assert proc.stdout.startswith(f"usage: python -m stablejax {command}")
-  assert "DeprecationWarning" in proc.stderr
-  assert f"python -m {old} is deprecated" in proc.stderr
-  assert f"use python -m stablejax {command}" in proc.stderr
-
-
-def test_old_program_path_keeps_exit_codes(tmp_path):
-  proc = run_python("-m", "stablejax.prepare", str(tmp_path / "missing.txt"), "--out",
-              str(tmp_path / "out"), "--tokenizer", "bytes")
-  assert proc.returncode == 2
-  errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-  assert len(errors) == 1 and "missing.txt" in errors[0] and "does not exist" in errors[0]
-  assert not (tmp_path / "out").exists()
+def test_old_paths_are_gone():
+  for old in ("stablejax._compat", "stablejax.losses", "stablejax.training.runs",
+              "stablejax.training.rollback", "stablejax.training.run_dir"):
+    with pytest.raises(ModuleNotFoundError):
+      importlib.import_module(old)
 
 
 # ----------------------------------------------------------------------------- the command
@@ -406,7 +257,7 @@ def test_the_lazy_package_offers_the_same_names_as_the_eager_one():
   assert names == ["__version__", *stablejax._EXPORTS] and len(names) == len(set(names))
   assert len(same) == len(stablejax._EXPORTS) > 50
   assert set(names) <= set(before)
-  assert {"_compat", "layout", "modeling", "monitor", "muon", "transforms"} <= set(before)
+  assert {"layout", "modeling", "monitor", "muon", "transforms"} <= set(before)
   assert not {"_importlib", "_EXPORTS", "_load_public_names", "__getattr__"} & set(before)
   assert muon == "stablejax.muon" and all(same.values()), same
   assert version == stablejax.__version__

@@ -54,7 +54,7 @@ def test_logits_equal_hugging_face_llama_for_the_same_weights(scan_layers):
 
 def test_cached_decoding_equals_full_recomputation():
   from stablejax.modeling import family
-  from stablejax.training.decoding import Generator, greedy_reference
+  from stablejax.training.trained.decoding import Generator, greedy_reference
   section = family.section_class(family.get("llama"))(
       vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=1, max_seq_len=16)
   model = family.build(section)
@@ -74,7 +74,7 @@ def test_grouped_query_attention_needs_a_divisor():
 
 @slow
 def test_the_llama_family_trains_samples_and_resumes(tmp_path):
-  from stablejax.training.sampling import sample
+  from stablejax.training.trained.sampling import sample
   out = tmp_path / "llama"
   llama = ("model.family=llama", "model.n_kv_heads=1", "stability.qk_clip.enabled=true",
            "stability.qk_clip.tau=5", "train.eval_every=50", "checkpoint.every=4")

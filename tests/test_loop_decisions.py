@@ -14,8 +14,8 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 
-from stablejax.training.actions import Checkpointing, Evaluation, Logging, Sampling, TimeBudget
-from stablejax.training.batches import Batches, garbage_batch, total_skips
+from stablejax.training.loop.actions import Checkpointing, Evaluation, Logging, Sampling, TimeBudget
+from stablejax.training.loop.batches import Batches, garbage_batch, total_skips
 from stablejax.training.config import load_config
 
 

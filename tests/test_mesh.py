@@ -9,7 +9,7 @@ import textwrap
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from stablejax.training.mesh import fsdp_spec
+from stablejax.training.launch.mesh import fsdp_spec
 
 
 @pytest.mark.parametrize("shape,fsdp,spec", [
@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
     from stablejax.training.config import ConfigError, MeshConfig
-    from stablejax.training import mesh as mesh_lib
+    from stablejax.training.launch import mesh as mesh_lib
 
     assert len(jax.devices()) == 4
     for cfg, sizes in ((MeshConfig(), (4, 1)), (MeshConfig(fsdp=2), (2, 2)),

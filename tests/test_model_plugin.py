@@ -60,6 +60,6 @@ def test_a_public_nnx_model_trains_through_a_plugin_with_rollback_and_checkpoint
   assert _run(out, "train.steps=24", "stability.qk_clip.enabled=true", fresh=False) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "model family 'minigpt' does not offer attention logits" in err[0]
-  from stablejax.training.sampling import SampleError, sample
+  from stablejax.training.trained.sampling import SampleError, sample
   with pytest.raises(SampleError, match="does not offer decoding"):
     sample(out, "x", max_new_tokens=2)

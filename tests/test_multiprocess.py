@@ -231,8 +231,9 @@ _CONTROL_FLOW = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from helpers import tiny_config
     from stablejax.data.pipeline import build_data
-    from stablejax.training import mesh as mesh_lib, step as step_lib
-    from stablejax.training.components import build_components
+    from stablejax.training.launch import mesh as mesh_lib
+    from stablejax.training.loop import step as step_lib
+    from stablejax.training.loop.components import build_components
 
     COLLECTIVE = re.compile(r" (all-reduce|all-gather|collective-permute|reduce-scatter|"
                             r"all-to-all)(-start)?\\(")
@@ -310,7 +311,7 @@ def test_no_collective_inside_control_flow_of_the_cpu_train_step():
 
 
 def test_join_pieces_come_from_config_then_environment(monkeypatch):
-  from stablejax.training import distributed
+  from stablejax.training.launch import distributed
   from stablejax.training.config import ConfigError, MeshConfig
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     monkeypatch.delenv(name, raising=False)
@@ -586,7 +587,7 @@ def test_launcher_gives_each_rank_its_own_accelerators(tmp_path, platform):
 
 
 def test_device_plan_detection_and_limits(monkeypatch):
-  from stablejax.training import launch as launch_lib
+  from stablejax.training.launch import launcher as launch_lib
   detect = launch_lib.detect_platform
   monkeypatch.setattr(launch_lib, "detect_platform", lambda: ("gpu", 8))
   assert launch_lib.plan_devices(4, None) == ("gpu", 2)  # divided evenly
@@ -634,7 +635,7 @@ def _slice_child(out: str) -> None:
   from jax.experimental import multihost_utils
 
   from stablejax.training.config import load_config
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   cfg = load_config(ROOT / "stablejax" / "configs" / "default.json",
                     [*TINY, *SLICE, "mesh.distributed=true", "mesh.initialization_timeout=300"])
@@ -646,7 +647,7 @@ def _slice_child(out: str) -> None:
                   for t in local_train]
   global_val = [multihost_utils.process_allgather(v, tiled=True)
                 for v in run.components.val_batches()]
-  from stablejax.training import distributed
+  from stablejax.training.launch import distributed
   rank = jax.process_index()
   agreed = [distributed.agree_max(rank + 0.5), distributed.agree_any(rank == 1),
             distributed.agree_any(False), *distributed.agree_max(np.array([rank, -rank, 7]))]

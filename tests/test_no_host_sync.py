@@ -27,10 +27,12 @@ import numpy as np
 import pytest
 from jax._src import array as jax_array
 
-from stablejax.training import actions
+from stablejax.training.loop import actions
 from stablejax.training.config import config_from_dict
-from stablejax.training.loop import Trainer
-from stablejax.training.rollback import Restorer
+from stablejax.training.loop.trainer import Trainer
+from stablejax.training.recovery.healing import Healing
+from stablejax.training.recovery.replicas import ReplicaCheck
+from stablejax.training.recovery.restorer import Restorer
 
 TINY = {
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32,
@@ -137,12 +139,13 @@ def _step_check(run: Trainer) -> dict:
           "shards_per_metric": len(history[0]["loss"].addressable_shards)}
 
 
-# Where the loop may fetch: the periodic actions at their steps, the start and the endings.
+# Where the loop may fetch: the periodic actions at their steps (the replica check's among
+# them), the answer to a failure (its replay and rollback), the start and the endings.
 ALLOWED = {
     actions.Logging: ("write",), actions.Evaluation: ("__call__",),
     actions.Diagnostics: ("__call__",), actions.Checkpointing: ("save",),
-    Restorer: ("restore_or_init", "rollback"),
-    Trainer: ("_banner", "_finish", "_diverged", "_interrupted"),
+    ReplicaCheck: ("verify",), Restorer: ("restore_or_init", "rollback"),
+    Healing: ("answer",), Trainer: ("_banner", "_finish", "_interrupted"),
 }
 
 

@@ -181,7 +181,7 @@ from jax.sharding import Mesh
 import stablejax
 from stablejax.modeling.gpt import GPT, ModelConfig
 from stablejax.muon.normuon import NorMuonState
-from stablejax.training.mesh import state_shardings
+from stablejax.training.launch.mesh import state_shardings
 
 cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, qk_norm=False)
 params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]

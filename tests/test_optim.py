@@ -18,7 +18,7 @@ from stablejax.muon.lr_check import ADAM_MAX_LR
 from stablejax.muon.describe import routing_infos
 from stablejax.training import config as config_lib
 from stablejax.training.config import Config, ConfigError, config_from_dict, load_config
-from stablejax.training.step import TrainState, make_train_step
+from stablejax.training.loop.step import TrainState, make_train_step
 from helpers import gpt_params, read_metrics, run_subprocess, slow
 
 TINY_MODEL = {"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 8,

@@ -343,7 +343,7 @@ def test_config_takes_vocab_from_meta_and_rejects_a_smaller_one(tmp_path, bpe_di
 @pytest.mark.parametrize("kind,tokenizer", [("text", "bytes"), ("jsonl", "bpe:300"),
                                             ("parquet", "tokenizer.json")])
 def test_prepare_train_sample_end_to_end(tmp_path, capsys, bpe_dir, kind, tokenizer):
-  from stablejax.training import sampling as sample_lib
+  from stablejax.training.trained import sampling as sample_lib
   inputs = write_inputs(tmp_path, DOCS * 3)
   spec = bpe_dir / "tokenizer.json" if tokenizer == "tokenizer.json" else tokenizer
   data_dir = tmp_path / "data"
@@ -757,7 +757,7 @@ def test_more_bad_input_is_one_line_and_leaves_nothing(tmp_path, capsys, case):
   (tmp_path / "corpus" / "a.txt").write_text("<|endoftext|>".join(DOCS))
   out = tmp_path / "out"
   # A run folder of the trainer (its record): its checkpoints folder is the run's alone.
-  from stablejax.training.run_record import PROGRAM, RECORD
+  from stablejax.training.run_folder.record import PROGRAM, RECORD
   (tmp_path / "run").mkdir()
   (tmp_path / "run" / RECORD).write_text(json.dumps({"program": PROGRAM, "written": []}))
   args, needle = {

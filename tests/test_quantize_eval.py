@@ -13,8 +13,8 @@ import pytest
 from stablejax import merge_emb_proj
 from stablejax.cli.quantize_eval import main
 from stablejax.data.pipeline import build_data
-from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
-from stablejax.training.trained_run import load_run_config
+from stablejax.training.trained.quantized_eval import RESULT_FILE, quantize_eval
+from stablejax.training.trained.run import load_run_config
 from stablejax.modeling.gpt import GPT
 from helpers import run_inprocess, summary
 
@@ -77,7 +77,7 @@ def _numpy_rtn(params, bits):
 
 def _params_of_trainer_restore(run_dir, tmp_path):
   """The final parameters, restored by the trainer's Checkpoints class (on a copy of the run)."""
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   copy = tmp_path / "copy"
   shutil.copytree(run_dir, copy)

@@ -238,7 +238,7 @@ def stopping_run(cfg, out, fresh, stop_at):
   """A Trainer that stops at step `stop_at` as if SIGTERM had arrived just before it."""
   import signal
 
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
 
   run = Trainer(cfg, out, fresh=fresh)
   next_batch = run.batches.next
@@ -320,7 +320,7 @@ def _recording_run_class():
   import jax
   import orbax.checkpoint as ocp
 
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
   from stablejax.training.optim import get_lr_scale
 
   class RecordingRun(Trainer):
@@ -408,7 +408,7 @@ def test_rollback_restores_the_checkpoint_skips_the_named_batches_and_backs_off(
   assert float(seen["backoff"].scale) == pytest.approx(0.2) and int(seen["backoff"].start) == 10
   # fed: batches 0..16 (16 replaced by garbage), the replay's from checkpoint 10 (the same
   # batches again, until its own trigger), then after the rollback 17.. (10..16 skipped)
-  from stablejax.training.batches import garbage_batch
+  from stablejax.training.loop.batches import garbage_batch
   stream = data_stream(cfg, 17 + 30)
   garbage = garbage_batch("repeat", 8, 32, 256, seed=16)["tokens"]
   (replay,) = [r for r in read_metrics(out) if r.get("event") == "replay"]
@@ -525,7 +525,7 @@ def test_rollback_past_a_damaged_target_replays_the_good_batches(tmp_path):
   # 10 is damaged by then: restore falls back to step 0. The data that led to the failure is
   # still batches 10..16; batches 0..9 between the two checkpoints were good and are trained on
   # again (before, the skip started at the restored step's position and dropped them too).
-  from stablejax.training.batches import garbage_batch
+  from stablejax.training.loop.batches import garbage_batch
   cfg = tiny_config(*NAN_BATCHES)
   base = _recording_run_class()
 

@@ -21,7 +21,7 @@ from stablejax.training import checkpoint as checkpoint_lib
 from stablejax.training.checkpoint import (CheckpointError, Checkpoints, damage_evidence, read_json,
                                            write_json_atomic)
 from stablejax.training.config import RecoveryConfig, stability_config_class
-from stablejax.training.recovery import LRBackoff, Recovery, RollbackEvent, backoff_lr_scale
+from stablejax.training.recovery.policy import LRBackoff, Recovery, RollbackEvent, backoff_lr_scale
 
 REQ = "skip_nonfinite/rollback_requests"
 
@@ -278,7 +278,7 @@ def _train_state(seed):
   """The trainer's own state type around `_state`: a flax PyTreeNode holding an optax state."""
   import optax
 
-  from stablejax.training.step import TrainState
+  from stablejax.training.loop.step import TrainState
   params = {k: v for k, v in _state(seed).items() if k != "n"}
   opt_state = optax.adamw(1e-3).init(params)
   opt_state = jax.tree.map(lambda x: x + seed if jnp.issubdtype(x.dtype, jnp.floating) else x,

@@ -316,7 +316,7 @@ def test_report_out_never_writes_the_runs_records_or_inputs(tmp_path, capsys):
   assert report_cli.main([str(run), "--out", str(run / "notes.png"), "--force"]) == 0
   assert report_cli.main([str(run)]) == 0 and report_cli.main([str(run)]) == 0
   capsys.readouterr()
-  from stablejax.training.outputs import png_software
+  from stablejax.training.run_folder.outputs import png_software
   assert png_software(run / "report.png") == "stablejax report"
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stablejax.training.run_dir import RunDirectory
-from stablejax.training.run_record import RECORD, RunDirError
+from stablejax.training.run_folder.folder import RunDirectory
+from stablejax.training.run_folder.record import RECORD, RunDirError
 from helpers import ROOT, run_inprocess, run_subprocess, sets, slow
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v0_1"
@@ -241,7 +241,8 @@ def test_a_full_disk_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     def full(path, data, indent=1):
       raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
     monkeypatch.setattr(checkpoint, "write_json_atomic", full)
-    monkeypatch.setattr("stablejax.training.run_dir.write_json_atomic", full, raising=False)
+    monkeypatch.setattr("stablejax.training.run_folder.folder.write_json_atomic", full,
+                        raising=False)
     assert run_inprocess(disk / "run") == 2
     line = _one_error_line(capsys.readouterr().err)
   assert line.startswith("error: cannot write into the run directory ") and \
@@ -253,7 +254,8 @@ def test_errors_of_the_environment_are_one_line_each():
   words), or by the words of a log message; any other error is none of them."""
   import errno
 
-  from stablejax.training.environment_errors import environment_message, is_environment_error
+  from stablejax.training.run_folder.environment_errors import (environment_message,
+                                                                is_environment_error)
   out = Path("exp")
   wrapped = ValueError("RESOURCE_EXHAUSTED: writing the checkpoint")
   wrapped.__cause__ = OSError(errno.ENOSPC, "write failed")
@@ -311,7 +313,7 @@ OLD_COMMAND = [
 
 
 def test_a_run_of_0_1_reads_back_in_the_new_keys():
-  from stablejax.training.trained_run import load_run_config
+  from stablejax.training.trained.run import load_run_config
   cfg = load_run_config(OLD_RUN)
   s = cfg.stability
   assert (s.qk_clip.enabled, s.qk_clip.tau) == (True, 30.0)
@@ -564,7 +566,7 @@ def test_a_start_that_fails_on_a_full_disk_leaves_no_out(tmp_path, monkeypatch):
 
   def full(path, data, indent=1):
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-  monkeypatch.setattr("stablejax.training.run_dir.write_json_atomic", full)
+  monkeypatch.setattr("stablejax.training.run_folder.folder.write_json_atomic", full)
   out = tmp_path / "new"
   run = RunDirectory.open(out)
   run.path("checkpoints")
@@ -624,7 +626,7 @@ def test_a_fresh_killed_while_deleting_is_finished_by_the_next_start(tmp_path, m
 
   def killed(path, *args, **kwargs):
     raise KeyboardInterrupt  # as if killed in the deletion
-  monkeypatch.setattr("stablejax.training.previous_run.shutil.rmtree", killed)
+  monkeypatch.setattr("stablejax.training.run_folder.previous.shutil.rmtree", killed)
   with pytest.raises(KeyboardInterrupt):
     run.remove_previous()
   monkeypatch.undo()
@@ -643,7 +645,7 @@ def test_a_file_put_into_the_folder_of_a_killed_fresh_is_not_deleted(tmp_path, m
 
   def killed(path, *args, **kwargs):
     raise KeyboardInterrupt
-  monkeypatch.setattr("stablejax.training.previous_run.shutil.rmtree", killed)
+  monkeypatch.setattr("stablejax.training.run_folder.previous.shutil.rmtree", killed)
   with pytest.raises(KeyboardInterrupt):
     run.remove_previous()
   monkeypatch.undo()
@@ -717,7 +719,7 @@ def test_the_trainer_never_takes_an_empty_out_for_the_current_folder(tmp_path, m
 def test_an_unreadable_recorded_config_is_said_not_passed_over(tmp_path, capsys):
   import types
 
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
   (tmp_path / "config.json").write_text('{"train": {"steps": 4')  # cut short
   run_dir = types.SimpleNamespace(root=tmp_path, recorded={"config.json"})
   recorded = Trainer._recorded_config(types.SimpleNamespace(run_dir=run_dir, is_main=True))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from stablejax.training.decoding import Generator, greedy_reference, sample_logits
+from stablejax.training.trained.decoding import Generator, greedy_reference, sample_logits
 from stablejax.modeling.gpt import GPT, ModelConfig
 from helpers import gpt_params
 
@@ -153,7 +153,7 @@ def test_generation_past_the_context_window_follows_the_stated_policy(length):
 
 def test_sample_cli_errors(tmp_path, capsys):
   from stablejax.cli import sample as sample_cli
-  from stablejax.training import trained_run
+  from stablejax.training.trained import run as trained_run
   assert sample_cli.main([str(tmp_path / "missing")]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "does not exist" in err[0]
@@ -200,9 +200,9 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
   import shutil
 
   from stablejax.cli import sample as sample_cli
-  from stablejax.training import trained_run
+  from stablejax.training.trained import run as trained_run
   from stablejax.data import tokenizer as tokenizer_lib
-  from stablejax.training import sampling
+  from stablejax.training.trained import sampling
 
   from helpers import run_inprocess
   home, elsewhere = tmp_path / "home", tmp_path / "elsewhere"
@@ -322,7 +322,7 @@ def test_a_stop_once_the_samples_exist_keeps_them(tmp_path, capsys, monkeypatch,
 
   from stablejax.cli import _process
   from stablejax.cli import sample as sample_cli
-  from stablejax.training.decoding import Generator
+  from stablejax.training.trained.decoding import Generator
   real = Generator.generate
 
   def generate_then_ctrl_c(self, *args, **kwargs):

@@ -30,7 +30,8 @@ LAUNCH = ["launch", "--nproc", "1", "--", sys.executable, "-c", "open('{tmp}/sta
 # for prepare and launch; one each for the programs whose start-up imports JAX (seconds of CPU).
 CASES = [
     *[(PREPARE, "numpy", s, "during start-up: nothing was written") for s in STOP],
-    *[(LAUNCH, "stablejax.training.launch", s, "before any process was started") for s in STOP],
+    *[(LAUNCH, "stablejax.training.launch.launcher", s, "before any process was started")
+      for s in STOP],
     (["sample", "{tmp}/run"], "jax", "SIGTERM", "nothing was written"),
     (["quantize-eval", "{tmp}/run"], "numpy", "SIGHUP", "nothing was written"),
     (["report", "{tmp}/run"], "jax", "SIGINT", "no report written"),

@@ -84,7 +84,7 @@ def test_a_restore_plan_matches_entries_by_name():
   starts fresh, one switched off is dropped, one with other shapes starts fresh; another
   optimizer needs reset_optimizer."""
   import flax.struct
-  from stablejax.training.restore_plan import StateMismatch, plan
+  from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
   class State(flax.struct.PyTreeNode):
     step: jax.Array
@@ -121,7 +121,7 @@ def test_a_reset_optimizer_continues_the_learning_rate_schedule():
   # start at the updates applied so far (the kept lr_scale's count), not at 0.
   import flax.struct
   import optax
-  from stablejax.training.restore_plan import plan
+  from stablejax.training.recovery.restore_plan import plan
 
   class State(flax.struct.PyTreeNode):
     step: jax.Array
@@ -182,7 +182,7 @@ def test_a_reset_is_applied_only_to_another_optimizers_checkpoint(clean_run, tmp
 
 def test_a_reset_needs_another_optimizer_and_is_the_runs_once_made():
   import flax.struct
-  from stablejax.training.restore_plan import StateMismatch, plan
+  from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
   class State(flax.struct.PyTreeNode):
     step: jax.Array
@@ -216,7 +216,7 @@ def test_a_chain_of_the_runs_own_is_named_and_reset_on_request():
   # --reset-optimizer starts the configured chain afresh, its counts at the steps taken.
   import flax.struct
   import optax
-  from stablejax.training.restore_plan import StateMismatch, plan
+  from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
   class State(flax.struct.PyTreeNode):
     step: jax.Array
@@ -253,7 +253,7 @@ def test_a_checkpoint_with_a_loss_scale_resumes_without_one(tmp_path):
   import flax.struct
   import grain
   from stablejax.training.checkpoint import Checkpoints
-  from stablejax.training.restore_plan import plan
+  from stablejax.training.recovery.restore_plan import plan
 
   class State(flax.struct.PyTreeNode):
     step: jax.Array

@@ -16,7 +16,7 @@ SMALL = ("train.batch_size=8", "train.steps=12", "checkpoint.async_save=false",
 
 
 def make_run(tmp_path, name, *overrides):
-  from stablejax.training.loop import Trainer
+  from stablejax.training.loop.trainer import Trainer
   return Trainer(tiny_config(*SMALL, *overrides), tmp_path / name, fresh=True)
 
 
@@ -78,8 +78,8 @@ def test_the_step_computes_the_update_norms_on_every_step_the_loop_reads():
   # actions.Checkpointing.due, a deferred save included): every step the loop reads is covered.
   from types import SimpleNamespace
 
-  from stablejax.training import actions
-  from stablejax.training.step import metrics_read
+  from stablejax.training.loop import actions
+  from stablejax.training.loop.step import metrics_read
   cfg = tiny_config("train.log_every=3", "checkpoint.every=7", "train.steps=40")
   components = SimpleNamespace(cfg=cfg, total_steps=40)
   read = np.asarray(metrics_read(cfg, np.arange(1, 41)))

@@ -235,7 +235,7 @@ def test_ctrl_c_during_startup_exits_130_with_one_line_and_nothing_half_written(
   steps = [p for p in (out / "checkpoints").iterdir() if p.name.isdigit()] \
       if (out / "checkpoints").exists() else []
   if steps:  # complete: they restore, none falls back
-    from stablejax.training.trained_run import restore_params
+    from stablejax.training.trained.run import restore_params
     fallbacks = []
     restore_params(out, on_fallback=lambda step, why: fallbacks.append((step, why)))
     assert not fallbacks

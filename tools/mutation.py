@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
-RECOVERY = "stablejax/training/recovery.py"
+RECOVERY = "stablejax/training/recovery/policy.py"
 CHECKPOINT = "stablejax/training/checkpoint.py"
 SKIPPING = "stablejax/transforms/skipping.py"
 FINITE_SKIP = "stablejax/transforms/finite_skip.py"
@@ -72,21 +72,21 @@ SOURCES = "stablejax/data/sources.py"
 PIPELINE = "stablejax/data/pipeline.py"
 IDENTITY = "stablejax/data/identity.py"
 FOLDER = "stablejax/data/folder.py"
-DISTRIBUTED = "stablejax/training/distributed.py"
-MESH = "stablejax/training/mesh.py"
-LAUNCH = "stablejax/training/launch.py"
+DISTRIBUTED = "stablejax/training/launch/distributed.py"
+MESH = "stablejax/training/launch/mesh.py"
+LAUNCH = "stablejax/training/launch/launcher.py"
 MUON = "stablejax/muon/muon.py"
 OUTLIERS = "stablejax/muon/outliers.py"
 DIRECTION = "stablejax/muon/direction.py"
 NONFINITE_TENSORS = "stablejax/transforms/nonfinite_tensors.py"
-BUDGET = "stablejax/training/budget.py"
+BUDGET = "stablejax/training/loop/budget.py"
 CONFIG = "stablejax/training/config/checks.py"
 OPTIM = "stablejax/training/optim.py"
-STEP = "stablejax/training/step.py"
-DECODING = "stablejax/training/decoding.py"
-LOOP = "stablejax/training/loop.py"
-BATCHES = "stablejax/training/batches.py"
-ACTIONS = "stablejax/training/actions.py"
+STEP = "stablejax/training/loop/step.py"
+DECODING = "stablejax/training/trained/decoding.py"
+LOOP = "stablejax/training/loop/trainer.py"
+BATCHES = "stablejax/training/loop/batches.py"
+ACTIONS = "stablejax/training/loop/actions.py"
 HEALTH = "stablejax/monitor/health.py"
 STABILITY_MONITOR = "stablejax/monitor/stability_monitor.py"
 ROUTING = "stablejax/muon/routing.py"
@@ -102,7 +102,7 @@ QK_CLIP = "stablejax/transforms/qk_clip.py"
 CLIP = "stablejax/transforms/clip.py"
 SPECS = "stablejax/monitor/specs.py"
 DEFENCE = "stablejax/transforms/defence.py"
-RESTORE_PLAN = "stablejax/training/restore_plan.py"
+RESTORE_PLAN = "stablejax/training/recovery/restore_plan.py"
 UPDATE_CLIP = "stablejax/transforms/update_clip.py"
 COMPENSATED = "stablejax/transforms/compensated.py"
 HYPERBALL = "stablejax/transforms/hyperball.py"
@@ -110,9 +110,9 @@ UPDATE_NORM = "stablejax/monitor/update_norm.py"
 GRAM = "stablejax/muon/gram.py"
 NORMUON = "stablejax/muon/normuon.py"
 HEADS = "stablejax/layout/heads.py"
-RUN_DIR_CHECKS = "stablejax/training/run_dir_checks.py"
-PREVIOUS_RUN = "stablejax/training/previous_run.py"
-ENVIRONMENT_ERRORS = "stablejax/training/environment_errors.py"
+RUN_DIR_CHECKS = "stablejax/training/run_folder/checks.py"
+PREVIOUS_RUN = "stablejax/training/run_folder/previous.py"
+ENVIRONMENT_ERRORS = "stablejax/training/run_folder/environment_errors.py"
 
 _CHECKPOINT_K = ("damaged or transient or another_model or infinities or at_most or "
                  "damage_evidence or write_json or fingerprint or leftover or keep_and_delete")
@@ -315,11 +315,11 @@ MUTANTS = [
        "going further back jumps to the oldest checkpoint"),
     _m("R15", RECOVERY, "    self.acknowledge(restored_metrics)\n", "",
        "a rollback does not take the restored state's requests as handled"),
-    _m("R16", RECOVERY,
-       "    self.recent.clear()  # the window described the abandoned trajectory\n", "",
-       "the loss window of the abandoned trajectory is kept after a rollback"),
-    _m("R17", RECOVERY, '            "events": [dataclasses.asdict(e) for e in self.events]}',
-       '            "events": []}', "rollback events are not saved (lost on resume)"),
+    _m("R16", RECOVERY, "    self.acknowledge(restored_metrics)\n    self.recent.clear()\n",
+       "    self.acknowledge(restored_metrics)\n",
+       "the loss window of the abandoned trajectory is kept after a rollback or a replay"),
+    _m("R17", RECOVERY, '            "events": [dataclasses.asdict(e) for e in self.events],',
+       '            "events": [],', "rollback events are not saved (lost on resume)"),
     _m("R18", RECOVERY, 'self.best_loss_median = float(d.get("best_loss_median", math.inf))',
        "self.best_loss_median = math.inf", "the best median is not restored on resume"),
     _m("R19", RECOVERY, "optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count)",
@@ -329,16 +329,17 @@ MUTANTS = [
        "jnp.exp(optax.linear_schedule(jnp.log(backoff.scale), 0.0, recovery_steps)(count))",
        "optax.linear_schedule(backoff.scale, 1.0, recovery_steps)(count)",
        "the geometric schedule is linear"),
-    _m("R21", RECOVERY, "  if recovery_steps is None:\n    return backoff.scale",
-       "  if recovery_steps is None:\n    return jnp.ones_like(backoff.scale)",
+    _m("R21", RECOVERY, "  if recovery_steps is None:\n    configured = backoff.scale",
+       "  if recovery_steps is None:\n    configured = jnp.ones_like(backoff.scale)",
        "lr_recovery_steps=null drops the backoff instead of keeping it"),
     _m("R22", RECOVERY, "return self.rollbacks < self.cfg.max_rollbacks",
        "return self.rollbacks <= self.cfg.max_rollbacks", "one rollback more than max_rollbacks"),
     _m("R23", SPECS, 'for key in counter_keys(record, "rollback")}',
        'for key in counter_keys(record, "skips")}', "skipped steps are read as rollback requests",
        RECOVERY_TESTS),
-    _m("R24", RECOVERY, "    self.elevated_run = 0\n\n  def state_dict", "\n  def state_dict",
-       "the elevated run of the abandoned trajectory survives a rollback"),
+    _m("R24", RECOVERY, "    self.recent.clear()\n    self.elevated_run = 0\n",
+       "    self.recent.clear()\n",
+       "the elevated run of the abandoned trajectory survives a rollback or a replay"),
 
     # ---------------------------------------------------------------- checkpoint.py
     _m("C1", CHECKPOINT, "    if isinstance(error, CheckpointDamaged):\n      return text",
@@ -848,7 +849,8 @@ MUTANTS = [
     _m("CR2", CLI_REPORT, "  return ReportError, outputs.OutputError",
        "  return (outputs.OutputError,)",
        "an unusable run directory is a traceback and exit 1 instead of one line and 2"),
-    _m("CR3", CLI_REPORT, "  given = Path(args.out) if args.out else run_dir / REPORT_FILE",
+    _m("CR3", CLI_REPORT,
+       "  given = Path(args.out) if args.out is not None else run_dir / REPORT_FILE",
        "  given = run_dir / REPORT_FILE", "--out is ignored"),
     _m("CR4", CLI_REPORT, "    text = make_report(run_dir, tmp, args.window)[1]",
        "    text = make_report(run_dir, tmp)[1]", "--window is not passed on"),
@@ -1804,12 +1806,10 @@ MUTANTS = [
        '  return sum(int(record[key]) for key in counter_keys(record, "skips"))',
        '  return max([int(record[key]) for key in counter_keys(record, "skips")], default=0)',
        "skipped steps of two skip wrappers are not added up", AREA_TESTS[BATCHES]),
-    _m("LO2", BATCHES, "    if step in f.nan_grad_steps or index in f.nan_grad_batch_indices:",
-       "    if step in f.nan_grad_steps or step in f.nan_grad_batch_indices:",
+    _m("LO2", BATCHES, "    if (step in f.nan_grad_steps or index in f.nan_grad_batch_indices",
+       "    if (step in f.nan_grad_steps or step in f.nan_grad_batch_indices",
        "faults.nan_grad_batch_indices counts steps instead of data positions"),
-    _m("LO3", BATCHES,
-       "    elif step in f.grad_scale_steps:\n      grad_scale = f.grad_scale_factor",
-       "    elif step in f.grad_scale_steps:\n      grad_scale = 1.0",
+    _m("LO3", BATCHES, "      scale = f.grad_scale_factor", "      scale = 1.0",
        "faults.grad_scale_factor is not applied"),
     _m("LO4", BATCHES, "    if self.consumed >= first:\n      self.skip(",
        "    if self.consumed > first:\n      self.skip(",
@@ -2013,10 +2013,11 @@ MUTANTS = [
     _m("RB1", RESTORE_PLAN, "    elif key not in layouts:\n      result.fresh.append(key)",
        "    elif key not in layouts:\n      result.dropped.append(key)",
        "a defence switched on is said to be dropped"),
-    _m("RB2", RESTORE_PLAN, "    elif layouts[key] != leaf_layout(current_opt[key]):",
-       "    elif False:", "an entry whose layout changed is read into the new layout"),
-    _m("RB3", RESTORE_PLAN, "  if not same_optimizer or reset_optimizer:",
-       "  if reset_optimizer:", "another optimizer's state is read into this one"),
+    _m("RB2", RESTORE_PLAN,
+       "    elif layouts[key] == now or (result.new_params and _subset(layouts[key], now)):",
+       "    elif True:", "an entry whose layout changed is read into the new layout"),
+    _m("RB3", RESTORE_PLAN, "  if not same_optimizer:\n    if not (reset_optimizer",
+       "  if False:\n    if not (reset_optimizer", "another optimizer's state is read into this one"),
     _m("RB4", RESTORE_PLAN, "  result.dropped = sorted(k for k in layouts if k not in current_opt)",
        "  result.dropped = []", "a defence switched off is not said"),
     _m("RB5", RESTORE_PLAN,

@@ -187,8 +187,8 @@ def run(argv: Optional[Sequence[str]], parse: Callable[[Optional[Sequence[str]]]
 def run_refusals() -> tuple[type[BaseException], ...]:
   """What a program that reads a run refuses in one line: an unusable run, an output it may not
   write."""
-  from stablejax.training import outputs
-  from stablejax.training.trained_run import RunError
+  from stablejax.training.run_folder import outputs
+  from stablejax.training.trained.run import RunError
   return RunError, outputs.OutputError
 
 
@@ -345,7 +345,7 @@ def quiet_orbax_leftovers() -> None:
 
 def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
   """``--no-compilation-cache``: every program that compiles takes it
-  (:mod:`stablejax.training.compilation_cache`)."""
+  (:mod:`stablejax.training.launch.compilation_cache`)."""
   parser.add_argument("--no-compilation-cache", action="store_true",
                       help="compile everything anew, without the persistent compilation cache "
                            "(default: on, in the user's cache folder or $STABLEJAX_COMPILATION_"
@@ -355,6 +355,6 @@ def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
 def use_compilation_cache(args: argparse.Namespace, setting: Optional[str] = None) -> None:
   """Turns the persistent compilation cache on (or off, by ``--no-compilation-cache``) before
   the program compiles anything; a problem with its folder is one warning line."""
-  from stablejax.training import compilation_cache
+  from stablejax.training.launch import compilation_cache
   compilation_cache.enable(setting, disabled=getattr(args, "no_compilation_cache", False),
                            say=lambda line: print(line, file=sys.stderr))

@@ -3,7 +3,7 @@
     python -m stablejax launch --nproc 2 --devices-per-proc 2 -- \\
         train.py --set mesh.distributed=true --out runs/mp
 
-The command line of :func:`stablejax.training.launch.launch`; its module describes the
+The command line of :func:`stablejax.training.launch.launcher.launch`; its module describes the
 environment each process gets, the output, the signals and the exit code. A SIGINT, SIGTERM or
 SIGHUP before any process is started ends the launcher with one line and exit code 130; once
 they run, it is passed on to them and the launcher exits with their code.
@@ -16,7 +16,7 @@ import sys
 from typing import NoReturn, Optional, Sequence
 
 from stablejax.cli import _process
-from stablejax.training.launch import PLATFORMS, launch  # standard library only
+from stablejax.training.launch.launcher import PLATFORMS, launch  # standard library only
 
 PROG = "python -m stablejax launch"
 
@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-  """Runs the program; returns its exit code (see :mod:`stablejax.training.launch`).
+  """Runs the program; returns its exit code (see :mod:`stablejax.training.launch.launcher`).
 
   Args:
     argv: the arguments (default ``sys.argv[1:]``, as the program: see

@@ -91,7 +91,7 @@ def _prepare(args: argparse.Namespace) -> int:
   # Imported once the signals are handled: a Ctrl-C while NumPy and Grain load is a clean exit
   # 130 too.
   from stablejax.data.prepare import Options, PrepareError, prepare
-  from stablejax.training.run_record import trainer_folder_of
+  from stablejax.training.run_folder.record import trainer_folder_of
   _process.check()
   # A folder a training run owns is the trainer's alone (its rule, read from its record): files
   # written there would be foreign content to the run's next resume.

@@ -3,12 +3,12 @@
     python -m stablejax quantize-eval RUN_DIR [--bits 4] [--batches N] [--exclude lm_head ...]
                                       [--out FILE.json [--force]]
 
-The command line of :func:`stablejax.training.quantized_eval.quantize_eval`; its module describes
-what is measured. Prints both losses and the difference and writes ``RUN_DIR/quantize_eval.json``
-(or ``--out``): that one file and nothing else, whole or not at all
-(:mod:`stablejax.training.outputs`): never the run's records or inputs, and never a file it did
-not write unless ``--force`` (its own JSON says ``"program": "stablejax quantize-eval"``). Run it
-from where the run was started (data paths in config.json are read as given).
+The command line of :func:`stablejax.training.trained.quantized_eval.quantize_eval`; its module
+describes what is measured. Prints both losses and the difference and writes
+``RUN_DIR/quantize_eval.json`` (or ``--out``): that one file and nothing else, whole or not at all
+(:mod:`stablejax.training.run_folder.outputs`): never the run's records or inputs, and never a file
+it did not write unless ``--force`` (its own JSON says ``"program": "stablejax quantize-eval"``).
+Run it from where the run was started (data paths in config.json are read as given).
 
 Exit codes: 0 done; 2 missing run directory, missing or bad config, no usable checkpoint, bad
 arguments, an output it may not or cannot write (a read-only run directory: pass ``--out``); 130
@@ -64,8 +64,8 @@ def _evaluate(args: argparse.Namespace) -> int:
   _process.check()
   _process.use_compilation_cache(args)
   # Imported once the signals are handled (JAX).
-  from stablejax.training import outputs
-  from stablejax.training.quantized_eval import RESULT_FILE, quantize_eval
+  from stablejax.training.run_folder import outputs
+  from stablejax.training.trained.quantized_eval import RESULT_FILE, quantize_eval
   run_dir = Path(args.run_dir)
   given = Path(args.out) if args.out is not None else run_dir / RESULT_FILE
   check = functools.partial(
@@ -96,7 +96,7 @@ _EARLIER_KEYS = {"run_dir", "checkpoint_step", "bits", "exclude", "batches", "me
 
 def _ours(path: Path) -> bool:
   """Whether ``path`` is a result quantize-eval wrote (it may be replaced)."""
-  from stablejax.training import outputs
+  from stablejax.training.run_folder import outputs
   if outputs.json_program(path) == PROGRAM_NAME:
     return True
   try:

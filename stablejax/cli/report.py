@@ -4,9 +4,10 @@
 
 The command line of :func:`stablejax.monitor.report.make_report`: writes ``RUN_DIR/report.png``
 (or ``--out``) and prints the summary. It writes that one file and nothing else, whole or not at
-all (:mod:`stablejax.training.outputs`): never the run's records or inputs (``metrics.jsonl``,
-``run.json``, ``config.json``, anything in ``checkpoints/``, the run's data), and never a file it
-did not write unless ``--force`` (its own PNG carries ``Software: stablejax report``).
+all (:mod:`stablejax.training.run_folder.outputs`): never the run's records or inputs
+(``metrics.jsonl``, ``run.json``, ``config.json``, anything in ``checkpoints/``, the run's data),
+and never a file it did not write unless ``--force`` (its own PNG carries ``Software: stablejax
+report``).
 
 Exit codes: 0 done; 2 unusable run directory, bad arguments, or an output it may not or cannot
 write (a directory, a missing folder, a read-only run directory); 130 interrupted by SIGINT,
@@ -59,7 +60,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def _refused() -> tuple[type[BaseException], ...]:
   from stablejax.monitor.report import ReportError
-  from stablejax.training import outputs
+  from stablejax.training.run_folder import outputs
   return ReportError, outputs.OutputError
 
 
@@ -68,7 +69,7 @@ def _report(args: argparse.Namespace) -> int:
   # Imported once the signals are handled (matplotlib and JAX take a second to load).
   from stablejax.monitor.report import (METRICS_FILE, REPORT_FILE, REPORT_SOFTWARE, ReportError,
                                         make_report)
-  from stablejax.training import outputs
+  from stablejax.training.run_folder import outputs
   _process.check()
   run_dir = Path(args.run_dir)
   _import_plugins(run_dir)
@@ -106,7 +107,7 @@ def _import_plugins(run_dir: Path) -> None:
   refuse is refused: its rates would be read as another module's)."""
   from stablejax.monitor.report import ReportError
   from stablejax.training import plugins
-  from stablejax.training.run_record import recorded_plugins
+  from stablejax.training.run_folder.record import recorded_plugins
   try:
     plugins.load(recorded_plugins(run_dir), str(run_dir / "config.json"))
   except plugins.DeclarationRefused as e:

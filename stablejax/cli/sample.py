@@ -4,11 +4,11 @@
                                [--top-k 50] [--seed 0] [--num-samples 1] [--tokenizer T]
                                [--out FILE.json [--force]]
 
-The command line of :func:`stablejax.training.sampling.sample`: prints each sample (the prompt
-and its continuation) and, on stderr, the speed. ``--out`` also writes them as JSON
+The command line of :func:`stablejax.training.trained.sampling.sample`: prints each sample (the
+prompt and its continuation) and, on stderr, the speed. ``--out`` also writes them as JSON
 (``{"program": "stablejax sample", "run_dir", "step", "prompt", ..., "samples"}``), that one file
-and nothing else, whole or not at all (:mod:`stablejax.training.outputs`): never the run's
-records or inputs, and never a file it did not write unless ``--force``. The tokenizer is the
+and nothing else, whole or not at all (:mod:`stablejax.training.run_folder.outputs`): never the
+run's records or inputs, and never a file it did not write unless ``--force``. The tokenizer is the
 one the run recorded in ``RUN_DIR/tokenizer/`` (runs trained before that read their data paths
 in config.json as given: run those from where the run was started, or pass ``--tokenizer``).
 
@@ -75,8 +75,8 @@ def _sample(args: argparse.Namespace) -> int:
   _process.use_compilation_cache(args)
   # Imported once the signals are handled, like everything JAX does from here on: a signal only
   # takes effect at the next safe point, never inside an import or a compilation.
-  from stablejax.training import outputs
-  from stablejax.training.sampling import sample
+  from stablejax.training.run_folder import outputs
+  from stablejax.training.trained.sampling import sample
   check = functools.partial(
       outputs.check_output, args.out or "", program="sample", force=args.force,
       ours=lambda p: outputs.json_program(p) == PROGRAM_NAME,

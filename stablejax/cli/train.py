@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 from stablejax.cli import _process
-from stablejax.training.signals import StopSignals
+from stablejax.training.launch.signals import StopSignals
 
 PROG = "python -m stablejax train"
 
@@ -116,7 +116,7 @@ class _ReportedOnce(logging.Filter):
   one line, when it reaches the main thread."""
 
   def filter(self, record: logging.LogRecord) -> bool:
-    from stablejax.training.environment_errors import is_environment_error
+    from stablejax.training.run_folder.environment_errors import is_environment_error
     error = record.exc_info[1] if record.exc_info else None
     if error is not None and is_environment_error(error):
       return False
@@ -131,13 +131,13 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
   _process.quiet_orbax_leftovers()
 
   from stablejax.data.config import DataError
-  from stablejax.training import distributed
+  from stablejax.training.launch import distributed
   from stablejax.training.checkpoint import CheckpointError
   from stablejax.training.config import (ConfigError, config_name, config_path, load_config,
                                          load_plugins)
-  from stablejax.training.loop import Interrupted, Trainer
-  from stablejax.training.environment_errors import environment_message
-  from stablejax.training.run_record import RunDirError, recorded_plugins
+  from stablejax.training.loop.trainer import Interrupted, Trainer
+  from stablejax.training.run_folder.environment_errors import environment_message
+  from stablejax.training.run_folder.record import RunDirError, recorded_plugins
 
   out = Path(args.out if args.out is not None else Path("runs") / config_name(args.config))
   try:
@@ -150,7 +150,7 @@ def _main(args: argparse.Namespace, signals: StopSignals) -> int:
     if args.rewarmup_steps is not None:
       overrides.append(f"train.rewarmup_steps={args.rewarmup_steps}")
     cfg = load_config(args.config, overrides, plugins=recorded + args.plugin)
-    from stablejax.training import compilation_cache
+    from stablejax.training.launch import compilation_cache
     compilation_cache.enable(cfg.train.compilation_cache, disabled=args.no_compilation_cache,
                              say=lambda line: print(line, file=sys.stderr))
     return Trainer(cfg, out, fresh=args.fresh, data_changed=args.data_changed,

@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import Iterable, Optional
 
 import grain
 import numpy as np
 from grain.experimental import WindowShuffleMapDataset
 
-from stablejax import _compat
 from stablejax.data.config import EMBEDDED, DataConfig, DataError, source_entries
 from stablejax.data.sources import (BIN_SUFFIX, DEFAULT_BIN_VOCAB, Source, load_prepared,
                                     load_source, prepared_entry)
@@ -367,8 +366,3 @@ def _train_dataset(train_readers: list, weights: list[float], cfg: DataConfig, s
     ds = ds[process_index::process_count]
   return ds
 
-
-if not TYPE_CHECKING:  # type checkers report the old names; at run time they still work
-  def __getattr__(name: str) -> object:
-    """The names that moved from here to other modules: one release, with a DeprecationWarning."""
-    return _compat.moved_name(__name__, name)

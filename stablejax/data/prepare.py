@@ -92,12 +92,11 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
 
-from stablejax import _compat
 from stablejax.data import out_dir
 from stablejax.data import tokenizer as tokenizer_lib
 from stablejax.data.config import SEPARATOR, Options, PrepareError
@@ -405,8 +404,3 @@ def _tokenize(inputs: list[str], out: Path, tok: tokenizer_lib.Tokenizer, tok_sp
     s["weight"] = w / total_w
   return corpus_meta(tok, dtype, totals, sources, files, opts)
 
-
-if not TYPE_CHECKING:  # type checkers report the old names; at run time they still work
-  def __getattr__(name: str) -> object:
-    """The names that moved from here to other modules: one release, with a DeprecationWarning."""
-    return _compat.moved_name(__name__, name)

@@ -31,9 +31,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
-from stablejax import _compat
 from stablejax.layout.attention import AttentionGroup, Kinds, attention_groups
 from stablejax.layout.leaves import Leaf, is_param_leaf, param_leaves, path_to_str  # noqa: F401
 from stablejax.layout.leaves import value_of  # noqa: F401 (the routing's)
@@ -111,8 +110,3 @@ def analyse(leaves: Sequence[Leaf], roles: Optional[dict[int, str]] = None) -> A
   return Analysis(leaves, stacked, stack_axis, in_block, d_model, kinds, kernels.layouts, groups,
                   kernels.orientation, kernels.unsplit)
 
-
-if not TYPE_CHECKING:  # type checkers report the old names; at run time they still work
-  def __getattr__(name: str) -> object:
-    """The names that moved from here to other modules: one release, with a DeprecationWarning."""
-    return _compat.moved_name(__name__, name)

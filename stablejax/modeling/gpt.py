@@ -267,8 +267,8 @@ class GPT(nn.Module):
 
     Args:
       tokens: int32 ``[B, T]`` with ``T <= max_seq_len``.
-      decode: incremental decoding with a KV cache (``stablejax.training.decoding``): apply with
-        ``mutable=["cache"]``; the first call creates the cache and processes a prompt at
+      decode: incremental decoding with a KV cache (``stablejax.training.trained.decoding``): apply
+        with ``mutable=["cache"]``; the first call creates the cache and processes a prompt at
         positions ``0 .. T-1``, each later call (with the returned ``"cache"``) continues at the
         next position. Parameters and outputs are those of the normal call.
       bitnet_lambda: BitNet mixing weight in [0, 1] (a scalar, may be traced); ``None`` means 1.0

@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stablejax import _compat
 from stablejax.layout.analysis import param_leaves
 from stablejax.muon import newton_schulz as _ns
 from stablejax.muon import normuon as _normuon
@@ -58,9 +57,6 @@ from stablejax.transforms.metrics import Rate, Series, register_state_metrics
 from stablejax.transforms.nonfinite_tensors import TensorGuardState as _TensorGuardState
 from stablejax.transforms.nonfinite_tensors import skip_nonfinite_tensors as _skip_nonfinite_tensors
 
-
-def __getattr__(name: str) -> object:  # names that moved to the modules of their idea
-  return _compat.moved_name(__name__, name)
 
 
 class GroupUpdateRmsState(NamedTuple):

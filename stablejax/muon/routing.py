@@ -27,7 +27,6 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence, Union
 import jax
 import optax
 
-from stablejax import _compat
 from stablejax.layout import analysis as layout
 from stablejax.layout import heads as _heads
 from stablejax.layout.analysis import FusedDimensionNumbers
@@ -335,6 +334,3 @@ class RoutingInfo(NamedTuple):
   per_head: Optional[PerHead] = None
 
 
-
-def __getattr__(name: str) -> object:  # names that moved to the modules of their idea
-  return _compat.moved_name(__name__, name)

@@ -1,3 +1,6 @@
-"""The trainer: config, model, step, checkpoints, recovery, logging and the run loop; starting a
-run on several processes (:mod:`.launch`); and reading a finished run back (:mod:`.runs`, with
-:mod:`.sampling` and :mod:`.quantized_eval` on top). The data pipeline is :mod:`stablejax.data`."""
+"""The trainer, by room: the run's config (:mod:`.config`); the training run and its step loop
+(:mod:`.loop`, ``Trainer``); the optimizer built from the declarations (:mod:`.optim`);
+checkpoints (:mod:`.checkpoint`); restoring, rolling back and diagnosing (:mod:`.recovery`); the
+run directory and its record (:mod:`.run_folder`); several devices and processes
+(:mod:`.launch`); a finished run read back (:mod:`.trained`); and the user's declarations
+(:mod:`.plugins`). The data pipeline is :mod:`stablejax.data`."""

@@ -31,8 +31,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 
-from stablejax.training import distributed, restore_plan
-from stablejax.training.restore_plan import StateMismatch
+from stablejax.training.launch import distributed
+from stablejax.training.recovery import restore_plan
+from stablejax.training.recovery.restore_plan import StateMismatch
 
 if TYPE_CHECKING:
   import optax
@@ -47,7 +48,8 @@ class CheckpointDamaged(ValueError):
 
 
 class StateMatcher(Protocol):
-  """Restores a train state by name (:class:`stablejax.training.rollback.Restorer` is one)."""
+  """Restores a train state by name (the trainer's is
+  :class:`stablejax.training.recovery.restorer.Restorer`)."""
 
   def plan(self, stored: Any) -> restore_plan.RestorePlan: ...
 
@@ -305,8 +307,8 @@ class Checkpoints:
     deleted then. A checkpoint whose state does not fit ``abstract_state`` (another model, another
     optimizer) raises CheckpointError saying what differs.
 
-    ``match`` restores a train state by name (:mod:`stablejax.training.restore_plan`): only the
-    entries this run has are read, the rest is completed by ``match.finish``, and
+    ``match`` restores a train state by name (:mod:`stablejax.training.recovery.restore_plan`): only
+    the entries this run has are read, the rest is completed by ``match.finish``, and
     ``meta["changes"]`` says in one line what the restore did (None: nothing).
     """
     self.wait()

@@ -52,7 +52,7 @@ from stablejax.transforms import defence
 def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
   """Linear warmup from 0 to `peak`, cosine decay to `peak * min_lr_ratio` at the last step."""
   t = cfg.train
-  if t.steps is None:  # a time budget sets it (stablejax.training.budget) before this is called
+  if t.steps is None:  # the time budget (stablejax.training.loop.budget) sets it before this
     raise ValueError("train.steps is unset: set it, or let the time budget plan it first")
   return optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak, warmup_steps=t.warmup_steps,

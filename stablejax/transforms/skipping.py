@@ -16,13 +16,12 @@ values, no host transfer. Both wrappers count their skips the same way and raise
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from stablejax import _compat
 from stablejax.transforms import _common
 
 
@@ -102,8 +101,3 @@ def skip_metrics(s: SkipCounters) -> dict[str, jax.Array]:
       "rollback_requests": s.rollback_requests,
   }
 
-
-if not TYPE_CHECKING:  # type checkers report the old names; at run time they still work
-  def __getattr__(name: str) -> object:
-    """The names that moved from here to other modules: one release, with a DeprecationWarning."""
-    return _compat.moved_name(__name__, name)

@@ -64,7 +64,7 @@ class TrainConfig:
   # steps (recorded with the run; the same command again does not ramp again). 0: no ramp.
   rewarmup_steps: int = 0
   # The persistent compilation cache's folder; "off"; null: $STABLEJAX_COMPILATION_CACHE or the
-  # user's cache folder (stablejax/training/compilation_cache.py).
+  # user's cache folder (stablejax/training/launch/compilation_cache.py).
   compilation_cache: Optional[str] = None
 
 
@@ -114,7 +114,8 @@ class LossScaleConfig:
 
 @dataclasses.dataclass
 class RecoveryConfig:
-  """``stability.recovery``: rollback to the last good checkpoint (stablejax/training/recovery.py).
+  """``stability.recovery``: rollback to the last good checkpoint
+  (stablejax/training/recovery/policy.py).
 
   A rollback multiplies the learning-rate scale in effect by ``emergency_lr_factor``, which then
   returns to 1.0 over ``lr_recovery_steps`` (null: never). Divergence: ``loss_window`` logged train
@@ -262,8 +263,8 @@ class LoggingConfig:
 class MeshConfig:
   data: int = -1                   # -1: every device not used by fsdp
   fsdp: int = 1                    # parameters and optimizer state sharded over this axis
-  # Multi-process (multi-host) runs: see stablejax/training/distributed.py and README "Multi-host".
-  # join a job with jax.distributed.initialize() before anything else
+  # Multi-process (multi-host) runs: see stablejax/training/launch/distributed.py and README
+  # "Multi-host". join a job with jax.distributed.initialize() before anything else
   distributed: bool = False
   coordinator_address: Optional[str] = None  # HOST:PORT of process 0; else $JAX_COORDINATOR_ADDRESS
   # else $JAX_NUM_PROCESSES, else the cluster's (SLURM...)
