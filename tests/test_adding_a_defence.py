@@ -290,3 +290,33 @@ def test_a_recorded_plugin_is_named_as_the_runs(tmp_path, capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "plugin 'no_such_recorded_plugin'" in err[0], err
   assert f"(from {run / 'config.json'})" in err[0] and "--plugin" not in err[0]
+
+
+def test_a_module_added_to_the_transforms_is_a_built_in_defence_the_report_reads(tmp_path):
+  """A new built-in defence is its module and nothing else: put in stablejax/transforms/ (here a
+  folder of that package's path), the registry declares it and the monitor, the score and the
+  report read its rates, in a fresh process that never imports it by name."""
+  folder = tmp_path / "more_transforms"
+  folder.mkdir()
+  shutil.copy(PLUGINS / "scale_updates.py", folder / "scale_updates.py")
+  run = tmp_path / "run"
+  run.mkdir()
+  with open(run / "metrics.jsonl", "w") as f:
+    for step in range(1, 21):  # every other step scaled
+      f.write(json.dumps({"step": step, "loss": 3.0 - step / 100, "grad_norm": 1.0,
+                          "scale_updates/steps": step // 2,
+                          "scale_updates/scaled": step % 2 == 0}) + "\n")
+  code = (
+      "import sys, stablejax.transforms\n"
+      f"stablejax.transforms.__path__.append({str(folder)!r})\n"
+      "from stablejax.transforms import defence\n"
+      "print([d.name for d in defence.registered() if d.name == 'scale_updates'])\n"
+      "from stablejax.cli.report import main\n"
+      f"sys.exit(main([{str(run)!r}, '--out', {str(tmp_path / 'report.png')!r}]))\n")
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  lines = proc.stdout.splitlines()
+  assert lines[0] == "['scale_updates']"
+  (rates,) = [line for line in lines if line.startswith("rates (last window):")]
+  assert "scale_updates_rate 0.5" in rates

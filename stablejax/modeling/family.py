@@ -36,7 +36,6 @@ import optax
 import dataclasses
 import re
 import types
-from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, cast
 
 import jax
@@ -368,7 +367,7 @@ def register_module(module: types.ModuleType, origin: Optional[str] = None
 
 
 # The declarations of stablejax/modeling/'s modules, registered when first asked for.
-_BUILTINS = Builtins(__name__.rsplit(".", 1)[0], Path(__file__).resolve().parent,
+_BUILTINS = Builtins(__name__.rsplit(".", 1)[0],
                      lambda module: register_module(module), skip=("family",))
 _load_builtins = _BUILTINS.load
 _REGISTRY: Registry[ModelFamily] = Registry("model family", "the value of model.family",

@@ -1,17 +1,21 @@
 """What the monitor, the score, TensorBoard and the report know about each metric: the specs
 that states register with :func:`stablejax.register_state_metrics` (their rates, report lines,
-gradient-norm and threshold keys). Importing this module registers the built-in ones (the
-defences of :mod:`stablejax.transforms` and Muon's), so a run's records can be read without
-building an optimizer first."""
+gradient-norm and threshold keys). Importing this module registers the built-in ones: every
+module of :mod:`stablejax.transforms` and :mod:`stablejax.muon` found on disk is imported (a
+transform added there is found by being there, with no list to edit), so a run's records can be
+read without building an optimizer first. The specs come in their declared order
+(:func:`stablejax.transforms.metrics.metric_specs`), not in the order of any import."""
 
 from __future__ import annotations
 
 import re
 from typing import Iterator, Mapping
 
-import stablejax.muon.muon  # noqa: F401 (registers Muon's metrics)
-import stablejax.transforms  # noqa: F401 (registers the defences' metrics)
+from stablejax.transforms._registry import package_modules
 from stablejax.transforms.metrics import MetricsSpec, Rate, metric_specs
+
+for _package in ("stablejax.transforms", "stablejax.muon"):  # their metrics register on import
+  package_modules(_package)
 
 SKIP_RATE = "skip_rate"          # skipped steps per step: the sum of the skip rates, at most 1
 SKIP_RATE_BUDGET = 0.05

@@ -463,6 +463,6 @@ register_state_metrics(
            Rate("muon_fallback_rate", flag="fallback_rate", counter="fallback_count",
                 label="Muon fallbacks / step", budget=0.01, tensors=True,
                 advice="Muon emergency fallbacks {value:.3g} per step > 0.01: lower the Muon "
-                       "learning rate")))
+                       "learning rate")), order=90)
 register_state_metrics(GroupUpdateRmsState, "muon/update_rms", _group_rms_metrics,
-                       series=(Series("*", "*", "update_rms"),))
+                       series=(Series("*", "*", "update_rms"),), order=91)

@@ -201,4 +201,4 @@ def clamp_outlier_entries(threshold: float = 5.0, method: str = "zscore",
 
 register_state_metrics(OutlierClampState, "outlier_clamp",
                        lambda s: {"outlier_count": s.outlier_count,
-                                  "outlier_rate": s.outlier_rate})
+                                  "outlier_rate": s.outlier_rate}, order=80)

@@ -11,7 +11,6 @@ import dataclasses
 import importlib
 import pkgutil
 import types
-from pathlib import Path
 from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 
 Declaration = TypeVar("Declaration")
@@ -22,31 +21,38 @@ class DeclarationError(ValueError):
   usable as written; one line naming it (and both modules) and the fix."""
 
 
+def package_modules(package: str, skip: tuple[str, ...] = ()) -> list[types.ModuleType]:
+  """Imports every module of ``package`` found on disk (every folder of its ``__path__``), by
+  name; names starting with ``_`` and those in ``skip`` are left out."""
+  folders = [str(f) for f in importlib.import_module(package).__path__]
+  names = sorted({info.name for info in pkgutil.iter_modules(folders)})
+  return [importlib.import_module(f"{package}.{name}") for name in names
+          if not name.startswith("_") and name not in skip]
+
+
 class Builtins:
-  """Registers the declarations of every module of one package, once, when :meth:`load` is
-  first called.
+  """Registers the declarations of every module of one package (:func:`package_modules`), once,
+  when :meth:`load` is first called: a module added to the package declares its defence or
+  family by being there, with no list to edit.
 
   Args:
     package: the package's name (``"stablejax.transforms"``).
-    folder: its folder on disk.
     register_module: registers the declarations of one module.
     skip: module names to leave out (the registry's own module); names starting with ``_`` are
       always left out.
   """
 
-  def __init__(self, package: str, folder: Path | str,
-               register_module: Callable[[types.ModuleType], Any], skip: tuple[str, ...] = ()):
-    self.package, self.folder = package, Path(folder)
-    self.register_module, self.skip = register_module, skip
+  def __init__(self, package: str, register_module: Callable[[types.ModuleType], Any],
+               skip: tuple[str, ...] = ()):
+    self.package, self.register_module, self.skip = package, register_module, skip
     self.loaded = False
 
   def load(self) -> None:
     if self.loaded:
       return
     self.loaded = True
-    for info in sorted(pkgutil.iter_modules([str(self.folder)]), key=lambda m: m.name):
-      if not info.name.startswith("_") and info.name not in self.skip:
-        self.register_module(importlib.import_module(f"{self.package}.{info.name}"))
+    for module in package_modules(self.package, self.skip):
+      self.register_module(module)
 
 
 class Registry(Generic[Declaration]):

@@ -243,7 +243,7 @@ def _adagc_metrics(s: AdaGCState) -> dict[str, jax.Array]:
 register_state_metrics(
     AdaGCState, "adagc", _adagc_metrics,
     rates=(Rate("adagc_clip_rate", flag="clipped_fraction", label="AdaGC clipped tensors"),),
-    grad_norm="grad_norm", acted="clipped_fraction")
+    grad_norm="grad_norm", acted="clipped_fraction", order=20)
 
 
 # ----------------------------------------------------------------------------- the declaration

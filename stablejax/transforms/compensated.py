@@ -244,7 +244,7 @@ def compensated_updates(method: str = "kahan", *, seed: int = 0
 
 register_state_metrics(CompensatedUpdatesState, "compensated",
                        lambda s: {"lost_fraction": s.lost_fraction, "update_norm": s.update_norm},
-                       update_norm="update_norm")
+                       update_norm="update_norm", order=70)
 
 
 # ----------------------------------------------------------------------------- the declaration

@@ -59,7 +59,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import types
-from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
@@ -265,7 +264,7 @@ def register_module(module: types.ModuleType, origin: Optional[str] = None) -> l
 
 
 # The declarations of stablejax/transforms/'s modules, registered when first asked for.
-_BUILTINS = Builtins(__name__.rsplit(".", 1)[0], Path(__file__).resolve().parent,
+_BUILTINS = Builtins(__name__.rsplit(".", 1)[0],
                      lambda module: register_module(module))
 _load_builtins = _BUILTINS.load
 _REGISTRY: Registry[Defence] = Registry(

@@ -157,7 +157,8 @@ register_state_metrics(
     SkipNonFiniteState, "skip_nonfinite", skip_metrics,
     rates=(Rate("skip_nonfinite_rate", flag="skipped", counter="total_skips",
                 label="non-finite skips", skip=True),),
-    nonfinite="skipped", acted="skipped", skips="total_skips", rollback="rollback_requests")
+    nonfinite="skipped", acted="skipped", skips="total_skips", rollback="rollback_requests",
+    order=50)
 
 
 # ----------------------------------------------------------------------------- the declaration

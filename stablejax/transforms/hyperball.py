@@ -342,7 +342,8 @@ def hyperball(learning_rate: Optional[_common.LearningRate] = None, *, matrices:
   return optax.GradientTransformation(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-register_state_metrics(HyperballState, "hyperball", lambda s: {"norm_drift": s.norm_drift})
+register_state_metrics(HyperballState, "hyperball", lambda s: {"norm_drift": s.norm_drift},
+                       order=45)
 
 
 # ----------------------------------------------------------------------------- the declaration

@@ -89,13 +89,14 @@ class MetricsSpec:
   update_norm: Optional[str] = None
   skips: Optional[str] = None
   rollback: Optional[str] = None
+  order: int = 1000
 
   def key(self, name: str) -> str:
     """The full metric key of ``name`` (``"spike_count"`` -> ``"zclip/spike_count"``)."""
     return f"{self.prefix}/{name}"
 
 
-# state type -> spec, in registration order. Looked up along the type's MRO.
+# state type -> spec. Looked up along the type's MRO.
 _REGISTRY: dict[type, MetricsSpec] = {}
 
 
@@ -108,7 +109,8 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
                            acted: Optional[str] = None,
                            update_norm: Optional[str] = None,
                            skips: Optional[str] = None,
-                           rollback: Optional[str] = None) -> None:
+                           rollback: Optional[str] = None,
+                           order: int = 1000) -> None:
   """Registers how to turn a state type into metrics, and how they are monitored.
 
   :func:`stability_metrics` calls ``fn(state)`` for every instance of
@@ -147,6 +149,9 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
       for its skipped-step count.
     rollback: key of the cumulative count of rollback requests (a run of skips too long to wait
       out): the trainer rolls back when it grows.
+    order: where its rates and lines come among the others (smaller first, then by prefix):
+      the monitor's rates, the report and the generated tables list them in this order, whatever
+      order the modules were imported in (the built-in transforms' follow the chain).
 
   Returns:
     None.
@@ -173,7 +178,7 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
     raise ValueError("fn is not callable: pass state -> dict of scalars.")
   _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, tuple(rates), tuple(series),
                                       band, grad_norm, threshold, nonfinite, acted, update_norm,
-                                      skips, rollback)
+                                      skips, rollback, order)
 
 
 def unregister_state_metrics(state_type: type) -> None:
@@ -182,8 +187,8 @@ def unregister_state_metrics(state_type: type) -> None:
 
 
 def metric_specs() -> tuple[MetricsSpec, ...]:
-  """Every registered spec, in registration order (the monitor and the report read these)."""
-  return tuple(_REGISTRY.values())
+  """Every registered spec, by ``order`` then prefix (the monitor and the report read these)."""
+  return tuple(sorted(_REGISTRY.values(), key=lambda spec: (spec.order, spec.prefix)))
 
 
 def _lookup(node: Any) -> Optional[MetricsSpec]:

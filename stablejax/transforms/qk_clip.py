@@ -378,7 +378,8 @@ def _qk_clip_metrics(state: QKClipState) -> dict[str, jax.Array]:
 
 register_state_metrics(
     QKClipState, "qk_clip", _qk_clip_metrics,
-    series=(Series("max_logit", "QK-clip: step max (before clipping)", "attention", ":"),))
+    series=(Series("max_logit", "QK-clip: step max (before clipping)", "attention", ":"),),
+    order=40)
 
 
 # ----------------------------------------------------------------------------- the declaration

@@ -388,7 +388,8 @@ register_state_metrics(
     SkipSpikesState, "skip_spikes", _skip_spikes_metrics,
     rates=(Rate("skip_spikes_rate", flag="skipped", counter="total_skips",
                 label="spike skips", skip=True),),
-    grad_norm="grad_norm", acted="skipped", skips="total_skips", rollback="rollback_requests")
+    grad_norm="grad_norm", acted="skipped", skips="total_skips", rollback="rollback_requests",
+    order=60)
 
 
 # ----------------------------------------------------------------------------- the declaration

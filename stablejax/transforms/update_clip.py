@@ -410,12 +410,12 @@ register_state_metrics(
     rates=(Rate("update_rms_clip_rate", flag="was_clipped", counter="clip_count",
                 label="update-RMS clip rate"),),
     series=(Series("max_rms", "largest tensor update RMS (before the LR)", "update_rms", ":"),),
-    acted="was_clipped")
+    acted="was_clipped", order=30)
 register_state_metrics(
     ZClipUpdateNormState, "update_zclip", _znorm_metrics,
     rates=(Rate("update_zclip_spike_rate", flag="is_spike", counter="spike_count",
                 label="update-norm spike rate"),),
-    acted="was_clipped")
+    acted="was_clipped", order=31)
 
 
 # ----------------------------------------------------------------------------- the declarations

@@ -343,7 +343,7 @@ register_state_metrics(
     series=(Series("clipped_grad_norm", "clipped grad norm", "grad_norm"),
             Series("threshold", "ZClip threshold", "grad_norm", ":")),
     band=("ema_mean", "ema_std", "ZClip EMA mean +- std"),
-    grad_norm="grad_norm", threshold="threshold", acted="was_clipped")
+    grad_norm="grad_norm", threshold="threshold", acted="was_clipped", order=10)
 
 
 # ----------------------------------------------------------------------------- the declaration
