@@ -249,9 +249,13 @@ def test_the_lazy_package_offers_the_same_names_as_the_eager_one():
           "muon = stablejax.muon.__name__; "  # a subpackage, without importing it by name
           "same = {n: getattr(stablejax, n) is getattr(importlib.import_module(m), n) "
           "for n, m in stablejax._EXPORTS.items()}; "
+          "import sys; extras = sorted({m.split('.')[0] for m in sys.modules} & "
+          "{'grain', 'orbax', 'tqdm', 'tensorboardX', 'tokenizers', 'matplotlib'}); "
           "print(json.dumps([before, dir(stablejax), muon, same, stablejax.__all__, "
-          "stablejax.__version__]))")
-  before, after, muon, same, names, version = json.loads(_python(code))
+          "stablejax.__version__, extras]))")
+  before, after, muon, same, names, version, extras = json.loads(_python(code))
+  # Every public name loads without the train extra (a library user installs none of it).
+  assert extras == []
   assert before == after  # dir() is the same before and after the names are loaded
   # Every public name, from the package's one list, resolves to its module's object.
   assert names == ["__version__", *stablejax._EXPORTS] and len(names) == len(set(names))

@@ -276,9 +276,11 @@ def test_a_stop_signal_while_sample_compiles_is_one_line_never_a_crash(
   from helpers import ROOT
   env = hooked_env(tmp_path, HOOK_SIGNAL_AFTER_MODULE="tokenizers",
                    HOOK_DELAY=str(delay), HOOK_SIGNAL=signal_name)
-  # The decoder is compiled, not loaded from the session's compilation cache (a load can end
-  # before the latest signal comes).
+  # The decoder is compiled, not loaded from a compilation cache (a load can end before the
+  # latest signal comes): neither the session's nor the user's folder, which an earlier case
+  # would have filled.
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env["STABLEJAX_COMPILATION_CACHE"] = "off"
   proc = subprocess.run([sys.executable, "-m", "stablejax", "sample", str(bpe_run_home / "run"),
                          "--tokenizer", str(bpe_run_home / "data" / "tokenizer.json"),
                          "--max-new-tokens", "64"], cwd=ROOT, env=env, capture_output=True,
