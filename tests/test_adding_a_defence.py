@@ -113,15 +113,22 @@ def _program(*args: str, cwd: Path, timeout: float = 600) -> subprocess.Complete
 def test_a_plugin_defence_trains_from_the_command_line_and_every_program_reads_the_run(tmp_path):
   workdir = tmp_path / "work"
   workdir.mkdir()
-  shutil.copy(PLUGINS / "scale_updates.py", workdir / "mydefs.py")  # the user's own module
+  shutil.copy(PLUGINS / "scale_updates.py", workdir / "mydefs.py")  # the user's own modules
+  # A defence that reads and resets the optimizer's moments, and an optimizer: one file each.
+  shutil.copy(PLUGINS / "spam.py", workdir / "myspam.py")
+  shutil.copy(PLUGINS / "optax_muon.py", workdir / "myoptimizer.py")
   out = workdir / "run"
-  steps = ("train.steps=8", "train.warmup_steps=2", "train.eval_every=8", "checkpoint.every=4")
-  done = _program("train", "--plugin", "mydefs", *sets("stability.scale_updates.enabled=true",
-                                                        *steps), "--out", str(out), cwd=workdir)
+  steps = ("train.steps=8", "train.warmup_steps=2", "train.eval_every=8", "checkpoint.every=4",
+           "stability.spam.enabled=true", "stability.spam.reset_every=3",
+           "optimizer.name=optax_muon")
+  done = _program("train", "--plugin", "mydefs", "--plugin", "myspam", "--plugin", "myoptimizer",
+                  *sets("stability.scale_updates.enabled=true", *steps), "--out", str(out),
+                  cwd=workdir)
   assert done.returncode == 0, done.stderr[-2000:]
   config = json.loads((out / "config.json").read_text())
-  assert config["plugins"] == ["mydefs"]
+  assert config["plugins"] == ["mydefs", "myspam", "myoptimizer"]
   assert config["stability"]["scale_updates"] == {"enabled": True, "factor": 0.5}
+  assert config["optimizer"]["name"] == "optax_muon" and config["optimizer"]["nesterov"] is True
   train = [r for r in read_metrics(out) if "loss" in r and "event" not in r]
   assert [r["scale_updates/steps"] for r in train] == [r["step"] for r in train]  # every update
   tags = tensorboard_tags(out / "tensorboard")
@@ -132,6 +139,8 @@ def test_a_plugin_defence_trains_from_the_command_line_and_every_program_reads_t
   report = _program("report", str(out), cwd=workdir)
   assert report.returncode == 0, report.stderr[-2000:]
   assert "scale_updates_rate 1" in report.stdout
+  assert "spam_clip_rate" in report.stdout  # the moment-reading defence's rate, by name
+  assert [r["spam/resets"] for r in train][-1] == 2  # steps 3 and 6
   # A resume without --plugin imports it from the run's record, and goes on.
   resumed = _program("train", *sets("stability.scale_updates.enabled=true", *steps,
                                     "train.steps=12"), "--out", str(out), cwd=workdir)

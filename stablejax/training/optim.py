@@ -41,11 +41,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from stablejax.muon.lr_check import check_learning_rates
-from stablejax.muon.muon import outlier_safe_muon
 from stablejax.muon.labels import label_params
 from stablejax.muon.routing import muon_dimension_numbers
 from stablejax.training.config import Config, model_of
+from stablejax.training.config.optimizers import OptimizerContext
 from stablejax.transforms import defence
 
 
@@ -76,33 +75,20 @@ class Schedules:
 
   @property
   def main(self) -> optax.Schedule:
-    """The rate of ``optimizer.learning_rate`` (AdamW's, or Muon's matrices'): logged as ``lr``."""
-    return self.by_group["adamw"] if "adamw" in self.by_group else self.by_group["muon"]
+    """The optimizer's first group's rate (``optimizer.learning_rate``: AdamW's, Muon's
+    matrices'): logged as ``lr``."""
+    return next(iter(self.by_group.values()))
 
 
 def learning_rates(cfg: Config) -> dict[str, float]:
-  """Peak learning rate of each parameter group, resolved: what the optimizer uses.
-
-  Muon mode: `adam_learning_rate=None` falls back to `learning_rate` (as `outlier_safe_muon`
-  does with `consistent_rms` set), and the embedding and head rates fall back to the AdamW rate.
-  """
-  o = cfg.optimizer
-  if o.name == "adamw":
-    return {"adamw": o.learning_rate}
-  adam = o.learning_rate if o.adam_learning_rate is None else o.adam_learning_rate
-  return {"muon": o.learning_rate, "adam": adam,
-          "embedding": adam if o.embedding_learning_rate is None else o.embedding_learning_rate,
-          "head": adam if o.head_learning_rate is None else o.head_learning_rate}
+  """Peak learning rate of each parameter group, resolved: what the optimizer uses (its config
+  class's ``learning_rates``: Muon's four groups, AdamW's one, a plugin's own)."""
+  return cfg.optimizer.learning_rates()
 
 
 def learning_rate_warnings(cfg: Config) -> list[str]:
   """`stablejax.check_learning_rates` on the resolved rates (a Muon rate on AdamW groups, ...)."""
-  rates = learning_rates(cfg)
-  if cfg.optimizer.name == "adamw":
-    return check_learning_rates(adam_lr=rates["adamw"])
-  return check_learning_rates(
-      muon_lr=rates["muon"], adam_lr=rates["adam"], embedding_lr=rates["embedding"],
-      head_lr=rates["head"], consistent_rms=cfg.optimizer.consistent_rms)
+  return cfg.optimizer.warnings()
 
 
 def decay_mask(params: optax.Params) -> Any:
@@ -110,39 +96,19 @@ def decay_mask(params: optax.Params) -> Any:
   return jax.tree.map(lambda label: label != "adam", label_params(params))
 
 
+def optimizer_context(cfg: Config, schedules: Optional[Schedules] = None) -> OptimizerContext:
+  """What the configured optimizer's ``build`` gets: its schedules, the routing, the decay mask
+  and the model's query heads (``optimizer.per_head``)."""
+  return OptimizerContext(schedules=(schedules or Schedules.of(cfg)).by_group,
+                          labels=label_params, matrices=muon_dimension_numbers,
+                          decay_mask=decay_mask, num_heads=_query_heads(cfg))
+
+
 def main_optimizer(cfg: Config, schedules: Optional[Schedules] = None
                    ) -> optax.GradientTransformation:
-  """Muon (``outlier_safe_muon``) or AdamW as ``cfg.optimizer`` says, with ``schedules``
+  """The optimizer ``cfg.optimizer`` declares (Muon, AdamW, a plugin's), with ``schedules``
   (default: ``Schedules.of(cfg)``)."""
-  o = cfg.optimizer
-  rates = (schedules or Schedules.of(cfg)).by_group
-  if o.name == "adamw":
-    return optax.adamw(rates["adamw"], b1=o.b1, b2=o.b2, eps=o.eps,
-                       weight_decay=o.weight_decay, mask=decay_mask)
-  return outlier_safe_muon(
-      learning_rate=rates["muon"],
-      momentum=o.momentum,
-      ns_steps=o.ns_steps,
-      ns_coeffs=o.ns_coeffs,
-      weight_decay=o.weight_decay,
-      consistent_rms=o.consistent_rms,
-      adam_learning_rate=rates["adam"],
-      embedding_learning_rate=rates["embedding"],
-      head_learning_rate=rates["head"],
-      adam_b1=o.b1,
-      adam_b2=o.b2,
-      adam_eps=o.eps,
-      adam_weight_decay=o.adam_weight_decay,
-      outlier_threshold=o.outlier_threshold,
-      outlier_method=o.outlier_method,
-      ns_backend=o.ns_backend,
-      ns_method=o.ns_method,
-      ns_preconditioning=o.ns_preconditioning,
-      per_head=o.per_head,
-      num_heads=_query_heads(cfg),
-      normuon=o.normuon,
-      normuon_b2=o.normuon_b2,
-  )
+  return cfg.optimizer.build(optimizer_context(cfg, schedules))
 
 
 def _query_heads(cfg: Config) -> Optional[int]:
@@ -164,9 +130,7 @@ def parameter_learning_rates(cfg: Config, schedules: Optional[Schedules] = None
   by_group = (schedules or Schedules.of(cfg)).by_group
 
   def rates(params: optax.Params) -> Any:
-    if cfg.optimizer.name == "adamw":
-      return jax.tree.map(lambda _: by_group["adamw"], params)
-    return jax.tree.map(lambda label: by_group[label], label_params(params))
+    return jax.tree.map(lambda label: by_group[cfg.optimizer.group(label)], label_params(params))
   return rates
 
 

@@ -1,16 +1,17 @@
-"""Plugins: a user's module declaring defences or model families, used from the command line.
+"""Plugins: a user's module declaring defences, model families or optimizers, used from the
+command line.
 
 ``python -m stablejax train --plugin mydefs`` (repeatable) or a ``plugins`` list in the config
 names modules to import before the config is read: each
-:class:`stablejax.transforms.defence.Defence`, :class:`stablejax.transforms.defence.StepArgument`
-and
-:class:`stablejax.modeling.family.ModelFamily` at a plugin's top level is registered, so its
-``stability.<name>`` section or its ``model.family`` exists when the config is checked. The run
-records its plugins in ``config.json``; a resume, ``sample``, ``report`` and ``quantize-eval``
-import them again from there. A plugin is a module name importable from the current directory or
-``PYTHONPATH`` (``mydefs``, ``mypackage.defences``) or a path to a ``.py`` file (recorded as an
-absolute path). After torchtune's dotted-path components: the user's code needs no edit of the
-library.
+:class:`stablejax.transforms.defence.Defence`, :class:`stablejax.transforms.defence.StepArgument`,
+:class:`stablejax.modeling.family.ModelFamily` and
+:class:`stablejax.training.config.optimizers.Optimizer` at a plugin's top level is registered, so
+its ``stability.<name>`` section, its ``model.family`` or its ``optimizer.name`` exists when the
+config is checked. The run records its plugins in ``config.json``; a resume, ``sample``,
+``report`` and ``quantize-eval`` import them again from there. A plugin is a module name
+importable from the current directory or ``PYTHONPATH`` (``mydefs``, ``mypackage.defences``) or a
+path to a ``.py`` file (recorded as an absolute path). After torchtune's dotted-path components:
+the user's code needs no edit of the library.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Iterable
 
 from stablejax.data.paths import PathError, checked_path
 from stablejax.modeling import family
+from stablejax.training.config import optimizers
 from stablejax.transforms import defence
 from stablejax.transforms._registry import DeclarationError
 
@@ -82,6 +84,7 @@ def load(names: Iterable[str], where: str = "--plugin") -> list[types.ModuleType
     try:
       defence.register_module(module, key)
       family.register_module(module, key)
+      optimizers.register_module(module, key)
     except DeclarationError as e:
       raise DeclarationRefused(f"plugin {key!r} (from {where}): {e}") from None
     modules.append(module)

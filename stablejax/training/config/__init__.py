@@ -16,11 +16,13 @@ Example:
 
 from stablejax.training.config.sections import (CheckpointConfig, Config, ConfigError,
                                                 DeterminismConfig, FaultsConfig, LoggingConfig,
-                                                LossScaleConfig, MeshConfig, OptimizerConfig,
+                                                LossScaleConfig, MeshConfig,
                                                 RecoveryConfig, ReplicasConfig, StabilitySections,
                                                 TrainConfig, WatchdogConfig, model_of,
                                                 model_section_class,
                                                 stability_config_class, to_dict)
+from stablejax.training.config.optimizers import (AdamWConfig, MuonConfig, Optimizer,
+                                                  OptimizerConfig, OptimizerContext)
 from stablejax.training.config.legacy import is_v0_1, translate_v0_1
 from stablejax.training.config.checks import changed_keys, ineffective_keys, validate
 from stablejax.training.config.loading import (apply_overrides, config_from_dict, config_name,
@@ -28,8 +30,9 @@ from stablejax.training.config.loading import (apply_overrides, config_from_dict
                                                load_run_file, packaged_configs, recorded_plugins)
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DeterminismConfig", "FaultsConfig",
-    "LoggingConfig", "LossScaleConfig", "MeshConfig", "OptimizerConfig", "RecoveryConfig",
+    "AdamWConfig", "CheckpointConfig", "Config", "ConfigError", "DeterminismConfig", "FaultsConfig",
+    "LoggingConfig", "LossScaleConfig", "MeshConfig", "MuonConfig", "Optimizer",
+    "OptimizerConfig", "OptimizerContext", "RecoveryConfig",
     "ReplicasConfig", "StabilitySections", "TrainConfig", "WatchdogConfig",
     "apply_overrides", "changed_keys", "config_from_dict", "config_name", "config_path",
     "flat_keys", "ineffective_keys", "is_v0_1", "load_config", "load_plugins", "load_run_file",

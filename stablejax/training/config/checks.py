@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
 from stablejax.data.config import DataError, source_entries
 from stablejax.muon import newton_schulz as _ns
+from stablejax.training.config import optimizers
 from stablejax.training.config.sections import (Config, ConfigError, MeshConfig, OptimizerConfig,
                                                 model_of, to_dict)
 from stablejax.transforms import defence
@@ -216,8 +217,10 @@ def _validate_train(cfg: Config) -> None:
 
 
 def _validate_optimizer(o: OptimizerConfig) -> None:
-  if o.name not in ("muon", "adamw"):
-    raise ConfigError(f"optimizer.name={o.name!r} is not known: use \"muon\" or \"adamw\"")
+  if optimizers.get(o.name) is None:
+    known = ", ".join(d.name for d in optimizers.registered())
+    raise ConfigError(f"optimizer.name={o.name!r} is not a declared optimizer: use one of "
+                      f"{known}, or name the module that declares it with --plugin")
   for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate",
                "head_learning_rate"):
     value = getattr(o, name)

@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence, Union
 
 from stablejax.data.prepared import prepared_vocab_size
 from stablejax.modeling import family as family_lib
+from stablejax.training.config import optimizers
 from stablejax.training import plugins as plugins_lib
 from stablejax.training.config.checks import validate
 from stablejax.training.config.legacy import _old_key_message, translate_v0_1
@@ -90,6 +91,8 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
     if isinstance(raw.get("model"), dict):
       section = model_section_class(_family_name(raw))
       built["model"] = _build(section, raw["model"], "model")
+    if isinstance(raw.get("optimizer"), dict):
+      built["optimizer"] = _build(_optimizer_class(raw), raw["optimizer"], "optimizer")
     raw = dict(raw, **built)
   hints = typing.get_type_hints(cls)
   names = [f.name for f in dataclasses.fields(cls)]
@@ -100,7 +103,7 @@ def _build(cls: type, raw: dict, prefix: str = "") -> Any:
       raise ConfigError(old)
     if key not in hints:
       raise ConfigError(f"unknown config key '{where}': valid keys here are {', '.join(names)}")
-  kwargs = {k: v if k in ("stability", "model") and dataclasses.is_dataclass(v) else
+  kwargs = {k: v if k in ("stability", "model", "optimizer") and dataclasses.is_dataclass(v) else
             _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k) for k, v in raw.items()}
   return cls(**kwargs)
 
@@ -140,6 +143,17 @@ def load_plugins(names: Any, where: str) -> None:
   try:
     plugins_lib.load(names, where)
   except plugins_lib.PluginError as e:
+    raise ConfigError(str(e)) from None
+
+
+def _optimizer_class(raw: dict) -> type:
+  """The ``optimizer`` section's class of ``optimizer.name`` (a declared optimizer's)."""
+  name = raw["optimizer"].get("name", "muon")
+  if not isinstance(name, str):
+    raise ConfigError(f"optimizer.name={json.dumps(name)} has the wrong type: expected a string")
+  try:
+    return optimizers.section_class(name)
+  except ValueError as e:
     raise ConfigError(str(e)) from None
 
 

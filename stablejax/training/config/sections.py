@@ -12,6 +12,8 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
 from stablejax.data.config import DataConfig
+from stablejax.training.config import optimizers
+from stablejax.training.config.optimizers import MuonConfig, OptimizerConfig
 from stablejax.modeling import family as family_lib
 from stablejax.transforms import defence
 
@@ -66,41 +68,6 @@ class TrainConfig:
   # The persistent compilation cache's folder; "off"; null: $STABLEJAX_COMPILATION_CACHE or the
   # user's cache folder (stablejax/training/launch/compilation_cache.py).
   compilation_cache: Optional[str] = None
-
-
-@dataclasses.dataclass
-class OptimizerConfig:
-  """The defaults are a stable Muon setup: Muon at 0.01 (Moonlight scale), AdamW groups at 3e-3.
-
-  With name="adamw", learning_rate is the AdamW rate of every parameter (set it to about 3e-4 to
-  3e-3: the learning-rate check warns above that) and weight_decay decays the matrices.
-  """
-  name: str = "muon"              # "muon" (outlier-safe Muon + AdamW groups) or "adamw"
-  learning_rate: float = 0.01     # Muon matrices (muon) or every parameter (adamw)
-  # norms, biases, scalars (muon only; null: learning_rate)
-  adam_learning_rate: Optional[float] = 3e-3
-  # token embedding (muon only; null: adam_learning_rate)
-  embedding_learning_rate: Optional[float] = None
-  # output head (muon only; null: adam_learning_rate)
-  head_learning_rate: Optional[float] = None
-  # Muon matrices (muon) or every matrix (adamw); never norms, biases
-  weight_decay: float = 0.0
-  adam_weight_decay: float = 0.0  # AdamW groups' matrices (muon only); never norms, biases
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  momentum: float = 0.95
-  ns_steps: int = 5
-  ns_coeffs: str = "standard"
-  ns_backend: str = "auto"
-  consistent_rms: Optional[float] = 0.2
-  outlier_threshold: float = 5.0
-  outlier_method: Optional[str] = "zscore"
-  ns_method: str = "standard"             # "standard" or "gram" (Gram Newton-Schulz)
-  ns_preconditioning: str = "frobenius"   # "frobenius" or "aol" (Turbo-Muon)
-  per_head: bool = False                  # attention projections orthogonalised per head
-  normuon: bool = False                   # NorMuon's per-neuron normalisation after Muon
-  normuon_b2: float = 0.95
 
 
 @dataclasses.dataclass
@@ -343,7 +310,8 @@ class Config:
   # The family's section (model_section_class): model.family names it, the other keys are its.
   model: Any = dataclasses.field(default_factory=_default_model)
   data: DataConfig = dataclasses.field(default_factory=DataConfig)
-  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  # The declared optimizer's section (optimizers.section_class): optimizer.name picks it.
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=MuonConfig)
   # A dataclass built from the registered defences (stability_config_class).
   stability: StabilitySections = dataclasses.field(default_factory=_default_stability)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
@@ -351,6 +319,16 @@ class Config:
   logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
   faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
+
+  def __post_init__(self) -> None:
+    # A section whose class is not its name's (OptimizerConfig(name="adamw"), or a name changed
+    # by dataclasses.replace) becomes the declared optimizer's, keeping the shared keys: the
+    # builder is always the one optimizer.name declares.
+    declared = optimizers.get(self.optimizer.name)
+    if declared is not None and type(self.optimizer) is not declared.config:
+      shared = {f.name: getattr(self.optimizer, f.name)
+                for f in dataclasses.fields(declared.config) if hasattr(self.optimizer, f.name)}
+      self.optimizer = declared.config(**shared)
 
 
 def to_dict(cfg: Config) -> dict:
