@@ -232,10 +232,11 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
     raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
                       "width scaling runs at ~0.02, far too high for AdamW; set "
                       "adam_learning_rate (e.g. 3e-3)")
-  for name, known in (("ns_method", _ns.METHODS), ("ns_preconditioning", _ns.PRECONDITIONINGS)):
-    if getattr(o, name) not in known:
+  for name, allowed in (("ns_method", _ns.METHODS),
+                        ("ns_preconditioning", _ns.PRECONDITIONINGS)):
+    if getattr(o, name) not in allowed:
       raise ConfigError(f"optimizer.{name}={getattr(o, name)!r} is not known: use one of "
-                        + ", ".join(f'"{k}"' for k in known))
+                        + ", ".join(f'"{k}"' for k in allowed))
   if not 0 <= o.normuon_b2 < 1:
     raise ConfigError(f"optimizer.normuon_b2={o.normuon_b2} must lie in [0, 1)")
 
