@@ -171,3 +171,55 @@ def test_numbers_beyond_64_bits_or_every_float_are_one_line(override: str, messa
   with pytest.raises(ConfigError, match=message) as e:
     _load(override)
   assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+# ----------------------------------------------------------------------------- model.family=X
+
+SMALL_FAMILY = '''
+import dataclasses
+from stablejax.modeling.family import ModelFamily
+
+
+@dataclasses.dataclass
+class SmallSection:
+  vocab_size: int = 512
+  d_model: int = 48
+  n_layers: int = 1
+  max_seq_len: int = 256
+  qk_norm: bool = False
+
+
+SMALL = ModelFamily(name="small_defaults", config=SmallSection, build=lambda section, run: None)
+'''
+
+
+def test_a_family_switched_to_starts_from_its_own_defaults(tmp_path) -> None:
+  import dataclasses
+  import json
+  from stablejax.modeling import family
+  plugin = tmp_path / "small_defaults_family.py"
+  plugin.write_text(SMALL_FAMILY)
+  try:
+    # The packaged default config restates GPT's defaults (qk_norm true, d_model 192, ...):
+    # none of them reaches the family switched to.
+    cfg = load_config("default", ["model.family=small_defaults"], plugins=[str(plugin)])
+    declared = dataclasses.asdict(family.get("small_defaults").config())
+    assert {k: v for k, v in dataclasses.asdict(cfg.model).items() if k != "family"} == declared
+    assert cfg.model.qk_norm is False and cfg.model.d_model == 48
+    # An explicit --set still overrides the family's default, whatever the order.
+    cfg = load_config("default", ["model.qk_norm=true", "model.family=small_defaults"],
+                      plugins=[str(plugin)])
+    assert cfg.model.qk_norm is True and cfg.model.d_model == 48
+  finally:
+    family.unregister("small_defaults")
+  # gpt -> llama: keys a file gives away from GPT's defaults are kept, restated ones dropped.
+  path = tmp_path / "tiny.json"
+  path.write_text(json.dumps({"model": {"family": "gpt", "d_model": 64, "n_heads": 2,
+                                        "qk_norm": True, "norm": "rmsnorm"}}))
+  cfg = load_config(path, ["model.family=llama"])
+  assert (cfg.model.family, cfg.model.d_model, cfg.model.n_heads) == ("llama", 64, 2)
+  # A key given away from GPT's default that llama lacks is refused, naming it.
+  path.write_text(json.dumps({"model": {"d_model": 64, "norm": "layernorm"}}))
+  with pytest.raises(ConfigError, match="model.norm=\"layernorm\" of the config file is not a "
+                                        "key of model.family='llama'"):
+    load_config(path, ["model.family=llama"])

@@ -271,9 +271,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
 
 
 def _switch_family(model: dict, family: Any) -> dict:
-  """A ``model`` section of a config file under ``--set model.family=...``: the keys the new
-  family has too are kept; the others are dropped when they only restate the old family's
-  defaults (the packaged default config) and refused otherwise."""
+  """A ``model`` section of a config file under ``--set model.family=...``: the new family
+  starts from its own defaults (its config's), so a key that only restates the old family's
+  default (the packaged default config's ``qk_norm``, ``d_model``...) is dropped, whether the new
+  family has it or not; a key given away from that default is kept if the new family has it and
+  refused otherwise."""
   old = _family_name({"model": model})
   if not isinstance(family, str) or family == old:
     return dict(model, family=family)
@@ -281,11 +283,12 @@ def _switch_family(model: dict, family: Any) -> dict:
   old_defaults = dataclasses.asdict(model_section_class(old)())
   kept = {"family": family}
   for key, value in model.items():
-    if key in new_fields and key != "family":
-      kept[key] = value
-    elif key != "family" and old_defaults.get(key, object()) != value:
+    if key == "family" or old_defaults.get(key, object()) == value:
+      continue
+    if key not in new_fields:
       raise ConfigError(f"model.{key}={json.dumps(value)} of the config file is not a key of "
                         f"model.family={family!r}: remove it, or set the family in the file")
+    kept[key] = value
   return kept
 
 
