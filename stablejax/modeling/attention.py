@@ -24,6 +24,7 @@ The trainer's GPT sows the same intermediate (``GPT(..., attention_logits=True)`
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import warnings
@@ -35,6 +36,57 @@ import numpy as np
 
 MAX_LOGIT = "max_logit"
 """Name of the sown intermediate: a layer's per-head maximum pre-softmax logit (float32 ``[H]``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPattern:
+  """Which key positions each query position attends to: the causal ones, within the last
+  ``window`` positions (the query's own included) when a window is set, and of those the ones
+  ``mask`` keeps when a mask function is set.
+
+  One pattern serves every path of a model's attention (training, the max-logit path, the KV
+  cache), so a family changes its attention by passing another pattern: Mistral's sliding window
+  is ``AttentionPattern(window=4096)``. Frozen and hashable, so a Linen module can hold it.
+
+  Attributes:
+    window: keys at most ``window - 1`` positions before the query; None: every earlier key.
+    mask: ``(query_positions [T, 1], key_positions [1, S]) -> bool [T, S]`` (int32 positions,
+      absolute: a decoding call's queries start at the cache's index), True where a key is kept;
+      None: no mask beyond causality and the window.
+
+  Example:
+    >>> import numpy as np
+    >>> pattern = AttentionPattern(window=2)
+    >>> pattern.keep(np.arange(3)[:, None], np.arange(3)[None, :]).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+  """
+
+  window: Optional[int] = None
+  mask: Optional[Callable[[jax.Array, jax.Array], jax.Array]] = None
+
+  def __post_init__(self) -> None:
+    if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+      raise ValueError(f"an attention window of {self.window!r} positions keeps no key: give a "
+                       "positive number of positions, or None for full causal attention")
+
+  def keep(self, query_positions: Any, key_positions: Any) -> jax.Array:
+    """Boolean ``[T, S]``: True where the query at ``query_positions [T, 1]`` attends to the key
+    at ``key_positions [1, S]``."""
+    kept = key_positions <= query_positions
+    if self.window is not None:
+      kept = jnp.logical_and(kept, key_positions > query_positions - self.window)
+    if self.mask is not None:
+      kept = jnp.logical_and(kept, self.mask(query_positions, key_positions))
+    return jnp.asarray(kept)
+
+  def square(self, length: int) -> jax.Array:
+    """The ``[T, T]`` mask of a training call over positions ``0 .. length - 1``."""
+    positions = np.arange(length, dtype=np.int32)
+    return self.keep(positions[:, None], positions[None, :])
+
+
+CAUSAL = AttentionPattern()
+"""Every earlier key position and the query's own: the built-in families' default pattern."""
 
 
 def _grouped_logits(query: jax.Array, key: jax.Array, scale: Optional[float] = None
@@ -111,7 +163,8 @@ def attention_logit_max(query: jax.Array, key: jax.Array, *, mask: Optional[jax.
   return _per_head_max(logits, keep)
 
 
-def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax.Array
+def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax.Array,
+                                    pattern: AttentionPattern = CAUSAL
                                     ) -> tuple[jax.Array, jax.Array]:
   """Causal attention and its per-head maximum logit from the same logits.
 
@@ -125,6 +178,8 @@ def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax
     key: ``[B, T, K, head_dim]``, ``K`` dividing ``H`` (grouped-query attention: query head
       ``h`` attends with key and value head ``h // (H // K)``).
     value: ``[B, T, K, head_dim]``.
+    pattern: the keys each query attends to (:class:`AttentionPattern`); the maximum runs over
+      those only.
 
   Returns:
     ``(out [B, T, H, head_dim] in value's dtype, max_logit float32 [H])``.
@@ -132,9 +187,9 @@ def causal_attention_with_max_logit(query: jax.Array, key: jax.Array, value: jax
   logits = _grouped_logits(query, key)                       # [B, H, T, T]
   b, h, t, _ = logits.shape
   kh = key.shape[-2]
-  causal = jnp.asarray(np.tril(np.ones((t, t), bool)))
-  max_logit = _per_head_max(logits, causal)
-  masked = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  kept = pattern.square(t)
+  max_logit = _per_head_max(logits, kept)
+  masked = jnp.where(kept, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(masked, axis=-1).astype(key.dtype)
   grouped = probs.reshape(b, kh, h // kh, t, t)
   out = jnp.einsum("bkgts,bskd->btkgd", grouped, value).reshape(b, t, h, value.shape[-1])
@@ -184,33 +239,41 @@ def device_platform() -> str:
   return "rocm" if "rocm" in version else "cuda"
 
 
-def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array) -> jax.Array:
+def causal_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                     pattern: AttentionPattern = CAUSAL) -> jax.Array:
   """Causal ``jax.nn.dot_product_attention`` with the implementation of
   :func:`attention_implementation` for this device and dtype.
 
   Where cuDNN refuses the call (a head dimension or sequence length its fused attention does not
-  take, a cuDNN too old), it says why once and the XLA implementation runs instead.
+  take, a cuDNN too old), it says why once and the XLA implementation runs instead. A window is
+  the fused attention's ``local_window_size``; a mask function an explicit ``mask``.
 
   Args:
     query: ``[B, T, H, head_dim]``.
     key: ``[B, T, K, head_dim]`` (``K`` divides ``H``).
     value: ``[B, T, K, head_dim]``.
+    pattern: the keys each query attends to (:class:`AttentionPattern`).
 
   Returns:
     ``[B, T, H, head_dim]`` in the inputs' dtype.
   """
+  kwargs: dict[str, Any] = {"is_causal": True}
+  if pattern.mask is not None:
+    kwargs = {"mask": pattern.square(query.shape[1])[None, None]}
+  elif pattern.window is not None:
+    kwargs["local_window_size"] = (pattern.window - 1, 0)
   implementation = attention_implementation(device_platform(), query.dtype)
   if implementation is not None:
     try:
-      return jax.nn.dot_product_attention(query, key, value, is_causal=True,
-                                          implementation=implementation)
+      return jax.nn.dot_product_attention(query, key, value, implementation=implementation,
+                                          **kwargs)
     except (NotImplementedError, RuntimeError, ValueError) as e:
       if not _warned_cudnn:
         _warned_cudnn.append(True)
         warnings.warn(f"cuDNN attention is not available for queries {query.shape} "
                       f"{query.dtype} ({type(e).__name__}: {str(e).splitlines()[0]}); the XLA "
                       "implementation runs instead", stacklevel=2)
-  return jax.nn.dot_product_attention(query, key, value, is_causal=True)
+  return jax.nn.dot_product_attention(query, key, value, **kwargs)
 
 
 def sow_attention_logits(attention_fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stablejax.modeling.attention import collect_attention_logits
 from stablejax.transforms._registry import Builtins, DeclarationError, Registry, section_fields
 
 DEFAULT_FAMILY = "gpt"
@@ -227,25 +228,88 @@ class LanguageModel:
     return int(sum(np.prod(np.shape(p)) for p in jax.tree_util.tree_leaves(params)))
 
 
+# The capabilities a Linen module can offer through keyword arguments of its ``__call__``:
+# ``attention_logits=True`` sows each attention layer's max logit (``MAX_LOGIT``) into
+# ``"intermediates"``; ``decode=True`` reads and appends to a ``"cache"`` collection (the first
+# call, without one, processes a prompt); ``return_activations=True`` returns ``(logits,
+# {"residual": [L + 1, B, T, D]})``.
+LINEN_CAPABILITIES = ("attention logits", "decoding", "residual stream")
+
+
 class LinenLanguageModel(LanguageModel):
   """A :class:`LanguageModel` over a Flax Linen module ``module(tokens) -> logits``.
+
+  A module that takes the keyword arguments of :data:`LINEN_CAPABILITIES` names those
+  capabilities in ``offers``, and this class provides them (the built-in families do); a
+  subclass adds the rest (``attention_heads``, ``flops_per_token``) and the extra keyword
+  arguments of each call (:meth:`call_kwargs`).
 
   Args:
     family: the family's name.
     config: its config section.
     module: the Linen module.
+    offers: the capabilities of :data:`LINEN_CAPABILITIES` the module implements.
   """
 
-  def __init__(self, family: str, config: Any, module: Any):
+  def __init__(self, family: str, config: Any, module: Any, offers: tuple[str, ...] = ()):
     super().__init__(family, config)
     self.module = module
+    unknown = set(offers) - set(LINEN_CAPABILITIES)
+    if unknown:
+      raise ValueError(f"LinenLanguageModel offers {sorted(unknown)}: a Linen module offers "
+                       f"only {list(LINEN_CAPABILITIES)} through its keyword arguments")
+    self.offers = tuple(offers)
+
+  def call_kwargs(self, step: jax.typing.ArrayLike) -> dict[str, Any]:
+    """Keyword arguments every call of the module takes at training step ``step`` (none)."""
+    return {}
+
+  def supports(self, capability: str) -> bool:
+    method = CAPABILITIES[capability][0]
+    if capability in LINEN_CAPABILITIES and \
+        getattr(type(self), method) is getattr(LinenLanguageModel, method):
+      return capability in self.offers
+    return super().supports(capability)
+
+  def _apply(self, capability: Optional[str], params: optax.Params, tokens: jax.Array,
+             step: jax.typing.ArrayLike, **kwargs: Any) -> Any:
+    """The module applied to ``tokens``; ``capability`` (None: the forward pass) must be
+    offered."""
+    if capability is not None and capability not in self.offers:
+      raise self.missing(capability, "this call")
+    return self.module.apply(linen_variables(params, **kwargs.pop("collections", {})), tokens,
+                             **kwargs, **self.call_kwargs(step))
 
   def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
     return self.module.init(rng, tokens)["params"]
 
   def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
              ) -> jax.Array:
-    return jnp.asarray(self.module.apply(linen_variables(params), tokens), jnp.float32)
+    return jnp.asarray(self._apply(None, params, tokens, step), jnp.float32)
+
+  def logits_and_attention(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    logits, sown = self._apply("attention logits", params, tokens, step, attention_logits=True,
+                               mutable=["intermediates"])
+    return logits, collect_attention_logits(sown)
+
+  def decode_start(self, params: optax.Params, prompt: jax.Array, step: jax.typing.ArrayLike
+                   ) -> tuple[jax.Array, DecodingCache]:
+    logits, variables = self._apply("decoding", params, prompt, step, decode=True,
+                                    mutable=["cache"])
+    return logits, variables["cache"]
+
+  def decode_next(self, params: optax.Params, cache: DecodingCache, token: jax.Array,
+                  step: jax.typing.ArrayLike
+                  ) -> tuple[jax.Array, DecodingCache]:
+    logits, variables = self._apply("decoding", params, token, step, decode=True,
+                                    mutable=["cache"], collections={"cache": cache})
+    return logits, variables["cache"]
+
+  def residual_stream(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
+                      ) -> tuple[jax.Array, jax.Array]:
+    logits, acts = self._apply("residual stream", params, tokens, step, return_activations=True)
+    return logits, acts["residual"]
 
 
 class NNXLanguageModel(LanguageModel):

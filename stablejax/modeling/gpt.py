@@ -60,13 +60,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from stablejax.modeling.attention import (MAX_LOGIT, causal_attention,
-                                         causal_attention_with_max_logit,
-                                         collect_attention_logits)
-from stablejax.modeling.family import (AttentionHeads, DecodingCache, LanguageModel,
-                                       ModelFamily, linen_variables)
-from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, f32_accum_dtype,
-                                       kv_cached_attention, matmul_2d, rope, swiglu)
+from stablejax.modeling.attention import CAUSAL, AttentionPattern
+from stablejax.modeling.family import (LINEN_CAPABILITIES, AttentionHeads, LanguageModel,
+                                       LinenLanguageModel, ModelFamily)
+from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, SelfAttention,
+                                       f32_accum_dtype, matmul_2d, swiglu)
 
 _NORMS = ("rmsnorm", "ssnorm")
 
@@ -170,47 +168,17 @@ def _dtypes(cfg: ModelConfig) -> tuple[Any, Any]:
   return DTYPES[cfg.compute_dtype], DTYPES[cfg.param_dtype]
 
 
-class Attention(nn.Module):
-  """Causal self-attention; with ``decode`` it reads and appends to a KV cache (``"cache"``
-  collection: ``k``, ``v`` of shape ``[B, max_seq_len, H, hd]`` and the next position ``index``).
-
-  With ``sow_logits`` it also sows its per-head maximum pre-softmax logit (float32 ``[H]``) into
-  the ``"intermediates"`` collection as ``max_logit``, taken from the very logits the softmax
-  uses (the attention is then computed as XLA's reference implementation does, in plain jnp).
-  """
-  config: ModelConfig
-  decode: bool = False
-  sow_logits: bool = False
-
-  @nn.compact
-  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
-    cfg = self.config
-    cdt, pdt = _dtypes(cfg)
-    b, t, d = x.shape
-    h, hd = cfg.n_heads, cfg.head_dim
-    init = nn.initializers.normal(cfg.init_std)
-    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-    lin = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet)
-    q, k, v = (Linear(d, kernel_init=init, name=f"{part}_proj", **lin)(x, quantized_fraction)
-               .reshape(b, t, h, hd) for part in "qkv")
-    if cfg.qk_norm:
-      single = cfg.norm == "ssnorm"
-      q = RMSNorm(cdt, pdt, single_scale=single, name="q_norm")(q)
-      k = RMSNorm(cdt, pdt, single_scale=single, name="k_norm")(k)
-    adt = f32_accum_dtype(cdt)
-    if self.decode:
-      y = kv_cached_attention(self, q, k, v, cfg.max_seq_len, cfg.rope_theta, adt)
-    else:
-      q = rope(q, cfg.rope_theta)
-      k = rope(k, cfg.rope_theta)
-      if self.sow_logits:
-        y, max_logit = causal_attention_with_max_logit(q.astype(adt), k.astype(adt), v.astype(adt))
-        self.sow("intermediates", MAX_LOGIT, max_logit)
-      else:
-        y = causal_attention(q.astype(adt), k.astype(adt), v.astype(adt))
-    y = y.astype(cdt)
-    out = Linear(d, kernel_init=out_init, name="o_proj", **lin)
-    return out(y.reshape(b, t, d), quantized_fraction)
+def attention(cfg: ModelConfig, pattern: AttentionPattern, decode: bool, sow_logits: bool
+              ) -> SelfAttention:
+  """The block's self-attention (the shared :class:`SelfAttention`, one key/value head per query
+  head), named ``attn``."""
+  cdt, pdt = _dtypes(cfg)
+  return SelfAttention(
+      n_heads=cfg.n_heads, kv_heads=cfg.n_heads, head_dim=cfg.head_dim, d_model=cfg.d_model,
+      n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta,
+      init_std=cfg.init_std, compute_dtype=cdt, param_dtype=pdt, qk_norm=cfg.qk_norm,
+      norm_single_scale=cfg.norm == "ssnorm", bitnet=cfg.bitnet, pattern=pattern, decode=decode,
+      sow_logits=sow_logits, name="attn")
 
 
 class MLP(nn.Module):
@@ -236,6 +204,7 @@ class Block(nn.Module):
   collect: bool = False
   decode: bool = False
   sow_logits: bool = False
+  pattern: AttentionPattern = CAUSAL
 
   @nn.compact
   def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
@@ -244,7 +213,7 @@ class Block(nn.Module):
     single = cfg.norm == "ssnorm"
     attn_norm = RMSNorm(cdt, pdt, single_scale=single, name="attn_norm")
     mlp_norm = RMSNorm(cdt, pdt, single_scale=single, name="mlp_norm")
-    attn = Attention(cfg, decode=self.decode, sow_logits=self.sow_logits, name="attn")
+    attn = attention(cfg, self.pattern, self.decode, self.sow_logits)
     mlp = MLP(cfg, name="mlp")
     if cfg.post_ln:
       x = attn_norm(x + attn(x, quantized_fraction))
@@ -256,8 +225,10 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-  """Decoder-only transformer. See the module docstring for options and parameter names."""
+  """Decoder-only transformer. See the module docstring for options and parameter names;
+  ``pattern``: the keys each query attends to (causal by default; a sliding window...)."""
   config: ModelConfig
+  pattern: AttentionPattern = CAUSAL
 
   @nn.compact
   def __call__(self, tokens: jax.Array, *, bitnet_lambda: Optional[jax.Array] = None,
@@ -315,8 +286,8 @@ class GPT(nn.Module):
       block_cls = nn.remat(Block, prevent_cse=not rolled)
     if decode and attention_logits:
       raise ValueError("attention_logits is for training and evaluation calls, not decode")
-    block_args: dict[str, Any] = dict(collect=return_activations, decode=True) if decode else \
-        dict(collect=return_activations, sow_logits=attention_logits)
+    block_args: dict[str, Any] = dict(collect=return_activations, decode=decode,
+                                      sow_logits=attention_logits, pattern=self.pattern)
     if cfg.scan_layers:
       axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
                               else {"params": 0, "intermediates": 0})
@@ -391,7 +362,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 # ----------------------------------------------------------------------------- the family
 
 
-class GPTModel(LanguageModel):
+class GPTModel(LinenLanguageModel):
   """:class:`GPT` as the trainer uses it (``model.family="gpt"``): every capability.
 
   ``model.bitnet``: the quantisation strength follows ``train.lambda_warmup_steps`` and
@@ -399,9 +370,10 @@ class GPTModel(LanguageModel):
   ``lambda``.
   """
 
-  def __init__(self, config: ModelConfig, run_config: Any = None):
-    super().__init__("gpt", config)
-    self.module = GPT(config)
+  def __init__(self, config: ModelConfig, run_config: Any = None,
+               pattern: AttentionPattern = CAUSAL, family: str = "gpt"):
+    super().__init__(family, config, GPT(config, pattern), offers=LINEN_CAPABILITIES)
+    self.pattern = pattern
     self.bitnet_lambda_schedule: Optional[Any] = None
     if config.bitnet:
       from stablejax.modeling.utils import lambda_warmup
@@ -410,46 +382,12 @@ class GPTModel(LanguageModel):
           lambda_warmup(train.lambda_warmup_steps, train.lambda_schedule) if train is not None
           else (lambda step: jnp.float32(1.0)))
 
-  def _kwargs(self, step: jax.typing.ArrayLike) -> dict[str, Any]:
+  def call_kwargs(self, step: jax.typing.ArrayLike) -> dict[str, Any]:
     schedule = self.bitnet_lambda_schedule
     return {"bitnet_lambda": schedule(step)} if schedule is not None else {}
 
-  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
-    return self.module.init(rng, tokens)["params"]
-
-  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
-             ) -> jax.Array:
-    logits: jax.Array = self.module.apply(  # type: ignore[assignment]
-        linen_variables(params), tokens, **self._kwargs(step))
-    return logits
-
-  def logits_and_attention(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
-                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logits, sown = self.module.apply(linen_variables(params), tokens, attention_logits=True,
-                                     mutable=["intermediates"], **self._kwargs(step))
-    return logits, collect_attention_logits(sown)
-
   def attention_heads(self) -> AttentionHeads:
     return AttentionHeads(self.config.n_heads, self.config.n_heads, self.config.qk_norm)
-
-  def decode_start(self, params: optax.Params, prompt: jax.Array, step: jax.typing.ArrayLike
-                   ) -> tuple[jax.Array, DecodingCache]:
-    logits, variables = self.module.apply(linen_variables(params), prompt, decode=True,
-                                          mutable=["cache"], **self._kwargs(step))
-    return logits, variables["cache"]
-
-  def decode_next(self, params: optax.Params, cache: DecodingCache, token: jax.Array,
-                  step: jax.typing.ArrayLike
-                  ) -> tuple[jax.Array, DecodingCache]:
-    logits, variables = self.module.apply(linen_variables(params, cache=cache), token, decode=True,
-                                          mutable=["cache"], **self._kwargs(step))
-    return logits, variables["cache"]
-
-  def residual_stream(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
-                      ) -> tuple[jax.Array, jax.Array]:
-    logits, acts = self.module.apply(linen_variables(params), tokens, return_activations=True,
-                                     **self._kwargs(step))
-    return logits, acts["residual"]
 
   def flops_per_token(self, seq_len: int) -> float:
     return model_flops_per_token(self.config, seq_len)
@@ -473,7 +411,7 @@ class GPTModel(LanguageModel):
       return params, self
     from stablejax.modeling.utils import merge_emb_proj
     merged, cfg = merge_emb_proj(params, self.config)
-    model = GPTModel(cfg)
+    model = GPTModel(cfg, pattern=self.pattern, family=self.family)
     model.bitnet_lambda_schedule = self.bitnet_lambda_schedule
     return merged, model
 

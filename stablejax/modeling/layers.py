@@ -1,12 +1,15 @@
 """The layers the built-in model families share: a bias-free linear layer (optionally BitNet),
-RMSNorm, rotary embeddings, KV-cached attention, SwiGLU and the output head.
+RMSNorm, rotary embeddings, self-attention (training, max-logit and KV-cache paths, with the
+attention pattern as a parameter), SwiGLU and the output head.
 
 Flax Linen modules and functions of arrays; :mod:`stablejax.modeling.gpt` and
-:mod:`stablejax.modeling.llama` build their blocks from them.
+:mod:`stablejax.modeling.llama` build their blocks from them, and a family that changes only the
+attention pattern (a sliding window) passes another :class:`AttentionPattern`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -14,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from stablejax.modeling.attention import (CAUSAL, MAX_LOGIT, AttentionPattern, causal_attention,
+                                         causal_attention_with_max_logit)
 from stablejax.modeling.bitnet import bitnet_matmul
 
 
@@ -105,13 +110,14 @@ def f32_accum_dtype(dtype: Any) -> Any:
 
 
 def kv_cached_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array,
-                        max_seq_len: int, rope_theta: float, dtype: Any) -> jax.Array:
-  """Causal attention of one decoding call over a KV cache held in ``module``'s ``"cache"``
-  collection (``k``, ``v`` ``[B, max_seq_len, K, hd]`` and the next position ``index``).
+                        max_seq_len: int, rope_theta: float, dtype: Any,
+                        pattern: AttentionPattern = CAUSAL) -> jax.Array:
+  """Attention of one decoding call over a KV cache held in ``module``'s ``"cache"`` collection
+  (``k``, ``v`` ``[B, max_seq_len, K, hd]`` and the next position ``index``).
 
   Rotates ``q`` and ``k`` to their positions ``index ..``, writes ``k`` and ``v`` there and
-  attends over the cache. ``k`` and ``v`` may have fewer heads than ``q`` (grouped-query
-  attention: each key/value head serves ``H // K`` query heads).
+  attends over the cache, to the positions ``pattern`` keeps. ``k`` and ``v`` may have fewer
+  heads than ``q`` (grouped-query attention: each key/value head serves ``H // K`` query heads).
   """
   b, t, kv_heads, hd = k.shape
   shape = (b, max_seq_len, kv_heads, hd)
@@ -123,9 +129,69 @@ def kv_cached_attention(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Ar
   keys = jax.lax.dynamic_update_slice(cached_k.value, k.astype(dtype), (0, pos, 0, 0))
   values = jax.lax.dynamic_update_slice(cached_v.value, v.astype(dtype), (0, pos, 0, 0))
   cached_k.value, cached_v.value, index.value = keys, values, pos + t
-  # Query i (position pos + i) sees cache positions <= pos + i; later slots are stale or empty.
-  mask = jnp.arange(max_seq_len)[None, :] <= (pos + jnp.arange(t))[:, None]
+  # Query i sits at position pos + i; causality leaves out the later slots (stale or empty).
+  mask = pattern.keep((pos + jnp.arange(t, dtype=jnp.int32))[:, None],
+                      jnp.arange(max_seq_len, dtype=jnp.int32)[None, :])
   return jax.nn.dot_product_attention(q.astype(dtype), keys, values, mask=mask[None, None])
+
+
+class SelfAttention(nn.Module):
+  """Self-attention with rotary embeddings, grouped-query heads and optional QK-norm: the
+  attention of every built-in family, one code path for training (cuDNN's fused attention where
+  it applies, :func:`causal_attention`), the max-logit telemetry and the KV cache, each masked
+  by ``pattern``.
+
+  Parameters: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` (``kernel``) and with ``qk_norm``
+  ``q_norm``, ``k_norm`` (``scale``). ``decode`` reads and appends to a KV cache (``"cache"``:
+  ``k``, ``v`` ``[B, max_seq_len, K, hd]`` and ``index``); ``sow_logits`` sows the per-query-head
+  max pre-softmax logit (float32 ``[H]``) as ``max_logit`` into ``"intermediates"``, read from the
+  logits the softmax uses.
+  """
+
+  n_heads: int
+  kv_heads: int
+  head_dim: int
+  d_model: int
+  n_layers: int                 # the output projection's init is scaled by 1 / sqrt(2 L)
+  max_seq_len: int
+  rope_theta: float
+  init_std: float
+  compute_dtype: Any
+  param_dtype: Any
+  qk_norm: bool = False
+  norm_single_scale: bool = False
+  norm_eps: float = 1e-6
+  bitnet: bool = False
+  pattern: AttentionPattern = CAUSAL
+  decode: bool = False
+  sow_logits: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array] = None) -> jax.Array:
+    cdt, pdt = self.compute_dtype, self.param_dtype
+    b, t, _ = x.shape
+    h, kh, hd = self.n_heads, self.kv_heads, self.head_dim
+    init = nn.initializers.normal(self.init_std)
+    out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.n_layers))
+    lin: dict[str, Any] = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=self.bitnet)
+    q, k, v = (Linear(heads * hd, kernel_init=init, name=f"{part}_proj", **lin)(
+        x, quantized_fraction).reshape(b, t, heads, hd) for part, heads in zip("qkv", (h, kh, kh)))
+    if self.qk_norm:
+      norm: dict[str, Any] = dict(single_scale=self.norm_single_scale, eps=self.norm_eps)
+      q = RMSNorm(cdt, pdt, name="q_norm", **norm)(q)
+      k = RMSNorm(cdt, pdt, name="k_norm", **norm)(k)
+    adt = f32_accum_dtype(cdt)
+    if self.decode:
+      y = kv_cached_attention(self, q, k, v, self.max_seq_len, self.rope_theta, adt, self.pattern)
+    else:
+      q, k = rope(q, self.rope_theta).astype(adt), rope(k, self.rope_theta).astype(adt)
+      if self.sow_logits:
+        y, max_logit = causal_attention_with_max_logit(q, k, v.astype(adt), self.pattern)
+        self.sow("intermediates", MAX_LOGIT, max_logit)
+      else:
+        y = causal_attention(q, k, v.astype(adt), self.pattern)
+    out = Linear(self.d_model, kernel_init=out_init, name="o_proj", **lin)
+    return out(y.astype(cdt).reshape(b, t, h * hd), quantized_fraction)
 
 
 def swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:

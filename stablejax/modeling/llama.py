@@ -45,7 +45,6 @@ Example:
 
 from __future__ import annotations
 
-import optax
 import dataclasses
 import math
 from typing import Any, Optional
@@ -54,12 +53,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from stablejax.modeling.attention import (MAX_LOGIT, causal_attention_with_max_logit,
-                                         collect_attention_logits)
-from stablejax.modeling.family import (AttentionHeads, DecodingCache, LanguageModel,
-                                       ModelFamily, linen_variables)
-from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, f32_accum_dtype,
-                                       kv_cached_attention, rope, swiglu)
+from stablejax.modeling.attention import CAUSAL, AttentionPattern
+from stablejax.modeling.family import (LINEN_CAPABILITIES, AttentionHeads, LinenLanguageModel,
+                                       ModelFamily)
+from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, SelfAttention,
+                                       f32_accum_dtype, swiglu)
 
 
 @dataclasses.dataclass
@@ -133,43 +131,16 @@ def _dtypes(cfg: LlamaConfig) -> tuple[Any, Any]:
   return DTYPES[cfg.compute_dtype], DTYPES[cfg.param_dtype]
 
 
-class LlamaAttention(nn.Module):
-  """Causal grouped-query self-attention with rotary embeddings; ``decode`` reads and appends to
-  a KV cache (``"cache"``: ``k``, ``v`` ``[B, max_seq_len, K, hd]`` and ``index``);
-  ``sow_logits`` sows the per-query-head max logit (float32 ``[H]``) as ``max_logit``."""
-
-  config: LlamaConfig
-  decode: bool = False
-  sow_logits: bool = False
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    cfg = self.config
-    cdt, pdt = _dtypes(cfg)
-    b, t, _ = x.shape
-    h, kh, hd = cfg.n_heads, cfg.kv_heads, cfg.hd
-    init = nn.initializers.normal(cfg.init_std)
-    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-    lin = dict(compute_dtype=cdt, param_dtype=pdt)
-    q = Linear(h * hd, kernel_init=init, name="q_proj", **lin)(x).reshape(b, t, h, hd)
-    k = Linear(kh * hd, kernel_init=init, name="k_proj", **lin)(x).reshape(b, t, kh, hd)
-    v = Linear(kh * hd, kernel_init=init, name="v_proj", **lin)(x).reshape(b, t, kh, hd)
-    if cfg.qk_norm:
-      q = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="q_norm")(q)
-      k = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="k_norm")(k)
-    adt = f32_accum_dtype(cdt)
-    if self.decode:
-      y = kv_cached_attention(self, q, k, v, cfg.max_seq_len, cfg.rope_theta, adt)
-    else:
-      q, k = rope(q, cfg.rope_theta), rope(k, cfg.rope_theta)
-      if self.sow_logits:
-        y, max_logit = causal_attention_with_max_logit(q.astype(adt), k.astype(adt), v.astype(adt))
-        self.sow("intermediates", MAX_LOGIT, max_logit)
-      else:
-        y = jax.nn.dot_product_attention(q.astype(adt), k.astype(adt), v.astype(adt),
-                                         is_causal=True)
-    y = y.astype(cdt).reshape(b, t, h * hd)
-    return Linear(cfg.d_model, kernel_init=out_init, name="o_proj", **lin)(y)
+def attention(cfg: LlamaConfig, pattern: AttentionPattern, decode: bool, sow_logits: bool
+              ) -> SelfAttention:
+  """The block's grouped-query self-attention (the shared :class:`SelfAttention`), named
+  ``attn``."""
+  cdt, pdt = _dtypes(cfg)
+  return SelfAttention(
+      n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.hd, d_model=cfg.d_model,
+      n_layers=cfg.n_layers, max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta,
+      init_std=cfg.init_std, compute_dtype=cdt, param_dtype=pdt, qk_norm=cfg.qk_norm,
+      norm_eps=cfg.norm_eps, pattern=pattern, decode=decode, sow_logits=sow_logits, name="attn")
 
 
 class LlamaMLP(nn.Module):
@@ -195,12 +166,13 @@ class LlamaBlock(nn.Module):
   collect: bool = False
   decode: bool = False
   sow_logits: bool = False
+  pattern: AttentionPattern = CAUSAL
 
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Optional[jax.Array]]:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
-    attn = LlamaAttention(cfg, decode=self.decode, sow_logits=self.sow_logits, name="attn")
+    attn = attention(cfg, self.pattern, self.decode, self.sow_logits)
     x = x + attn(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="attn_norm")(x))
     x = x + LlamaMLP(cfg, name="mlp")(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="mlp_norm")(x))
     return x, (x.astype(jnp.float32) if self.collect else None)
@@ -208,9 +180,11 @@ class LlamaBlock(nn.Module):
 
 class Llama(nn.Module):
   """The decoder; see the module docstring. ``__call__`` takes what :class:`GPT`'s takes
-  (``decode``, ``attention_logits``, ``return_activations``) but ``bitnet_lambda``."""
+  (``decode``, ``attention_logits``, ``return_activations``) but ``bitnet_lambda``;
+  ``pattern``: the keys each query attends to (causal by default; Mistral's sliding window...)."""
 
   config: LlamaConfig
+  pattern: AttentionPattern = CAUSAL
 
   @nn.compact
   def __call__(self, tokens: jax.Array, *, return_activations: bool = False,
@@ -229,7 +203,7 @@ class Llama(nn.Module):
     block_cls = nn.remat(LlamaBlock, prevent_cse=not cfg.scan_layers) \
         if cfg.remat and not decode else LlamaBlock
     block_args: dict[str, Any] = dict(collect=return_activations, decode=decode,
-                                      sow_logits=attention_logits)
+                                      sow_logits=attention_logits, pattern=self.pattern)
     if cfg.scan_layers:
       axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
                               else {"params": 0, "intermediates": 0})
@@ -263,47 +237,16 @@ def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   return float(6 * n + 12 * layers * q * seq_len)
 
 
-class LlamaModel(LanguageModel):
-  """:class:`Llama` as the trainer uses it: every capability."""
+class LlamaModel(LinenLanguageModel):
+  """:class:`Llama` as the trainer uses it: every capability. ``pattern`` and ``family`` serve
+  a family that is Llama with another attention pattern (tests/plugins/mistral.py)."""
 
-  def __init__(self, config: LlamaConfig, run_config: Any = None):
-    super().__init__("llama", config)
-    self.module = Llama(config)
-
-  def init(self, rng: jax.Array, tokens: jax.Array) -> optax.Params:
-    return self.module.init(rng, tokens)["params"]
-
-  def logits(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
-             ) -> jax.Array:
-    logits: jax.Array = self.module.apply(linen_variables(params), tokens)  # type: ignore[assignment]
-    return logits
-
-  def logits_and_attention(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
-                           ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    logits, sown = self.module.apply(linen_variables(params), tokens, attention_logits=True,
-                                     mutable=["intermediates"])
-    return logits, collect_attention_logits(sown)
+  def __init__(self, config: LlamaConfig, run_config: Any = None,
+               pattern: AttentionPattern = CAUSAL, family: str = "llama"):
+    super().__init__(family, config, Llama(config, pattern), offers=LINEN_CAPABILITIES)
 
   def attention_heads(self) -> AttentionHeads:
     return AttentionHeads(self.config.n_heads, self.config.kv_heads, self.config.qk_norm)
-
-  def decode_start(self, params: optax.Params, prompt: jax.Array, step: jax.typing.ArrayLike
-                   ) -> tuple[jax.Array, DecodingCache]:
-    logits, variables = self.module.apply(linen_variables(params), prompt, decode=True,
-                                          mutable=["cache"])
-    return logits, variables["cache"]
-
-  def decode_next(self, params: optax.Params, cache: DecodingCache, token: jax.Array,
-                  step: jax.typing.ArrayLike
-                  ) -> tuple[jax.Array, DecodingCache]:
-    logits, variables = self.module.apply(linen_variables(params, cache=cache), token, decode=True,
-                                          mutable=["cache"])
-    return logits, variables["cache"]
-
-  def residual_stream(self, params: optax.Params, tokens: jax.Array, step: jax.typing.ArrayLike
-                      ) -> tuple[jax.Array, jax.Array]:
-    logits, acts = self.module.apply(linen_variables(params), tokens, return_activations=True)
-    return logits, acts["residual"]
 
   def flops_per_token(self, seq_len: int) -> float:
     return flops_per_token(self.config, seq_len)

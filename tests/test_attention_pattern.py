@@ -1,0 +1,140 @@
+"""The attention pattern as a parameter of the shared attention (modeling/attention.py,
+modeling/layers.py), checked against numpy, and the Mistral-style family built on it,
+tests/plugins/mistral.py: its cached decoding equals its full forward pass, a token beyond the
+window has no influence, a window as long as the sequence is Llama, and its logits equal Hugging
+Face's ``FlaxMistralForCausalLM`` for the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+PLUGINS = Path(__file__).parent / "plugins"
+V, D, H, K, L, T = 64, 32, 4, 2, 2, 12
+
+
+def _numpy_attention(q, k, v, keep):
+  """Grouped-query attention over the kept keys, in float64: (out, per-head max logit)."""
+  group = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  masked = np.where(keep, logits, -np.inf)
+  probs = np.exp(masked - masked.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  return np.einsum("bhts,bshd->bthd", probs, v), masked.max(axis=(0, 2, 3))
+
+
+@pytest.mark.parametrize("window,masked", [(None, False), (3, False), (None, True), (3, True)])
+def test_each_attention_path_keeps_the_keys_the_pattern_keeps(window, masked):
+  from stablejax.modeling.attention import (AttentionPattern, causal_attention,
+                                           causal_attention_with_max_logit)
+  q, k, v = (jax.random.normal(key, (2, 7, heads, 8)) for key, heads in
+             zip(jax.random.split(jax.random.key(0), 3), (4, 2, 2)))
+  mask = (lambda qp, kp: (qp + kp) % 3 != 1) if masked else None  # any function of positions
+  pattern = AttentionPattern(window=window, mask=mask)
+  i, j = np.arange(7)[:, None], np.arange(7)[None, :]
+  keep = (j <= i) & ((j > i - window) if window else True) & (((i + j) % 3 != 1) | (not masked))
+  want, want_max = _numpy_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), keep)
+  np.testing.assert_allclose(causal_attention(q, k, v, pattern), want, atol=2e-5)
+  got, got_max = causal_attention_with_max_logit(q, k, v, pattern)
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  np.testing.assert_allclose(got_max, want_max, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def mistral():
+  from stablejax.modeling import family
+  from stablejax.training import plugins
+  (module,) = plugins.load([str(PLUGINS / "mistral.py")])
+  yield module
+  family.unregister("mistral")
+
+
+def _model(name: str, **keys):
+  from stablejax.modeling import family
+  section = family.section_class(family.get(name))(
+      vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, max_seq_len=16, **keys)
+  section.validate()
+  return family.build(section)
+
+
+def _params(model):
+  params = jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, T), jnp.int32))
+  return jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, params)  # peaked attention
+
+
+def test_cached_decoding_equals_the_full_forward_pass(mistral):
+  model = _model("mistral", sliding_window=3)
+  params = _params(model)
+  tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
+  full = np.asarray(model.logits(params, tokens, 0))
+  first, cache = model.decode_start(params, tokens[:, :4], 0)
+  steps = [np.asarray(first)]
+  for i in range(4, T):  # past the window: the cache's old keys must be left out
+    logits, cache = model.decode_next(params, cache, tokens[:, i:i + 1], 0)
+    steps.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0,
+                             atol=1e-5 * np.abs(full).max())
+  # The max-logit path masks alike: its logits are the forward pass's.
+  with_attention, _ = model.logits_and_attention(params, tokens, 0)
+  np.testing.assert_allclose(with_attention, full, rtol=0, atol=1e-5 * np.abs(full).max())
+  assert "sliding window 3" in model.describe()
+
+
+def test_a_token_beyond_the_window_has_no_influence(mistral):
+  model = _model("mistral", sliding_window=3)
+  params = _params(model)
+  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, V)
+  changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % V)
+  before, after = (np.asarray(model.logits(params, t, 0))[0] for t in (tokens, changed))
+  # Each layer reaches 3 positions back, two layers 6: position 6 sees token 0, position 7 not.
+  reach = L * 3
+  assert np.abs(after[reach] - before[reach]).max() > 1e-3
+  np.testing.assert_allclose(after[reach + 1:], before[reach + 1:], rtol=0, atol=1e-6)
+  # Without the window (Llama, the same parameters) every later position sees token 0.
+  llama = _model("llama")
+  full_before, full_after = (np.asarray(llama.logits(params, t, 0))[0] for t in (tokens, changed))
+  assert np.abs(full_after[-1] - full_before[-1]).max() > 1e-3
+
+
+def test_a_window_as_long_as_the_sequence_is_llama(mistral):
+  model, llama = _model("mistral", sliding_window=T - 1), _model("llama")
+  params = _params(llama)
+  tokens = jax.random.randint(jax.random.key(2), (2, T), 0, V)
+  np.testing.assert_array_equal(model.logits(params, tokens, 0), llama.logits(params, tokens, 0))
+  shorter = _model("mistral", sliding_window=T - 2)
+  assert not np.array_equal(shorter.logits(params, tokens, 0), llama.logits(params, tokens, 0))
+
+
+def test_logits_equal_hugging_face_mistral_for_the_same_weights(mistral):
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.FlaxMistralForCausalLM(transformers.MistralConfig(
+      vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
+      num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=16,
+      rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False), seed=0)
+  hp = hf.params["model"]
+  layers = [hp["layers"][str(i)] for i in range(L)]
+
+  def block(layer):
+    return {"attn_norm": {"scale": layer["input_layernorm"]["weight"]},
+            "mlp_norm": {"scale": layer["post_attention_layernorm"]["weight"]},
+            "attn": {n: {"kernel": layer["self_attn"][n]["kernel"]}
+                     for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "mlp": {n: {"kernel": layer["mlp"][n]["kernel"]}
+                    for n in ("gate_proj", "up_proj", "down_proj")}}
+
+  params = {"tok_embed": {"embedding": hp["embed_tokens"]["embedding"]},
+            "final_norm": {"scale": hp["norm"]["weight"]},
+            "lm_head": {"kernel": hf.params["lm_head"]["kernel"]},
+            "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *map(block, layers))}
+  model = _model("mistral", sliding_window=3, d_ff=48, qk_norm=False, norm_eps=1e-5)
+  tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
+  theirs = np.asarray(hf(tokens).logits)
+  got = np.asarray(model.logits(params, tokens, 0))
+  np.testing.assert_allclose(got, theirs, rtol=0, atol=2e-6 * np.abs(theirs).max() + 1e-6)
+  wider = _model("mistral", sliding_window=5, d_ff=48, qk_norm=False, norm_eps=1e-5)
+  assert np.abs(np.asarray(wider.logits(params, tokens, 0)) - theirs).max() > 1e-4
