@@ -378,3 +378,73 @@ def test_orbaxs_unreadable_checkpoint_metadata_is_one_warning_line(tmp_path, cap
   assert err == [f"warning: {garbage} (Orbax's metadata of the checkpoint: when it was saved) "
                  "cannot be read; the checkpoint is read without it"]
   assert not [r for r in caplog.records if r.name == "absl"]
+
+
+# ----------------------------------------------------------------------------- forward pass only
+
+
+def _forward_only(cfg):
+  """The same GPT as a family that declares nothing but its forward pass (a user's Linen model
+  through LinenLanguageModel): no decode_start, so no KV cache."""
+  from stablejax.modeling.family import LinenLanguageModel
+  return LinenLanguageModel("forward_only", cfg, GPT(cfg))
+
+
+def test_a_family_without_decoding_samples_by_re_running_the_model():
+  from stablejax.training.trained.decoding import RECOMPUTE
+  cfg = ModelConfig(**SHORT)
+  window = cfg.max_seq_len
+  params = init(cfg)
+  model = _forward_only(cfg)
+  assert not model.supports("decoding")
+  gen, cached = Generator(model), Generator(cfg)
+  assert gen.method == RECOMPUTE and cached.method != RECOMPUTE
+  rng = np.random.default_rng(1)
+  for length in (1, 5, window):
+    prompt = rng.integers(1, cfg.vocab_size, size=length).tolist()
+    n_new = window - length + 1  # within the window: the KV cache's tokens
+    want = cached.generate(params, prompt, n_new, temperature=0.0)[0].tolist()
+    assert gen.generate(params, prompt, n_new, temperature=0.0)[0].tolist() == want
+    # Sampled with one seed, the same draws from the same logits.
+    np.testing.assert_array_equal(
+        gen.generate(params, prompt, n_new, temperature=0.8, seed=3, num_samples=3),
+        cached.generate(params, prompt, n_new, temperature=0.8, seed=3, num_samples=3))
+  # Past the window, nanoGPT's crop: each token is the argmax of a forward pass over the last W
+  # tokens, run here by hand, unpadded.
+  prompt = [3, 5, 7]
+  ids = list(prompt)
+  for _ in range(3 * window):
+    context = jnp.asarray([ids[-window:]], jnp.int32)
+    ids.append(int(np.argmax(GPT(cfg).apply({"params": params}, context)[0, -1])))
+  got = gen.generate(params, prompt, 3 * window, temperature=0.0)[0].tolist()
+  assert got == ids[len(prompt):] and len(set(got)) > 2
+
+
+def test_the_samples_at_evals_of_a_family_without_decoding_say_so_once_in_the_banner():
+  import json
+  import types
+
+  import optax
+
+  from stablejax.training.config import load_config, model_of
+  from stablejax.training.loop.components import _sampler
+  from stablejax.training.run_folder.summary import banner
+  from stablejax.training.trained.decoding import RECOMPUTE
+  cfg = load_config(None, [f"model.{k}={json.dumps(v)}" for k, v in SHORT.items()
+                           if k != "vocab_size"]  # the byte tokenizer's 256
+                    + ["train.seq_len=8", "logging.sample_tokens=4"])
+  model = _forward_only(cfg.model)
+  params = init(cfg.model)
+  warned: list = []
+  sampler = _sampler(cfg, model, warned.append)
+  assert sampler is not None and warned == [] and sampler.gen.method == RECOMPUTE
+  text = sampler(params, 0)
+  assert text.startswith(cfg.logging.sample_prompt) and len(text) > len(cfg.logging.sample_prompt)
+  components = types.SimpleNamespace(
+      cfg=cfg, model=model, sampler=sampler, mesh=types.SimpleNamespace(shape={"data": 1}),
+      data=types.SimpleNamespace(stats={}), total_steps=10, tx=optax.sgd(0.1))
+  budget = types.SimpleNamespace(describe_length=lambda steps: "train.steps")
+  lines = banner(components, params, budget, "out", 0)
+  assert sum(RECOMPUTE in line for line in lines) == 1
+  components.sampler = _sampler(cfg, model_of(cfg), warned.append)  # the KV cache: no line
+  assert not any(RECOMPUTE in line for line in banner(components, params, budget, "out", 0))

@@ -104,7 +104,7 @@ def _sample(args: argparse.Namespace) -> int:
     return _process.EXIT_INTERRUPTED
   n = args.max_new_tokens * args.num_samples
   print(f"checkpoint step {result['step']}: {n} tokens in {result['seconds']:.2f} s "
-        f"({n / max(result['seconds'], 1e-9):.0f} tokens/s; compile "
+        f"({n / max(result['seconds'], 1e-9):.0f} tokens/s, {result['decoding']}; compile "
         f"{result['compile_seconds']:.1f} s){written}", file=sys.stderr)
   return 0
 

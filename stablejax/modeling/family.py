@@ -10,7 +10,8 @@ built-in families are ``gpt`` (:mod:`stablejax.modeling.gpt`) and ``llama``
 What a :class:`LanguageModel` offers beyond its forward pass is optional. Each capability is a
 method a family overrides; the trainer asks :meth:`LanguageModel.supports` before it relies on
 one, and a capability a family lacks is a one-line error (:class:`MissingCapability`) where it is
-asked for: QK-clip needs ``attention logits``, ``python -m stablejax sample`` needs ``decoding``.
+asked for: QK-clip needs ``attention logits``. Without ``decoding`` (a KV cache), ``python -m
+stablejax sample`` and the samples at evals re-run the model on the growing context.
 Where the trainer only reports something (the attention-logit telemetry, MFU), a missing
 capability turns the report off with a warning line at start.
 
@@ -79,8 +80,9 @@ CAPABILITIES = {
                          "each attention layer's per-head max pre-softmax logit (QK-clip, the "
                          "attention telemetry)"),
     "attention layout": ("attention_heads", "the number of query and key/value heads (QK-clip)"),
-    "decoding": ("decode_start", "decoding with a cache (python -m stablejax sample, the samples "
-                                 "at evals)"),
+    "decoding": ("decode_start", "decoding with a KV cache (python -m stablejax sample and the "
+                                 "samples at evals re-run the model on the growing context "
+                                 "without it)"),
     "residual stream": ("residual_stream", "the residual stream after each layer (activation "
                                            "statistics)"),
     "FLOPs": ("flops_per_token", "training FLOPs per token (MFU)"),

@@ -221,14 +221,11 @@ def with_steps(components: Components, steps: int,
 
 def _sampler(cfg: Config, model: LanguageModel, warn: Callable[[str], None]
              ) -> Optional[EvalSampler]:
-  """The sample printed at evals (logging.sample_*); None when off, the tokenizer is unknown or
-  the model family cannot decode."""
+  """The sample printed at evals (logging.sample_*); None when off or the tokenizer is unknown.
+  A model family without decoding re-runs the model on the growing context (the banner says
+  so)."""
   lg = cfg.logging
   if lg.sample_every == 0 or jax.process_count() > 1:
-    return None
-  if not model.supports("decoding"):
-    if lg.sample_every is not None:  # asked for: say why there are none
-      warn(f"warning: no samples at evals: {model.missing('decoding', 'logging.sample_every')}")
     return None
   try:
     tok = data_tokenizer(cfg.data)

@@ -50,6 +50,10 @@ def banner(components: Components, params: optax.Params, budget: Budget, out_dir
       f"{cfg.train.warmup_steps}",
       f"output: {out_dir}" + (f" (resuming at step {step})" if step else ""),
   ]
+  sampler = components.sampler
+  if sampler is not None and not sampler.gen.cached:
+    lines.append(f"samples at evals: {sampler.gen.method} (model family {model.family!r} does "
+                 "not offer decoding)")
   try:  # the configured chain or Trainer(tx=...): any chain holding an outlier_safe_muon
     lines.append(describe_routing(params, components.tx))
   except NoOutlierSafeMuonError:

@@ -11,7 +11,8 @@ usable checkpoint (the trainer's fingerprint rule; a damaged newest step falls b
 previous one with a warning), encodes the prompt with the run's tokenizer (the one the trainer
 recorded in ``RUN_DIR/tokenizer/``, with a copy of a Hugging Face ``tokenizer.json``; a missing
 or changed copy is an error naming ``--tokenizer``; plain ``.bin`` data needs ``--tokenizer``),
-generates with the jitted KV-cache decoder of ``stablejax.training.trained.decoding`` and prints the
+generates with the jitted KV-cache decoder of ``stablejax.training.trained.decoding`` (a family
+without decoding: re-running the model on the growing context, nanoGPT's way) and prints the
 prompt and its continuation. An empty prompt starts a new document (the end-of-text token; a blank
 line for byte-level text). The same seed gives the same text. ``--temperature 0`` is greedy.
 
@@ -57,15 +58,16 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
 
   Returns:
     ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds",
-    "stopped"}`` where each text is the prompt followed by its continuation (``seconds`` None
-    when the speed was not measured).
+    "stopped", "decoding"}`` where each text is the prompt followed by its continuation
+    (``seconds`` None when the speed was not measured; ``decoding``: how the tokens were made,
+    :data:`~stablejax.training.trained.decoding.KV_CACHE` or, for a family without decoding,
+    :data:`~stablejax.training.trained.decoding.RECOMPUTE`).
 
   Raises:
     SampleError: missing run, config, checkpoint or tokenizer; bad arguments.
   """
   import jax
 
-  from stablejax.modeling.family import MissingCapability
   from stablejax.training.config import model_of
   from stablejax.training.trained.decoding import Generator
 
@@ -85,10 +87,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   prompt_ids = tok.encode(prompt) if prompt else list(tok.start_ids)
   if not prompt_ids:
     prompt_ids = list(tok.start_ids)
-  try:
-    gen = Generator(model_of(cfg), top_k=top_k, valid_vocab=tok.vocab_size)
-  except MissingCapability as e:
-    raise SampleError(str(e)) from None
+  gen = Generator(model_of(cfg), top_k=top_k, valid_vocab=tok.vocab_size)
   kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, step=restored.step,
                                 num_samples=num_samples)
   check_stop()
@@ -110,4 +109,4 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
     texts = [prompt + t[len(tok.decode(prompt_ids)):] for t in texts]
   return {"step": restored.step, "prompt_ids": list(prompt_ids), "samples": texts,
           "tokens": np.asarray(tokens).tolist(), "seconds": None if stopped else t2 - t1,
-          "compile_seconds": t1 - t0, "stopped": stopped}
+          "compile_seconds": t1 - t0, "stopped": stopped, "decoding": gen.method}
