@@ -146,6 +146,32 @@ def gpt_params(model_cfg, *, seq_len: int = 8, seed: int = 0, abstract: bool = F
   return variables["params"]
 
 
+def llama_params_from_hf(hf_params, n_layers: int, scan_layers: bool = True) -> dict:
+  """The llama family's parameters (stablejax.modeling.llama's layout) holding the weights of a
+  Hugging Face ``FlaxLlamaForCausalLM`` or ``FlaxMistralForCausalLM`` (``model.params``)."""
+  import jax
+  import jax.numpy as jnp
+  hp = hf_params["model"]
+
+  def block(layer):
+    return {"attn_norm": {"scale": layer["input_layernorm"]["weight"]},
+            "mlp_norm": {"scale": layer["post_attention_layernorm"]["weight"]},
+            "attn": {n: {"kernel": layer["self_attn"][n]["kernel"]}
+                     for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+            "mlp": {n: {"kernel": layer["mlp"][n]["kernel"]}
+                    for n in ("gate_proj", "up_proj", "down_proj")}}
+
+  layers = [block(hp["layers"][str(i)]) for i in range(n_layers)]
+  params = {"tok_embed": {"embedding": hp["embed_tokens"]["embedding"]},
+            "final_norm": {"scale": hp["norm"]["weight"]},
+            "lm_head": {"kernel": hf_params["lm_head"]["kernel"]}}
+  if scan_layers:
+    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+  else:
+    params.update({f"block_{i}": layer for i, layer in enumerate(layers)})
+  return params
+
+
 # ----------------------------------------------------------------------------- programs
 
 

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import llama_params_from_hf
+
 PLUGINS = Path(__file__).parent / "plugins"
 V, D, H, K, L, T = 64, 32, 4, 2, 2, 12
 
@@ -67,8 +69,18 @@ def _params(model):
   return jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, params)  # peaked attention
 
 
-def test_cached_decoding_equals_the_full_forward_pass(mistral):
-  model = _model("mistral", sliding_window=3)
+def _dilated():
+  """Llama whose queries attend to the keys an even number of positions back: a mask function
+  (the query's own position always kept)."""
+  from stablejax.modeling.attention import AttentionPattern
+  from stablejax.modeling.llama import LlamaModel
+  section = _model("llama").config
+  return LlamaModel(section, pattern=AttentionPattern(mask=lambda q, k: (q - k) % 2 == 0))
+
+
+@pytest.mark.parametrize("pattern", ["window", "mask"])
+def test_cached_decoding_equals_the_full_forward_pass(mistral, pattern):
+  model = _model("mistral", sliding_window=3) if pattern == "window" else _dilated()
   params = _params(model)
   tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
   full = np.asarray(model.logits(params, tokens, 0))
@@ -82,7 +94,9 @@ def test_cached_decoding_equals_the_full_forward_pass(mistral):
   # The max-logit path masks alike: its logits are the forward pass's.
   with_attention, _ = model.logits_and_attention(params, tokens, 0)
   np.testing.assert_allclose(with_attention, full, rtol=0, atol=1e-5 * np.abs(full).max())
-  assert "sliding window 3" in model.describe()
+  # The pattern changes the logits (else the checks above would hold for any pattern).
+  plain = np.asarray(_model("llama").logits(params, tokens, 0))
+  assert np.abs(plain - full).max() > 1e-3
 
 
 def test_a_token_beyond_the_window_has_no_influence(mistral):
@@ -99,6 +113,7 @@ def test_a_token_beyond_the_window_has_no_influence(mistral):
   llama = _model("llama")
   full_before, full_after = (np.asarray(llama.logits(params, t, 0))[0] for t in (tokens, changed))
   assert np.abs(full_after[-1] - full_before[-1]).max() > 1e-3
+  assert "sliding window 3" in model.describe()
 
 
 def test_a_window_as_long_as_the_sequence_is_llama(mistral):
@@ -116,21 +131,7 @@ def test_logits_equal_hugging_face_mistral_for_the_same_weights(mistral):
       vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=16,
       rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False), seed=0)
-  hp = hf.params["model"]
-  layers = [hp["layers"][str(i)] for i in range(L)]
-
-  def block(layer):
-    return {"attn_norm": {"scale": layer["input_layernorm"]["weight"]},
-            "mlp_norm": {"scale": layer["post_attention_layernorm"]["weight"]},
-            "attn": {n: {"kernel": layer["self_attn"][n]["kernel"]}
-                     for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            "mlp": {n: {"kernel": layer["mlp"][n]["kernel"]}
-                    for n in ("gate_proj", "up_proj", "down_proj")}}
-
-  params = {"tok_embed": {"embedding": hp["embed_tokens"]["embedding"]},
-            "final_norm": {"scale": hp["norm"]["weight"]},
-            "lm_head": {"kernel": hf.params["lm_head"]["kernel"]},
-            "blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *map(block, layers))}
+  params = llama_params_from_hf(hf.params, L)
   model = _model("mistral", sliding_window=3, d_ff=48, qk_norm=False, norm_eps=1e-5)
   tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
   theirs = np.asarray(hf(tokens).logits)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import read_metrics, run_inprocess, slow
+from helpers import llama_params_from_hf, read_metrics, run_inprocess, slow
 
 V, D, H, K, L, F = 64, 32, 4, 2, 2, 48
 
@@ -20,24 +20,7 @@ def _hf_and_ours(scan_layers: bool, tie: bool = False):
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=32,
       rms_norm_eps=1e-5, tie_word_embeddings=False)
   hf = transformers.FlaxLlamaForCausalLM(hf_cfg, seed=0)
-  hp = hf.params
-  layers = [hp["model"]["layers"][str(i)] for i in range(L)]
-
-  def block(layer):
-    return {"attn_norm": {"scale": layer["input_layernorm"]["weight"]},
-            "mlp_norm": {"scale": layer["post_attention_layernorm"]["weight"]},
-            "attn": {n: {"kernel": layer["self_attn"][n]["kernel"]}
-                     for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-            "mlp": {n: {"kernel": layer["mlp"][n]["kernel"]}
-                    for n in ("gate_proj", "up_proj", "down_proj")}}
-
-  params = {"tok_embed": {"embedding": hp["model"]["embed_tokens"]["embedding"]},
-            "final_norm": {"scale": hp["model"]["norm"]["weight"]},
-            "lm_head": {"kernel": hp["lm_head"]["kernel"]}}
-  if scan_layers:
-    params["blocks"] = jax.tree.map(lambda *xs: jnp.stack(xs), *map(block, layers))
-  else:
-    params.update({f"block_{i}": block(layer) for i, layer in enumerate(layers)})
+  params = llama_params_from_hf(hf.params, L, scan_layers)
   cfg = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, d_ff=F,
                     max_seq_len=32, qk_norm=False, norm_eps=1e-5, scan_layers=scan_layers)
   return hf, Llama(cfg), params
