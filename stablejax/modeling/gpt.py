@@ -226,7 +226,8 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
   """Decoder-only transformer. See the module docstring for options and parameter names;
-  ``pattern``: the keys each query attends to (causal by default; a sliding window...)."""
+  ``pattern``: the keys each query attends to (an :class:`AttentionPattern`; causal by
+  default)."""
   config: ModelConfig
   pattern: AttentionPattern = CAUSAL
 

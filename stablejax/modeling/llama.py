@@ -181,7 +181,8 @@ class LlamaBlock(nn.Module):
 class Llama(nn.Module):
   """The decoder; see the module docstring. ``__call__`` takes what :class:`GPT`'s takes
   (``decode``, ``attention_logits``, ``return_activations``) but ``bitnet_lambda``;
-  ``pattern``: the keys each query attends to (causal by default; Mistral's sliding window...)."""
+  ``pattern``: the keys each query attends to (an :class:`AttentionPattern`; causal by default,
+  a sliding window in tests/plugins/mistral.py)."""
 
   config: LlamaConfig
   pattern: AttentionPattern = CAUSAL
