@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "stablejax" / "configs" / "default.json"
 TRAINER_DOC = ROOT / "docs" / "trainer.md"
 PACKAGE_FRONT = ROOT / "stablejax" / "__init__.py"
+SECTIONS = ROOT / "stablejax" / "training" / "config" / "sections.py"
 MONITORING_DOC = ROOT / "docs" / "monitoring.md"
 
 
@@ -178,9 +179,31 @@ def package_front() -> str:
   return head + begin + marker + "\n" + "\n".join(lines) + "\n" + end + tail
 
 
+def _replace_block(text: str, name: str, indent: str, lines: list[str]) -> str:
+  """``text`` with the lines between ``# <!-- generated: NAME ...-->`` and its end replaced."""
+  begin, end = f"{indent}# <!-- generated: {name}", f"{indent}# <!-- end generated: {name} -->"
+  head, rest = text.split(begin, 1)
+  marker, rest = rest.split("\n", 1)
+  _, tail = rest.split(end, 1)
+  return head + begin + marker + "\n" + "".join(line + "\n" for line in lines) + end + tail
+
+
+def stability_sections() -> str:
+  """``training/config/sections.py`` with ``StabilitySections``' static types of the built-in
+  defences' sections (``cfg.stability.zclip: ZClipConfig``), from the registry."""
+  from stablejax.transforms import defence
+  declared = defence.registered()
+  text = _replace_block(SECTIONS.read_text(), "stability-section-types", "  ",
+                        [f"  from {d.config.__module__} import {d.config.__qualname__}"
+                         for d in declared])
+  return _replace_block(text, "stability-sections", "    ",
+                        [f"    {d.name}: {d.config.__qualname__}" for d in declared])
+
+
 def generated() -> dict[Path, str]:
   """Every generated file's expected text."""
-  out = {DEFAULT_CONFIG: default_config(), PACKAGE_FRONT: package_front()}
+  out = {DEFAULT_CONFIG: default_config(), PACKAGE_FRONT: package_front(),
+         SECTIONS: stability_sections()}
   for path, blocks in BLOCKS.items():
     out[path] = _with_blocks(path.read_text(), blocks, path)
   return out

@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import types
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -97,6 +97,38 @@ LR_SCALE_KEY = "lr_scale"
 RESERVED_NAMES = (OPTIMIZER_KEY, LR_SCALE_KEY)
 
 
+class HeadCounts(Protocol):
+  """The attention layout a defence may read (``stablejax.modeling.family.AttentionHeads``)."""
+
+  @property
+  def num_heads(self) -> int: ...
+  @property
+  def num_kv_heads(self) -> int: ...
+  @property
+  def qk_norm(self) -> bool: ...
+
+
+class TrainedModel(Protocol):
+  """What a defence may ask of the model the trainer trains
+  (``stablejax.modeling.family.LanguageModel`` offers it; this floor cannot import it)."""
+
+  @property
+  def param_dtype(self) -> str: ...
+  @property
+  def stacked_layers(self) -> bool: ...
+  def attention_heads(self) -> HeadCounts: ...
+  def require(self, capability: str, needed_by: str) -> None: ...
+
+
+class OptimizerSection(Protocol):
+  """What a defence may read of the ``optimizer`` section
+  (``stablejax.training.config.optimizers.OptimizerConfig``)."""
+
+  name: str
+  learning_rate: float
+  weight_decay: float
+
+
 @dataclasses.dataclass(frozen=True)
 class DefenceContext:
   """What a builder, a validation or an ``ineffective`` rule may read besides its own section.
@@ -120,11 +152,11 @@ class DefenceContext:
       or None.
   """
 
-  stability: Any
-  model: Any = None
-  learning_rates: Optional[Callable[[Any], Any]] = None
-  matrices: Optional[Callable[[Any], Any]] = None
-  optimizer: Any = None
+  stability: Any  # the trainer's StabilitySections, whose defences' sections are registered
+  model: Optional[TrainedModel] = None
+  learning_rates: Optional[Callable[[optax.Params], Any]] = None
+  matrices: Optional[Callable[[optax.Params], Any]] = None
+  optimizer: Optional[OptimizerSection] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -218,9 +218,9 @@ def _validate_train(cfg: Config) -> None:
 
 def _validate_optimizer(o: OptimizerConfig) -> None:
   if optimizers.get(o.name) is None:
-    known = ", ".join(d.name for d in optimizers.registered())
+    names = ", ".join(d.name for d in optimizers.registered())
     raise ConfigError(f"optimizer.name={o.name!r} is not a declared optimizer: use one of "
-                      f"{known}, or name the module that declares it with --plugin")
+                      f"{names}, or name the module that declares it with --plugin")
   for name in ("learning_rate", "adam_learning_rate", "embedding_learning_rate",
                "head_learning_rate"):
     value = getattr(o, name)
@@ -228,10 +228,10 @@ def _validate_optimizer(o: OptimizerConfig) -> None:
       _positive(f"optimizer.{name}", value)
   _positive("optimizer.weight_decay", o.weight_decay, allow_zero=True)
   _positive("optimizer.adam_weight_decay", o.adam_weight_decay, allow_zero=True)
-  if o.name == "muon" and o.adam_learning_rate is None and o.consistent_rms is None:
-    raise ConfigError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
-                      "width scaling runs at ~0.02, far too high for AdamW; set "
-                      "adam_learning_rate (e.g. 3e-3)")
+  try:
+    o.validate()  # the optimizer's own rules
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
   for name, allowed in (("ns_method", _ns.METHODS),
                         ("ns_preconditioning", _ns.PRECONDITIONINGS)):
     if getattr(o, name) not in allowed:

@@ -107,6 +107,13 @@ class OptimizerConfig:
     """Lines about rates that look set for another optimizer (printed at start)."""
     return []
 
+  def validate(self) -> None:
+    """The optimizer's own rules, after every key's range is checked.
+
+    Raises:
+      ValueError: one line naming the key and the fix.
+    """
+
 
 @dataclasses.dataclass
 class MuonConfig(OptimizerConfig):
@@ -134,6 +141,12 @@ class MuonConfig(OptimizerConfig):
         outlier_method=self.outlier_method, ns_backend=self.ns_backend, ns_method=self.ns_method,
         ns_preconditioning=self.ns_preconditioning, per_head=self.per_head,
         num_heads=ctx.num_heads, normuon=self.normuon, normuon_b2=self.normuon_b2)
+
+  def validate(self) -> None:
+    if self.adam_learning_rate is None and self.consistent_rms is None:
+      raise ValueError("optimizer.adam_learning_rate=null needs optimizer.consistent_rms: Muon's "
+                       "width scaling runs at ~0.02, far too high for AdamW; set "
+                       "adam_learning_rate (e.g. 3e-3)")
 
   def warnings(self) -> list[str]:
     rates = self.learning_rates()

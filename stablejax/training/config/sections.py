@@ -17,6 +17,21 @@ from stablejax.training.config.optimizers import MuonConfig, OptimizerConfig
 from stablejax.modeling import family as family_lib
 from stablejax.transforms import defence
 
+if TYPE_CHECKING:  # the built-in defences' sections, for StabilitySections' static types
+  # <!-- generated: stability-section-types (python tools/generate.py) -->
+  from stablejax.transforms.clip import ClipConfig
+  from stablejax.transforms.zclip import ZClipConfig
+  from stablejax.transforms.adagc import AdaGCConfig
+  from stablejax.transforms.update_clip import ClipUpdateRmsConfig
+  from stablejax.transforms.update_clip import ZClipUpdateNormConfig
+  from stablejax.transforms.hyperball import HyperballConfig
+  from stablejax.transforms.qk_clip import QKClipConfig
+  from stablejax.transforms.compensated import CompensatedUpdatesConfig
+  from stablejax.transforms.spike_skip import SkipSpikesConfig
+  from stablejax.transforms.finite_skip import SkipNonFiniteConfig
+  # <!-- end generated: stability-section-types -->
+  pass
+
 
 class ConfigError(ValueError):
   """A bad configuration file, key or value; the message names the problem and the fix."""
@@ -161,7 +176,22 @@ class StabilitySections:
   watchdog: WatchdogConfig
 
   if TYPE_CHECKING:
-    def __getattr__(self, name: str) -> Any:  # a registered defence's section
+    # The built-in defences' sections, typed for static checkers (written by tools/generate.py
+    # from the registry); a plugin's section is found by __getattr__.
+    # <!-- generated: stability-sections (python tools/generate.py) -->
+    clip: ClipConfig
+    zclip: ZClipConfig
+    adagc: AdaGCConfig
+    clip_update_rms: ClipUpdateRmsConfig
+    zclip_update_norm: ZClipUpdateNormConfig
+    hyperball: HyperballConfig
+    qk_clip: QKClipConfig
+    compensated_updates: CompensatedUpdatesConfig
+    skip_spikes: SkipSpikesConfig
+    skip_nonfinite: SkipNonFiniteConfig
+    # <!-- end generated: stability-sections -->
+
+    def __getattr__(self, name: str) -> Any:  # a plugin defence's section
       ...
 
 

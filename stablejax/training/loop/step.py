@@ -20,9 +20,9 @@ from stablejax.modeling.losses import cross_entropy_with_z_loss
 from stablejax.monitor.layers import global_and_layer_norms
 from stablejax.training.config import Config
 from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale, step_arguments
-from stablejax.training.recovery.policy import backoff_lr_scale
+from stablejax.training.recovery.policy import LRBackoff, backoff_lr_scale
 from stablejax.transforms import defence
-from stablejax.transforms.loss_scaling import all_finite
+from stablejax.transforms.loss_scaling import DynamicLossScale, all_finite
 from stablejax.transforms.metrics import stability_metrics
 
 
@@ -30,9 +30,9 @@ class TrainState(flax.struct.PyTreeNode):
   step: jax.Array                  # int32 optimizer steps taken (applied or skipped)
   params: optax.Params                      # float32 unless model.param_dtype says otherwise
   opt_state: optax.OptState
-  loss_scale: Optional[Any] = None  # stablejax.DynamicLossScale in fp16 mode, else None
-  # recovery.LRBackoff of the latest rollback or re-warmup (None: LR scale untouched)
-  lr_backoff: Optional[Any] = None
+  loss_scale: Optional[DynamicLossScale] = None  # fp16 mode only
+  # The latest rollback's or re-warmup's backoff (None: LR scale untouched)
+  lr_backoff: Optional[LRBackoff] = None
   # int32 [devices], sharded like the batch rows: on each device, the steps whose loss on that
   # device's rows was non-finite (read when a failure is replayed, to name the device; None: off)
   device_faults: Optional[jax.Array] = None
