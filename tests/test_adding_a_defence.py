@@ -1,4 +1,5 @@
-"""A defence declared in a module of the user's (tests/plugins/scale_updates.py) trains through
+"""A defence declared in a module of the user's (tests/plugins/scale_updates.py), with SPAM, optax's
+Muon and a Mistral-style family (tests/plugins), trains through
 ``python -m stablejax train --plugin``, and shows up in metrics.jsonl, TensorBoard, the report and
 config.json; a resume, ``sample`` and ``report`` import the plugin again from the run's record
 (docs/development.md, "Adding a defence")."""
@@ -114,21 +115,25 @@ def test_a_plugin_defence_trains_from_the_command_line_and_every_program_reads_t
   workdir = tmp_path / "work"
   workdir.mkdir()
   shutil.copy(PLUGINS / "scale_updates.py", workdir / "mydefs.py")  # the user's own modules
-  # A defence that reads and resets the optimizer's moments, and an optimizer: one file each.
+  # A defence that reads and resets the optimizer's moments, an optimizer and a model family
+  # (Llama with a sliding window): one file each, all in one run.
   shutil.copy(PLUGINS / "spam.py", workdir / "myspam.py")
   shutil.copy(PLUGINS / "optax_muon.py", workdir / "myoptimizer.py")
+  shutil.copy(PLUGINS / "mistral.py", workdir / "mymodel.py")
   out = workdir / "run"
   steps = ("train.steps=8", "train.warmup_steps=2", "train.eval_every=8", "checkpoint.every=4",
            "stability.spam.enabled=true", "stability.spam.reset_every=3",
-           "optimizer.name=optax_muon")
+           "optimizer.name=optax_muon", "model.family=mistral", "model.sliding_window=4")
   done = _program("train", "--plugin", "mydefs", "--plugin", "myspam", "--plugin", "myoptimizer",
-                  *sets("stability.scale_updates.enabled=true", *steps), "--out", str(out),
-                  cwd=workdir)
+                  "--plugin", "mymodel", *sets("stability.scale_updates.enabled=true", *steps),
+                  "--out", str(out), cwd=workdir)
   assert done.returncode == 0, done.stderr[-2000:]
+  assert "Mistral" in done.stdout and "sliding window 4" in done.stdout  # the banner's model
   config = json.loads((out / "config.json").read_text())
-  assert config["plugins"] == ["mydefs", "myspam", "myoptimizer"]
+  assert config["plugins"] == ["mydefs", "myspam", "myoptimizer", "mymodel"]
   assert config["stability"]["scale_updates"] == {"enabled": True, "factor": 0.5}
   assert config["optimizer"]["name"] == "optax_muon" and config["optimizer"]["nesterov"] is True
+  assert config["model"]["family"] == "mistral" and config["model"]["sliding_window"] == 4
   train = [r for r in read_metrics(out) if "loss" in r and "event" not in r]
   assert [r["scale_updates/steps"] for r in train] == [r["step"] for r in train]  # every update
   tags = tensorboard_tags(out / "tensorboard")
