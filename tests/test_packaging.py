@@ -242,12 +242,9 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   assert found["updates"]["a"] == pytest.approx([6.0 * scale, 0.0], rel=1e-5)
   assert found["updates"]["b"][0] == pytest.approx([8.0 * scale], rel=1e-5)
 
-  # The programs: the deprecated path, the new one and the console script.
-  old = run(python, "-m", "stablejax.prepare", "--help")
-  assert old.stdout.startswith("usage: python -m stablejax prepare")
-  assert "python -m stablejax.prepare is deprecated" in old.stderr
+  # The programs: python -m stablejax and the console script.
   new = run(python, "-m", "stablejax", "prepare", "--help")
-  assert new.stdout == old.stdout
+  assert new.stdout.startswith("usage: python -m stablejax prepare")
   assert "deprecated" not in new.stderr
   script = venv / "bin" / "stablejax"
   assert script.read_text().splitlines()[0] == f"#!{python}"

@@ -82,6 +82,7 @@ NONFINITE_TENSORS = "stablejax/transforms/nonfinite_tensors.py"
 BUDGET = "stablejax/training/loop/budget.py"
 CONFIG = "stablejax/training/config/checks.py"
 OPTIM = "stablejax/training/optim.py"
+OPTIMIZERS = "stablejax/training/config/optimizers.py"
 STEP = "stablejax/training/loop/step.py"
 DECODING = "stablejax/training/trained/decoding.py"
 LOOP = "stablejax/training/loop/trainer.py"
@@ -180,6 +181,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     BUDGET: ("tests/test_budget.py", "-m", "not slow"),
     CONFIG: ("tests/test_config.py", "tests/test_optim.py", "-k", "config or ineffective"),
     OPTIM: ("tests/test_optim.py", "-m", "not slow"),
+    OPTIMIZERS: ("tests/test_optim.py", "-m", "not slow"),
     STEP: ("tests/test_train_step.py", "tests/test_optim.py", "-k",
            "micro_batches or fp16 or logged_lr_is or update_norms"),
     DECODING: ("tests/test_sample.py", "-k", "not cli and not carries"),
@@ -1417,7 +1419,8 @@ MUTANTS = [
     _m("OP4", OPTIM, "  return jax.tree.map(lambda label: label != \"adam\", "
        "label_params(params))", "  return jax.tree.map(lambda label: True, "
        "label_params(params))", "AdamW mode decays norm gains and biases"),
-    _m("OP5", OPTIM, "      adam_weight_decay=o.adam_weight_decay,\n", "",
+    _m("OP5", OPTIMIZERS, "        adam_weight_decay=self.adam_weight_decay, outlier_threshold=",
+       "        outlier_threshold=",
        "optimizer.adam_weight_decay does not reach Muon mode's AdamW groups"),
     _m("CL2", CLIP, "    defence.check_positive(f\"{where}.max_norm\", self.max_norm)", "    pass",
        "stability.clip.max_norm=0 is accepted"),
@@ -1430,9 +1433,21 @@ MUTANTS = [
     _m("OP6", CLIP, "    factory=optax.clip_by_global_norm, label=",
        "    factory=lambda max_norm: optax.identity(), label=",
        "stability.clip does not clip", AREA_TESTS[OPTIM]),
-    _m("OP7", OPTIM, "          \"head\": adam if o.head_learning_rate is None else "
-       "o.head_learning_rate}", "          \"head\": o.learning_rate if o.head_learning_rate is "
-       "None else o.head_learning_rate}", "an unset head rate resolves to the Muon rate"),
+    _m("OP15", OPTIM, "lambda label: by_group[cfg.optimizer.group(label)]",
+       "lambda label: by_group[next(iter(by_group))]",
+       "update-clipping defences divide every parameter by the first group's rate",
+       ("tests/test_update_clip.py", "-k", "divides_by_the_rate_of_each_parameter_group")),
+    _m("OP12", OPTIMIZERS, "    return label if label in rates else next(iter(rates))",
+       "    return next(iter(rates))",
+       "every routing group trains at the optimizer's first rate (Muon's, for embeddings too)",
+       ("tests/test_update_clip.py", "-k", "divides_by_the_rate_of_each_parameter_group")),
+    _m("OP13", OPTIMIZERS, "weight_decay=self.weight_decay, mask=ctx.decay_mask)",
+       "weight_decay=self.weight_decay, mask=None)", "AdamW decays norm gains and biases"),
+    _m("OP14", OPTIMIZERS, "    if self.adam_learning_rate is None and self.consistent_rms is None:",
+       "    if False:", "Muon accepts AdamW groups at the width-scaled Muon rate"),
+    _m("OP7", OPTIMIZERS, "\"head\": adam if self.head_learning_rate is None else "
+       "self.head_learning_rate}", "\"head\": self.learning_rate if self.head_learning_rate is "
+       "None else self.head_learning_rate}", "an unset head rate resolves to the Muon rate"),
     _m("OP8", FINITE_SKIP, "    order=20, factory=skip_nonfinite,",
        "    order=20, factory=lambda inner, max_consecutive: skip_nonfinite(inner),",
        "stability.skip_nonfinite.max_consecutive does not reach skip_nonfinite",
