@@ -16,7 +16,7 @@ values, no host transfer. Both wrappers count their skips the same way and raise
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,13 @@ class SkipCounters(Protocol):
   def rollback_requests(self) -> jax.Array: ...
 
 
+class WrapperState(SkipCounters, Protocol):
+  """A skip wrapper's state: the counters and the wrapped transform's state."""
+
+  @property
+  def inner_state(self) -> optax.OptState: ...
+
+
 def skip_counters(skip: jax.Array, state: SkipCounters, max_consecutive: Optional[int]
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
   """New (skipped, total, consecutive, needs_rollback, rollback_requests)."""
@@ -60,6 +67,36 @@ def skip_counters(skip: jax.Array, state: SkipCounters, max_consecutive: Optiona
     requests = jnp.where(consecutive == limit,
                          _common.safe_increment(requests), requests)
   return skip, total, consecutive, rollback, requests
+
+
+def fresh_skip_counters() -> dict[str, jax.Array]:
+  """The :class:`SkipCounters` fields of a new wrapper state (no skip yet), by name."""
+  return {
+      "skipped": jnp.array(False),
+      "total_skips": jnp.zeros([], jnp.int32),
+      "consecutive_skips": jnp.zeros([], jnp.int32),
+      "needs_rollback": jnp.array(False),
+      "rollback_requests": jnp.zeros([], jnp.int32),
+  }
+
+
+def skip_or_apply_step(skip: jax.Array, inner_updates: optax.Updates,
+                       inner_new_state: optax.OptState, state: WrapperState,
+                       max_consecutive: Optional[int]
+                       ) -> tuple[optax.Updates, dict[str, Any]]:
+  """A skip wrapper's step once ``skip`` is decided: the updates, and the new state's
+  :class:`SkipCounters` fields and ``inner_state`` by name (:func:`apply_or_skip`,
+  :func:`skip_counters`)."""
+  new_updates, new_inner = apply_or_skip(skip, inner_updates, inner_new_state, state.inner_state)
+  skipped, total, consecutive, rollback, requests = skip_counters(skip, state, max_consecutive)
+  return new_updates, {
+      "skipped": skipped,
+      "total_skips": total,
+      "consecutive_skips": consecutive,
+      "needs_rollback": rollback,
+      "rollback_requests": requests,
+      "inner_state": new_inner,
+  }
 
 
 def apply_or_skip(skip: jax.Array, inner_updates: optax.Updates, inner_new_state: optax.OptState,

@@ -21,8 +21,8 @@ import optax
 from stablejax.transforms import _common
 from stablejax.transforms import defence
 from stablejax.transforms.metrics import Rate, register_state_metrics
-from stablejax.transforms.skipping import (apply_or_skip, check_max_consecutive, skip_counters,
-                                           skip_metrics)
+from stablejax.transforms.skipping import (check_max_consecutive, fresh_skip_counters,
+                                           skip_metrics, skip_or_apply_step)
 
 _WATCHABLE = ("loss", "grad_norm")
 _STATISTICS = ("winsorized", "olmo_core", "log_norm")
@@ -329,11 +329,7 @@ def skip_spikes(
     empty = jnp.zeros([window], _common.STAT_DTYPE)
     zero = jnp.zeros([], jnp.int32)
     return SkipSpikesState(
-        skipped=jnp.array(False),
-        total_skips=zero,
-        consecutive_skips=zero,
-        needs_rollback=jnp.array(False),
-        rollback_requests=jnp.zeros([], jnp.int32),
+        **fresh_skip_counters(),
         loss_history=empty,
         loss_count=zero,
         loss_next=zero,
@@ -352,16 +348,10 @@ def skip_spikes(
         state, grad_norm, extra_args.get("loss"), watched, loss_optional, rule)
     inner_updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args)
-    new_updates, new_inner = apply_or_skip(
-        skip, inner_updates, inner_state, state.inner_state)
-    skipped, total, consecutive, rollback, requests = skip_counters(
-        skip, state, max_consecutive)
+    new_updates, fields = skip_or_apply_step(skip, inner_updates, inner_state, state,
+                                             max_consecutive)
     return new_updates, SkipSpikesState(
-        skipped=skipped,
-        total_skips=total,
-        consecutive_skips=consecutive,
-        needs_rollback=rollback,
-        rollback_requests=requests,
+        **fields,
         loss_history=loss_hist[0],
         loss_count=loss_hist[1],
         loss_next=loss_hist[2],
@@ -369,7 +359,6 @@ def skip_spikes(
         grad_norm_count=norm_hist[1],
         grad_norm_next=norm_hist[2],
         grad_norm=grad_norm,
-        inner_state=new_inner,
     )
 
   # update_fn takes its own state type where optax's protocol says any OptState.
