@@ -19,9 +19,8 @@ import optax
 
 from stablejax.transforms import _common
 from stablejax.transforms import defence
-from stablejax.transforms.metrics import Rate, register_state_metrics
 from stablejax.transforms.skipping import (check_max_consecutive, fresh_skip_counters,
-                                           skip_metrics, skip_or_apply_step)
+                                           register_skip_metrics, skip_or_apply_step)
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -137,12 +136,8 @@ def skip_nonfinite(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-register_state_metrics(
-    SkipNonFiniteState, "skip_nonfinite", skip_metrics,
-    rates=(Rate("skip_nonfinite_rate", flag="skipped", counter="total_skips",
-                label="non-finite skips", skip=True),),
-    nonfinite="skipped", acted="skipped", skips="total_skips", rollback="rollback_requests",
-    order=50)
+register_skip_metrics(SkipNonFiniteState, "skip_nonfinite", label="non-finite skips", order=50,
+                      nonfinite="skipped")
 
 
 # ----------------------------------------------------------------------------- the declaration

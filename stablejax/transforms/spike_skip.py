@@ -20,9 +20,9 @@ import optax
 
 from stablejax.transforms import _common
 from stablejax.transforms import defence
-from stablejax.transforms.metrics import Rate, register_state_metrics
 from stablejax.transforms.skipping import (check_max_consecutive, fresh_skip_counters,
-                                           skip_metrics, skip_or_apply_step)
+                                           register_skip_metrics, skip_metrics,
+                                           skip_or_apply_step)
 
 _WATCHABLE = ("loss", "grad_norm")
 _STATISTICS = ("winsorized", "olmo_core", "log_norm")
@@ -373,12 +373,8 @@ def _skip_spikes_metrics(s: SkipSpikesState) -> dict[str, jax.Array]:
   return out
 
 
-register_state_metrics(
-    SkipSpikesState, "skip_spikes", _skip_spikes_metrics,
-    rates=(Rate("skip_spikes_rate", flag="skipped", counter="total_skips",
-                label="spike skips", skip=True),),
-    grad_norm="grad_norm", acted="skipped", skips="total_skips", rollback="rollback_requests",
-    order=60)
+register_skip_metrics(SkipSpikesState, "skip_spikes", label="spike skips", order=60,
+                      fn=_skip_spikes_metrics, grad_norm="grad_norm")
 
 
 # ----------------------------------------------------------------------------- the declaration
