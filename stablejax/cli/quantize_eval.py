@@ -44,12 +44,10 @@ def parser() -> argparse.ArgumentParser:
                  help="keep parameters whose path contains any of these in full precision")
   p.add_argument("--no-merge", action="store_true",
                  help="quantise an EmbProj model without merging the projections first")
-  p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
-                 help="where to write the result (default RUN_DIR/quantize_eval.json); never one "
-                      "of the run's files")
+  _process.add_result_file_flags(
+      p, "where to write the result (default RUN_DIR/quantize_eval.json); never one of the "
+      "run's files", "quantize-eval", metavar="FILE")
   _process.add_compilation_cache_flag(p)
-  p.add_argument("--force", action="store_true",
-                 help="replace a file at --out that quantize-eval did not write")
   return p
 
 

@@ -55,11 +55,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tokenizer", default=None,
                  help="the run's tokenizer when it has no usable record (bytes, gpt2 or a "
                       "tokenizer.json); it must match a recorded one")
-  p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
-                 help="also write the samples to FILE as JSON (never one of the run's files)")
+  _process.add_result_file_flags(
+      p, "also write the samples to FILE as JSON (never one of the run's files)", "sample",
+      metavar="FILE")
   _process.add_compilation_cache_flag(p)
-  p.add_argument("--force", action="store_true",
-                 help="replace a file at --out that sample did not write")
   return p
 
 
