@@ -34,6 +34,12 @@ _DEFAULT_WINDOW = 128
 _Window = tuple[jax.Array, jax.Array, jax.Array]
 
 
+def _window_fields(signal: str, window: _Window) -> dict[str, jax.Array]:
+  """``signal``'s rolling window as the skip_spikes state's fields ``<signal>_history``,
+  ``<signal>_count`` and ``<signal>_next``."""
+  return dict(zip((f"{signal}_history", f"{signal}_count", f"{signal}_next"), window))
+
+
 class SkipSpikesState(NamedTuple):
   """State of :func:`skip_spikes`.
 
@@ -326,16 +332,12 @@ def skip_spikes(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> SkipSpikesState:
-    empty = jnp.zeros([window], _common.STAT_DTYPE)
-    zero = jnp.zeros([], jnp.int32)
+    empty: _Window = (jnp.zeros([window], _common.STAT_DTYPE), jnp.zeros([], jnp.int32),
+                      jnp.zeros([], jnp.int32))
     return SkipSpikesState(
         **fresh_skip_counters(),
-        loss_history=empty,
-        loss_count=zero,
-        loss_next=zero,
-        grad_norm_history=empty,
-        grad_norm_count=zero,
-        grad_norm_next=zero,
+        **_window_fields("loss", empty),
+        **_window_fields("grad_norm", empty),
         grad_norm=jnp.zeros([], _common.STAT_DTYPE),
         inner_state=inner.init(params),
     )
@@ -352,12 +354,8 @@ def skip_spikes(
                                              max_consecutive)
     return new_updates, SkipSpikesState(
         **fields,
-        loss_history=loss_hist[0],
-        loss_count=loss_hist[1],
-        loss_next=loss_hist[2],
-        grad_norm_history=norm_hist[0],
-        grad_norm_count=norm_hist[1],
-        grad_norm_next=norm_hist[2],
+        **_window_fields("loss", loss_hist),
+        **_window_fields("grad_norm", norm_hist),
         grad_norm=grad_norm,
     )
 
