@@ -343,6 +343,12 @@ def quiet_orbax_leftovers() -> None:
   sys.unraisablehook = hook
 
 
+def add_trained_run_argument(parser: argparse.ArgumentParser) -> None:
+  """``run_dir``: the output directory of the training run a program reads (``train --out``)."""
+  parser.add_argument("run_dir", type=path_argument,
+                      help="a training run's output directory (train --out)")
+
+
 def add_result_file_flags(parser: argparse.ArgumentParser, out_help: str, writer: str,
                           metavar: Optional[str] = None) -> None:
   """``--out`` and ``--force`` of a program that writes one file of its own beside a run: where

@@ -35,8 +35,7 @@ def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(
       prog=PROG, description="Validation loss of a trained run before and after round-to-nearest "
       "weight quantisation. SIGINT, SIGTERM or SIGHUP stops it with exit code 130.")
-  p.add_argument("run_dir", type=_process.path_argument,
-                 help="a training run's output directory (train --out)")
+  _process.add_trained_run_argument(p)
   p.add_argument("--bits", type=int, default=4, help="weight bits, 2..8 (default 4)")
   p.add_argument("--batches", type=int, default=None,
                  help="validation batches (default: the run's train.eval_batches)")

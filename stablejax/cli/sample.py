@@ -40,8 +40,7 @@ def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(
       prog=PROG, description="Sample text from a trained run's newest usable checkpoint. SIGINT, "
       "SIGTERM or SIGHUP stops it with exit code 130.")
-  p.add_argument("run_dir", type=_process.path_argument,
-                 help="a training run's output directory (train --out)")
+  _process.add_trained_run_argument(p)
   p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
   p.add_argument("--max-new-tokens", type=int, default=200,
                  help="tokens to generate after the prompt (default 200)")
