@@ -182,3 +182,32 @@ def load_script(folder: str, name: str):
   spec.loader.exec_module(module)
   return module
 
+
+
+_LOCK_HOLDER = """
+import sys, time
+from stablejax.data.folder import FolderLock
+FolderLock(sys.argv[1], sys.argv[2]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def lock_holder(folder, program: str) -> subprocess.Popen:
+  """Another process that holds ``folder``'s ``FolderLock`` as ``program`` ("train", "prepare")
+  for two minutes; returned once it holds it (the caller kills it)."""
+  proc = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(folder), program],
+                          stdout=subprocess.PIPE, text=True)
+  assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+  return proc
+
+
+@contextlib.contextmanager
+def folder_locked_by(folder, program: str):
+  """:func:`lock_holder` for the ``with`` block; yields its process."""
+  holder = lock_holder(folder, program)
+  try:
+    yield holder
+  finally:
+    holder.kill()
+    holder.wait(timeout=30)
