@@ -211,3 +211,17 @@ def folder_locked_by(folder, program: str):
   finally:
     holder.kill()
     holder.wait(timeout=30)
+
+
+def train_state_class() -> type:
+  """A ``flax.struct`` train state ``(step, params, opt_state)``, the layout
+  ``restore_plan.plan`` compares a checkpoint with (flax imported only when asked)."""
+  import flax.struct
+  import jax
+
+  class State(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: dict
+    opt_state: dict
+
+  return State
