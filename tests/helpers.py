@@ -3,6 +3,7 @@ transform over a sequence of gradients, the trainer's GPT parameters, and runnin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -172,13 +173,17 @@ def load_tool(name: str):
 
 
 def load_script(folder: str, name: str):
-  """``FOLDER/NAME.py`` of the repository as a module named ``FOLDER_NAME``."""
+  """``FOLDER/NAME.py`` of the repository as a module named ``FOLDER_NAME``; it imports its
+  neighbours in FOLDER (``examples/_shared.py``) as it does when run, where Python puts the
+  script's folder first on sys.path."""
   import importlib.util
   path = ROOT / folder / f"{name}.py"
   spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
   assert spec is not None and spec.loader is not None, path
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses and pickling look a module up by its name
+  if str(path.parent) not in sys.path:
+    sys.path.append(str(path.parent))
   spec.loader.exec_module(module)
   return module
 
