@@ -230,3 +230,14 @@ def train_state_class() -> type:
     opt_state: dict
 
   return State
+
+
+PLUGINS = ROOT / "tests" / "plugins"
+
+
+def load_plugin(name: str):
+  """``tests/plugins/NAME.py`` loaded as the trainer's ``--plugin`` loads it (its declarations
+  registered); returns the module."""
+  from stablejax.training import plugins
+  (module,) = plugins.load([str(PLUGINS / f"{name}.py")])
+  return module
