@@ -241,3 +241,25 @@ def load_plugin(name: str):
   from stablejax.training import plugins
   (module,) = plugins.load([str(PLUGINS / f"{name}.py")])
   return module
+
+
+def unusable_path_cases(out_file: str, letter: str) -> list:
+  """``(args, the start of the error line)`` of a program that reads a run and writes
+  ``--out``: an empty --out, an --out through a loop of symbolic links (``loop`` links to
+  itself), and a run_dir name too long for the file system (300 ``letter``s)."""
+  return [
+      (["run", "--out", ""], "argument --out: the path is empty"),
+      (["run", "--out", f"loop/{out_file}"],
+       f"argument --out: loop/{out_file} leads through a loop of symbolic links"),
+      ([letter * 300], f"argument run_dir: the name {letter * 4}"),
+  ]
+
+
+def assert_unusable_path_is_one_line(main, args, line, tmp_path, monkeypatch, capsys) -> None:
+  """``main(args)`` in ``tmp_path`` (where ``loop`` links to itself) exits 2 with one error line
+  that starts with ``line``."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  assert main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
