@@ -263,3 +263,26 @@ def assert_unusable_path_is_one_line(main, args, line, tmp_path, monkeypatch, ca
   assert main(args) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+
+
+def train_signalled_when(args: list, ready, sig: int, what: str, poll: float
+                         ) -> tuple[int, str, str]:
+  """Runs ``train.py ARGS`` and sends it ``sig`` once ``ready()`` (which must come within 300 s,
+  the process still running; ``what`` names it), checked every ``poll`` seconds; returns its exit
+  code, stdout and stderr. The process never outlives the call."""
+  import time
+  proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not ready():
+      assert proc.poll() is None, proc.communicate()[1][-2000:]
+      assert time.monotonic() < deadline, f"no {what} within 300 s"
+      time.sleep(poll)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  return proc.returncode, stdout, stderr
