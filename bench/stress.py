@@ -1198,6 +1198,13 @@ def _jobs(cells):
   return first + rest
 
 
+def _base_model_setting() -> str:
+  """The start of every setting line: the model and the batch of BASE."""
+  b = BASE
+  return (f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
+          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}")
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1252,20 +1259,16 @@ def main(argv=None) -> int:
   if args.replot:
     results, header = merge_saved([Path(x) for x in args.replot.split(",")])
     if args.long and header["setting"] == "":
-      b = BASE
       header["setting"] = (
-          f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
-          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, data pydoc; "
+          _base_model_setting() + f", 800 steps, data pydoc; "
           f"models without QK-norm (long, long_warmup: warmup 0 / 80 steps) and with it "
           f"(long_qk, long_qk_warmup); base LR AdamW {ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW "
           f"groups {MUON_ADAM_LR:g}); QK-clip tau 100 (stablejax_qkclip100), 300 "
           f"(stablejax_qkclip), 30 (stablejax_qkclip30); command of the runs: python "
           f"bench/stress.py --long --results bench/results/stress_long_runs.jsonl")
     if args.muon_methods and header["setting"] == "":
-      b = BASE
       header["setting"] = (
-          f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
-          f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, no warmup, "
+          _base_model_setting() + f", 800 steps, no warmup, "
           f"data pydoc; the model without QK-norm (long) and with it (long_qk); base LR Muon "
           f"{MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}), 1x and 10x; command of the runs: "
           f"python -m bench.stress --muon-methods --results "
@@ -1276,10 +1279,8 @@ def main(argv=None) -> int:
               for f in LONG_FACTORS[_family(d)] for s_ in HYPERBALL["seeds"]}
       results = [r for r in results if _key(r) in grid]
       if header["setting"] == "" or " | " in header["setting"]:
-        b = BASE
         header["setting"] = (
-            f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
-            f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, 800 steps, no warmup, "
+            _base_model_setting() + f", 800 steps, no warmup, "
             f"data pydoc; the model without QK-norm (long) and with it (long_qk); base LR AdamW "
             f"{ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups {MUON_ADAM_LR:g}), factors "
             + "; ".join(f"{k} {', '.join(f'{f:g}' for f in v)}" for k, v in LONG_FACTORS.items())
@@ -1340,14 +1341,12 @@ def main(argv=None) -> int:
   machine = _common.machine_lines()
   for line in machine:
     print(line)
-  b = BASE
   if factors:
     grid = ", ".join(f"{f:g}" for f in factors)
   else:
     grid = "; ".join(f"{k} {', '.join(f'{f:g}' for f in v)}" for k, v in LONG_FACTORS.items())
   lengths = sorted({model_steps(m, steps) for m in models})
-  setting = (f"GPT d_model {b['model']['d_model']}, {b['model']['n_layers']} layers, seq "
-             f"{b['train']['seq_len']}, batch {b['train']['batch_size']}, "
+  setting = (_base_model_setting() + f", "
              f"{'/'.join(map(str, lengths))} steps (warmup 10% unless the model says otherwise), "
              f"data pydoc; base LR AdamW {ADAMW_LR:g}, Muon {MUON_LR:g} (its AdamW groups "
              f"{MUON_ADAM_LR:g}); LR factors {grid}; seeds {', '.join(map(str, seeds))}; "

@@ -18,10 +18,10 @@ import argparse
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 import stablejax
+from _shared import batches  # the bytes of this script, in random windows
 
 
 class Block(eqx.Module):
@@ -78,15 +78,6 @@ class GPT(eqx.Module):
     return jax.vmap(self.head)(jax.vmap(self.norm)(x)), max_logits
 
 
-def batches(batch_size: int, seq_len: int, seed: int = 0):
-  data = np.frombuffer(open(__file__, "rb").read(), np.uint8)
-  rng = np.random.default_rng(seed)
-  while True:
-    starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-    chunk = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-    yield jnp.asarray(chunk[:, :-1]), jnp.asarray(chunk[:, 1:])
-
-
 def make_optimizer(steps: int, tau: float, heads: int) -> optax.GradientTransformation:
   muon_lr = optax.warmup_cosine_decay_schedule(0.0, 0.02, max(1, steps // 10), steps)
   adam_lr = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(1, steps // 10), steps)
@@ -119,7 +110,7 @@ def train(steps: int = 200, d_model: int = 64, heads: int = 4, layers: int = 2,
     return eqx.apply_updates(params, updates), opt_state, loss
 
   losses = []
-  data = batches(batch_size, seq_len, seed)
+  data = batches(__file__, batch_size, seq_len, seed)
   for step in range(steps):
     x, y = next(data)
     params, opt_state, loss = train_step(params, opt_state, x, y)

@@ -17,11 +17,11 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import transformers
 
 import stablejax
+from _shared import batches  # the bytes of this script, in random windows
 
 CONFIGS = {
     "gpt2": lambda d, layers: transformers.GPT2Config(
@@ -37,15 +37,6 @@ CONFIGS = {
 }
 MODELS = {"gpt2": "FlaxGPT2LMHeadModel", "gpt_neo": "FlaxGPTNeoForCausalLM",
           "llama": "FlaxLlamaForCausalLM"}
-
-
-def batches(batch_size: int, seq_len: int, seed: int = 0):
-  data = np.frombuffer(open(__file__, "rb").read(), np.uint8)
-  rng = np.random.default_rng(seed)
-  while True:
-    starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-    chunk = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-    yield jnp.asarray(chunk[:, :-1]), jnp.asarray(chunk[:, 1:])
 
 
 def train(family: str = "gpt2", steps: int = 100, d_model: int = 64, layers: int = 2,
@@ -80,7 +71,7 @@ def train(family: str = "gpt2", steps: int = 100, d_model: int = 64, layers: int
     return optax.apply_updates(params, updates), opt_state, loss
 
   losses = []
-  data = batches(batch_size, seq_len)
+  data = batches(__file__, batch_size, seq_len)
   for step in range(steps):
     x, y = next(data)
     params, opt_state, loss = train_step(params, opt_state, x, y)

@@ -11,8 +11,6 @@ routing table shows which parameter goes to Muon and which to AdamW, at which le
 and notes that the unnamed head was recognised by its shape.
 """
 
-import argparse
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -20,6 +18,7 @@ import numpy as np
 import optax
 
 import stablejax
+from _shared import batches, print_progress, size_arguments
 
 
 class Block(nn.Module):
@@ -49,27 +48,11 @@ class LM(nn.Module):
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def batches(batch_size: int, seq_len: int, seed: int = 0):
-  data = np.frombuffer(open(__file__, "rb").read(), np.uint8)
-  rng = np.random.default_rng(seed)
-  while True:
-    starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-    chunk = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-    yield jnp.asarray(chunk[:, :-1]), jnp.asarray(chunk[:, 1:])
-
-
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--steps", type=int, default=300)
-  p.add_argument("--d-model", type=int, default=64)
-  p.add_argument("--heads", type=int, default=4)
-  p.add_argument("--layers", type=int, default=2)
-  p.add_argument("--batch", type=int, default=16)
-  p.add_argument("--seq-len", type=int, default=64)
-  args = p.parse_args(argv)
+  args = size_arguments(__doc__.split("\n")[0], argv)  # --steps, --d-model, ..., --seq-len
 
   model = LM(256, args.d_model, args.heads, args.layers, args.seq_len)
-  data = batches(args.batch, args.seq_len)
+  data = batches(__file__, args.batch, args.seq_len)
   params = model.init(jax.random.key(0), next(data)[0])["params"]
 
   def schedule(peak: float) -> optax.Schedule:
@@ -101,11 +84,7 @@ def main(argv=None):
     losses.append(float(loss))
     if step % 20 == 0 or step == args.steps:
       metrics = stablejax.stability_metrics(opt_state)  # a flat dict of arrays
-      print(f"step {step}: loss {np.mean(losses[-20:]):.3f}, "
-            f"skipped {int(metrics['skip_nonfinite/total_skips'])}+"
-            f"{int(metrics['skip_spikes/total_skips'])}, "
-            f"zclip spikes {int(metrics['zclip/spike_count'])}, "
-            f"muon fallbacks {int(metrics['muon/fallback_count'])}")
+      print_progress(step, losses, metrics)  # the loss and the defences' counters
   first, last = np.mean(losses[:5]), np.mean(losses[-5:])
   print(f"loss {first:.3f} -> {last:.3f}")
 

@@ -19,12 +19,11 @@ import argparse
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 from flax.training import train_state
 
 import stablejax
+from _shared import batches  # the bytes of this script, in random windows
 
 
 class LM(nn.Module):
@@ -39,15 +38,6 @@ class LM(nn.Module):
     x = x + nn.MultiHeadDotProductAttention(num_heads=self.heads)(nn.LayerNorm()(x), mask=mask)
     x = x + nn.Dense(self.d_model)(nn.gelu(nn.Dense(4 * self.d_model)(nn.LayerNorm()(x))))
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
-
-
-def batches(batch_size: int, seq_len: int, seed: int = 0):
-  data = np.frombuffer(open(__file__, "rb").read(), np.uint8)
-  rng = np.random.default_rng(seed)
-  while True:
-    starts = rng.integers(0, len(data) - seq_len - 1, batch_size)
-    chunk = np.stack([data[s:s + seq_len + 1] for s in starts]).astype(np.int32)
-    yield jnp.asarray(chunk[:, :-1]), jnp.asarray(chunk[:, 1:])
 
 
 def make_optimizer() -> optax.GradientTransformation:
@@ -74,7 +64,7 @@ def train(steps: int = 200, d_model: int = 64, seq_len: int = 64, batch_size: in
           pass_loss: bool = True, seed: int = 0, verbose: bool = True) -> list:
   """Trains and returns the losses (the test suite calls this at small sizes)."""
   model = LM(d_model=d_model)
-  data = batches(batch_size, seq_len, seed)
+  data = batches(__file__, batch_size, seq_len, seed)
   x, _ = next(data)
   state = train_state.TrainState.create(
       apply_fn=model.apply, params=model.init(jax.random.key(seed), x)["params"],

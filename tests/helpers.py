@@ -3,6 +3,7 @@ transform over a sequence of gradients, the trainer's GPT parameters, and runnin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -198,13 +199,116 @@ def load_tool(name: str):
 
 
 def load_script(folder: str, name: str):
-  """``FOLDER/NAME.py`` of the repository as a module named ``FOLDER_NAME``."""
+  """``FOLDER/NAME.py`` of the repository as a module named ``FOLDER_NAME``; it imports its
+  neighbours in FOLDER (``examples/_shared.py``) as it does when run, where Python puts the
+  script's folder first on sys.path."""
   import importlib.util
   path = ROOT / folder / f"{name}.py"
   spec = importlib.util.spec_from_file_location(f"{folder}_{name}", path)
   assert spec is not None and spec.loader is not None, path
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses and pickling look a module up by its name
+  if str(path.parent) not in sys.path:
+    sys.path.append(str(path.parent))
   spec.loader.exec_module(module)
   return module
 
+
+
+_LOCK_HOLDER = """
+import sys, time
+from stablejax.data.folder import FolderLock
+FolderLock(sys.argv[1], sys.argv[2]).acquire()
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def lock_holder(folder, program: str) -> subprocess.Popen:
+  """Another process that holds ``folder``'s ``FolderLock`` as ``program`` ("train", "prepare")
+  for two minutes; returned once it holds it (the caller kills it)."""
+  proc = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(folder), program],
+                          stdout=subprocess.PIPE, text=True)
+  assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+  return proc
+
+
+@contextlib.contextmanager
+def folder_locked_by(folder, program: str):
+  """:func:`lock_holder` for the ``with`` block; yields its process."""
+  holder = lock_holder(folder, program)
+  try:
+    yield holder
+  finally:
+    holder.kill()
+    holder.wait(timeout=30)
+
+
+def train_state_class() -> type:
+  """A ``flax.struct`` train state ``(step, params, opt_state)``, the layout
+  ``restore_plan.plan`` compares a checkpoint with (flax imported only when asked)."""
+  import flax.struct
+  import jax
+
+  class State(flax.struct.PyTreeNode):
+    step: jax.Array
+    params: dict
+    opt_state: dict
+
+  return State
+
+
+PLUGINS = ROOT / "tests" / "plugins"
+
+
+def load_plugin(name: str):
+  """``tests/plugins/NAME.py`` loaded as the trainer's ``--plugin`` loads it (its declarations
+  registered); returns the module."""
+  from stablejax.training import plugins
+  (module,) = plugins.load([str(PLUGINS / f"{name}.py")])
+  return module
+
+
+def unusable_path_cases(out_file: str, letter: str) -> list:
+  """``(args, the start of the error line)`` of a program that reads a run and writes
+  ``--out``: an empty --out, an --out through a loop of symbolic links (``loop`` links to
+  itself), and a run_dir name too long for the file system (300 ``letter``s)."""
+  return [
+      (["run", "--out", ""], "argument --out: the path is empty"),
+      (["run", "--out", f"loop/{out_file}"],
+       f"argument --out: loop/{out_file} leads through a loop of symbolic links"),
+      ([letter * 300], f"argument run_dir: the name {letter * 4}"),
+  ]
+
+
+def assert_unusable_path_is_one_line(main, args, line, tmp_path, monkeypatch, capsys) -> None:
+  """``main(args)`` in ``tmp_path`` (where ``loop`` links to itself) exits 2 with one error line
+  that starts with ``line``."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "loop").symlink_to("loop")  # a link to itself
+  assert main(args) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+
+
+def train_signalled_when(args: list, ready, sig: int, what: str, poll: float
+                         ) -> tuple[int, str, str]:
+  """Runs ``train.py ARGS`` and sends it ``sig`` once ``ready()`` (which must come within 300 s,
+  the process still running; ``what`` names it), checked every ``poll`` seconds; returns its exit
+  code, stdout and stderr. The process never outlives the call."""
+  import time
+  proc = subprocess.Popen([sys.executable, str(TRAIN), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.monotonic() + 300
+    while not ready():
+      assert proc.poll() is None, proc.communicate()[1][-2000:]
+      assert time.monotonic() < deadline, f"no {what} within 300 s"
+      time.sleep(poll)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  return proc.returncode, stdout, stderr

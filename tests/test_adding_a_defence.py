@@ -17,16 +17,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from helpers import ROOT, read_metrics, sets, slow
-
-PLUGINS = Path(__file__).parent / "plugins"
+from helpers import PLUGINS, ROOT, load_plugin, read_metrics, sets, slow
 
 
 @pytest.fixture
 def declared():
-  from stablejax.training import plugins
   from stablejax.transforms import defence, metrics
-  (module,) = plugins.load([str(PLUGINS / "scale_updates.py")])
+  module = load_plugin("scale_updates")
   yield module
   defence.unregister("scale_updates")
   metrics.unregister_state_metrics(module.ScaleUpdatesState)

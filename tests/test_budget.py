@@ -132,13 +132,19 @@ def test_budget_owns_the_step_count_unless_steps_is_given_next_to_it(tmp_path):
     load_config(default, ["train.steps=null"])
 
 
-def test_plan_without_a_cap_and_with_one_says_what_fixed_the_length(monkeypatch):
+def _measured_run(monkeypatch):
+  """A bare run for ``Budget.plan`` (eval every 100 steps, a checkpoint every 200, a warmup of
+  10, no diagnostics), its measurement replaced by TIMINGS."""
   monkeypatch.setattr(budget_lib, "measure", lambda *a: TIMINGS)
   cfg = types.SimpleNamespace(
       train=types.SimpleNamespace(eval_every=100, warmup_steps=10),
       checkpoint=types.SimpleNamespace(every=200),
       logging=types.SimpleNamespace(activation_every=0, histogram_every=0, sample_every=0))
-  run = types.SimpleNamespace(cfg=cfg, sampler=None)
+  return types.SimpleNamespace(cfg=cfg, sampler=None)
+
+
+def test_plan_without_a_cap_and_with_one_says_what_fixed_the_length(monkeypatch):
+  run = _measured_run(monkeypatch)
   # 0.95 * 600 - 10 compile - 2 eval - 3 save = 555 s; 1 + 2/100 + 3/200 = 1.035 s a step.
   fits = math.floor((0.95 * 600 - 10 - 2 - 3) / 1.035)
   owned = Budget(train_cfg(budget=10.0), t_start=time.time())
@@ -219,12 +225,7 @@ def test_measure_plans_with_the_slowest_timed_step_and_counts_compilation(
 def test_a_budget_with_room_for_only_the_warmup_is_an_error(
     monkeypatch: pytest.MonkeyPatch) -> None:
   # "not more than train.warmup_steps": a count equal to the warmup leaves no decay at all.
-  monkeypatch.setattr(budget_lib, "measure", lambda *a: TIMINGS)
-  cfg = types.SimpleNamespace(
-      train=types.SimpleNamespace(eval_every=100, warmup_steps=10),
-      checkpoint=types.SimpleNamespace(every=200),
-      logging=types.SimpleNamespace(activation_every=0, histogram_every=0, sample_every=0))
-  run = types.SimpleNamespace(cfg=cfg, sampler=None)
+  run = _measured_run(monkeypatch)
   # 0.95 * 60 * b - 15 s of compile, final eval and save = 1.035 s x 10 steps, and half a
   # second for the time the test itself spends (it counts as elapsed).
   minutes = (15 + 10 * 1.035 + 0.5) / (0.95 * 60)
@@ -232,7 +233,7 @@ def test_a_budget_with_room_for_only_the_warmup_is_an_error(
                           max_steps=None) == 10
   with pytest.raises(budget_lib.BudgetError, match="not more than train.warmup_steps=10"):
     Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run, None, Path('.'))
-  cfg.train.warmup_steps = 9
+  run.cfg.train.warmup_steps = 9
   assert Budget(train_cfg(budget=minutes), t_start=time.time()).plan(run, None, Path('.')) == 10
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import (ROOT, TRAIN, read_metrics, run_inprocess, sets, slow, summary,
-                     xla_flags_with_devices)
+                     train_state_class, xla_flags_with_devices)
 
 # A burst of NaN gradients longer than skip_nonfinite's max_consecutive: a rollback trigger.
 BURST = "stability.skip_nonfinite.max_consecutive=3"
@@ -85,15 +85,11 @@ def test_a_rewarmup_ramps_linearly_from_zero_whatever_the_recovery_schedule():
 
 
 def test_a_resume_may_add_parameters_and_not_remove_or_reshape_them():
-  import flax.struct
   import jax
   import jax.numpy as jnp
   from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
-  class State(flax.struct.PyTreeNode):
-    step: jax.Array
-    params: dict
-    opt_state: dict
+  State = train_state_class()
 
   def shape(*s):
     return jax.ShapeDtypeStruct(s, jnp.float32)

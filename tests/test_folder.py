@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 
 import pytest
 
+from helpers import lock_holder
 from stablejax.data.folder import LOCK_NAME, FolderBusy, FolderLock
-
-HOLD = textwrap.dedent("""
-    import sys, time
-    from stablejax.data.folder import FolderLock
-    FolderLock(sys.argv[1], "prepare").acquire()
-    print("locked", flush=True)
-    time.sleep(120)
-""")
 
 
 def _holder(folder):
-  proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder)], stdout=subprocess.PIPE,
-                          text=True)
-  assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
-  return proc
+  return lock_holder(folder, "prepare")
 
 
 def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from helpers import folder_locked_by
 from stablejax.training.launch import launcher as launch_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -93,13 +94,6 @@ def test_jax_platforms_cpu_looks_for_no_accelerator(monkeypatch):
   assert launch_lib.detect_platform() == ("gpu", 2)
 
 
-HOLD = """
-import sys, time
-from stablejax.data.folder import FolderLock
-FolderLock(sys.argv[1], "train").acquire()
-print("locked", flush=True)
-time.sleep(120)
-"""
 
 
 def test_a_second_launch_on_a_live_run_directory_is_one_line_and_exit_2(tmp_path):
@@ -107,16 +101,10 @@ def test_a_second_launch_on_a_live_run_directory_is_one_line_and_exit_2(tmp_path
   line, no XLA check failure from a process left waiting for its coordinator."""
   out = tmp_path / "run"
   out.mkdir()
-  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
-                            text=True)
-  try:
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+  with folder_locked_by(out, "train"):
     proc = subprocess.run([sys.executable, "-m", "stablejax", "launch", "--nproc", "2", "--grace",
                            "20", "--", "train.py", "--set", "mesh.distributed=true", "--out",
                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-  finally:
-    holder.kill()
-    holder.wait(timeout=30)
   output = proc.stdout + proc.stderr
   assert proc.returncode == 2, output[-3000:]
   errors = [line for line in output.splitlines() if "error" in line.lower()]

@@ -465,6 +465,11 @@ def test_launcher_death_takes_its_processes_along(tmp_path):
   pids = _wait_ready(proc)
   proc.kill()  # SIGKILL: no chance to forward anything
   proc.wait(timeout=30)
+  _assert_all_end(pids)
+
+
+def _assert_all_end(pids) -> None:
+  """Every process of ``pids`` ends within 20 s (those that do not are killed, then reported)."""
   deadline = time.monotonic() + 20
   while time.monotonic() < deadline and any(map(_running, pids)):
     time.sleep(0.1)
@@ -502,13 +507,7 @@ def test_launcher_death_takes_ranks_wrapped_in_a_shell_along(tmp_path):
   pids = _wait_ready(proc)  # the Python processes, children of the shells
   proc.kill()  # SIGKILL: no chance to forward anything
   proc.wait(timeout=30)
-  deadline = time.monotonic() + 20
-  while time.monotonic() < deadline and any(map(_running, pids)):
-    time.sleep(0.1)
-  alive = [pid for pid in pids if _running(pid)]
-  for pid in alive:
-    os.kill(pid, signal.SIGKILL)
-  assert not alive
+  _assert_all_end(pids)
 
 
 def test_launcher_keeps_draining_when_its_stdout_goes_away(tmp_path):

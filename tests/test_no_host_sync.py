@@ -72,26 +72,24 @@ def _trapped_value(self):
 
 
 @contextlib.contextmanager
+def _device_to_host(forbid: bool):
+  """Device-to-host transfers forbidden or allowed (transfer guard + `_value` trap) inside."""
+  previous = getattr(_local, "forbid", False)
+  _local.forbid = forbid
+  try:
+    with jax.transfer_guard_device_to_host("disallow" if forbid else "allow"):
+      yield
+  finally:
+    _local.forbid = previous
+
+
 def hot_loop():
   """No device-to-host transfer (transfer guard + `_value` trap); host-to-device allowed."""
-  previous = getattr(_local, "forbid", False)
-  _local.forbid = True
-  try:
-    with jax.transfer_guard_device_to_host("disallow"):
-      yield
-  finally:
-    _local.forbid = previous
+  return _device_to_host(forbid=True)
 
 
-@contextlib.contextmanager
 def fetch_allowed():
-  previous = getattr(_local, "forbid", False)
-  _local.forbid = False
-  try:
-    with jax.transfer_guard_device_to_host("allow"):
-      yield
-  finally:
-    _local.forbid = previous
+  return _device_to_host(forbid=False)
 
 
 FETCHES = {

@@ -4,21 +4,18 @@ hidden matrices, Adam's for the rest, its state under its name."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-PLUGINS = Path(__file__).parent / "plugins"
+from helpers import PLUGINS, load_plugin
 
 
 @pytest.fixture(scope="module")
 def optax_muon():
-  from stablejax.training import plugins
   from stablejax.training.config import optimizers
-  (module,) = plugins.load([str(PLUGINS / "optax_muon.py")])
+  module = load_plugin("optax_muon")
   yield module
   optimizers.unregister("optax_muon")
 

@@ -487,11 +487,17 @@ def test_reprepare_with_the_directorys_own_bpe_tokenizer(tmp_path, capsys):
   assert decoded_docs(out, "val") == [d for d in DOCS if blake_is_val(d, 0.25)]
 
 
-def test_force_keeps_the_old_corpus_until_the_new_one_is_complete(tmp_path, capsys):
+def _prepared_text(tmp_path, capsys, val_fraction: str):
+  """``(inputs, out)``: the text input prepared with the bytes tokenizer into ``tmp_path/out``."""
   inputs = write_inputs(tmp_path)
   out = tmp_path / "out"
   assert run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
-                  "--val-fraction", "0.2")[0] == 0
+                  "--val-fraction", val_fraction)[0] == 0
+  return inputs, out
+
+
+def test_force_keeps_the_old_corpus_until_the_new_one_is_complete(tmp_path, capsys):
+  inputs, out = _prepared_text(tmp_path, capsys, "0.2")
   before = snapshot(out)
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
@@ -990,10 +996,7 @@ def test_a_read_only_out_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_meta_json_records_the_size_hash_and_largest_id_of_each_file(tmp_path, capsys):
-  inputs = write_inputs(tmp_path)
-  out = tmp_path / "out"
-  assert run_main(capsys, inputs["text"], "--out", out, "--tokenizer", "bytes",
-                  "--val-fraction", "0.25")[0] == 0
+  _, out = _prepared_text(tmp_path, capsys, "0.25")
   meta = read_prepared(out)
   for split in ("train", "val"):
     data = (out / f"{split}.bin").read_bytes()

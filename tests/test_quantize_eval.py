@@ -16,7 +16,8 @@ from stablejax.data.pipeline import build_data
 from stablejax.training.trained.quantized_eval import RESULT_FILE, quantize_eval
 from stablejax.training.trained.run import load_run_config
 from stablejax.modeling.gpt import GPT
-from helpers import run_inprocess, summary
+from helpers import (assert_unusable_path_is_one_line, run_inprocess, summary,
+                     unusable_path_cases)
 
 STEPS = 60   # fewer leave the weights so close to their initial noise that 2 bits barely matter
 EVERY = 10   # checkpoint.every of the tiny config
@@ -206,15 +207,6 @@ def test_what_it_writes(run, tmp_path, capsys):
   assert main([str(copy), "--out", str(tmp_path / "q.json")]) == 0  # its own file: replaced
 
 
-@pytest.mark.parametrize("args,line", [
-    (["run", "--out", ""], "argument --out: the path is empty"),
-    (["run", "--out", "loop/result.json"], "argument --out: loop/result.json leads through a "
-                                           "loop of symbolic links"),
-    (["q" * 300], "argument run_dir: the name qqqq"),
-])
+@pytest.mark.parametrize("args,line", unusable_path_cases("result.json", "q"))
 def test_an_unusable_path_is_one_line(args, line, tmp_path, monkeypatch, capsys):
-  monkeypatch.chdir(tmp_path)
-  (tmp_path / "loop").symlink_to("loop")  # a link to itself
-  assert main(args) == 2
-  err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+  assert_unusable_path_is_one_line(main, args, line, tmp_path, monkeypatch, capsys)

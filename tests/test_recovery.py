@@ -254,35 +254,22 @@ def stopping_run(cfg, out, fresh, stop_at):
 @slow
 def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, capsys):
   import signal
-  import subprocess
-  import sys
-  import time
 
-  from helpers import ROOT, TRAIN, sets
+  from helpers import sets, train_signalled_when
   long_run = ("train.steps=400", "checkpoint.every=1000", "train.log_every=1")
   out = tmp_path / "term"
-  proc = subprocess.Popen([sys.executable, str(TRAIN), *sets(*long_run), "--out", str(out)],
-                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-  try:
-    # The signal handlers are installed before the first step: wait until a step is logged.
-    def logged_a_step() -> bool:
-      try:
-        return bool(train_losses(out))
-      except (OSError, ValueError):  # not written yet, or a line half written
-        return False
 
-    deadline = time.monotonic() + 300
-    while not logged_a_step():
-      assert proc.poll() is None, proc.communicate()[1][-2000:]
-      assert time.monotonic() < deadline, "no train record within 300 s"
-      time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=300)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  assert proc.returncode == 130, stderr[-2000:]
+  # The signal handlers are installed before the first step: wait until a step is logged.
+  def logged_a_step() -> bool:
+    try:
+      return bool(train_losses(out))
+    except (OSError, ValueError):  # not written yet, or a line half written
+      return False
+
+  code, stdout, stderr = train_signalled_when([*sets(*long_run), "--out", str(out)],
+                                              logged_a_step, signal.SIGTERM, "train record",
+                                              poll=0.2)
+  assert code == 130, stderr[-2000:]
   (line,) = [line for line in stdout.splitlines() if "SIGTERM at step" in line]
   stopped = int(line.split("SIGTERM at step ")[1].split(":")[0])
   assert line.endswith("checkpoint saved; run the same command to resume")

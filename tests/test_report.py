@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import unusable_path_cases
 from stablejax.cli import report as report_cli
 from stablejax.monitor import report
 
@@ -359,12 +360,7 @@ def test_report_out_never_replaces_a_device_or_another_runs_records(tmp_path, ca
   assert _snapshot(other) == before
 
 
-@pytest.mark.parametrize("args,line", [
-    (["run", "--out", ""], "argument --out: the path is empty"),
-    (["run", "--out", "loop/report.png"], "argument --out: loop/report.png leads through a loop "
-                                          "of symbolic links"),
-    (["r" * 300], "argument run_dir: the name rrrr"),
-])
+@pytest.mark.parametrize("args,line", unusable_path_cases("report.png", "r"))
 def test_an_unusable_path_is_one_line_and_nothing_is_written(args, line, tmp_path, monkeypatch,
                                                              capsys):
   monkeypatch.chdir(tmp_path)

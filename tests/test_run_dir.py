@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from stablejax.training.run_folder.folder import RunDirectory
 from stablejax.training.run_folder.record import RECORD, RunDirError
-from helpers import ROOT, run_inprocess, run_subprocess, sets, slow
+from helpers import ROOT, folder_locked_by, run_inprocess, run_subprocess, sets, slow
 
 OLD_RUN = Path(__file__).parent / "data" / "run_v0_1"
 
@@ -142,30 +140,15 @@ def test_a_run_directory_of_0_1_is_adopted_by_its_config(tmp_path):
 # ----------------------------------------------------------------------------- one writer
 
 
-HOLD = textwrap.dedent("""
-    import sys, time
-    from stablejax.data.folder import FolderLock
-    FolderLock(sys.argv[1], "train").acquire()
-    print("locked", flush=True)
-    time.sleep(120)
-""")
-
-
 def test_a_second_trainer_on_the_same_out_stops_with_one_line(tmp_path, capsys):
   out = tmp_path / "run"
   out.mkdir()
-  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
-                            text=True)
-  try:
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+  with folder_locked_by(out, "train") as holder:
     assert run_inprocess(out, fresh=False) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "is in use by train (process " \
         f"{holder.pid}" in err[0]
     assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written but its lock
-  finally:
-    holder.kill()
-    holder.wait(timeout=30)
 
 
 # ----------------------------------------------------------------------------- check before write
@@ -415,17 +398,11 @@ def test_a_users_config_given_as_config_in_out_stays_as_it_was(tmp_path, capsys)
 def test_a_removed_lock_file_does_not_let_a_second_trainer_in(tmp_path):
   out = tmp_path / "run"
   out.mkdir()
-  holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], stdout=subprocess.PIPE,
-                            text=True)
-  try:
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+  with folder_locked_by(out, "train") as holder:
     (out / ".lock").unlink()  # a "stale lock" clean-up under a live trainer
     with pytest.raises(RunDirError, match=f"in use by process {holder.pid} "):
       RunDirectory.open(out, fresh=True)
     assert list(out.iterdir()) == []
-  finally:
-    holder.kill()
-    holder.wait(timeout=30)
 
 
 def test_fresh_through_a_symbolic_link_is_one_line_and_deletes_nothing(tmp_path):

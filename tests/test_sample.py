@@ -9,7 +9,7 @@ import pytest
 
 from stablejax.training.trained.decoding import Generator, greedy_reference, sample_logits
 from stablejax.modeling.gpt import GPT, ModelConfig
-from helpers import gpt_params
+from helpers import assert_unusable_path_is_one_line, gpt_params, unusable_path_cases
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
             compute_dtype="float32", init_std=0.2, qk_norm=False)
@@ -347,19 +347,10 @@ def test_a_stop_once_the_samples_exist_keeps_them(tmp_path, capsys, monkeypatch,
   assert saved["samples"][0].startswith("Document 1") and len(saved["tokens"][0]) == 6
 
 
-@pytest.mark.parametrize("args,line", [
-    (["run", "--out", ""], "argument --out: the path is empty"),
-    (["run", "--out", "loop/samples.json"], "argument --out: loop/samples.json leads through a "
-                                            "loop of symbolic links"),
-    (["s" * 300], "argument run_dir: the name ssss"),
-])
+@pytest.mark.parametrize("args,line", unusable_path_cases("samples.json", "s"))
 def test_an_unusable_path_is_one_line(args, line, tmp_path, monkeypatch, capsys):
   from stablejax.cli import sample as sample_cli
-  monkeypatch.chdir(tmp_path)
-  (tmp_path / "loop").symlink_to("loop")  # a link to itself
-  assert sample_cli.main(args) == 2
-  err = capsys.readouterr().err.strip().splitlines()
-  assert len(err) == 1 and err[0].startswith(f"error: {line}"), err
+  assert_unusable_path_is_one_line(sample_cli.main, args, line, tmp_path, monkeypatch, capsys)
 
 
 def test_orbaxs_unreadable_checkpoint_metadata_is_one_warning_line(tmp_path, capsys, caplog):

@@ -3,22 +3,19 @@ writes one: tests/plugins/spam.py, checked against SPAM's rule re-derived with n
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-PLUGINS = Path(__file__).parent / "plugins"
+from helpers import PLUGINS, load_plugin
 
 
 @pytest.fixture(scope="module")
 def spam_module():
-  from stablejax.training import plugins
   from stablejax.transforms import defence, metrics
-  (module,) = plugins.load([str(PLUGINS / "spam.py")])
+  module = load_plugin("spam")
   yield module
   defence.unregister("spam")
   metrics.unregister_state_metrics(module.SpamState)

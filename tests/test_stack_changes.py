@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from helpers import read_metrics, run_inprocess, slow, train_losses
+from helpers import read_metrics, run_inprocess, slow, train_losses, train_state_class
 
 
 def _records_after(out, step):
@@ -83,13 +83,9 @@ def test_a_restore_plan_matches_entries_by_name():
   """The plan from a checkpoint's metadata alone: an entry in both is read, one switched on
   starts fresh, one switched off is dropped, one with other shapes starts fresh; another
   optimizer needs reset_optimizer."""
-  import flax.struct
   from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
-  class State(flax.struct.PyTreeNode):
-    step: jax.Array
-    params: dict
-    opt_state: dict
+  State = train_state_class()
 
   def shape(*s):
     return jax.ShapeDtypeStruct(s, jnp.float32)
@@ -116,32 +112,33 @@ def test_a_restore_plan_matches_entries_by_name():
     plan(saved, current.replace(params={"w": shape(5)}))
 
 
-def test_a_reset_optimizer_continues_the_learning_rate_schedule():
-  # finish() after --reset-optimizer: the new optimizer's step counters (the schedule's, Adam's)
-  # start at the updates applied so far (the kept lr_scale's count), not at 0.
-  import flax.struct
+def _adamw_with_lr_scale(params):
+  """This run's optimizer in the trainer's layout, AdamW on a warmup schedule and the LR scale:
+  ``(fresh, abstract)``, ``fresh(params)`` its state and ``abstract`` the train state's shapes."""
   import optax
-  from stablejax.training.recovery.restore_plan import plan
-
-  class State(flax.struct.PyTreeNode):
-    step: jax.Array
-    params: dict
-    opt_state: dict
-
-  params = {"w": jnp.ones(3)}
   adamw = optax.adamw(optax.linear_schedule(0.0, 1e-3, 100))
   scale = optax.inject_hyperparams(optax.scale)(step_size=1.0)
 
   def fresh(p):
     return {"optimizer": {"adamw": adamw.init(p)}, "lr_scale": scale.init(p)}
 
-  abstract = jax.eval_shape(lambda: State(step=jnp.int32(0), params=params,
-                                          opt_state=fresh(params)))
+  State = train_state_class()
+  return fresh, jax.eval_shape(lambda: State(step=jnp.int32(0), params=params,
+                                             opt_state=fresh(params)))
+
+
+def test_a_reset_optimizer_continues_the_learning_rate_schedule():
+  # finish() after --reset-optimizer: the new optimizer's step counters (the schedule's, Adam's)
+  # start at the updates applied so far (the kept lr_scale's count), not at 0.
+  from stablejax.training.recovery.restore_plan import plan
+
+  params = {"w": jnp.ones(3)}
+  fresh, abstract = _adamw_with_lr_scale(params)
   saved = {"step": abstract.step, "params": abstract.params,
            "opt_state": {"optimizer": {"muon": {"mu": jax.ShapeDtypeStruct((3,), jnp.float32)}},
                          "lr_scale": abstract.opt_state["lr_scale"]}}
   p = plan(saved, abstract, reset_optimizer=True)
-  applied = scale.init(params)._replace(count=jnp.int32(7))
+  applied = fresh(params)["lr_scale"]._replace(count=jnp.int32(7))
   restored = {"step": jnp.int32(9), "params": params, "opt_state": {"lr_scale": applied}}
   state = p.finish(restored, fresh, lambda: None)
   counts = [int(leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(
@@ -181,13 +178,9 @@ def test_a_reset_is_applied_only_to_another_optimizers_checkpoint(clean_run, tmp
 
 
 def test_a_reset_needs_another_optimizer_and_is_the_runs_once_made():
-  import flax.struct
   from stablejax.training.recovery.restore_plan import StateMismatch, plan
 
-  class State(flax.struct.PyTreeNode):
-    step: jax.Array
-    params: dict
-    opt_state: dict
+  State = train_state_class()
 
   def shape(*s):
     return jax.ShapeDtypeStruct(s, jnp.float32)
@@ -214,26 +207,14 @@ def test_a_chain_of_the_runs_own_is_named_and_reset_on_request():
   # A run trained through Trainer(cfg, out, tx=...) holds an optimizer state that is not keyed
   # by defence: the command line names that (not only an earlier stablejax's layout), and
   # --reset-optimizer starts the configured chain afresh, its counts at the steps taken.
-  import flax.struct
   import optax
   from stablejax.training.recovery.restore_plan import StateMismatch, plan
-
-  class State(flax.struct.PyTreeNode):
-    step: jax.Array
-    params: dict
-    opt_state: dict
 
   params = {"w": jnp.ones(3)}
   own = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   stored = jax.eval_shape(lambda: {"step": jnp.int32(0), "params": params,
                                    "opt_state": own.init(params)})
-  adamw = optax.adamw(optax.linear_schedule(0.0, 1e-3, 100))
-  scale = optax.inject_hyperparams(optax.scale)(step_size=1.0)
-
-  def fresh(p):
-    return {"optimizer": {"adamw": adamw.init(p)}, "lr_scale": scale.init(p)}
-  abstract = jax.eval_shape(lambda: State(step=jnp.int32(0), params=params,
-                                          opt_state=fresh(params)))
+  fresh, abstract = _adamw_with_lr_scale(params)
   with pytest.raises(StateMismatch, match=r"Trainer\(cfg, out, tx=\.\.\.\).*--reset-optimizer"):
     plan(stored, abstract)
   p = plan(stored, abstract, reset_optimizer=True)

@@ -204,29 +204,14 @@ def test_ctrl_c_during_startup_exits_130_with_one_line_and_nothing_half_written(
   # temporary directory of step 0 (saving it). Whatever phase the signal lands in: exit 130, one
   # line, no traceback, no probe folder, and every checkpoint left is complete.
   import signal
-  import subprocess
-  import sys
-  import time
 
-  from helpers import ROOT, TRAIN, sets
+  from helpers import sets, train_signalled_when
   out = tmp_path / "run"
-  cmd = [sys.executable, str(TRAIN), *sets("train.time_budget_minutes=5", "train.steps=400",
-                                           "checkpoint.async_save=true"), "--out", str(out)]
-  proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
-  try:
-    deadline = time.monotonic() + 300
-    while not list(out.glob(moment)):
-      assert proc.poll() is None, proc.communicate()[1][-2000:]
-      assert time.monotonic() < deadline, f"no {moment} within 300 s"
-      time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=300)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-      proc.wait()
-  assert proc.returncode == 130, stderr[-3000:]
+  args = [*sets("train.time_budget_minutes=5", "train.steps=400", "checkpoint.async_save=true"),
+          "--out", str(out)]
+  code, stdout, stderr = train_signalled_when(args, lambda: bool(list(out.glob(moment))),
+                                              signal.SIGINT, moment, poll=0.01)
+  assert code == 130, stderr[-3000:]
   assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
   lines = [line for line in (stdout + stderr).splitlines()
            if "SIGINT" in line or "interrupt" in line]

@@ -343,6 +343,21 @@ def quiet_orbax_leftovers() -> None:
   sys.unraisablehook = hook
 
 
+def add_trained_run_argument(parser: argparse.ArgumentParser) -> None:
+  """``run_dir``: the output directory of the training run a program reads (``train --out``)."""
+  parser.add_argument("run_dir", type=path_argument,
+                      help="a training run's output directory (train --out)")
+
+
+def add_result_file_flags(parser: argparse.ArgumentParser, out_help: str, writer: str,
+                          metavar: Optional[str] = None) -> None:
+  """``--out`` and ``--force`` of a program that writes one file of its own beside a run: where
+  (``out_help``), and leave to replace a file there that ``writer`` did not write."""
+  parser.add_argument("--out", default=None, metavar=metavar, type=path_argument, help=out_help)
+  parser.add_argument("--force", action="store_true",
+                      help=f"replace a file at --out that {writer} did not write")
+
+
 def add_compilation_cache_flag(parser: argparse.ArgumentParser) -> None:
   """``--no-compilation-cache``: every program that compiles takes it
   (:mod:`stablejax.training.launch.compilation_cache`)."""

@@ -35,8 +35,7 @@ def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(
       prog=PROG, description="Validation loss of a trained run before and after round-to-nearest "
       "weight quantisation. SIGINT, SIGTERM or SIGHUP stops it with exit code 130.")
-  p.add_argument("run_dir", type=_process.path_argument,
-                 help="a training run's output directory (train --out)")
+  _process.add_trained_run_argument(p)
   p.add_argument("--bits", type=int, default=4, help="weight bits, 2..8 (default 4)")
   p.add_argument("--batches", type=int, default=None,
                  help="validation batches (default: the run's train.eval_batches)")
@@ -44,12 +43,10 @@ def parser() -> argparse.ArgumentParser:
                  help="keep parameters whose path contains any of these in full precision")
   p.add_argument("--no-merge", action="store_true",
                  help="quantise an EmbProj model without merging the projections first")
-  p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
-                 help="where to write the result (default RUN_DIR/quantize_eval.json); never one "
-                      "of the run's files")
+  _process.add_result_file_flags(
+      p, "where to write the result (default RUN_DIR/quantize_eval.json); never one of the "
+      "run's files", "quantize-eval", metavar="FILE")
   _process.add_compilation_cache_flag(p)
-  p.add_argument("--force", action="store_true",
-                 help="replace a file at --out that quantize-eval did not write")
   return p
 
 

@@ -32,10 +32,8 @@ def parser() -> argparse.ArgumentParser:
                   "stops it with exit code 130.")
   p.add_argument("run_dir", type=_process.path_argument,
                  help="run directory containing metrics.jsonl")
-  p.add_argument("--out", default=None, type=_process.path_argument,
-                 help="PNG path (default RUN_DIR/report.png); never one of the run's own files")
-  p.add_argument("--force", action="store_true",
-                 help="replace a file at --out that the report did not write")
+  _process.add_result_file_flags(
+      p, "PNG path (default RUN_DIR/report.png); never one of the run's own files", "the report")
   p.add_argument("--window", type=int, default=100,
                  help="window in steps for the replayed rates and score (default 100)")
   return p

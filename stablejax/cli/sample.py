@@ -40,8 +40,7 @@ def parser() -> argparse.ArgumentParser:
   p = _process.ArgumentParser(
       prog=PROG, description="Sample text from a trained run's newest usable checkpoint. SIGINT, "
       "SIGTERM or SIGHUP stops it with exit code 130.")
-  p.add_argument("run_dir", type=_process.path_argument,
-                 help="a training run's output directory (train --out)")
+  _process.add_trained_run_argument(p)
   p.add_argument("--prompt", default="", help="text to continue (default: a new document)")
   p.add_argument("--max-new-tokens", type=int, default=200,
                  help="tokens to generate after the prompt (default 200)")
@@ -55,11 +54,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--tokenizer", default=None,
                  help="the run's tokenizer when it has no usable record (bytes, gpt2 or a "
                       "tokenizer.json); it must match a recorded one")
-  p.add_argument("--out", default=None, metavar="FILE", type=_process.path_argument,
-                 help="also write the samples to FILE as JSON (never one of the run's files)")
+  _process.add_result_file_flags(
+      p, "also write the samples to FILE as JSON (never one of the run's files)", "sample",
+      metavar="FILE")
   _process.add_compilation_cache_flag(p)
-  p.add_argument("--force", action="store_true",
-                 help="replace a file at --out that sample did not write")
   return p
 
 

@@ -11,19 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from stablejax.monitor._numbers import _as_float
+from stablejax.transforms.stacked import key_name
 
 
 def path_str(path: Iterable[Any]) -> str:
   """``"a/b/0"`` from a ``jax.tree_util`` key path."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
+  return "/".join(key_name(k) for k in path)
 
 
 _GROUP_PATTERNS = (

@@ -171,6 +171,20 @@ def check_rate_args(learning_rate: Optional[LearningRate], learning_rates: Learn
           "use the non-negative rate the incoming updates were multiplied by")
 
 
+def per_leaf_argument(given: Any, tree: Any, treedef: Any, mismatch: str) -> list[Any]:
+  """A per-parameter argument as one entry per leaf of ``tree`` (whose treedef is ``treedef``).
+
+  ``given`` is a pytree with the structure of ``tree`` (its leaves may be subtrees, e.g. None),
+  or a function ``tree -> such a pytree``; one that does not match raises ``ValueError`` with
+  ``mismatch`` (the problem and the fix) and the structures' difference.
+  """
+  per_leaf_tree = given(tree) if callable(given) else given
+  try:
+    return list(treedef.flatten_up_to(per_leaf_tree))
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"{mismatch} ({e})") from None
+
+
 def leaf_rates(updates: optax.Updates, count: jax.Array, learning_rate: Optional[LearningRate],
                learning_rates: LearningRates) -> list[Optional[jax.Array]]:
   """The rate of each leaf of ``updates`` at ``count`` (float32, >= 0), or None for no rate."""
@@ -183,12 +197,9 @@ def leaf_rates(updates: optax.Updates, count: jax.Array, learning_rate: Optional
     shared = value(learning_rate)
     return [shared] * len(leaves)
   if learning_rates is not None:
-    tree = learning_rates(updates) if callable(learning_rates) else learning_rates
-    try:
-      per_leaf = treedef.flatten_up_to(tree)  # type: ignore[attr-defined]
-    except (ValueError, TypeError) as e:
-      raise ValueError("learning_rates does not match the updates: give a pytree with the "
-                       "structure of the parameters (or a function params -> such a pytree) "
-                       f"({e})") from None
+    per_leaf = per_leaf_argument(
+        learning_rates, updates, treedef,
+        "learning_rates does not match the updates: give a pytree with the structure of the "
+        "parameters (or a function params -> such a pytree)")
     return [value(r) for r in per_leaf]
   return [None] * len(leaves)

@@ -232,11 +232,7 @@ def adagc(
 
 
 def _adagc_metrics(s: AdaGCState) -> dict[str, jax.Array]:
-  return {
-      "clipped_fraction": s.clipped_fraction,
-      "grad_norm": s.grad_norm,
-      "clipped_grad_norm": s.clipped_grad_norm,
-  }
+  return {name: getattr(s, name) for name in ("clipped_fraction", "grad_norm", "clipped_grad_norm")}
 
 
 # The clipped fraction is reported, not scored: AdaGC clips some tensors on most steps by design.

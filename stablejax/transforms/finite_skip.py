@@ -19,9 +19,8 @@ import optax
 
 from stablejax.transforms import _common
 from stablejax.transforms import defence
-from stablejax.transforms.metrics import Rate, register_state_metrics
-from stablejax.transforms.skipping import (apply_or_skip, check_max_consecutive, skip_counters,
-                                           skip_metrics)
+from stablejax.transforms.skipping import (check_max_consecutive, fresh_skip_counters,
+                                           register_skip_metrics, skip_or_apply_step)
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -117,14 +116,7 @@ def skip_nonfinite(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> SkipNonFiniteState:
-    return SkipNonFiniteState(
-        skipped=jnp.array(False),
-        total_skips=jnp.zeros([], jnp.int32),
-        consecutive_skips=jnp.zeros([], jnp.int32),
-        needs_rollback=jnp.array(False),
-        rollback_requests=jnp.zeros([], jnp.int32),
-        inner_state=inner.init(params),
-    )
+    return SkipNonFiniteState(**fresh_skip_counters(), inner_state=inner.init(params))
 
   def update_fn(updates: optax.Updates, state: SkipNonFiniteState,
                 params: Optional[optax.Params] = None, **extra_args: Any
@@ -136,29 +128,16 @@ def skip_nonfinite(
     if loss is not None:
       ok = jnp.logical_and(ok, _loss_all_finite(loss))
     skip = jnp.logical_not(ok)
-    new_updates, new_inner = apply_or_skip(
-        skip, inner_updates, inner_state, state.inner_state)
-    skipped, total, consecutive, rollback, requests = skip_counters(
-        skip, state, max_consecutive)
-    return new_updates, SkipNonFiniteState(
-        skipped=skipped,
-        total_skips=total,
-        consecutive_skips=consecutive,
-        needs_rollback=rollback,
-        rollback_requests=requests,
-        inner_state=new_inner,
-    )
+    new_updates, fields = skip_or_apply_step(skip, inner_updates, inner_state, state,
+                                             max_consecutive)
+    return new_updates, SkipNonFiniteState(**fields)
 
   # update_fn takes its own state type where optax's protocol says any OptState.
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type]
 
 
-register_state_metrics(
-    SkipNonFiniteState, "skip_nonfinite", skip_metrics,
-    rates=(Rate("skip_nonfinite_rate", flag="skipped", counter="total_skips",
-                label="non-finite skips", skip=True),),
-    nonfinite="skipped", acted="skipped", skips="total_skips", rollback="rollback_requests",
-    order=50)
+register_skip_metrics(SkipNonFiniteState, "skip_nonfinite", label="non-finite skips", order=50,
+                      nonfinite="skipped")
 
 
 # ----------------------------------------------------------------------------- the declaration

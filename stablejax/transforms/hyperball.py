@@ -160,13 +160,11 @@ def _expand(per_matrix: jax.Array, layout: _Layout) -> jax.Array:
 def _layouts(matrices: MatricesArg, params: optax.Params) -> tuple[list, Any]:
   """(one layout or None per leaf of ``params``, the params' treedef)."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  tree = matrices(params) if callable(matrices) else matrices
-  try:
-    per_leaf = treedef.flatten_up_to(tree)  # type: ignore[attr-defined]
-  except (ValueError, TypeError) as e:
-    raise ValueError("matrices does not match the parameters: give a pytree with their structure "
-                     "(None for a leaf that is not a matrix), or a function params -> such a "
-                     f"pytree such as stablejax.muon_dimension_numbers ({e})") from None
+  per_leaf = _common.per_leaf_argument(
+      matrices, params, treedef,
+      "matrices does not match the parameters: give a pytree with their structure (None for a "
+      "leaf that is not a matrix), or a function params -> such a pytree such as "
+      "stablejax.muon_dimension_numbers")
   return [_layout(d, tuple(jnp.shape(p)), jax.tree_util.keystr(path))
           for (path, p), d in zip(flat, per_leaf)], treedef
 

@@ -41,6 +41,7 @@ from stablejax.layout.heads import resolve_head_counts
 from stablejax.transforms import _common
 from stablejax.transforms import defence
 from stablejax.transforms.metrics import Series, register_state_metrics
+from stablejax.transforms.stacked import key_name
 
 LayersArg = Union[Sequence[AttentionLayer], Callable[[Any], Sequence[AttentionLayer]], None]
 
@@ -209,12 +210,7 @@ def _leaf_name(path: Sequence[Any]) -> str:
     if isinstance(entry, jax.tree_util.GetAttrKey) and n == len(path) - 1 and n > 0 \
         and entry.name in ("value", "raw_value", "_raw_value"):
       continue
-    for attr in ("key", "idx", "name"):
-      if hasattr(entry, attr):
-        names.append(str(getattr(entry, attr)))
-        break
-    else:
-      names.append(str(entry))
+    names.append(key_name(entry))
   return "/".join(names)
 
 

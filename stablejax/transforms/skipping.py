@@ -16,13 +16,14 @@ values, no host transfer. Both wrappers count their skips the same way and raise
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from stablejax.transforms import _common
+from stablejax.transforms.metrics import MetricsFn, Rate, register_state_metrics
 
 
 class SkipCounters(Protocol):
@@ -41,9 +42,22 @@ class SkipCounters(Protocol):
   def rollback_requests(self) -> jax.Array: ...
 
 
+COUNTER_FIELDS = ("skipped", "total_skips", "consecutive_skips", "needs_rollback",
+                  "rollback_requests")
+"""The :class:`SkipCounters` fields, in the order :func:`skip_counters` returns them."""
+
+
+class WrapperState(SkipCounters, Protocol):
+  """A skip wrapper's state: the counters and the wrapped transform's state."""
+
+  @property
+  def inner_state(self) -> optax.OptState: ...
+
+
 def skip_counters(skip: jax.Array, state: SkipCounters, max_consecutive: Optional[int]
                   ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-  """New (skipped, total, consecutive, needs_rollback, rollback_requests)."""
+  """New (skipped, total, consecutive, needs_rollback, rollback_requests): the values of
+  :data:`COUNTER_FIELDS`, in that order."""
   total = jnp.where(skip, _common.safe_increment(state.total_skips),
                     state.total_skips)
   consecutive = jnp.where(skip,
@@ -60,6 +74,29 @@ def skip_counters(skip: jax.Array, state: SkipCounters, max_consecutive: Optiona
     requests = jnp.where(consecutive == limit,
                          _common.safe_increment(requests), requests)
   return skip, total, consecutive, rollback, requests
+
+
+def fresh_skip_counters() -> dict[str, jax.Array]:
+  """The :class:`SkipCounters` fields of a new wrapper state (no skip yet), by name."""
+  return {
+      "skipped": jnp.array(False),
+      "total_skips": jnp.zeros([], jnp.int32),
+      "consecutive_skips": jnp.zeros([], jnp.int32),
+      "needs_rollback": jnp.array(False),
+      "rollback_requests": jnp.zeros([], jnp.int32),
+  }
+
+
+def skip_or_apply_step(skip: jax.Array, inner_updates: optax.Updates,
+                       inner_new_state: optax.OptState, state: WrapperState,
+                       max_consecutive: Optional[int]
+                       ) -> tuple[optax.Updates, dict[str, Any]]:
+  """A skip wrapper's step once ``skip`` is decided: the updates, and the new state's
+  :class:`SkipCounters` fields and ``inner_state`` by name (:func:`apply_or_skip`,
+  :func:`skip_counters`)."""
+  new_updates, new_inner = apply_or_skip(skip, inner_updates, inner_new_state, state.inner_state)
+  counters = skip_counters(skip, state, max_consecutive)
+  return new_updates, dict(zip(COUNTER_FIELDS, counters), inner_state=new_inner)
 
 
 def apply_or_skip(skip: jax.Array, inner_updates: optax.Updates, inner_new_state: optax.OptState,
@@ -92,12 +129,20 @@ def check_max_consecutive(max_consecutive: Optional[int]) -> None:
 
 
 def skip_metrics(s: SkipCounters) -> dict[str, jax.Array]:
-  """The metrics every skip wrapper reports (:func:`stablejax.stability_metrics`)."""
-  return {
-      "skipped": s.skipped,
-      "total_skips": s.total_skips,
-      "consecutive_skips": s.consecutive_skips,
-      "needs_rollback": s.needs_rollback,
-      "rollback_requests": s.rollback_requests,
-  }
+  """The metrics every skip wrapper reports (:func:`stablejax.stability_metrics`): its counters."""
+  return {name: getattr(s, name) for name in COUNTER_FIELDS}
 
+
+
+def register_skip_metrics(state_type: type, prefix: str, *, label: str, order: int,
+                          fn: MetricsFn = skip_metrics, grad_norm: Optional[str] = None,
+                          nonfinite: Optional[str] = None) -> None:
+  """Registers a skip wrapper's state (:func:`stablejax.register_state_metrics`): its metrics
+  ``fn``, the skip rate ``<prefix>_rate`` (``label``) from its counters, and the counters as the
+  steps it acted on, skipped and asked a rollback for; ``grad_norm`` and ``nonfinite`` as there."""
+  register_state_metrics(
+      state_type, prefix, fn,
+      rates=(Rate(f"{prefix}_rate", flag="skipped", counter="total_skips", label=label,
+                  skip=True),),
+      acted="skipped", skips="total_skips", rollback="rollback_requests", order=order,
+      grad_norm=grad_norm, nonfinite=nonfinite)

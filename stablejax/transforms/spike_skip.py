@@ -20,9 +20,9 @@ import optax
 
 from stablejax.transforms import _common
 from stablejax.transforms import defence
-from stablejax.transforms.metrics import Rate, register_state_metrics
-from stablejax.transforms.skipping import (apply_or_skip, check_max_consecutive, skip_counters,
-                                           skip_metrics)
+from stablejax.transforms.skipping import (check_max_consecutive, fresh_skip_counters,
+                                           register_skip_metrics, skip_metrics,
+                                           skip_or_apply_step)
 
 _WATCHABLE = ("loss", "grad_norm")
 _STATISTICS = ("winsorized", "olmo_core", "log_norm")
@@ -32,6 +32,12 @@ _DEFAULT_WINDOW = 128
 
 # One watched signal's rolling window: (history, count, next), fields of the skip_spikes state.
 _Window = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _window_fields(signal: str, window: _Window) -> dict[str, jax.Array]:
+  """``signal``'s rolling window as the skip_spikes state's fields ``<signal>_history``,
+  ``<signal>_count`` and ``<signal>_next``."""
+  return dict(zip((f"{signal}_history", f"{signal}_count", f"{signal}_next"), window))
 
 
 class SkipSpikesState(NamedTuple):
@@ -326,20 +332,12 @@ def skip_spikes(
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> SkipSpikesState:
-    empty = jnp.zeros([window], _common.STAT_DTYPE)
-    zero = jnp.zeros([], jnp.int32)
+    empty: _Window = (jnp.zeros([window], _common.STAT_DTYPE), jnp.zeros([], jnp.int32),
+                      jnp.zeros([], jnp.int32))
     return SkipSpikesState(
-        skipped=jnp.array(False),
-        total_skips=zero,
-        consecutive_skips=zero,
-        needs_rollback=jnp.array(False),
-        rollback_requests=jnp.zeros([], jnp.int32),
-        loss_history=empty,
-        loss_count=zero,
-        loss_next=zero,
-        grad_norm_history=empty,
-        grad_norm_count=zero,
-        grad_norm_next=zero,
+        **fresh_skip_counters(),
+        **_window_fields("loss", empty),
+        **_window_fields("grad_norm", empty),
         grad_norm=jnp.zeros([], _common.STAT_DTYPE),
         inner_state=inner.init(params),
     )
@@ -352,24 +350,13 @@ def skip_spikes(
         state, grad_norm, extra_args.get("loss"), watched, loss_optional, rule)
     inner_updates, inner_state = inner.update(
         updates, state.inner_state, params, **extra_args)
-    new_updates, new_inner = apply_or_skip(
-        skip, inner_updates, inner_state, state.inner_state)
-    skipped, total, consecutive, rollback, requests = skip_counters(
-        skip, state, max_consecutive)
+    new_updates, fields = skip_or_apply_step(skip, inner_updates, inner_state, state,
+                                             max_consecutive)
     return new_updates, SkipSpikesState(
-        skipped=skipped,
-        total_skips=total,
-        consecutive_skips=consecutive,
-        needs_rollback=rollback,
-        rollback_requests=requests,
-        loss_history=loss_hist[0],
-        loss_count=loss_hist[1],
-        loss_next=loss_hist[2],
-        grad_norm_history=norm_hist[0],
-        grad_norm_count=norm_hist[1],
-        grad_norm_next=norm_hist[2],
+        **fields,
+        **_window_fields("loss", loss_hist),
+        **_window_fields("grad_norm", norm_hist),
         grad_norm=grad_norm,
-        inner_state=new_inner,
     )
 
   # update_fn takes its own state type where optax's protocol says any OptState.
@@ -384,12 +371,8 @@ def _skip_spikes_metrics(s: SkipSpikesState) -> dict[str, jax.Array]:
   return out
 
 
-register_state_metrics(
-    SkipSpikesState, "skip_spikes", _skip_spikes_metrics,
-    rates=(Rate("skip_spikes_rate", flag="skipped", counter="total_skips",
-                label="spike skips", skip=True),),
-    grad_norm="grad_norm", acted="skipped", skips="total_skips", rollback="rollback_requests",
-    order=60)
+register_skip_metrics(SkipSpikesState, "skip_spikes", label="spike skips", order=60,
+                      fn=_skip_spikes_metrics, grad_norm="grad_norm")
 
 
 # ----------------------------------------------------------------------------- the declaration

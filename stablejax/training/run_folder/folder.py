@@ -249,8 +249,7 @@ class RunDirectory:
   @property
   def tokenizer(self) -> Optional[dict]:
     """The tokenizer this run trained with, as recorded (None: not recorded)."""
-    value = self._record.get("tokenizer")
-    return value if isinstance(value, dict) else None
+    return self._recorded_dict("tokenizer")
 
   def set_tokenizer(self, identity: dict) -> None:
     self._set("tokenizer", identity)
@@ -258,8 +257,7 @@ class RunDirectory:
   @property
   def data_order(self) -> Optional[dict]:
     """The settings that fix the order of the batches, as recorded (None: not recorded)."""
-    value = self._record.get("data_order")
-    return value if isinstance(value, dict) else None
+    return self._recorded_dict("data_order")
 
   def set_data_order(self, settings: dict) -> None:
     self._set("data_order", settings)
@@ -267,11 +265,15 @@ class RunDirectory:
   @property
   def rewarmup(self) -> Optional[dict]:
     """The latest re-warmup a start applied, ``{"step": S, "steps": N}`` (None: none)."""
-    value = self._record.get("rewarmup")
-    return value if isinstance(value, dict) else None
+    return self._recorded_dict("rewarmup")
 
   def set_rewarmup(self, rewarmup: dict) -> None:
     self._set("rewarmup", rewarmup)
+
+  def _recorded_dict(self, key: str) -> Optional[dict]:
+    """The record's ``key`` when it holds a dict (None: not recorded, or not a dict)."""
+    value = self._record.get(key)
+    return value if isinstance(value, dict) else None
 
   def _set(self, key: str, value: Any) -> None:
     value = json.loads(json.dumps(value))  # as it reads back
