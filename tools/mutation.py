@@ -1443,8 +1443,9 @@ MUTANTS = [
        ("tests/test_update_clip.py", "-k", "divides_by_the_rate_of_each_parameter_group")),
     _m("OP13", OPTIMIZERS, "weight_decay=self.weight_decay, mask=ctx.decay_mask)",
        "weight_decay=self.weight_decay, mask=None)", "AdamW decays norm gains and biases"),
-    _m("OP14", OPTIMIZERS, "    if self.adam_learning_rate is None and self.consistent_rms is None:",
-       "    if False:", "Muon accepts AdamW groups at the width-scaled Muon rate"),
+    _m("OP14", OPTIMIZERS,
+       "    if self.adam_learning_rate is None and self.consistent_rms is None:", "    if False:",
+       "Muon accepts AdamW groups at the width-scaled Muon rate"),
     _m("OP7", OPTIMIZERS, "\"head\": adam if self.head_learning_rate is None else "
        "self.head_learning_rate}", "\"head\": self.learning_rate if self.head_learning_rate is "
        "None else self.head_learning_rate}", "an unset head rate resolves to the Muon rate"),

@@ -442,7 +442,7 @@ _REGISTRY: Registry[ModelFamily] = Registry("model family", "the value of model.
 
 def registered() -> tuple[ModelFamily, ...]:
   """Every registered family, by name."""
-  return tuple(sorted(_REGISTRY.values(), key=lambda f: f.name))
+  return _REGISTRY.by_name()
 
 
 def get(name: str) -> Optional[ModelFamily]:

@@ -118,6 +118,11 @@ class Registry(Generic[Declaration]):
     self.load_builtins()
     return [declaration for declaration, _ in self._entries.values()]
 
+  def by_name(self) -> tuple[Declaration, ...]:
+    """Every declaration, sorted by its registered name."""
+    self.load_builtins()
+    return tuple(self._entries[name][0] for name in sorted(self._entries))
+
   def names(self) -> Iterator[str]:
     self.load_builtins()
     return iter(sorted(self._entries))

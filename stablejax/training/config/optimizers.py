@@ -232,16 +232,12 @@ for _builtin in (MUON, ADAMW):
 
 def registered() -> tuple[Optimizer, ...]:
   """Every registered optimizer, by name."""
-  return tuple(sorted(_REGISTRY.values(), key=lambda o: o.name))
+  return _REGISTRY.by_name()
 
 
-def get(name: str) -> Optional[Optimizer]:
-  return _REGISTRY.get(name)
-
-
-def unregister(name: str) -> None:
-  """Forgets an optimizer (a no-op for an unknown name)."""
-  _REGISTRY.remove(name)
+# The optimizer of a name (or None), and forgetting one (a no-op for an unknown name).
+get = _REGISTRY.get
+unregister = _REGISTRY.remove
 
 
 def section_class(name: str) -> type:
