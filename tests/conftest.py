@@ -41,13 +41,22 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def clean_run(tmp_path_factory):
+def clean_run(tmp_path_factory, worker_id):
   """One uninterrupted tiny run without faults: the reference the fault and resume tests compare
-  to."""
-  out = tmp_path_factory.mktemp("clean")
-  # MFU from the measured rate; the diagnostics on (on a fixed validation batch: the losses are
-  # those of a run without them)
-  assert run_inprocess(out, "train.peak_flops_per_device=null", *DIAGNOSTICS) == 0
+  to (they only read it). Trained once per session: under xdist the workers share the session's
+  folder, and the first to come trains it while the other waits on the lock (xdist's recipe for
+  a session fixture run once)."""
+  from filelock import FileLock
+  shared = tmp_path_factory.getbasetemp()
+  if worker_id != "master":
+    shared = shared.parent  # the session's folder, above each worker's own
+  out, done = shared / "clean_run", shared / "clean_run.done"
+  with FileLock(str(shared / "clean_run.lock")):
+    if not done.exists():
+      # MFU from the measured rate; the diagnostics on (on a fixed validation batch: the losses
+      # are those of a run without them)
+      assert run_inprocess(out, "train.peak_flops_per_device=null", *DIAGNOSTICS) == 0
+      done.touch()
   return out
 
 
