@@ -206,21 +206,21 @@ def _events(out, kind):
 
 @slow
 def test_transient_faults_at_several_steps_end_where_the_clean_run_does(clean_run, tmp_path):
-  # NaN gradients on the first execution of two bursts of steps, and a gradient scaled by 1e8
-  # on the first execution of a third: each burst triggers a rollback, each replay trains
-  # through it. The run is the clean run's to the bit: no backoff, no skipped data.
+  # NaN gradients on the first execution of a burst of steps, and a gradient scaled by 1e8 on
+  # the first execution of a second: each burst triggers a rollback, each replay trains through
+  # it. The run is the clean run's to the bit: no backoff, no skipped data.
   # Each burst is as long as the skip wrapper's max_consecutive, so that its trigger comes after
   # it (steps that run for the first time after a replay would fail again).
   out = tmp_path / "transient"
   assert run_inprocess(out, BURST, "stability.skip_spikes.max_consecutive=2",
-                       "faults.transient_nan_steps=[6, 7, 8, 31, 32, 33]",
+                       "faults.transient_nan_steps=[6, 7, 8]",
                        "faults.transient_grad_scale_steps=[21, 22]",
                        "faults.grad_scale_factor=1e8",
                        "stability.recovery.max_transients=4",
                        "stability.determinism.check_every=5") == 0
   replays = _events(out, "replay")
-  assert [r["verdict"] for r in replays] == ["transient"] * 3
-  assert [r["restored_step"] for r in replays] == [0, 20, 30]
+  assert [r["verdict"] for r in replays] == ["transient"] * 2
+  assert [r["restored_step"] for r in replays] == [0, 20]
   # the first run's record at the trigger came after three skipped steps; the replay's did not
   first = replays[0]
   assert first["first"]["step"] == first["again"]["step"] == 10
