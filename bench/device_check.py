@@ -29,6 +29,11 @@ Three sections, each timed on the machine's default device, one JSON file and pr
    stack without QK-clip, with QK-clip at tau 100, and with the loop's attention-logit telemetry
    pass after every `logging.log_every` steps; each variant's ms per step over the plain one.
 
+4. Start-up (`bench.startup`, full mode only, or named with `--sections`): seconds from
+   `python -m stablejax train --config gpt2_small` to its first step's record, cold (an empty
+   compilation cache), warm (a second new run) and a resume, with the ratios to cold (target:
+   at most 0.4): what the persistent compilation cache saves a restart on this device.
+
 A failing section is recorded in the JSON (`errors`) and the others still run; the JSON is
 rewritten after each section, so a run cut short keeps what it measured. Exit code 0 when every
 section ran and every kernel row passed, 1 otherwise.
@@ -314,6 +319,14 @@ def check_qk_clip_telemetry(overrides: list[str], steps: int, rounds: int) -> di
 # ----------------------------------------------------------------------------- output
 
 
+def check_startup(model: str) -> dict:
+  """One round of ``bench.startup`` for ``model``: cold, warm, resume and no-cache seconds."""
+  from bench import startup
+  times = startup.measure([model], rounds=1)
+  row = {k: v[0] for k, v in times[model].items()}
+  return {"rows": [{"model": model, **row}]}
+
+
 def print_tables(result: dict) -> None:
   ns = result.get("newton_schulz") or []
   if ns:
@@ -346,6 +359,15 @@ def print_tables(result: dict) -> None:
         [(r["variant"], f"{r['ms_per_step']:.1f}", f"{r['ratio_to_plain']:.3f}x",
           f"{r['ratio_iqr'][0]:.3f}-{r['ratio_iqr'][1]:.3f}") for r in qk["rows"]],
         ("variant", "ms/step", "vs plain", "IQR")))
+  startup = result.get("startup")
+  if startup:
+    print("\nStart-up, seconds from the command to the first step (bench.startup)")
+    print(_common.table(
+        [(r["model"], f"{r['cold']:.1f}", f"{r['warm']:.1f}", f"{r['resume']:.1f}",
+          f"{r['no cache']:.1f}", f"{r['warm'] / r['cold']:.2f}",
+          f"{r['resume'] / r['cold']:.2f}") for r in startup["rows"]],
+        ("model", "cold s", "warm s", "resume s", "resume, no cache s", "warm / cold",
+         "resume / cold")))
   for err in result.get("errors", []):
     print(f"\nerror in {err['section']}: {err['error']}")
 
@@ -363,13 +385,16 @@ def main(argv: list[str] | None = None) -> int:
                  help="tokens per sequence (default 1024 on an accelerator, 256 on a CPU)")
   p.add_argument("--steps", type=int, default=None, help="train steps per timed round")
   p.add_argument("--rounds", type=int, default=None, help="interleaved timed rounds")
-  p.add_argument("--sections", default="newton_schulz,train_step,qk_clip_telemetry",
-                 help="comma-separated sections to run")
+  p.add_argument("--sections", default=None,
+                 help="comma-separated sections to run (default: all; the dry run leaves out "
+                      "startup, three train processes)")
   a = p.parse_args(argv)
-  sections = [s for s in a.sections.split(",") if s]
-  known = ("newton_schulz", "train_step", "qk_clip_telemetry")
+  known = ("newton_schulz", "train_step", "qk_clip_telemetry", "startup")
+  chosen = a.sections if a.sections is not None else ",".join(
+      k for k in known if not (a.dry and k == "startup"))
+  sections = [s for s in chosen.split(",") if s]
   if any(s not in known for s in sections):
-    print(f"error: unknown section in --sections {a.sections!r}; use some of {', '.join(known)}",
+    print(f"error: unknown section in --sections {chosen!r}; use some of {', '.join(known)}",
           file=sys.stderr)
     return 2
   out = Path(a.out)
@@ -414,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
       "newton_schulz": lambda: check_newton_schulz(shapes, ns_repeats, ns_calls),
       "train_step": lambda: check_train_step(overrides, steps, rounds, peak),
       "qk_clip_telemetry": lambda: check_qk_clip_telemetry(overrides, steps, rounds),
+      "startup": lambda: check_startup("default" if a.dry else "gpt2_small"),
   }
   for name in sections:
     print(f"\n[{time.perf_counter() - start:.0f} s] {name}", flush=True)
