@@ -256,6 +256,22 @@ def interleaved(runners: dict[str, Callable[[], float]], rounds: int, warmup: in
   return times
 
 
+def time_steps(runners: dict[str, Callable[[], float]], rounds: int, steps_per_call: int
+               ) -> dict[str, list[float]]:
+  """:func:`interleaved` over ``runners`` (each runs ``steps_per_call`` steps and returns the
+  seconds per step) after one warm-up round, saying first what it times."""
+  print(f"timing: {rounds} interleaved rounds of {steps_per_call} steps per variant after "
+        f"1 warm-up round; ms per step")
+  print()
+  return interleaved(runners, rounds)
+
+
+def ms_median_and_iqr(seconds: Sequence[float]) -> list[str]:
+  """The table cells ``median ms`` and ``IQR ms`` (``q1-q3``) of per-step times in seconds."""
+  q1, q3 = quartiles(seconds)
+  return [f"{median(seconds) * 1e3:.2f}", f"{q1 * 1e3:.2f}-{q3 * 1e3:.2f}"]
+
+
 def median(xs: Sequence[float]) -> float:
   return statistics.median(xs)
 

@@ -106,21 +106,17 @@ def main(argv=None) -> int:
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / n
 
-  print(f"timing: {rounds} interleaved rounds of {args.steps_per_call} steps per variant after "
-        f"1 warm-up round; ms per step")
-  print()
   runners = {k: (lambda s=s: s.run(args.steps_per_call)) for k, s in steps.items()}
   runners["newton_schulz"] = ns_run
-  times = _common.interleaved(runners, rounds)
+  times = _common.time_steps(runners, rounds, args.steps_per_call)
   rows = []
   for name, ts in times.items():
-    q1, q3 = _common.quartiles(ts)
     ref = "muon" if name == "newton_schulz" else ("adamw" if "stack" not in name else "adamw+stack")
     r = _common.paired_ratio(ts, times[ref]) if name != "newton_schulz" else (
         _common.paired_ratio(ts, times["adamw"]))
     compile_s = ns_compile if name == "newton_schulz" else steps[name].compile_seconds
-    rows.append([name, f"{_common.median(ts) * 1e3:.2f}", f"{q1 * 1e3:.2f}-{q3 * 1e3:.2f}",
-                 f"{r[0]:.3f}", "adamw" if name == "newton_schulz" else ref, f"{compile_s:.2f}"])
+    rows.append([name, *_common.ms_median_and_iqr(ts), f"{r[0]:.3f}",
+                 "adamw" if name == "newton_schulz" else ref, f"{compile_s:.2f}"])
   print(_common.table(rows, ["variant", "median ms", "IQR ms", "ratio", "over", "compile s"]))
   bare = _common.paired_ratio(times["muon"], times["adamw"])[0]
   full = _common.paired_ratio(times["muon+stack"], times["adamw+stack"])[0]

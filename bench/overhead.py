@@ -86,21 +86,16 @@ def main(argv=None) -> int:
   print(f"model: GPT d_model {m.d_model}, {m.n_layers} layers, {n_params / 1e6:.2f}M params, "
         f"compute {m.compute_dtype}; batch {t.batch_size} x seq {t.seq_len} "
         f"({model_flops_per_token(m, t.seq_len) * t.batch_size * t.seq_len / 1e9:.1f} GFLOP/step)")
-  print(f"timing: {rounds} interleaved rounds of {args.steps_per_call} steps per variant after "
-        f"1 warm-up round; ms per step")
-  print()
-
   calls = {k: (lambda s=s: s.run(args.steps_per_call)) for k, s in steps.items()}
-  times = _common.interleaved(calls, rounds)
+  times = _common.time_steps(calls, rounds, args.steps_per_call)
   base_t = times["baseline"]
   rows = []
   for name, s in steps.items():
     ts = times[name]
-    q1, q3 = _common.quartiles(ts)
     ratio, r1, r3 = _common.paired_ratio(ts, base_t)
     loss = float(jax.device_get(s.last_metrics["loss"]))
-    rows.append([name, f"{_common.median(ts) * 1e3:.2f}", f"{q1 * 1e3:.2f}-{q3 * 1e3:.2f}",
-                 f"{ratio:.3f}", f"{r1:.3f}-{r3:.3f}", f"{s.compile_seconds:.2f}", f"{loss:.4f}"])
+    rows.append([name, *_common.ms_median_and_iqr(ts), f"{ratio:.3f}", f"{r1:.3f}-{r3:.3f}",
+                 f"{s.compile_seconds:.2f}", f"{loss:.4f}"])
   print(_common.table(rows, ["variant", "median ms", "IQR ms", "ratio", "ratio IQR",
                              "compile s", "loss after"]))
   ratio = _common.paired_ratio(times["stack"], base_t)[0]

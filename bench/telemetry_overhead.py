@@ -101,9 +101,8 @@ def main(argv=None) -> int:
   rows = []
   for name in runners:
     ratio, r1, r3 = _common.paired_ratio(times[name], times["plain"])
-    q1, q3 = _common.quartiles(times[name])
-    rows.append([name, f"{_common.median(times[name]) * 1e3:.2f}", f"{q1 * 1e3:.2f}-{q3 * 1e3:.2f}",
-                 f"{ratio:.3f}", f"{r1:.3f}-{r3:.3f}"])
+    rows.append([name, *_common.ms_median_and_iqr(times[name]), f"{ratio:.3f}",
+                 f"{r1:.3f}-{r3:.3f}"])
   print(_common.table(rows, ["variant", "median ms/step", "IQR", "ratio to plain", "ratio IQR"]))
   ratio = _common.paired_ratio(times["telemetry"], times["plain"])[0]
   print()

@@ -39,6 +39,26 @@ MODELS = {"gpt2": "FlaxGPT2LMHeadModel", "gpt_neo": "FlaxGPTNeoForCausalLM",
           "llama": "FlaxLlamaForCausalLM"}
 
 
+def make_train_step(model, probe, tx):
+  """``train_step(params, opt_state, x, y) -> (params, opt_state, loss)``, jitted: one forward
+  pass gives the loss and, through ``probe``, the per-head max logits that QK-clip reads."""
+
+  @jax.jit
+  def train_step(params, opt_state, x, y):
+    mask, positions = jnp.ones_like(x), jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+
+    def loss_fn(params):
+      out, max_logits = probe.apply(model.module, {"params": params}, x, mask, positions)
+      loss = optax.softmax_cross_entropy_with_integer_labels(out.logits, y).mean()
+      return loss, max_logits
+
+    (loss, max_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss, max_logits=max_logits)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return train_step
+
+
 def train(family: str = "gpt2", steps: int = 100, d_model: int = 64, layers: int = 2,
           seq_len: int = 32, batch_size: int = 8, tau: float = 30.0,
           verbose: bool = True) -> list:
@@ -56,19 +76,7 @@ def train(family: str = "gpt2", steps: int = 100, d_model: int = 64, layers: int
   opt_state = tx.init(params)
   if verbose:
     print(stablejax.describe_routing(params, tx))
-
-  @jax.jit
-  def train_step(params, opt_state, x, y):
-    mask, positions = jnp.ones_like(x), jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
-
-    def loss_fn(params):
-      out, max_logits = probe.apply(model.module, {"params": params}, x, mask, positions)
-      loss = optax.softmax_cross_entropy_with_integer_labels(out.logits, y).mean()
-      return loss, max_logits
-
-    (loss, max_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss, max_logits=max_logits)
-    return optax.apply_updates(params, updates), opt_state, loss
+  train_step = make_train_step(model, probe, tx)
 
   losses = []
   data = batches(__file__, batch_size, seq_len)

@@ -48,6 +48,21 @@ class LM(nn.Module):
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
+def make_train_step(model, tx):
+  """``train_step(params, opt_state, x, y) -> (params, opt_state, loss)``, jitted."""
+
+  @jax.jit
+  def train_step(params, opt_state, x, y):
+    def loss_fn(params):
+      logits = model.apply({"params": params}, x)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)  # loss= feeds skip_spikes
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return train_step
+
+
 def main(argv=None):
   args = size_arguments(__doc__.split("\n")[0], argv)  # --steps, --d-model, ..., --seq-len
 
@@ -68,15 +83,7 @@ def main(argv=None):
       max_consecutive=16)
   opt_state = tx.init(params)
   print(stablejax.describe_routing(params, tx))
-
-  @jax.jit
-  def train_step(params, opt_state, x, y):
-    def loss_fn(params):
-      logits = model.apply({"params": params}, x)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)  # loss= feeds skip_spikes
-    return optax.apply_updates(params, updates), opt_state, loss
+  train_step = make_train_step(model, tx)
 
   losses = []
   for step in range(1, args.steps + 1):

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from helpers import load_example
+
 
 # ------------------------------------------------------------------ Linen
 
@@ -55,18 +57,9 @@ def linen_params(model: LinenLM, seq_len: int = 8):
 
 # ------------------------------------------------------------------ NNX
 
-class NNXBlock(nnx.Module):
-  def __init__(self, d_model: int, heads: int, rngs: nnx.Rngs):
-    self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(num_heads=heads, in_features=d_model, decode=False,
-                                       rngs=rngs)
-    self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.fc = nnx.Linear(d_model, 4 * d_model, rngs=rngs)
-    self.proj = nnx.Linear(4 * d_model, d_model, rngs=rngs)
-
-  def __call__(self, x):
-    x = x + self.attn(self.ln1(x), mask=nnx.make_causal_mask(x[..., 0]))
-    return x + self.proj(nnx.gelu(self.fc(self.ln2(x))))
+# The pre-LN block of examples/nnx_lm.py (nnx.LayerNorm, nnx.MultiHeadAttention, a GELU MLP of
+# two nnx.Linear), so these tests route and train the block the example shows.
+NNXBlock = load_example("nnx_lm").Block
 
 
 class NNXLM(nnx.Module):

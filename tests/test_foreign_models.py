@@ -15,6 +15,7 @@ from flax import nnx
 
 import stablejax
 from flax_models import LinenLM, NNXLM, linen_params
+from helpers import load_example
 
 MDN = optax.contrib.MuonDimensionNumbers
 QKV, OUT = MDN(-3, (-2, -1)), MDN((-3, -2), -1)
@@ -160,15 +161,7 @@ def test_scanned_tied_linen_model_trains_under_jit():
   params = linen_params(model)
   tx = _readme_chain(0.02, 3e-3)
   opt_state = tx.init(params)
-
-  @jax.jit
-  def step(params, opt_state, x, y):
-    def loss_fn(p):
-      logits = model.apply({"params": p}, x)
-      return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-    loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
-    return optax.apply_updates(params, updates), opt_state, loss
+  step = load_example("linen_lm").make_train_step(model, tx)  # the example's own step
 
   losses = []
   for x, y in _batches(32):

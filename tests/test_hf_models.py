@@ -18,6 +18,7 @@ import optax
 import pytest
 
 import stablejax
+from helpers import load_example
 from hf_models import BUILDERS, SEQ, VOCAB, build
 
 MDN = optax.contrib.MuonDimensionNumbers
@@ -209,21 +210,11 @@ def test_readme_chain_with_qk_clip_trains_30_steps(models, family):
   starts = jax.random.randint(jax.random.key(1), (8, 1), 0, VOCAB)
   seqs = (starts + 3 * jnp.arange(SEQ + 1)) % VOCAB         # token t+1 = token t + 3
   x, y = seqs[:, :-1], seqs[:, 1:]
-  mask, pos = jnp.ones_like(x), jnp.broadcast_to(jnp.arange(SEQ), x.shape)
-
-  @jax.jit
-  def step(params, opt_state):
-    def loss_fn(params):
-      out, max_logits = probe.apply(model.module, {"params": params}, x, mask, pos)
-      loss = optax.softmax_cross_entropy_with_integer_labels(out.logits, y).mean()
-      return loss, max_logits
-    (loss, max_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss, max_logits=max_logits)
-    return optax.apply_updates(params, updates), opt_state, loss
+  step = load_example("hf_flax_lm").make_train_step(model, probe, tx)  # the example's own step
 
   losses = []
   for _ in range(30):
-    params, opt_state, loss = step(params, opt_state)
+    params, opt_state, loss = step(params, opt_state, x, y)
     losses.append(float(loss))
   assert np.all(np.isfinite(losses)) and np.mean(losses[-5:]) < 0.7 * np.mean(losses[:5]), losses
   metrics = stablejax.stability_metrics(opt_state)

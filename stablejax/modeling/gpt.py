@@ -63,8 +63,9 @@ import numpy as np
 from stablejax.modeling.attention import CAUSAL, AttentionPattern
 from stablejax.modeling.family import (LINEN_CAPABILITIES, AttentionHeads, LanguageModel,
                                        LinenLanguageModel, ModelFamily)
-from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, SelfAttention,
-                                       f32_accum_dtype, matmul_2d, swiglu)
+from stablejax.modeling.layers import (DTYPES, DecoderBlock, Linear, RMSNorm, SelfAttention,
+                                       SwiGLUMLP, check_tokens, head_logits, run_blocks,
+                                       token_embedding)
 
 _NORMS = ("rmsnorm", "ssnorm")
 
@@ -181,30 +182,17 @@ def attention(cfg: ModelConfig, pattern: AttentionPattern, decode: bool, sow_log
       sow_logits=sow_logits, name="attn")
 
 
-class MLP(nn.Module):
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
-    cfg = self.config
-    cdt, pdt = _dtypes(cfg)
-    init = nn.initializers.normal(cfg.init_std)
-    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-    lin = dict(compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet)
-    gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x, quantized_fraction)
-    up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x, quantized_fraction)
-    hidden = swiglu(gate, up, cdt)
-    down = Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)
-    return down(hidden, quantized_fraction)
+def mlp(cfg: ModelConfig) -> SwiGLUMLP:
+  """The block's SwiGLU MLP (BitNet linears with ``bitnet``), named ``mlp``."""
+  cdt, pdt = _dtypes(cfg)
+  return SwiGLUMLP(d_model=cfg.d_model, ff_dim=cfg.ff_dim, n_layers=cfg.n_layers,
+                   init_std=cfg.init_std, compute_dtype=cdt, param_dtype=pdt, bitnet=cfg.bitnet,
+                   name="mlp")
 
 
-class Block(nn.Module):
+class Block(DecoderBlock):
   """One transformer block; returns ``(x, y)`` so it can be scanned (y: residual or None)."""
   config: ModelConfig
-  collect: bool = False
-  decode: bool = False
-  sow_logits: bool = False
-  pattern: AttentionPattern = CAUSAL
 
   @nn.compact
   def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> Any:
@@ -214,13 +202,13 @@ class Block(nn.Module):
     attn_norm = RMSNorm(cdt, pdt, single_scale=single, name="attn_norm")
     mlp_norm = RMSNorm(cdt, pdt, single_scale=single, name="mlp_norm")
     attn = attention(cfg, self.pattern, self.decode, self.sow_logits)
-    mlp = MLP(cfg, name="mlp")
+    feed_forward = mlp(cfg)
     if cfg.post_ln:
       x = attn_norm(x + attn(x, quantized_fraction))
-      x = mlp_norm(x + mlp(x, quantized_fraction))
+      x = mlp_norm(x + feed_forward(x, quantized_fraction))
     else:
       x = x + attn(attn_norm(x), quantized_fraction)
-      x = x + mlp(mlp_norm(x), quantized_fraction)
+      x = x + feed_forward(mlp_norm(x), quantized_fraction)
     return x, (x.astype(jnp.float32) if self.collect else None)
 
 
@@ -259,65 +247,29 @@ class GPT(nn.Module):
     """
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
-    if tokens.ndim != 2:
-      raise ValueError(f"tokens must be [batch, seq] int32, got shape {tokens.shape}")
-    if tokens.shape[1] > cfg.max_seq_len:
-      raise ValueError(
-          f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={cfg.max_seq_len}: "
-          f"raise model.max_seq_len or shorten train.seq_len")
+    check_tokens(tokens, cfg.max_seq_len)
     quantized_fraction = jnp.asarray(1.0 if bitnet_lambda is None else bitnet_lambda, jnp.float32)
 
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, embedding_init=nn.initializers.normal(
-        cfg.init_std), param_dtype=pdt, dtype=cdt, name="tok_embed")
+    embed = token_embedding(cfg.vocab_size, cfg.d_model, cfg.init_std, cdt, pdt)
     x = embed(tokens.astype(jnp.int32))
     if cfg.embed_scale:
       x = x * jnp.asarray(math.sqrt(cfg.d_model), cdt)
     if cfg.emb_proj:
       x = Linear(cfg.d_model, compute_dtype=cdt, param_dtype=pdt,
                  kernel_init=nn.initializers.orthogonal(), name="emb_proj_in")(x)
-    x = x.astype(cdt)
-    layer_outputs: list[jax.Array] = [x.astype(jnp.float32)]  # kept when return_activations
-    residuals = None
-
-    block_cls = Block
-    if cfg.remat and not decode:
-      # Inside a rolled scan the loop keeps XLA from merging the recomputation with the forward
-      # pass; unrolled layers need remat's own barrier.
-      rolled = cfg.scan_layers and scan_unroll(cfg, jax.default_backend()) == 1
-      block_cls = nn.remat(Block, prevent_cse=not rolled)
-    if decode and attention_logits:
-      raise ValueError("attention_logits is for training and evaluation calls, not decode")
-    block_args: dict[str, Any] = dict(collect=return_activations, decode=decode,
-                                      sow_logits=attention_logits, pattern=self.pattern)
-    if cfg.scan_layers:
-      axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
-                              else {"params": 0, "intermediates": 0})
-      scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
-                        in_axes=nn.broadcast, length=cfg.n_layers,
-                        unroll=scan_unroll(cfg, jax.default_backend()))
-      x, ys = scanned(cfg, **block_args, name="blocks")(x, quantized_fraction)
-      if return_activations:
-        residuals = jnp.concatenate([layer_outputs[0][None], ys], axis=0)
-    else:
-      for i in range(cfg.n_layers):
-        x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, quantized_fraction)
-        layer_outputs.append(y)
-      if return_activations:
-        residuals = jnp.stack(layer_outputs, axis=0)
+    x, residuals = run_blocks(
+        Block, cfg, x.astype(cdt), quantized_fraction, n_layers=cfg.n_layers,
+        scan=cfg.scan_layers, unroll=scan_unroll(cfg, jax.default_backend()), remat=cfg.remat,
+        decode=decode, collect=return_activations, sow_logits=attention_logits,
+        pattern=self.pattern)
 
     if not cfg.post_ln:
       x = RMSNorm(cdt, pdt, single_scale=cfg.norm == "ssnorm", name="final_norm")(x)
     if cfg.emb_proj:
       x = Linear(cfg.d_model, compute_dtype=cdt, param_dtype=pdt,
                  kernel_init=nn.initializers.orthogonal(), name="emb_proj_out")(x)
-    x = x.astype(cdt)
-    if cfg.tie_embeddings:
-      hdt = f32_accum_dtype(cdt)
-      logits = matmul_2d(x.astype(hdt), embed.embedding.T.astype(hdt),
-                       preferred_element_type=jnp.float32)
-    else:
-      logits = LMHead(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
-    logits = logits.astype(jnp.float32)
+    logits = head_logits(x, embed, tied=cfg.tie_embeddings, vocab_size=cfg.vocab_size,
+                         compute_dtype=cdt, param_dtype=pdt, init_std=cfg.init_std)
     if return_activations:
       return logits, {"residual": residuals}
     return logits

@@ -1,9 +1,13 @@
 """The layers the built-in model families share: a bias-free linear layer (optionally BitNet),
 RMSNorm, rotary embeddings, self-attention (training, max-logit and KV-cache paths, with the
-attention pattern as a parameter), SwiGLU and the output head.
+attention pattern as a parameter), SwiGLU, the token embedding, the stack of blocks (scanned or a
+loop) and the output head (tied or untied).
 
 Flax Linen modules and functions of arrays; :mod:`stablejax.modeling.gpt` and
-:mod:`stablejax.modeling.llama` build their blocks from them, and a family that changes only the
+:mod:`stablejax.modeling.llama` build their blocks and models from them (the functions that
+create modules, :func:`token_embedding`, :func:`run_blocks` and :func:`head_logits`, are called
+inside a model's ``@nn.compact`` ``__call__``, so Flax makes that model their parent and the
+parameter names are the model's own), and a family that changes only the
 attention pattern (a sliding window) passes another :class:`AttentionPattern`.
 """
 
@@ -200,6 +204,111 @@ def swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
   return (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
+class SwiGLUMLP(nn.Module):
+  """The block's feed-forward layer: ``down_proj(swiglu(gate_proj(x), up_proj(x)))``, bias-free
+  (optionally BitNet) linears; ``down_proj``'s init is scaled by ``1 / sqrt(2 n_layers)``."""
+  d_model: int
+  ff_dim: int
+  n_layers: int
+  init_std: float
+  compute_dtype: Any
+  param_dtype: Any
+  bitnet: bool = False
+
+  @nn.compact
+  def __call__(self, x: jax.Array, quantized_fraction: Optional[jax.Array]) -> jax.Array:
+    """``quantized_fraction``: the BitNet linears' mixing weight (``None`` without ``bitnet``)."""
+    init = nn.initializers.normal(self.init_std)
+    out_init = nn.initializers.normal(self.init_std / math.sqrt(2 * self.n_layers))
+    lin: dict[str, Any] = dict(compute_dtype=self.compute_dtype, param_dtype=self.param_dtype,
+                               bitnet=self.bitnet)
+    gate = Linear(self.ff_dim, kernel_init=init, name="gate_proj", **lin)(x, quantized_fraction)
+    up = Linear(self.ff_dim, kernel_init=init, name="up_proj", **lin)(x, quantized_fraction)
+    hidden = swiglu(gate, up, self.compute_dtype)
+    down = Linear(self.d_model, kernel_init=out_init, name="down_proj", **lin)
+    return down(hidden, quantized_fraction)
+
+
+def check_tokens(tokens: jax.Array, max_seq_len: int) -> None:
+  """Raises ValueError (one line naming the fix) unless ``tokens`` is ``[batch, seq]`` with
+  ``seq <= max_seq_len``."""
+  if tokens.ndim != 2:
+    raise ValueError(f"tokens must be [batch, seq] int32, got shape {tokens.shape}")
+  if tokens.shape[1] > max_seq_len:
+    raise ValueError(
+        f"sequence length {tokens.shape[1]} exceeds model.max_seq_len={max_seq_len}: "
+        f"raise model.max_seq_len or shorten train.seq_len")
+
+
+def token_embedding(vocab_size: int, d_model: int, init_std: float, compute_dtype: Any,
+                    param_dtype: Any) -> nn.Embed:
+  """The token embedding ``tok_embed/embedding [vocab_size, d_model]`` (normal init), a child of
+  the module whose ``@nn.compact`` method calls this."""
+  return nn.Embed(vocab_size, d_model, embedding_init=nn.initializers.normal(init_std),
+                  param_dtype=param_dtype, dtype=compute_dtype, name="tok_embed")
+
+
+class DecoderBlock(nn.Module):
+  """The fields of a block that :func:`run_blocks` runs. A subclass narrows ``config`` to its
+  family's config and defines ``__call__(x, shared) -> (x, residual)``: the residual stream
+  after the block, and that stream in float32 when ``collect`` (else ``None``)."""
+  config: Any
+  collect: bool = False
+  decode: bool = False
+  sow_logits: bool = False
+  pattern: AttentionPattern = CAUSAL
+
+
+def run_blocks(block: type[DecoderBlock], config: Any, x: jax.Array, shared: Any, *,
+               n_layers: int, scan: bool, unroll: int = 1, remat: bool = False,
+               decode: bool = False, collect: bool = False, sow_logits: bool = False,
+               pattern: AttentionPattern = CAUSAL) -> tuple[jax.Array, Optional[jax.Array]]:
+  """Runs ``n_layers`` blocks ``block(config, ...)`` over the residual stream ``x``; call it
+  inside a model's ``@nn.compact`` ``__call__``, which becomes the blocks' parent.
+
+  Args:
+    block: the block class; every block gets ``(x, shared)``.
+    config: the family's config, each block's ``config``.
+    x: the residual stream ``[B, T, D]`` after the embedding.
+    shared: the blocks' second argument, the same for every layer (broadcast by the scan).
+    n_layers: how many blocks.
+    scan: one ``nn.scan`` named ``blocks`` whose parameters (and caches, or sown intermediates)
+      carry a leading ``[n_layers]`` axis, ``unroll`` layers per loop iteration; otherwise
+      blocks named ``block_0`` .. ``block_<n_layers - 1>``.
+    unroll: layers per iteration of the scanned loop.
+    remat: rematerialise each block in the backward pass (not when decoding).
+    decode: each block reads and appends to its KV cache (``"cache"``).
+    collect: also return the residual stream.
+    sow_logits: each block's attention sows its per-head max logit into ``"intermediates"``.
+    pattern: the keys each query attends to.
+
+  Returns:
+    ``(x, stream)``: the residual stream after the last block and, with ``collect``, float32
+    ``[n_layers + 1, B, T, D]`` (after the embedding and after each block), else ``None``.
+  """
+  if decode and sow_logits:
+    raise ValueError("attention_logits is for training and evaluation calls, not decode")
+  block_cls: Any = block
+  if remat and not decode:
+    # Inside a rolled scan the loop keeps XLA from merging the recomputation with the forward
+    # pass; unrolled layers (a loop, or a scan unrolled further) need remat's own barrier.
+    block_cls = nn.remat(block, prevent_cse=not (scan and unroll == 1))
+  block_args: dict[str, Any] = dict(collect=collect, decode=decode, sow_logits=sow_logits,
+                                    pattern=pattern)
+  stream = [x.astype(jnp.float32)]  # kept when collect
+  if scan:
+    axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
+                            else {"params": 0, "intermediates": 0})
+    scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
+                      in_axes=nn.broadcast, length=n_layers, unroll=unroll)
+    x, ys = scanned(config, **block_args, name="blocks")(x, shared)
+    return x, (jnp.concatenate([stream[0][None], ys], axis=0) if collect else None)
+  for i in range(n_layers):
+    x, y = block_cls(config, **block_args, name=f"block_{i}")(x, shared)
+    stream.append(y)
+  return x, (jnp.stack(stream, axis=0) if collect else None)
+
+
 class LMHead(nn.Module):
   """Output head: kernel ``[D, vocab]`` under ``lm_head/kernel``; float32 logits."""
   vocab_size: int
@@ -213,3 +322,18 @@ class LMHead(nn.Module):
                         (x.shape[-1], self.vocab_size), self.param_dtype)
     hdt = f32_accum_dtype(self.compute_dtype)
     return matmul_2d(x.astype(hdt), kernel.astype(hdt), preferred_element_type=jnp.float32)
+
+
+def head_logits(x: jax.Array, embed: nn.Embed, *, tied: bool, vocab_size: int, compute_dtype: Any,
+                param_dtype: Any, init_std: float) -> jax.Array:
+  """Float32 logits ``[..., vocab_size]`` of the final hidden states ``x``: with ``tied``,
+  ``x @ embed.embedding.T`` (no parameter of its own); otherwise an :class:`LMHead` named
+  ``lm_head``, a child of the module whose ``@nn.compact`` method calls this."""
+  x = x.astype(compute_dtype)
+  if tied:
+    hdt = f32_accum_dtype(compute_dtype)
+    logits = matmul_2d(x.astype(hdt), embed.embedding.T.astype(hdt),
+                       preferred_element_type=jnp.float32)
+  else:
+    logits = LMHead(vocab_size, compute_dtype, param_dtype, init_std, name="lm_head")(x)
+  return logits.astype(jnp.float32)

@@ -46,7 +46,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import flax.linen as nn
@@ -56,8 +55,8 @@ import jax.numpy as jnp
 from stablejax.modeling.attention import CAUSAL, AttentionPattern
 from stablejax.modeling.family import (LINEN_CAPABILITIES, AttentionHeads, LinenLanguageModel,
                                        ModelFamily)
-from stablejax.modeling.layers import (DTYPES, Linear, LMHead, RMSNorm, SelfAttention,
-                                       f32_accum_dtype, swiglu)
+from stablejax.modeling.layers import (DTYPES, DecoderBlock, RMSNorm, SelfAttention, SwiGLUMLP,
+                                       check_tokens, head_logits, run_blocks, token_embedding)
 
 
 @dataclasses.dataclass
@@ -143,30 +142,17 @@ def attention(cfg: LlamaConfig, pattern: AttentionPattern, decode: bool, sow_log
       norm_eps=cfg.norm_eps, pattern=pattern, decode=decode, sow_logits=sow_logits, name="attn")
 
 
-class LlamaMLP(nn.Module):
-  config: LlamaConfig
-
-  @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    cfg = self.config
-    cdt, pdt = _dtypes(cfg)
-    init = nn.initializers.normal(cfg.init_std)
-    out_init = nn.initializers.normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
-    lin = dict(compute_dtype=cdt, param_dtype=pdt)
-    gate = Linear(cfg.ff_dim, kernel_init=init, name="gate_proj", **lin)(x)
-    up = Linear(cfg.ff_dim, kernel_init=init, name="up_proj", **lin)(x)
-    hidden = swiglu(gate, up, cdt)
-    return Linear(cfg.d_model, kernel_init=out_init, name="down_proj", **lin)(hidden)
+def mlp(cfg: LlamaConfig) -> SwiGLUMLP:
+  """The block's SwiGLU MLP, named ``mlp``."""
+  cdt, pdt = _dtypes(cfg)
+  return SwiGLUMLP(d_model=cfg.d_model, ff_dim=cfg.ff_dim, n_layers=cfg.n_layers,
+                   init_std=cfg.init_std, compute_dtype=cdt, param_dtype=pdt, name="mlp")
 
 
-class LlamaBlock(nn.Module):
+class LlamaBlock(DecoderBlock):
   """One block; returns ``(x, residual or None)`` so it can be scanned."""
 
   config: LlamaConfig
-  collect: bool = False
-  decode: bool = False
-  sow_logits: bool = False
-  pattern: AttentionPattern = CAUSAL
 
   @nn.compact
   def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, Optional[jax.Array]]:
@@ -174,7 +160,7 @@ class LlamaBlock(nn.Module):
     cdt, pdt = _dtypes(cfg)
     attn = attention(cfg, self.pattern, self.decode, self.sow_logits)
     x = x + attn(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="attn_norm")(x))
-    x = x + LlamaMLP(cfg, name="mlp")(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="mlp_norm")(x))
+    x = x + mlp(cfg)(RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="mlp_norm")(x), None)
     return x, (x.astype(jnp.float32) if self.collect else None)
 
 
@@ -192,40 +178,15 @@ class Llama(nn.Module):
                decode: bool = False, attention_logits: bool = False) -> Any:
     cfg = self.config
     cdt, pdt = _dtypes(cfg)
-    if tokens.ndim != 2 or tokens.shape[1] > cfg.max_seq_len:
-      raise ValueError(f"tokens must be [batch, seq] with seq <= model.max_seq_len="
-                       f"{cfg.max_seq_len}, got shape {tokens.shape}")
-    if decode and attention_logits:
-      raise ValueError("attention_logits is for training and evaluation calls, not decode")
-    embed = nn.Embed(cfg.vocab_size, cfg.d_model, param_dtype=pdt, dtype=cdt, name="tok_embed",
-                     embedding_init=nn.initializers.normal(cfg.init_std))
-    x = embed(tokens.astype(jnp.int32)).astype(cdt)
-    residual: list[Any] = [x.astype(jnp.float32)]
-    block_cls = nn.remat(LlamaBlock, prevent_cse=not cfg.scan_layers) \
-        if cfg.remat and not decode else LlamaBlock
-    block_args: dict[str, Any] = dict(collect=return_activations, decode=decode,
-                                      sow_logits=attention_logits, pattern=self.pattern)
-    if cfg.scan_layers:
-      axes: dict[Any, int] = ({"params": 0, "cache": 0} if decode
-                              else {"params": 0, "intermediates": 0})
-      scanned = nn.scan(block_cls, variable_axes=axes, split_rngs={"params": True},
-                        in_axes=nn.broadcast, length=cfg.n_layers)
-      x, ys = scanned(cfg, **block_args, name="blocks")(x, None)
-      stream = (jnp.concatenate([residual[0][None], ys], axis=0)  # type: ignore[list-item]
-                if return_activations else None)
-    else:
-      for i in range(cfg.n_layers):
-        x, y = block_cls(cfg, **block_args, name=f"block_{i}")(x, None)
-        residual.append(y)
-      stream = jnp.stack(residual, axis=0) if return_activations else None
+    check_tokens(tokens, cfg.max_seq_len)
+    embed = token_embedding(cfg.vocab_size, cfg.d_model, cfg.init_std, cdt, pdt)
+    x, stream = run_blocks(
+        LlamaBlock, cfg, embed(tokens.astype(jnp.int32)).astype(cdt), None,
+        n_layers=cfg.n_layers, scan=cfg.scan_layers, remat=cfg.remat, decode=decode,
+        collect=return_activations, sow_logits=attention_logits, pattern=self.pattern)
     x = RMSNorm(cdt, pdt, eps=cfg.norm_eps, name="final_norm")(x)
-    if cfg.tie_embeddings:
-      hdt = f32_accum_dtype(cdt)
-      logits = jnp.dot(x.astype(hdt), embed.embedding.T.astype(hdt),
-                       preferred_element_type=jnp.float32)
-    else:
-      logits = LMHead(cfg.vocab_size, cdt, pdt, cfg.init_std, name="lm_head")(x)
-    logits = logits.astype(jnp.float32)
+    logits = head_logits(x, embed, tied=cfg.tie_embeddings, vocab_size=cfg.vocab_size,
+                         compute_dtype=cdt, param_dtype=pdt, init_std=cfg.init_std)
     return (logits, {"residual": stream}) if return_activations else logits
 
 
