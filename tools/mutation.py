@@ -604,15 +604,13 @@ MUTANTS = [
     _m("L4", LOSS_SCALING, "    counter = jnp.where(grads_finite, finite_counter, 0)",
        "    counter = jnp.where(grads_finite, finite_counter, self.counter)",
        "an overflow does not restart the counter"),
-    _m("L5", LOSS_SCALING, "      growth_factor: float = 1.5,\n      backoff_factor: float = 0.5,\n"
-       "      min_scale: float = 1.0,\n      counter: Any = 0,",
-       "      growth_factor: float = 2.0,\n      backoff_factor: float = 0.5,\n"
-       "      min_scale: float = 1.0,\n      counter: Any = 0,",
+    _m("L5", LOSS_SCALING,
+       "               growth_factor: float = 1.5, backoff_factor: float = 0.5, min_scale",
+       "               growth_factor: float = 2.0, backoff_factor: float = 0.5, min_scale",
        "the default growth factor is 2 instead of 1.5"),
-    _m("L6", LOSS_SCALING, "      growth_interval: int = 200,\n      growth_factor: float = 1.5,\n"
-       "      backoff_factor: float = 0.5,\n      min_scale: float = 1.0,\n  ) -> \"Dynamic",
-       "      growth_interval: int = 2000,\n      growth_factor: float = 1.5,\n"
-       "      backoff_factor: float = 0.5,\n      min_scale: float = 1.0,\n  ) -> \"Dynamic",
+    _m("L6", LOSS_SCALING,
+       "  def create(cls, initial_scale: float = 2.0**10, *, growth_interval: int = 200,",
+       "  def create(cls, initial_scale: float = 2.0**10, *, growth_interval: int = 2000,",
        "create() grows after 2000 finite steps instead of 200"),
     _m("L7", LOSS_SCALING, "    inv = 1.0 / self.loss_scale",
        "    inv = 1.0 / jnp.maximum(self.loss_scale, 2.0**10)",

@@ -63,15 +63,9 @@ class DynamicLossScale:
     ([2.0, 2.0, 2.0], 1024.0, 1)
   """
 
-  def __init__(
-      self,
-      loss_scale: Any = 2.0**10,
-      growth_interval: int = 200,
-      growth_factor: float = 1.5,
-      backoff_factor: float = 0.5,
-      min_scale: float = 1.0,
-      counter: Any = 0,
-  ) -> None:
+  def __init__(self, loss_scale: Any = 2.0**10, growth_interval: int = 200,
+               growth_factor: float = 1.5, backoff_factor: float = 0.5, min_scale: float = 1.0,
+               counter: Any = 0) -> None:
     if isinstance(growth_interval, bool) or not isinstance(
         growth_interval, int) or growth_interval < 1:
       raise ValueError(f"growth_interval={growth_interval!r} is invalid: use "
@@ -96,15 +90,9 @@ class DynamicLossScale:
     self.min_scale = float(min_scale)
 
   @classmethod
-  def create(
-      cls,
-      initial_scale: float = 2.0**10,
-      *,
-      growth_interval: int = 200,
-      growth_factor: float = 1.5,
-      backoff_factor: float = 0.5,
-      min_scale: float = 1.0,
-  ) -> "DynamicLossScale":
+  def create(cls, initial_scale: float = 2.0**10, *, growth_interval: int = 200,
+             growth_factor: float = 1.5, backoff_factor: float = 0.5,
+             min_scale: float = 1.0) -> "DynamicLossScale":
     """Builds a fresh loss scale (counter 0); same as the constructor.
 
     Args:
