@@ -14,7 +14,7 @@ import math
 import warnings
 from typing import Any, Optional
 
-import jax.numpy as jnp
+import jax
 import numpy as np
 import optax
 
@@ -32,7 +32,9 @@ _ADAM_NAMES = ("adam", "adamw")
 def schedule_values(schedule: optax.Schedule) -> np.ndarray:
   """Values of an optax schedule at every step up to 4096 and geometrically up to 1e7."""
   try:
-    values = np.asarray(schedule(jnp.asarray(_PROBES, jnp.int32)), np.float64)
+    # One compiled program for all probes: evaluated eagerly, each of the schedule's operations
+    # is a program of its own to compile (or load from the compilation cache) at every start.
+    values = np.asarray(jax.jit(schedule)(_PROBES.astype(np.int32)), np.float64)
     if values.shape == _PROBES.shape:
       return values
   except (TypeError, ValueError):  # a schedule that does not take an array of steps

@@ -32,6 +32,9 @@ from stablejax.transforms.keyed import to_positional
 from stablejax.transforms.metrics import stability_metrics
 
 RECOVERY_FILE = "recovery.json"  # the latest rollback decision, written atomically when it is made
+# The defences' metrics of a restored state in one program (eagerly, each operation of each
+# metric is a program of its own to compile or load at every start).
+_state_metrics = jax.jit(stability_metrics)
 
 
 class Restorer:
@@ -71,7 +74,7 @@ class Restorer:
     return self.run_dir.root / RECOVERY_FILE
 
   def state_metrics(self, state: TrainState) -> dict:
-    return fetch(stability_metrics(state.opt_state))
+    return fetch(_state_metrics(state.opt_state))
 
   @property
   def switched(self) -> bool:
