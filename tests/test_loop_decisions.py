@@ -145,3 +145,34 @@ def test_a_deferred_checkpoint_is_retried_at_the_next_log_step() -> None:
   assert [s for s in range(1, 26) if checkpointing.due(s)] == [10, 20, 25]
   checkpointing.deferred = True
   assert [s for s in range(11, 20) if checkpointing.due(s)] == [12, 16]
+
+
+def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> None:
+  # A second run here with an equal config calls the same jitted functions (traced and compiled
+  # once); another config, or a declaration registered since, builds afresh. No program runs.
+  from typing import NamedTuple
+
+  from helpers import tiny_config
+  from stablejax.data.pipeline import build_data
+  from stablejax.training.loop import components as components_lib
+  from stablejax.transforms import metrics
+
+  cfg = tiny_config()
+  data = build_data(cfg.data, seq_len=cfg.train.seq_len, batch_size=cfg.train.batch_size, seed=0)
+  first = components_lib.build_components(cfg, data)
+  again = components_lib.build_components(tiny_config(), data)  # equal, not the same object
+  assert again.train_step is first.train_step and again.init_state is first.init_state
+  assert again.eval_step is first.eval_step and again.data is data
+  longer = components_lib.build_components(tiny_config("train.steps=41"), data)
+  assert longer.train_step is not first.train_step  # the schedule is laid over the steps
+
+  class ProbeState(NamedTuple):
+    hits: Any
+
+  metrics.register_state_metrics(ProbeState, "reuse_probe", lambda s: {})
+  try:
+    after = components_lib.build_components(cfg, data)
+    assert after.train_step is not first.train_step
+  finally:
+    metrics.unregister_state_metrics(ProbeState)
+  assert len(components_lib._BUILT) <= components_lib._BUILT_KEPT

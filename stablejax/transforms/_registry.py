@@ -16,6 +16,22 @@ from typing import Any, Callable, Generic, Iterator, Optional, TypeVar
 Declaration = TypeVar("Declaration")
 
 
+# How many times a registry of this process changed (a declaration added or removed): what a memo
+# of things built from the declarations compares, so that a plugin loaded since is never missed.
+_generation = 0
+
+
+def generation() -> int:
+  """The number of changes to any registry in this process so far (see :func:`changed`)."""
+  return _generation
+
+
+def changed() -> None:
+  """Records that a registry changed: what was built from the declarations before may differ."""
+  global _generation
+  _generation += 1
+
+
 class DeclarationError(ValueError):
   """A declaration a registry refuses: a name declared twice, or a declaration that is not
   usable as written; one line naming it (and both modules) and the fix."""
@@ -103,11 +119,13 @@ class Registry(Generic[Declaration]):
           f"second another name (the name is {self.name_is})")
     if held is None:
       self._entries[name] = (declaration, origin)
+      changed()
 
   def remove(self, name: str) -> None:
     """Forgets ``name`` (a no-op for an unknown one)."""
     self.load_builtins()
-    self._entries.pop(name, None)
+    if self._entries.pop(name, None) is not None:
+      changed()
 
   def get(self, name: str) -> Optional[Declaration]:
     self.load_builtins()

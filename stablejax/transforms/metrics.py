@@ -19,6 +19,8 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from stablejax.transforms import _registry
+
 MetricsFn = Callable[[Any], Dict[str, jax.Array]]
 
 
@@ -179,11 +181,13 @@ def register_state_metrics(state_type: type, prefix: str, fn: MetricsFn, *,
   _REGISTRY[state_type] = MetricsSpec(state_type, prefix, fn, tuple(rates), tuple(series),
                                       band, grad_norm, threshold, nonfinite, acted, update_norm,
                                       skips, rollback, order)
+  _registry.changed()
 
 
 def unregister_state_metrics(state_type: type) -> None:
   """Forgets ``state_type`` (a no-op when it was not registered)."""
-  _REGISTRY.pop(state_type, None)
+  if _REGISTRY.pop(state_type, None) is not None:
+    _registry.changed()
 
 
 def metric_specs() -> tuple[MetricsSpec, ...]:

@@ -8,9 +8,10 @@ reads or writes the run directory.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from stablejax.training.optim import Schedules, build_optimizer, main_optimizer,
 from stablejax.training.recovery.policy import LRBackoff
 from stablejax.training.loop.step import (TrainState, make_eval_step, make_gradient_check,
                                      make_logit_telemetry, make_train_step)
+from stablejax.transforms import _registry
 from stablejax.transforms.loss_scaling import DynamicLossScale
 
 # `optimizer(cfg, main)`: the chain around the configured main optimizer (Muon or AdamW). The
@@ -109,11 +111,28 @@ class Components:
             for b in self.data.val_batches(self.cfg.train.eval_batches)]
 
 
+# The components of the last configs built in this process, by what their programs depend on:
+# another run here with the same config (a resume or a repeated config in a notebook or a sweep,
+# the stages of a test) calls the same jitted functions, which JAX has already traced and
+# compiled, instead of tracing, lowering and loading every program again.
+_BUILT: collections.OrderedDict[tuple, Components] = collections.OrderedDict()
+_BUILT_KEPT = 4
+
+
+def _program_key(cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
+                 optimizer: Optional[OptimizerFactory]) -> tuple:
+  """What the built programs depend on: the whole config (its repr: every field), the caller's
+  chain or factory (by identity), the registries' declarations (a plugin loaded since changes
+  them) and the devices."""
+  return (repr(cfg), tx, optimizer, _registry.generation(), tuple(jax.devices()))
+
+
 def build_components(cfg: Config, data: Data, *,
                      tx: Optional[optax.GradientTransformationExtraArgs] = None,
-          optimizer: Optional[OptimizerFactory] = None,
-          warn: Callable[[str], None] = lambda line: None) -> Components:
-  """Builds and jits everything a run needs from ``cfg`` (``train.steps`` must be set).
+                     optimizer: Optional[OptimizerFactory] = None,
+                     warn: Callable[[str], None] = lambda line: None) -> Components:
+  """Builds and jits everything a run needs from ``cfg`` (``train.steps`` must be set); the
+  programs of a config built before in this process are reused (see ``_BUILT``).
 
   Args:
     cfg: the run's config.
@@ -125,10 +144,24 @@ def build_components(cfg: Config, data: Data, *,
   Raises:
     MissingCapability: the model family lacks what the config asks of it (QK-clip's logits).
   """
+  built = _BUILT.get(_program_key(cfg, tx, optimizer))
+  if built is None:
+    built = _build_programs(cfg, tx, optimizer)
+    # (keyed after building: the first build may load the built-in declarations)
+    _BUILT[_program_key(cfg, tx, optimizer)] = built
+    while len(_BUILT) > _BUILT_KEPT:
+      _BUILT.popitem(last=False)
+  _warn_missing(cfg, built.model, warn)
+  return dataclasses.replace(built, data=data, sampler=_sampler(cfg, built.model, warn))
+
+
+def _build_programs(cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
+                    optimizer: Optional[OptimizerFactory]) -> Components:
+  """:func:`build_components` without the run's data and sampler (``None`` here: the memo
+  holds no run's data)."""
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
   model = model_of(cfg)
-  _warn_missing(cfg, model, warn)
   schedules = Schedules.of(cfg)
   if tx is not None:
     chain = tx
@@ -151,7 +184,8 @@ def build_components(cfg: Config, data: Data, *,
                       loss_scale=loss_scale, lr_backoff=LRBackoff.none(),
                       device_faults=device_faults)
 
-  abstract = jax.eval_shape(init_state, jax.random.PRNGKey(t.seed))
+  # The key's shape only: a key made here would be two programs to compile or load.
+  abstract = jax.eval_shape(init_state, jax.eval_shape(jax.random.PRNGKey, t.seed))
   state_sharding = mesh_lib.state_shardings(mesh, abstract)
   if abstract.device_faults is not None:  # one count per device, on that device
     state_sharding = state_sharding.replace(device_faults=mesh_lib.batch_sharding(mesh))
@@ -174,8 +208,8 @@ def build_components(cfg: Config, data: Data, *,
     return per_layer_grad_norms(jax.grad(loss_fn)(params))
 
   return Components(
-      cfg=cfg, data=data, mesh=mesh, model=model, tx=chain, schedules=schedules,
-      sampler=_sampler(cfg, model, warn),
+      cfg=cfg, data=cast(Data, None), mesh=mesh, model=model, tx=chain, schedules=schedules,
+      sampler=None,
       abstract_state=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   abstract, state_sharding),
       state_sharding=state_sharding, tokens_sharding=tokens_sharding,
