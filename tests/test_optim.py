@@ -280,8 +280,9 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   step = jax.jit(make_train_step(model, tx, cfg, schedule))
   tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 2, cfg.train.seq_len + 1), 0, 32)
-  # The reference rate, computed by the same float32 operations under jit (an eager schedule can
-  # round differently in the last bit).
+  # The reference rate, computed by the same float32 operations under jit. Two programs may still
+  # round the last bit differently (XLA:CPU's emitters fuse them differently): equal to 2 units in
+  # the last place, while the rates of neighbouring counts differ by more than 1% here.
   rate = jax.jit(lambda count, scale: schedule(count) * scale)
   nan_steps, backoff_step = {2, 3, 7}, 9
   applied = 0
@@ -294,7 +295,8 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
     # The rate this step applied (or, when skipped, would have): the schedule at the number of
     # updates applied before it, times the backoff.
     expected = np.float32(rate(applied, jnp.float32(scale)))
-    assert np.float32(metrics["lr"]) == expected, (s, float(metrics["lr"]), float(expected))
+    assert abs(np.float32(metrics["lr"]) - expected) <= 2 * np.spacing(expected), (
+        s, float(metrics["lr"]), float(expected))
     applied += s not in nan_steps
     assert _schedule_counts(state.opt_state) == {applied}   # what the optimizer's schedules saw
   assert applied == 9 and int(state.step) == 12
