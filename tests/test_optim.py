@@ -19,7 +19,7 @@ from stablejax.muon.describe import routing_infos
 from stablejax.training import config as config_lib
 from stablejax.training.config import Config, ConfigError, config_from_dict, load_config
 from stablejax.training.loop.step import TrainState, make_train_step
-from helpers import gpt_params, read_metrics, run_subprocess, slow
+from helpers import gpt_params, read_metrics, run_inprocess, slow
 
 TINY_MODEL = {"vocab_size": 32, "d_model": 16, "n_layers": 2, "n_heads": 2, "max_seq_len": 8,
               "compute_dtype": "float32"}
@@ -46,7 +46,8 @@ def test_adamw_mode_decays_matrices_with_optimizer_weight_decay_and_never_norms_
   params = gpt_params(cfg.model, seq_len=cfg.train.seq_len)
   tx = optim.main_optimizer(cfg)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = tx.update(zeros, tx.init(params), params)
+  # Jitted: eagerly, each of the update's operations compiles on its own.
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params)
   # Zero gradients: Adam's direction is 0, so the update is the decoupled decay -lr * wd * p alone.
   lr = 1e-3
   decayed = set()
@@ -137,7 +138,8 @@ def test_the_plain_clip_runs_before_adagc_without_zclip():
              optimizer={"name": "adamw", "learning_rate": 1e-3})
   tx = optim.build_optimizer(cfg)
   grads = {"w": jnp.full((4, 4), 2.5)}   # global norm 10
-  _, state = tx.update(grads, tx.init(grads), grads, loss=jnp.float32(1.0))
+  # Jitted: eagerly, each of the chain's operations compiles on its own.
+  _, state = jax.jit(tx.update)(grads, tx.init(grads), grads, loss=jnp.float32(1.0))
   metrics = stablejax.stability_metrics(state)
   # AdaGC (its warmup clip at 100 does nothing here) sees the norm the plain clip left: 0.5.
   assert float(metrics["adagc/grad_norm"]) == pytest.approx(0.5, rel=1e-6)
@@ -303,22 +305,26 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
 
 
 @slow
-def test_trainer_banner_and_logged_lr(tmp_path):
+def test_trainer_banner_and_logged_lr(tmp_path, capsys):
+  # train's main() in this process: what it prints is the program's (tests/test_trainer.py runs
+  # train.py as a process).
   out = tmp_path / "run"
-  result = run_subprocess(
+  capsys.readouterr()
+  code = run_inprocess(
       out, "optimizer.name=\"adamw\"", "optimizer.learning_rate=0.001",
       "optimizer.adam_learning_rate=0.003", "optimizer.embedding_learning_rate=null",
       "optimizer.head_learning_rate=null", "optimizer.weight_decay=0.1",
       "optimizer.adam_weight_decay=0.1", "train.steps=12", "train.log_every=1",
       "faults.nan_grad_steps=[3, 4]", "checkpoint.every=100", "logging.histogram_every=0",
-      "logging.activation_every=0", "train.eval_every=100", fresh=True, timeout=300)
-  assert result.returncode == 0, result.stderr[-2000:]
-  warnings = [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+      "logging.activation_every=0", "train.eval_every=100", fresh=True)
+  result = capsys.readouterr()
+  assert code == 0, result.err[-2000:]
+  warnings = [line for line in result.err.splitlines() if line.startswith("warning: ")]
   assert warnings[:1] == ["warning: optimizer.adam_weight_decay=0.1 has no effect with "
                       "optimizer.name=\"adamw\" (AdamW uses optimizer.learning_rate and "
-                      "optimizer.weight_decay)"], result.stderr
+                      "optimizer.weight_decay)"], result.err
   assert not any("learning rate" in line for line in warnings)   # 1e-3 is a sane AdamW rate
-  assert "peak learning rates {'adamw': 0.001}" in result.stdout
+  assert "peak learning rates {'adamw': 0.001}" in result.out
   cfg = config_from_dict(json.loads((out / "config.json").read_text()))
   schedule = optim.lr_schedule(cfg, 0.001)
   rate = jax.jit(lambda count, scale: schedule(count) * scale)

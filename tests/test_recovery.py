@@ -191,13 +191,23 @@ def test_kill_during_checkpoint_save_then_resume(clean_run, tmp_path, capsys):
   assert not [n for n in listing if "tmp" in n], listing  # the leftover was cleaned up
 
 
+@pytest.fixture(scope="module")
+def killed_at_35(tmp_path_factory):
+  """A tiny run killed (SIGKILL) just before step 35: checkpoints up to 30 on disk. The tests
+  that damage its checkpoints work on copies."""
+  out = tmp_path_factory.mktemp("killed") / "run"
+  first = run_subprocess(out, "faults.kill_at_step=35", fresh=True)
+  assert first.returncode == -9, first.stderr[-2000:]
+  return out
+
+
 @slow
 # see test_recovery_policy
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
-def test_corrupt_latest_checkpoint_falls_back(clean_run, tmp_path, capsys):
+def test_corrupt_latest_checkpoint_falls_back(clean_run, killed_at_35, tmp_path, capsys):
+  import shutil
   out = tmp_path / "corrupt"
-  first = run_subprocess(out, "faults.kill_at_step=35", fresh=True)
-  assert first.returncode == -9
+  shutil.copytree(killed_at_35, out)
   latest = max((p for p in (out / "checkpoints").iterdir() if p.name.isdigit()),
                key=lambda p: int(p.name))
   assert latest.name == "30"
@@ -217,10 +227,10 @@ def test_corrupt_latest_checkpoint_falls_back(clean_run, tmp_path, capsys):
 
 
 @slow
-def test_no_usable_checkpoint_exits_2(tmp_path, capsys):
+def test_no_usable_checkpoint_exits_2(killed_at_35, tmp_path, capsys):
+  import shutil
   out = tmp_path / "allbad"
-  first = run_subprocess(out, "faults.kill_at_step=15", fresh=True)
-  assert first.returncode == -9
+  shutil.copytree(killed_at_35, out)
   for step_dir in (out / "checkpoints").iterdir():
     if step_dir.name.isdigit():
       for f in (step_dir / "state").rglob("*"):

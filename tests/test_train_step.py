@@ -147,8 +147,9 @@ def test_qk_clip_in_the_train_step_rescales_exactly_the_heads_over_tau(tmp_path)
   plain = make_run(tmp_path, "plain", "model.qk_norm=false")  # QK-clip needs a model without it
   batch = stream(plain, 1)[0]
   params0 = plain.components.init_state(jax.random.PRNGKey(plain.cfg.train.seed)).params
-  _, sown = plain.components.model.module.apply({"params": params0}, batch[:, :-1],
-                                     attention_logits=True, mutable=["intermediates"])
+  # Jitted: eagerly, each of the model's operations compiles on its own.
+  _, sown = jax.jit(lambda p, x: plain.components.model.module.apply(
+      {"params": p}, x, attention_logits=True, mutable=["intermediates"]))(params0, batch[:, :-1])
   s = np.asarray(layer_max_logits(plain.cfg.model, stablejax.collect_attention_logits(sown)),
                  np.float64)                                            # [L, H]
   tau = float(np.median(s))

@@ -144,12 +144,33 @@ BAD_INPUTS = [
 ]
 
 
+def _train_main(args) -> int:
+  """train's main(ARGS) in this process: its exit code (argparse's refusals exit as SystemExit)."""
+  from stablejax.cli.train import main
+  try:
+    return main(args)
+  except SystemExit as e:
+    return e.code
+
+
 @pytest.mark.parametrize("args,needle", BAD_INPUTS)
-def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
+def test_bad_input_exits_2_with_one_line(tmp_path, capsys, args, needle):
+  # In this process: an error that escaped main() as a traceback would fail the test here too.
+  code = _train_main([*args, "--out", str(tmp_path / "run")])
+  err = capsys.readouterr().err
+  assert code == 2, err[-2000:]
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and needle in lines[0], err[-2000:]
+  assert "Traceback" not in err
+
+
+def test_bad_input_exits_2_with_one_line_from_the_process(tmp_path):
+  # The process itself: exit code 2, one error line on its stderr, no traceback.
   import subprocess
   import sys
 
   from helpers import ROOT, TRAIN
+  args, needle = BAD_INPUTS[0]
   result = subprocess.run([sys.executable, str(TRAIN), *args, "--out", str(tmp_path / "run")],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
@@ -158,29 +179,24 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, needle):
   assert "Traceback" not in result.stderr
 
 
-def test_empty_data_file_exits_2(tmp_path):
+def test_empty_data_file_exits_2(tmp_path, capsys):
   empty = tmp_path / "empty.txt"
   empty.write_text("")
-  result = run_subprocess(tmp_path / "run", f"data.train=\"{empty}\"")
-  assert result.returncode == 2
-  assert str(empty) in result.stderr and "Traceback" not in result.stderr
+  assert run_inprocess(tmp_path / "run", f"data.train=\"{empty}\"", fresh=False) == 2
+  err = capsys.readouterr().err
+  assert str(empty) in err and "Traceback" not in err
 
 
-def test_unknown_key_in_config_file_exits_2(tmp_path):
-  import subprocess
-  import sys
-
-  from helpers import ROOT, TRAIN
+def test_unknown_key_in_config_file_exits_2(tmp_path, capsys):
   config = tmp_path / "bad.json"
   config.write_text(json.dumps({"train": {"steps": 10, "learnin_rate": 0.1}}))
-  result = subprocess.run([sys.executable, str(TRAIN), "--config", str(config),
-                           "--out", str(tmp_path / "run")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300)
-  assert result.returncode == 2
-  assert result.stderr.strip() == (
+  code = _train_main(["--config", str(config), "--out", str(tmp_path / "run")])
+  err = capsys.readouterr().err
+  assert code == 2
+  assert err.strip() == (
       "error: unknown config key 'train.learnin_rate': valid keys here are "
-      + result.stderr.split("valid keys here are ")[1].strip())
-  assert "steps" in result.stderr and "Traceback" not in result.stderr
+      + err.split("valid keys here are ")[1].strip())
+  assert "steps" in err and "Traceback" not in err
 
 
 @slow
