@@ -41,6 +41,11 @@ def _np_ns(x, steps=5, eps=1e-8):
   return x.T if tall else x
 
 
+# The clamp jitted once for the module (method and threshold static): eagerly, each of its
+# operations compiles on its own for every new shape.
+_clamp = jax.jit(outliers_mod.clamp_outliers, static_argnums=(1, 2))
+
+
 def _first_step_nesterov_input(g, beta=0.95):
   # Step 1 of optax's bias-corrected Nesterov momentum: mu = (1 - b) g, count = 1.
   mu = (1 - beta) * g
@@ -114,7 +119,7 @@ def test_planted_outlier_is_clamped_and_counted(method):
   g[5, 7] = 1e4 * np.abs(g).max()
   params = {"w": jnp.zeros((64, 64))}
   tx = _single_matrix_tx(outlier_method=method, outlier_threshold=5.0)
-  updates, state = tx.update({"w": jnp.asarray(g)}, tx.init(params), params)
+  updates, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init(params), params)
   # numpy re-derivation: clamp the NS input, NS, Moonlight scale, -lr.
   m = _first_step_nesterov_input(g.astype(np.float64))
   if method == "zscore":
@@ -131,8 +136,8 @@ def test_planted_outlier_is_clamped_and_counted(method):
   assert metrics["muon/outlier_count"] == expected_count
   np.testing.assert_allclose(metrics["muon/outlier_rate"], expected_count / 64**2)
   # Without clamping the outlier entry dominates the update and squashes every other direction.
-  raw, _ = _single_matrix_tx(outlier_method=None).update({"w": jnp.asarray(g)},
-                                                          tx.init(params), params)
+  raw, _ = jax.jit(_single_matrix_tx(outlier_method=None).update)({"w": jnp.asarray(g)},
+                                                                   tx.init(params), params)
 
   def dominance(u):
     u = np.abs(np.asarray(u))
@@ -147,7 +152,7 @@ def test_planted_outlier_is_clamped_and_counted(method):
 def test_iqr_on_large_matrix_uses_subsample_and_still_clamps():
   g = np.array(_normal(4, (96, 128)))  # 12288 entries > IQR_EXACT_MAX: strided subsample
   g[50, 60] = 1e5
-  clamped, n = outliers_mod.clamp_outliers(jnp.asarray(g), "iqr", 5.0)
+  clamped, n = _clamp(jnp.asarray(g), "iqr", 5.0)
   q1, q3 = np.quantile(g, [0.25, 0.75])
   hi_exact = q3 + 2.5 * (q3 - q1)
   assert 1 <= int(n) <= 3  # the outlier, plus at most a tail entry or two of a Gaussian
@@ -178,13 +183,13 @@ def test_outlier_clamp_transform_clamps_each_matrix_in_any_chain():
   np.testing.assert_allclose(float(state[0].outlier_rate), n / (2 * 16 * 24 + 16 * 16))
   assert stablejax.stability_metrics(state)["outlier_clamp/outlier_count"] == n
   # The same rule as the Muon branch's clamp of its NS input.
-  clamped, count = outliers_mod.clamp_outliers(jnp.asarray(g["w"]), "zscore", 3.0)
+  clamped, count = _clamp(jnp.asarray(g["w"]), "zscore", 3.0)
   np.testing.assert_array_equal(-clamped, updates["w"])
 
 
 def test_zero_spread_matrix_is_not_clamped():
   x = jnp.zeros((32, 32)).at[0, 0].set(1.0)  # IQR is zero: no clamping instead of zeroing
-  out, n = outliers_mod.clamp_outliers(x, "iqr", 5.0)
+  out, n = _clamp(x, "iqr", 5.0)
   assert int(n) == 0 and np.array_equal(out, x)
 
 
@@ -199,7 +204,7 @@ def test_planted_nan_in_ns_triggers_fallback(monkeypatch):
   params = {"a": jnp.zeros((32, 48)), "b": jnp.zeros((48, 16))}
   g = {"a": _normal(5, (32, 48)), "b": _normal(6, (48, 16))}
   tx = _single_matrix_tx(outlier_method=None)
-  updates, state = tx.update(g, tx.init(params), params)
+  updates, state = jax.jit(tx.update)(g, tx.init(params), params)
   assert np.all(np.isfinite(updates["a"]))
   m = _first_step_nesterov_input(np.asarray(g["a"], np.float64))
   expected = -0.02 * 0.2 * 48**0.5 * m / np.linalg.norm(m)  # Frobenius-normalised momentum
@@ -310,7 +315,7 @@ def test_clamp_count_matches_numpy_below_and_above_2_24_entries(shape):
   for i in range(flat.shape[0]):
     flat[i, 0, : i + 2] = 1e3
     flat[i, -1, -1] = -1e3
-  clamped, n = outliers_mod.clamp_outliers(jnp.asarray(x), "zscore", 5.0)
+  clamped, n = _clamp(jnp.asarray(x), "zscore", 5.0)
   m = flat.astype(np.float64)
   mean = m.mean(axis=(-2, -1), keepdims=True)
   std = m.std(axis=(-2, -1), keepdims=True)
@@ -324,13 +329,13 @@ def test_negative_outlier_is_clamped_to_the_lower_boundary() -> None:
   g = np.array(_normal(5, (32, 32)), np.float64)
   g[2, 3] = -1e3
   g[20, 9] = 1e3
-  out, n = outliers_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "zscore", 5.0)
+  out, n = _clamp(jnp.asarray(g, jnp.float32), "zscore", 5.0)
   lo, hi = g.mean() - 5 * g.std(), g.mean() + 5 * g.std()
   assert lo < -1 and hi > 1
   np.testing.assert_allclose(float(out[2, 3]), lo, rtol=1e-4)
   np.testing.assert_allclose(float(out[20, 9]), hi, rtol=1e-4)
   assert int(n) == 2
-  out, n = outliers_mod.clamp_outliers(jnp.asarray(g, jnp.float32), "iqr", 5.0)
+  out, n = _clamp(jnp.asarray(g, jnp.float32), "iqr", 5.0)
   q1, q3 = np.quantile(g, [0.25, 0.75])
   np.testing.assert_allclose(float(out[2, 3]), q1 - 2.5 * (q3 - q1), rtol=1e-4)
   assert int(n) == 2
@@ -359,7 +364,7 @@ def test_nonfinite_momentum_falls_back_to_a_zero_update() -> None:
   tx = direction_mod.scale_by_outlier_safe_muon(ns_backend="xla")
   updates: Any
   state: Any
-  updates, state = tx.update({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros((16, 16))}))
+  updates, state = jax.jit(tx.update)({"w": jnp.asarray(g)}, tx.init({"w": jnp.zeros((16, 16))}))
   assert np.all(np.asarray(updates["w"]) == 0)
   assert int(state.fallback_count) == 1 and int(state.instability_count) == 0
 
@@ -372,7 +377,7 @@ def test_adam_groups_rates_default_to_the_adamw_rate_and_norms_are_never_decayed
   tx = stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3, adam_weight_decay=0.1)
   grads = jax.tree.map(jnp.zeros_like, params)
   updates: Any
-  updates, _ = tx.update(grads, tx.init(params), params)
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
   np.testing.assert_array_equal(updates["ln"]["scale"], 0.0)  # zero gradient, no decay
   # A zero gradient leaves AdamW's decay alone: -lr * wd * param, at the AdamW rate.
   np.testing.assert_allclose(updates["tok_embed"], -1e-3 * 0.1, rtol=1e-5)
@@ -387,9 +392,10 @@ def test_counters_saturate_at_int32_max() -> None:
   tx = direction_mod.scale_by_outlier_safe_muon(ns_backend="xla")
   state: Any = tx.init({"w": jnp.zeros((16, 16))})
   state = state._replace(outlier_count=jnp.int32(int32_max - 1))
-  _, state = tx.update({"w": jnp.asarray(g)}, state)
+  update = jax.jit(tx.update)
+  _, state = update({"w": jnp.asarray(g)}, state)
   assert int(state.outlier_count) == int32_max
-  _, state = tx.update({"w": jnp.asarray(g)}, state)
+  _, state = update({"w": jnp.asarray(g)}, state)
   assert int(state.outlier_count) == int32_max
 
 
@@ -400,9 +406,9 @@ def test_near_zero_momentum_is_not_a_unit_norm_update_nor_an_instability():
   g = _normal(12, (16, 16))
   g = {"w": g * (1e-12 / jnp.linalg.norm(g))}
   tx = _single_matrix_tx(outlier_method=None)
-  updates, state = tx.update(g, tx.init(params), params)
+  updates, state = jax.jit(tx.update)(g, tx.init(params), params)
   ref = optax.contrib.muon(0.02, ns_coeffs=STANDARD, eps=1e-8, consistent_rms=0.2)
-  want, _ = ref.update(g, ref.init(params), params)
+  want, _ = jax.jit(ref.update)(g, ref.init(params), params)
   np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-4, atol=1e-12)
   unit = 0.02 * 0.2 * 4.0  # the Frobenius norm of a fallback (unit-norm direction) update
   assert np.linalg.norm(updates["w"]) < 0.1 * unit
@@ -413,19 +419,24 @@ def test_near_zero_momentum_is_not_a_unit_norm_update_nor_an_instability():
 def test_health_check_bounds_hold_for_ns_of_any_spectrum():
   # The check must never flag a healthy NS output: singular values from 1 down to 1e-6 (relative
   # to the Frobenius norm), ranks 1 to 64, and a zero matrix.
-  key = jax.random.key(0)
+  # NS and the check jitted, the spectra built in numpy: eagerly, each operation would compile
+  # on its own for each rank.
+  def healthy_ns(x, **kw):
+    return direction_mod.ns_health(ns_mod.newton_schulz(x, **kw), x, 1e-8)[0]
+
+  check = jax.jit(lambda x: healthy_ns(x, eps=1e-8, backend="xla"))
+  rng = np.random.default_rng(0)
+  u = np.linalg.qr(rng.standard_normal((64, 64)))[0]
+  v = np.linalg.qr(rng.standard_normal((96, 96)))[0]
   for rank, s_min in [(1, 1.0), (4, 1e-6), (64, 1e-3), (64, 1.0)]:
-    u, _ = jnp.linalg.qr(jax.random.normal(key, (64, 64)))
-    v, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(1), (96, 96)))
-    s = jnp.zeros(64).at[:rank].set(jnp.geomspace(1.0, s_min, rank))
+    s = np.zeros(64)
+    s[:rank] = np.geomspace(1.0, s_min, rank)
     m = (u * s) @ v[:64]
     for scale in (1.0, 1e-9, 1e-12):
-      x = m * scale
-      out = ns_mod.newton_schulz(x, eps=1e-8, backend="xla")
-      healthy, _, _ = direction_mod.ns_health(out, x, 1e-8)
-      assert bool(healthy), (rank, s_min, scale)
+      x = jnp.asarray(m * scale, jnp.float32)
+      assert bool(check(x)), (rank, s_min, scale)
   zero = jnp.zeros((8, 8))
-  assert bool(direction_mod.ns_health(ns_mod.newton_schulz(zero), zero, 1e-8)[0])
+  assert bool(jax.jit(healthy_ns)(zero))
 
 
 @pytest.mark.filterwarnings("ignore:outlier_safe_muon")  # "attn" is an unrecognised 3-axis leaf
@@ -458,18 +469,19 @@ def test_adam_groups_are_optax_adamw_with_schedules():
   ref = optax.adamw(sched, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1)
   s, s_ref = tx.init(params), ref.init(params["embed"])
   p, p_ref = params, params["embed"]
+  update, update_ref = jax.jit(tx.update), jax.jit(ref.update)
   for k in range(4):
     grads = jax.tree.map(lambda x, k=k: _normal(20 + k, x.shape), params)
-    u, s = tx.update(grads, s, p)
-    u_ref, s_ref = ref.update(grads["embed"], s_ref, p_ref)
+    u, s = update(grads, s, p)
+    u_ref, s_ref = update_ref(grads["embed"], s_ref, p_ref)
     np.testing.assert_allclose(u["embed"], u_ref, rtol=1e-5, atol=1e-9)
     p, p_ref = optax.apply_updates(p, u), optax.apply_updates(p_ref, u_ref)
   # Norm scales get no weight decay: same as adamw without decay.
   ref_nodecay = optax.adam(sched, b1=0.9, b2=0.95)
   g0 = _normal(20, (8,))
-  u0, _ = ref_nodecay.update(g0, ref_nodecay.init(params["norm"]["scale"]))
-  u1, _ = tx.update({"embed": jnp.zeros((20, 8)), "norm": {"scale": g0}, "w": jnp.zeros((8, 8))},
-                    tx.init(params), params)
+  u0, _ = jax.jit(ref_nodecay.update)(g0, ref_nodecay.init(params["norm"]["scale"]))
+  u1, _ = update({"embed": jnp.zeros((20, 8)), "norm": {"scale": g0}, "w": jnp.zeros((8, 8))},
+                 tx.init(params), params)
   np.testing.assert_allclose(u1["norm"]["scale"], u0, rtol=1e-6)
 
 
@@ -582,7 +594,7 @@ def test_inside_optax_masked():
   grads = jax.tree.map(lambda p: _normal(p.size, p.shape), params)
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
   sub = {"w": params["w"], "b": params["b"]}
-  want, _ = alone.update({"w": grads["w"], "b": grads["b"]}, alone.init(sub), sub)
+  want, _ = jax.jit(alone.update)({"w": grads["w"], "b": grads["b"]}, alone.init(sub), sub)
   np.testing.assert_allclose(updates["w"], want["w"], rtol=1e-5, atol=1e-8)
   np.testing.assert_allclose(updates["b"], want["b"], rtol=1e-6)
   np.testing.assert_array_equal(updates["frozen"], grads["frozen"])  # optax.masked passes it on
@@ -620,7 +632,7 @@ def test_pallas_interpret_backend_inside_muon_matches_xla(monkeypatch):
   params = {"w": jnp.zeros((2, 64, 64))}
   g = {"w": _normal(11, (2, 64, 64))}
   tx_xla = stablejax.outlier_safe_muon(0.02, ns_backend="xla")
-  want = tx_xla.update(g, tx_xla.init(params), params)[0]["w"]
+  want = jax.jit(tx_xla.update)(g, tx_xla.init(params), params)[0]["w"]
   real = ns_mod.newton_schulz
   monkeypatch.setattr(ns_mod, "newton_schulz", lambda x, **kw: real(x, **kw, interpret=True))
   tx = stablejax.outlier_safe_muon(0.02, ns_backend="pallas")
@@ -680,7 +692,7 @@ def test_fused_kernel_is_optax_muon_on_each_part(consistent_rms):
   part_dims = {k: MDN(-1, -2) if k.startswith("g") else MDN(-2, -1) for k in parts}
   ref = optax.contrib.muon(0.02, consistent_rms=consistent_rms, eps=1e-8,
                            muon_weight_dimension_numbers=part_dims)
-  want = ref.update(parts, ref.init(parts), parts)[0]
+  want = jax.jit(ref.update)(parts, ref.init(parts), parts)[0]
   np.testing.assert_allclose(got["qkv"], np.concatenate([want["q"], want["k"], want["v"]], 1),
                              rtol=2e-4, atol=1e-7)
   np.testing.assert_allclose(got["gqa"], np.concatenate([want["gq"], want["gk"], want["gv"]], 0),

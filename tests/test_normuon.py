@@ -184,13 +184,16 @@ from stablejax.muon.normuon import NorMuonState
 from stablejax.training.launch.mesh import state_shardings
 
 cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16, qk_norm=False)
-params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
-grads = jax.tree.map(lambda p: jax.random.normal(jax.random.key(p.size % 13), p.shape), params)
+# Init, gradients and optimizer state jitted: eagerly, each of their operations compiles on its
+# own in this fresh process.
+params = jax.jit(GPT(cfg).init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+grads = jax.jit(lambda ps: jax.tree.map(
+    lambda p: jax.random.normal(jax.random.key(p.size % 13), p.shape), ps))(params)
 # outlier_method=None: at the suite's --xla_backend_optimization_level=0, XLA:CPU miscounts the
 # outlier clamp of a kernel cut into equal parts (eager and the default level count none)
 tx = stablejax.outlier_safe_muon(0.01, per_head=True, num_heads=4, normuon=True,
                                  outlier_method=None)
-state = tx.init(params)
+state = jax.jit(tx.init)(params)
 want, want_state = jax.jit(tx.update)(grads, state, params)
 mesh = Mesh(np.asarray(jax.devices()).reshape(1, 4), ("data", "fsdp"))
 p_sh, s_sh = state_shardings(mesh, params), state_shardings(mesh, state)

@@ -56,6 +56,12 @@ def _flat(tree):
   return out
 
 
+def _init(model):
+  """A Linen model's variables, initialised in one jitted program (eagerly, each of the init's
+  operations compiles on its own)."""
+  return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+
+
 def _updates(params, per_head, **kw):
   grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size % 97), x.shape), params)
   tx = stablejax.outlier_safe_muon(LR, outlier_method=None, ns_backend="xla",
@@ -95,7 +101,7 @@ def test_stablejax_gpt_scan_stacked(qk_norm):
   from stablejax.modeling.gpt import GPT, ModelConfig
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
                     qk_norm=qk_norm)
-  params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  params = _init(GPT(cfg))["params"]
   slices = {}
   for layer in range(2):
     for name in ("q_proj", "k_proj", "v_proj"):
@@ -137,7 +143,7 @@ def test_equinox_multihead_attention_out_in_storage():
 
 
 def test_dense_general_heads_axis():
-  params = DenseGeneralLM().init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  params = _init(DenseGeneralLM())["params"]
   slices = {}
   for block in ("blocks_0", "blocks_1"):
     base = f"{block}/DenseGeneralAttention_0"
@@ -160,7 +166,7 @@ def test_gemma_einsum_grouped_query():
 
 
 def test_layers_scanned_along_axis_one_with_logical_names():
-  variables = LayerAxisLM().init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))  # boxed
+  variables = _init(LayerAxisLM())  # boxed
   # nn.scan(variable_axes={'params': 1}): q/k/v [D, L, H, hd], o [H, L, hd, D]
   slices = {f"decoder/{n}/kernel": [(slice(None), layer, h, slice(None)) for layer in range(3)
                                     for h in range(4)] for n in "qkv"}
@@ -197,7 +203,7 @@ def test_per_head_errors_and_describe():
   from stablejax.modeling.gpt import GPT, ModelConfig
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
                     qk_norm=False)
-  params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  params = _init(GPT(cfg))["params"]
   with pytest.raises(ValueError, match="num_heads="):
     stablejax.outlier_safe_muon(LR, per_head=True).init(params)
   with pytest.raises(ValueError, match="num_heads"):
@@ -222,7 +228,7 @@ def test_given_dimension_numbers_win_over_per_head():
   from stablejax.muon import routing
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
                     qk_norm=False)
-  params = GPT(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  params = _init(GPT(cfg))["params"]
   whole = optax.contrib.MuonDimensionNumbers(-2, -1)
 
   def given(p):

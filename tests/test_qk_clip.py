@@ -100,6 +100,7 @@ def test_clipped_logit_is_tau_exactly_through_the_biases():
     k = (x @ p["attn"]["k"]["kernel"][0] + p["attn"]["k"]["bias"][0]).reshape(2, t, heads, hd)
     return stablejax.attention_logit_max(q, k, is_causal=True)
 
+  max_logits = jax.jit(max_logits)  # called twice; eagerly each operation compiles on its own
   before = max_logits(params)
   tau = float(np.sort(np.asarray(before))[1])         # two heads above, one at, one below
   layer = AttentionLayer("attn", heads, heads, stack_ndim=1,
@@ -107,7 +108,7 @@ def test_clipped_logit_is_tau_exactly_through_the_biases():
                          key=(HeadParam("attn/k/kernel", -1), HeadParam("attn/k/bias", -1)))
   tx = stablejax.qk_clip(tau=tau, layers=[layer])
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = tx.update(zeros, tx.init(params), params, max_logits={"attn": before[None]})
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params, max_logits={"attn": before[None]})
   after = np.asarray(max_logits(optax.apply_updates(params, updates)))
   before = np.asarray(before)
   np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
@@ -123,7 +124,7 @@ def test_grouped_query_attention_scales_query_by_gamma_and_leaves_shared_keys():
   logits = np.array([50.0, 400.0, 200.0, 100.5], np.float32)
   tx = stablejax.qk_clip(tau=TAU, layers=[layer])
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, state = tx.update(zeros, tx.init(params), params, max_logits={"blk": logits})
+  updates, state = jax.jit(tx.update)(zeros, tx.init(params), params, max_logits={"blk": logits})
   got = optax.apply_updates(params, updates)
   want_q = np.asarray(params["q"], np.float64) * _gamma(logits)[None, :, None]
   np.testing.assert_allclose(np.asarray(got["q"]), want_q, rtol=1e-6)
@@ -139,8 +140,8 @@ def test_fused_projection_select_scales_only_its_slice():
                          key=(HeadParam("qkv", 1, select=(0, 1)),))
   logits = np.array([400.0, 10.0], np.float32)
   tx = stablejax.qk_clip(tau=TAU, layers=[layer])
-  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params,
-                         max_logits={"att": logits})
+  updates, _ = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params),
+                                  params, max_logits={"att": logits})
   got = np.asarray(optax.apply_updates(params, updates)["qkv"])
   want = np.asarray(params["qkv"], np.float64).copy()
   want[0:2, 0] *= np.sqrt(TAU / 400.0)
@@ -168,7 +169,7 @@ def test_inside_skip_nonfinite_a_skipped_step_clips_nothing():
   assert not bool(state.skipped)
   new_q = np.asarray(optax.apply_updates(params, updates)["attn"]["q"]["kernel"])
   adam_only = optax.adamw(1e-2)
-  u, _ = adam_only.update(good, adam_only.init(params), params)
+  u, _ = jax.jit(adam_only.update)(good, adam_only.init(params), params)
   want = (np.asarray(params["attn"]["q"]["kernel"]) + np.asarray(u["attn"]["q"]["kernel"])) \
       * np.sqrt(TAU / 1e3)
   np.testing.assert_allclose(new_q, want, rtol=1e-5, atol=1e-6)
@@ -184,7 +185,7 @@ def test_inside_skip_spikes_and_after_outlier_safe_muon_under_jit():
   grads = _as_jnp(jax.tree.map(lambda p: rng.normal(size=p.shape), params))
   updates, state = jax.jit(tx.update)(grads, tx.init(params), params, loss=jnp.float32(2.0),
                                       max_logits={"attn": logits})
-  u, _ = muon.update(grads, muon.init(params), params)
+  u, _ = jax.jit(muon.update)(grads, muon.init(params), params)
   want = _expected_mha(params, u, np.asarray(logits))
   got = optax.apply_updates(params, updates)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-6),
@@ -196,14 +197,14 @@ def test_layers_found_from_flax_mha_params_with_biases():
   import flax.linen as nn
   mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
   x = jnp.ones((1, 3, 16))
-  attn = jax.tree.map(lambda p: p, mha.init(jax.random.key(0), x)["params"])
+  attn = jax.tree.map(lambda p: p, jax.jit(mha.init)(jax.random.key(0), x)["params"])
   for i, proj in enumerate(("query", "key")):   # Flax starts biases at zero: make them count
     attn[proj]["bias"] = jax.random.normal(jax.random.key(i + 1), attn[proj]["bias"].shape)
   params = {"embed": jnp.zeros((50, 16)), "attn": attn}
   logits = np.array([50.0, 400.0, 150.0, 90.0], np.float32)
   tx = stablejax.qk_clip(tau=TAU)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, state = tx.update(zeros, tx.init(params), params, max_logits={"attn": logits})
+  updates, state = jax.jit(tx.update)(zeros, tx.init(params), params, max_logits={"attn": logits})
   got = optax.apply_updates(params, updates)["attn"]
   g = np.sqrt(_gamma(logits))
   for proj in ("query", "key"):
@@ -222,8 +223,8 @@ def test_layers_as_a_function_of_params_and_clear_errors():
   params = _as_jnp(_mha_params(rng))
   zeros = jax.tree.map(jnp.zeros_like, params)
   tx = stablejax.qk_clip(layers=lambda p: [MHA])
-  updates, _ = tx.update(zeros, tx.init(params), params,
-                         max_logits={"attn": jnp.full((2, 4), 400.0)})
+  updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params,
+                                  max_logits={"attn": jnp.full((2, 4), 400.0)})
   assert float(jnp.abs(updates["attn"]["q"]["kernel"]).max()) > 0
   with pytest.raises(ValueError, match="max_logits"):
     tx.update(zeros, tx.init(params), params)
@@ -270,8 +271,8 @@ def test_gemma_style_einsum_model_heads_clip_to_tau(kv_heads):
   params = nnx.as_pure(nnx.state(model, nnx.Param))
   tx = stablejax.qk_clip(tau=tau)
   logits = {"layers/0/attn": jnp.asarray(before), "layers/1/attn": jnp.zeros(4)}
-  updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params,
-                             max_logits=logits)
+  updates, state = jax.jit(tx.update)(jax.tree.map(jnp.zeros_like, params), tx.init(params),
+                                      params, max_logits=logits)
   nnx.update(model, optax.apply_updates(params, updates))
   after = np.asarray(max_logits())
   np.testing.assert_allclose(after, np.minimum(before, tau), rtol=1e-5)
@@ -323,8 +324,8 @@ def test_shared_key_head_whose_query_heads_all_exceed_tau_keeps_its_weights():
                      "o_proj": {"kernel": jnp.zeros((4 * hd, d))}}}
   tx = stablejax.qk_clip(tau, num_heads=4, num_kv_heads=2)
   zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, state = tx.update(zeros, tx.init(params), params,
-                             max_logits={"attn": jnp.asarray(before, jnp.float32)})
+  updates, state = jax.jit(tx.update)(zeros, tx.init(params), params,
+                                      max_logits={"attn": jnp.asarray(before, jnp.float32)})
   got = optax.apply_updates(params, updates)["attn"]
   np.testing.assert_array_equal(got["k_proj"]["kernel"], params["attn"]["k_proj"]["kernel"])
   want_q = wq.copy()
@@ -356,8 +357,8 @@ def test_fused_2d_qkv_kernel_scales_only_the_query_and_key_spans():
                                                                else (d, 4 * d))}}}}}
     tx = stablejax.qk_clip(TAU, num_heads=heads)
     zeros = jax.tree.map(jnp.zeros_like, params)
-    updates, _ = tx.update(zeros, tx.init(params), params,
-                           max_logits={"h/0/attn": jnp.asarray(logits)})
+    updates, _ = jax.jit(tx.update)(zeros, tx.init(params), params,
+                                    max_logits={"h/0/attn": jnp.asarray(logits)})
     got = optax.apply_updates(params, updates)["h"]["0"]["attn"]["c_attn"]
     want = kernel * (want_cols[:, None] if out_in else want_cols[None, :])
     np.testing.assert_allclose(got["kernel"], want, rtol=1e-6, err_msg=f"out_in={out_in}")
