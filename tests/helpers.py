@@ -147,19 +147,6 @@ def gpt_params(model_cfg, *, seq_len: int = 8, seed: int = 0, abstract: bool = F
   return variables["params"]
 
 
-def hf_flax_model(model_class, config, seed: int = 0):
-  """``(model, params)``: a Hugging Face Flax model of ``config`` without its eager
-  initialisation (``_do_init=False``, documented for models whose weights are set afterwards),
-  and its ``init_weights`` for ``PRNGKey(seed)`` in one jitted program: the weights
-  ``model_class(config, seed=seed)`` draws (the same random keys), for a fraction of the CPU
-  time (the eager one compiles each operation on its own). Call it as
-  ``model(tokens, params=params)``."""
-  import jax
-  model = model_class(config, seed=seed, _do_init=False)
-  init = jax.jit(model.init_weights, static_argnums=1)
-  return model, init(jax.random.PRNGKey(seed), (1, 1))
-
-
 def llama_params_from_hf(hf_params, n_layers: int, scan_layers: bool = True) -> dict:
   """The llama family's parameters (stablejax.modeling.llama's layout) holding the weights of a
   Hugging Face ``FlaxLlamaForCausalLM`` or ``FlaxMistralForCausalLM`` (``model.params``)."""

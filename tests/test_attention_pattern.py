@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import hf_flax_model, llama_params_from_hf
+from helpers import llama_params_from_hf
 
 PLUGINS = Path(__file__).parent / "plugins"
 V, D, H, K, L, T = 64, 32, 4, 2, 2, 12
@@ -130,14 +130,14 @@ def test_a_window_as_long_as_the_sequence_is_llama(mistral):
 
 def test_logits_equal_hugging_face_mistral_for_the_same_weights(mistral):
   transformers = pytest.importorskip("transformers")
-  hf, hf_params = hf_flax_model(transformers.FlaxMistralForCausalLM, transformers.MistralConfig(
+  hf = transformers.FlaxMistralForCausalLM(transformers.MistralConfig(
       vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=16,
-      rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False))
-  params = llama_params_from_hf(hf_params, L)
+      rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False), seed=0)
+  params = llama_params_from_hf(hf.params, L)
   model = _model("mistral", sliding_window=3, d_ff=48, qk_norm=False, norm_eps=1e-5)
   tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
-  theirs = np.asarray(jax.jit(lambda p, t: hf(t, params=p).logits)(hf_params, tokens))
+  theirs = np.asarray(hf(tokens).logits)
   got = np.asarray(model.logits(params, tokens, 0))
   np.testing.assert_allclose(got, theirs, rtol=0, atol=2e-6 * np.abs(theirs).max() + 1e-6)
   wider = _model("mistral", sliding_window=5, d_ff=48, qk_norm=False, norm_eps=1e-5)

@@ -7,34 +7,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import hf_flax_model, llama_params_from_hf, read_metrics, run_inprocess, slow
+from helpers import llama_params_from_hf, read_metrics, run_inprocess, slow
 
 V, D, H, K, L, F = 64, 32, 4, 2, 2, 48
 
 
-@pytest.fixture(scope="module")
-def hf_llama():
-  """Hugging Face's Llama at the sizes above (seed 0), its parameters, and its logits of the
-  tokens below: made once for both layouts."""
+def _hf_and_ours(scan_layers: bool, tie: bool = False):
   transformers = pytest.importorskip("transformers")
+  from stablejax.modeling.llama import Llama, LlamaConfig
   hf_cfg = transformers.LlamaConfig(
       vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=32,
       rms_norm_eps=1e-5, tie_word_embeddings=False)
-  hf, hf_params = hf_flax_model(transformers.FlaxLlamaForCausalLM, hf_cfg)
-  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, V)
-  theirs = np.asarray(jax.jit(lambda p, t: hf(t, params=p).logits)(hf_params, tokens))
-  return hf_params, tokens, theirs
+  hf = transformers.FlaxLlamaForCausalLM(hf_cfg, seed=0)
+  params = llama_params_from_hf(hf.params, L, scan_layers)
+  cfg = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, d_ff=F,
+                    max_seq_len=32, qk_norm=False, norm_eps=1e-5, scan_layers=scan_layers)
+  return hf, Llama(cfg), params
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
-def test_logits_equal_hugging_face_llama_for_the_same_weights(scan_layers, hf_llama):
-  from stablejax.modeling.llama import Llama, LlamaConfig
-  hf_params, tokens, theirs = hf_llama
-  params = llama_params_from_hf(hf_params, L, scan_layers)
-  cfg = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, d_ff=F,
-                    max_seq_len=32, qk_norm=False, norm_eps=1e-5, scan_layers=scan_layers)
-  got = np.asarray(Llama(cfg).apply({"params": params}, tokens))
+def test_logits_equal_hugging_face_llama_for_the_same_weights(scan_layers):
+  hf, ours, params = _hf_and_ours(scan_layers)
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, V)
+  theirs = np.asarray(hf(tokens).logits)
+  got = np.asarray(ours.apply({"params": params}, tokens))
   np.testing.assert_allclose(got, theirs, rtol=0, atol=2e-6 * np.abs(theirs).max() + 1e-6)
 
 
