@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -70,9 +71,11 @@ def test_the_declaration_gives_the_config_section_its_validation_and_the_chain(d
   with_it, without = build_optimizer(cfg), build_optimizer(load_config(
       None, ["optimizer.name=adamw", "train.steps=10", "train.warmup_steps=1"]))
   state_a, state_b = with_it.init(params), without.init(params)
+  # Each chain's update jitted, as the trainer runs it (one program, not one per operation).
+  update_a, update_b = jax.jit(with_it.update), jax.jit(without.update)
   for _ in range(2):  # the warmup's first rate is 0
-    a, state_a = with_it.update(grads, state_a, params, loss=jnp.float32(1.0))
-    b, state_b = without.update(grads, state_b, params, loss=jnp.float32(1.0))
+    a, state_a = update_a(grads, state_a, params, loss=jnp.float32(1.0))
+    b, state_b = update_b(grads, state_b, params, loss=jnp.float32(1.0))
   assert float(a["w"][0]) == pytest.approx(0.5 * float(b["w"][0]), rel=1e-6) != 0.0
   # skip_nonfinite(skip_spikes(chain(zclip, adamw, scale_updates, lr scale))), keyed by name
   assert sorted(state_a) == ["lr_scale", "optimizer", "scale_updates", "skip_nonfinite",

@@ -83,19 +83,22 @@ def test_cached_decoding_equals_the_full_forward_pass(mistral, pattern):
   model = _model("mistral", sliding_window=3) if pattern == "window" else _dilated()
   params = _params(model)
   tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
-  full = np.asarray(model.logits(params, tokens, 0))
-  first, cache = model.decode_start(params, tokens[:, :4], 0)
+  # Each call jitted, as the trainer and the sampler run them: one program each, not one per
+  # operation (the decoding steps share theirs).
+  full = np.asarray(jax.jit(model.logits)(params, tokens, 0))
+  first, cache = jax.jit(model.decode_start)(params, tokens[:, :4], 0)
   steps = [np.asarray(first)]
+  decode_next = jax.jit(model.decode_next)
   for i in range(4, T):  # past the window: the cache's old keys must be left out
-    logits, cache = model.decode_next(params, cache, tokens[:, i:i + 1], 0)
+    logits, cache = decode_next(params, cache, tokens[:, i:i + 1], 0)
     steps.append(np.asarray(logits))
   np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0,
                              atol=1e-5 * np.abs(full).max())
   # The max-logit path masks alike: its logits are the forward pass's.
-  with_attention, _ = model.logits_and_attention(params, tokens, 0)
+  with_attention, _ = jax.jit(model.logits_and_attention)(params, tokens, 0)
   np.testing.assert_allclose(with_attention, full, rtol=0, atol=1e-5 * np.abs(full).max())
   # The pattern changes the logits (else the checks above would hold for any pattern).
-  plain = np.asarray(_model("llama").logits(params, tokens, 0))
+  plain = np.asarray(jax.jit(_model("llama").logits)(params, tokens, 0))
   assert np.abs(plain - full).max() > 1e-3
 
 

@@ -43,8 +43,11 @@ def test_nnx_example():
 
 
 @pytest.mark.slow
-def test_linen_example():
-  stdout = run_example("linen_lm.py")
+def test_linen_example(capsys):
+  # Its main() in this process (the interpreter's start-up and imports are the NNX example's
+  # subprocess's to check): the same script, loaded by path as Python runs it.
+  load_example("linen_lm").main(SMALL)
+  stdout = capsys.readouterr().out
   assert _row(stdout, "Dense_0/kernel")[2] == "head"  # the unnamed last Dense, found by shape
   assert "note: Dense_0/kernel (32, 256) is routed to 'head'" in stdout
   assert _row(stdout, "Embed_0/embedding")[2] == "embedding"

@@ -45,9 +45,20 @@ def _val_tokens(cfg, n):
   return [b["tokens"] for b in data.val_batches(n)]
 
 
+_FORWARD: dict = {}
+
+
+def _forward(model_cfg):
+  """One jitted forward pass per model config (the numpy evaluations of one config share it)."""
+  key = repr(model_cfg)
+  if key not in _FORWARD:
+    _FORWARD[key] = jax.jit(lambda p, t: GPT(model_cfg).apply({"params": p}, t))
+  return _FORWARD[key]
+
+
 def _numpy_val_loss(model_cfg, params, batches) -> float:
   """Mean over batches of the mean next-token cross-entropy, log-softmax in float64 numpy."""
-  forward = jax.jit(lambda p, t: GPT(model_cfg).apply({"params": p}, t))
+  forward = _forward(model_cfg)
   losses = []
   for tokens in batches:
     logits = np.asarray(forward(params, tokens[:, :-1]), np.float64)

@@ -162,8 +162,12 @@ def test_module_entry_point(tmp_path):
 
 
 def _summary(tmp_path, records, window=100):
-  (tmp_path / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
-  return report.make_report(tmp_path, window=window)[1].splitlines()
+  """The summary make_report prints for these records (read back from metrics.jsonl), without
+  drawing its PNG: the tests above and the CLI's draw it."""
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("\n".join(map(json.dumps, records)) + "\n")
+  read, bad = report.read_metrics(path)
+  return report.format_summary(report.analyse(read, window=window), bad_lines=bad).splitlines()
 
 
 def _clean(steps):

@@ -20,8 +20,28 @@ VARIANTS = {
 }
 
 
+_PARAMS: dict = {}
+
+
 def init(cfg: ModelConfig, seed: int = 1):
-  return gpt_params(cfg, seed=seed)
+  """The parameters of ``cfg`` (initialised once per config and seed in this module: each
+  initialisation is a program to compile)."""
+  key = (repr(cfg), seed)
+  if key not in _PARAMS:
+    _PARAMS[key] = gpt_params(cfg, seed=seed)
+  return _PARAMS[key]
+
+
+_GENERATORS: dict = {}
+
+
+def cached_generator(cfg: ModelConfig) -> Generator:
+  """One KV-cache ``Generator(cfg)`` (no top-k, every id) per config in this module: a Generator
+  jits its own segment, so each new one compiles every prompt and segment shape again."""
+  key = repr(cfg)
+  if key not in _GENERATORS:
+    _GENERATORS[key] = Generator(cfg)
+  return _GENERATORS[key]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -64,11 +84,13 @@ def test_sampling_is_deterministic_for_a_seed():
 def test_top_k_1_is_greedy_and_padding_ids_are_never_drawn():
   cfg = ModelConfig(**BASE)
   params = init(cfg)
-  greedy = Generator(cfg).generate(params, [4, 9], 16, temperature=0.0)
+  greedy = cached_generator(cfg).generate(params, [4, 9], 16, temperature=0.0)
   top1 = Generator(cfg, top_k=1).generate(params, [4, 9], 16, temperature=1.5, seed=3)
   assert np.array_equal(greedy, top1)
-  drawn = Generator(cfg, valid_vocab=10).generate(params, [4, 9], 64, temperature=5.0, seed=0,
-                                                  num_samples=4)
+  # W - 1 = 31 tokens: one segment (one program); the padding rule is sample_logits' for every
+  # segment alike.
+  drawn = Generator(cfg, valid_vocab=10).generate(params, [4, 9], cfg.max_seq_len - 1,
+                                                  temperature=5.0, seed=0, num_samples=4)
   assert drawn.max() < 10 and len(np.unique(drawn)) > 3
 
 
@@ -100,12 +122,14 @@ def test_greedy_kv_cache_uses_the_whole_window_for_every_prompt_length():
   cfg = ModelConfig(**SHORT)
   window = cfg.max_seq_len
   params = init(cfg)
-  gen = Generator(cfg)
+  gen = cached_generator(cfg)
   rng = np.random.default_rng(0)
   for length in range(1, window + 1):
     prompt = rng.integers(1, cfg.vocab_size, size=length).tolist()
     n_new = window - length + 1
-    want, _ = greedy_reference(cfg, params, prompt, n_new)
+    # Full recomputation (within the window, the windowed reference's context is the whole
+    # sequence): one jitted forward pass for every length, not a new program per call.
+    want = windowed_reference(cfg, params, prompt, n_new)
     got = gen.generate(params, prompt, n_new, temperature=0.0)[0].tolist()
     assert got == want, f"prompt length {length}"
 
@@ -146,7 +170,7 @@ def test_generation_past_the_context_window_follows_the_stated_policy(length):
   params = init(cfg)
   prompt = np.random.default_rng(length).integers(1, cfg.vocab_size, size=length).tolist()
   n_new = 3 * cfg.max_seq_len + 5  # several re-prefills
-  got = Generator(cfg).generate(params, prompt, n_new, temperature=0.0)[0].tolist()
+  got = cached_generator(cfg).generate(params, prompt, n_new, temperature=0.0)[0].tolist()
   assert got == windowed_reference(cfg, params, prompt, n_new)
   assert len(set(got)) > 2
 
@@ -388,7 +412,7 @@ def test_a_family_without_decoding_samples_by_re_running_the_model():
   params = init(cfg)
   model = _forward_only(cfg)
   assert not model.supports("decoding")
-  gen, cached = Generator(model), Generator(cfg)
+  gen, cached = Generator(model), cached_generator(cfg)
   assert gen.method == RECOMPUTE and cached.method != RECOMPUTE
   rng = np.random.default_rng(1)
   for length in (1, 5, window):
@@ -401,12 +425,14 @@ def test_a_family_without_decoding_samples_by_re_running_the_model():
         gen.generate(params, prompt, n_new, temperature=0.8, seed=3, num_samples=3),
         cached.generate(params, prompt, n_new, temperature=0.8, seed=3, num_samples=3))
   # Past the window, nanoGPT's crop: each token is the argmax of a forward pass over the last W
-  # tokens, run here by hand, unpadded.
+  # tokens, run here by hand, unpadded (one jitted forward pass: a program per context length,
+  # not one per operation and length).
   prompt = [3, 5, 7]
   ids = list(prompt)
+  forward = _forward(cfg)
   for _ in range(3 * window):
     context = jnp.asarray([ids[-window:]], jnp.int32)
-    ids.append(int(np.argmax(GPT(cfg).apply({"params": params}, context)[0, -1])))
+    ids.append(int(np.argmax(forward({"params": params}, context)[0, -1])))
   got = gen.generate(params, prompt, 3 * window, temperature=0.0)[0].tolist()
   assert got == ids[len(prompt):] and len(set(got)) > 2
 
