@@ -331,5 +331,8 @@ def test_trainer_banner_and_logged_lr(tmp_path, capsys):
   train = {r["step"]: r for r in read_metrics(out) if "loss" in r and "event" not in r}
   applied = 0
   for s in range(1, 13):   # record s: the s-th step, index s - 1 in faults.nan_grad_steps
-    assert train[s]["lr"] == float(rate(applied, jnp.float32(1.0))), s
+    # Two programs may round the last bit differently (tests/conftest.py's XLA flags): 2 ulp;
+    # neighbouring counts' rates differ by far more, so a wrong count still fails.
+    expected = np.float32(rate(applied, jnp.float32(1.0)))
+    assert abs(np.float32(train[s]["lr"]) - expected) <= 2 * np.spacing(expected), s
     applied += (s - 1) not in (3, 4)
