@@ -41,6 +41,19 @@ TINY = [
 DIAGNOSTICS = ("logging.histogram_every=20", "logging.activation_every=20")
 
 
+def once_per_config(make):
+  """``make(*args)`` memoised by the repr of its arguments (model configs are unhashable
+  dataclasses): a test module builds each config's parameters or jitted programs once."""
+  made: dict = {}
+
+  def get(*args, **kwargs):
+    key = repr((args, sorted(kwargs.items())))
+    if key not in made:
+      made[key] = make(*args, **kwargs)
+    return made[key]
+  return get
+
+
 def sets(*overrides: str) -> list[str]:
   args = []
   for item in (*TINY, *overrides):

@@ -16,7 +16,7 @@ from stablejax.data.pipeline import build_data
 from stablejax.training.trained.quantized_eval import RESULT_FILE, quantize_eval
 from stablejax.training.trained.run import load_run_config
 from stablejax.modeling.gpt import GPT
-from helpers import (assert_unusable_path_is_one_line, run_inprocess, summary,
+from helpers import (assert_unusable_path_is_one_line, once_per_config, run_inprocess, summary,
                      unusable_path_cases)
 
 STEPS = 60   # fewer leave the weights so close to their initial noise that 2 bits barely matter
@@ -45,15 +45,10 @@ def _val_tokens(cfg, n):
   return [b["tokens"] for b in data.val_batches(n)]
 
 
-_FORWARD: dict = {}
-
-
+@once_per_config
 def _forward(model_cfg):
   """One jitted forward pass per model config (the numpy evaluations of one config share it)."""
-  key = repr(model_cfg)
-  if key not in _FORWARD:
-    _FORWARD[key] = jax.jit(lambda p, t: GPT(model_cfg).apply({"params": p}, t))
-  return _FORWARD[key]
+  return jax.jit(lambda p, t: GPT(model_cfg).apply({"params": p}, t))
 
 
 def _numpy_val_loss(model_cfg, params, batches) -> float:

@@ -9,7 +9,8 @@ import pytest
 
 from stablejax.training.trained.decoding import Generator, greedy_reference, sample_logits
 from stablejax.modeling.gpt import GPT, ModelConfig
-from helpers import assert_unusable_path_is_one_line, gpt_params, unusable_path_cases
+from helpers import (assert_unusable_path_is_one_line, gpt_params, once_per_config,
+                     unusable_path_cases)
 
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=32,
             compute_dtype="float32", init_std=0.2, qk_norm=False)
@@ -20,28 +21,18 @@ VARIANTS = {
 }
 
 
-_PARAMS: dict = {}
-
-
+@once_per_config
 def init(cfg: ModelConfig, seed: int = 1):
   """The parameters of ``cfg`` (initialised once per config and seed in this module: each
   initialisation is a program to compile)."""
-  key = (repr(cfg), seed)
-  if key not in _PARAMS:
-    _PARAMS[key] = gpt_params(cfg, seed=seed)
-  return _PARAMS[key]
+  return gpt_params(cfg, seed=seed)
 
 
-_GENERATORS: dict = {}
-
-
+@once_per_config
 def cached_generator(cfg: ModelConfig) -> Generator:
   """One KV-cache ``Generator(cfg)`` (no top-k, every id) per config in this module: a Generator
   jits its own segment, so each new one compiles every prompt and segment shape again."""
-  key = repr(cfg)
-  if key not in _GENERATORS:
-    _GENERATORS[key] = Generator(cfg)
-  return _GENERATORS[key]
+  return Generator(cfg)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -134,15 +125,10 @@ def test_greedy_kv_cache_uses_the_whole_window_for_every_prompt_length():
     assert got == want, f"prompt length {length}"
 
 
-_FORWARD: dict = {}
-
-
+@once_per_config
 def _forward(cfg):
   """One jitted forward pass per model config, so the reference compiles once."""
-  key = repr(cfg)
-  if key not in _FORWARD:
-    _FORWARD[key] = jax.jit(GPT(cfg).apply)
-  return _FORWARD[key]
+  return jax.jit(GPT(cfg).apply)
 
 
 def windowed_reference(cfg, params, prompt, n_new):
