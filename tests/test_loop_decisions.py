@@ -165,14 +165,76 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   assert again.eval_step is first.eval_step and again.data is data
   longer = components_lib.build_components(tiny_config("train.steps=41"), data)
   assert longer.train_step is not first.train_step  # the schedule is laid over the steps
+  # Settings only the host reads (faults, when to save and log, the recovery's policy) share the
+  # programs; the run's own config stays the caller's.
+  host_only = tiny_config("faults.nan_grad_steps=[3]", "checkpoint.keep=1",
+                          "logging.progress=false", "stability.recovery.max_rollbacks=7")
+  shared = components_lib.build_components(host_only, data)
+  assert shared.train_step is first.train_step and shared.cfg is host_only
+  # checkpoint.every is read by the step (the steps whose metrics are read): programs of its own
+  every = components_lib.build_components(tiny_config("checkpoint.every=7"), data)
+  assert every.train_step is not first.train_step
 
   class ProbeState(NamedTuple):
     hits: Any
 
   metrics.register_state_metrics(ProbeState, "reuse_probe", lambda s: {})
   try:
-    after = components_lib.build_components(cfg, data)
+    after = components_lib.build_components(cfg, data)  # (the memo holds four: cfg is still one)
     assert after.train_step is not first.train_step
   finally:
     metrics.unregister_state_metrics(ProbeState)
   assert len(components_lib._BUILT) <= components_lib._BUILT_KEPT
+
+
+def _changed(value: Any) -> Any:
+  """A value other than ``value`` of its kind (the programs must not read it)."""
+  if isinstance(value, bool):
+    return not value
+  if isinstance(value, (int, float)):
+    return value * 2 + 3
+  if isinstance(value, str):
+    return value + "changed"
+  if isinstance(value, list):
+    return [*value, 7]
+  return 7  # None: an optional step, device, count or rate
+
+
+def test_no_program_reads_a_host_only_setting() -> None:
+  # Every HOST_ONLY setting changed at once, bypassing program_config: each program lowers to the
+  # same module as with the defaults, so sharing programs between such configs never runs a stale
+  # one. A program that read one of them would differ here.
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+
+  from helpers import tiny_config
+  from stablejax.training.loop import components as components_lib
+
+  cfg = tiny_config()
+  changed = {}
+  for path, fields in components_lib.HOST_ONLY.items():
+    top, _, sub = path.partition(".")
+    section = getattr(cfg.stability, sub) if sub else getattr(cfg, top)
+    names = fields if fields is not None else [f.name for f in dataclasses.fields(section)]
+    changed[path] = dataclasses.replace(section, **{n: _changed(getattr(section, n))
+                                                    for n in names})
+  other = dataclasses.replace(
+      cfg, stability=dataclasses.replace(cfg.stability, **{
+          p.split(".")[1]: v for p, v in changed.items() if "." in p}),
+      **{p: v for p, v in changed.items() if "." not in p})
+  assert other.faults.nan_grad_steps == [7] and other.checkpoint.keep != cfg.checkpoint.keep
+
+  def lowered(c: Any) -> list[str]:
+    built = components_lib._build_programs(c, None, None)
+    t = c.train
+    tokens = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
+                                  jnp.int32, sharding=built.tokens_sharding)
+    batch = {"tokens": tokens, "grad_scale": jax.ShapeDtypeStruct((), jnp.float32)}
+    params, step = built.abstract_state.params, jax.ShapeDtypeStruct((), jnp.int32)
+    return [built.train_step.lower(built.abstract_state, batch).as_text(),
+            built.init_state.lower(jax.ShapeDtypeStruct((2,), jnp.uint32)).as_text(),
+            built.logit_telemetry.lower(params, tokens, step).as_text()]
+
+  assert lowered(other) == lowered(cfg)

@@ -378,7 +378,9 @@ class ModelFamily:
       ``"float16"``); an optional ``validate(self)`` raises ``ValueError`` naming the key
       (``model.<key>``) and the fix.
     build: ``(section, run_config) -> LanguageModel``; ``run_config`` is the whole trainer
-      config, or None outside the trainer.
+      config, or None outside the trainer. The trainer builds its programs from the config with
+      the settings only the host reads (when to log and save, faults, the recovery's policy:
+      ``stablejax.training.loop.components.HOST_ONLY``) at their defaults.
     label: one line for the docs.
   """
 

@@ -112,18 +112,63 @@ class Components:
 
 
 # The components of the last configs built in this process, by what their programs depend on:
-# another run here with the same config (a resume or a repeated config in a notebook or a sweep,
-# the stages of a test) calls the same jitted functions, which JAX has already traced and
-# compiled, instead of tracing, lowering and loading every program again.
+# another run here with the same program config (a resume, a repeated config in a notebook or a
+# sweep, the stages of a test, runs that differ only in faults or in when they log and save)
+# calls the same jitted functions, which JAX has already traced and compiled, instead of tracing,
+# lowering and loading every program again.
 _BUILT: collections.OrderedDict[tuple, Components] = collections.OrderedDict()
 _BUILT_KEPT = 4
+
+# Settings that only the host reads: when to evaluate, sample and report, how many checkpoints to
+# keep, the recovery's policy (its LR backoff reaches the programs as arguments), the run's checks
+# and the deliberate faults (applied to the batch and the state on the host). The programs are
+# built from the config with these at their defaults (:func:`program_config`), so configs that
+# differ only here share one set of programs, and no program can depend on one of them: it would
+# see the default in every run, not a stale value in some. None: the whole section.
+HOST_ONLY: dict[str, Optional[tuple[str, ...]]] = {
+    "train": ("eval_every", "eval_batches", "peak_flops_per_device", "time_budget_minutes",
+              "target_val_loss", "rewarmup_steps", "compilation_cache"),
+    "checkpoint": ("keep", "async_save"),
+    "logging": ("tensorboard", "progress", "histogram_every", "activation_every",
+                "attention_logits", "grad_norm_high", "grad_norm_critical", "sample_every",
+                "sample_prompt", "sample_tokens"),
+    "stability.recovery": ("emergency_lr_factor", "max_rollbacks", "loss_window",
+                           "loss_explosion_factor", "max_transients", "transient_window",
+                           "reject_after"),
+    "stability.determinism": None,
+    "stability.replicas": None,
+    "stability.watchdog": None,
+    "faults": None,
+}
+
+
+def program_config(cfg: Config) -> Config:
+  """``cfg`` with the settings of :data:`HOST_ONLY` at their defaults: what the programs are
+  built from (the model family's builder sees it too)."""
+  def at_defaults(section: Any, fields: Optional[tuple[str, ...]]) -> Any:
+    default = type(section)()
+    if fields is None:
+      return default
+    return dataclasses.replace(section, **{f: getattr(default, f) for f in fields})
+
+  sections: dict[str, Any] = {}
+  stability: dict[str, Any] = {}
+  for path, fields in HOST_ONLY.items():
+    top, _, sub = path.partition(".")
+    if sub:
+      stability[sub] = at_defaults(getattr(cfg.stability, sub), fields)
+    else:
+      sections[top] = at_defaults(getattr(cfg, top), fields)
+  stability_section: Any = cfg.stability  # a dataclass built from the registry
+  return dataclasses.replace(cfg, stability=dataclasses.replace(stability_section, **stability),
+                             **sections)
 
 
 def _program_key(cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
                  optimizer: Optional[OptimizerFactory]) -> tuple:
-  """What the built programs depend on: the whole config (its repr: every field), the caller's
-  chain or factory (by identity), the registries' declarations (a plugin loaded since changes
-  them) and the devices."""
+  """What the built programs depend on: the program config (``cfg`` from
+  :func:`program_config`; its repr: every field), the caller's chain or factory (by identity),
+  the registries' declarations (a plugin loaded since changes them) and the devices."""
   return (repr(cfg), tx, optimizer, _registry.generation(), tuple(jax.devices()))
 
 
@@ -132,7 +177,8 @@ def build_components(cfg: Config, data: Data, *,
                      optimizer: Optional[OptimizerFactory] = None,
                      warn: Callable[[str], None] = lambda line: None) -> Components:
   """Builds and jits everything a run needs from ``cfg`` (``train.steps`` must be set); the
-  programs of a config built before in this process are reused (see ``_BUILT``).
+  programs of a config whose programs were built before in this process are reused (see
+  ``_BUILT`` and :data:`HOST_ONLY`).
 
   Args:
     cfg: the run's config.
@@ -144,21 +190,22 @@ def build_components(cfg: Config, data: Data, *,
   Raises:
     MissingCapability: the model family lacks what the config asks of it (QK-clip's logits).
   """
-  built = _BUILT.get(_program_key(cfg, tx, optimizer))
+  programs_cfg = program_config(cfg)
+  built = _BUILT.get(_program_key(programs_cfg, tx, optimizer))
   if built is None:
-    built = _build_programs(cfg, tx, optimizer)
+    built = _build_programs(programs_cfg, tx, optimizer)
     # (keyed after building: the first build may load the built-in declarations)
-    _BUILT[_program_key(cfg, tx, optimizer)] = built
+    _BUILT[_program_key(programs_cfg, tx, optimizer)] = built
     while len(_BUILT) > _BUILT_KEPT:
       _BUILT.popitem(last=False)
   _warn_missing(cfg, built.model, warn)
-  return dataclasses.replace(built, data=data, sampler=_sampler(cfg, built.model, warn))
+  return dataclasses.replace(built, cfg=cfg, data=data, sampler=_sampler(cfg, built.model, warn))
 
 
 def _build_programs(cfg: Config, tx: Optional[optax.GradientTransformationExtraArgs],
                     optimizer: Optional[OptimizerFactory]) -> Components:
   """:func:`build_components` without the run's data and sampler (``None`` here: the memo
-  holds no run's data)."""
+  holds no run's data), from the program config (:func:`program_config`)."""
   mesh = mesh_lib.make_mesh(cfg.mesh)
   mesh_lib.check_batch(cfg.train.batch_size, cfg.train.grad_accum, mesh)
   model = model_of(cfg)
