@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 import warnings
 from typing import NamedTuple, Optional, Sequence, Union
 
@@ -62,9 +63,16 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
-from stablejax.muon import _pallas_ns
 from stablejax.muon import gram as _gram
 from stablejax.muon import sharding as _sharding
+
+
+def _pallas() -> types.ModuleType:
+  """The Pallas kernels (:mod:`stablejax.muon._pallas_ns`), imported when a kernel is traced:
+  importing Pallas adds about 0.1 s to every start, and a run on CPU never uses it."""
+  from stablejax.muon import _pallas_ns
+  return _pallas_ns
+
 
 STANDARD_COEFFS = (3.4445, -4.7750, 2.0315)
 
@@ -259,10 +267,10 @@ def _iterate(x: jax.Array, it: Iteration, platform: Optional[str] = None,
     return reference_iterations(x, it.per_step, precondition)
   flat = x.reshape((math.prod(x.shape[:-2]),) + x.shape[-2:])
   if gram:
-    kernel = functools.partial(_pallas_ns.fused_matmul, platform=platform, interpret=interpret)
+    kernel = functools.partial(_pallas().fused_matmul, platform=platform, interpret=interpret)
     out = _gram.iterations(flat, it.per_step, it.restarts, kernel, precondition)
   else:
-    out = _pallas_ns.ns_iterations(flat, it.per_step, platform=platform, interpret=interpret,
+    out = _pallas().ns_iterations(flat, it.per_step, platform=platform, interpret=interpret,
                                    precondition=precondition)
   return out.reshape(x.shape)
 
@@ -361,7 +369,7 @@ def _newton_schulz(x: jax.Array, it: Iteration, norm_factor: float, eps: float,
     return _iterate(y, it)
 
   def kernel_or_ref(platform: str, y: jax.Array) -> jax.Array:
-    if _pallas_ns.ns_tileable(n, m, platform, itemsize) and steps > 0:
+    if _pallas().ns_tileable(n, m, platform, itemsize) and steps > 0:
       return _iterate(y, it, platform)
     return ref(y)
 
@@ -369,7 +377,7 @@ def _newton_schulz(x: jax.Array, it: Iteration, norm_factor: float, eps: float,
     out = ref(x)
   elif interpret:
     platform = _interpret_platform()
-    if _pallas_ns.ns_tileable(n, m, platform, itemsize):
+    if _pallas().ns_tileable(n, m, platform, itemsize):
       out = _iterate(x, it, platform, True)
     else:
       if backend == "pallas":
@@ -385,7 +393,7 @@ def _newton_schulz(x: jax.Array, it: Iteration, norm_factor: float, eps: float,
     current = jax.default_backend()
     if current in _ACCELERATORS:
       platform = "mosaic" if current == "tpu" else "triton"
-      if not _pallas_ns.ns_tileable(n, m, platform, itemsize):
+      if not _pallas().ns_tileable(n, m, platform, itemsize):
         warnings.warn(f"newton_schulz: shape {(n, m)} does not tile for the {platform} kernel; "
                       "using the XLA reference", stacklevel=3)
     elif backend == "pallas":
