@@ -30,6 +30,16 @@ if _OWN_CACHE:
 # Cache every program, however fast it compiled or small it is: the tests' programs are tiny.
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Python's bytecode, where the environment turns writing it off (PYTHONDONTWRITEBYTECODE): every
+# process a test starts would compile stablejax's modules from source again (~0.25 CPU-seconds
+# each). The processes the tests start write and read one compiled copy in a folder of the
+# session's instead (PYTHONPYCACHEPREFIX, set for them by the fixture below; the pytest processes
+# keep the environment's setting). The controller makes the folder and removes it.
+_PYCACHE = "STABLEJAX_TESTS_PYCACHE"
+_OWN_PYCACHE = bool(os.environ.get("PYTHONDONTWRITEBYTECODE")) and not (
+    "PYTHONPYCACHEPREFIX" in os.environ or _PYCACHE in os.environ)
+if _OWN_PYCACHE:
+  os.environ[_PYCACHE] = tempfile.mkdtemp(prefix="stablejax-tests-pyc-")
 for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
               "--xla_cpu_parallel_codegen_split_count=1"):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
@@ -45,6 +55,9 @@ def pytest_configure(config):
   if _OWN_CACHE and not hasattr(config, "workerinput"):
     cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+  if _OWN_PYCACHE and not hasattr(config, "workerinput"):
+    pycache = os.environ[_PYCACHE]
+    config.add_cleanup(lambda: shutil.rmtree(pycache, ignore_errors=True))
 
 
 @pytest.fixture(scope="session")
@@ -65,6 +78,14 @@ def clean_run(tmp_path_factory, worker_id):
       assert run_inprocess(out, "train.peak_flops_per_device=null", *DIAGNOSTICS) == 0
       done.touch()
   return out
+
+
+@pytest.fixture(scope="session", autouse=True)
+def shared_bytecode_for_subprocesses():
+  """The processes this test process starts share the session's bytecode folder (above)."""
+  if os.environ.get(_PYCACHE):
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    os.environ["PYTHONPYCACHEPREFIX"] = os.environ[_PYCACHE]
 
 
 # Plugin modules the tests name with --plugin: imported by the trainer when a test asks, never at
