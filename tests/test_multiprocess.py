@@ -344,11 +344,30 @@ def _clean_env(**extra) -> dict:
   return env
 
 
+# The session's compilation cache (tests/conftest.py), kept where a test clears the job's JAX_*
+# variables: without it the trainer would turn on the user's own cache folder.
+_SESSION_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+def test_missing_coordinator_exits_2_with_one_line(tmp_path):
+  # A process of its own: this refusal comes from jax.distributed.initialize itself, which a
+  # process may call only before its first computation.
+  cmd = [sys.executable, str(TRAIN), *sets("mesh.distributed=true"),
+         "--out", str(tmp_path / "run")]
+  session_cache = {name: os.environ[name] for name in _SESSION_CACHE if name in os.environ}
+  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**session_cache), capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and (
+      "mesh.distributed=true but the coordinator address is unknown and no SLURM, Open MPI, "
+      "Kubernetes or Cloud TPU cluster was detected: set mesh.coordinator_address or "
+      "JAX_COORDINATOR_ADDRESS") in lines[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("args,env,needle", [
-    (["mesh.distributed=true"], {},
-     "mesh.distributed=true but the coordinator address is unknown and no SLURM, Open MPI, "
-     "Kubernetes or Cloud TPU cluster was detected: set mesh.coordinator_address or "
-     "JAX_COORDINATOR_ADDRESS"),
     (["mesh.distributed=true"], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
      "the process count is unknown"),
     (["mesh.distributed=true", "mesh.num_processes=2"], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
@@ -357,14 +376,23 @@ def _clean_env(**extra) -> dict:
      "JAX_NUM_PROCESSES=2 is set but mesh.distributed=false, so each process would train alone: "
      "add --set mesh.distributed=true"),
 ])
-def test_missing_join_piece_exits_2_with_one_line(tmp_path, args, env, needle):
-  cmd = [sys.executable, str(TRAIN), *sets(*args), "--out", str(tmp_path / "run")]
-  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**env), capture_output=True, text=True,
-                          timeout=120)
-  assert result.returncode == 2, result.stderr[-2000:]
-  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
-  assert "Traceback" not in result.stderr
+def test_missing_join_piece_exits_2_with_one_line(tmp_path, monkeypatch, capsys, args, env,
+                                                  needle):
+  # In this process: these are refused before anything joins a job (the one that reaches
+  # jax.distributed.initialize is the process test above).
+  from stablejax.cli.train import main
+  for name in list(os.environ):
+    if name.startswith(("JAX_", "SLURM_", "OMPI_")) and name not in _SESSION_CACHE:
+      monkeypatch.delenv(name)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  assert main([*sets(*args), "--out", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  lines = [line for line in err.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and needle in lines[0], err[-2000:]
+  assert "Traceback" not in err
+  import jax
+  assert not jax.distributed.is_initialized()
 
 
 # ----------------------------------------------------------------------------- the launcher
