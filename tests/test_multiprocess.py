@@ -350,47 +350,42 @@ _SESSION_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE
                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
 
-def test_missing_coordinator_exits_2_with_one_line(tmp_path):
-  # A process of its own: this refusal comes from jax.distributed.initialize itself, which a
-  # process may call only before its first computation.
-  cmd = [sys.executable, str(TRAIN), *sets("mesh.distributed=true"),
-         "--out", str(tmp_path / "run")]
-  session_cache = {name: os.environ[name] for name in _SESSION_CACHE if name in os.environ}
-  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**session_cache), capture_output=True,
-                          text=True, timeout=120)
-  assert result.returncode == 2, result.stderr[-2000:]
-  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and (
-      "mesh.distributed=true but the coordinator address is unknown and no SLURM, Open MPI, "
-      "Kubernetes or Cloud TPU cluster was detected: set mesh.coordinator_address or "
-      "JAX_COORDINATOR_ADDRESS") in lines[0], result.stderr[-2000:]
-  assert "Traceback" not in result.stderr
-
-
 @pytest.mark.parametrize("args,env,needle", [
+    (["mesh.distributed=true"], {},
+     "mesh.distributed=true but the coordinator address is unknown and no SLURM, Open MPI, "
+     "Kubernetes or Cloud TPU cluster was detected: set mesh.coordinator_address or "
+     "JAX_COORDINATOR_ADDRESS"),
     (["mesh.distributed=true"], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
      "the process count is unknown"),
     (["mesh.distributed=true", "mesh.num_processes=2"], {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"},
      "set mesh.process_id or JAX_PROCESS_ID"),
-    ([], {"JAX_NUM_PROCESSES": "2"},
-     "JAX_NUM_PROCESSES=2 is set but mesh.distributed=false, so each process would train alone: "
-     "add --set mesh.distributed=true"),
 ])
-def test_missing_join_piece_exits_2_with_one_line(tmp_path, monkeypatch, capsys, args, env,
-                                                  needle):
-  # In this process: these are refused before anything joins a job (the one that reaches
-  # jax.distributed.initialize is the process test above).
+def test_missing_join_piece_exits_2_with_one_line(tmp_path, args, env, needle):
+  # A process each: these are refused by jax.distributed.initialize itself, which a process may
+  # call only before its first computation.
+  cmd = [sys.executable, str(TRAIN), *sets(*args), "--out", str(tmp_path / "run")]
+  session_cache = {name: os.environ[name] for name in _SESSION_CACHE if name in os.environ}
+  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**session_cache, **env),
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-2000:]
+  lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+  assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+
+
+def test_several_processes_announced_without_distributed_exit_2_with_one_line(
+    tmp_path, monkeypatch, capsys):
+  # In this process: refused before anything would join a job.
   from stablejax.cli.train import main
   for name in list(os.environ):
     if name.startswith(("JAX_", "SLURM_", "OMPI_")) and name not in _SESSION_CACHE:
       monkeypatch.delenv(name)
-  for name, value in env.items():
-    monkeypatch.setenv(name, value)
-  assert main([*sets(*args), "--out", str(tmp_path / "run")]) == 2
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  assert main(["--out", str(tmp_path / "run")]) == 2
   err = capsys.readouterr().err
   lines = [line for line in err.splitlines() if line.startswith("error:")]
-  assert len(lines) == 1 and needle in lines[0], err[-2000:]
-  assert "Traceback" not in err
+  assert lines == ["error: JAX_NUM_PROCESSES=2 is set but mesh.distributed=false, so each process "
+                   "would train alone: add --set mesh.distributed=true"], err[-2000:]
   import jax
   assert not jax.distributed.is_initialized()
 

@@ -171,7 +171,7 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     MESH: ("tests/test_mesh.py",),
     # test_multiprocess.py without its trainer runs (minutes each): the launcher's own tests.
     LAUNCH: ("tests/test_launch.py", "tests/test_multiprocess.py", "-k",
-             "not (one_device or sigterm_kill or sighup or disjoint or join or coordinator)"),
+             "not (one_device or sigterm_kill or sighup or disjoint or join or announced)"),
     MUON: ("tests/test_muon.py", "-k", "not (export or pallas or converges or flax_attention)"),
     OUTLIERS: ("tests/test_muon.py", "-k", "outlier"),
     DIRECTION: ("tests/test_muon.py", "-k",
