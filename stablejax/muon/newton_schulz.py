@@ -271,7 +271,7 @@ def _iterate(x: jax.Array, it: Iteration, platform: Optional[str] = None,
     out = _gram.iterations(flat, it.per_step, it.restarts, kernel, precondition)
   else:
     out = _pallas().ns_iterations(flat, it.per_step, platform=platform, interpret=interpret,
-                                   precondition=precondition)
+                                  precondition=precondition)
   return out.reshape(x.shape)
 
 
