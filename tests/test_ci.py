@@ -39,8 +39,17 @@ def test_ci_lints_and_type_checks_after_the_tests():
   assert commands.index(".venv/bin/mypy") > tests, commands
 
 
-def test_the_test_extra_brings_the_lint_and_docs_tools():
+def test_ci_installs_the_docs_and_lint_tools_after_the_tests_and_the_test_extra_does_not():
+  # The README's test command installs only what the tests need; CI adds the tools it runs
+  # after them, before the first of them.
+  commands = _ci_commands()
+  tests = commands.index(_readme_test_command())
+  install = commands.index('.venv/bin/pip install -q -e ".[docs,lint]"')
+  sphinx = next(i for i, c in enumerate(commands) if "sphinx-build" in c)
+  assert tests < install < min(sphinx, commands.index(".venv/bin/ruff check ."),
+                               commands.index(".venv/bin/mypy")), commands
   pyproject = (ROOT / "pyproject.toml").read_text()
   test_extra = re.search(r"^test = \[(.*?)\]$", pyproject, flags=re.M | re.S)
   assert test_extra, "pyproject.toml has no test extra"
-  assert '"stablejax[lint]"' in test_extra.group(1) and '"stablejax[docs]"' in test_extra.group(1)
+  for tool in ("stablejax[lint]", "stablejax[docs]", "sphinx", "mypy", "ruff"):
+    assert tool not in test_extra.group(1), tool
