@@ -24,12 +24,15 @@ import os
 import shutil
 import tempfile
 
-_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+from helpers import SESSION_CACHE_VARIABLES  # helpers imports no JAX at import
+
+_CACHE_DIR, _MIN_COMPILE_TIME, _MIN_ENTRY_SIZE = SESSION_CACHE_VARIABLES
+_OWN_CACHE = _CACHE_DIR not in os.environ
 if _OWN_CACHE:
-  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="stablejax-tests-xla-")
+  os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="stablejax-tests-xla-")
 # Cache every program, however fast it compiled or small it is: the tests' programs are tiny.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+os.environ.setdefault(_MIN_COMPILE_TIME, "0")
+os.environ.setdefault(_MIN_ENTRY_SIZE, "0")
 # Python's bytecode, where the environment turns writing it off (PYTHONDONTWRITEBYTECODE): every
 # process a test starts would compile stablejax's modules from source again (~0.25 CPU-seconds
 # each). The processes the tests start write and read one compiled copy in a folder of the
@@ -53,7 +56,7 @@ from helpers import DIAGNOSTICS, run_inprocess  # noqa: E402
 def pytest_configure(config):
   # The controller (not an xdist worker) made the cache: it removes it when the session ends.
   if _OWN_CACHE and not hasattr(config, "workerinput"):
-    cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    cache = os.environ[_CACHE_DIR]
     config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
   if _OWN_PYCACHE and not hasattr(config, "workerinput"):
     pycache = os.environ[_PYCACHE]

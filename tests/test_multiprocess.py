@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import (ROOT, TINY, TRAIN, read_metrics, run_inprocess, run_subprocess, sets,
-                     slow, train_losses, xla_flags_with_devices)
+from helpers import (ROOT, SESSION_CACHE_VARIABLES, TINY, TRAIN, read_metrics, run_inprocess,
+                     run_subprocess, sets, slow, train_losses, xla_flags_with_devices)
 
 HEARTBEAT = 10  # mesh.heartbeat_timeout of the multi-process runs: a lost peer is noticed within it
 STAGE_TIMEOUT = 300  # each start of a job, here about 40 s (two compilations per process)
@@ -344,11 +344,6 @@ def _clean_env(**extra) -> dict:
   return env
 
 
-# The session's compilation cache (tests/conftest.py), kept where a test clears the job's JAX_*
-# variables: without it the trainer would turn on the user's own cache folder.
-_SESSION_CACHE = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
-
 
 @pytest.mark.parametrize("args,env,needle", [
     (["mesh.distributed=true"], {},
@@ -364,7 +359,7 @@ def test_missing_join_piece_exits_2_with_one_line(tmp_path, args, env, needle):
   # A process each: these are refused by jax.distributed.initialize itself, which a process may
   # call only before its first computation.
   cmd = [sys.executable, str(TRAIN), *sets(*args), "--out", str(tmp_path / "run")]
-  session_cache = {name: os.environ[name] for name in _SESSION_CACHE if name in os.environ}
+  session_cache = {name: os.environ[name] for name in SESSION_CACHE_VARIABLES if name in os.environ}
   result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**session_cache, **env),
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2, result.stderr[-2000:]
@@ -378,7 +373,7 @@ def test_several_processes_announced_without_distributed_exit_2_with_one_line(
   # In this process: refused before anything would join a job.
   from stablejax.cli.train import main
   for name in list(os.environ):
-    if name.startswith(("JAX_", "SLURM_", "OMPI_")) and name not in _SESSION_CACHE:
+    if name.startswith(("JAX_", "SLURM_", "OMPI_")) and name not in SESSION_CACHE_VARIABLES:
       monkeypatch.delenv(name)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   assert main(["--out", str(tmp_path / "run")]) == 2
