@@ -165,10 +165,11 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   assert again.eval_step is first.eval_step and again.data is data
   longer = components_lib.build_components(tiny_config("train.steps=41"), data)
   assert longer.train_step is not first.train_step  # the schedule is laid over the steps
-  # Settings only the host reads (faults, when to save and log, the recovery's policy) share the
-  # programs; the run's own config stays the caller's.
+  # Settings only the host reads (faults, when to save and log, the recovery's policy, the seed
+  # and the data) share the programs; the run's own config stays the caller's.
   host_only = tiny_config("faults.nan_grad_steps=[3]", "checkpoint.keep=1",
-                          "logging.progress=false", "stability.recovery.max_rollbacks=7")
+                          "logging.progress=false", "stability.recovery.max_rollbacks=7",
+                          "train.seed=5", "data.shuffle_buffer=64")
   shared = components_lib.build_components(host_only, data)
   assert shared.train_step is first.train_step and shared.cfg is host_only
   # checkpoint.every is read by the step (the steps whose metrics are read): programs of its own

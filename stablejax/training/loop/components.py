@@ -112,22 +112,25 @@ class Components:
 
 
 # The components of the last configs built in this process, by what their programs depend on:
-# another run here with the same program config (a resume, a repeated config in a notebook or a
-# sweep, the stages of a test, runs that differ only in faults or in when they log and save)
-# calls the same jitted functions, which JAX has already traced and compiled, instead of tracing,
-# lowering and loading every program again.
+# another run here with the same program config (a resume, a repeated config in a notebook, a
+# sweep over seeds or data, the stages of a test, runs that differ only in faults or in when they
+# log and save) calls the same jitted functions, which JAX has already traced and compiled,
+# instead of tracing, lowering and loading every program again.
 _BUILT: collections.OrderedDict[tuple, Components] = collections.OrderedDict()
 _BUILT_KEPT = 4
 
-# Settings that only the host reads: when to evaluate, sample and report, how many checkpoints to
-# keep, the recovery's policy (its LR backoff reaches the programs as arguments), the run's checks
-# and the deliberate faults (applied to the batch and the state on the host). The programs are
+# Settings that only the host reads: the data (its pipeline is built on the host; the programs see
+# token ids, and the vocabulary through model.vocab_size), the seed (the initialisation's key is
+# an argument), when to evaluate, sample and report, how many checkpoints to keep, the recovery's
+# policy (its LR backoff reaches the programs as arguments), the run's checks and the deliberate
+# faults (applied to the batch and the state on the host). The programs are
 # built from the config with these at their defaults (:func:`program_config`), so configs that
 # differ only here share one set of programs, and no program can depend on one of them: it would
 # see the default in every run, not a stale value in some. None: the whole section.
 HOST_ONLY: dict[str, Optional[tuple[str, ...]]] = {
-    "train": ("eval_every", "eval_batches", "peak_flops_per_device", "time_budget_minutes",
-              "target_val_loss", "rewarmup_steps", "compilation_cache"),
+    "train": ("seed", "eval_every", "eval_batches", "peak_flops_per_device",
+              "time_budget_minutes", "target_val_loss", "rewarmup_steps", "compilation_cache"),
+    "data": None,
     "checkpoint": ("keep", "async_save"),
     "logging": ("tensorboard", "progress", "histogram_every", "activation_every",
                 "attention_logits", "grad_norm_high", "grad_norm_critical", "sample_every",
