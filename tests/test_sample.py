@@ -272,6 +272,41 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
 
 
 @pytest.mark.slow
+def test_sampling_a_run_again_in_one_process_reuses_its_generator(bpe_run_home, monkeypatch):
+  # A second sample() of the same model calls the programs the first compiled: one Generator
+  # (one jitted decoder) for the same config, top_k and vocabulary; another top_k, or a model
+  # family registered since, builds its own.
+  import collections
+
+  from stablejax.training.trained import decoding, sampling
+  from stablejax.transforms import _registry
+
+  built = []
+
+  class CountingGenerator(decoding.Generator):
+    def __init__(self, *args, **kwargs):
+      built.append(kwargs)
+      super().__init__(*args, **kwargs)
+
+  monkeypatch.setattr(decoding, "Generator", CountingGenerator)
+  monkeypatch.setattr(sampling, "_GENERATORS", collections.OrderedDict())
+  run, tokenizer = bpe_run_home / "run", str(bpe_run_home / "data" / "tokenizer.json")
+
+  def sample(**kwargs):
+    return sampling.sample(run, "Document 1", max_new_tokens=3, tokenizer=tokenizer, **kwargs)
+
+  first, again = sample(seed=0), sample(seed=0)
+  sample(seed=1)
+  assert len(built) == 1 and first["tokens"] == again["tokens"]
+  sample(top_k=3)
+  assert len(built) == 2 and built[-1]["top_k"] == 3
+  generation = _registry.generation()
+  monkeypatch.setattr(_registry, "generation", lambda: generation + 1)  # a plugin loaded since
+  sample(seed=0)
+  assert len(built) == 3
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("signal_name,delay", [("SIGINT", 0.3), ("SIGTERM", 1.0),
                                                ("SIGINT", 2.0)])
 def test_a_stop_signal_while_sample_compiles_is_one_line_never_a_crash(

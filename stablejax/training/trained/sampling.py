@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -40,6 +41,28 @@ from stablejax.training.trained.run import (RunError, check_params, load_run_con
                                      run_tokenizer)
 
 SampleError = RunError  # one error type for an unusable run (stablejax.training.trained.run)
+
+# The generators of the last runs sampled in this process, by what their jitted programs depend
+# on: another sample() of a run with the same config (a notebook sampling a run again, other
+# seeds, prompts of one length) calls programs already traced and compiled.
+_GENERATORS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_GENERATORS_KEPT = 4
+
+
+def _generator(cfg: Any, top_k: int, valid_vocab: int) -> Any:
+  """The :class:`~stablejax.training.trained.decoding.Generator` of a run's config (its model is
+  built by the family from the whole config), reused while the config, ``top_k``,
+  ``valid_vocab`` and the registered model families are unchanged."""
+  from stablejax.training.config import model_of
+  from stablejax.training.trained.decoding import Generator
+  from stablejax.transforms import _registry
+
+  key = (repr(cfg), top_k, valid_vocab, _registry.generation())
+  if key not in _GENERATORS:
+    _GENERATORS[key] = Generator(model_of(cfg), top_k=top_k, valid_vocab=valid_vocab)
+    while len(_GENERATORS) > _GENERATORS_KEPT:
+      _GENERATORS.popitem(last=False)
+  return _GENERATORS[key]
 
 
 def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
@@ -59,7 +82,9 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   Returns:
     ``{"step", "prompt_ids", "samples": [text], "tokens": [[ids]], "seconds", "compile_seconds",
     "stopped", "decoding"}`` where each text is the prompt followed by its continuation
-    (``seconds`` None when the speed was not measured; ``decoding``: how the tokens were made,
+    (``seconds`` None when the speed was not measured; ``compile_seconds``: the first generation,
+    compilation included, which a second call for the same model, prompt length and sample count
+    in this process does not repeat; ``decoding``: how the tokens were made,
     :data:`~stablejax.training.trained.decoding.KV_CACHE` or, for a family without decoding,
     :data:`~stablejax.training.trained.decoding.RECOMPUTE`).
 
@@ -67,9 +92,6 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
     SampleError: missing run, config, checkpoint or tokenizer; bad arguments.
   """
   import jax
-
-  from stablejax.training.config import model_of
-  from stablejax.training.trained.decoding import Generator
 
   check_stop()
   if max_new_tokens < 0 or num_samples < 1 or top_k < 0 or not temperature >= 0:
@@ -87,7 +109,7 @@ def sample(run_dir: str | Path, prompt: str = "", *, max_new_tokens: int = 200,
   prompt_ids = tok.encode(prompt) if prompt else list(tok.start_ids)
   if not prompt_ids:
     prompt_ids = list(tok.start_ids)
-  gen = Generator(model_of(cfg), top_k=top_k, valid_vocab=tok.vocab_size)
+  gen = _generator(cfg, top_k, tok.vocab_size)
   kwargs: dict[str, Any] = dict(temperature=temperature, seed=seed, step=restored.step,
                                 num_samples=num_samples)
   check_stop()
