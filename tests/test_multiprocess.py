@@ -344,7 +344,6 @@ def _clean_env(**extra) -> dict:
   return env
 
 
-
 @pytest.mark.parametrize("args,env,needle", [
     (["mesh.distributed=true"], {},
      "mesh.distributed=true but the coordinator address is unknown and no SLURM, Open MPI, "

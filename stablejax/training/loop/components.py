@@ -123,10 +123,10 @@ _BUILT_KEPT = 4
 # token ids, and the vocabulary through model.vocab_size), the seed (the initialisation's key is
 # an argument), when to evaluate, sample and report, how many checkpoints to keep, the recovery's
 # policy (its LR backoff reaches the programs as arguments), the run's checks and the deliberate
-# faults (applied to the batch and the state on the host). The programs are
-# built from the config with these at their defaults (:func:`program_config`), so configs that
-# differ only here share one set of programs, and no program can depend on one of them: it would
-# see the default in every run, not a stale value in some. None: the whole section.
+# faults (applied to the batch and the state on the host). The programs are built from the config
+# with these at their defaults (:func:`program_config`), so configs that differ only here share
+# one set of programs, and no program can depend on one of them: it would see the default in
+# every run, not a stale value in some. None: the whole section.
 HOST_ONLY: dict[str, Optional[tuple[str, ...]]] = {
     "train": ("seed", "eval_every", "eval_batches", "peak_flops_per_device",
               "time_budget_minutes", "target_val_loss", "rewarmup_steps", "compilation_cache"),

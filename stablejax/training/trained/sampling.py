@@ -33,33 +33,36 @@ from __future__ import annotations
 import collections
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 
 from stablejax.training.trained.run import (RunError, check_params, load_run_config, restore_params,
                                      run_tokenizer)
 
+if TYPE_CHECKING:
+  from stablejax.training.trained.decoding import Generator
+
 SampleError = RunError  # one error type for an unusable run (stablejax.training.trained.run)
 
 # The generators of the last runs sampled in this process, by what their jitted programs depend
 # on: another sample() of a run with the same config (a notebook sampling a run again, other
 # seeds, prompts of one length) calls programs already traced and compiled.
-_GENERATORS: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_GENERATORS: collections.OrderedDict[tuple, Generator] = collections.OrderedDict()
 _GENERATORS_KEPT = 4
 
 
-def _generator(cfg: Any, top_k: int, valid_vocab: int) -> Any:
+def _generator(cfg: Any, top_k: int, valid_vocab: int) -> Generator:
   """The :class:`~stablejax.training.trained.decoding.Generator` of a run's config (its model is
   built by the family from the whole config), reused while the config, ``top_k``,
   ``valid_vocab`` and the registered model families are unchanged."""
   from stablejax.training.config import model_of
-  from stablejax.training.trained.decoding import Generator
+  from stablejax.training.trained import decoding
   from stablejax.transforms import _registry
 
   key = (repr(cfg), top_k, valid_vocab, _registry.generation())
   if key not in _GENERATORS:
-    _GENERATORS[key] = Generator(model_of(cfg), top_k=top_k, valid_vocab=valid_vocab)
+    _GENERATORS[key] = decoding.Generator(model_of(cfg), top_k=top_k, valid_vocab=valid_vocab)
     while len(_GENERATORS) > _GENERATORS_KEPT:
       _GENERATORS.popitem(last=False)
   return _GENERATORS[key]
