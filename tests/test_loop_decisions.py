@@ -7,6 +7,7 @@ rule is checked in milliseconds.
 
 from __future__ import annotations
 
+import collections
 import time
 import types
 from typing import Any, Optional
@@ -186,6 +187,19 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   finally:
     metrics.unregister_state_metrics(ProbeState)
   assert len(components_lib._BUILT) <= components_lib._BUILT_KEPT
+  # The least recently used config goes first: the first of four, used again, outlives the
+  # second when a fifth comes. (The memo is put back: later tests here reuse its programs.)
+  kept = collections.OrderedDict(components_lib._BUILT)
+  try:
+    runs = [tiny_config(f"train.steps={41 + i}") for i in range(components_lib._BUILT_KEPT + 1)]
+    built = [components_lib.build_components(c, data) for c in runs[:-1]]
+    assert components_lib.build_components(runs[0], data).train_step is built[0].train_step
+    components_lib.build_components(runs[-1], data)
+    assert components_lib.build_components(runs[0], data).train_step is built[0].train_step
+    assert components_lib.build_components(runs[1], data).train_step is not built[1].train_step
+  finally:
+    components_lib._BUILT.clear()
+    components_lib._BUILT.update(kept)
 
 
 def _changed(value: Any) -> Any:

@@ -115,7 +115,8 @@ class Components:
 # another run here with the same program config (a resume, a repeated config in a notebook, a
 # sweep over seeds or data, the stages of a test, runs that differ only in faults or in when they
 # log and save) calls the same jitted functions, which JAX has already traced and compiled,
-# instead of tracing, lowering and loading every program again.
+# instead of tracing, lowering and loading every program again. The least recently used go first,
+# so a config a process keeps coming back to (a notebook's, a test suite's tiny run) stays.
 _BUILT: collections.OrderedDict[tuple, Components] = collections.OrderedDict()
 _BUILT_KEPT = 4
 
@@ -194,8 +195,11 @@ def build_components(cfg: Config, data: Data, *,
     MissingCapability: the model family lacks what the config asks of it (QK-clip's logits).
   """
   programs_cfg = program_config(cfg)
-  built = _BUILT.get(_program_key(programs_cfg, tx, optimizer))
-  if built is None:
+  key = _program_key(programs_cfg, tx, optimizer)
+  built = _BUILT.get(key)
+  if built is not None:
+    _BUILT.move_to_end(key)
+  else:
     built = _build_programs(programs_cfg, tx, optimizer)
     # (keyed after building: the first build may load the built-in declarations)
     _BUILT[_program_key(programs_cfg, tx, optimizer)] = built
