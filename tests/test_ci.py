@@ -44,7 +44,7 @@ def test_ci_installs_the_docs_and_lint_tools_after_the_tests_and_the_test_extra_
   # after them, before the first of them.
   commands = _ci_commands()
   tests = commands.index(_readme_test_command())
-  install = commands.index('.venv/bin/pip install -q -e ".[docs,lint]"')
+  install = commands.index('.venv/bin/uv pip install -q -p .venv/bin/python -e ".[docs,lint]"')
   sphinx = next(i for i, c in enumerate(commands) if "sphinx-build" in c)
   assert tests < install < min(sphinx, commands.index(".venv/bin/ruff check ."),
                                commands.index(".venv/bin/mypy")), commands
