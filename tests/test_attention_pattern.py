@@ -13,10 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import llama_params_from_hf
+from helpers import llama_params_from_hf, once_per_config
 
 PLUGINS = Path(__file__).parent / "plugins"
 V, D, H, K, L, T = 64, 32, 4, 2, 2, 12
+# Inputs from numpy: a jax.random draw compiles a program per shape.
+RNG = np.random.default_rng(0)
 
 
 def _numpy_attention(q, k, v, keep):
@@ -34,15 +36,17 @@ def _numpy_attention(q, k, v, keep):
 def test_each_attention_path_keeps_the_keys_the_pattern_keeps(window, masked):
   from stablejax.modeling.attention import (AttentionPattern, causal_attention,
                                            causal_attention_with_max_logit)
-  q, k, v = (jax.random.normal(key, (2, 7, heads, 8)) for key, heads in
-             zip(jax.random.split(jax.random.key(0), 3), (4, 2, 2)))
+  rng = np.random.default_rng(0)
+  q, k, v = (rng.normal(size=(2, 7, heads, 8)).astype(np.float32) for heads in (4, 2, 2))
   mask = (lambda qp, kp: (qp + kp) % 3 != 1) if masked else None  # any function of positions
   pattern = AttentionPattern(window=window, mask=mask)
   i, j = np.arange(7)[:, None], np.arange(7)[None, :]
   keep = (j <= i) & ((j > i - window) if window else True) & (((i + j) % 3 != 1) | (not masked))
   want, want_max = _numpy_attention(*(np.asarray(x, np.float64) for x in (q, k, v)), keep)
-  np.testing.assert_allclose(causal_attention(q, k, v, pattern), want, atol=2e-5)
-  got, got_max = causal_attention_with_max_logit(q, k, v, pattern)
+  # Each path jitted as the model calls it (one program per path, not one per operation).
+  np.testing.assert_allclose(jax.jit(lambda *a: causal_attention(*a, pattern))(q, k, v), want,
+                             atol=2e-5)
+  got, got_max = jax.jit(lambda *a: causal_attention_with_max_logit(*a, pattern))(q, k, v)
   np.testing.assert_allclose(got, want, atol=2e-5)
   np.testing.assert_allclose(got_max, want_max, atol=2e-5)
 
@@ -64,9 +68,26 @@ def _model(name: str, **keys):
   return family.build(section)
 
 
-def _params(model):
-  params = jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, T), jnp.int32))
-  return jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, params)  # peaked attention
+@pytest.fixture(scope="module")
+def params():
+  """Llama's parameters (Mistral's are the same names and shapes, the same init), scaled up for
+  peaked attention: initialised once for the module."""
+  model = _model("llama")
+
+  @jax.jit
+  def init(key, tokens):
+    return jax.tree.map(lambda p: p * 8.0 if p.ndim > 1 else p, model.init(key, tokens))
+  return init(jax.random.key(3), jnp.zeros((1, T), jnp.int32))
+
+
+@once_per_config
+def _logits(name: str, **keys):
+  """The jitted forward pass of ``_model(name, **keys)`` (one program per model and shape)."""
+  return jax.jit(_model(name, **keys).logits)
+
+
+def _tokens(b: int) -> np.ndarray:
+  return RNG.integers(0, V, (b, T)).astype(np.int32)
 
 
 def _dilated():
@@ -79,10 +100,9 @@ def _dilated():
 
 
 @pytest.mark.parametrize("pattern", ["window", "mask"])
-def test_cached_decoding_equals_the_full_forward_pass(mistral, pattern):
+def test_cached_decoding_equals_the_full_forward_pass(mistral, params, pattern):
   model = _model("mistral", sliding_window=3) if pattern == "window" else _dilated()
-  params = _params(model)
-  tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
+  tokens = _tokens(2)
   # Each call jitted, as the trainer and the sampler run them: one program each, not one per
   # operation (the decoding steps share theirs).
   full = np.asarray(jax.jit(model.logits)(params, tokens, 0))
@@ -98,34 +118,34 @@ def test_cached_decoding_equals_the_full_forward_pass(mistral, pattern):
   with_attention, _ = jax.jit(model.logits_and_attention)(params, tokens, 0)
   np.testing.assert_allclose(with_attention, full, rtol=0, atol=1e-5 * np.abs(full).max())
   # The pattern changes the logits (else the checks above would hold for any pattern).
-  plain = np.asarray(jax.jit(_model("llama").logits)(params, tokens, 0))
+  plain = np.asarray(_logits("llama")(params, tokens, 0))
   assert np.abs(plain - full).max() > 1e-3
 
 
-def test_a_token_beyond_the_window_has_no_influence(mistral):
+def test_a_token_beyond_the_window_has_no_influence(mistral, params):
   model = _model("mistral", sliding_window=3)
-  params = _params(model)
-  tokens = jax.random.randint(jax.random.key(1), (1, T), 0, V)
-  changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % V)
-  before, after = (np.asarray(model.logits(params, t, 0))[0] for t in (tokens, changed))
+  tokens = _tokens(1)
+  changed = tokens.copy()
+  changed[0, 0] = (tokens[0, 0] + 1) % V
+  logits = _logits("mistral", sliding_window=3)
+  before, after = (np.asarray(logits(params, t, 0))[0] for t in (tokens, changed))
   # Each layer reaches 3 positions back, two layers 6: position 6 sees token 0, position 7 not.
   reach = L * 3
   assert np.abs(after[reach] - before[reach]).max() > 1e-3
   np.testing.assert_allclose(after[reach + 1:], before[reach + 1:], rtol=0, atol=1e-6)
   # Without the window (Llama, the same parameters) every later position sees token 0.
-  llama = _model("llama")
-  full_before, full_after = (np.asarray(llama.logits(params, t, 0))[0] for t in (tokens, changed))
+  llama = _logits("llama")
+  full_before, full_after = (np.asarray(llama(params, t, 0))[0] for t in (tokens, changed))
   assert np.abs(full_after[-1] - full_before[-1]).max() > 1e-3
   assert "sliding window 3" in model.describe()
 
 
-def test_a_window_as_long_as_the_sequence_is_llama(mistral):
-  model, llama = _model("mistral", sliding_window=T - 1), _model("llama")
-  params = _params(llama)
-  tokens = jax.random.randint(jax.random.key(2), (2, T), 0, V)
-  np.testing.assert_array_equal(model.logits(params, tokens, 0), llama.logits(params, tokens, 0))
-  shorter = _model("mistral", sliding_window=T - 2)
-  assert not np.array_equal(shorter.logits(params, tokens, 0), llama.logits(params, tokens, 0))
+def test_a_window_as_long_as_the_sequence_is_llama(mistral, params):
+  model, llama = _logits("mistral", sliding_window=T - 1), _logits("llama")
+  tokens = _tokens(2)
+  np.testing.assert_array_equal(model(params, tokens, 0), llama(params, tokens, 0))
+  shorter = _logits("mistral", sliding_window=T - 2)
+  assert not np.array_equal(shorter(params, tokens, 0), llama(params, tokens, 0))
 
 
 def test_logits_equal_hugging_face_mistral_for_the_same_weights(mistral):
@@ -133,12 +153,15 @@ def test_logits_equal_hugging_face_mistral_for_the_same_weights(mistral):
   hf = transformers.FlaxMistralForCausalLM(transformers.MistralConfig(
       vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=16,
-      rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False), seed=0)
-  params = llama_params_from_hf(hf.params, L)
-  model = _model("mistral", sliding_window=3, d_ff=48, qk_norm=False, norm_eps=1e-5)
-  tokens = jax.random.randint(jax.random.key(1), (2, T), 0, V)
-  theirs = np.asarray(hf(tokens).logits)
-  got = np.asarray(model.logits(params, tokens, 0))
+      rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False), _do_init=False)
+  # Hugging Face's own initialisation (what seed=0 at construction runs) and forward pass, each
+  # jitted: one program each instead of one per operation.
+  hf_params = jax.jit(hf.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 1))
+  params = llama_params_from_hf(hf_params, L)
+  tokens = _tokens(2)
+  theirs = np.asarray(jax.jit(lambda p, t: hf(t, params=p).logits)(hf_params, tokens))
+  keys = dict(d_ff=48, qk_norm=False, norm_eps=1e-5)
+  got = np.asarray(_logits("mistral", sliding_window=3, **keys)(params, tokens, 0))
   np.testing.assert_allclose(got, theirs, rtol=0, atol=2e-6 * np.abs(theirs).max() + 1e-6)
-  wider = _model("mistral", sliding_window=5, d_ff=48, qk_norm=False, norm_eps=1e-5)
-  assert np.abs(np.asarray(wider.logits(params, tokens, 0)) - theirs).max() > 1e-4
+  wider = _logits("mistral", sliding_window=5, **keys)
+  assert np.abs(np.asarray(wider(params, tokens, 0)) - theirs).max() > 1e-4
