@@ -37,11 +37,13 @@ def test_inject_hyperparams_over_every_factory_without_static_args(name):
   plain = factory(**kwargs)
   grads = jax.tree.map(lambda x: jnp.full(x.shape, 0.5), PARAMS)
   extra = {"loss": jnp.float32(1.0), "max_logits": {"attn": jnp.array([400.0, 1.0])}}
-  s_inj, s_plain = injected.init(PARAMS), optax.with_extra_args_support(plain).init(PARAMS)
+  plain = optax.with_extra_args_support(plain)
+  s_inj, s_plain = injected.init(PARAMS), plain.init(PARAMS)
+  # Both jitted: one program each (the plain one op by op compiled a program per operation).
+  update_inj, update_plain = jax.jit(injected.update), jax.jit(plain.update)
   for _ in range(2):
-    u_inj, s_inj = jax.jit(injected.update)(grads, s_inj, PARAMS, **extra)
-    u_plain, s_plain = optax.with_extra_args_support(plain).update(grads, s_plain, PARAMS,
-                                                                   **extra)
+    u_inj, s_inj = update_inj(grads, s_inj, PARAMS, **extra)
+    u_plain, s_plain = update_plain(grads, s_plain, PARAMS, **extra)
     for a, b in zip(jax.tree.leaves(u_inj), jax.tree.leaves(u_plain)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   # integer hyperparameters that are shapes or loop counts are not injected
