@@ -19,7 +19,8 @@ BASE = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, max_seq_len
 
 
 def _tokens(seed=0, b=2, t=T, vocab=64):
-  return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab, jnp.int32)
+  # numpy: a jax.random draw compiles a program per shape.
+  return np.random.default_rng(seed).integers(0, vocab, (b, t)).astype(np.int32)
 
 
 def _init(cfg, tokens):
@@ -74,6 +75,16 @@ def _shapes(cfg):
   return gpt_params(cfg, seq_len=T, abstract=True)
 
 
+def _numpy_params(cfg, seed=0):
+  """Parameters of ``cfg``'s layout drawn in numpy (norm gains 1, matrices of the init's std):
+  for the tests whose property holds for any parameters (causality, scan vs unscanned), without
+  compiling an init program."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: np.ones(leaf.shape, np.float32) if "norm" in jax.tree_util.keystr(path)
+      else rng.normal(0, cfg.init_std, leaf.shape).astype(np.float32), _shapes(cfg))
+
+
 def test_param_layout_names_and_kernel_ranks():
   cfg = dataclasses.replace(BASE, emb_proj=True, qk_norm=True, scan_layers=True, n_layers=2)
   params = _shapes(cfg)
@@ -115,7 +126,7 @@ def test_scan_and_unscanned_models_agree():
   cfg_flat = dataclasses.replace(BASE, n_layers=2)
   cfg_scan = dataclasses.replace(cfg_flat, scan_layers=True)
   tokens = _tokens()
-  p_scan = _init(cfg_scan, tokens)
+  p_scan = _numpy_params(cfg_scan)
   p_flat = {k: v for k, v in p_scan.items() if k != "blocks"}
   for i in range(cfg_flat.n_layers):
     p_flat[f"block_{i}"] = jax.tree_util.tree_map(lambda x, i=i: x[i], p_scan["blocks"])
@@ -130,8 +141,8 @@ def test_an_unrolled_scan_keeps_the_stacked_parameters_and_the_numbers():
   rolled = dataclasses.replace(BASE, n_layers=2, scan_layers=True, scan_unroll=1)
   unrolled = dataclasses.replace(rolled, scan_unroll=None)
   tokens = _tokens()
-  params = _init(rolled, tokens)
-  assert jax.tree.structure(_init(unrolled, tokens)) == jax.tree.structure(params)
+  params = _numpy_params(rolled)
+  assert jax.tree.structure(_shapes(unrolled)) == jax.tree.structure(params)
 
   def loss_and_grads(cfg):
     def loss(p):
@@ -152,9 +163,8 @@ def test_scan_unroll_is_the_config_value_or_the_platform_choice():
 
 def test_matmul_over_flattened_rows_is_the_3d_product_and_its_gradient():
   from stablejax.modeling.layers import matmul_2d
-  x = jax.random.normal(jax.random.key(0), (2, 5, 8))
-  w = jax.random.normal(jax.random.key(1), (8, 3))
-  cot = jax.random.normal(jax.random.key(2), (2, 5, 3))
+  rng = np.random.default_rng(0)
+  x, w, cot = (rng.normal(size=s).astype(np.float32) for s in ((2, 5, 8), (8, 3), (2, 5, 3)))
   y, pull = jax.vjp(matmul_2d, x, w)
   np.testing.assert_allclose(y, np.einsum("btk,kn->btn", x, w), rtol=1e-5, atol=1e-6)
   dx, dw = pull(cot)
@@ -166,7 +176,8 @@ def test_cudnn_attention_that_refuses_the_call_falls_back_to_xla(monkeypatch):
   # Where cuDNN's fused attention is chosen but refuses the call (here: a CPU, which has no
   # cuDNN), the XLA implementation's result comes back, with one warning naming why.
   from stablejax.modeling import attention
-  q, k, v = (jax.random.normal(jax.random.key(i), (1, 4, 2, 8), jnp.bfloat16) for i in range(3))
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.normal(size=(1, 4, 2, 8)).astype(jnp.bfloat16)) for _ in range(3))
   expected = jax.nn.dot_product_attention(q, k, v, is_causal=True)
   monkeypatch.setattr(attention, "device_platform", lambda: "cuda")
   monkeypatch.setattr(attention, "_warned_cudnn", [])
@@ -203,8 +214,9 @@ def test_param_dtype_bfloat16_stores_bf16_params():
 def test_causal_masking():
   cfg = dataclasses.replace(BASE, qk_norm=True, n_layers=2)
   tokens = _tokens()
-  params = _init(cfg, tokens)
-  changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % cfg.vocab_size)
+  params = _numpy_params(cfg)
+  changed = tokens.copy()
+  changed[:, 10] = (tokens[:, 10] + 1) % cfg.vocab_size
   fwd = jax.jit(lambda t: GPT(cfg).apply({"params": params}, t))
   a = np.asarray(fwd(tokens))
   b = np.asarray(fwd(changed))
@@ -232,20 +244,21 @@ def test_bitnet_quantizers_match_numpy():
 
 def test_bitnet_lambda_mixes_and_ste_passes_gradients():
   rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.normal(size=(4, 8)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(8, 3)), jnp.float32)
-  full = np.asarray(x @ w)
-  quant = np.asarray(bitnet.int8_activation_quant(x) @ bitnet.ternary_weight_quant(w))
+  x = rng.normal(size=(4, 8)).astype(np.float32)
+  w = rng.normal(size=(8, 3)).astype(np.float32)
+  # Each step jitted (one program each; op by op, each operation compiles one).
+  x_quant = np.asarray(jax.jit(bitnet.int8_activation_quant)(x))
+  full = x @ w
+  quant = x_quant @ np.asarray(jax.jit(bitnet.ternary_weight_quant)(w))
+  mixed = jax.jit(lambda x, w, f: bitnet.bitnet_matmul(x, w, f, jnp.float32))
   for quantized_fraction in (0.0, 0.3, 1.0):
-    got = bitnet.bitnet_matmul(x, w, jnp.float32(quantized_fraction), jnp.float32)
+    got = mixed(x, w, jnp.float32(quantized_fraction))
     f = quantized_fraction
     np.testing.assert_allclose(np.asarray(got), (1 - f) * full + f * quant, rtol=1e-5,
                                atol=1e-5)
   # Straight-through: at lam=1 the gradient wrt w is that of the plain matmul with q(x).
-  g = jax.grad(lambda w_: bitnet.bitnet_matmul(x, w_, 1.0, jnp.float32).sum())(w)
-  np.testing.assert_allclose(np.asarray(g),
-                             np.asarray(bitnet.int8_activation_quant(x)).T @ np.ones((4, 3)),
-                             rtol=1e-5, atol=1e-5)
+  g = jax.jit(jax.grad(lambda w_: bitnet.bitnet_matmul(x, w_, 1.0, jnp.float32).sum()))(w)
+  np.testing.assert_allclose(np.asarray(g), x_quant.T @ np.ones((4, 3)), rtol=1e-5, atol=1e-5)
 
 
 def test_bitnet_model_lambda_is_traced_and_changes_output():
