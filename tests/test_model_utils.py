@@ -18,6 +18,17 @@ CFG = ModelConfig(vocab_size=48, d_model=32, n_layers=1, n_heads=4, max_seq_len=
                   scan_layers=False, compute_dtype="float32", qk_norm=False)
 
 
+def _params(cfg, seed=0):
+  """Parameters of the GPT's layout for ``cfg`` (jax.eval_shape of its init) drawn in numpy:
+  norm gains 1, the rest normal of the init's std. What these tests check holds for any
+  parameters; compiling an init program per config costs seconds."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, leaf: jnp.ones(leaf.shape, leaf.dtype) if "norm" in jax.tree_util.keystr(path)
+      else jnp.asarray(rng.normal(0, cfg.init_std, leaf.shape), leaf.dtype),
+      gpt_params(cfg, abstract=True))
+
+
 def test_public_names_exported():
   for name in ("init_new_token_embeddings", "lambda_warmup", "excess_kurtosis", "merge_emb_proj",
                "quantize_weights_rtn"):
@@ -28,7 +39,7 @@ def test_public_names_exported():
 
 
 def test_new_token_init_equals_vocab_mean():
-  params = gpt_params(CFG)
+  params = _params(CFG)
   new_ids = [5, 47]
   out = init_new_token_embeddings(params, new_ids)
   emb = np.asarray(params["tok_embed"]["embedding"])
@@ -45,13 +56,13 @@ def test_new_token_init_equals_vocab_mean():
   # Wrapped trees and tied models work too.
   wrapped = init_new_token_embeddings({"params": params}, [3])
   assert "params" in wrapped and "tok_embed" in wrapped["params"]
-  tied = gpt_params(dataclasses.replace(CFG, tie_embeddings=True))
+  tied = _params(dataclasses.replace(CFG, tie_embeddings=True))
   out_t = init_new_token_embeddings(tied, [0])
   assert "lm_head" not in out_t
 
 
 def test_new_token_init_errors():
-  params = gpt_params(CFG)
+  params = _params(CFG)
   with pytest.raises(ValueError, match="grow the embedding"):
     init_new_token_embeddings(params, [48])
   with pytest.raises(ValueError, match="empty"):
@@ -131,8 +142,8 @@ def test_kurtosis_is_finite_for_huge_finite_activations(peak):
                                                norm="ssnorm")])
 def test_emb_proj_merge_identity(opts):
   cfg = dataclasses.replace(CFG, emb_proj=True, **opts)
-  params = gpt_params(cfg, seed=1)
-  # Make the projections non-trivial (not just the orthogonal init).
+  params = _params(cfg, seed=1)
+  # Make the projections non-trivial (not near the identity, as the orthogonal init is).
   rng = np.random.default_rng(1)
   params = dict(params)
   for name in ("emb_proj_in", "emb_proj_out"):
@@ -143,9 +154,9 @@ def test_emb_proj_merge_identity(opts):
   assert "emb_proj_in" not in merged and "emb_proj_out" not in merged
   assert merged["lm_head"]["kernel"].shape == (32, 48)
   tokens = jnp.asarray(rng.integers(0, 48, size=(2, 8)), jnp.int32)
-  with jax.default_matmul_precision("highest"):
-    a = GPT(cfg).apply({"params": params}, tokens)
-    b = GPT(cfg2).apply({"params": merged}, tokens)
+  with jax.default_matmul_precision("highest"):  # each forward pass jitted: one program each
+    a = jax.jit(lambda p, t: GPT(cfg).apply({"params": p}, t))(params, tokens)
+    b = jax.jit(lambda p, t: GPT(cfg2).apply({"params": p}, t))(merged, tokens)
   np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="emb_proj=True"):
     merge_emb_proj(merged, cfg2)
