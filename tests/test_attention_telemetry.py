@@ -57,11 +57,12 @@ def test_gpt_sows_the_max_of_the_logits_its_softmax_uses(scan):
   cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, max_seq_len=16,
                     compute_dtype="float32", scan_layers=scan, init_std=0.3, qk_norm=False)
   model = GPT(cfg)
-  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
-  params = model.init(jax.random.key(0), tokens)["params"]
-  plain = model.apply({"params": params}, tokens)
-  logits, state = model.apply({"params": params}, tokens, attention_logits=True,
-                              mutable=["intermediates"])
+  tokens = np.random.default_rng(1).integers(0, 64, (2, 12)).astype(np.int32)
+  # init and each forward pass jitted: one program each (op by op, one per operation).
+  params = jax.jit(model.init)(jax.random.key(0), tokens)["params"]
+  plain = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
+  logits, state = jax.jit(lambda p, t: model.apply({"params": p}, t, attention_logits=True,
+                                                   mutable=["intermediates"]))(params, tokens)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(plain), rtol=1e-5, atol=1e-5)
   collected = stablejax.collect_attention_logits(state)
   # The sown values are keyed by the names find_attention_layers gives the layers (what
@@ -74,8 +75,8 @@ def test_gpt_sows_the_max_of_the_logits_its_softmax_uses(scan):
   assert sorted(collected) == names
   got = np.asarray(layer_max_logits(cfg, collected))                       # [L, H]
   # Reference: the q_proj / k_proj outputs captured by Flax, RoPE, numpy max.
-  _, captured = model.apply({"params": params}, tokens, capture_intermediates=True,
-                            mutable=["intermediates"])
+  _, captured = jax.jit(lambda p, t: model.apply({"params": p}, t, capture_intermediates=True,
+                                                 mutable=["intermediates"]))(params, tokens)
   inter = captured["intermediates"]
   for i in range(cfg.n_layers):
     attn = inter["blocks"]["attn"] if scan else inter[f"block_{i}"]["attn"]
