@@ -54,6 +54,26 @@ def _normal_like(x):
   return jnp.asarray(np.random.default_rng(x.size).standard_normal(x.shape), jnp.float32)
 
 
+def _filled(abstract):
+  """``abstract`` (shapes) holding numpy normal values drawn apart from the gradients'."""
+  return jax.tree.map(lambda x: jnp.asarray(
+      np.random.default_rng([x.size, 1]).standard_normal(x.shape), x.dtype), abstract)
+
+
+def _linen_init(model, *inputs):
+  """``model.init``'s variables as it lays them out (boxes, names, shapes: jax.eval_shape runs
+  its code), holding numpy normal values (drawn apart from the gradients') instead of its random
+  init: nothing here reads the init's values, and a compiled init costs a second or two."""
+  return _filled(jax.eval_shape(model.init, jax.random.key(0), *(inputs or (TOKENS,))))
+
+
+def _nnx_params(make):
+  """The ``nnx.Param`` state of the NNX model ``make()`` builds (Variables and their metadata:
+  nnx.eval_shape runs its constructor), holding numpy normal values instead of its random init
+  (each initialiser run eagerly compiles its own programs)."""
+  return _filled(nnx.state(nnx.eval_shape(make), nnx.Param))
+
+
 def _check(params, expected):
   """Leaf-by-leaf routing, no warning, and one update against optax.contrib.muon.
 
@@ -101,7 +121,7 @@ def _norm_or_bias(names) -> bool:
 
 @pytest.mark.parametrize("partition", [False, True])
 def test_nanodo_dense_general_attention_tied(partition):
-  params = jax.jit(DenseGeneralLM(partition=partition).init)(jax.random.key(0), TOKENS)
+  params = _linen_init(DenseGeneralLM(partition=partition))
 
   def expected(path, shape):
     names = path.split("/")
@@ -117,7 +137,7 @@ def test_nanodo_dense_general_attention_tied(partition):
 
 
 def test_tied_model_with_mlp_as_wide_as_the_vocabulary_is_reported_tied():
-  params = jax.jit(DenseGeneralLM(vocab=96, ff=96).init)(jax.random.key(0), TOKENS)
+  params = _linen_init(DenseGeneralLM(vocab=96, ff=96))
   labels = _flat(stablejax.label_params(params), is_leaf=None)
   assert [k for k, v in labels.items() if v == "head"] == []
   table = stablejax.describe_routing(params)
@@ -128,7 +148,7 @@ def test_tied_model_with_mlp_as_wide_as_the_vocabulary_is_reported_tied():
 @pytest.mark.parametrize("boxed", [True, False])
 def test_lm1b_logical_boxes_and_nested_head(boxed):
   model = LogicalLM(boxed=boxed)
-  params = jax.jit(model.init)(jax.random.key(0), TOKENS)
+  params = _linen_init(model)
 
   def expected(path, shape):
     names = path.split("/")
@@ -157,8 +177,7 @@ def test_lm1b_logical_boxes_and_nested_head(boxed):
 
 @pytest.mark.parametrize("kv_heads,qk_norm", [(4, False), (2, True), (1, False)])
 def test_gemma_einsum_attention_fused_and_grouped(kv_heads, qk_norm):
-  model = EinsumLM(kv_heads=kv_heads, qk_norm=qk_norm, rngs=nnx.Rngs(0))
-  variables = nnx.state(model, nnx.Param)
+  variables = _nnx_params(lambda: EinsumLM(kv_heads=kv_heads, qk_norm=qk_norm, rngs=nnx.Rngs(0)))
 
   def expected(path, shape):
     names = path.split("/")
@@ -198,8 +217,7 @@ def _numpy_newton_schulz(x, steps=5, a=3.4445, b=-4.7750, c=2.0315, eps=1e-8):
 
 def test_nnx_logical_sharding_names_decide():
   with nnx.use_eager_sharding(False):
-    model = ShardedNamesLM(rngs=nnx.Rngs(0))
-  variables = nnx.state(model, nnx.Param)
+    variables = _nnx_params(lambda: ShardedNamesLM(rngs=nnx.Rngs(0)))
 
   def expected(path, shape):
     names = path.split("/")
@@ -220,7 +238,7 @@ def test_nnx_logical_sharding_names_decide():
 
 @pytest.mark.parametrize("boxed", [True, False])
 def test_layers_stacked_on_axis_one(boxed):
-  params = jax.jit(LayerAxisLM().init)(jax.random.key(0), TOKENS)
+  params = _linen_init(LayerAxisLM())
   if not boxed:
     params = nn.unbox(params)
 
@@ -239,8 +257,7 @@ def test_layers_stacked_on_axis_one(boxed):
 
 def test_minigpt_tutorial_tree_with_mesh_axis_annotations():
   with nnx.use_eager_sharding(False):
-    model = MiniGPTLike(rngs=nnx.Rngs(0))
-  variables = nnx.state(model, nnx.Param)
+    variables = _nnx_params(lambda: MiniGPTLike(rngs=nnx.Rngs(0)))
 
   def expected(path, shape):
     names = path.split("/")
@@ -274,6 +291,6 @@ def test_attention_with_as_many_heads_as_head_dims_is_not_a_stack():
   # [D, H, hd] kernels and [H, hd] biases share axis 1 when H == hd: one attention layer,
   # orthogonalised as whole matrices, not a stack along axis 1 cut into per-head slices.
   mha = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=16)
-  attn = jax.jit(mha.init)(jax.random.key(0), jnp.ones((1, 3, 16)))["params"]
+  attn = _linen_init(mha, jnp.ones((1, 3, 16)))["params"]
   dims = stablejax.muon_dimension_numbers({"embed": jnp.zeros((50, 16)), "attn": attn})["attn"]
   assert [dims[p]["kernel"] for p in ("query", "key", "value", "out")] == [QKV, QKV, QKV, OUT]
