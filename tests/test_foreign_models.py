@@ -55,6 +55,26 @@ def _expected_layout(path: str):
   return OUT if names[-2] == "out" and len(names) > 2 else stablejax.muon.matrices.LAST_TWO_AXES
 
 
+def _filled(abstract):
+  """``abstract`` (shapes) holding numpy normal values."""
+  return jax.tree.map(lambda x: jnp.asarray(
+      np.random.default_rng([x.size, 1]).standard_normal(x.shape), x.dtype), abstract)
+
+
+def _linen_layout(model, seq_len: int = 8):
+  """``linen_params(model)``'s tree and shapes (jax.eval_shape runs the init's code) holding
+  numpy values: the routing tests read no value of the random init, whose compiled program
+  costs a second or two per model."""
+  return _filled(jax.eval_shape(model.init, jax.random.key(0),
+                                jnp.zeros((1, seq_len), jnp.int32))["params"])
+
+
+def _nnx_layout(make):
+  """The ``nnx.Param`` state of the model ``make()`` builds (nnx.eval_shape runs its
+  constructor: the Variables and their metadata), holding numpy values."""
+  return _filled(nnx.state(nnx.eval_shape(make), nnx.Param))
+
+
 LINEN = {"untied": {}, "tied": {"tied": True}, "scan": {"scan": True},
          "scan_tied": {"scan": True, "tied": True}}
 NNX = {"untied": {}, "tied": {"tied": True}, "scan": {"scan": True}}
@@ -78,7 +98,7 @@ def _check_routing(params, expected):
 @pytest.mark.parametrize("variant", LINEN)
 def test_linen_routing_leaf_by_leaf(variant):
   kw = LINEN[variant]
-  params = linen_params(LinenLM(**kw))
+  params = _linen_layout(LinenLM(**kw))
   labels = _check_routing(params, _expected_linen)
   assert ("Dense_0/kernel" in labels) == (not kw.get("tied"))
   # The whole variables dict ({'params': ...}) routes the same.
@@ -93,8 +113,7 @@ def test_linen_routing_leaf_by_leaf(variant):
 
 @pytest.mark.parametrize("variant", NNX)
 def test_nnx_routing_leaf_by_leaf_and_init_update_agree(variant):
-  model = NNXLM(**NNX[variant], rngs=nnx.Rngs(0))
-  state = nnx.state(model, nnx.Param)
+  state = _nnx_layout(lambda: NNXLM(**NNX[variant], rngs=nnx.Rngs(0)))
   labels = _check_routing(nnx.as_pure(state), _expected_nnx)
   # At init nnx.Optimizer passes Variables, at update pure arrays: the same labels, leaf by leaf.
   at_init = stablejax.label_params(state)
@@ -107,8 +126,7 @@ def test_nnx_routing_leaf_by_leaf_and_init_update_agree(variant):
 def test_attention_updates_equal_optax_muon_with_matching_dimension_numbers():
   # A whole scanned NNX model: the Muon branch against optax.contrib.muon, whose dimension numbers
   # are written here by hand (attention [L, D, H, hd] / [L, H, hd, D]; MLP [L, in, out]).
-  model = NNXLM(scan=True, rngs=nnx.Rngs(0))
-  params = nnx.as_pure(nnx.state(model, nnx.Param))
+  params = nnx.as_pure(_nnx_layout(lambda: NNXLM(scan=True, rngs=nnx.Rngs(0))))
   flat = _flat(params)
 
   def dims_for(path):
@@ -121,7 +139,9 @@ def test_attention_updates_equal_optax_muon_with_matching_dimension_numbers():
 
   dims = jax.tree_util.tree_map_with_path(
       lambda p, _: dims_for("/".join(str(getattr(k, "key", k)) for k in p)), params)
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+  # numpy draws: a jax.random.normal per leaf shape would compile a program for each
+  grads = jax.tree.map(lambda x: jnp.asarray(
+      np.random.default_rng(x.size).standard_normal(x.shape), x.dtype), params)
   ours = stablejax.outlier_safe_muon(0.02, outlier_method=None, ns_backend="xla")
   ref = optax.contrib.muon(0.02, consistent_rms=0.2, eps=1e-8, muon_weight_dimension_numbers=dims)
   # Jitted: eagerly, each of the updates' operations compiles on its own (minutes on a CPU).
