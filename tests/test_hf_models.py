@@ -23,6 +23,11 @@ from hf_models import BUILDERS, SEQ, VOCAB, build
 
 MDN = optax.contrib.MuonDimensionNumbers
 FAMILIES = tuple(BUILDERS)
+# The families whose training runs a path of stablejax's of its own: Mistral's probe recipe, head
+# counts and parameter names are Llama's (hf_attention_probe: the same rotary_emb recipe, 2 kv
+# heads of 8 dims here), so its chain trains the same way. The routing, probe and QK-clip tests
+# run on every family, Mistral's own model included.
+TRAINED_FAMILIES = tuple(f for f in FAMILIES if f != "mistral")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +85,9 @@ def test_every_leaf_routed_as_the_model_source_says_and_no_warning(models, famil
 
 def test_fused_c_attn_update_is_optax_muon_on_each_projection(models):
   params = models["gpt2"].params
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+  # numpy draws: a jax.random.normal per leaf shape would compile a program for each
+  grads = jax.tree.map(lambda x: jnp.asarray(
+      np.random.default_rng(x.size).standard_normal(x.shape), x.dtype), params)
   ours = stablejax.outlier_safe_muon(0.02, outlier_method=None, ns_backend="xla",
                                      consistent_rms=None, adam_learning_rate=1e-3)
   got = jax.jit(ours.update)(grads, ours.init(params), params)[0]
@@ -196,7 +203,7 @@ def test_qk_clip_without_head_count_fails_at_init_with_the_fix(models):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", TRAINED_FAMILIES)
 def test_readme_chain_with_qk_clip_trains_30_steps(models, family):
   model = models[family]
   probe = stablejax.hf_attention_probe(model.config)
