@@ -65,7 +65,9 @@ def test_every_leaf_routed_with_out_in_weights(model):
 
 def test_out_in_width_scale_equals_optax_with_transposed_dims(model):
   params = eqx.filter(model, eqx.is_array)
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), params)
+  # numpy draws: a jax.random.normal per leaf shape would compile a program for each
+  grads = jax.tree.map(lambda x: jnp.asarray(
+      np.random.default_rng(x.size).standard_normal(x.shape), x.dtype), params)
   ours = stablejax.outlier_safe_muon(0.02, consistent_rms=None, adam_learning_rate=1e-3,
                                      outlier_method=None, ns_backend="xla")
   got = jax.jit(ours.update)(grads, ours.init(params), params)[0]
@@ -76,12 +78,19 @@ def test_out_in_width_scale_equals_optax_with_transposed_dims(model):
   np.testing.assert_allclose(got.blocks.up.weight, want, rtol=2e-4, atol=1e-7)
 
 
+@eqx.filter_jit
+def _with_and_without_max_logit(attn, x, causal):
+  """``(mha_with_max_logit(attn, ...), attn(...))`` in one program (eagerly, each operation of
+  the two calls compiles on its own)."""
+  return stablejax.mha_with_max_logit(attn, x, x, x, causal), attn(x, x, x, causal)
+
+
 def test_mha_with_max_logit_against_numpy(model):
-  block = jax.tree.map(lambda x: x[0] if eqx.is_array(x) else x, model.blocks)
-  x = jax.random.normal(jax.random.key(1), (T, D))
-  causal = jnp.tril(jnp.ones((T, T), bool))
-  out, max_logit = stablejax.mha_with_max_logit(block.attn, x, x, x, causal)
-  np.testing.assert_allclose(out, block.attn(x, x, x, causal), rtol=1e-6)
+  block = jax.tree.map(lambda x: np.asarray(x)[0] if eqx.is_array(x) else x, model.blocks)
+  x = np.random.default_rng(1).standard_normal((T, D)).astype(np.float32)
+  causal = np.tril(np.ones((T, T), bool))
+  (out, max_logit), plain_out = _with_and_without_max_logit(block.attn, x, causal)
+  np.testing.assert_allclose(out, plain_out, rtol=1e-6)
   q = (np.asarray(x) @ np.asarray(block.attn.query_proj.weight).T).reshape(T, H, -1)
   k = (np.asarray(x) @ np.asarray(block.attn.key_proj.weight).T).reshape(T, H, -1)
   logits = np.einsum("thd,shd->hts", q, k) / math.sqrt(D // H)
@@ -96,6 +105,7 @@ def test_qk_clip_on_stacked_multihead_attention_brings_a_layer_to_tau(model):
       ("blocks/attn", H, 1, -2)]
   tokens = jax.random.randint(jax.random.key(2), (3, T), 0, 64)
 
+  @jax.jit  # one program for the three forward passes (eagerly, one per operation)
   def max_logits(params):
     return jax.vmap(eqx.combine(params, static))(tokens)[1].max(axis=0)   # [L, H]
 
