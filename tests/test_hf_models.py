@@ -95,21 +95,19 @@ def test_fused_c_attn_update_is_optax_muon_on_each_projection(models):
                                      consistent_rms=None, adam_learning_rate=1e-3)
   got = jax.jit(ours.update)(grads, ours.init(params), params)[0]
   kernel = "transformer/h/0/attn/c_attn/kernel"
-  g = _flat(grads)[kernel]                               # [3D, D]: rows are the outputs
-  parts = {"q": g[:32], "k": g[32:64], "v": g[64:]}
-  # optax on the three [out, in] parts, each a D x D matrix (square: either orientation)
+  c_fc = "transformer/h/0/mlp/c_fc/kernel"
+  g = np.asarray(_flat(grads)[kernel])                   # [3D, D]: rows are the outputs
+  # optax on the three [out, in] parts, each a D x D matrix (square: either orientation), and
+  # on the [out, in] MLP kernel c_fc [4D, D]. Muon treats each leaf on its own: one jitted
+  # update of the four (eagerly, each of its operations compiles on its own).
   ref = optax.contrib.muon(0.02, consistent_rms=None, eps=1e-8,
                            muon_weight_dimension_numbers=MDN(-1, -2))
-  want = ref.update(parts, ref.init(parts), parts)[0]
+  parts = {"q": g[:32], "k": g[32:64], "v": g[64:], "w": _flat(grads)[c_fc]}
+  want = jax.jit(ref.update)(parts, ref.init(parts), parts)[0]
   np.testing.assert_allclose(_flat(got)[kernel], np.concatenate([want["q"], want["k"], want["v"]]),
                              rtol=2e-4, atol=1e-7)
-  # the [out, in] MLP kernel c_fc [4D, D]: width scaling reads fan_out / fan_in = 4, not 1/4
-  c_fc = "transformer/h/0/mlp/c_fc/kernel"
-  ref = optax.contrib.muon(0.02, consistent_rms=None, eps=1e-8,
-                           muon_weight_dimension_numbers=MDN(-1, -2))
-  one = {"w": _flat(grads)[c_fc]}
-  want = ref.update(one, ref.init(one), one)[0]["w"]
-  np.testing.assert_allclose(_flat(got)[c_fc], want, rtol=2e-4, atol=1e-7)
+  # c_fc: width scaling reads fan_out / fan_in = 4, not 1/4
+  np.testing.assert_allclose(_flat(got)[c_fc], want["w"], rtol=2e-4, atol=1e-7)
   # sqrt(max(1, fan_out / fan_in)) = sqrt(128 / 32) = 2 on NS singular values in [0.68, 1.13]
   singular = np.linalg.svd(np.asarray(_flat(got)[c_fc]) / 0.02, compute_uv=False)
   assert 1.3 < np.median(singular) < 2.3, singular
