@@ -55,5 +55,6 @@ BUILDERS = {"gpt2": _gpt2, "gpt_neo": _gpt_neo, "llama": _llama, "mistral": _mis
 
 def build(family: str, **kwargs):
   """The model of ``family`` (a key of ``BUILDERS``); ``kwargs`` go to the model's class
-  (``input_shape=`` of the forward pass its init runs, say)."""
+  (``input_shape=`` of the forward pass its init runs; ``_do_init=False``: its
+  ``params_shape_tree`` only, nothing initialised)."""
   return BUILDERS[family](**kwargs)

@@ -56,14 +56,25 @@ def _flat(tree):
   return out
 
 
+def _zeros(abstract):
+  """Numpy zeros in place of each ``jax.ShapeDtypeStruct`` of a tree (boxes and modules kept):
+  the routing reads shapes, names and metadata only, and Muon's first update without weight
+  decay (outlier_safe_muon's default) does not read the weights."""
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype)
+                      if isinstance(s, jax.ShapeDtypeStruct) else s, abstract)
+
+
 def _init(model):
-  """A Linen model's variables, initialised in one jitted program (eagerly, each of the init's
-  operations compiles on its own)."""
-  return jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+  """A Linen model's variables as zeros of their shapes: traced (jax.eval_shape), not run (an
+  init compiles a program per model)."""
+  tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
+  return _zeros(jax.eval_shape(model.init, jax.random.key(0), tokens))
 
 
 def _updates(params, per_head, **kw):
-  grads = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size % 97), x.shape), params)
+  # numpy gradients: jax.random.normal would compile a program for each new shape
+  grads = jax.tree.map(lambda x: np.random.default_rng(x.size % 97).standard_normal(
+      x.shape).astype(np.float32), params)
   tx = stablejax.outlier_safe_muon(LR, outlier_method=None, ns_backend="xla",
                                    per_head=per_head, **kw)
   with warnings.catch_warnings():
@@ -119,7 +130,7 @@ def test_grouped_query_separate_and_fused_in_a_plain_tree():
             "fused": {"qkv_proj": {"kernel": (d, (h + 2 * k) * hd)},
                       "o_proj": {"kernel": (h * hd, d)}},
             "gpt2": {"c_attn": {"kernel": (d, 3 * d)}, "c_proj": {"kernel": (d, d)}}}
-  params = jax.tree.map(jnp.zeros, shapes, is_leaf=lambda x: isinstance(x, tuple))
+  params = jax.tree.map(np.zeros, shapes, is_leaf=lambda x: isinstance(x, tuple))
   slices = {"gqa/q_proj/kernel": _col_heads(h, hd), "gqa/k_proj/kernel": _col_heads(k, hd),
             "gqa/v_proj/kernel": _col_heads(k, hd), "gqa/o_proj/kernel": _row_heads(h, hd),
             # [D, (H + 2K) hd]: 4 query heads, then 2 key heads, then 2 value heads
@@ -131,8 +142,8 @@ def test_grouped_query_separate_and_fused_in_a_plain_tree():
 
 def test_equinox_multihead_attention_out_in_storage():
   equinox_lm = load_example("equinox_lm")
-  model = equinox_lm.GPT(64, 32, 4, 2, 16, jax.random.key(0))
-  params = eqx.filter(model, eqx.is_array)
+  model = eqx.filter_eval_shape(equinox_lm.GPT, 64, 32, 4, 2, 16, jax.random.key(0))
+  params = eqx.filter(_zeros(model), eqx.is_array)
   slices = {}
   for layer in range(2):  # eqx.nn.Linear: weight [out, in]; stacked blocks [L, ...]
     for name in ("query_proj", "key_proj", "value_proj"):
@@ -154,8 +165,8 @@ def test_dense_general_heads_axis():
 
 
 def test_gemma_einsum_grouped_query():
-  model = EinsumLM(kv_heads=2, rngs=nnx.Rngs(0))
-  params = nnx.state(model, nnx.Param)
+  model = nnx.eval_shape(lambda: EinsumLM(kv_heads=2, rngs=nnx.Rngs(0)))
+  params = _zeros(nnx.state(model, nnx.Param))
   slices = {}
   for layer in range(2):
     base = f"layers/{layer}/attn"
@@ -179,7 +190,8 @@ def test_hugging_face_gpt2_conv1d_and_llama_grouped_query():
   from hf_models import build
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # transformers' deprecation notice of its Flax classes
-    gpt2, llama = build("gpt2"), build("llama")
+    # their parameters' shapes only (the routing reads no weight): nothing initialised
+    gpt2, llama = build("gpt2", _do_init=False), build("llama", _do_init=False)
   d, h, hd = 32, 4, 8
   slices = {}
   for layer in range(2):
@@ -187,7 +199,7 @@ def test_hugging_face_gpt2_conv1d_and_llama_grouped_query():
     # Conv1D: kernel [out, in]; c_attn's rows are the query, key and value heads in turn
     slices[f"{base}/c_attn/kernel"] = _row_heads(3 * h, hd)
     slices[f"{base}/c_proj/kernel"] = _col_heads(h, hd)
-  _check(gpt2.params, slices, num_heads=h)
+  _check(_zeros(gpt2.params_shape_tree), slices, num_heads=h)
   slices = {}
   for layer in range(2):
     base = f"model/layers/{layer}/self_attn"
@@ -196,7 +208,7 @@ def test_hugging_face_gpt2_conv1d_and_llama_grouped_query():
     slices[f"{base}/v_proj/kernel"] = _col_heads(2, hd)
     slices[f"{base}/o_proj/kernel"] = _row_heads(h, hd)
   del d
-  _check(llama.params, slices, num_heads=h)
+  _check(_zeros(llama.params_shape_tree), slices, num_heads=h)
 
 
 def test_per_head_errors_and_describe():
@@ -218,7 +230,7 @@ def test_per_head_errors_and_describe():
   assert dims["blocks"]["attn"]["q_proj"]["kernel"] == stablejax.FusedDimensionNumbers(-2, -1,
                                                                                        -1, 4)
   with pytest.warns(UserWarning, match="no attention projection is split"):
-    stablejax.muon_dimension_numbers({"w": jnp.zeros((8, 8))}, per_head=True)
+    stablejax.muon_dimension_numbers({"w": np.zeros((8, 8))}, per_head=True)
 
 
 def test_given_dimension_numbers_win_over_per_head():
