@@ -12,6 +12,7 @@ from optax.contrib._muon import orthogonalize_via_newton_schulz
 
 import stablejax
 from stablejax.muon import _pallas_ns
+from stablejax.muon import newton_schulz as ns_mod
 from stablejax.muon.newton_schulz import POLAR_EXPRESS_COEFFS, STANDARD_COEFFS, resolve_coeffs
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -24,10 +25,22 @@ _ns = jax.jit(stablejax.newton_schulz, static_argnames=(
     "gram_restarts"))
 _optax_ns = jax.jit(orthogonalize_via_newton_schulz, static_argnames=(
     "ns_steps", "preconditioning", "eps", "dimension_numbers"))
+# The kernels' iterations the same way: a jax.jit of a new lambda per test would trace and lower
+# the interpret-mode kernels again (seconds each) for a program the module already has.
+_kernel_ns = jax.jit(_pallas_ns.ns_iterations, static_argnames=("coeffs", "platform",
+                                                                 "interpret"))
+_iterate = jax.jit(ns_mod._iterate, static_argnums=(1, 2, 3))
+
+
+def _normalised(x):
+  """``x`` divided by each matrix's Frobenius norm (+ 1e-7), computed in numpy."""
+  x = np.asarray(x)
+  return jnp.asarray(x / (np.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-7))
 
 
 def _matrix(shape, seed=0, dtype=jnp.float32):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+  # numpy draws: jax.random.normal compiles a program for each new shape
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32), dtype)
 
 
 def _numpy_ns(x, coeffs, eps=1e-7, norm_factor=1.0):
@@ -91,7 +104,7 @@ def test_coefficient_presets_and_lists():
   custom = [(2.0, -1.5, 0.5), (1.875, -1.25, 0.375)]
   assert resolve_coeffs(custom, 4)[0] == ((2.0, -1.5, 0.5),) + ((1.875, -1.25, 0.375),) * 3
   x = _matrix((40, 72), seed=4)
-  out = stablejax.newton_schulz(x, steps=4, coeffs=custom, backend="xla")
+  out = jax.jit(lambda y: stablejax.newton_schulz(y, steps=4, coeffs=custom, backend="xla"))(x)
   np.testing.assert_allclose(out, _numpy_ns(x, resolve_coeffs(custom, 4)[0]), atol=2e-5)
   pe = _ns(x, steps=8, coeffs="polar_express", backend="xla")
   np.testing.assert_allclose(pe, _numpy_ns(x, POLAR_EXPRESS_COEFFS, norm_factor=1.01), atol=5e-5)
@@ -109,7 +122,7 @@ def test_coefficient_presets_and_lists():
 
 
 def test_zero_input_stays_zero():
-  out = _ns(jnp.zeros((16, 32)), backend="xla")
+  out = _ns(np.zeros((16, 32), np.float32), backend="xla")
   assert np.all(np.asarray(out) == 0)
 
 
@@ -118,20 +131,17 @@ def test_zero_input_stays_zero():
 # Interpret mode is slow on CPU: small shapes, 3 steps, jitted.
 def test_kernel_interpret_matches_reference_f32(platform, shape):
   x = _matrix(shape, seed=5)
-  xx = x if shape[-2] <= shape[-1] else jnp.swapaxes(x, -1, -2)
-  xx = xx / (jnp.linalg.norm(xx, axis=(-2, -1), keepdims=True) + 1e-7)
+  xx = _normalised(x if shape[-2] <= shape[-1] else np.swapaxes(x, -1, -2))
   flat = xx.reshape((-1,) + xx.shape[-2:])
   assert _pallas_ns.ns_tileable(*flat.shape[-2:], platform)
-  run = jax.jit(lambda y: _pallas_ns.ns_iterations(y, (STANDARD_COEFFS,) * 3, platform=platform,
-                                                    interpret=True))
   want = _ns(xx, steps=3, backend="xla").reshape(flat.shape)
-  got = run(flat)
+  got = _kernel_ns(flat, coeffs=(STANDARD_COEFFS,) * 3, platform=platform, interpret=True)
   np.testing.assert_allclose(got, want, atol=5e-6, rtol=1e-5)
 
 
 def test_public_pallas_interpret_f32_and_bf16():
   x = _matrix((2, 64, 128), seed=6)
-  kernel = jax.jit(lambda y: stablejax.newton_schulz(y, backend="pallas", interpret=True))
+  kernel = functools.partial(_ns, backend="pallas", interpret=True)
   np.testing.assert_allclose(kernel(x), _ns(x, backend="xla"), atol=5e-6,
                              rtol=1e-5)
   xb = x.astype(jnp.bfloat16)
@@ -148,14 +158,16 @@ def test_untileable_shape_warns_and_falls_back():
   x = _matrix((24, 40), seed=7)  # 24 is not a multiple of 16/128: no kernel tiling
   assert not _pallas_ns.ns_tileable(24, 40, "triton")
   with pytest.warns(UserWarning, match="does not tile"):
-    out = stablejax.newton_schulz(x, backend="pallas", interpret=True)
+    # jitted: the warning comes as it is traced (eagerly, each operation compiles on its own)
+    out = jax.jit(functools.partial(stablejax.newton_schulz, backend="pallas",
+                                    interpret=True))(x)
   np.testing.assert_allclose(out, _ns(x, backend="xla"), atol=1e-6)
 
 
 def test_pallas_without_accelerator_warns_on_cpu():
   x = _matrix((64, 64), seed=8)
   with pytest.warns(UserWarning, match="interpret=True"):
-    out = stablejax.newton_schulz(x, backend="pallas")
+    out = jax.jit(functools.partial(stablejax.newton_schulz, backend="pallas"))(x)
   np.testing.assert_allclose(out, _ns(x, backend="xla"), atol=1e-6)
 
 
@@ -324,14 +336,15 @@ def test_gram_without_symmetrising_r_drifts():
   # far from the standard one on a decaying spectrum (measured 1.2e-3 against 4.5e-4 with it).
   from stablejax.muon import gram
   x = _decaying((256, 1024), seed=3)
-  xn = x / (jnp.linalg.norm(x) + 1e-7)
+  xn = _normalised(x)
   standard = _ns(x, backend="xla")
-  with_sym = gram.iterations(xn, (STANDARD_COEFFS,) * 5, ())
+  # each jitted by a jax.jit of its own: traced with and without _symmetrise
+  with_sym = jax.jit(lambda y: gram.iterations(y, (STANDARD_COEFFS,) * 5, ()))(xn)
   assert _rel(with_sym, standard) < 1e-3
   original = gram._symmetrise
   try:
     gram._symmetrise = lambda r: r
-    without = gram.iterations(xn, (STANDARD_COEFFS,) * 5, ())
+    without = jax.jit(lambda y: gram.iterations(y, (STANDARD_COEFFS,) * 5, ()))(xn)
   finally:
     gram._symmetrise = original
   assert _rel(without, standard) > 2 * _rel(with_sym, standard)
@@ -412,15 +425,16 @@ def test_aol_rescales_rows_by_their_absolute_gram_sums():
   # Turbo-Muon's first step against numpy: X <- D^-1/2 X with D = diag(sum_j |X X^T|_ij); the
   # spectral norm is then at most 1 (almost-orthogonal-layer bound).
   from stablejax.muon.newton_schulz import aol_precondition
-  x = _decaying((40, 72), seed=8) * jnp.linspace(0.1, 3.0, 40)[:, None]
+  x = np.asarray(_decaying((40, 72), seed=8)) * np.linspace(0.1, 3.0, 40, dtype=np.float32)[:, None]
   x64 = np.asarray(x, np.float64)
   gram = x64 @ x64.T
   scaled = x64 / np.sqrt(np.abs(gram).sum(axis=1))[:, None]
-  got_x, got_gram = aol_precondition(x, x @ x.T)
+  precondition = jax.jit(aol_precondition)  # eagerly, each operation compiles on its own
+  got_x, got_gram = precondition(x, x @ x.T)
   np.testing.assert_allclose(got_x, scaled, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(got_gram, scaled @ scaled.T, rtol=1e-4, atol=1e-7)
   assert np.linalg.norm(scaled, 2) <= 1.0 + 1e-12
-  zero_x, _ = aol_precondition(jnp.zeros((4, 8)), jnp.zeros((4, 4)))
+  zero_x, _ = precondition(np.zeros((4, 8), np.float32), np.zeros((4, 4), np.float32))
   assert np.all(np.asarray(zero_x) == 0)
 
 
@@ -464,25 +478,21 @@ def test_turbo_muon_four_steps_beat_five_standard_steps_on_a_random_matrix():
 def test_gram_and_aol_kernels_interpret_match_reference(platform):
   x = _matrix((2, 64, 256), seed=11)
   for method, precond in (("gram", "frobenius"), ("gram", "aol"), ("standard", "aol")):
-    kernel = jax.jit(lambda y, m=method, p=precond: stablejax.newton_schulz(
-        y, steps=3, backend="pallas", interpret=True, method=m, preconditioning=p))
     if platform == "mosaic":  # the dispatcher interprets the machine's kernel; call Mosaic's
-      from stablejax.muon.newton_schulz import _iterate, resolve_iteration
-      it, _ = resolve_iteration("standard", 3, method, precond)
-      xn = x / (jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-7)
-      kernel = jax.jit(lambda y, it=it: _iterate(y, it, "mosaic", True))
-      got, want = kernel(xn), jax.jit(lambda y, it=it: _iterate(y, it))(xn)
+      it, _ = ns_mod.resolve_iteration("standard", 3, method, precond)
+      xn = _normalised(x)
+      got, want = _iterate(xn, it, "mosaic", True), _iterate(xn, it, None, False)
     else:
-      got = kernel(x)
+      got = _ns(x, steps=3, backend="pallas", interpret=True, method=method,
+                preconditioning=precond)
       want = _ns(x, steps=3, backend="xla", method=method,
                                      preconditioning=precond)
-    np.testing.assert_allclose(got, want, atol=1e-4 * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(got, want, atol=1e-4 * float(np.abs(np.asarray(want)).max()))
   xb = x.astype(jnp.bfloat16)
-  got = jax.jit(lambda y: stablejax.newton_schulz(y, backend="pallas", interpret=True,
-                                                  method="gram"))(xb)
+  got = _ns(xb, backend="pallas", interpret=True, method="gram")
   want = _ns(xb, backend="xla", method="gram")
   assert got.dtype == jnp.bfloat16
-  assert float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()) < 0.05
+  assert np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32)).max() < 0.05
 
 
 def _export_gram(platform, shape, dtype, **kw):
