@@ -25,7 +25,8 @@ CONTRACT_KEYS = {
 
 
 def _normal(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+  # numpy draws: jax.random.normal compiles a program for each new shape
+  return jnp.asarray(scale * np.random.default_rng(key).standard_normal(shape), jnp.float32)
 
 
 def _np_ns(x, steps=5, eps=1e-8):
