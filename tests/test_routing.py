@@ -34,12 +34,21 @@ class _Tiny(nn.Module):
 
 
 def _normal(shape, seed=0):
-  return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+  # numpy draws: jax.random.normal compiles a program for each new shape
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def _zeros(abstract):
+  """Numpy zeros in place of each ``jax.ShapeDtypeStruct`` of a tree (modules kept)."""
+  return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype)
+                      if isinstance(s, jax.ShapeDtypeStruct) else s, abstract)
 
 
 def _flax_params():
-  # Jitted: eagerly, each initialiser compiles on its own (most of a routing test's CPU time).
-  return jax.jit(_Tiny().init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  # Zeros of the traced shapes: the routing reads shapes and names, and running the init would
+  # compile it (eagerly, each initialiser on its own).
+  return _zeros(jax.eval_shape(_Tiny().init, jax.random.key(0),
+                               jax.ShapeDtypeStruct((1, 4), jnp.int32)))
 
 
 def test_default_rule_on_flax_model():
@@ -292,12 +301,15 @@ def test_adam_group_is_never_weight_decayed():
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)  # one compile, not one per op
   no_decay = optax.adam(1e-3, b1=0.9, b2=0.95, eps=1e-8)
   decay = optax.adamw(1e-3, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.5)
+  # adam's first steps jitted the same way (adamw's stay eager: jitted, XLA fuses its decay
+  # differently, one rounding off at rtol 1e-6)
+  first_step = jax.jit(lambda tx, g, p: tx.update(g, tx.init(p), p), static_argnums=0)
   for path in [("blocks", "attn_norm", "scale"), ("blocks", "mlp", "bias"),
                ("final_norm", "scale"), ("lm_head", "bias")]:
     p, g, u = params, grads, updates
     for k in path:
       p, g, u = p[k], g[k], u[k]
-    want, _ = no_decay.update(g, no_decay.init(p), p)
+    want, _ = first_step(no_decay, g, p)
     np.testing.assert_allclose(u, want, rtol=1e-6, err_msg="/".join(path))
   for path in [("tok_embed", "embedding"), ("lm_head", "kernel")]:
     p, g, u = params[path[0]][path[1]], grads[path[0]][path[1]], updates[path[0]][path[1]]
@@ -306,15 +318,16 @@ def test_adam_group_is_never_weight_decayed():
 
 
 def test_param_labels_override_routes_updates():
-  params = {"w": jnp.ones((8, 8)), "u": jnp.ones((8, 8))}
+  params = {"w": np.ones((8, 8), np.float32), "u": np.ones((8, 8), np.float32)}
   tx = stablejax.outlier_safe_muon(0.02, adam_learning_rate=1e-3,
                                    param_labels={"w": "muon", "u": "adam"})
-  grads = {"w": jnp.eye(8), "u": jnp.eye(8)}
-  updates, _ = tx.update(grads, tx.init(params), params)
+  grads = {"w": np.eye(8, dtype=np.float32), "u": np.eye(8, dtype=np.float32)}
+  # jitted, and checked in numpy: eagerly, each operation compiles on its own
+  updates = jax.tree.map(np.asarray, jax.jit(tx.update)(grads, tx.init(params), params)[0])
   # Adam's first step is -lr * sign(g); Muon's is an orthogonal matrix scaled 0.2 * sqrt(8).
-  assert jnp.allclose(updates["u"], -1e-3 * jnp.eye(8), atol=1e-7)
-  assert jnp.allclose(updates["w"] @ updates["w"].T, (0.02 * 0.2 * 8**0.5) ** 2 * jnp.eye(8),
-                      rtol=0.3, atol=1e-6)
+  assert np.allclose(updates["u"], -1e-3 * np.eye(8), atol=1e-7)
+  assert np.allclose(updates["w"] @ updates["w"].T, (0.02 * 0.2 * 8**0.5) ** 2 * np.eye(8),
+                     rtol=0.3, atol=1e-6)
 
 
 def test_check_learning_rates_rules():
@@ -446,11 +459,15 @@ def test_out_in_storage_read_from_the_models_own_kernels():
 
 def test_equinox_linear_weights_are_out_in_by_module_type():
   import equinox as eqx
-  keys = jax.random.split(jax.random.key(0), 3)
-  model = {"embed": eqx.nn.Embedding(50, 8, key=keys[0]),
-           "blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 24, key=k))(
-               jax.random.split(keys[1], 2)),
-           "sq": eqx.nn.Linear(8, 8, key=keys[2])}
+
+  def build():
+    keys = jax.random.split(jax.random.key(0), 3)
+    return {"embed": eqx.nn.Embedding(50, 8, key=keys[0]),
+            "blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 24, key=k))(
+                jax.random.split(keys[1], 2)),
+            "sq": eqx.nn.Linear(8, 8, key=keys[2])}
+  # zeros of the traced shapes: the layouts come from shapes and module types
+  model = _zeros(eqx.filter_eval_shape(build))
   dims = stablejax.muon_dimension_numbers(eqx.filter(model, eqx.is_array))
   assert dims["blocks"].weight == MDN(-1, -2) and dims["sq"].weight == MDN(-1, -2)
   table = stablejax.describe_routing(eqx.filter(model, eqx.is_array))
