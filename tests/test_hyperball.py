@@ -3,6 +3,7 @@ over many steps, the skip wrappers, bf16 parameters, sharding, and the trainer's
 (keyed state, the learning-rate scale reaching the step, weight decay refused)."""
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -80,9 +81,9 @@ def test_step_is_the_papers_formula():
   assert float(state.norm_drift) == pytest.approx(drift, rel=1e-5)
   # a schedule is read at the count; a zero update leaves the matrix where it is
   tx = stablejax.hyperball(optax.linear_schedule(0.0, 0.1, 10), matrices=MATRICES)
-  zero = jax.tree.map(jnp.zeros_like, updates)
+  zero = jax.tree.map(np.zeros_like, updates)  # numpy: no eager program per shape
   got, _ = jax.jit(tx.update)(zero, tx.init(params), params)
-  assert all(float(jnp.abs(got[n]).max()) < 1e-6 for n in ("w", "s", "qkv"))
+  assert all(np.abs(np.asarray(got[n])).max() < 1e-6 for n in ("w", "s", "qkv"))
 
 
 def test_prenormalized_steps_carry_the_scale_between():
@@ -243,9 +244,17 @@ def test_one_reduction_per_sharded_matrix_and_the_same_numbers():
 # ----------------------------------------------------------------------------- the trainer
 
 
+@functools.cache
+def _tiny_gpt_params():
+  """The tiny config's GPT parameters, initialised once for the module (both optimizers' tests
+  train the same model)."""
+  from helpers import gpt_params, tiny_config
+  return gpt_params(tiny_config().model)
+
+
 def _trainer_chains(optimizer):
   """The trainer's chain of a tiny config with Hyperball on and the same chain with it off."""
-  from helpers import gpt_params, tiny_config
+  from helpers import tiny_config
   from stablejax.training.optim import build_optimizer
   # the optimizer, the learning-rate scale and Hyperball: the other defences of the stack off
   # (each compiles code of its own; the keyed state is the same with them)
@@ -254,7 +263,8 @@ def _trainer_chains(optimizer):
           "stability.skip_nonfinite.enabled=false"]
   on = tiny_config(*base, "stability.hyperball.enabled=true")
   off = tiny_config(*base)
-  return build_optimizer(on), build_optimizer(off), gpt_params(on.model)
+  assert on.model == off.model == tiny_config().model
+  return build_optimizer(on), build_optimizer(off), _tiny_gpt_params()
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "muon"])
@@ -270,7 +280,8 @@ def test_trainer_declaration_keyed_state_and_the_learning_rate_scale(optimizer):
   assert type(state_on["lr_scale"]) is type(state_off["lr_scale"])
   assert set(state_on) - set(state_off) == {"hyperball"}
   labels = jax.tree.leaves(stablejax.label_params(params))
-  grads = jax.tree.map(lambda x: jnp.sin(7.0 * x + 1.0), params)
+  # numpy: eagerly, each operation compiles a program per shape
+  grads = jax.tree.map(lambda x: np.sin(7.0 * np.asarray(x) + 1.0), params)
   step = jax.jit(lambda tx, g, s, p: tx.update(g, s, p, loss=jnp.float32(3.0)),
                  static_argnums=0)
   for scale in (1.0, 0.25):
