@@ -497,10 +497,11 @@ def _compare_with_optax(params, dims, ours_dims, steps=2, rtol=2e-4):
   ref = optax.contrib.muon(0.02, ns_coeffs=STANDARD, eps=1e-8, weight_decay=0.1,
                            consistent_rms=0.2, muon_weight_dimension_numbers=dims)
   s_ours, s_ref = ours.init(params), ref.init(params)
+  update_ours, update_ref = jax.jit(ours.update), jax.jit(ref.update)
   for step in range(steps):
     grads = jax.tree.map(lambda p, k=step: _normal(30 + k + p.size, p.shape), params)
-    u_ours, s_ours = jax.jit(ours.update)(grads, s_ours, params)
-    u_ref, s_ref = jax.jit(ref.update)(grads, s_ref, params)
+    u_ours, s_ours = update_ours(grads, s_ours, params)
+    u_ref, s_ref = update_ref(grads, s_ref, params)
     flat_ours = jax.tree_util.tree_flatten_with_path(u_ours)[0]
     for (path, a), b in zip(flat_ours, jax.tree.leaves(u_ref)):
       np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6, err_msg=jax.tree_util.keystr(path))
@@ -523,11 +524,11 @@ def test_weight_dimension_numbers_as_optax_takes_them():
 
 def _mha_params(d_model=16, heads=4, head_dim=8, scan=0):
   import flax.linen as nn
-  x = jnp.zeros((1, 4, d_model))
+  x = np.zeros((1, 4, d_model), np.float32)
   mha = nn.MultiHeadDotProductAttention(num_heads=heads, qkv_features=heads * head_dim)
-  p = mha.init(jax.random.key(0), x)["params"]
+  p = jax.jit(mha.init)(jax.random.key(0), x)["params"]  # eagerly, a program per initialiser
   if scan:  # the layout nn.scan gives: every leaf stacked on a leading layer axis
-    p = jax.tree.map(lambda a: jnp.stack([a] * scan), p)
+    p = jax.tree.map(lambda a: np.stack([np.asarray(a)] * scan), p)
   return p
 
 
@@ -535,7 +536,8 @@ def _mha_params(d_model=16, heads=4, head_dim=8, scan=0):
 def test_flax_attention_kernels_are_one_matrix_by_default(scan):
   # Flax's q/k/v kernels are [D, H, hd] and the output kernel [H, hd, D]: by default they are the
   # [D, H*hd] and [H*hd, D] matrices, the same update as optax.contrib.muon with those dims.
-  params = {"attn": _mha_params(scan=scan), "norm": {"scale": jnp.ones((scan, 16) if scan else 16)}}
+  params = {"attn": _mha_params(scan=scan),
+            "norm": {"scale": np.ones((scan, 16) if scan else 16, np.float32)}}
   labels = stablejax.label_params(params)
   for name in ("query", "key", "value", "out"):
     assert labels["attn"][name] == {"kernel": "muon", "bias": "adam"}
