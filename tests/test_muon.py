@@ -26,7 +26,7 @@ CONTRACT_KEYS = {
 
 def _normal(key, shape, scale=1.0):
   # numpy draws: jax.random.normal compiles a program for each new shape
-  return jnp.asarray(scale * np.random.default_rng(key).standard_normal(shape), jnp.float32)
+  return jnp.asarray((scale * np.random.default_rng(key).standard_normal(shape)).astype(np.float32))
 
 
 def _np_ns(x, steps=5, eps=1e-8):

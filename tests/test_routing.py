@@ -35,7 +35,7 @@ class _Tiny(nn.Module):
 
 def _normal(shape, seed=0):
   # numpy draws: jax.random.normal compiles a program for each new shape
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
 
 
 def _zeros(abstract):
