@@ -105,33 +105,41 @@ def test_prenormalized_steps_carry_the_scale_between():
                                atol=1e-6, err_msg=name)
 
 
+def _norms(p):
+  """The norm of each matrix of w and s, and of each column of qkv, in float32."""
+  return {n: jnp.sqrt(jnp.sum(jnp.square(p[n].astype(jnp.float32)),
+                              axis=(-2, -1) if n != "qkv" else 0)) for n in ("w", "s", "qkv")}
+
+
 def _scan(tx, params, steps, grad_scale=1.0):
   """`steps` jitted updates on random gradients in one lax.scan; the relative norm drift of each
   matrix of w, s and qkv at every step, and the final params and state."""
-  norms0 = {n: jnp.sqrt(jnp.sum(jnp.square(params[n].astype(jnp.float32)),
-                                axis=(-2, -1) if n != "qkv" else 0)) for n in ("w", "s", "qkv")}
 
-  def drift(p):
-    now = {n: jnp.sqrt(jnp.sum(jnp.square(p[n].astype(jnp.float32)),
-                               axis=(-2, -1) if n != "qkv" else 0)) for n in norms0}
-    # qkv: column norms per part
-    parts = jnp.split(now["qkv"] ** 2, [4, 6])
-    parts0 = jnp.split(norms0["qkv"] ** 2, [4, 6])
-    rel = [jnp.abs(now[n] / norms0[n] - 1).max() for n in ("w", "s")]
-    rel += [jnp.abs(jnp.sqrt(a.sum() / b.sum()) - 1) for a, b in zip(parts, parts0)]
-    return jnp.max(jnp.stack(rel))
+  def run(carry, keys):
+    # the initial norms inside the program too: eagerly, each operation compiles on its own
+    norms0 = _norms(carry[0])
 
-  def body(carry, key):
-    p, state = carry
-    grads = jax.tree.map(lambda x: (grad_scale * jax.random.normal(key, x.shape)).astype(x.dtype),
-                         p)
-    updates, state = tx.update(grads, state, p)
-    p = optax.apply_updates(p, updates)
-    return (p, state), drift(p)
+    def drift(p):
+      now = _norms(p)
+      # qkv: column norms per part
+      parts = jnp.split(now["qkv"] ** 2, [4, 6])
+      parts0 = jnp.split(norms0["qkv"] ** 2, [4, 6])
+      rel = [jnp.abs(now[n] / norms0[n] - 1).max() for n in ("w", "s")]
+      rel += [jnp.abs(jnp.sqrt(a.sum() / b.sum()) - 1) for a, b in zip(parts, parts0)]
+      return jnp.max(jnp.stack(rel))
+
+    def body(carry, key):
+      p, state = carry
+      grads = jax.tree.map(
+          lambda x: (grad_scale * jax.random.normal(key, x.shape)).astype(x.dtype), p)
+      updates, state = tx.update(grads, state, p)
+      p = optax.apply_updates(p, updates)
+      return (p, state), drift(p)
+
+    return jax.lax.scan(body, carry, keys)
 
   keys = jax.random.split(jax.random.key(0), steps)
-  (p, state), drifts = jax.jit(lambda c, k: jax.lax.scan(body, c, k))((params, tx.init(params)),
-                                                                       keys)
+  (p, state), drifts = jax.jit(run)((params, tx.init(params)), keys)
   return np.asarray(drifts), p, state
 
 
