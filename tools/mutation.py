@@ -925,9 +925,8 @@ MUTANTS = [
        "    poly = (b * gram.astype(jnp.float32) + c * gram.astype(jnp.float32)).astype(dtype)",
        "the A A term of the quintic is dropped"),
     _m("NS9", NEWTON_SCHULZ, "  transposed = x.shape[-2] > x.shape[-1]", "  transposed = False",
-       "a tall matrix is not transposed (the Gram matrix is built on the large side)",
-       equivalent="p(X X^T) X = X p(X^T X) for a polynomial p, so the result is the same up to "
-                  "float rounding; only the cost changes"),
+       "a tall matrix is not transposed (the Gram matrix is built on the large side; AOL's "
+       "preconditioning scales the other side)"),
     _m("NS10", NEWTON_SCHULZ, "**kernels, default=ref)",
        "**kernels, default=functools.partial(kernel_or_ref, \"triton\"))",
        "on CPU the dispatcher picks the Triton kernel instead of the XLA reference"),
