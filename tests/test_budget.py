@@ -278,12 +278,39 @@ def run_budget(out, *overrides, fresh=True):
   return main(budget_argv(out, *overrides, fresh=fresh))
 
 
+def batches_that_wait(monkeypatch, seconds: float) -> None:
+  """Every training batch arrives ``seconds`` late, as from a slow data source: the runs of this
+  process (and the budget's measurement of a step, which reads batches too) spend their minute
+  mostly waiting, not computing. The tiny model's step alone takes a few milliseconds here; at
+  that speed a budgeted minute would be a minute of CPU time, and a short stall of the machine a
+  large share of each step."""
+  from stablejax.data.pipeline import Data
+  fresh_iterator = Data.train_iter
+
+  def waiting(batch):
+    time.sleep(seconds)
+    return batch
+
+  def train_iter(data):
+    dataset = data.train_dataset
+    data.train_dataset = dataset.map(waiting)
+    try:
+      return fresh_iterator(data)
+    finally:
+      data.train_dataset = dataset
+  monkeypatch.setattr(Data, "train_iter", train_iter)
+
+
 @slow
-def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count(tmp_path, capsys):
+def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count(
+    tmp_path, capsys, monkeypatch):
   out = tmp_path / "budget"
-  # One minute: the tiny model plans a few thousand steps in it here, well past 250 (the budget,
-  # not the default config, fixes the length) on a machine several times slower. (Half a minute
-  # ended once 3% short of its plan on a loaded machine: a second's stall is a larger share.)
+  # One minute of batches that each take 0.08 s to arrive: the budget plans about 450 steps here
+  # (a checkpoint every 50 steps costs about as much again), past 250 (the budget, not the
+  # default config, fixes the length) also on a machine three times slower. The step is measured
+  # with its batch's wait; in the run the wait overlaps the previous step's computation, so a
+  # stall of the machine eats into that margin first.
+  batches_that_wait(monkeypatch, 0.08)
   minutes = 1.0
   capsys.readouterr()
   assert run_budget(out, f"train.time_budget_minutes={minutes}", "train.target_val_loss=5.0") == 0
