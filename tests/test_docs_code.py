@@ -2,11 +2,15 @@
 
 Every fenced ``python`` block of a page is one of two kinds:
 
-* **run**: the page's blocks are executed in order, in one namespace per page, in a fresh
-  process. The namespace starts with what a reader has at hand when a page says "your params"
-  (:data:`CONTEXT`): ``params`` of a small transformer-shaped tree, its ``grads`` and ``loss``,
-  ``prev_params``, a ``step`` and a train ``record``. A block may use those names, nothing else
-  it did not define.
+* **run**: the page's blocks are executed in order, in one namespace per page. The namespace
+  starts with what a reader has at hand when a page says "your params" (:data:`CONTEXT`):
+  ``params`` of a small transformer-shaped tree, its ``grads`` and ``loss``, ``prev_params``, a
+  ``step`` and a train ``record``. A block may use those names, nothing else it did not define.
+  A page whose code registers a declaration (a model family, a defence, a defence's metrics)
+  runs in a fresh process, since the registries belong to the process and the programs built
+  before would no longer match them; any other page runs in this process, in a fresh namespace,
+  where the library's operations it calls (the README's chain, on three pages) are compiled
+  once, not once per page.
 * **excerpt**: a block right after a ``<!-- excerpt: examples/NAME.py -->`` line shows lines of
   a complete script that ``tests/test_examples.py`` runs; every code line of the block must be a
   line of that script (compared without indentation and trailing comments), so the excerpt cannot
@@ -94,17 +98,34 @@ def test_the_pages_have_code_to_check():
   assert EXCERPTS
 
 
+def _registers(code: str) -> bool:
+  """Whether a page's code registers a declaration (``family.register``, ``defence.register``,
+  ``metrics.register_state_metrics``, ...)."""
+  return re.search(r"\bregister\w*\(", code) is not None
+
+
 @pytest.mark.parametrize("page", RUN_PAGES, ids=[p.name for p in RUN_PAGES])
-def test_page_code_runs(page):
+def test_page_code_runs(page, monkeypatch, capsys):
   parts = [CONTEXT]
   for line, code, src in _blocks(page):
     if src is None:
       parts.append(f"# --- {page.name}:{line}\n{code}")
   script = "\n".join(parts)
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, check=False)
-  assert result.returncode == 0, (f"the python blocks of {page.name} fail when run in order:\n"
-                                  f"{result.stderr[-3000:]}")
+  if _registers(script):
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=ROOT, check=False)
+    assert result.returncode == 0, (f"the python blocks of {page.name} fail when run in order:\n"
+                                    f"{result.stderr[-3000:]}")
+    return
+  monkeypatch.chdir(ROOT)
+  exec(compile(script, f"<the python blocks of {page.name}>", "exec"), {"__name__": "__main__"})
+  capsys.readouterr()  # what the page prints
+
+
+def test_a_page_that_registers_runs_in_its_own_process():
+  assert _registers("family.register(TINY_LM)") and _registers("metrics.register_state_metrics(")
+  assert not _registers("print(stablejax.describe_routing(params, tx))")
+  assert not _registers("registry = {}")
 
 
 @pytest.mark.parametrize("page,line,code,src", EXCERPTS,
