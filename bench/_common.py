@@ -223,7 +223,7 @@ def random_batch(cfg: Config, seed: int = 0) -> dict:
   tokens = jax.random.randint(jax.random.PRNGKey(seed),
                               (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
                               0, cfg.model.vocab_size, jnp.int32)
-  return {"tokens": tokens, "grad_scale": jnp.float32(1.0)}
+  return {"tokens": tokens, "grad_scale": jnp.float32(1.0), "run_steps": jnp.int32(t.steps)}
 
 
 def logit_telemetry(cfg: Config):
@@ -240,7 +240,8 @@ def fixed_batch(cfg: Config, seed: int = 0) -> dict:
   data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed)
   tokens = np.asarray(next(data.train_iter())["tokens"], np.int32)
   tokens = tokens.reshape(t.grad_accum, t.batch_size // t.grad_accum, tokens.shape[1])
-  return {"tokens": jnp.asarray(tokens), "grad_scale": jnp.float32(1.0)}
+  return {"tokens": jnp.asarray(tokens), "grad_scale": jnp.float32(1.0),
+          "run_steps": jnp.int32(t.steps)}
 
 
 def interleaved(runners: dict[str, Callable[[], float]], rounds: int, warmup: int = 1

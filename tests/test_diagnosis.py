@@ -59,7 +59,7 @@ def test_batches_drop_blocked_positions_and_transient_faults_strike_once():
   def stream(start):
     return iter({"tokens": np.full((2, 5), i, np.int32)} for i in range(start, 100))
   faults = FaultsConfig(transient_nan_steps=[1], nan_grad_batch_indices=[4])
-  batches = Batches(stream(0), faults, 256, lambda tokens: tokens)
+  batches = Batches(stream(0), faults, 256, lambda tokens: tokens, lambda: 100)
   batches.blocked = {2}
   got = [batches.next(step) for step in range(4)]
   # position 2 is read and dropped: step 2 trains on position 3
@@ -151,12 +151,13 @@ def test_the_watchdog_waits_for_a_compilation_and_fires_on_a_stuck_main_thread(t
     time.sleep(1.0)
     return slow(*args, **kwargs)
   monkeypatch.setattr(compiler, "backend_compile_and_load", slow_compile)
+  x = jnp.ones(3)  # the backend starts here, not while the watchdog runs (alone, it would)
   fired: dict = {}
   dog, events = _watchdog(tmp_path, fired, timeout_seconds=0.2, startup_seconds=0.2)
   dog.start()
   t0 = time.monotonic()
   salt = float(time.time_ns() % 999_983)  # a program no cache holds
-  jax.jit(lambda x: jnp.tanh(x) * salt).lower(jnp.ones(3)).compile()
+  jax.jit(lambda x: jnp.tanh(x) * salt).lower(x).compile()
   assert time.monotonic() - t0 >= 1.0 and not fired  # 5 timeouts long, never a hang
   dog.beat(7)
   time.sleep(1.0)  # stuck: no beat

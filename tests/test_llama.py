@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import llama_params_from_hf, read_metrics, run_inprocess, slow
+from helpers import llama_params_from_hf, optax_lr, read_metrics, run_inprocess, slow, tiny_config
 
 V, D, H, K, L, F = 64, 32, 4, 2, 2, 48
 
@@ -70,3 +70,10 @@ def test_the_llama_family_trains_samples_and_resumes(tmp_path):
   assert result["step"] == 8 and len(result["tokens"][0]) == 6
   assert run_inprocess(out, "train.steps=12", *llama, fresh=False) == 0
   assert max(r["step"] for r in read_metrics(out) if "loss" in r) == 12
+  # The resumed steps decay over the run's new length (no skipped step: update k is step k + 1),
+  # with the programs the first start compiled.
+  longer = tiny_config("train.steps=12", *llama)
+  resumed = [r for r in read_metrics(out) if "lr" in r and "event" not in r and r["step"] > 8]
+  assert resumed and all(r["skip_nonfinite/skipped"] is False for r in resumed)
+  for r in resumed:
+    assert r["lr"] == pytest.approx(optax_lr(longer, r["step"] - 1), rel=1e-5)

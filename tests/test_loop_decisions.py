@@ -24,7 +24,7 @@ def _batches(*overrides: str) -> Batches:
   cfg = load_config(None, list(overrides))
   # Batch i of the stream holds the token i, so a batch tells its data position.
   stream = ({"tokens": np.full((2, 5), i, np.int32)} for i in range(1000))
-  return Batches(stream, cfg.faults, 256, lambda tokens: tokens)
+  return Batches(stream, cfg.faults, 256, lambda tokens: tokens, lambda: 40)
 
 
 def _position(batch: dict) -> int:
@@ -164,8 +164,12 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   again = components_lib.build_components(tiny_config(), data)  # equal, not the same object
   assert again.train_step is first.train_step and again.init_state is first.init_state
   assert again.eval_step is first.eval_step and again.data is data
+  # A longer run (a resume that trains on, a time budget's count): the run's length is an
+  # argument of the step, so the programs are the same.
   longer = components_lib.build_components(tiny_config("train.steps=41"), data)
-  assert longer.train_step is not first.train_step  # the schedule is laid over the steps
+  assert longer.train_step is first.train_step and longer.total_steps == 41
+  warmer = components_lib.build_components(tiny_config("train.warmup_steps=5"), data)
+  assert warmer.train_step is not first.train_step  # the schedule's warmup is in the program
   # Settings only the host reads (faults, when to save and log, the recovery's policy, the seed
   # and the data) share the programs; the run's own config stays the caller's.
   host_only = tiny_config("faults.nan_grad_steps=[3]", "checkpoint.keep=1",
@@ -191,7 +195,8 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   # second when a fifth comes. (The memo is put back: later tests here reuse its programs.)
   kept = collections.OrderedDict(components_lib._BUILT)
   try:
-    runs = [tiny_config(f"train.steps={41 + i}") for i in range(components_lib._BUILT_KEPT + 1)]
+    runs = [tiny_config(f"train.warmup_steps={6 + i}")
+            for i in range(components_lib._BUILT_KEPT + 1)]
     built = [components_lib.build_components(c, data) for c in runs[:-1]]
     assert components_lib.build_components(runs[0], data).train_step is built[0].train_step
     components_lib.build_components(runs[-1], data)
@@ -246,7 +251,8 @@ def test_no_program_reads_a_host_only_setting() -> None:
     t = c.train
     tokens = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
                                   jnp.int32, sharding=built.tokens_sharding)
-    batch = {"tokens": tokens, "grad_scale": jax.ShapeDtypeStruct((), jnp.float32)}
+    batch = {"tokens": tokens, "grad_scale": jax.ShapeDtypeStruct((), jnp.float32),
+             "run_steps": jax.ShapeDtypeStruct((), jnp.int32)}
     params, step = built.abstract_state.params, jax.ShapeDtypeStruct((), jnp.int32)
     return [built.train_step.lower(built.abstract_state, batch).as_text(),
             built.init_state.lower(jax.ShapeDtypeStruct((2,), jnp.uint32)).as_text(),

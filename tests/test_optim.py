@@ -263,6 +263,41 @@ def test_max_consecutive_reaches_both_skip_wrappers() -> None:
   assert [f[1] for f in run(100.0)] == [False, True]
 
 
+# ---------------------------------------------------------------- the run's length
+
+
+@pytest.mark.parametrize("warmup, steps", [(4, 40), (0, 10), (5, 6), (100, 2703)])
+def test_the_schedule_decays_over_the_length_the_step_is_given(warmup, steps):
+  # In a train step (run_steps: its batch's run_steps) the schedule is optax's warmup + cosine
+  # over that length, whatever train.steps the program was built with; outside, over train.steps.
+  peak = 0.01
+  cfg = _cfg(train={"warmup_steps": warmup, "steps": warmup + 3})
+  schedule = optim.lr_schedule(cfg, peak)
+  end = peak * cfg.train.min_lr_ratio
+  counts = jnp.arange(steps + 4)
+
+  def in_step(count, length):
+    with optim.run_steps(length):
+      return schedule(count)
+  got = jax.jit(jax.vmap(in_step, in_axes=(0, None)))(counts, jnp.int32(steps))
+  want = jax.vmap(optax.warmup_cosine_decay_schedule(0.0, peak, warmup, steps, end))(counts)
+  np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-12)
+  assert float(got[-1]) == pytest.approx(end, rel=1e-6)  # the floor from the last step on
+  configured = optax.warmup_cosine_decay_schedule(0.0, peak, warmup, warmup + 3, end)
+  np.testing.assert_array_equal(jax.vmap(schedule)(counts), jax.vmap(configured)(counts))
+
+
+def test_a_program_config_has_no_length_to_fall_back_on():
+  # The programs are built without train.steps (it is host-only): a schedule called in one
+  # without the step's length fails rather than decaying over a default count.
+  from stablejax.training.loop.components import program_config
+  schedule = optim.lr_schedule(program_config(_cfg()), 0.01)
+  with pytest.raises(ValueError, match="train.steps is unset"):
+    schedule(jnp.int32(3))
+  with optim.run_steps(50):
+    assert float(schedule(jnp.int32(50))) == pytest.approx(0.01 * _cfg().train.min_lr_ratio)
+
+
 # ---------------------------------------------------------------- 12.6: the logged lr
 
 
@@ -285,7 +320,12 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
   # The reference rate, computed by the same float32 operations under jit. Two programs may still
   # round the last bit differently (XLA:CPU's emitters fuse them differently): equal to 2 units in
   # the last place, while the rates of neighbouring counts differ by more than 1% here.
-  rate = jax.jit(lambda count, scale: schedule(count) * scale)
+  run_steps = jnp.int32(cfg.train.steps)
+
+  def scheduled(count, scale):
+    with optim.run_steps(run_steps):  # as in the step: decaying over the batch's run_steps
+      return schedule(count) * scale
+  rate = jax.jit(scheduled)
   nan_steps, backoff_step = {2, 3, 7}, 9
   applied = 0
   for s in range(12):
@@ -293,7 +333,8 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
       state = state.replace(opt_state=optim.set_lr_scale(state.opt_state, 0.2))
     scale = 0.2 if s >= backoff_step else 1.0
     grad_scale = jnp.float32(jnp.nan if s in nan_steps else 1.0)
-    state, metrics = step(state, {"tokens": tokens, "grad_scale": grad_scale})
+    state, metrics = step(state, {"tokens": tokens, "grad_scale": grad_scale,
+                                  "run_steps": run_steps})
     # The rate this step applied (or, when skipped, would have): the schedule at the number of
     # updates applied before it, times the backoff.
     expected = np.float32(rate(applied, jnp.float32(scale)))
@@ -327,7 +368,12 @@ def test_trainer_banner_and_logged_lr(tmp_path, capsys):
   assert "peak learning rates {'adamw': 0.001}" in result.out
   cfg = config_from_dict(json.loads((out / "config.json").read_text()))
   schedule = optim.lr_schedule(cfg, 0.001)
-  rate = jax.jit(lambda count, scale: schedule(count) * scale)
+  run_steps = jnp.int32(cfg.train.steps)
+
+  def scheduled(count, scale):
+    with optim.run_steps(run_steps):  # as in the step: decaying over the batch's run_steps
+      return schedule(count) * scale
+  rate = jax.jit(scheduled)
   train = {r["step"]: r for r in read_metrics(out) if "loss" in r and "event" not in r}
   applied = 0
   for s in range(1, 13):   # record s: the s-th step, index s - 1 in faults.nan_grad_steps

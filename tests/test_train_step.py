@@ -33,7 +33,7 @@ def steps(run, batches, grad_scales=None, moves=None):
   for i, tokens in enumerate(batches):
     scale = 1.0 if grad_scales is None else grad_scales[i]
     before = jax.device_get(state.params) if moves is not None else None  # the step donates it
-    batch = {"tokens": run.components.device_tokens(tokens), "grad_scale": np.float32(scale)}
+    batch = run.components.step_batch(tokens, scale)
     state, metrics = run.components.train_step(state, batch)
     history.append(jax.device_get(metrics))
     if moves is not None:
@@ -107,7 +107,7 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   scale, counter, scales, overflowed = 2.0**20, 0, [], []
   for tokens, g in zip(batches, grad_scales):
     before = jax.device_get(state.params)
-    batch = {"tokens": run.components.device_tokens(tokens), "grad_scale": np.float32(g)}
+    batch = run.components.step_batch(tokens, g)
     state, metrics = run.components.train_step(state, batch)
     m = jax.device_get(metrics)
     overflow = bool(m["skip_nonfinite/skipped"])

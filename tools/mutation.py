@@ -1413,6 +1413,13 @@ MUTANTS = [
        AREA_TESTS[OPTIM]),
     _m("OP3", OPTIM, "      decay_steps=t.steps, end_value=peak * t.min_lr_ratio)",
        "      decay_steps=t.steps, end_value=0.0)", "train.min_lr_ratio is ignored (decay to 0)"),
+    _m("OP16", OPTIM, "  decay = optax.cosine_decay_schedule(peak, decay_steps=1, alpha=alpha)",
+       "  decay = optax.cosine_decay_schedule(peak, decay_steps=1, alpha=0.0)",
+       "in a train step (the run's length given) the schedule decays to 0, not to the floor"),
+    _m("OP17", OPTIM, "    done = (count - t.warmup_steps) / jnp.maximum(jnp.asarray(steps) - "
+       "t.warmup_steps, 1)",
+       "    done = (count - t.warmup_steps) / jnp.maximum(jnp.asarray(steps), 1)",
+       "in a train step the decay is laid over the whole run, warmup included"),
     _m("OP4", OPTIM, "  return jax.tree.map(lambda label: label != \"adam\", "
        "label_params(params))", "  return jax.tree.map(lambda label: True, "
        "label_params(params))", "AdamW mode decays norm gains and biases"),

@@ -27,6 +27,12 @@ schedule runs k steps behind the step number, so the last step ends slightly abo
 The `lr_scale` state's own `count` is the same count (it sits inside the skip wrappers next to the
 optimizer), and the train step logs `lr` from it: the rate actually applied.
 
+The run's length (``train.steps``, or the count a time budget plans) reaches the train step as an
+argument, the batch's ``run_steps``, not as a constant of the program: inside the step
+(:func:`run_steps`) the schedules lay their decay over it. A resume that trains longer, or a
+budgeted run once its length is planned, calls the step it already compiled (or finds it in the
+compilation cache). Outside a train step a schedule uses the config's ``train.steps``.
+
 Weight decay never touches norm gains, biases and scalars (label "adam" of
 `stablejax.label_params`): in adamw mode `optimizer.weight_decay` decays every other leaf
 through optax's own `mask=`.
@@ -34,8 +40,10 @@ through optax's own `mask=`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -48,14 +56,54 @@ from stablejax.training.config.optimizers import OptimizerContext
 from stablejax.transforms import defence
 
 
+# The run's length while a train step is traced (a traced int32 scalar), None elsewhere.
+_RUN_STEPS: contextvars.ContextVar[Optional[jax.typing.ArrayLike]] = contextvars.ContextVar(
+    "run_steps", default=None)
+
+
+@contextlib.contextmanager
+def run_steps(steps: jax.typing.ArrayLike) -> Iterator[None]:
+  """Within this block the schedules of :func:`lr_schedule` decay over ``steps`` (the train
+  step's ``batch["run_steps"]``) instead of ``train.steps``: every optimizer calls its schedules
+  inside ``update``, which the train step calls here."""
+  token = _RUN_STEPS.set(steps)
+  try:
+    yield
+  finally:
+    _RUN_STEPS.reset(token)
+
+
 def lr_schedule(cfg: Config, peak: float) -> optax.Schedule:
-  """Linear warmup from 0 to `peak`, cosine decay to `peak * min_lr_ratio` at the last step."""
+  """Linear warmup from 0 to `peak`, cosine decay to `peak * min_lr_ratio` at the last step:
+  ``optax.warmup_cosine_decay_schedule`` over ``train.steps``, or, inside :func:`run_steps`,
+  over the run's length given there.
+
+  Raises:
+    ValueError: called outside :func:`run_steps` while ``train.steps`` is unset (a program
+      config, or a time budget's run before its plan).
+  """
   t = cfg.train
-  if t.steps is None:  # the time budget (stablejax.training.loop.budget) sets it before this
-    raise ValueError("train.steps is unset: set it, or let the time budget plan it first")
-  return optax.warmup_cosine_decay_schedule(
+  alpha = 0.0 if peak == 0.0 else t.min_lr_ratio  # optax's end_value / peak_value
+  configured = None if t.steps is None else optax.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=peak, warmup_steps=t.warmup_steps,
       decay_steps=t.steps, end_value=peak * t.min_lr_ratio)
+  # The same two pieces optax joins, the decay over a length known only when the step runs:
+  # optax's join takes the boundary, and its cosine the length, as Python numbers.
+  ramp = optax.linear_schedule(0.0, peak, t.warmup_steps) if t.warmup_steps > 0 else None
+  decay = optax.cosine_decay_schedule(peak, decay_steps=1, alpha=alpha)
+
+  def schedule(count: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
+    steps = _RUN_STEPS.get()
+    if steps is None:
+      if configured is None:
+        raise ValueError("train.steps is unset: set it, or call the schedule inside "
+                         "stablejax.training.optim.run_steps (the train step does)")
+      return configured(count)
+    count = jnp.asarray(count)
+    done = (count - t.warmup_steps) / jnp.maximum(jnp.asarray(steps) - t.warmup_steps, 1)
+    decayed = decay(done)  # (done: the fraction of the decay behind)
+    return decayed if ramp is None else jnp.where(count < t.warmup_steps, ramp(count), decayed)
+  return schedule
 
 
 @dataclasses.dataclass(frozen=True)

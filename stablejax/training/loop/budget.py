@@ -3,13 +3,15 @@
 ``train.time_budget_minutes``: before the first step, the compiled train step, an evaluation (with
 its sample) and a checkpoint save are timed on throw-away copies (the run's own state, data and
 checkpoints are untouched), and the total step count is fixed so that the whole run (start-up
-already spent, a second compilation, the steps, the periodic evals and saves, the final eval and
-save) ends within the budget with a safety margin (``SAFETY``). The warmup + cosine schedule is
-then laid over that count, so the learning rate reaches its floor on the last step. The count is
-stored in every checkpoint with the measured timings: a resumed run keeps it, counts the wall time
-of every earlier segment (``Budget``) and still stops early once the budget runs out. Unless
-``train.steps`` is given next to the budget (``config.load_config``), the budget alone fixes the
-count; a given one is an upper bound, and ``summary.json``'s ``steps_fixed_by`` says which.
+already spent, the compilation a resumed segment pays again, the steps, the periodic evals and
+saves, the final eval and save) ends within the budget with a safety margin (``SAFETY``). The
+warmup + cosine schedule is then laid over that count, so the learning rate reaches its floor on
+the last step; the count is an argument of the compiled step, so the steps the probe timed are
+the ones the run calls. The count is stored in every checkpoint with the measured timings: a
+resumed run keeps it, counts the wall time of every earlier segment (``Budget``) and still stops
+early once the budget runs out. Unless ``train.steps`` is given next to the budget
+(``config.load_config``), the budget alone fixes the count; a given one is an upper bound, and
+``summary.json``'s ``steps_fixed_by`` says which.
 
 ``train.target_val_loss``: the first evaluation with a validation loss below it sets
 ``time_to_target_s`` (wall time since the run started, summed over resumes) and
@@ -57,8 +59,8 @@ class Timings:
   step_seconds: float      # one compiled train step, data included
   eval_seconds: float      # one evaluation (all eval batches)
   save_seconds: float      # one checkpoint save, waited for
-  compile_seconds: float   # compiling the train and eval steps (paid again once the schedule
-                           # is fixed)
+  compile_seconds: float   # compiling the train and eval steps (paid again by a resumed
+                           # segment)
   diagnostics_seconds: float = 0.0  # one run of the periodic diagnostics (activations, grad norms)
   sample_seconds: float = 0.0       # one printed sample (logging.sample_*; 0 when off)
 
@@ -67,9 +69,9 @@ def plan_total_steps(budget_seconds: float, elapsed_seconds: float, t: Timings, 
                      eval_every: int, checkpoint_every: int, max_steps: Optional[int],
                      diagnostics_every: int = 0, sample_every: int = 0,
                      safety: float = SAFETY) -> int:
-  """Total steps that fit: start-up + recompile + N x (step + eval/eval_every + save/ckpt_every
-  + diagnostics/diagnostics_every + sample/sample_every) + the final eval, sample and save
-  <= safety x budget. Capped at ``max_steps`` (None: no cap); may be <= 0."""
+  """Total steps that fit: start-up + a resumed segment's compile + N x (step + eval/eval_every
+  + save/ckpt_every + diagnostics/diagnostics_every + sample/sample_every) + the final eval,
+  sample and save <= safety x budget. Capped at ``max_steps`` (None: no cap); may be <= 0."""
   available = (safety * budget_seconds - elapsed_seconds - t.compile_seconds
                - t.eval_seconds - t.sample_seconds - t.save_seconds)
   per_step = (t.step_seconds + t.eval_seconds / eval_every + t.save_seconds / checkpoint_every
@@ -108,9 +110,7 @@ def measure(components: Components, state: TrainState, out_dir: Path,
   batches = components.data.train_iter()
 
   def one_step(state: TrainState) -> TrainState:
-    tokens = next(batches)["tokens"]
-    batch = {"tokens": components.device_tokens(np.asarray(tokens, np.int32)),
-             "grad_scale": jnp.float32(1.0)}
+    batch = components.step_batch(np.asarray(next(batches)["tokens"], np.int32))
     state, metrics = components.train_step(state, batch)
     jax.block_until_ready(metrics)
     return state
@@ -129,7 +129,7 @@ def measure(components: Components, state: TrainState, out_dir: Path,
   params = state.params
   val = components.val_batches()
   evaluate = lambda: [components.eval_step(params, b, jnp.int32(0)) for b in val]  # noqa: E731
-  eval_compile = _timed(evaluate)  # compiles; the run compiles its eval step again
+  eval_compile = _timed(evaluate)  # compiles; a resumed segment compiles it again
   eval_seconds = _timed(evaluate)
   compile_seconds += max(0.0, eval_compile - eval_seconds)
   sample_seconds = 0.0
@@ -161,7 +161,7 @@ def measure(components: Components, state: TrainState, out_dir: Path,
     tokens = val[0]
     diagnose = lambda: (components.activation_stats(params, tokens, jnp.int32(0)),  # noqa: E731
                         components.grad_norms(params, tokens))
-    first = _timed(diagnose)  # compiles; compiled again after the schedule is fixed
+    first = _timed(diagnose)  # compiles; a resumed segment compiles them again
     diagnostics_seconds = _timed(diagnose)
     compile_seconds += max(0.0, first - diagnostics_seconds)
     check(phase)

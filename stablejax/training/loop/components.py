@@ -1,8 +1,8 @@
 """What a run builds once from its config: model, optimizer, mesh, shardings, compiled functions.
 
 :func:`build` returns :class:`Components`, a plain frozen value. The loop holds it and calls its
-functions; the time budget times them; :func:`with_steps` rebuilds it for a new step count (the
-schedules are laid over the count, so the optimizer and the step are built again). Nothing here
+functions; the time budget times them; :func:`with_steps` gives it a new step count (the run's
+length is an argument of the train step, so its programs are the same ones). Nothing here
 reads or writes the run directory.
 """
 
@@ -98,6 +98,12 @@ class Components:
     assert steps is not None
     return steps
 
+  def step_batch(self, tokens: np.ndarray, grad_scale: float = 1.0) -> dict:
+    """The train step's batch from host tokens ``[B/P, T+1]``: the tokens on device, the fault
+    factor on the gradient (1.0: none) and the run's length (:attr:`total_steps`)."""
+    return {"tokens": self.device_tokens(tokens), "grad_scale": np.float32(grad_scale),
+            "run_steps": np.int32(self.total_steps)}
+
   def device_tokens(self, tokens: np.ndarray) -> jax.Array:
     """Host batch ``[B/P, T+1]`` (this process's rows) -> global ``[grad_accum, B/accum, T+1]``."""
     accum = self.cfg.train.grad_accum
@@ -122,14 +128,16 @@ _BUILT_KEPT = 4
 
 # Settings that only the host reads: the data (its pipeline is built on the host; the programs see
 # token ids, and the vocabulary through model.vocab_size), the seed (the initialisation's key is
-# an argument), when to evaluate, sample and report, how many checkpoints to keep, the recovery's
-# policy (its LR backoff reaches the programs as arguments), the run's checks and the deliberate
-# faults (applied to the batch and the state on the host). The programs are built from the config
+# an argument), the run's length (the train step's batch["run_steps"]: a resume that trains
+# longer, or a time budget's planned count, reuses the step), when to evaluate, sample and
+# report, how many checkpoints to keep, the recovery's policy (its LR backoff reaches the
+# programs as arguments), the run's checks and the deliberate faults (applied to the batch and
+# the state on the host). The programs are built from the config
 # with these at their defaults (:func:`program_config`), so configs that differ only here share
 # one set of programs, and no program can depend on one of them: it would see the default in
 # every run, not a stale value in some. None: the whole section.
 HOST_ONLY: dict[str, Optional[tuple[str, ...]]] = {
-    "train": ("seed", "eval_every", "eval_batches", "peak_flops_per_device",
+    "train": ("seed", "steps", "eval_every", "eval_batches", "peak_flops_per_device",
               "time_budget_minutes", "target_val_loss", "rewarmup_steps", "compilation_cache"),
     "data": None,
     "checkpoint": ("keep", "async_save"),
@@ -163,6 +171,9 @@ def program_config(cfg: Config) -> Config:
       stability[sub] = at_defaults(getattr(cfg.stability, sub), fields)
     else:
       sections[top] = at_defaults(getattr(cfg, top), fields)
+  # No length at all, rather than the default one: a schedule called in a program without the
+  # run's length (stablejax.training.optim.run_steps) fails instead of decaying over 250 steps.
+  sections["train"] = dataclasses.replace(sections["train"], steps=None)
   stability_section: Any = cfg.stability  # a dataclass built from the registry
   return dataclasses.replace(cfg, stability=dataclasses.replace(stability_section, **stability),
                              **sections)
@@ -246,7 +257,7 @@ def _build_programs(cfg: Config, tx: Optional[optax.GradientTransformationExtraA
   replicated = mesh_lib.replicated(mesh)
   tokens_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
-  batch_sharding = {"tokens": tokens_sharding, "grad_scale": replicated}
+  batch_sharding = {"tokens": tokens_sharding, "grad_scale": replicated, "run_steps": replicated}
   step_fn = _under_mesh(mesh, make_train_step(model, chain, cfg, schedules.main))
 
   def activation_stats(params: optax.Params, tokens: jax.Array, step: jax.Array) -> dict:
@@ -299,9 +310,9 @@ def _warn_missing(cfg: Config, model: LanguageModel, warn: Callable[[str], None]
 def with_steps(components: Components, steps: int,
                tx: Optional[optax.GradientTransformationExtraArgs]
                ) -> Components:
-  """The components for a run of ``steps`` steps (the time budget's count): the schedules are laid
-  over it, so the optimizer and the compiled functions are built again (``tx``: the caller's
-  whole chain, kept as it is)."""
+  """The components for a run of ``steps`` steps (the time budget's count). The run's length is
+  host-only (:data:`HOST_ONLY`), so the programs are the ones already built; only a caller's
+  whole chain (``tx``, kept as it is) has schedules of its own, laid over its own count."""
   train = dataclasses.replace(components.cfg.train, steps=steps)
   cfg = dataclasses.replace(components.cfg, train=train)
   return build_components(cfg, components.data, tx=tx, optimizer=components.optimizer)

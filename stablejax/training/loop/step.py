@@ -3,7 +3,9 @@
 `train_step(state, batch) -> (state, metrics)` does gradient accumulation inside (so the stability
 transforms see the accumulated gradient), optional fp16 loss scaling, and fault injection through
 `batch["grad_scale"]` (1 normally; NaN or a large factor when a fault is configured for the step).
-Metrics stay on device; the loop fetches them every `log_every` steps, one step late.
+`batch["run_steps"]` is the run's length (an int32 scalar): the schedules decay over it, so one
+compiled step serves any `train.steps`. Metrics stay on device; the loop fetches them every
+`log_every` steps, one step late.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from stablejax.modeling.family import LanguageModel
 from stablejax.modeling.losses import cross_entropy_with_z_loss
 from stablejax.monitor.layers import global_and_layer_norms
 from stablejax.training.config import Config
-from stablejax.training.optim import applied_updates, get_lr_scale, set_lr_scale, step_arguments
+from stablejax.training.optim import (applied_updates, get_lr_scale, run_steps, set_lr_scale,
+                                      step_arguments)
 from stablejax.training.recovery.policy import LRBackoff, backoff_lr_scale
 from stablejax.transforms import defence
 from stablejax.transforms.loss_scaling import DynamicLossScale, all_finite
@@ -139,14 +142,16 @@ def update_norm_metrics(updates: optax.Updates) -> dict[str, jax.Array]:
   return {"update_norm": total, **{f"update_norm/layer_{i}": n for i, n in layers.items()}}
 
 
-def metrics_read(cfg: Config, step: Any) -> Any:
+def metrics_read(cfg: Config, step: Any, steps: Any = None) -> Any:
   """Whether the loop reads the metrics of the step that brings the count to ``step``: step 1,
   every ``train.log_every`` steps (`actions.Logging.due`), every ``checkpoint.every`` steps and
   the last (`actions.Checkpointing.due`: a save reads the step's health; a deferred save waits for
-  a log step). ``step`` is a traced int32 in the step, or a Python int on the host."""
+  a log step). ``step`` is a traced int32 in the step, or a Python int on the host; ``steps``,
+  the run's length (default ``train.steps``), likewise."""
   t = cfg.train
+  steps = t.steps if steps is None else steps
   read = (step == 1) | (step % t.log_every == 0) | (step % cfg.checkpoint.every == 0)
-  return read | (step == t.steps) if t.steps is not None else read
+  return read | (step == steps) if steps is not None else read
 
 
 def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraArgs, cfg: Config,
@@ -154,7 +159,8 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
                     ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
   """``train_step(state, batch) -> (state, metrics)``: accumulated gradients, fp16 loss scaling,
   the configured faults (``batch["grad_scale"]``), the rollback's LR backoff, the update with the
-  extra arguments the defences declared, and the step's metrics (on device).
+  extra arguments the defences declared, and the step's metrics (on device). The schedules decay
+  over ``batch["run_steps"]`` (:func:`stablejax.training.optim.run_steps`).
 
   The update norms (``update_norm``, ``update_norm/layer_<i>``, a pass over the update) are
   computed on the steps whose metrics the loop reads (:func:`metrics_read`) and are NaN on the
@@ -178,16 +184,17 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     grads = jax.tree.map(lambda g: g * batch["grad_scale"].astype(g.dtype), grads)  # faults
 
     opt_state = _with_lr_backoff(state.opt_state, state, cfg)
-    # The schedules count applied updates (a skipped step keeps their count), so the rate this
-    # step applies is the schedule at that count, not at state.step (see training/optim.py).
-    lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
-    updates, opt_state = tx.update(grads, opt_state, state.params, **provided)
+    with run_steps(batch["run_steps"]):  # the schedules decay over the run's length
+      # The schedules count applied updates (a skipped step keeps their count), so the rate this
+      # step applies is the schedule at that count, not at state.step (see training/optim.py).
+      lr = lr_schedule(applied_updates(opt_state)) * get_lr_scale(opt_state)
+      updates, opt_state = tx.update(grads, opt_state, state.params, **provided)
     params = optax.apply_updates(state.params, updates)
     loss_scale = state.loss_scale
     if loss_scale is not None:
       loss_scale = loss_scale.adjust(all_finite(grads))
 
-    read = metrics_read(cfg, state.step + 1)
+    read = metrics_read(cfg, state.step + 1, batch["run_steps"])
     if ordered:
       update_norms = jax.lax.cond(read, update_norm_metrics, _not_computed(update_norm_metrics),
                                   updates)

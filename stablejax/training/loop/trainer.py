@@ -149,7 +149,7 @@ class Trainer:
     self.budget = Budget(cfg.train, self.t_start, clock_file=self.run_dir.root / CLOCK_FILE)
     if cfg.train.steps is None:
       # The time budget fixes the count (Budget.plan) after timing the compiled step, which does
-      # not depend on it: until then the schedule is laid over a provisional count.
+      # not depend on it (an argument of the step): until then it is a provisional count.
       cfg = dataclasses.replace(cfg, train=dataclasses.replace(t, steps=t.warmup_steps + 1))
     self.components = build_components(cfg, data, tx=tx, optimizer=optimizer, warn=self.log.console)
     self.recovery = Recovery(cfg.stability)
@@ -163,7 +163,8 @@ class Trainer:
                                    record_step=self.run_dir.record_checkpoint)
     data.train_dataset = hang_in_pipeline(data.train_dataset, cfg.faults)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
-                           lambda tokens: self.components.device_tokens(tokens))
+                           lambda tokens: self.components.device_tokens(tokens),
+                           lambda: self.components.total_steps)
     r = cfg.stability.recovery
     self.rejected = RejectedBatches(self.run_dir, r.reject_after if r.enabled else 0,
                                     {**data_order(cfg), "data": data_identity(cfg.data)})

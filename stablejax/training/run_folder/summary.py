@@ -24,7 +24,7 @@ from stablejax.training.loop.batches import total_skips
 from stablejax.training.loop.budget import peak_memory
 from stablejax.training.loop.components import peak_flops_per_device
 from stablejax.training.config import ineffective_keys
-from stablejax.training.optim import learning_rate_warnings, learning_rates
+from stablejax.training.optim import learning_rate_warnings, learning_rates, run_steps
 
 if TYPE_CHECKING:
   from stablejax.monitor.stability_monitor import StabilityMonitor
@@ -55,7 +55,8 @@ def banner(components: Components, params: optax.Params, budget: Budget, out_dir
     lines.append(f"samples at evals: {sampler.gen.method} (model family {model.family!r} does "
                  "not offer decoding)")
   try:  # the configured chain or Trainer(tx=...): any chain holding an outlier_safe_muon
-    lines.append(describe_routing(params, components.tx))
+    with run_steps(components.total_steps):  # its schedules, as this run's steps see them
+      lines.append(describe_routing(params, components.tx))
   except NoOutlierSafeMuonError:
     pass
   return lines + [f"warning: {w}" for w in learning_rate_warnings(cfg) + ineffective_keys(cfg)]
