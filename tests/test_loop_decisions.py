@@ -153,7 +153,7 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   # once); another config, or a declaration registered since, builds afresh. No program runs.
   from typing import NamedTuple
 
-  from helpers import tiny_config
+  from helpers import optax_lr, tiny_config
   from stablejax.data.pipeline import build_data
   from stablejax.training.loop import components as components_lib
   from stablejax.transforms import metrics
@@ -168,6 +168,7 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   # argument of the step, so the programs are the same.
   longer = components_lib.build_components(tiny_config("train.steps=41"), data)
   assert longer.train_step is first.train_step and longer.total_steps == 41
+  assert float(longer.schedule(41)) == pytest.approx(optax_lr(longer.cfg, 41), rel=1e-5)
   warmer = components_lib.build_components(tiny_config("train.warmup_steps=5"), data)
   assert warmer.train_step is not first.train_step  # the schedule's warmup is in the program
   # Settings only the host reads (faults, when to save and log, the recovery's policy, the seed

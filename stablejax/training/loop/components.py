@@ -28,7 +28,8 @@ from stablejax.monitor.movement import param_movement
 from stablejax.training.launch import mesh as mesh_lib
 from stablejax.training.config import Config, model_of
 from stablejax.training.trained.decoding import EvalSampler
-from stablejax.training.optim import Schedules, build_optimizer, main_optimizer, set_lr_scale
+from stablejax.training.optim import (Schedules, build_optimizer, main_optimizer, run_steps,
+                                      set_lr_scale)
 from stablejax.training.recovery.policy import LRBackoff
 from stablejax.training.loop.step import (TrainState, make_eval_step, make_gradient_check,
                                      make_logit_telemetry, make_train_step)
@@ -87,8 +88,14 @@ class Components:
 
   @property
   def schedule(self) -> optax.Schedule:
-    """The main learning rate, logged as ``lr`` (with the LR scale)."""
-    return self.schedules.main
+    """The main learning rate at an update count, over this run's length (:attr:`total_steps`):
+    logged as ``lr`` (with the LR scale)."""
+    main, steps = self.schedules.main, self.total_steps
+
+    def at(count: jax.typing.ArrayLike) -> jax.typing.ArrayLike:
+      with run_steps(steps):  # the programs' schedules have no length of their own
+        return main(count)
+    return at
 
   @property
   def total_steps(self) -> int:
