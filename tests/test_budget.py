@@ -305,7 +305,7 @@ def batches_that_wait(monkeypatch, seconds: float) -> None:
 def test_budgeted_run_ends_in_budget_with_lr_at_floor_and_resume_keeps_the_count(
     tmp_path, capsys, monkeypatch):
   out = tmp_path / "budget"
-  # One minute of batches that each take 0.08 s to arrive: the budget plans about 450 steps here
+  # One minute of batches that each take 0.08 s to arrive: the budget plans about 500 steps here
   # (a checkpoint every 50 steps costs about as much again), past 250 (the budget, not the
   # default config, fixes the length) also on a machine three times slower. The step is measured
   # with its batch's wait; in the run the wait overlaps the previous step's computation, so a
