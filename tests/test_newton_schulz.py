@@ -332,8 +332,10 @@ def test_gram_equals_standard_in_float32(shape, kind):
 
 
 def test_gram_without_symmetrising_r_drifts():
-  # Why R is symmetrised after each update: the same iteration without it is more than twice as
-  # far from the standard one on a decaying spectrum (measured 1.2e-3 against 4.5e-4 with it).
+  # Why R is symmetrised after each update: the same iteration without it ends farther from the
+  # standard one on a decaying spectrum. How much farther depends on the CPU's matmul kernels:
+  # measured 1.2e-3 against 4.5e-4 (2.7x) on an AVX-512 host, 1.34e-3 against 8.4e-4 (1.6x) on an
+  # AVX2 one (the standard iterate is within 1e-5 of float64 numpy on both).
   from stablejax.muon import gram
   x = _decaying((256, 1024), seed=3)
   xn = _normalised(x)
@@ -347,7 +349,7 @@ def test_gram_without_symmetrising_r_drifts():
     without = jax.jit(lambda y: gram.iterations(y, (STANDARD_COEFFS,) * 5, ()))(xn)
   finally:
     gram._symmetrise = original
-  assert _rel(without, standard) > 2 * _rel(with_sym, standard)
+  assert _rel(without, standard) > 1.25 * _rel(with_sym, standard)
 
 
 def test_gram_bfloat16_restart_keeps_it_as_close_as_the_standard_iteration():
