@@ -218,12 +218,14 @@ def trainer_step(cfg: Config, stack: str = "full", batch: dict | None = None,
 
 def random_batch(cfg: Config, seed: int = 0) -> dict:
   """A batch of uniformly random tokens in the trainer's layout (grad_accum, B, T + 1): for
-  timing on a machine without the config's data (speed does not depend on the tokens)."""
+  timing on a machine without the config's data (speed does not depend on the tokens). Its step
+  is one whose metrics the loop does not read, as most are (no pass for the update norms)."""
   t = cfg.train
   tokens = jax.random.randint(jax.random.PRNGKey(seed),
                               (t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
                               0, cfg.model.vocab_size, jnp.int32)
-  return {"tokens": tokens, "grad_scale": jnp.float32(1.0), "run_steps": jnp.int32(t.steps)}
+  return {"tokens": tokens, "grad_scale": jnp.float32(1.0), "run_steps": jnp.int32(t.steps),
+          "read_metrics": jnp.bool_(False)}
 
 
 def logit_telemetry(cfg: Config):
@@ -234,14 +236,15 @@ def logit_telemetry(cfg: Config):
 
 
 def fixed_batch(cfg: Config, seed: int = 0) -> dict:
-  """One real batch of the embedded corpus in the trainer's layout (grad_accum, B, T + 1)."""
+  """One real batch of the embedded corpus in the trainer's layout (grad_accum, B, T + 1), of a
+  step whose metrics the loop does not read (as `random_batch`)."""
   from stablejax.data.pipeline import build_data
   t = cfg.train
   data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=seed)
   tokens = np.asarray(next(data.train_iter())["tokens"], np.int32)
   tokens = tokens.reshape(t.grad_accum, t.batch_size // t.grad_accum, tokens.shape[1])
   return {"tokens": jnp.asarray(tokens), "grad_scale": jnp.float32(1.0),
-          "run_steps": jnp.int32(t.steps)}
+          "run_steps": jnp.int32(t.steps), "read_metrics": jnp.bool_(False)}
 
 
 def interleaved(runners: dict[str, Callable[[], float]], rounds: int, warmup: int = 1

@@ -41,7 +41,8 @@ def first_steps(config: str, steps: int, batch: int, seq_len: int, seed: int = 0
   def next_batch() -> dict:
     tokens = np.asarray(next(data)["tokens"], np.int32)[None]  # (grad_accum, B, T + 1)
     return {"tokens": jax.numpy.asarray(tokens), "grad_scale": jax.numpy.float32(1.0),
-            "run_steps": jax.numpy.int32(cfg.train.steps)}
+            "run_steps": jax.numpy.int32(cfg.train.steps),
+            "read_metrics": jax.numpy.bool_(True)}  # every step's metrics are read here
 
   run = _common.trainer_step(cfg, "full", next_batch(), seed=seed)
   monitors = {"relative": stablejax.StabilityMonitor(),

@@ -211,7 +211,8 @@ def test_measure_plans_with_the_slowest_timed_step_and_counts_compilation(
       cfg=cfg, sampler=None,
       data=types.SimpleNamespace(train_iter=lambda: iter(lambda: {"tokens": np.zeros((1, 2, 3))},
                                                           None)),
-      step_batch=lambda tokens: {"tokens": tokens}, train_step=train_step, eval_step=eval_step,
+      step_batch=lambda tokens, step: {"tokens": tokens}, train_step=train_step,
+      eval_step=eval_step,
       val_batches=lambda: [np.zeros((2, 3))])
   t = budget_lib.measure(components, _State(params={"w": np.zeros(2, np.float32)}), tmp_path)
   assert budget_lib.TIMED_STEPS == 5

@@ -59,7 +59,8 @@ def test_batches_drop_blocked_positions_and_transient_faults_strike_once():
   def stream(start):
     return iter({"tokens": np.full((2, 5), i, np.int32)} for i in range(start, 100))
   faults = FaultsConfig(transient_nan_steps=[1], nan_grad_batch_indices=[4])
-  batches = Batches(stream(0), faults, 256, lambda tokens: tokens, lambda: 100)
+  batches = Batches(stream(0), faults, 256, lambda tokens, grad_scale, step: {
+      "tokens": tokens, "grad_scale": np.float32(grad_scale)})
   batches.blocked = {2}
   got = [batches.next(step) for step in range(4)]
   # position 2 is read and dropped: step 2 trains on position 3

@@ -24,7 +24,8 @@ def _batches(*overrides: str) -> Batches:
   cfg = load_config(None, list(overrides))
   # Batch i of the stream holds the token i, so a batch tells its data position.
   stream = ({"tokens": np.full((2, 5), i, np.int32)} for i in range(1000))
-  return Batches(stream, cfg.faults, 256, lambda tokens: tokens, lambda: 40)
+  return Batches(stream, cfg.faults, 256, lambda tokens, grad_scale, step: {
+      "tokens": tokens, "grad_scale": np.float32(grad_scale)})
 
 
 def _position(batch: dict) -> int:
@@ -173,14 +174,16 @@ def test_a_config_built_before_in_this_process_reuses_its_jitted_programs() -> N
   assert warmer.train_step is not first.train_step  # the schedule's warmup is in the program
   # Settings only the host reads (faults, when to save and log, the recovery's policy, the seed
   # and the data) share the programs; the run's own config stays the caller's.
+  # When to log and save reach the step as its batch's read_metrics.
   host_only = tiny_config("faults.nan_grad_steps=[3]", "checkpoint.keep=1",
                           "logging.progress=false", "stability.recovery.max_rollbacks=7",
-                          "train.seed=5", "data.shuffle_buffer=64")
+                          "train.seed=5", "data.shuffle_buffer=64", "checkpoint.every=7",
+                          "train.log_every=3")
   shared = components_lib.build_components(host_only, data)
   assert shared.train_step is first.train_step and shared.cfg is host_only
-  # checkpoint.every is read by the step (the steps whose metrics are read): programs of its own
-  every = components_lib.build_components(tiny_config("checkpoint.every=7"), data)
-  assert every.train_step is not first.train_step
+  batches = [shared.step_batch(np.zeros((8, 33), np.int32), step=s) for s in range(7)]
+  assert [bool(b["read_metrics"]) for b in batches] == [True, False, True, False, False, True,
+                                                        True]  # steps 1, 3, 6 (logs) and 7 (save)
 
   class ProbeState(NamedTuple):
     hits: Any
@@ -253,7 +256,8 @@ def test_no_program_reads_a_host_only_setting() -> None:
     tokens = jax.ShapeDtypeStruct((t.grad_accum, t.batch_size // t.grad_accum, t.seq_len + 1),
                                   jnp.int32, sharding=built.tokens_sharding)
     batch = {"tokens": tokens, "grad_scale": jax.ShapeDtypeStruct((), jnp.float32),
-             "run_steps": jax.ShapeDtypeStruct((), jnp.int32)}
+             "run_steps": jax.ShapeDtypeStruct((), jnp.int32),
+             "read_metrics": jax.ShapeDtypeStruct((), jnp.bool_)}
     params, step = built.abstract_state.params, jax.ShapeDtypeStruct((), jnp.int32)
     return [built.train_step.lower(built.abstract_state, batch).as_text(),
             built.init_state.lower(jax.ShapeDtypeStruct((2,), jnp.uint32)).as_text(),

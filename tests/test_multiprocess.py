@@ -270,7 +270,9 @@ _CONTROL_FLOW = textwrap.dedent("""
                  "grad_scale": jax.ShapeDtypeStruct((), jnp.float32,
                                                     sharding=mesh_lib.replicated(c.mesh)),
                  "run_steps": jax.ShapeDtypeStruct((), jnp.int32,
-                                                   sharding=mesh_lib.replicated(c.mesh))}
+                                                   sharding=mesh_lib.replicated(c.mesh)),
+                 "read_metrics": jax.ShapeDtypeStruct((), jnp.bool_,
+                                                      sharding=mesh_lib.replicated(c.mesh))}
         return c.train_step.lower(c.abstract_state, batch).compile().as_text()
 
     # The reading itself: a conditional with a psum in each branch, a loop with one in its body

@@ -334,7 +334,7 @@ def test_logged_lr_is_the_scheduled_rate_applied_after_skipped_steps(name):
     scale = 0.2 if s >= backoff_step else 1.0
     grad_scale = jnp.float32(jnp.nan if s in nan_steps else 1.0)
     state, metrics = step(state, {"tokens": tokens, "grad_scale": grad_scale,
-                                  "run_steps": run_steps})
+                                  "run_steps": run_steps, "read_metrics": np.bool_(True)})
     # The rate this step applied (or, when skipped, would have): the schedule at the number of
     # updates applied before it, times the backoff.
     expected = np.float32(rate(applied, jnp.float32(scale)))

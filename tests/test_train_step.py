@@ -33,7 +33,7 @@ def steps(run, batches, grad_scales=None, moves=None):
   for i, tokens in enumerate(batches):
     scale = 1.0 if grad_scales is None else grad_scales[i]
     before = jax.device_get(state.params) if moves is not None else None  # the step donates it
-    batch = run.components.step_batch(tokens, scale)
+    batch = run.components.step_batch(tokens, scale, step=i)
     state, metrics = run.components.train_step(state, batch)
     history.append(jax.device_get(metrics))
     if moves is not None:
@@ -82,7 +82,7 @@ def test_the_step_computes_the_update_norms_on_every_step_the_loop_reads():
   from stablejax.training.loop.step import metrics_read
   cfg = tiny_config("train.log_every=3", "checkpoint.every=7", "train.steps=40")
   components = SimpleNamespace(cfg=cfg, total_steps=40)
-  read = np.asarray(metrics_read(cfg, np.arange(1, 41)))
+  read = [metrics_read(cfg, s) for s in range(1, 41)]
   for deferred in (False, True):
     logging = SimpleNamespace(components=components)
     checkpointing = SimpleNamespace(components=components, deferred=deferred)
@@ -105,9 +105,9 @@ def test_fp16_loss_scale_backs_off_on_overflow_grows_and_is_checkpointed(tmp_pat
   grad_scales = [1.0] * 9 + [float("nan")] + [1.0] * 2
   state = run.components.init_state(jax.random.PRNGKey(run.cfg.train.seed))
   scale, counter, scales, overflowed = 2.0**20, 0, [], []
-  for tokens, g in zip(batches, grad_scales):
+  for i, (tokens, g) in enumerate(zip(batches, grad_scales)):
     before = jax.device_get(state.params)
-    batch = run.components.step_batch(tokens, g)
+    batch = run.components.step_batch(tokens, g, step=i)
     state, metrics = run.components.train_step(state, batch)
     m = jax.device_get(metrics)
     overflow = bool(m["skip_nonfinite/skipped"])

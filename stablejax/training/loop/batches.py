@@ -35,17 +35,16 @@ class Batches:
     stream: the data iterator (Grain's, checkpointed with the state).
     faults: the run's ``faults`` section.
     vocab_size: the data's vocabulary (garbage batches draw from it).
-    to_device: host tokens ``[B/P, T+1]`` -> the global device array of the step.
-    run_steps: the run's length (the batch's ``run_steps``: the schedules decay over it).
+    step_batch: ``(host tokens [B/P, T+1], fault factor, step=) -> the step's batch on device``
+      (:meth:`stablejax.training.loop.components.Components.step_batch`).
   """
 
   def __init__(self, stream: Iterator[dict], faults: FaultsConfig, vocab_size: int,
-               to_device: Callable[[np.ndarray], jax.Array], run_steps: Callable[[], int]):
+               step_batch: Callable[..., dict]):
     self.stream = stream
     self.faults = faults
     self.vocab_size = vocab_size
-    self.to_device = to_device
-    self.run_steps = run_steps
+    self.step_batch = step_batch
     self.consumed = 0                                  # position of the next batch
     self.pending: list[tuple[int, int]] = []           # skips [first, last) the replay has not met
     self.checkpoint_positions: dict[int, int] = {}     # checkpoint step -> its position
@@ -101,9 +100,8 @@ class Batches:
       if self.repeated is None:
         self.repeated = np.asarray(tokens)
       tokens = self.repeated
-    return {"tokens": self.to_device(np.asarray(tokens, np.int32)),
-            "grad_scale": np.float32(self.grad_scale(step, index, first_execution)),
-            "run_steps": np.int32(self.run_steps())}
+    return self.step_batch(np.asarray(tokens, np.int32),
+                           self.grad_scale(step, index, first_execution), step=step)
 
   def grad_scale(self, step: int, index: int, first_execution: bool) -> float:
     """The factor the configured faults put on the gradient of ``step`` (batch ``index``): 1.0

@@ -109,21 +109,23 @@ def measure(components: Components, state: TrainState, out_dir: Path,
   state = jax.tree.map(jnp.copy, state)
   batches = components.data.train_iter()
 
-  def one_step(state: TrainState) -> TrainState:
-    batch = components.step_batch(np.asarray(next(batches)["tokens"], np.int32))
+  def one_step(state: TrainState, step: int) -> TrainState:
+    # The probe's own steps 0, 1, ...: the first reads its metrics, the timed ones mostly not, as
+    # most of the run's steps
+    batch = components.step_batch(np.asarray(next(batches)["tokens"], np.int32), step=step)
     state, metrics = components.train_step(state, batch)
     jax.block_until_ready(metrics)
     return state
 
   phase = "measuring the time budget"
   t0 = time.perf_counter()
-  state = one_step(state)
+  state = one_step(state, 0)
   compile_seconds = time.perf_counter() - t0
   check(phase)
   times = []
-  for _ in range(TIMED_STEPS):
+  for step in range(1, TIMED_STEPS + 1):
     t0 = time.perf_counter()
-    state = one_step(state)
+    state = one_step(state, step)
     times.append(time.perf_counter() - t0)
 
   params = state.params

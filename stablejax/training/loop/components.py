@@ -32,7 +32,7 @@ from stablejax.training.optim import (Schedules, build_optimizer, main_optimizer
                                       set_lr_scale)
 from stablejax.training.recovery.policy import LRBackoff
 from stablejax.training.loop.step import (TrainState, make_eval_step, make_gradient_check,
-                                     make_logit_telemetry, make_train_step)
+                                     make_logit_telemetry, make_train_step, metrics_read)
 from stablejax.transforms import _registry
 from stablejax.transforms.loss_scaling import DynamicLossScale
 
@@ -105,11 +105,15 @@ class Components:
     assert steps is not None
     return steps
 
-  def step_batch(self, tokens: np.ndarray, grad_scale: float = 1.0) -> dict:
-    """The train step's batch from host tokens ``[B/P, T+1]``: the tokens on device, the fault
-    factor on the gradient (1.0: none) and the run's length (:attr:`total_steps`)."""
+  def step_batch(self, tokens: np.ndarray, grad_scale: float = 1.0, *, step: int) -> dict:
+    """The batch of ``step`` (0-based index of the step about to run) from host tokens
+    ``[B/P, T+1]``: the tokens on device, the fault factor on the gradient (1.0: none), the run's
+    length (:attr:`total_steps`) and whether the loop reads the step's metrics
+    (:func:`stablejax.training.loop.step.metrics_read`)."""
+    steps = self.total_steps
     return {"tokens": self.device_tokens(tokens), "grad_scale": np.float32(grad_scale),
-            "run_steps": np.int32(self.total_steps)}
+            "run_steps": np.int32(steps),
+            "read_metrics": np.bool_(metrics_read(self.cfg, step + 1, steps))}
 
   def device_tokens(self, tokens: np.ndarray) -> jax.Array:
     """Host batch ``[B/P, T+1]`` (this process's rows) -> global ``[grad_accum, B/accum, T+1]``."""
@@ -136,18 +140,19 @@ _BUILT_KEPT = 4
 # Settings that only the host reads: the data (its pipeline is built on the host; the programs see
 # token ids, and the vocabulary through model.vocab_size), the seed (the initialisation's key is
 # an argument), the run's length (the train step's batch["run_steps"]: a resume that trains
-# longer, or a time budget's planned count, reuses the step), when to evaluate, sample and
-# report, how many checkpoints to keep, the recovery's policy (its LR backoff reaches the
+# longer, or a time budget's planned count, reuses the step), when to log, save, evaluate, sample
+# and report (batch["read_metrics"] says which steps' metrics the loop reads), how many
+# checkpoints to keep, the recovery's policy (its LR backoff reaches the
 # programs as arguments), the run's checks and the deliberate faults (applied to the batch and
 # the state on the host). The programs are built from the config
 # with these at their defaults (:func:`program_config`), so configs that differ only here share
 # one set of programs, and no program can depend on one of them: it would see the default in
 # every run, not a stale value in some. None: the whole section.
 HOST_ONLY: dict[str, Optional[tuple[str, ...]]] = {
-    "train": ("seed", "steps", "eval_every", "eval_batches", "peak_flops_per_device",
+    "train": ("seed", "steps", "eval_every", "eval_batches", "log_every", "peak_flops_per_device",
               "time_budget_minutes", "target_val_loss", "rewarmup_steps", "compilation_cache"),
     "data": None,
-    "checkpoint": ("keep", "async_save"),
+    "checkpoint": ("every", "keep", "async_save"),
     "logging": ("tensorboard", "progress", "histogram_every", "activation_every",
                 "attention_logits", "grad_norm_high", "grad_norm_critical", "sample_every",
                 "sample_prompt", "sample_tokens"),
@@ -264,7 +269,8 @@ def _build_programs(cfg: Config, tx: Optional[optax.GradientTransformationExtraA
   replicated = mesh_lib.replicated(mesh)
   tokens_sharding = jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(None, mesh_lib.BATCH_AXES))
-  batch_sharding = {"tokens": tokens_sharding, "grad_scale": replicated, "run_steps": replicated}
+  batch_sharding = {"tokens": tokens_sharding, "grad_scale": replicated, "run_steps": replicated,
+                    "read_metrics": replicated}
   step_fn = _under_mesh(mesh, make_train_step(model, chain, cfg, schedules.main))
 
   def activation_stats(params: optax.Params, tokens: jax.Array, step: jax.Array) -> dict:

@@ -4,8 +4,10 @@
 transforms see the accumulated gradient), optional fp16 loss scaling, and fault injection through
 `batch["grad_scale"]` (1 normally; NaN or a large factor when a fault is configured for the step).
 `batch["run_steps"]` is the run's length (an int32 scalar): the schedules decay over it, so one
-compiled step serves any `train.steps`. Metrics stay on device; the loop fetches them every
-`log_every` steps, one step late.
+compiled step serves any `train.steps`. `batch["read_metrics"]` (a bool scalar, from
+:func:`metrics_read` on the host) says whether the loop reads this step's metrics, so when it logs
+and saves (`train.log_every`, `checkpoint.every`) is not compiled in either. Metrics stay on
+device; the loop fetches them every `log_every` steps, one step late.
 """
 
 from __future__ import annotations
@@ -142,16 +144,16 @@ def update_norm_metrics(updates: optax.Updates) -> dict[str, jax.Array]:
   return {"update_norm": total, **{f"update_norm/layer_{i}": n for i, n in layers.items()}}
 
 
-def metrics_read(cfg: Config, step: Any, steps: Any = None) -> Any:
+def metrics_read(cfg: Config, step: int, steps: Optional[int] = None) -> bool:
   """Whether the loop reads the metrics of the step that brings the count to ``step``: step 1,
   every ``train.log_every`` steps (`actions.Logging.due`), every ``checkpoint.every`` steps and
   the last (`actions.Checkpointing.due`: a save reads the step's health; a deferred save waits for
-  a log step). ``step`` is a traced int32 in the step, or a Python int on the host; ``steps``,
-  the run's length (default ``train.steps``), likewise."""
+  a log step). Evaluated on the host, with Python ints (``steps``: the run's length, default
+  ``train.steps``), for the batch's ``read_metrics``."""
   t = cfg.train
   steps = t.steps if steps is None else steps
-  read = (step == 1) | (step % t.log_every == 0) | (step % cfg.checkpoint.every == 0)
-  return read | (step == steps) if steps is not None else read
+  return (step == 1 or step % t.log_every == 0 or step % cfg.checkpoint.every == 0
+          or step == steps)
 
 
 def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraArgs, cfg: Config,
@@ -163,7 +165,8 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
   over ``batch["run_steps"]`` (:func:`stablejax.training.optim.run_steps`).
 
   The update norms (``update_norm``, ``update_norm/layer_<i>``, a pass over the update) are
-  computed on the steps whose metrics the loop reads (:func:`metrics_read`) and are NaN on the
+  computed on the steps whose metrics the loop reads (``batch["read_metrics"]``, from
+  :func:`metrics_read`) and are NaN on the
   others; every other metric is computed on every step. On XLA:CPU with several devices the
   norms are computed on every step and masked, and the micro-batch loop is unrolled, since a
   collective in control flow can run out of order there
@@ -194,7 +197,7 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
     if loss_scale is not None:
       loss_scale = loss_scale.adjust(all_finite(grads))
 
-    read = metrics_read(cfg, state.step + 1, batch["run_steps"])
+    read = batch["read_metrics"]
     if ordered:
       update_norms = jax.lax.cond(read, update_norm_metrics, _not_computed(update_norm_metrics),
                                   updates)

@@ -163,8 +163,7 @@ class Trainer:
                                    record_step=self.run_dir.record_checkpoint)
     data.train_dataset = hang_in_pipeline(data.train_dataset, cfg.faults)
     self.batches = Batches(data.train_iter(), cfg.faults, data.vocab_size,
-                           lambda tokens: self.components.device_tokens(tokens),
-                           lambda: self.components.total_steps)
+                           lambda *args, **kwargs: self.components.step_batch(*args, **kwargs))
     r = cfg.stability.recovery
     self.rejected = RejectedBatches(self.run_dir, r.reject_after if r.enabled else 0,
                                     {**data_order(cfg), "data": data_identity(cfg.data)})

@@ -148,7 +148,7 @@ class Replayer:
       state, metrics = components.train_step(state, batch)
       flags.append((index, self.batches.positions[index], metrics))
       done = index + 1
-      if not (bool(metrics_read(cfg, done)) or done == step):
+      if not (metrics_read(cfg, done) or done == step):
         continue
       if components.telemetry:  # the record as the loop logs it (the monitor reads these)
         metrics = {**metrics, **components.logit_telemetry(state.params, batch["tokens"],
