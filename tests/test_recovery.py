@@ -329,8 +329,8 @@ def _recording_run_class():
     def __init__(self, *args, watch=(), **kwargs):
       self.fed, self.at_rollback, self.watch, self.watched = [], [], set(watch), {}
       super().__init__(*args, **kwargs)
-      step_fn, to_device, rollback = (self.components.train_step, self.batches.to_device,
-                                      self.restorer.rollback)
+      step_fn, step_batch, rollback = (self.components.train_step, self.batches.step_batch,
+                                       self.restorer.rollback)
 
       def recorded(state, batch):
         index = int(state.step)
@@ -341,9 +341,9 @@ def _recording_run_class():
         self.watched[index] = (before, jax.device_get(new_state))
         return new_state, metrics
 
-      def fed(tokens):
+      def fed(tokens, *args, **kwargs):
         self.fed.append(np.array(tokens))
-        return to_device(tokens)
+        return step_batch(tokens, *args, **kwargs)
 
       def recorded_rollback(step, cause, record, **how):
         self.before_rollback(step)
@@ -359,7 +359,7 @@ def _recording_run_class():
         return state, restored_step
 
       self.components = dataclasses.replace(self.components, train_step=recorded)
-      self.batches.to_device = fed
+      self.batches.step_batch = fed
       self.restorer.rollback = recorded_rollback
 
     def before_rollback(self, step):

@@ -84,6 +84,7 @@ CONFIG = "stablejax/training/config/checks.py"
 OPTIM = "stablejax/training/optim.py"
 OPTIMIZERS = "stablejax/training/config/optimizers.py"
 STEP = "stablejax/training/loop/step.py"
+COMPONENTS = "stablejax/training/loop/components.py"
 DECODING = "stablejax/training/trained/decoding.py"
 LOOP = "stablejax/training/loop/trainer.py"
 BATCHES = "stablejax/training/loop/batches.py"
@@ -185,6 +186,10 @@ AREA_TESTS: dict[str, tuple[str, ...]] = {
     STEP: ("tests/test_train_step.py", "tests/test_optim.py", "-k",
            "micro_batches or fp16 or logged_lr_is or update_norms"),
     DECODING: ("tests/test_sample.py", "-k", "not cli and not carries"),
+    # What the programs are built from and which are shared, and the step's batch; the tiny
+    # config's programs, no trainer run.
+    COMPONENTS: ("tests/test_loop_decisions.py", "tests/test_train_step.py", "tests/test_optim.py",
+                 "-k", "update_norms or reuses_its_jitted or host_only or has_no_length"),
     # The loop's decisions on a bare Run (its trainer runs take minutes each).
     BATCHES: ("tests/test_loop_decisions.py",),
     ACTIONS: ("tests/test_loop_decisions.py",),
@@ -232,10 +237,10 @@ MODULES_NOT_COVERED = {
     "monitor/tensorboard.py, modeling/gpt.py, runs.py, sampling.py, cli/sample.py":
         "not yet: their tests are end-to-end runs (tests/test_sample.py, tests/test_trainer.py) "
         "that take minutes per mutant",
-    "training/loop.py, components.py, rollback.py, run_summary.py": "their promises are kept by "
+    "training/loop.py, rollback.py, run_summary.py": "their promises are kept by "
         "trainer runs (tests/test_trainer.py, test_recovery.py, test_run_dir.py: minutes per "
         "mutant); the loop's decisions are mutated where they live (training/batches.py, "
-        "training/actions.py)",
+        "training/actions.py, and components.py's step batch and program memo)",
     "training/run_dir.py, run_record.py, data_order.py": "not yet: what RunDirectory decides "
         "is mutated where it lives (training/run_dir_checks.py, training/previous_run.py); its "
         "record, the names it lists and the data order are read back by resumes "
@@ -1483,11 +1488,18 @@ MUTANTS = [
        "an update norm the step did not compute reads as 0 (a skipped step's value)"),
     _m("TS9", STEP, '    read = batch["read_metrics"]', "    read = jnp.bool_(True)",
        "the step ignores the batch's read_metrics: update norms on every step"),
-    _m("TS10", "stablejax/training/loop/components.py",
-       "metrics_read(self.cfg, step + 1, steps)", "metrics_read(self.cfg, step, steps)",
-       "a batch's read_metrics is that of the step before (the loop reads the step after)",
-       tests=("tests/test_train_step.py", "tests/test_loop_decisions.py", "-k",
-              "update_norms or reuses_its_jitted")),
+
+    # ---------------------------------------------------------------- training/loop/components.py
+    _m("CO1", COMPONENTS, "metrics_read(self.cfg, step + 1, steps)",
+       "metrics_read(self.cfg, step, steps)",
+       "a batch's read_metrics is that of the step before (the loop reads the step after)"),
+    _m("CO2", COMPONENTS, "    _BUILT.move_to_end(key)\n", "",
+       "the programs a process keeps coming back to are dropped first (not least recently used)"),
+    _m("CO3", COMPONENTS, "    while len(_BUILT) > _BUILT_KEPT:",
+       "    while len(_BUILT) > _BUILT_KEPT + 1:", "the memo keeps one config more than it says"),
+    _m("CO4", COMPONENTS,
+       '  sections["train"] = dataclasses.replace(sections["train"], steps=None)\n', "",
+       "a program config keeps a default length, so a schedule outside a step decays over it"),
 
     # ---------------------------------------------------------------- training/decoding.py
     _m("GE1", DECODING, "    logits = jnp.where(jnp.arange(vocab) < valid_vocab, logits, -jnp.inf)",
