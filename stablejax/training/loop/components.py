@@ -142,12 +142,12 @@ _BUILT_KEPT = 4
 # an argument), the run's length (the train step's batch["run_steps"]: a resume that trains
 # longer, or a time budget's planned count, reuses the step), when to log, save, evaluate, sample
 # and report (batch["read_metrics"] says which steps' metrics the loop reads), how many
-# checkpoints to keep, the recovery's policy (its LR backoff reaches the
-# programs as arguments), the run's checks and the deliberate faults (applied to the batch and
-# the state on the host). The programs are built from the config
-# with these at their defaults (:func:`program_config`), so configs that differ only here share
-# one set of programs, and no program can depend on one of them: it would see the default in
-# every run, not a stale value in some. None: the whole section.
+# checkpoints to keep, the recovery's policy (its LR backoff reaches the programs as arguments),
+# the run's checks and the deliberate faults (applied to the batch and the state on the host).
+# The programs are built from the config with these at their defaults (:func:`program_config`),
+# so configs that differ only here share one set of programs, and no program can depend on one of
+# them: it would see the default in every run, not a stale value in some. None: the whole
+# section.
 HOST_ONLY: dict[str, Optional[tuple[str, ...]]] = {
     "train": ("seed", "steps", "eval_every", "eval_batches", "log_every", "peak_flops_per_device",
               "time_budget_minutes", "target_val_loss", "rewarmup_steps", "compilation_cache"),

@@ -166,10 +166,9 @@ def make_train_step(model: LanguageModel, tx: optax.GradientTransformationExtraA
 
   The update norms (``update_norm``, ``update_norm/layer_<i>``, a pass over the update) are
   computed on the steps whose metrics the loop reads (``batch["read_metrics"]``, from
-  :func:`metrics_read`) and are NaN on the
-  others; every other metric is computed on every step. On XLA:CPU with several devices the
-  norms are computed on every step and masked, and the micro-batch loop is unrolled, since a
-  collective in control flow can run out of order there
+  :func:`metrics_read`) and are NaN on the others; every other metric is computed on every
+  step. On XLA:CPU with several devices the norms are computed on every step and masked, and the
+  micro-batch loop is unrolled, since a collective in control flow can run out of order there
   (:func:`control_flow_collectives_ordered`)."""
   args = step_argument_specs(cfg, model)  # decided once, from the declarations
   loss_fn = make_loss_fn(model, cfg, frozenset().union(*(arg.needs for arg in args)))
