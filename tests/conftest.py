@@ -20,6 +20,7 @@ check (sharding, collectives, fusions of the optimizer) is the same; only the ma
 differs (a tiny run's loss after 40 steps moves in the seventh digit).
 """
 
+import gc
 import os
 import shutil
 import sys
@@ -55,6 +56,13 @@ for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitte
               "--xla_cpu_parallel_codegen_split_count=1"):
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), _flag]).strip()
+
+# Python's cyclic garbage collector, in the pytest processes: tracing and lowering allocate
+# millions of short-lived objects, and at the default thresholds (700, 10, 10) the young
+# generation is collected every 700 allocations. A collection every 50,000 cut the collector's
+# own time from 4.9 to 0.8 CPU-seconds of 106 over two test modules (gc.callbacks, measured
+# around each collection); what a collection frees is the same, only later.
+gc.set_threshold(50_000, 50, 100)
 
 import pytest  # noqa: E402
 

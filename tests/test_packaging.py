@@ -194,14 +194,17 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
       shutil.copy2(ROOT / name, source / name)
   # Isolated build (the default): the build backend comes from pyproject's [build-system], as
   # for a user's build; the wheel is built from the sdist, which proves the sdist sufficient.
-  _check_output([sys.executable, "-m", "build", "--outdir", dist, source], timeout=240)
+  # uv (the test extra's) installs the backend into each build environment: 6 CPU-seconds
+  # against 11 with pip.
+  _check_output([sys.executable, "-m", "build", "--installer", "uv", "--outdir", dist, source],
+                timeout=240)
   wheel = dist / f"stablejax-{version}-py3-none-any.whl"
   sdist = dist / f"stablejax-{version}.tar.gz"
   assert sorted(dist.iterdir()) == sorted([wheel, sdist])
   _check_wheel(wheel, version, _package_files(source))
   _check_sdist(sdist, version, _package_files(source))
 
-  # A fresh environment (no system site-packages) with the wheel installed by pip. The wheel
+  # A fresh environment (no system site-packages) with the wheel installed by uv. The wheel
   # goes in with --no-deps, and a .pth file appends this environment's site-packages for the
   # dependencies (jax, flax, optax, ...: the versions the tests run with; downloading and
   # installing them anew takes minutes). Lines of a .pth come after the environment's own
@@ -211,7 +214,7 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   venv = tmp_path / "venv"
   _check_output([sys.executable, "-m", "venv", "--without-pip", venv], timeout=60)
   python = venv / "bin" / "python"
-  _check_output([sys.executable, "-m", "pip", "--python", python, "install", "--quiet",
+  _check_output([sys.executable, "-m", "uv", "pip", "install", "--quiet", "--python", python,
                  "--no-deps", "--no-index", wheel], timeout=120)
   purelib = Path(_check_output(
       [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -220,7 +223,10 @@ def test_built_wheel_installs_into_a_fresh_environment_and_works(tmp_path):
   (purelib / "_stablejax_test_dependencies.pth").write_text(
       "\n".join(site.getsitepackages()) + "\n")
 
-  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+  # No PYTHON* variable of the tests' (PYTHONPATH would reach this repository), except the
+  # session's bytecode folder (tests/conftest.py): the dependencies' modules compiled once.
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith("PYTHON") or k == "PYTHONPYCACHEPREFIX"}
   env["JAX_PLATFORMS"] = "cpu"
   work = tmp_path / "work"  # not the repository: its stablejax/ must not be on the path
   work.mkdir()
