@@ -77,6 +77,12 @@ def pytest_configure(config):
   if _OWN_PYCACHE and not hasattr(config, "workerinput"):
     pycache = os.environ[_PYCACHE]
     config.add_cleanup(lambda: shutil.rmtree(pycache, ignore_errors=True))
+  if config.getoption("--cpu-report"):
+    # The processes that run tests count the programs XLA compiles (jax.monitoring's documented
+    # listener; the xdist controller runs none, so it never imports JAX for this).
+    if hasattr(config, "workerinput") or config.getoption("numprocesses", None) in (None, 0):
+      import jax.monitoring
+      jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 @pytest.fixture(scope="session")
@@ -123,10 +129,24 @@ def _cpu_seconds() -> float:
   return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
+# This process's XLA compilations since it started: programs and backend seconds. The count is
+# the one figure of a test's cost that does not move with the host's load: a change that
+# compiles fewer programs shows as fewer, where CPU seconds differ by more than it between runs.
+_COMPILED = [0, 0.0]
+
+
+def _count_compile(event: str, seconds: float, **kwargs) -> None:
+  if event == "/jax/core/compile/backend_compile_duration":
+    _COMPILED[0] += 1
+    _COMPILED[1] += seconds
+
+
 def _record_cpu(item, phase):
-  start = _cpu_seconds()
+  start, programs, compile_seconds = _cpu_seconds(), *_COMPILED
   yield
-  item.user_properties.append((f"cpu_seconds_{phase}", _cpu_seconds() - start))
+  item.user_properties += [(f"cpu_seconds_{phase}", _cpu_seconds() - start),
+                           (f"compiled_programs_{phase}", _COMPILED[0] - programs),
+                           (f"compile_seconds_{phase}", _COMPILED[1] - compile_seconds)]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -145,13 +165,16 @@ def pytest_runtest_teardown(item):
 
 
 _CPU_BY_TEST: dict[str, float] = {}
+_COMPILED_BY_TEST: dict[str, tuple[int, float]] = {}
 
 
 def pytest_runtest_logreport(report):
   # Reports reach the controller from the workers with the item's properties so far.
-  phases = {k: v for k, v in report.user_properties if k.startswith("cpu_seconds_")}
-  if phases:
-    _CPU_BY_TEST[report.nodeid] = sum(phases.values())
+  def total(kind):
+    return sum(v for k, v in report.user_properties if k.startswith(kind))
+  if any(k.startswith("cpu_seconds_") for k, _ in report.user_properties):
+    _CPU_BY_TEST[report.nodeid] = total("cpu_seconds_")
+    _COMPILED_BY_TEST[report.nodeid] = (total("compiled_programs_"), total("compile_seconds_"))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -162,10 +185,18 @@ def pytest_terminal_summary(terminalreporter, config):
   terminalreporter.write_sep("=", f"{n} most CPU-costly tests (of {total:.0f} CPU-s in tests)")
   for nodeid, seconds in sorted(_CPU_BY_TEST.items(), key=lambda kv: -kv[1])[:n]:
     terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
-  by_module: dict[str, float] = {}
+  by_module: dict[str, list] = {}
   for nodeid, seconds in _CPU_BY_TEST.items():
-    module = nodeid.split("::")[0]
-    by_module[module] = by_module.get(module, 0.0) + seconds
-  terminalreporter.write_sep("-", "by module")
-  for module, seconds in sorted(by_module.items(), key=lambda kv: -kv[1])[:n]:
-    terminalreporter.write_line(f"{seconds:8.1f}s  {module}")
+    module = by_module.setdefault(nodeid.split("::")[0], [0.0, 0, 0.0])
+    programs, compile_seconds = _COMPILED_BY_TEST.get(nodeid, (0, 0.0))
+    module[0] += seconds
+    module[1] += programs
+    module[2] += compile_seconds
+  programs = sum(m[1] for m in by_module.values())
+  compile_seconds = sum(m[2] for m in by_module.values())
+  terminalreporter.write_sep(
+      "-", f"by module: CPU-s, then the programs XLA compiled in the test processes and their "
+           f"backend seconds (of {programs} and {compile_seconds:.0f} s)")
+  for module, (seconds, programs, compile_seconds) in sorted(by_module.items(),
+                                                             key=lambda kv: -kv[1][0])[:n]:
+    terminalreporter.write_line(f"{seconds:8.1f}s  {programs:5d} {compile_seconds:6.1f}s  {module}")
