@@ -60,7 +60,7 @@ for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitte
 # Python's cyclic garbage collector, in the pytest processes: tracing and lowering allocate
 # millions of short-lived objects, and at the default thresholds (700, 10, 10) the young
 # generation is collected every 700 allocations. A collection every 50,000 cut the collector's
-# own time from 4.9 to 0.8 CPU-seconds of 106 over two test modules (gc.callbacks, measured
+# own time from 4.9 to 0.8 CPU-seconds of about 105 over two test modules (gc.callbacks, measured
 # around each collection); what a collection frees is the same, only later.
 gc.set_threshold(50_000, 50, 100)
 
