@@ -133,9 +133,13 @@ def _wait_or_fail(proc: subprocess.Popen, logs: list[Path], what: str) -> tuple[
 
 
 def _own_lines(text: str, rank: int) -> list[str]:
-  """Lines a process printed through the launcher, without gloo's own connection messages."""
-  return [line for line in text.splitlines()
-          if line.startswith(f"[{rank}] ") and "peer ranks" not in line]
+  """Lines a process printed through the launcher, without gloo's own connection messages.
+
+  Gloo prints one message per device from that device's thread, so two of them can interleave
+  into one line followed by an empty one: empty lines are dropped with the messages.
+  """
+  return [line for line in text.splitlines() if line.startswith(f"[{rank}] ")
+          and "peer ranks" not in line and line[len(f"[{rank}] "):].strip()]
 
 
 @slow
