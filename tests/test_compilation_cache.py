@@ -77,3 +77,32 @@ def test_a_folder_that_cannot_be_created_turns_the_cache_off_with_one_line(tmp_p
   (line,) = [line for line in run.stderr.splitlines() if line.strip()]
   assert line.startswith(f"warning: compilation cache off: {blocker / 'cache'} "
                          "(train.compilation_cache) cannot be used (")
+
+
+def test_a_job_of_several_cpu_processes_turns_the_users_default_cache_off_with_one_line(
+    monkeypatch):
+  # Only process 0 writes, and on CPU the other processes' keys differ from its (measured in a
+  # 2 x 2 job: every program of process 1 missed a cache process 0 had filled), so process 0
+  # alone would load. A folder the user named is kept; one process, or a GPU job, keeps it too.
+  import jax
+  from stablejax.training.launch import compilation_cache as cc
+  updates, said = [], []
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+  monkeypatch.setattr(cc, "_use", object())
+  for chosen_by, count, platform in (("train.compilation_cache", 2, "cpu"),
+                                     ("$STABLEJAX_COMPILATION_CACHE", 4, "cpu"),
+                                     ("the user's cache folder", 1, "cpu"),
+                                     ("the user's cache folder", 2, "gpu")):
+    monkeypatch.setattr(cc, "_chosen_by", chosen_by)
+    assert not cc.turn_off_for_multiprocess_cpu(count, platform, say=said.append)
+  assert updates == said == [] and cc._use is not None
+  monkeypatch.setattr(cc, "_chosen_by", "the user's cache folder")
+  assert cc.turn_off_for_multiprocess_cpu(2, "cpu", say=said.append)
+  assert updates == [("jax_enable_compilation_cache", False)] and cc._use is None
+  assert cc.summary() is None  # the banner claims no loads
+  (line,) = said
+  assert line.startswith("compilation cache off: in a job of 2 CPU processes only process 0")
+  assert line.endswith(f"set train.compilation_cache or ${cc.ENV} to keep one")
+  # Off already (no folder enabled): nothing to do, nothing said.
+  monkeypatch.setattr(cc, "_use", None)
+  assert not cc.turn_off_for_multiprocess_cpu(2, "cpu", say=said.append) and len(said) == 1

@@ -110,9 +110,10 @@ def enable(setting: Optional[str] = None, disabled: bool = False,
     jax.config.update("jax_enable_compilation_cache", False)
     return None
   _atomic_writes()
-  global _use
+  global _use, _chosen_by
   if _use is None:
     _use = CacheUse(folder)
+  _chosen_by = source
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", str(folder))
   if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # JAX's own, when given
@@ -189,6 +190,46 @@ class CacheUse:
 
 
 _use: Optional[CacheUse] = None
+_chosen_by: Optional[str] = None  # where enable()'s folder came from
+
+
+def multiprocess_cpu_reason(chosen_by: Optional[str], process_count: int,
+                            platform: str) -> Optional[str]:
+  """Why the cache is off for a job (the one line), or None when it stays as chosen.
+
+  On CPU, JAX keys each process's programs by that process's own view of the devices, and it
+  writes entries from process 0 only: in a job of several CPU processes only process 0 ever
+  loads, and it reaches the first collective while the others still compile, past gloo's 30 s
+  wait for the other processes (a relaunch failed so). A folder the user named is kept.
+
+  Example:
+    >>> multiprocess_cpu_reason("the user's cache folder", 1, "cpu") is None
+    True
+    >>> multiprocess_cpu_reason("train.compilation_cache", 2, "cpu") is None  # named: kept
+    True
+  """
+  if chosen_by != "the user's cache folder" or process_count < 2 or platform != "cpu":
+    return None
+  return (f"compilation cache off: in a job of {process_count} CPU processes only process 0 "
+          f"could load from it (JAX keys each process's programs by its own devices and writes "
+          f"from process 0 only), and it would wait at the first collective for the others' "
+          f"compilation; set train.compilation_cache or ${ENV} to keep one")
+
+
+def turn_off_for_multiprocess_cpu(process_count: int, platform: str,
+                                  say: Callable[[str], None] = print) -> bool:
+  """Turns the cache :func:`enable` chose off for a job of several CPU processes (see
+  :func:`multiprocess_cpu_reason`); call it before anything compiles. True when it did."""
+  global _use
+  reason = multiprocess_cpu_reason(_chosen_by if _use is not None else None, process_count,
+                                   platform)
+  if reason is None:
+    return False
+  import jax
+  jax.config.update("jax_enable_compilation_cache", False)
+  _use = None  # the banner says nothing about a cache this process does not use
+  say(reason)
+  return True
 
 
 def summary() -> Optional[str]:

@@ -34,7 +34,7 @@ from stablejax.data.pipeline import build_data
 from stablejax.monitor.health import HealthThresholds
 from stablejax.monitor.stability_monitor import StabilityMonitor
 from stablejax.training.loop import actions
-from stablejax.training.launch import distributed
+from stablejax.training.launch import compilation_cache, distributed
 from stablejax.training.recovery import resume
 from stablejax.training.run_folder import summary as run_summary
 from stablejax.training.loop.components import OptimizerFactory, build_components, with_steps
@@ -121,6 +121,10 @@ class Trainer:
     if cfg.mesh.distributed:
       self.signals.reclaim()
     self.is_main = distributed.is_main()
+    if cfg.mesh.distributed:
+      compilation_cache.turn_off_for_multiprocess_cpu(
+          jax.process_count(), jax.default_backend(),
+          say=lambda line: print(line) if self.is_main else None)
     self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main,
                                      inputs=run_inputs(cfg, config_file))
     self.fresh = fresh
