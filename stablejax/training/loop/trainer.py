@@ -121,10 +121,6 @@ class Trainer:
     if cfg.mesh.distributed:
       self.signals.reclaim()
     self.is_main = distributed.is_main()
-    if cfg.mesh.distributed:
-      compilation_cache.turn_off_for_multiprocess_cpu(
-          jax.process_count(), jax.default_backend(),
-          say=lambda line: print(line) if self.is_main else None)
     self.run_dir = RunDirectory.open(out_dir, fresh=fresh, is_main=self.is_main,
                                      inputs=run_inputs(cfg, config_file))
     self.fresh = fresh
@@ -142,6 +138,9 @@ class Trainer:
     self.custom_tx, self.data_changed = tx, data_changed
     self.recorded = None if self.fresh else self._recorded_config()
     self.log = RunLogger(self.run_dir, tensorboard=cfg.logging.tensorboard)  # console until opened
+    if cfg.mesh.distributed:  # before the first compilation
+      compilation_cache.turn_off_for_multiprocess_cpu(jax.process_count(), jax.default_backend(),
+                                                      say=self.log.console)
     # Data first: a bad path is the commonest mistake and should fail before any compilation.
     t = cfg.train
     data = build_data(cfg.data, seq_len=t.seq_len, batch_size=t.batch_size, seed=t.seed,
