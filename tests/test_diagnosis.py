@@ -155,10 +155,13 @@ def test_the_watchdog_waits_for_a_compilation_and_fires_on_a_stuck_main_thread(t
   x = jnp.ones(3)  # the backend starts here, not while the watchdog runs (alone, it would)
   fired: dict = {}
   dog, events = _watchdog(tmp_path, fired, timeout_seconds=0.2, startup_seconds=0.2)
+  salt = float(time.time_ns() % 999_983)  # a program no cache holds
+  # Traced and lowered before the watch: Python work outside the compiler's frames, which on a
+  # loaded machine can itself outlast the 0.2 s timeout.
+  lowered = jax.jit(lambda x: jnp.tanh(x) * salt).lower(x)
   dog.start()
   t0 = time.monotonic()
-  salt = float(time.time_ns() % 999_983)  # a program no cache holds
-  jax.jit(lambda x: jnp.tanh(x) * salt).lower(x).compile()
+  lowered.compile()
   assert time.monotonic() - t0 >= 1.0 and not fired  # 5 timeouts long, never a hang
   dog.beat(7)
   time.sleep(1.0)  # stuck: no beat
