@@ -82,7 +82,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
   parser.add_argument("--no-compilation-cache", action="store_true",
                       help="compile everything anew, without the persistent compilation cache "
                            "(default: on, in the user's cache folder, $STABLEJAX_COMPILATION_CACHE"
-                           " or train.compilation_cache)")
+                           " or train.compilation_cache; a job of several CPU processes leaves the "
+                           "user's folder off)")
   parser.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                       help="import a module that declares defences or model families (a module "
                            "name or a .py path), repeatable; recorded in config.json, so a resume, "

@@ -15,6 +15,9 @@ of ``launch``, ``sample``, ``quantize-eval``), in one folder per user:
    Linux, ``~/Library/Caches/stablejax/xla`` on macOS, ``%LOCALAPPDATA%\\stablejax\\xla`` on
    Windows.
 
+In a job of several CPU processes the trainer turns the platform's folder (5.) off
+(:func:`turn_off_for_multiprocess_cpu`): only process 0 could load from it there.
+
 Never inside a run or data folder unless named there. Processes share it safely: JAX writes an
 entry from process 0 only, and here through a temporary file renamed into place, so a reader
 meets a whole entry or none (JAX's own write is not atomic: a writer killed mid-way would leave a
