@@ -38,6 +38,7 @@ from typing import Callable, Optional
 ENV = "STABLEJAX_COMPILATION_CACHE"
 JAX_ENV = "JAX_COMPILATION_CACHE_DIR"
 OFF = "off"
+DEFAULT_SOURCE = "the user's cache folder"  # what choose() says of the platform's folder
 # Every program is kept, however fast it compiled (JAX's default keeps those over 1 s): a start's
 # small programs (the schedules, the stability metrics, the data's staging, the seed) compile in
 # 0.02-0.1 s each, together about 0.4 s of a warm start, and load in milliseconds.
@@ -75,7 +76,7 @@ def choose(setting: Optional[str] = None, disabled: bool = False) -> tuple[Optio
                                                                   source)
   if os.environ.get(JAX_ENV):
     return None, f"${JAX_ENV}"
-  return default_folder(), "the user's cache folder"
+  return default_folder(), DEFAULT_SOURCE
 
 
 def _usable(folder: Path) -> Optional[str]:
@@ -206,12 +207,12 @@ def multiprocess_cpu_reason(chosen_by: Optional[str], process_count: int,
   wait for the other processes (a relaunch failed so). A folder the user named is kept.
 
   Example:
-    >>> multiprocess_cpu_reason("the user's cache folder", 1, "cpu") is None
+    >>> multiprocess_cpu_reason(DEFAULT_SOURCE, 1, "cpu") is None
     True
     >>> multiprocess_cpu_reason("train.compilation_cache", 2, "cpu") is None  # named: kept
     True
   """
-  if chosen_by != "the user's cache folder" or process_count < 2 or platform != "cpu":
+  if chosen_by != DEFAULT_SOURCE or process_count < 2 or platform != "cpu":
     return None
   return (f"compilation cache off: in a job of {process_count} CPU processes only process 0 "
           f"could load from it (JAX keys each process's programs by its own devices and writes "
