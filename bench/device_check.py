@@ -65,8 +65,13 @@ from bench import _common
 from stablejax.muon import gram
 
 NS_SHAPES = ((768, 768), (768, 3072), (12, 768, 768))
-DRY_NS_SHAPES = ((64, 64), (64, 128), (2, 64, 64))
 NS_DTYPES = ("bfloat16", "float32")
+NS_CASES = tuple((shape, dtype) for shape in NS_SHAPES for dtype in NS_DTYPES)
+# --dry: each shape in float32, and in bfloat16 the wide one, where Gram runs (a bfloat16 case
+# with both methods). Each interpret-mode case compiles for seconds on a CPU; the kernels'
+# bfloat16 numbers on the other shapes are tests/test_newton_schulz.py's.
+DRY_NS_CASES = (((64, 64), "float32"), ((64, 128), "bfloat16"), ((64, 128), "float32"),
+                ((2, 64, 64), "float32"))
 NS_STEPS = 5
 NS_METHODS = ("standard", "gram")
 # Largest |kernel - reference| / max|reference| accepted per dtype: one or two bfloat16 roundings
@@ -176,15 +181,15 @@ def gib(value: int | None) -> str:
 # ----------------------------------------------------------------------------- sections
 
 
-def check_newton_schulz(shapes, repeats: int, calls: int) -> list[dict]:
-  """One row per method, shape and dtype: the Pallas kernel against the XLA reference (Gram
-  rows only where Gram runs; ``vs_standard``: its kernel time over the standard kernel's)."""
+def check_newton_schulz(cases, repeats: int, calls: int) -> list[dict]:
+  """One row per method and ``(shape, dtype)`` case: the Pallas kernel against the XLA reference
+  (Gram rows only where Gram runs; ``vs_standard``: its kernel time over the standard
+  kernel's)."""
   plat = platform()
   interpret = plat == "cpu"
   rows = []
   standard_ms: dict = {}
-  for method, shape, dtype_name in ((m, s, d) for m in NS_METHODS for s in shapes
-                                    for d in NS_DTYPES):
+  for method, shape, dtype_name in ((m, s, d) for m in NS_METHODS for s, d in cases):
     if method == "gram" and not gram_runs(shape, dtype_name):
       continue
     dtype = jnp.dtype(dtype_name)
@@ -407,14 +412,14 @@ def main(argv: list[str] | None = None) -> int:
   mode = "dry" if a.dry else "full"
   if a.dry:
     batch, seq, steps, rounds = a.batch or 2, a.seq_len or 16, a.steps or 2, a.rounds or 1
-    shapes, ns_repeats, ns_calls = DRY_NS_SHAPES, 1, 1
+    cases, ns_repeats, ns_calls = DRY_NS_CASES, 1, 1
     overrides = list(DRY_MODEL)
   else:
     batch = a.batch or (16 if accelerator else 2)
     seq = a.seq_len or (1024 if accelerator else 256)
     steps = a.steps or (10 if accelerator else 1)
     rounds = a.rounds or (3 if accelerator else 1)
-    shapes = NS_SHAPES
+    cases = NS_CASES
     ns_repeats, ns_calls = (5, 10) if accelerator else (1, 1)
     overrides = []
   overrides += [f"train.batch_size={batch}", f"train.seq_len={seq}", "train.grad_accum=1",
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
   runs = {
-      "newton_schulz": lambda: check_newton_schulz(shapes, ns_repeats, ns_calls),
+      "newton_schulz": lambda: check_newton_schulz(cases, ns_repeats, ns_calls),
       "train_step": lambda: check_train_step(overrides, steps, rounds, peak),
       "qk_clip_telemetry": lambda: check_qk_clip_telemetry(overrides, steps, rounds),
       "startup": lambda: check_startup("default" if a.dry else "gpt2_small"),
