@@ -22,8 +22,8 @@ def test_dry_run_writes_every_section(tmp_path, capsys):
   assert result["mode"] == "dry" and result["errors"] == []
   assert result["platform"] == "cpu" and result["peak_source"].startswith("measured")
   ns = result["newton_schulz"]
-  # Gram rows where Gram runs (fewer FLOPs: the 2:1 matrix), each timed against the standard one
-  # Each shape in float32, the wide one in bfloat16 too, where Gram runs
+  # Each shape in float32; the wide one in bfloat16 too, and Gram rows where Gram runs (fewer
+  # FLOPs: the 2:1 matrix), each timed against the standard one
   assert [(r["method"], r["shape"], r["dtype"]) for r in ns] == [
       ("standard", "64x64", "float32"), ("standard", "64x128", "bfloat16"),
       ("standard", "64x128", "float32"), ("standard", "2x64x64", "float32"),
