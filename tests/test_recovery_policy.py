@@ -465,6 +465,37 @@ def test_fingerprint_by_hand():
                                 [1.0 - 2.0 + 3.0, 1.0 + 4.0 + 9.0, 2.0])
 
 
+def test_fingerprints_of_a_state_and_of_its_restore_by_name_share_one_program_and_numpy_s():
+  """A save fingerprints the train state, the check of a restore by name a dict of the same
+  arrays: the same numbers, from one compiled program. A checkpoint read as numpy (`sample`)
+  gives the same numbers with nothing compiled."""
+  from helpers import train_state_class
+  state = train_state_class()(
+      step=jnp.int32(3),
+      params={"w": jnp.array([[1.0, -2.0], [0.5, 4.0]]), "b": jnp.array([3.0, jnp.nan])},
+      opt_state={"zclip": (jnp.float32(jnp.inf), jnp.array([1.0, 2.0], jnp.bfloat16)),
+                 "mu": {"w": jnp.array([[0.25, 0.0], [1.0, -1.0]])}})
+  saved = checkpoint_lib.part_fingerprints(state)
+  compiled = checkpoint_lib._leaf_sums._cache_size()
+  # Read back by name: dicts, their entries in another order (Orbax sorts the keys).
+  by_name = {"opt_state": dict(reversed(state.opt_state.items())), "step": state.step,
+             "params": dict(reversed(state.params.items()))}
+  restored = checkpoint_lib.part_fingerprints(by_name, frozenset({"step"}))
+  assert checkpoint_lib._leaf_sums._cache_size() == compiled
+  want = {"step": [0, 0, 0],  # an integer leaf is in no sum
+          "params/w": [3.5, 1 + 4 + 0.25 + 16, 0], "params/b": [3.0, 9.0, 1],
+          "opt_state/zclip": [3.0, 5.0, 1], "opt_state/mu": [0.25, 0.0625 + 2, 0]}
+  assert saved.keys() == restored.keys() == want.keys()
+  for name, value in want.items():
+    np.testing.assert_allclose(saved[name], value, err_msg=name)
+    np.testing.assert_array_equal(restored[name], saved[name], err_msg=name)
+  on_host = jax.tree.map(np.asarray, by_name)
+  before = checkpoint_lib._leaf_sums._cache_size()
+  np.testing.assert_allclose(checkpoint_lib.fingerprint(on_host),
+                             np.sum([value for value in want.values()], axis=0))
+  assert checkpoint_lib._leaf_sums._cache_size() == before
+
+
 def test_fingerprint_matches_tolerance_and_missing_values():
   match = checkpoint_lib.fingerprint_matches
   assert match([100.0, 2000.0, 1.0], [100.0 * (1 + 5e-5), 2000.0, 1.0])  # reduction order

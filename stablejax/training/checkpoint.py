@@ -15,7 +15,6 @@ of another model config) stops with `CheckpointError` and leaves every checkpoin
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -165,25 +164,61 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
   return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
-def _fingerprint(tree: optax.Params) -> jax.Array:
-  """Three float32 numbers summarising every floating leaf: the sum and the sum of squares of
-  its finite entries, and the number of entries that are not finite.
+@jax.jit
+def _leaf_sums(leaves: list[jax.Array]) -> jax.Array:
+  """float32 ``[len(leaves), 3]``: for each leaf, the sum and the sum of squares of its finite
+  entries, and the number of its entries that are not finite."""
+  rows = []
+  for x in leaves:
+    x = x.astype(jnp.float32)
+    finite = jnp.isfinite(x)
+    kept = jnp.where(finite, x, 0.0)
+    rows.append(jnp.stack([jnp.sum(kept), jnp.sum(jnp.square(kept)),
+                           jnp.sum(~finite).astype(jnp.float32)]))
+  return jnp.stack(rows) if rows else jnp.zeros((0, 3), jnp.float32)
+
+
+def _floating_leaves(tree: Any) -> list:
+  return [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def _leaf_fingerprints(leaves: list) -> np.ndarray:
+  """:func:`_leaf_sums` of each leaf as float64, in the leaves' order.
+
+  Host arrays (a checkpoint read as numpy) are summed by numpy: nothing to compile. Device arrays
+  go through one program, given the leaves sorted by shape, dtype and sharding: the program then
+  depends only on which leaves there are, not on the tree holding them, so the saves of a train
+  state and the check of its restore by name (a dict of the same arrays) share it.
+  """
+  if all(isinstance(x, np.ndarray) for x in leaves):
+    host = []
+    for x in leaves:
+      x = x.astype(np.float32)
+      finite = np.isfinite(x)
+      kept = np.where(finite, x, np.float32(0))
+      host.append([np.sum(kept, dtype=np.float64), np.sum(np.square(kept), dtype=np.float64),
+                   float(np.sum(~finite))])
+    return np.array(host, np.float64).reshape(len(leaves), 3)
+  order = sorted(range(len(leaves)), key=lambda i: (
+      leaves[i].shape, str(leaves[i].dtype), str(getattr(leaves[i], "sharding", "")),
+      bool(getattr(getattr(leaves[i], "aval", None), "weak_type", False))))
+  sums = np.asarray(_leaf_sums([leaves[i] for i in order]), np.float64)
+  rows = np.empty_like(sums)
+  rows[order] = sums
+  return rows
+
+
+def fingerprint(tree: optax.Params) -> np.ndarray:
+  """Three numbers summarising every floating leaf: the sum and the sum of squares of its finite
+  entries, and the number of entries that are not finite.
 
   Optimizer states hold infinities on purpose (e.g. a clipping threshold before its warmup ends),
   so the sums skip them and the count records them. Compared with a relative tolerance on
   restore: a bit-exact restore matches, a damaged one does not, and a restore onto a different
-  device count (different reduction order) still matches.
+  device count (different reduction order) still matches. Each leaf is reduced in float32, the
+  leaves' sums are added in float64 on the host.
   """
-  leaves = [x.astype(jnp.float32) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.floating)]
-  finite = [jnp.where(jnp.isfinite(x), x, 0.0) for x in leaves]
-  total = sum((jnp.sum(x) for x in finite), jnp.float32(0))
-  squares = sum((jnp.sum(jnp.square(x)) for x in finite), jnp.float32(0))
-  not_finite = sum((jnp.sum(~jnp.isfinite(x)).astype(jnp.float32) for x in leaves), jnp.float32(0))
-  return jnp.stack([total, squares, not_finite])
-
-
-fingerprint = jax.jit(_fingerprint)
+  return _leaf_fingerprints(_floating_leaves(tree)).sum(axis=0)
 
 
 def state_parts(state: Any, whole: frozenset[str] = frozenset()) -> dict[str, Any]:
@@ -207,10 +242,19 @@ def state_parts(state: Any, whole: frozenset[str] = frozenset()) -> dict[str, An
   return parts
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def part_fingerprints(state: Any, whole: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
+def part_fingerprints(state: Any, whole: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
   """:func:`fingerprint` of each of :func:`state_parts` (their sum is the state's)."""
-  return {name: _fingerprint(part) for name, part in state_parts(state, whole).items()}
+  parts = state_parts(state, whole)
+  owners, leaves = [], []
+  for name, part in parts.items():
+    found = _floating_leaves(part)
+    owners += [name] * len(found)
+    leaves += found
+  rows = _leaf_fingerprints(leaves)
+  sums = {name: np.zeros(3) for name in parts}
+  for name, row in zip(owners, rows):
+    sums[name] += row
+  return sums
 
 
 def fingerprint_matches(expected: Any, actual: Any) -> bool:
