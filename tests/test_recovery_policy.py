@@ -465,7 +465,7 @@ def test_fingerprint_by_hand():
                                 [1.0 - 2.0 + 3.0, 1.0 + 4.0 + 9.0, 2.0])
 
 
-def test_fingerprints_of_a_state_and_of_its_restore_by_name_share_one_program_and_numpy_s():
+def test_fingerprints_share_one_program_across_trees_and_compile_nothing_for_numpy():
   """A save fingerprints the train state, the check of a restore by name a dict of the same
   arrays: the same numbers, from one compiled program. A checkpoint read as numpy (`sample`)
   gives the same numbers with nothing compiled."""
