@@ -70,6 +70,7 @@ from helpers import DIAGNOSTICS, run_inprocess  # noqa: E402
 
 
 def pytest_configure(config):
+  _hold_the_bytecode_lock(config)
   # The controller (not an xdist worker) made the cache: it removes it when the session ends.
   if _OWN_CACHE and not hasattr(config, "workerinput"):
     cache = os.environ[_CACHE_DIR]
@@ -83,6 +84,30 @@ def pytest_configure(config):
     if hasattr(config, "workerinput") or config.getoption("numprocesses", None) in (None, 0):
       import jax.monitoring
       jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def _hold_the_bytecode_lock(config) -> None:
+  """An xdist worker imports the stack and collects the tests holding a lock in the session's
+  bytecode folder. The workers start together: without it, each would compile the same modules'
+  bytecode (and rewrite the same test modules' asserts) into the empty folder at the same time,
+  about 8 CPU-seconds each; with it, the second reads the first's copies. It is released once
+  this worker has collected (``pytest_collection_finish``), or when the session ends."""
+  if not (hasattr(config, "workerinput") and os.environ.get(_PYCACHE)):
+    return
+  from filelock import FileLock
+  lock = FileLock(os.path.join(os.environ[_PYCACHE], "collection.lock"))
+  lock.acquire()
+  config.stash[_BYTECODE_LOCK] = lock
+  config.add_cleanup(lambda: lock.release(force=True))
+
+
+_BYTECODE_LOCK = pytest.StashKey()
+
+
+def pytest_collection_finish(session):
+  lock = session.config.stash.get(_BYTECODE_LOCK, None)
+  if lock is not None:
+    lock.release(force=True)
 
 
 @pytest.fixture(scope="session")
