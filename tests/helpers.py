@@ -92,6 +92,23 @@ def run_inprocess(out: Path, *overrides: str, fresh: bool = True) -> int:
   return main(argv)
 
 
+def stopping_run(cfg, out, fresh, stop_at):
+  """A Trainer that stops at step `stop_at` as if SIGTERM had arrived just before it."""
+  import signal
+
+  from stablejax.training.loop.trainer import Trainer
+
+  run = Trainer(cfg, out, fresh=fresh)
+  next_batch = run.batches.next
+
+  def stopping(step):
+    if step + 1 == stop_at:
+      run.signals.received = signal.SIGTERM  # what the handler does; seen before the next step
+    return next_batch(step)
+  run.batches.next = stopping
+  return run
+
+
 def xla_flags_with_devices(n: int) -> str:
   """This session's XLA_FLAGS (conftest's optimisation level included) with N simulated CPU
   devices: a subprocess that replaced them would compile differently from the tests' own

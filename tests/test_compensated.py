@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import stablejax
-from helpers import read_metrics, run_inprocess, slow, tiny_config, train_losses
+from helpers import read_metrics, run_inprocess, slow, stopping_run, tiny_config, train_losses
 
 BF16 = ml_dtypes.bfloat16
 
@@ -147,22 +147,9 @@ def test_a_bf16_run_resumed_from_its_checkpoint_equals_the_uninterrupted_run(tmp
   # The interrupted run stops as a SIGTERM stops it (a checkpoint at step 25, exit 130), in this
   # process: it reuses the uninterrupted run's programs instead of compiling them in a process of
   # its own.
-  import dataclasses
-  import signal
-
-  from stablejax.training.loop.trainer import Trainer
   whole, resumed = tmp_path / "whole", tmp_path / "resumed"
   assert run_inprocess(whole, *bf16) == 0
-  first = Trainer(tiny_config(*bf16), resumed, fresh=True)
-  step_fn = first.components.train_step
-
-  def stepped(state, batch):
-    stepped_at = int(state.step)
-    new_state, metrics = step_fn(state, batch)
-    if stepped_at == 24:  # a SIGTERM during step 25: the loop stops before the next one
-      first.signals.received = signal.SIGTERM
-    return new_state, metrics
-  first.components = dataclasses.replace(first.components, train_step=stepped)
+  first = stopping_run(tiny_config(*bf16), resumed, fresh=True, stop_at=25)
   assert first.train() == 130
   capsys.readouterr()
   assert run_inprocess(resumed, *bf16, fresh=False) == 0

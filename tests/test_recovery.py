@@ -246,28 +246,11 @@ def test_no_usable_checkpoint_exits_2(killed_at_35, tmp_path, capsys):
   assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
 
 
-def stopping_run(cfg, out, fresh, stop_at):
-  """A Trainer that stops at step `stop_at` as if SIGTERM had arrived just before it."""
-  import signal
-
-  from stablejax.training.loop.trainer import Trainer
-
-  run = Trainer(cfg, out, fresh=fresh)
-  next_batch = run.batches.next
-
-  def stopping(step):
-    if step + 1 == stop_at:
-      run.signals.received = signal.SIGTERM  # what the handler does; seen before the next step
-    return next_batch(step)
-  run.batches.next = stopping
-  return run
-
-
 @slow
 def test_sigterm_saves_and_exits_then_resumes_exactly(tmp_path, capsys):
   import signal
 
-  from helpers import sets, train_signalled_when
+  from helpers import sets, stopping_run, train_signalled_when
   long_run = ("train.steps=400", "checkpoint.every=1000", "train.log_every=1")
   out = tmp_path / "term"
 
