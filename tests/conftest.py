@@ -86,6 +86,9 @@ def pytest_configure(config):
       jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
+_BYTECODE_LOCK = pytest.StashKey()  # the worker's lock, until it has collected
+
+
 def _hold_the_bytecode_lock(config) -> None:
   """An xdist worker imports the stack and collects the tests holding a lock in the session's
   bytecode folder. The workers start together: without it, each would compile the same modules'
@@ -99,9 +102,6 @@ def _hold_the_bytecode_lock(config) -> None:
   lock.acquire()
   config.stash[_BYTECODE_LOCK] = lock
   config.add_cleanup(lambda: lock.release(force=True))
-
-
-_BYTECODE_LOCK = pytest.StashKey()
 
 
 def pytest_collection_finish(session):
