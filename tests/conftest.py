@@ -18,6 +18,12 @@ splits it to compile the parts on several threads, which costs more CPU for the 
 programs than it saves) cut the CPU time of the unit-test modules by 12%. The HLO the tests
 check (sharding, collectives, fusions of the optimizer) is the same; only the machine code
 differs (a tiny run's loss after 40 steps moves in the seventh digit).
+
+Each MLIR operation JAX lowers carries a location; by default the whole Python traceback that
+made it (up to 100 frames). The session's processes keep only the frame of the code that made it
+(the documented ``JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS=false``, inherited by subprocesses):
+lowering builds, and XLA carries, one frame per operation instead of a call stack. The programs
+are the same (JAX's cache key drops locations) and no test reads them.
 """
 
 import gc
@@ -26,15 +32,16 @@ import shutil
 import sys
 import tempfile
 
-from helpers import SESSION_CACHE_VARIABLES  # helpers imports no JAX at import
+from helpers import SESSION_JAX_VARIABLES  # helpers imports no JAX at import
 
-_CACHE_DIR, _MIN_COMPILE_TIME, _MIN_ENTRY_SIZE = SESSION_CACHE_VARIABLES
+_CACHE_DIR, _MIN_COMPILE_TIME, _MIN_ENTRY_SIZE, _FULL_TRACEBACKS = SESSION_JAX_VARIABLES
 _OWN_CACHE = _CACHE_DIR not in os.environ
 if _OWN_CACHE:
   os.environ[_CACHE_DIR] = tempfile.mkdtemp(prefix="stablejax-tests-xla-")
 # Cache every program, however fast it compiled or small it is: the tests' programs are tiny.
 os.environ.setdefault(_MIN_COMPILE_TIME, "0")
 os.environ.setdefault(_MIN_ENTRY_SIZE, "0")
+os.environ.setdefault(_FULL_TRACEBACKS, "false")
 # Python's bytecode, where the environment turns writing it off (PYTHONDONTWRITEBYTECODE): every
 # process would compile every module it imports from source again (jax, flax, optax, Orbax, Grain
 # and stablejax: ~3.5 CPU-seconds a process). The session's processes (the pytest processes from

@@ -15,12 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "train.py"
 
-# The session's persistent compilation cache (set by tests/conftest.py): the variables a test
-# keeps when it clears the JAX_* environment (without them the trainer would use the user's own
-# cache folder).
-SESSION_CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR",
-                           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                           "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+# The session's JAX settings (set by tests/conftest.py): the variables a test keeps when it clears
+# the JAX_* environment. The persistent compilation cache's three (without them the trainer would
+# use the user's own cache folder), then the MLIR locations' tracebacks.
+SESSION_JAX_VARIABLES = ("JAX_COMPILATION_CACHE_DIR",
+                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+                         "JAX_INCLUDE_FULL_TRACEBACKS_IN_LOCATIONS")
 
 # A model small enough to compile in seconds and learn visibly in a few dozen steps on a CPU.
 TINY = [

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import (ROOT, SESSION_CACHE_VARIABLES, TINY, TRAIN, read_metrics, run_inprocess,
+from helpers import (ROOT, SESSION_JAX_VARIABLES, TINY, TRAIN, read_metrics, run_inprocess,
                      run_subprocess, sets, slow, train_losses, xla_flags_with_devices)
 
 HEARTBEAT = 10  # mesh.heartbeat_timeout of the multi-process runs: a lost peer is noticed within it
@@ -366,8 +366,8 @@ def test_missing_join_piece_exits_2_with_one_line(tmp_path, args, env, needle):
   # A process each: these are refused by jax.distributed.initialize itself, which a process may
   # call only before its first computation.
   cmd = [sys.executable, str(TRAIN), *sets(*args), "--out", str(tmp_path / "run")]
-  session_cache = {name: os.environ[name] for name in SESSION_CACHE_VARIABLES if name in os.environ}
-  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**session_cache, **env),
+  session_jax = {name: os.environ[name] for name in SESSION_JAX_VARIABLES if name in os.environ}
+  result = subprocess.run(cmd, cwd=ROOT, env=_clean_env(**session_jax, **env),
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2, result.stderr[-2000:]
   lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -380,7 +380,7 @@ def test_several_processes_announced_without_distributed_exit_2_with_one_line(
   # In this process: refused before anything would join a job.
   from stablejax.cli.train import main
   for name in list(os.environ):
-    if name.startswith(("JAX_", "SLURM_", "OMPI_")) and name not in SESSION_CACHE_VARIABLES:
+    if name.startswith(("JAX_", "SLURM_", "OMPI_")) and name not in SESSION_JAX_VARIABLES:
       monkeypatch.delenv(name)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   assert main(["--out", str(tmp_path / "run")]) == 2
