@@ -26,7 +26,6 @@ lowering builds, and XLA carries, one frame per operation instead of a call stac
 are the same (JAX's cache key drops locations) and no test reads them.
 """
 
-import gc
 import os
 import shutil
 import sys
@@ -64,12 +63,14 @@ for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitte
   if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), _flag]).strip()
 
-# Python's cyclic garbage collector, in the pytest processes: tracing and lowering allocate
-# millions of short-lived objects, and at the default thresholds (700, 10, 10) the young
-# generation is collected every 700 allocations. A collection every 50,000 cut the collector's
-# own time from 4.9 to 0.8 CPU-seconds of about 105 over two test modules (gc.callbacks, measured
-# around each collection); what a collection frees is the same, only later.
-gc.set_threshold(50_000, 50, 100)
+# Python's cyclic garbage collector, in the pytest processes: the thresholds the programs use
+# (stablejax.cli._process; the programs the tests start set them themselves). Tracing and
+# lowering allocate millions of short-lived objects; a collection every 50,000 instead of 700 cut
+# the collector's own time from 4.9 to 0.8 CPU-seconds of about 105 over two test modules
+# (gc.callbacks, measured around each collection).
+from stablejax.cli._process import collect_garbage_less_often  # noqa: E402 - imports no JAX
+
+collect_garbage_less_often()
 
 import pytest  # noqa: E402
 

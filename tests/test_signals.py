@@ -183,3 +183,40 @@ def test_a_program_that_said_its_last_line_ignores_stop_signals_until_it_exits()
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         timeout=60)
   assert proc.stdout.strip() == "True" and proc.returncode == 130, (proc.returncode, proc.stderr)
+
+
+def test_a_programs_process_collects_garbage_less_often_and_a_library_call_leaves_it_alone():
+  """Every way a program starts raises Python's garbage-collection thresholds for its process
+  (tracing allocates millions of short-lived objects); ``main(argv)`` called from Python leaves
+  the caller's as they are."""
+  code = textwrap.dedent("""
+      import gc, runpy, sys
+      from stablejax.cli import _process, main
+
+      def thresholds(start, argv):
+        gc.set_threshold(700, 10, 10)  # Python's defaults, before each way in
+        sys.argv = argv
+        try:
+          start()
+        except SystemExit:  # --help
+          pass
+        return gc.get_threshold()
+
+      ways = {
+          "library": lambda: main(["report", "--help"]),
+          "stablejax": lambda: runpy.run_module("stablejax", run_name="__main__"),
+          "train.py": lambda: runpy.run_path("train.py", run_name="__main__"),
+          "cli.report": lambda: runpy.run_module("stablejax.cli.report", run_name="__main__"),
+      }
+      argvs = {"library": ["-c"], "stablejax": ["stablejax", "train", "--help"],
+               "train.py": ["train.py", "--help"], "cli.report": ["report", "--help"]}
+      got = {name: thresholds(start, argvs[name]) for name, start in ways.items()}
+      print(repr(got), file=sys.stderr)
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=60)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = eval(proc.stderr.strip().splitlines()[-1])
+  program = (50_000, 50, 100)
+  assert got == {"library": (700, 10, 10), "stablejax": program, "train.py": program,
+                 "cli.report": program}

@@ -70,6 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   if command is not None and command.own_signals:
     if as_program:
       _process.tolerate_closed_output()
+      _process.collect_garbage_less_often()
     try:
       return _run(command, argv)
     finally:

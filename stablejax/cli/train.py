@@ -95,6 +95,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
   # First, before the heavy imports: a signal from here on stops the program at a safe point.
   signals = StopSignals()
   signals.install()
+  if argv is None:  # the process's program (train.py, python -m stablejax.cli.train)
+    _process.collect_garbage_less_often()
   args = parse_args(argv)
   try:
     return _main(args, signals)
