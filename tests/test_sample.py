@@ -194,8 +194,9 @@ def bpe_run_home(tmp_path_factory):
   try:
     assert prepare_cli.main(["corpus.txt", "--out", "data", "--tokenizer", "bpe:300",
                              "--val-fraction", "0.2", "--no-progress"]) == 0
-    assert run_inprocess(home / "run", "data.train=data", "train.steps=6",
-                         "train.warmup_steps=2", "train.eval_every=6", "checkpoint.every=6") == 0
+    # (the tiny runs' warm-up of 4 steps: the step is the one test_prepare's BPE runs compile)
+    assert run_inprocess(home / "run", "data.train=data", "train.steps=6", "train.eval_every=6",
+                         "checkpoint.every=6") == 0
   finally:
     os.chdir(cwd)
   return home
@@ -261,12 +262,12 @@ def test_a_run_carries_its_tokenizer_and_sample_never_switches_silently(tmp_path
   assert trained_run.read_tokenizer_record(run) is None
 
   # Resuming the run on data of another tokenizer is refused (it would train on other ids).
-  assert run_inprocess(run, "data.train=data", "train.steps=8", "train.warmup_steps=2",
-                       "train.eval_every=6", "checkpoint.every=6", fresh=False) == 0
+  assert run_inprocess(run, "data.train=data", "train.steps=8", "train.eval_every=6",
+                       "checkpoint.every=6", fresh=False) == 0
   assert trained_run.read_tokenizer_record(run)["sha256"] == original.sha256  # recorded on resume
   capsys.readouterr()
   assert run_inprocess(run, "data.train=corpus.txt", "model.vocab_size=320", "train.steps=10",
-                       "train.warmup_steps=2", fresh=False) == 2
+                       fresh=False) == 2
   err = capsys.readouterr().err
   assert "is not the one this run was trained with" in err and "--fresh" in err
 
