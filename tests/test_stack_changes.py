@@ -58,8 +58,11 @@ def test_defences_switched_on_and_off_between_starts(tmp_path, capsys):
 
   # Another optimizer: refused in one line naming the flag, nothing changed...
   before = (out / "config.json").read_text()
-  assert run_inprocess(out, "train.steps=36", "optimizer.name=adamw",
-                       "optimizer.learning_rate=0.001", *common, fresh=False) == 2
+  # (AdamW's stack as test_a_reset_is_applied_only_to_another_optimizers_checkpoint has it: the
+  # same programs)
+  adamw = ("optimizer.name=adamw", "optimizer.learning_rate=0.001",
+           "stability.skip_nonfinite.max_consecutive=3")
+  assert run_inprocess(out, "train.steps=36", *adamw, *common, fresh=False) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "--reset-optimizer" in err[0] and "muon" in err[0], err
   assert (out / "config.json").read_text() == before
@@ -67,15 +70,14 @@ def test_defences_switched_on_and_off_between_starts(tmp_path, capsys):
   # new optimizer continues the learning-rate schedule.
   from stablejax.cli.train import main
   from helpers import sets
-  argv = sets("train.steps=36", "optimizer.name=adamw", "optimizer.learning_rate=0.001",
-              *common) + ["--out", str(out), "--reset-optimizer"]
+  argv = sets("train.steps=36", *adamw, *common) + ["--out", str(out), "--reset-optimizer"]
   assert main(argv) == 0
   printed = capsys.readouterr().out
   assert "optimizer muon -> adamw: its state started afresh (--reset-optimizer)" in printed
   last = _records_after(out, 30)
   assert [r["step"] for r in last] == [32, 34, 36]
   from helpers import optax_lr, tiny_config
-  cfg = tiny_config("train.steps=36", "optimizer.name=adamw", "optimizer.learning_rate=0.001")
+  cfg = tiny_config("train.steps=36", *adamw)
   assert last[0]["lr"] == pytest.approx(optax_lr(cfg, 31), rel=1e-5)
 
 
