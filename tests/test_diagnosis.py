@@ -19,8 +19,10 @@ import pytest
 from helpers import (ROOT, TRAIN, read_metrics, run_inprocess, sets, slow, summary,
                      train_state_class, xla_flags_with_devices)
 
-# A burst of NaN gradients longer than skip_nonfinite's max_consecutive: a rollback trigger.
-BURST = "stability.skip_nonfinite.max_consecutive=3"
+# A burst of three bad steps (NaN gradients, or spikes) is as long as either skip wrapper's
+# max_consecutive: a rollback trigger. (The stack of test_recovery's rollback runs: the same
+# programs.)
+BURST = ("stability.skip_nonfinite.max_consecutive=3", "stability.skip_spikes.max_consecutive=3")
 
 
 # ----------------------------------------------------------------------------- units
@@ -217,9 +219,8 @@ def test_transient_faults_at_several_steps_end_where_the_clean_run_does(clean_ru
   # Each burst is as long as the skip wrapper's max_consecutive, so that its trigger comes after
   # it (steps that run for the first time after a replay would fail again).
   out = tmp_path / "transient"
-  assert run_inprocess(out, BURST, "stability.skip_spikes.max_consecutive=2",
-                       "faults.transient_nan_steps=[6, 7, 8]",
-                       "faults.transient_grad_scale_steps=[21, 22]",
+  assert run_inprocess(out, *BURST, "faults.transient_nan_steps=[6, 7, 8]",
+                       "faults.transient_grad_scale_steps=[21, 22, 23]",
                        "faults.grad_scale_factor=1e8",
                        "stability.recovery.max_transients=4",
                        "stability.determinism.check_every=5") == 0
@@ -250,7 +251,7 @@ def test_deterministic_faults_are_reproduced_rolled_back_and_their_batches_never
   # rollback goes ahead (backoff, skip) and the three are rejected twice (first run, replay).
   # A nondeterministic step shows in the determinism check.
   out = tmp_path / "det"
-  assert run_inprocess(out, BURST, "faults.nan_grad_batch_indices=[12, 13, 14]",
+  assert run_inprocess(out, *BURST, "faults.nan_grad_batch_indices=[12, 13, 14]",
                        "stability.determinism.check_every=5", "faults.nondeterministic_steps=[5]",
                        "faults.nondeterminism=1e-3") == 0
   (replay,) = _events(out, "replay")
@@ -378,7 +379,7 @@ def test_a_flaky_device_is_named_and_a_corrupted_copy_stops_the_run_before_a_sav
   # before step 31 is caught by the check at step 34 (every 17 steps and before every save):
   # nothing after step 30 is saved.
   out = tmp_path / "replicas"
-  proc = _train(out, BURST, "faults.transient_nan_steps=[12, 13, 14]", "faults.transient_device=1",
+  proc = _train(out, *BURST, "faults.transient_nan_steps=[12, 13, 14]", "faults.transient_device=1",
                 "faults.corrupt_replica_step=31", "stability.replicas.check_every=17",
                 devices=2)
   _, err = proc.communicate(timeout=300)
