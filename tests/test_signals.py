@@ -1,6 +1,7 @@
 """Stop signals and a closed output in the programs other than the trainer: SIGINT, SIGTERM and
 SIGHUP at any moment are one line and exit code 130 (start-up and imports included); `| head`
-ends the output quietly; every option has help text without markup."""
+ends the output quietly; every option has help text without markup. And every program, the
+trainer too, raises the garbage collector's thresholds for its own process only."""
 
 from __future__ import annotations
 
