@@ -108,7 +108,7 @@ def forget() -> None:
   _received.clear()
 
 
-GC_THRESHOLDS = (50_000, 50, 100)  # gc.set_threshold's (700, 10, 10), for a program's process
+GC_THRESHOLDS = (50_000, 50, 100)  # a program process's, instead of Python's (700, 10, 10)
 
 
 def collect_garbage_less_often() -> None:
