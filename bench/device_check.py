@@ -67,11 +67,10 @@ from stablejax.muon import gram
 NS_SHAPES = ((768, 768), (768, 3072), (12, 768, 768))
 NS_DTYPES = ("bfloat16", "float32")
 NS_CASES = tuple((shape, dtype) for shape in NS_SHAPES for dtype in NS_DTYPES)
-# --dry: each shape in float32, and in bfloat16 the wide one, where Gram runs (a bfloat16 case
-# with both methods). Each interpret-mode case compiles for seconds on a CPU; the kernels'
-# bfloat16 numbers on the other shapes are tests/test_newton_schulz.py's.
-DRY_NS_CASES = (((64, 64), "float32"), ((64, 128), "bfloat16"), ((64, 128), "float32"),
-                ((2, 64, 64), "float32"))
+# --dry: the script's paths once each: a bfloat16 matrix where Gram runs (both methods) and a
+# float32 stack. Each interpret-mode case compiles for seconds on a CPU; the kernels' numbers on
+# the other shapes and dtypes are tests/test_newton_schulz.py's.
+DRY_NS_CASES = (((64, 128), "bfloat16"), ((2, 64, 64), "float32"))
 NS_STEPS = 5
 NS_METHODS = ("standard", "gram")
 # Largest |kernel - reference| / max|reference| accepted per dtype: one or two bfloat16 roundings
