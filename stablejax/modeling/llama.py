@@ -36,10 +36,10 @@ Example:
   >>> cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
   ...                   max_seq_len=16)
   >>> tokens = jnp.zeros((1, 8), jnp.int32)
-  >>> params = Llama(cfg).init(jax.random.key(0), tokens)["params"]
+  >>> params = jax.jit(Llama(cfg).init)(jax.random.key(0), tokens)["params"]
   >>> params["blocks"]["attn"]["k_proj"]["kernel"].shape   # [L, D, K * head_dim]
   (2, 32, 16)
-  >>> Llama(cfg).apply({"params": params}, tokens).shape
+  >>> jax.jit(Llama(cfg).apply)({"params": params}, tokens).shape
   (1, 8, 64)
 """
 

@@ -209,12 +209,12 @@ def merge_emb_proj(params: optax.Params, cfg: Any) -> tuple[Any, Any]:
     >>> cfg = ModelConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, emb_proj=True,
     ...                   compute_dtype="float32")
     >>> tokens = jnp.arange(6)[None]
-    >>> params = GPT(cfg).init(jax.random.key(0), tokens)["params"]
+    >>> params = jax.jit(GPT(cfg).init)(jax.random.key(0), tokens)["params"]
     >>> merged, merged_cfg = stablejax.merge_emb_proj(params, cfg)
     >>> sorted(merged), merged_cfg.emb_proj
     (['blocks', 'final_norm', 'lm_head', 'tok_embed'], False)
-    >>> before = GPT(cfg).apply({"params": params}, tokens)
-    >>> after = GPT(merged_cfg).apply({"params": merged}, tokens)
+    >>> before = jax.jit(GPT(cfg).apply)({"params": params}, tokens)
+    >>> after = jax.jit(GPT(merged_cfg).apply)({"params": merged}, tokens)
     >>> bool(jnp.allclose(before, after, atol=1e-5))
     True
   """

@@ -75,7 +75,8 @@ class OutlierSafeMuonState(NamedTuple):
     >>> params = {"w": jnp.full((8, 16), 0.1), "b": jnp.zeros((16,))}
     >>> tx = stablejax.outlier_safe_muon(learning_rate=0.02, adam_learning_rate=1e-3)
     >>> grad_w = jax.random.normal(jax.random.key(0), (8, 16)).at[0, 0].set(1000.0)
-    >>> _, state = tx.update({"w": grad_w, "b": jnp.ones((16,))}, tx.init(params), params)
+    >>> _, state = jax.jit(tx.update)({"w": grad_w, "b": jnp.ones((16,))}, tx.init(params),
+    ...                               params)
     >>> muon = {k: optax.tree_utils.tree_get(state, k)
     ...         for k in ("outlier_count", "outlier_rate", "fallback_rate")}
     >>> {k: v.item() for k, v in muon.items()}  # the 1000 is clamped: 1 of 128 entries

@@ -73,7 +73,7 @@ class GroupUpdateRmsState(NamedTuple):
     >>> params = {"w": jnp.full((8, 16), 0.1), "b": jnp.zeros((16,))}
     >>> tx = stablejax.outlier_safe_muon(learning_rate=0.02, adam_learning_rate=1e-3)
     >>> grads = {"w": jax.random.normal(jax.random.key(0), (8, 16)), "b": jnp.ones((16,))}
-    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
     >>> rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(x))))
     >>> bool(jnp.isclose(state.muon, rms(updates["w"])))
     True
@@ -356,7 +356,7 @@ def outlier_safe_muon(
     >>> tx = stablejax.outlier_safe_muon(learning_rate=2e-3, adam_learning_rate=1.5e-3)
     >>> state = tx.init(params)
     >>> grads = jax.tree.map(jnp.ones_like, params)
-    >>> updates, state = tx.update(grads, state, params)
+    >>> updates, state = jax.jit(tx.update)(grads, state, params)
     >>> params = optax.apply_updates(params, updates)
     >>> sorted(stablejax.stability_metrics(state))[:2]
     ['muon/fallback_count', 'muon/fallback_rate']

@@ -195,20 +195,21 @@ def build_optimizer(cfg: Config, main: optax.GradientTransformation | None = Non
   defences, which are stated before the learning rate).
 
   Example:
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from stablejax.training.config import load_config
     >>> from stablejax.training.optim import build_optimizer, get_lr_scale
     >>> cfg = load_config(None, ["optimizer.name=adamw", "train.steps=10",
     ...                          "train.warmup_steps=2"])
     >>> tx = build_optimizer(cfg)
     >>> params = {"w": jnp.ones((4, 4))}
-    >>> state = tx.init(params)
+    >>> state = jax.jit(tx.init)(params)
     >>> grads = {"w": jnp.full((4, 4), 0.1)}
     >>> # the spike skip watches the loss: the train step passes it as an extra argument
-    >>> updates, state = tx.update(grads, state, params, loss=jnp.float32(3.0))
+    >>> update = jax.jit(tx.update)
+    >>> updates, state = update(grads, state, params, loss=jnp.float32(3.0))
     >>> float(jnp.abs(updates["w"]).max())  # the warmup starts at a learning rate of 0
     0.0
-    >>> updates, state = tx.update(grads, state, params, loss=jnp.float32(3.0))
+    >>> updates, state = update(grads, state, params, loss=jnp.float32(3.0))
     >>> bool(jnp.all(updates["w"] < 0)), float(get_lr_scale(state))
     (True, 1.0)
   """
