@@ -117,8 +117,12 @@ def _probe():
 def _max_logits(graphdef, params, x):
   forward = nnx.capture(lambda model, x: model(x), nnx.Intermediate,
                         method_outputs=nnx.Intermediate)
-  _, captured = forward(nnx.merge(graphdef, params), x)
-  return _probe().max_logits(captured)
+
+  @jax.jit  # one program: eagerly, each of the model's operations compiles on its own
+  def max_logits(params, x):
+    _, captured = forward(nnx.merge(graphdef, params), x)
+    return _probe().max_logits(captured)
+  return max_logits(params, x)
 
 
 def test_qk_clip_finds_the_heads_inside_c_attn_and_clips_a_layer_to_tau(split_model):
@@ -130,9 +134,12 @@ def test_qk_clip_finds_the_heads_inside_c_attn_and_clips_a_layer_to_tau(split_mo
   before = _max_logits(graphdef, params, x)
   assert sorted(before) == ["h/0/attn", "h/1/attn"]
   # against the model's own attention logits: the same q and k, computed here from c_attn
-  model = nnx.merge(graphdef, params)
-  h = model.h[0].ln_1(model.wte(x) + model.wpe(jnp.arange(BLOCK)[None]))
-  q, k, _ = np.split(np.asarray(model.h[0].attn.c_attn(h)), 3, axis=-1)
+  @jax.jit
+  def first_c_attn(params, x):
+    model = nnx.merge(graphdef, params)
+    h = model.h[0].ln_1(model.wte(x) + model.wpe(jnp.arange(BLOCK)[None]))
+    return model.h[0].attn.c_attn(h)
+  q, k, _ = np.split(np.asarray(first_c_attn(params, x)), 3, axis=-1)
   q, k = q.reshape(2, BLOCK, HEADS, -1), k.reshape(2, BLOCK, HEADS, -1)
   logits = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(D // HEADS)
   want = np.where(np.tril(np.ones((BLOCK, BLOCK), bool)), logits, -np.inf).max(axis=(0, 2, 3))
@@ -140,9 +147,12 @@ def test_qk_clip_finds_the_heads_inside_c_attn_and_clips_a_layer_to_tau(split_mo
   tau = 0.5 * float(before["h/0/attn"].min())
   clip = optax.chain(optax.sgd(0.0), stablejax.qk_clip(tau, num_heads=HEADS))
   only_first = {"h/0/attn": before["h/0/attn"], "h/1/attn": jnp.zeros(HEADS)}
-  updates, _ = clip.update(jax.tree.map(jnp.zeros_like, params), clip.init(params), params,
-                           max_logits=only_first)
-  after = _max_logits(graphdef, optax.apply_updates(params, updates), x)
+  @jax.jit
+  def clipped(params, max_logits):
+    updates, _ = clip.update(jax.tree.map(jnp.zeros_like, params), clip.init(params), params,
+                             max_logits=max_logits)
+    return optax.apply_updates(params, updates)
+  after = _max_logits(graphdef, clipped(params, only_first), x)
   np.testing.assert_allclose(after["h/0/attn"], np.minimum(before["h/0/attn"], tau), rtol=1e-4)
 
 
