@@ -41,11 +41,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   if config.getoption("--cpu-report"):
-    # The processes that run tests count the programs XLA compiles (jax.monitoring's documented
-    # listener; the xdist controller runs none, so it never imports JAX for this).
+    # The processes that run tests count the programs XLA compiles and time JAX's compilation
+    # phases (jax.monitoring's documented listeners; the xdist controller runs no test, so it
+    # never imports JAX for this).
     if hasattr(config, "workerinput") or config.getoption("numprocesses", None) in (None, 0):
       import jax.monitoring
       jax.monitoring.register_event_duration_secs_listener(_count_compile)
+      jax.monitoring.register_event_time_span_listener(_count_phase)
 
 
 def _cpu_seconds() -> float:
@@ -55,10 +57,15 @@ def _cpu_seconds() -> float:
   return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
-# This process's XLA compilations since it started: programs and backend seconds. The count is
-# the one figure of a test's cost that does not move with the host's load: a change that
-# compiles fewer programs shows as fewer, where CPU seconds differ by more than it between runs.
-_COMPILED = [0, 0.0]
+# This process's XLA compilations since it started: programs, their backend seconds (compiling,
+# or loading from the compilation cache), then the seconds JAX spent tracing functions to jaxprs
+# and lowering jaxprs to MLIR for them. The count is the one figure of a test's cost that does not
+# move with the host's load: a change that compiles fewer programs shows as fewer, where CPU
+# seconds differ by more than it between runs.
+_COMPILED = [0, 0.0, 0.0, 0.0]
+_PHASES = {"/jax/core/compile/jaxpr_trace_duration": 2,
+           "/jax/core/compile/jaxpr_to_mlir_module_duration": 3}
+_SPANS: dict = {}  # per thread: the phases' spans counted so far, latest last
 
 
 def _count_compile(event: str, seconds: float, **kwargs) -> None:
@@ -67,12 +74,29 @@ def _count_compile(event: str, seconds: float, **kwargs) -> None:
     _COMPILED[1] += seconds
 
 
+def _count_phase(event: str, start: float, end: float, **kwargs) -> None:
+  """Tracing and lowering seconds, each second once: a function jitted inside another is traced
+  inside the outer trace, and reports its span first; the outer span, which holds it, replaces
+  it."""
+  if event not in _PHASES:
+    return
+  import threading
+  spans = _SPANS.setdefault(threading.get_ident(), [])
+  while spans and start <= spans[-1][0] and spans[-1][1] <= end:
+    inner_start, inner_end, phase = spans.pop()
+    _COMPILED[phase] -= inner_end - inner_start
+  spans.append((start, end, _PHASES[event]))
+  _COMPILED[_PHASES[event]] += end - start
+
+
 def _record_cpu(item, phase):
-  start, programs, compile_seconds = _cpu_seconds(), *_COMPILED
+  start, programs, compile_seconds, trace_seconds, lower_seconds = _cpu_seconds(), *_COMPILED
   yield
   item.user_properties += [(f"cpu_seconds_{phase}", _cpu_seconds() - start),
                            (f"compiled_programs_{phase}", _COMPILED[0] - programs),
-                           (f"compile_seconds_{phase}", _COMPILED[1] - compile_seconds)]
+                           (f"compile_seconds_{phase}", _COMPILED[1] - compile_seconds),
+                           (f"trace_seconds_{phase}", _COMPILED[2] - trace_seconds),
+                           (f"lower_seconds_{phase}", _COMPILED[3] - lower_seconds)]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -91,7 +115,7 @@ def pytest_runtest_teardown(item):
 
 
 _CPU_BY_TEST: dict[str, float] = {}
-_COMPILED_BY_TEST: dict[str, tuple[int, float]] = {}
+_COMPILED_BY_TEST: dict[str, tuple[int, float, float, float]] = {}
 
 
 def pytest_runtest_logreport(report):
@@ -100,7 +124,8 @@ def pytest_runtest_logreport(report):
     return sum(v for k, v in report.user_properties if k.startswith(kind))
   if any(k.startswith("cpu_seconds_") for k, _ in report.user_properties):
     _CPU_BY_TEST[report.nodeid] = total("cpu_seconds_")
-    _COMPILED_BY_TEST[report.nodeid] = (total("compiled_programs_"), total("compile_seconds_"))
+    _COMPILED_BY_TEST[report.nodeid] = (total("compiled_programs_"), total("compile_seconds_"),
+                                        total("trace_seconds_"), total("lower_seconds_"))
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -113,16 +138,16 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"{seconds:8.1f}s  {nodeid}")
   by_module: dict[str, list] = {}
   for nodeid, seconds in _CPU_BY_TEST.items():
-    module = by_module.setdefault(nodeid.split("::")[0], [0.0, 0, 0.0])
-    programs, compile_seconds = _COMPILED_BY_TEST.get(nodeid, (0, 0.0))
+    module = by_module.setdefault(nodeid.split("::")[0], [0.0, 0, 0.0, 0.0, 0.0])
     module[0] += seconds
-    module[1] += programs
-    module[2] += compile_seconds
-  programs = sum(m[1] for m in by_module.values())
-  compile_seconds = sum(m[2] for m in by_module.values())
+    for i, value in enumerate(_COMPILED_BY_TEST.get(nodeid, (0, 0.0, 0.0, 0.0)), start=1):
+      module[i] += value
+  programs, backend, trace, lower = (sum(m[i] for m in by_module.values()) for i in range(1, 5))
   terminalreporter.write_sep(
-      "-", f"by module: CPU-s, then the programs XLA compiled in the test processes and their "
-           f"backend seconds (of {programs} and {compile_seconds:.0f} s)")
-  for module, (seconds, programs, compile_seconds) in sorted(by_module.items(),
-                                                             key=lambda kv: -kv[1][0])[:n]:
-    terminalreporter.write_line(f"{seconds:8.1f}s  {programs:5d} {compile_seconds:6.1f}s  {module}")
+      "-", f"by module: CPU-s; the programs XLA compiled in the test processes, with their "
+           f"backend, tracing and lowering seconds (of {programs}: {backend:.0f}, {trace:.0f} and "
+           f"{lower:.0f} s)")
+  for module, (seconds, programs, backend, trace, lower) in sorted(
+      by_module.items(), key=lambda kv: -kv[1][0])[:n]:
+    terminalreporter.write_line(f"{seconds:8.1f}s  {programs:5d} {backend:6.1f}s {trace:6.1f}s "
+                                f"{lower:6.1f}s  {module}")
