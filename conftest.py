@@ -9,6 +9,7 @@ The ``--cpu-report`` option is here too, so that it counts the doctests with the
 
 import shutil
 import tempfile
+import threading
 
 import pytest
 from _pytest.doctest import DoctestItem
@@ -80,7 +81,6 @@ def _count_phase(event: str, start: float, end: float, **kwargs) -> None:
   it."""
   if event not in _PHASES:
     return
-  import threading
   spans = _SPANS.setdefault(threading.get_ident(), [])
   while spans and start <= spans[-1][0] and spans[-1][1] <= end:
     inner_start, inner_end, phase = spans.pop()

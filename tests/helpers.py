@@ -185,6 +185,15 @@ def gpt_params(model_cfg, *, seq_len: int = 8, seed: int = 0, abstract: bool = F
   return variables["params"]
 
 
+def hf_init_and_logits(hf):
+  """A Hugging Face Flax model built with ``_do_init=False``: its own initialisation (what
+  ``seed=0`` at construction runs) and its logits as a function of ``(params, tokens)``, each
+  jitted: one program each instead of one per operation."""
+  import jax
+  params = jax.jit(hf.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 1))
+  return params, jax.jit(lambda p, t: hf(t, params=p).logits)
+
+
 def llama_params_from_hf(hf_params, n_layers: int, scan_layers: bool = True) -> dict:
   """The llama family's parameters (stablejax.modeling.llama's layout) holding the weights of a
   Hugging Face ``FlaxLlamaForCausalLM`` or ``FlaxMistralForCausalLM`` (``model.params``)."""

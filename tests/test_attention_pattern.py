@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import llama_params_from_hf, once_per_config
+from helpers import hf_init_and_logits, llama_params_from_hf, once_per_config
 
 PLUGINS = Path(__file__).parent / "plugins"
 V, D, H, K, L, T = 64, 32, 4, 2, 2, 12
@@ -154,12 +154,10 @@ def test_logits_equal_hugging_face_mistral_for_the_same_weights(mistral):
       vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=L,
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=16,
       rms_norm_eps=1e-5, sliding_window=3, tie_word_embeddings=False), _do_init=False)
-  # Hugging Face's own initialisation (what seed=0 at construction runs) and forward pass, each
-  # jitted: one program each instead of one per operation.
-  hf_params = jax.jit(hf.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 1))
+  hf_params, hf_logits = hf_init_and_logits(hf)
   params = llama_params_from_hf(hf_params, L)
   tokens = _tokens(2)
-  theirs = np.asarray(jax.jit(lambda p, t: hf(t, params=p).logits)(hf_params, tokens))
+  theirs = np.asarray(hf_logits(hf_params, tokens))
   keys = dict(d_ff=48, qk_norm=False, norm_eps=1e-5)
   got = np.asarray(_logits("mistral", sliding_window=3, **keys)(params, tokens, 0))
   np.testing.assert_allclose(got, theirs, rtol=0, atol=2e-6 * np.abs(theirs).max() + 1e-6)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import llama_params_from_hf, optax_lr, read_metrics, run_inprocess, slow, tiny_config
+from helpers import (hf_init_and_logits, llama_params_from_hf, optax_lr, read_metrics,
+                     run_inprocess, slow, tiny_config)
 
 V, D, H, K, L, F = 64, 32, 4, 2, 2, 48
 
@@ -19,22 +20,20 @@ def _hf_and_ours(scan_layers: bool, tie: bool = False):
       vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
       num_attention_heads=H, num_key_value_heads=K, max_position_embeddings=32,
       rms_norm_eps=1e-5, tie_word_embeddings=False)
-  hf = transformers.FlaxLlamaForCausalLM(hf_cfg, _do_init=False)
-  # Hugging Face's own initialisation (what seed=0 at construction runs), jitted: one program
-  # instead of one per operation.
-  hf_params = jax.jit(hf.init_weights, static_argnums=1)(jax.random.PRNGKey(0), (1, 1))
+  hf_params, hf_logits = hf_init_and_logits(
+      transformers.FlaxLlamaForCausalLM(hf_cfg, _do_init=False))
   params = llama_params_from_hf(hf_params, L, scan_layers)
   cfg = LlamaConfig(vocab_size=V, d_model=D, n_layers=L, n_heads=H, n_kv_heads=K, d_ff=F,
                     max_seq_len=32, qk_norm=False, norm_eps=1e-5, scan_layers=scan_layers)
-  return hf, hf_params, Llama(cfg), params
+  return hf_params, hf_logits, Llama(cfg), params
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_logits_equal_hugging_face_llama_for_the_same_weights(scan_layers):
-  hf, hf_params, ours, params = _hf_and_ours(scan_layers)
+  hf_params, hf_logits, ours, params = _hf_and_ours(scan_layers)
   tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, V)
   # Each forward pass jitted, as a training step would run it.
-  theirs = np.asarray(jax.jit(lambda p, t: hf(t, params=p).logits)(hf_params, tokens))
+  theirs = np.asarray(hf_logits(hf_params, tokens))
   got = np.asarray(jax.jit(ours.apply)({"params": params}, tokens))
   np.testing.assert_allclose(got, theirs, rtol=0, atol=2e-6 * np.abs(theirs).max() + 1e-6)
 
