@@ -11,6 +11,8 @@ import textwrap
 
 from helpers import ROOT
 
+ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"  # RFC 8878, 3.1.1
+
 # One process: the cache on in FOLDER, one program compiled (its result printed), the summary.
 PROGRAM = textwrap.dedent("""
     import sys, warnings
@@ -60,6 +62,8 @@ def test_a_second_process_loads_what_the_first_compiled_and_damage_costs_one_lin
                                                 f"({folder}), 0 compiled"]
   entries = [p for p in folder.iterdir() if p.name.endswith("-cache")]
   assert entries and not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+  # zstd frames (the train extra installs zstandard), not zlib streams: faster to write and read
+  assert all(entry.read_bytes()[:4] == ZSTD_FRAME_MAGIC for entry in entries)
   for entry in entries:  # damaged: every entry's bytes cut short
     entry.write_bytes(entry.read_bytes()[:40])
   third = _run(folder)
